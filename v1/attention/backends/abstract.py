@@ -1,0 +1,61 @@
+"""The attention backend interface: what the model runner hands a backend each step.
+
+The paged KV cache of one layer is one tensor:
+
+    kv_cache[0] = K, kv_cache[1] = V, each [num_blocks, block_size, num_kv_heads, head_size]
+
+Token `t` of a request lives in block `block_table[req, t // block_size]` at offset
+`t % block_size`; `slot_mapping[i] = block * block_size + offset` for each new token `i`.
+Queries of all requests are packed: request `r` owns rows
+`query_start_loc[r] : query_start_loc[r + 1]`, which are its last `q_len` positions out of
+`seq_lens[r]` (cached context first, then the new tokens). A decode is `q_len == 1`; a
+prefill chunk with cached context has `q_len < seq_len`. Attention is causal within the new
+tokens and sees all of the context. There are no dense masks.
+"""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1], on the device
+    seq_lens: torch.Tensor  # int32 [num_reqs], on the device
+    block_table: torch.Tensor  # int32 [num_reqs, max_blocks_per_req], on the device
+    slot_mapping: torch.Tensor  # int64 [num_actual_tokens], on the device
+    # Host copies, for backends that plan work on the CPU.
+    query_start_loc_cpu: np.ndarray
+    seq_lens_cpu: np.ndarray
+
+
+def kv_cache_shape(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+) -> tuple[int, ...]:
+    return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+
+class AttentionImpl(ABC):
+    """One layer's attention over the paged cache; stateless apart from its shapes."""
+
+    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float):
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # kv_cache_shape(...)
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
+        """Write this step's K/V into the cache at `slot_mapping`, then attend."""

@@ -1,0 +1,110 @@
+"""Outputs at each layer boundary: model runner -> scheduler -> frontend -> user."""
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import msgspec
+
+
+class TokenLogprobs(NamedTuple):
+    """Logprobs for one sampled token: the sampled id first, then the top-k ids."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_rank: int  # 1-based rank of the sampled token in the full distribution
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """One step's results, one row per scheduled request (in `req_ids` order).
+
+    A request whose prompt is still being prefilled has an empty `sampled_token_ids` row.
+    """
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    # Per request, the logprobs of its sampled tokens; None where not asked for.
+    logprobs: list[list[TokenLogprobs] | None] | None = None
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput([], [])
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """New tokens for one request since the last output, and how it finished, if it did."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[tuple[list[int], list[float], int]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+class SchedulerStats(msgspec.Struct, omit_defaults=True):
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0  # tokens looked up, since start
+    prefix_cache_hits: int = 0  # tokens found, since start
+    prefix_cache_hit_rate: float = 0.0  # since start
+    recent_prefix_cache_hit_rate: float = 0.0  # over the rolling window
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Everything one engine step produced for one client."""
+
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    # Requests the core finished for reasons the client did not ask for (ids only).
+    finished_requests: set[str] | None = None
+    client_index: int = 0
+    # Set when the engine reports an error it could not recover from.
+    engine_error: str | None = None
+
+
+@dataclass(slots=True)
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What `LLM.generate` returns per prompt, shaped like vLLM's."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None

@@ -1,0 +1,157 @@
+"""A request as the engine core sees it, and the message that carries it there."""
+
+import enum
+import time
+from collections.abc import Callable
+
+import msgspec
+
+from v1.sampling_params import SamplingParams
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What a frontend sends the engine core: tokenized and validated already."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = 0.0
+    priority: int = 0
+    cache_salt: str | None = None
+    client_index: int = 0
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle: WAITING -> RUNNING -> (PREEMPTED -> WAITING ->)* -> FINISHED_*.
+
+    Any unfinished state may go to FINISHED_ABORTED; FINISHED_IGNORED is for a request that
+    can never be scheduled (it is rejected before it runs). Finished states compare greater
+    than PREEMPTED, so `status > PREEMPTED` is the finished test.
+    """
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: "RequestStatus") -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def get_finished_reason(status: "RequestStatus") -> str | None:
+        return _FINISHED_REASONS.get(status)
+
+
+_FINISHED_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    # vLLM reports an ignored request as capped by length: it could never fit.
+    RequestStatus.FINISHED_IGNORED: "length",
+}
+
+
+BlockHash = bytes
+# (request) -> the hashes of the request's full blocks not hashed yet.
+BlockHasher = Callable[["Request"], list[BlockHash]]
+
+
+class Request:
+    """One sequence in the engine core.
+
+    Token layout: `all_token_ids = prompt_token_ids + output_token_ids`. The first
+    `num_computed_tokens` of them have K/V in the cache. Under async scheduling the scheduler
+    runs ahead of the model: `num_output_placeholders` counts tokens already scheduled whose
+    ids are not known yet, so `num_computed_tokens` may exceed `num_tokens` by that many.
+    """
+
+    __slots__ = (
+        "request_id", "client_index", "priority", "arrival_time", "prompt_token_ids",
+        "sampling_params", "eos_token_id", "max_tokens", "output_token_ids", "all_token_ids",
+        "status", "num_computed_tokens", "num_cached_tokens", "num_preemptions",
+        "num_output_placeholders", "block_hashes", "cache_salt", "stop_reason",
+        "_block_hasher",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        client_index: int = 0,
+        block_hasher: BlockHasher | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.client_index = client_index
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.max_tokens = sampling_params.max_tokens
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # set when first scheduled
+        self.num_preemptions = 0
+        self.num_output_placeholders = 0
+        self.cache_salt = cache_salt
+        self.stop_reason: int | str | None = None
+        self.block_hashes: list[BlockHash] = []
+        self._block_hasher = block_hasher
+        if block_hasher is not None:
+            self.block_hashes.extend(block_hasher(self))
+
+    @classmethod
+    def from_engine_core_request(
+        cls, req: EngineCoreRequest, block_hasher: BlockHasher | None
+    ) -> "Request":
+        return cls(
+            req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_id,
+            req.arrival_time or None, req.priority, req.cache_salt, req.client_index,
+            block_hasher,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+        if self._block_hasher is not None:
+            self.block_hashes.extend(self._block_hasher(self))
+
+    def is_finished(self) -> bool:
+        return self.status > RequestStatus.PREEMPTED
+
+    def get_finished_reason(self) -> str | None:
+        return _FINISHED_REASONS.get(self.status)
+
+    def __lt__(self, other: "Request") -> bool:
+        # Heap tie-breaker after (priority, arrival_time): the id keeps the order total.
+        return self.request_id < other.request_id
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )
