@@ -138,7 +138,9 @@ class Request:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
         if self._block_hasher is not None:
-            self.block_hashes.extend(self._block_hasher(self))
+            new_hashes = self._block_hasher(self)
+            if new_hashes:
+                self.block_hashes.extend(new_hashes)
 
     def is_finished(self) -> bool:
         return self.status > RequestStatus.PREEMPTED

@@ -1,0 +1,177 @@
+"""Per-request KV block bookkeeping on top of the `BlockPool`, with prefix caching.
+
+A request's blocks, in token order (block_size 4, 10 tokens computed or scheduled):
+
+    req_to_blocks[id] = [ b7 | b2 | b9 ]
+                          0-3  4-7  8-9 (partial: never hashed, never shared)
+    request.block_hashes = [h0, h1]        num_cached_block[id] = 2
+
+The first `num_cached_block[id]` blocks are indexed in the pool's prefix cache.
+"""
+
+from collections import deque
+from typing import NamedTuple
+
+from v1.core.block_pool import BlockPool, KVCacheBlock
+from v1.request import Request
+
+_NO_BLOCKS: list[KVCacheBlock] = []
+
+
+class PrefixCacheStats(NamedTuple):
+    requests: int
+    queries: int  # prompt tokens looked up
+    hits: int  # of which found in the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class PrefixCacheMetrics:
+    """Hit rate in tokens since start and over a rolling window of recent requests."""
+
+    def __init__(self, window: int = 1000) -> None:
+        self.requests = self.queries = self.hits = 0
+        self._window: deque[tuple[int, int]] = deque()
+        self._window_size = window
+        self._window_queries = self._window_hits = 0
+
+    def observe(self, queries: int, hits: int) -> None:
+        self.requests += 1
+        self.queries += queries
+        self.hits += hits
+        self._window.append((queries, hits))
+        self._window_queries += queries
+        self._window_hits += hits
+        if len(self._window) > self._window_size:
+            q, h = self._window.popleft()
+            self._window_queries -= q
+            self._window_hits -= h
+
+    def total(self) -> PrefixCacheStats:
+        return PrefixCacheStats(self.requests, self.queries, self.hits)
+
+    def recent_hit_rate(self) -> float:
+        return self._window_hits / self._window_queries if self._window_queries else 0.0
+
+    def reset(self) -> None:
+        self.__init__(self._window_size)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_block: dict[str, int] = {}
+        self.prefix_cache_metrics = PrefixCacheMetrics()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest run of cached full blocks that prefixes the request, and its length
+        in tokens. At most `num_tokens - 1` tokens: the last one is always computed, since
+        its logits are needed."""
+        if not self.enable_caching:
+            return _NO_BLOCKS, 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        get_cached = self.block_pool.get_cached_block
+        blocks: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = get_cached(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        num_hit_tokens = len(blocks) * self.block_size
+        # A resumed request mostly hits its own blocks: counting it would inflate the rate.
+        if request.num_preemptions == 0:
+            self.prefix_cache_metrics.observe(request.num_tokens, num_hit_tokens)
+        return blocks, num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] = _NO_BLOCKS,
+        num_new_computed_tokens: int = 0,
+    ) -> list[KVCacheBlock] | None:
+        """Make room for `num_new_tokens` more tokens after the computed ones.
+
+        `new_computed_blocks` are the prefix-cache hits of a request being scheduled from
+        the waiting queue. Returns the newly allocated blocks (not the hits), or None, with
+        nothing changed, when the pool cannot supply them.
+        """
+        block_size = self.block_size
+        req_id = request.request_id
+        req_blocks = self.req_to_blocks.get(req_id, _NO_BLOCKS)
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_tokens_after = num_computed + num_new_tokens
+        num_new_blocks = (
+            (num_tokens_after + block_size - 1) // block_size
+            - len(req_blocks) - len(new_computed_blocks)
+        )
+        pool = self.block_pool
+        if num_new_blocks > 0 or new_computed_blocks:
+            # Touching a free hit takes it off the free list: it cannot also be handed out.
+            num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+            if num_new_blocks > pool.free_block_queue.num_free_blocks - num_free_hits:
+                return None
+            if req_blocks is _NO_BLOCKS:
+                req_blocks = self.req_to_blocks[req_id] = []
+                self.num_cached_block[req_id] = 0
+            if new_computed_blocks:
+                pool.touch(new_computed_blocks)
+                req_blocks.extend(new_computed_blocks)
+            new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else _NO_BLOCKS
+            req_blocks.extend(new_blocks)
+        else:
+            new_blocks = _NO_BLOCKS
+        if self.enable_caching:
+            # Blocks this step fills become findable now; their K/V is written in the same
+            # forward pass before anyone attends to it.
+            num_full = min(num_tokens_after // block_size, len(request.block_hashes))
+            num_cached = self.num_cached_block[req_id]
+            if num_full > num_cached:
+                pool.cache_full_blocks(req_blocks, request.block_hashes, num_cached, num_full)
+                self.num_cached_block[req_id] = num_full
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Release a request's blocks, tail first, so its tail is evicted before its head."""
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self.num_cached_block.pop(request.request_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, _NO_BLOCKS)]
+
+    def reset_prefix_cache(self) -> bool:
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        self.prefix_cache_metrics.reset()
+        return True
+
+    def check_integrity(self) -> None:
+        """Assert the accounting: ref counts equal the references requests hold, and when
+        no request holds blocks, every block is free."""
+        self.block_pool.check_integrity()
+        refs: dict[int, int] = {}
+        for blocks in self.req_to_blocks.values():
+            for block in blocks:
+                refs[block.block_id] = refs.get(block.block_id, 0) + 1
+        for block in self.block_pool.blocks:
+            assert block.ref_cnt == refs.get(block.block_id, 0), (
+                f"{block}: {refs.get(block.block_id, 0)} references held"
+            )
+        assert self.num_cached_block.keys() == self.req_to_blocks.keys()
+        if not self.req_to_blocks:
+            assert self.block_pool.get_num_free_blocks() == self.num_blocks

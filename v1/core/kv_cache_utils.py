@@ -1,0 +1,59 @@
+"""Chained hashing of full KV blocks, for prefix caching.
+
+    block i's hash = H(block i-1's hash, token ids of block i, extra keys of block i)
+
+The chain makes a hash stand for the whole prefix up to the end of its block, so equal
+hashes mean equal prefixes. H is xxh3-128: at 128 bits a collision is not a practical
+worry (birthday bound ~2^64 blocks), so a hit is trusted without comparing token ids.
+Extra keys are anything besides the tokens that changes the K/V: here `cache_salt`, mixed
+into the first block only, so requests with different salts never share any block.
+Only full blocks are hashed; a partial last block is never shared.
+"""
+
+from array import array
+
+import xxhash
+
+from v1.request import BlockHash, BlockHasher, Request
+
+# The parent of a request's first block.
+NONE_HASH: BlockHash = xxhash.xxh3_128_digest(b"v1 prefix cache")
+
+
+def hash_block_tokens(
+    parent_hash: BlockHash, token_ids: list[int], extra_key: str | None = None
+) -> BlockHash:
+    h = xxhash.xxh3_128()
+    h.update(parent_hash)
+    h.update(array("q", token_ids).tobytes())
+    if extra_key is not None:
+        h.update(b"\x00salt")
+        h.update(extra_key.encode())
+    return h.digest()
+
+
+_NONE: list[BlockHash] = []  # shared and never mutated: the common case allocates nothing
+
+
+def make_block_hasher(block_size: int) -> BlockHasher:
+    """A hasher for `Request`: returns the hashes of its full blocks not hashed yet.
+
+    It runs on every token appended, so the common case (no block filled) returns at once.
+    """
+
+    def hash_new_full_blocks(request: Request) -> list[BlockHash]:
+        hashes = request.block_hashes
+        start = len(hashes) * block_size
+        tokens = request.all_token_ids
+        if start + block_size > len(tokens):
+            return _NONE
+        new_hashes: list[BlockHash] = []
+        parent = hashes[-1] if hashes else NONE_HASH
+        while start + block_size <= len(tokens):
+            salt = request.cache_salt if start == 0 else None
+            parent = hash_block_tokens(parent, tokens[start : start + block_size], salt)
+            new_hashes.append(parent)
+            start += block_size
+        return new_hashes
+
+    return hash_new_full_blocks

@@ -1,0 +1,45 @@
+"""What the scheduler tells the model runner for one step.
+
+New requests come in full (`NewRequestData`); requests the runner has seen before come as
+deltas (`CachedRequestData`): new block ids to append, and the computed-token count. A request
+resumed after preemption comes as a delta too, with `resumed_from_preemption` set: its block
+ids then *replace* the old ones and `resumed_token_ids` carries all its tokens.
+"""
+
+from dataclasses import dataclass, field
+
+from v1.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    req_ids: list[str] = field(default_factory=list)
+    resumed_from_preemption: list[bool] = field(default_factory=list)
+    resumed_token_ids: list[list[int] | None] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # req_id -> tokens to compute this step; iteration order is the batch order.
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests that left the batch since the last step: the runner drops their state.
+    finished_req_ids: set[str]
+    preempted_req_ids: set[str]

@@ -1,0 +1,415 @@
+"""The unified token-budget scheduler.
+
+There are no separate prefill and decode phases. Each request has `num_computed_tokens` and
+`num_tokens` (prompt + output, plus output placeholders under async scheduling); each step
+gives every request some of the difference, under a budget of `max_num_batched_tokens`
+tokens and `max_num_seqs` requests. A decode is a request one token behind; a prefill chunk
+is one many tokens behind. Running requests are served first, then waiting ones.
+
+Invariants, every step:
+- sum(num_scheduled_tokens) <= max_num_batched_tokens; len(running) <= max_num_seqs;
+- a request is in exactly one of `running`, `waiting`, or neither (finished and gone);
+- a request's blocks cover its computed tokens plus those scheduled this step;
+- no waiting request is admitted in a step that preempted for lack of blocks.
+"""
+
+import time
+from collections.abc import Iterable
+
+from v1.config import CacheConfig, SchedulerConfig
+from v1.core.kv_cache_manager import KVCacheManager
+from v1.core.kv_cache_utils import make_block_hasher
+from v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from v1.core.sched.request_queue import create_request_queue
+from v1.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerStats
+from v1.request import EngineCoreRequest, Request, RequestStatus
+
+RUNNING = RequestStatus.RUNNING
+WAITING = RequestStatus.WAITING
+PREEMPTED = RequestStatus.PREEMPTED
+FINISHED_STOPPED = RequestStatus.FINISHED_STOPPED
+FINISHED_LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+class Scheduler:
+    def __init__(
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+    ) -> None:
+        self.config = scheduler_config
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
+        self.chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.priority_policy = scheduler_config.policy == "priority"
+        self.async_scheduling = scheduler_config.async_scheduling
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.block_hasher = (
+            make_block_hasher(cache_config.block_size)
+            if cache_config.enable_prefix_caching else None
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(scheduler_config.policy)
+        self.running: list[Request] = []
+        # Left the batch since the last schedule(): the runner must forget them.
+        self.finished_req_ids: set[str] = set()
+        # Finished by the scheduler without running (FINISHED_IGNORED); reported next step.
+        self._ignored: list[Request] = []
+        self.num_preemptions = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    # -- requests in and out -------------------------------------------------------------
+
+    def add_request(self, request: Request | EngineCoreRequest) -> None:
+        if isinstance(request, EngineCoreRequest):
+            request = Request.from_engine_core_request(request, self.block_hasher)
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        num_blocks_needed = request.num_tokens // self.block_size + 1
+        if (
+            request.num_tokens > self.max_model_len
+            or num_blocks_needed > self.kv_cache_manager.num_blocks
+        ):
+            # It can never run: finish it now rather than let it wedge the queue.
+            request.status = RequestStatus.FINISHED_IGNORED
+            request.stop_reason = (
+                f"prompt of {request.num_tokens} tokens exceeds max_model_len "
+                f"{self.max_model_len} or the KV cache "
+                f"({self.kv_cache_manager.num_blocks} blocks of {self.block_size})"
+            )
+            self._ignored.append(request)
+            return
+        self.requests[request.request_id] = request
+        self.waiting.add_request(request)
+        self.num_prompt_tokens += request.num_prompt_tokens
+
+    def finish_requests(
+        self,
+        request_ids: str | Iterable[str],
+        status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+    ) -> None:
+        """Finish requests from outside (abort, stop string); unknown ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        doomed_running: set[str] = set()
+        doomed_waiting = []
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RUNNING:
+                doomed_running.add(req_id)
+            else:
+                doomed_waiting.append(request)
+            request.status = status
+            self._free_request(request)
+        if doomed_running:
+            self.running = [r for r in self.running if r.request_id not in doomed_running]
+        if doomed_waiting:
+            self.waiting.remove_requests(doomed_waiting)
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def has_requests(self) -> bool:
+        return bool(self.requests) or bool(self._ignored)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # -- scheduling ---------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        threshold = self.long_prefill_token_threshold
+        max_model_len = self.max_model_len
+        token_budget = self.max_num_batched_tokens
+        num_scheduled_tokens: dict[str, int] = {}
+        req_to_new_block_ids: dict[str, list[int]] = {}
+        scheduled_running: list[Request] = []
+        scheduled_new: list[Request] = []
+        scheduled_resumed: list[Request] = []
+        preempted: list[Request] = []
+
+        def preempt(victim: Request) -> None:
+            """Evict a running request; undo its scheduling if it had been scheduled."""
+            nonlocal token_budget
+            self.running.remove(victim)
+            num = num_scheduled_tokens.pop(victim.request_id, 0)
+            if num:
+                token_budget += num
+                req_to_new_block_ids.pop(victim.request_id)
+                for group in (scheduled_running, scheduled_new, scheduled_resumed):
+                    if victim in group:
+                        group.remove(victim)
+            kv.free(victim)
+            victim.status = PREEMPTED
+            victim.num_computed_tokens = 0
+            victim.num_preemptions += 1
+            self.num_preemptions += 1
+            self.waiting.prepend_request(victim)
+            preempted.append(victim)
+
+        # 1. Running requests, in order.
+        async_scheduling = self.async_scheduling
+        running = self.running
+        req_index = 0
+        while req_index < len(running) and token_budget > 0:
+            request = running[req_index]
+            num_computed = request.num_computed_tokens
+            num_new_tokens = (
+                len(request.all_token_ids) + request.num_output_placeholders - num_computed
+            )
+            if 0 < threshold < num_new_tokens:
+                num_new_tokens = threshold
+            if num_new_tokens > token_budget:
+                num_new_tokens = token_budget
+            if num_new_tokens > max_model_len - num_computed:
+                num_new_tokens = max_model_len - num_computed
+            if async_scheduling and request.num_output_placeholders and (
+                len(request.output_token_ids) + request.num_output_placeholders
+                >= request.max_tokens
+            ):
+                num_new_tokens = 0  # its last token is in flight already
+            if num_new_tokens <= 0:
+                req_index += 1
+                continue
+            while True:
+                new_blocks = kv.allocate_slots(request, num_new_tokens)
+                if new_blocks is not None:
+                    break
+                victim = self._pick_victim()
+                if self.running.index(victim) < req_index:
+                    req_index -= 1
+                preempt(victim)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break  # it preempted itself: nothing is left to evict for it
+            scheduled_running.append(request)
+            req_to_new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            req_index += 1
+
+        # 2. Waiting requests, unless this step had to preempt.
+        if not preempted:
+            while self.waiting and token_budget > 0:
+                request = self.waiting.peek_request()
+                if request in preempted or request.num_output_placeholders:
+                    break  # (async) its last step's output is not back yet
+                if len(self.running) >= self.max_num_seqs and not self._preempt_for(
+                    request, preempt
+                ):
+                    break
+                hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+                num_new_tokens = request.num_tokens - num_hit_tokens
+                if 0 < threshold < num_new_tokens:
+                    num_new_tokens = threshold
+                if num_new_tokens > token_budget:
+                    if not self.chunked_prefill:
+                        break  # do not skip a long prompt in favour of shorter ones
+                    num_new_tokens = token_budget
+                new_blocks = kv.allocate_slots(
+                    request, num_new_tokens, hit_blocks, num_hit_tokens
+                )
+                while new_blocks is None and self._preempt_for(request, preempt):
+                    new_blocks = kv.allocate_slots(
+                        request, num_new_tokens, hit_blocks, num_hit_tokens
+                    )
+                if new_blocks is None:
+                    break
+                self.waiting.pop_request()
+                self.running.append(request)
+                if request.status == WAITING:
+                    scheduled_new.append(request)
+                else:
+                    scheduled_resumed.append(request)
+                request.status = RUNNING
+                request.num_computed_tokens = num_hit_tokens
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_hit_tokens
+                req_to_new_block_ids[request.request_id] = kv.get_block_ids(request.request_id)
+                num_scheduled_tokens[request.request_id] = num_new_tokens
+                token_budget -= num_new_tokens
+
+        # 3. The step's description for the runner.
+        new_reqs_data = [
+            NewRequestData(
+                r.request_id, r.all_token_ids[:] if r.output_token_ids else r.prompt_token_ids,
+                r.sampling_params, req_to_new_block_ids[r.request_id], r.num_computed_tokens,
+            )
+            for r in scheduled_new
+        ]
+        cached = self._make_cached_request_data(
+            scheduled_running, scheduled_resumed, req_to_new_block_ids
+        )
+        preempted_ids = {r.request_id for r in preempted}
+        output = SchedulerOutput(
+            new_reqs_data, cached, num_scheduled_tokens,
+            self.max_num_batched_tokens - token_budget, self.finished_req_ids, preempted_ids,
+        )
+        self.finished_req_ids = set()
+
+        # Advance the computed counts now, so the next schedule() can run before this
+        # step's output is back (async scheduling). A step that completes a request's known
+        # tokens samples one: under async its id is a placeholder until the output arrives.
+        requests = self.requests
+        for req_id, num in num_scheduled_tokens.items():
+            request = requests[req_id]
+            request.num_computed_tokens += num
+            if async_scheduling and request.num_computed_tokens >= (
+                request.num_tokens + request.num_output_placeholders
+            ):
+                request.num_output_placeholders += 1
+        return output
+
+    @staticmethod
+    def _make_cached_request_data(
+        running: list[Request], resumed: list[Request], new_block_ids: dict[str, list[int]]
+    ) -> CachedRequestData:
+        reqs = running + resumed
+        return CachedRequestData(
+            req_ids=[r.request_id for r in reqs],
+            resumed_from_preemption=[False] * len(running) + [True] * len(resumed),
+            resumed_token_ids=[None] * len(running) + [r.all_token_ids[:] for r in resumed],
+            new_block_ids=[new_block_ids[r.request_id] for r in reqs],
+            num_computed_tokens=[r.num_computed_tokens for r in reqs],
+        )
+
+    def _pick_victim(self) -> Request:
+        """FCFS evicts the last running request; priority the worst (priority, arrival)."""
+        if self.priority_policy:
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt_for(self, request: Request, preempt) -> bool:
+        """Priority policy: evict the worst running request if `request` ranks better."""
+        if not self.priority_policy or not self.running:
+            return False
+        victim = self._pick_victim()
+        if (victim.priority, victim.arrival_time) <= (request.priority, request.arrival_time):
+            return False
+        preempt(victim)
+        return True
+
+    # -- results ------------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        """Append sampled tokens, apply stop conditions, free finished requests, and
+        return the new tokens per client."""
+        outputs: dict[int, list[EngineCoreOutput]] = {}
+        requests = self.requests
+        max_model_len = self.max_model_len
+        async_scheduling = self.async_scheduling
+        logprobs_rows = model_output.logprobs
+        stopped = False
+        num_generated = 0
+        for i, (req_id, new_token_ids) in enumerate(
+            zip(model_output.req_ids, model_output.sampled_token_ids)
+        ):
+            if not new_token_ids:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            request = requests.get(req_id)
+            if request is None:
+                continue  # finished or aborted while this step ran (async)
+            if async_scheduling:
+                request.num_output_placeholders -= len(new_token_ids)
+            was_waiting = request.status == PREEMPTED  # (async) preempted while it ran
+            request.append_output_token_ids(new_token_ids)
+            num_generated += len(new_token_ids)
+            finished = self._check_stop(request, max_model_len)
+            if finished:
+                stopped = True
+                if was_waiting:
+                    self.waiting.remove_request(request)
+                self._free_request(request)
+            out = EngineCoreOutput(
+                request.request_id, new_token_ids,
+                logprobs_rows[i] if logprobs_rows is not None else None,
+                request.get_finished_reason() if finished else None,
+                request.stop_reason, request.num_cached_tokens,
+            )
+            client_outputs = outputs.get(request.client_index)
+            if client_outputs is None:
+                outputs[request.client_index] = [out]
+            else:
+                client_outputs.append(out)
+        if stopped:
+            self.running = [r for r in self.running if r.status == RUNNING]
+        for request in self._ignored:
+            outputs.setdefault(request.client_index, []).append(
+                EngineCoreOutput(
+                    request.request_id, [], None, request.get_finished_reason(),
+                    request.stop_reason,
+                )
+            )
+        self._ignored.clear()
+        self.num_generation_tokens += num_generated
+        now = time.monotonic()
+        return {
+            client: EngineCoreOutputs(outs, timestamp=now, client_index=client)
+            for client, outs in outputs.items()
+        }
+
+    @staticmethod
+    def _check_stop(request: Request, max_model_len: int) -> bool:
+        num_output = len(request.output_token_ids)
+        if len(request.all_token_ids) >= max_model_len or num_output >= request.max_tokens:
+            request.status = FINISHED_LENGTH_CAPPED
+            return True
+        params = request.sampling_params
+        if num_output < params.min_tokens:
+            return False
+        last = request.output_token_ids[-1]
+        if last == request.eos_token_id and not params.ignore_eos:
+            request.status = FINISHED_STOPPED
+            return True
+        if last in params.all_stop_token_ids:
+            request.status = FINISHED_STOPPED
+            request.stop_reason = last
+            return True
+        return False
+
+    # -- utilities ----------------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats:
+        metrics = self.kv_cache_manager.prefix_cache_metrics
+        total = metrics.total()
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=total.queries,
+            prefix_cache_hits=total.hits,
+            prefix_cache_hit_rate=total.hit_rate,
+            recent_prefix_cache_hit_rate=metrics.recent_hit_rate(),
+            num_preemptions=self.num_preemptions,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+        )
+
+    def check_integrity(self) -> None:
+        """Assert the scheduler's and the cache's invariants; when idle, that nothing leaks."""
+        self.kv_cache_manager.check_integrity()
+        running_ids = {r.request_id for r in self.running}
+        waiting_ids = {r.request_id for r in self.waiting}
+        assert len(running_ids) == len(self.running), "a request is running twice"
+        assert not running_ids & waiting_ids, "a request is both running and waiting"
+        assert running_ids | waiting_ids == self.requests.keys(), "request state leaked"
+        assert len(self.running) <= self.max_num_seqs
+        assert all(r.status == RUNNING for r in self.running)
+        assert all(r.status in (WAITING, PREEMPTED) for r in self.waiting)
+        for req_id in self.kv_cache_manager.req_to_blocks:
+            assert req_id in running_ids or req_id in waiting_ids, f"{req_id} holds blocks"
