@@ -46,3 +46,54 @@ class CacheConfig:
             raise ValueError(f"block_size must be an integer >= 1, got {self.block_size!r}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
             raise ValueError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    """The user-facing engine options, named as vLLM names them."""
+
+    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct, GGUF)
+    max_model_len: int | None = None  # None: the model's context length
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: 2048 on CPU, 8192 on GPU
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"
+    async_scheduling: bool = False
+    num_gpu_blocks: int | None = None
+    kv_cache_memory: int | None = None  # bytes
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
+    seed: int = 0
+
+    def create_configs(
+        self, model_max_len: int, on_gpu: bool
+    ) -> tuple[SchedulerConfig, CacheConfig]:
+        max_model_len = self.max_model_len or model_max_len
+        if max_model_len > model_max_len:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's context length {model_max_len}"
+            )
+        batched = self.max_num_batched_tokens
+        if batched is None:
+            batched = 8192 if on_gpu else 2048
+            if not self.enable_chunked_prefill:
+                batched = max(batched, max_model_len)
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=batched,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            policy=self.scheduling_policy,
+            async_scheduling=self.async_scheduling,
+        )
+        cache_config = CacheConfig(
+            block_size=self.block_size,
+            num_gpu_blocks=self.num_gpu_blocks,
+            kv_cache_memory=self.kv_cache_memory,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+        return scheduler_config, cache_config

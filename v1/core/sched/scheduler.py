@@ -69,7 +69,7 @@ class Scheduler:
             request = Request.from_engine_core_request(request, self.block_hasher)
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
-        num_blocks_needed = request.num_tokens // self.block_size + 1
+        num_blocks_needed = -(-request.num_tokens // self.block_size)
         if (
             request.num_tokens > self.max_model_len
             or num_blocks_needed > self.kv_cache_manager.num_blocks

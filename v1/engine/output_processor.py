@@ -1,0 +1,348 @@
+"""Turns the engine core's per-step token outputs into the user's RequestOutputs.
+
+Runs in the frontend process: detokenizes, applies stop strings (telling the caller which
+requests to abort in the core), converts logprobs, and gathers the n child requests of a
+parent request back into one RequestOutput. Pure Python; an async frontend wraps it.
+"""
+
+import copy
+import enum
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, NamedTuple
+
+from tokenizers import Tokenizer
+
+from v1.engine.detokenizer import IncrementalDetokenizer, TokenTexts, get_backend_tokenizer
+from v1.outputs import CompletionOutput, EngineCoreOutput, Logprob, RequestMetrics, RequestOutput
+from v1.request import EngineCoreRequest
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+class RequestOutputKind(enum.StrEnum):
+    CUMULATIVE = "cumulative"  # every output carries everything so far
+    DELTA = "delta"  # only what is new since the last output (streaming servers)
+    FINAL = "final"  # one output, when finished (LLM.generate)
+
+
+class OutputProcessorOutput(NamedTuple):
+    request_outputs: list[RequestOutput]
+    # Requests a stop string finished that are still running in the engine core.
+    reqs_to_abort: list[str]
+
+
+class ParentRequest:
+    """A request with n > 1: the core runs n child requests; their outputs become one.
+
+    Child i has id f"{i}_{parent_id}", n = 1 and, if the parent has a seed, seed + i, so the
+    children differ from each other yet every run of the parent is reproducible.
+    """
+
+    def __init__(self, request: EngineCoreRequest, prompt: str | None) -> None:
+        self.request = request
+        self.request_id = request.request_id
+        self.prompt = prompt
+        self.n = request.sampling_params.n
+        self.output_kind = RequestOutputKind.FINAL  # set by OutputProcessor.add_request
+        self.child_ids = [self.child_request_id(i, self.request_id) for i in range(self.n)]
+        # The latest output of each child; deltas not yet returned, in delta mode.
+        self.completions = [CompletionOutput(i, "", [], None, None) for i in range(self.n)]
+        self.deltas: list[CompletionOutput] = []
+        self.num_finished = 0
+        self.num_cached_tokens = 0
+        self.metrics = RequestMetrics(arrival_time=request.arrival_time or time.monotonic())
+
+    @staticmethod
+    def child_request_id(index: int, parent_id: str) -> str:
+        return f"{index}_{parent_id}"
+
+    def make_child_requests(self) -> list[EngineCoreRequest]:
+        children = []
+        for i in range(self.n):
+            params = copy.copy(self.request.sampling_params)  # keeps all_stop_token_ids
+            params.n = 1
+            if params.seed is not None:
+                params.seed += i
+            params.all_stop_token_ids = set(params.all_stop_token_ids)
+            child = copy.copy(self.request)
+            child.request_id = self.child_ids[i]
+            child.sampling_params = params
+            child.arrival_time = self.metrics.arrival_time
+            children.append(child)
+        return children
+
+    def record(self, completion: CompletionOutput | None, child: "RequestState") -> None:
+        """Takes a child's latest output (None: nothing to show yet, in final mode)."""
+        if completion is not None:
+            if self.output_kind is RequestOutputKind.DELTA:
+                self.deltas.append(completion)
+            else:
+                self.completions[completion.index] = completion
+        self.num_cached_tokens = max(self.num_cached_tokens, child.num_cached_tokens)
+        _merge_metrics(self.metrics, child.metrics)
+        if child.finish_reason is not None:
+            self.num_finished += 1
+            if self.finished:
+                self.metrics.finished_time = child.metrics.finished_time
+
+    @property
+    def finished(self) -> bool:
+        return self.num_finished == self.n
+
+    def make_request_output(self) -> RequestOutput | None:
+        if self.output_kind is RequestOutputKind.DELTA:
+            outputs = sorted(self.deltas, key=lambda c: c.index)
+            self.deltas = []
+        elif self.output_kind is RequestOutputKind.FINAL and not self.finished:
+            return None
+        else:
+            outputs = list(self.completions)
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.request.prompt_token_ids,
+            outputs=outputs,
+            finished=self.finished,
+            num_cached_tokens=self.num_cached_tokens,
+            metrics=_snapshot(self.metrics),
+        )
+
+
+class RequestState:
+    """What the frontend tracks for one request the engine core runs."""
+
+    def __init__(
+        self,
+        request: EngineCoreRequest,
+        prompt: str | None,
+        output_kind: RequestOutputKind,
+        tokenizer: Tokenizer | None,
+        token_texts: TokenTexts | None,
+        parent: ParentRequest | None,
+        index: int,
+    ) -> None:
+        self.request_id = request.request_id
+        self.prompt = prompt
+        self.prompt_token_ids = request.prompt_token_ids
+        self.output_kind = output_kind
+        self.parent = parent
+        self.index = index  # in the parent's outputs
+        params = request.sampling_params
+        self.token_texts = token_texts
+        self.detokenizer = (
+            None
+            if tokenizer is None
+            else IncrementalDetokenizer(tokenizer, request.prompt_token_ids, params)
+        )
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, Logprob]] | None = None
+        self.cumulative_logprob: float | None = None
+        if params.logprobs is not None:
+            self.logprobs, self.cumulative_logprob = [], 0.0
+        self.num_tokens_sent = 0  # for delta outputs
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_cached_tokens = 0
+        self.metrics = RequestMetrics(arrival_time=request.arrival_time or time.monotonic())
+
+    def update(self, output: EngineCoreOutput, now: float) -> bool:
+        """Applies one core output; True when a stop string finished the request here."""
+        new_ids = output.new_token_ids
+        if new_ids:
+            if self.metrics.first_token_time is None:
+                self.metrics.first_token_time = now
+            self.metrics.last_token_time = now
+        self.token_ids += new_ids
+        if output.num_cached_tokens:
+            self.num_cached_tokens = output.num_cached_tokens
+        if self.logprobs is not None and output.new_logprobs:
+            self._add_logprobs(output.new_logprobs)
+
+        self.finish_reason, self.stop_reason = output.finish_reason, output.stop_reason
+        stop_string = None
+        if self.detokenizer is not None:
+            stop_string = self.detokenizer.update(
+                new_ids,
+                stop_terminated=output.finish_reason == "stop",
+                finished=output.finish_reason is not None,
+            )
+        if stop_string is not None:
+            self.finish_reason, self.stop_reason = "stop", stop_string
+        if self.finish_reason is not None:
+            self.metrics.finished_time = now
+        return stop_string is not None
+
+    def make_completion_output(self) -> CompletionOutput | None:
+        """This request's output now, shaped by its kind; None when there is none to show."""
+        finished = self.finish_reason is not None
+        if self.output_kind is RequestOutputKind.FINAL and not finished:
+            return None
+        delta = self.output_kind is RequestOutputKind.DELTA
+        text = ""
+        if self.detokenizer is not None:
+            text = self.detokenizer.get_next_output_text(finished, delta)
+        start = self.num_tokens_sent if delta else 0
+        self.num_tokens_sent = len(self.token_ids)
+        return CompletionOutput(
+            index=self.index,
+            text=text,
+            token_ids=self.token_ids[start:],
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=None if self.logprobs is None else self.logprobs[start:],
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+    def make_request_output(self, completion: CompletionOutput) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[completion],
+            finished=self.finish_reason is not None,
+            num_cached_tokens=self.num_cached_tokens,
+            metrics=_snapshot(self.metrics),
+        )
+
+    def _add_logprobs(self, new_logprobs: list[tuple[list[int], list[float], int]]) -> None:
+        assert self.logprobs is not None and self.cumulative_logprob is not None
+        for token_ids, logprobs, sampled_rank in new_logprobs:
+            decoded: list[str] | list[None] = [None] * len(token_ids)
+            if self.token_texts is not None:
+                decoded = self.token_texts(token_ids)
+            # The sampled token comes first with its own rank; the top tokens follow, ranked
+            # 1..k. A sampled token that is also among them keeps its top-k entry.
+            ranks = [sampled_rank, *range(1, len(token_ids))]
+            self.logprobs.append(
+                {
+                    tid: Logprob(lp, rank, text)
+                    for tid, lp, rank, text in zip(token_ids, logprobs, ranks, decoded, strict=True)
+                }
+            )
+            self.cumulative_logprob += logprobs[0]
+
+
+class OutputProcessor:
+    """Frontend side of the engine: EngineCoreOutputs in, RequestOutputs out."""
+
+    def __init__(self, tokenizer: "PreTrainedTokenizerBase | Tokenizer | None") -> None:
+        # None: the caller works with token ids only; no text, no stop strings.
+        self.tokenizer = None if tokenizer is None else get_backend_tokenizer(tokenizer)
+        self.token_texts = None if self.tokenizer is None else TokenTexts(self.tokenizer)
+        self.request_states: dict[str, RequestState] = {}  # by core request id
+        self.parent_requests: dict[str, ParentRequest] = {}
+
+    def add_request(
+        self,
+        request: EngineCoreRequest,
+        prompt: str | None,
+        output_kind: RequestOutputKind | str = RequestOutputKind.FINAL,
+        parent: ParentRequest | None = None,
+    ) -> list[EngineCoreRequest]:
+        """Starts tracking a request; returns the requests to send to the engine core.
+
+        With n > 1 (and no `parent`) that is the n child requests. A caller that fans out
+        itself passes each child with its `parent` instead and gets the child back.
+        """
+        kind = RequestOutputKind(output_kind)
+        if request.sampling_params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        if parent is None and request.sampling_params.n > 1:
+            parent = ParentRequest(request, prompt)
+            children = parent.make_child_requests()
+            for child in children:
+                self.add_request(child, prompt, kind, parent)
+            return children
+        if request.request_id in self.request_states:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        index = 0
+        if parent is not None:
+            if request.request_id not in parent.child_ids:
+                raise ValueError(f"{request.request_id!r} is not a child of {parent.request_id!r}")
+            index = parent.child_ids.index(request.request_id)
+            self.parent_requests[parent.request_id] = parent
+            parent.output_kind = kind
+        self.request_states[request.request_id] = RequestState(
+            request, prompt, kind, self.tokenizer, self.token_texts, parent, index
+        )
+        return [request]
+
+    def process_outputs(self, outputs: Iterable[EngineCoreOutput]) -> OutputProcessorOutput:
+        request_outputs: list[RequestOutput] = []
+        reqs_to_abort: list[str] = []
+        touched_parents: dict[str, ParentRequest] = {}
+        now = time.monotonic()
+        for output in outputs:
+            state = self.request_states.get(output.request_id)
+            if state is None:
+                continue  # aborted, or finished here by a stop string before the core knew
+            stopped_here = state.update(output, now)
+            if stopped_here and output.finish_reason is None:
+                reqs_to_abort.append(state.request_id)
+            if state.finish_reason is not None:
+                del self.request_states[state.request_id]
+            completion = state.make_completion_output()
+            if state.parent is not None:
+                state.parent.record(completion, state)
+                touched_parents[state.parent.request_id] = state.parent
+            elif completion is not None:
+                request_outputs.append(state.make_request_output(completion))
+        for parent in touched_parents.values():
+            if parent.finished:
+                del self.parent_requests[parent.request_id]
+            request_output = parent.make_request_output()
+            if request_output is not None:
+                request_outputs.append(request_output)
+        return OutputProcessorOutput(request_outputs, reqs_to_abort)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+        """Forgets the requests; returns the core request ids still running, to abort there.
+
+        A parent id (or any child's id) aborts all of that parent's children.
+        """
+        to_abort: list[str] = []
+        for request_id in request_ids:
+            parent = self.parent_requests.get(request_id)
+            state = self.request_states.get(request_id)
+            if parent is None and state is not None:
+                parent = state.parent
+            if parent is None:
+                if state is not None:
+                    del self.request_states[request_id]
+                    to_abort.append(request_id)
+                continue
+            self.parent_requests.pop(parent.request_id, None)
+            for child_id in parent.child_ids:
+                if self.request_states.pop(child_id, None) is not None:
+                    to_abort.append(child_id)
+        return to_abort
+
+    def get_num_unfinished_requests(self) -> int:
+        """Requests the engine core still runs for us (a parent's children count one each)."""
+        return len(self.request_states)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.request_states)
+
+
+def _snapshot(metrics: RequestMetrics) -> RequestMetrics:
+    # A copy for the user, as ours keeps changing (dataclasses.replace is ~5x slower).
+    return RequestMetrics(
+        metrics.arrival_time,
+        metrics.first_scheduled_time,
+        metrics.first_token_time,
+        metrics.last_token_time,
+        metrics.finished_time,
+    )
+
+
+def _merge_metrics(into: RequestMetrics, child: RequestMetrics) -> None:
+    """A parent's first token is its earliest child's; its last token its latest child's."""
+    if child.first_token_time is not None:
+        if into.first_token_time is None or child.first_token_time < into.first_token_time:
+            into.first_token_time = child.first_token_time
+    if child.last_token_time is not None:
+        if into.last_token_time is None or child.last_token_time > into.last_token_time:
+            into.last_token_time = child.last_token_time

@@ -1,0 +1,116 @@
+"""Frontend input processing: prompts in, validated `EngineCoreRequest`s out.
+
+Every check that can fail on user input happens here, with a ValueError that names the
+value and the limit, before the engine core sees the request.
+"""
+
+import copy
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from v1.request import EngineCoreRequest
+from v1.sampling_params import SamplingParams
+
+# What `generate` accepts per prompt, as vLLM: text, token ids, or a dict with either.
+PromptType = str | Sequence[int] | Mapping[str, Any]
+
+
+class Processor:
+    def __init__(
+        self,
+        tokenizer: Any,
+        max_model_len: int,
+        vocab_size: int,
+        eos_token_id: int | None,
+        extra_stop_token_ids: Sequence[int] = (),
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.extra_stop_token_ids = tuple(extra_stop_token_ids)
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self.tokenize_prompt(prompt["prompt"])
+            raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got {prompt!r}")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, Sequence):
+            return None, self._check_ids(prompt)
+        raise ValueError(f"a prompt must be a string, token ids or a dict, got {type(prompt)}")
+
+    def _check_ids(self, token_ids: Any) -> list[int]:
+        if not isinstance(token_ids, Sequence) or isinstance(token_ids, str):
+            raise ValueError(f"prompt_token_ids must be a list of ints, got {token_ids!r}")
+        ids = list(token_ids)
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise ValueError(
+                    f"token id {t!r} is out of vocabulary (valid: 0 to {self.vocab_size - 1})"
+                )
+        return ids
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> str:
+        if not messages:
+            raise ValueError("messages is empty")
+        for m in messages:
+            if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
+                raise ValueError(f"each message needs 'role' and 'content', got {m!r}")
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        return self.tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=True
+        )
+
+    def process_inputs(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> tuple[EngineCoreRequest, str | None]:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params)}")
+        if not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        text, token_ids = self.tokenize_prompt(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty (0 tokens)")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, more than max_model_len "
+                f"({self.max_model_len})"
+            )
+        params = copy.copy(params)  # the core's copy: the caller may reuse theirs
+        room = self.max_model_len - len(token_ids)
+        if params.max_tokens is None:
+            params.max_tokens = max(room, 1)
+        params.all_stop_token_ids = set(params.stop_token_ids or ())
+        if not params.ignore_eos:  # the generation config's further end-of-text ids
+            params.all_stop_token_ids.update(self.extra_stop_token_ids)
+        if params.stop_token_ids and max(params.stop_token_ids) >= self.vocab_size:
+            raise ValueError(
+                f"stop_token_ids {params.stop_token_ids} has an id outside the vocabulary "
+                f"(valid: 0 to {self.vocab_size - 1})"
+            )
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            priority=priority,
+            cache_salt=cache_salt,
+        )
+        return request, text

@@ -1,0 +1,130 @@
+"""`LLM`: offline batched generation, used like vLLM's."""
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from v1.config import EngineArgs
+from v1.engine.core_client import InprocClient
+from v1.engine.llm_engine import LLMEngine
+from v1.engine.processor import PromptType
+from v1.outputs import RequestOutput, SchedulerStats
+from v1.sampling_params import SamplingParams
+from v1.worker.model_loader import LoadedModel
+
+Messages = Sequence[Mapping[str, Any]]
+
+
+class LLM:
+    """Generate text from prompts with the engine.
+
+    >>> llm = LLM()  # the default model, SmolLM2-135M-Instruct
+    >>> out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))
+    >>> out[0].outputs[0].text
+
+    Keyword arguments are the engine options of `EngineArgs` (vLLM's names).
+    `loaded_model` reuses weights already loaded in this process (several engines, one copy).
+    """
+
+    def __init__(
+        self, model: str | None = None, *, loaded_model: LoadedModel | None = None, **kwargs: Any
+    ) -> None:
+        unknown = set(kwargs) - set(EngineArgs.__slots__)
+        if unknown:
+            raise ValueError(f"unknown engine options {sorted(unknown)}")
+        self.engine_args = EngineArgs(model=model, **kwargs)
+        self.llm_engine = LLMEngine(InprocClient(self.engine_args, loaded_model))
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, Mapping)) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # one prompt: text, a dict or token ids
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(
+                    f"got {len(params)} sampling params for {len(prompts)} prompts"
+                )
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        return self._run(prompts, params, priority, use_tqdm)
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them."""
+        if messages and isinstance(messages[0], Mapping):
+            messages = [messages]  # type: ignore[list-item]
+        processor = self.llm_engine.processor
+        prompts = [processor.apply_chat_template(conv) for conv in messages]  # type: ignore
+        # The template already holds the special tokens: do not add BOS again.
+        token_prompts = [
+            {"prompt": p, "prompt_token_ids": self.get_tokenizer().encode(
+                p, add_special_tokens=False)}
+            for p in prompts
+        ]
+        return self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(
+        self,
+        prompts: list[PromptType],
+        params: list[SamplingParams],
+        priority: Sequence[int] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            # Validate and add all first: a bad prompt raises before anything runs.
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                ids.append(engine.add_request(prompt, p, priority=priority[i] if priority else 0))
+        except Exception:
+            engine.abort_requests(ids)
+            raise
+        order = {request_id: i for i, request_id in enumerate(ids)}
+        results: list[RequestOutput | None] = [None] * len(ids)
+        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            try:
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        if out.finished:
+                            results[order[out.request_id]] = out
+                            bar.update(1)
+            except BaseException:
+                engine.abort_requests([i for i, r in zip(ids, results) if r is None])
+                raise
+        return [r for r in results if r is not None]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
+
+    def get_stats(self) -> SchedulerStats:
+        return self.llm_engine.get_stats()
+
+    def shutdown(self) -> None:
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

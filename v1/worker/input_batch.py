@@ -1,0 +1,93 @@
+"""The persistent batch: per-request state in numpy rows that live across steps.
+
+Requests are added when first scheduled and removed when finished or preempted; between,
+steps only send deltas (new block ids, computed counts). Rows are kept dense
+(`condense()` moves the last rows into holes) so that the arrays' first `num_reqs` rows are
+the batch. Tokens sampled by the runner are written here at once: the runner never waits
+for the scheduler to tell it what it sampled (which is what lets the scheduler run ahead).
+"""
+
+import numpy as np
+import torch
+
+from v1.sampling_params import SamplingParams
+from v1.worker.block_table import BlockTable
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int):
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.req_ids: list[str | None] = [None] * max_num_reqs
+        self.req_id_to_index: dict[str, int] = {}
+        # One extra column: the token sampled at the last position is stored, never computed.
+        self.token_ids = np.zeros((max_num_reqs, max_model_len + 1), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)  # known: prompt + sampled
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        max_blocks = -(-(max_model_len + 1) // block_size)
+        self.block_table = BlockTable(max_num_reqs, max_blocks, block_size)
+        self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs
+        self.generators: dict[str, torch.Generator] = {}
+        self._holes: list[int] = []
+        self.num_reqs = 0
+
+    def add_request(
+        self,
+        req_id: str,
+        token_ids: list[int],
+        num_prompt_tokens: int,
+        num_computed_tokens: int,
+        block_ids: list[int],
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> int:
+        row = self._holes.pop() if self._holes else self.num_reqs
+        self.num_reqs += 1
+        self.req_ids[row] = req_id
+        self.req_id_to_index[req_id] = row
+        self.token_ids[row, : len(token_ids)] = token_ids
+        self.num_tokens[row] = len(token_ids)
+        self.num_prompt_tokens[row] = num_prompt_tokens
+        self.num_computed_tokens[row] = num_computed_tokens
+        self.block_table.set_row(row, block_ids)
+        self.sampling_params[row] = params
+        if generator is not None:
+            self.generators[req_id] = generator
+        return row
+
+    def remove_request(self, req_id: str) -> None:
+        row = self.req_id_to_index.pop(req_id, None)
+        if row is None:
+            return
+        self.req_ids[row] = None
+        self.sampling_params[row] = None
+        self.generators.pop(req_id, None)
+        self._holes.append(row)
+        self.num_reqs -= 1
+
+    def condense(self) -> None:
+        """Fill holes with the last rows so rows [0, num_reqs) are exactly the live ones."""
+        last = self.num_reqs + len(self._holes) - 1  # highest row that may be live
+        holes = sorted(h for h in self._holes if h < self.num_reqs)
+        self._holes.clear()
+        for hole in holes:
+            while self.req_ids[last] is None:
+                last -= 1
+            if last <= hole:
+                break
+            self._move_row(last, hole)
+            last -= 1
+
+    def _move_row(self, src: int, dst: int) -> None:
+        req_id = self.req_ids[src]
+        assert req_id is not None
+        n = self.num_tokens[src]
+        self.token_ids[dst, :n] = self.token_ids[src, :n]
+        for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens):
+            arr[dst] = arr[src]
+        self.block_table.move_row(src, dst)
+        self.sampling_params[dst] = self.sampling_params[src]
+        self.req_ids[dst], self.req_ids[src] = req_id, None
+        self.sampling_params[src] = None
+        self.req_id_to_index[req_id] = dst

@@ -1,0 +1,258 @@
+"""Runs one scheduled step: update the persistent batch, build inputs, forward, sample.
+
+Input preparation is numpy over whole arrays: for tokens t of the step, with r(t) the row of
+the request t belongs to,
+
+    positions[t]    = num_computed[r(t)] + (t - query_start[r(t)])
+    input_ids[t]    = token_ids[r(t), positions[t]]
+    slot_mapping[t] = block_table[r(t), positions[t] // B] * B + positions[t] % B
+
+Only the last token of a request whose known tokens are all computed after this step is
+sampled; a prefill chunk that stops short of the end of its prompt samples nothing.
+"""
+
+import logging
+
+import numpy as np
+import torch
+
+from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata, kv_cache_shape
+from v1.config import CacheConfig, SchedulerConfig
+from v1.core.sched.output import SchedulerOutput
+from v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from v1.sampling_params import SamplingParams
+from v1.worker.input_batch import InputBatch
+from v1.worker.model import head_dim_of
+from v1.worker.model_loader import LoadedModel
+from v1.worker.sampler import Sampler, SamplingMetadata
+
+logger = logging.getLogger("v1")
+
+_DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+
+
+def attention_impl_for(device: torch.device) -> type[AttentionImpl]:
+    if device.type == "cuda":
+        from v1.attention.backends.triton_attn import TritonAttentionImpl
+
+        return TritonAttentionImpl
+    from v1.attention.backends.torch_attn import TorchAttentionImpl
+
+    return TorchAttentionImpl
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.block_size = cache_config.block_size
+        self.loaded = loaded
+        self.model = loaded.model
+        self.hf_config = self.loaded.hf_config
+        self.vocab_size = int(self.hf_config.vocab_size)
+        self.max_model_len = scheduler_config.max_model_len
+        self.input_batch = InputBatch(
+            scheduler_config.max_num_seqs, self.max_model_len, self.block_size
+        )
+        self.sampler = Sampler()
+        self.kv_caches: list[torch.Tensor] = []
+        self._sampling_metadata: SamplingMetadata | None = None
+        self._sampling_key: tuple[str, ...] = ()
+        self._preempted: dict[str, tuple[SamplingParams, int, torch.Generator | None]] = {}
+
+    # -- KV cache ---------------------------------------------------------------------
+
+    def kv_cache_block_bytes(self) -> int:
+        cfg = self.hf_config
+        head_dim = head_dim_of(self.hf_config)
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * elem
+        return per_token * self.block_size
+
+    def determine_num_blocks(self, cache_config: CacheConfig) -> int:
+        if cache_config.num_gpu_blocks is not None:
+            return cache_config.num_gpu_blocks
+        budget = cache_config.kv_cache_memory
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * 0.85)
+            else:
+                budget = _DEFAULT_CPU_KV_CACHE_BYTES
+        num_blocks = budget // self.kv_cache_block_bytes()
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory of {budget} bytes is less than one KV block "
+                f"({self.kv_cache_block_bytes()} bytes)"
+            )
+        return int(num_blocks)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        cfg = self.hf_config
+        shape = kv_cache_shape(
+            num_blocks, self.block_size, cfg.num_key_value_heads, head_dim_of(cfg)
+        )
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(cfg.num_hidden_layers)
+        ]
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB, %d tokens)", num_blocks,
+            self.block_size, num_blocks * self.kv_cache_block_bytes() / 2**20,
+            num_blocks * self.block_size,
+        )
+
+    # -- one step ---------------------------------------------------------------------
+
+    def _update_states(self, out: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for req_id in out.finished_req_ids:
+            batch.remove_request(req_id)
+            self._preempted.pop(req_id, None)
+        for req_id in out.preempted_req_ids:
+            # Out of the batch until resumed; its params and seeded generator wait here.
+            row = batch.req_id_to_index[req_id]
+            params = batch.sampling_params[row]
+            assert params is not None
+            self._preempted[req_id] = (
+                params, int(batch.num_prompt_tokens[row]), batch.generators.get(req_id)
+            )
+            batch.remove_request(req_id)
+        batch.condense()
+        for new in out.scheduled_new_reqs:
+            params = new.sampling_params
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(params.seed)
+            batch.add_request(
+                new.req_id, new.prompt_token_ids, len(new.prompt_token_ids),
+                new.num_computed_tokens, new.block_ids, params, generator,
+            )
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if cached.resumed_from_preemption[i]:
+                tokens = cached.resumed_token_ids[i]
+                assert tokens is not None
+                params, num_prompt, generator = self._preempted.pop(req_id)
+                batch.add_request(
+                    req_id, tokens, num_prompt, cached.num_computed_tokens[i],
+                    cached.new_block_ids[i], params, generator,
+                )
+            else:
+                row = batch.req_id_to_index[req_id]
+                batch.block_table.append_row(row, cached.new_block_ids[i])
+                batch.num_computed_tokens[row] = cached.num_computed_tokens[i]
+
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(out)
+        if out.total_num_scheduled_tokens == 0:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        batch = self.input_batch
+        req_ids = list(out.num_scheduled_tokens)
+        rows = np.fromiter((batch.req_id_to_index[r] for r in req_ids), np.int64, len(req_ids))
+        num_scheduled = np.fromiter(out.num_scheduled_tokens.values(), np.int32, len(req_ids))
+        num_computed = batch.num_computed_tokens[rows]
+
+        query_start_loc = np.zeros(len(req_ids) + 1, dtype=np.int32)
+        np.cumsum(num_scheduled, out=query_start_loc[1:])
+        total = int(query_start_loc[-1])
+        token_req = np.repeat(np.arange(len(req_ids)), num_scheduled)
+        positions = (
+            np.arange(total, dtype=np.int64)
+            - query_start_loc[:-1][token_req]
+            + num_computed[token_req]
+        )
+        token_rows = rows[token_req]
+        input_ids = batch.token_ids[token_rows, positions]
+        slot_mapping = batch.block_table.slot_mapping(token_rows, positions)
+        seq_lens = num_computed + num_scheduled
+        max_blocks = int(batch.block_table.num_blocks[rows].max())
+        block_table = batch.block_table.table[rows, :max_blocks]
+
+        dev = self.device
+        metadata = AttentionMetadata(
+            num_actual_tokens=total,
+            max_query_len=int(num_scheduled.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc=torch.from_numpy(query_start_loc).to(dev, non_blocking=True),
+            seq_lens=torch.from_numpy(seq_lens).to(dev, non_blocking=True),
+            block_table=torch.from_numpy(block_table).to(dev, non_blocking=True),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev, non_blocking=True),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens,
+        )
+        hidden = self.model(
+            torch.from_numpy(input_ids).to(dev, non_blocking=True),
+            torch.from_numpy(positions).to(dev, non_blocking=True),
+            self.kv_caches,
+            metadata,
+        )
+
+        # Rows that sample: every known token is computed after this step.
+        samples = seq_lens >= batch.num_tokens[rows]
+        sample_idx = np.flatnonzero(samples)
+        sampled_rows: list[list[int]] = [[] for _ in req_ids]
+        logprobs_rows = None
+        if len(sample_idx):
+            logits_idx = torch.from_numpy(query_start_loc[1:][sample_idx] - 1).to(dev)
+            logits = self.model.compute_logits(hidden[logits_idx])
+            self._apply_min_tokens(logits, rows[sample_idx])
+            metadata_s = self._get_sampling_metadata(req_ids, rows, sample_idx)
+            sampler_out = self.sampler(logits, metadata_s)
+            token_ids = sampler_out.sampled_token_ids.tolist()
+            # Store the sampled tokens now: the next step's inputs come from here.
+            sample_rows = rows[sample_idx]
+            batch.token_ids[sample_rows, batch.num_tokens[sample_rows]] = token_ids
+            batch.num_tokens[sample_rows] += 1
+            for i, tok in zip(sample_idx.tolist(), token_ids):
+                sampled_rows[i] = [tok]
+            if sampler_out.logprobs_tensors is not None:
+                logprobs_rows = [None] * len(req_ids)
+                num_lp = [batch.sampling_params[r].logprobs for r in sample_rows.tolist()]
+                for i, lp in zip(
+                    sample_idx.tolist(), sampler_out.logprobs_tensors.to_token_logprobs(num_lp)
+                ):
+                    logprobs_rows[i] = None if lp is None else [lp]
+        batch.num_computed_tokens[rows] = seq_lens
+        return ModelRunnerOutput(req_ids, sampled_rows, logprobs_rows)
+
+    def _get_sampling_metadata(
+        self, req_ids: list[str], rows: np.ndarray, sample_idx: np.ndarray
+    ) -> SamplingMetadata:
+        """Rebuilt only when the set of sampling requests changes (seldom, in decode)."""
+        key = tuple(req_ids[i] for i in sample_idx.tolist())
+        if key != self._sampling_key or self._sampling_metadata is None:
+            batch = self.input_batch
+            sample_rows = rows[sample_idx].tolist()
+            params = [batch.sampling_params[r] for r in sample_rows]
+            generators = {
+                i: batch.generators[req_ids[j]]
+                for i, j in enumerate(sample_idx.tolist())
+                if req_ids[j] in batch.generators
+            }
+            self._sampling_metadata = SamplingMetadata.from_params(params, generators, self.device)
+            self._sampling_key = key
+        return self._sampling_metadata
+
+    def _apply_min_tokens(self, logits: torch.Tensor, sample_rows: np.ndarray) -> None:
+        """Until a request has `min_tokens` outputs, its stop tokens cannot be sampled."""
+        batch = self.input_batch
+        for i, row in enumerate(sample_rows.tolist()):
+            params = batch.sampling_params[row]
+            if not params.min_tokens:
+                continue
+            num_output = batch.num_tokens[row] - batch.num_prompt_tokens[row]
+            if num_output < params.min_tokens:
+                stop_ids = set(params.all_stop_token_ids)
+                if not params.ignore_eos and self.loaded.eos_token_id is not None:
+                    stop_ids.add(self.loaded.eos_token_id)
+                logits[i, [t for t in stop_ids if t < self.vocab_size]] = float("-inf")
