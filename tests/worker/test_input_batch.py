@@ -1,0 +1,49 @@
+"""The persistent batch: rows stay dense across add / remove / condense."""
+
+import numpy as np
+
+from v1.sampling_params import SamplingParams
+from v1.worker.input_batch import InputBatch
+
+
+def add(batch: InputBatch, req_id: str, n: int) -> int:
+    tokens = [int(req_id[1:]) * 100 + i for i in range(n)]
+    return batch.add_request(req_id, tokens, n, 0, [int(req_id[1:])], SamplingParams(), None)
+
+
+def test_condense_moves_last_rows_into_holes():
+    batch = InputBatch(max_num_reqs=8, max_model_len=32, block_size=4)
+    for i in range(6):
+        assert add(batch, f"r{i}", 3 + i) == i
+    batch.remove_request("r1")
+    batch.remove_request("r4")
+    batch.remove_request("r5")
+    batch.condense()
+    assert batch.num_reqs == 3
+    assert batch.req_ids[:3] == ["r0", "r3", "r2"]
+    assert batch.req_ids[3:6] == [None, None, None]
+    row = batch.req_id_to_index["r3"]
+    assert row == 1
+    assert batch.num_tokens[row] == 6
+    assert list(batch.token_ids[row, :6]) == [300 + i for i in range(6)]
+    assert batch.block_table.table[row, 0] == 3 and batch.block_table.num_blocks[row] == 1
+    # New requests fill from the end of the dense rows.
+    assert add(batch, "r7", 2) == 3
+
+
+def test_remove_then_add_reuses_a_hole_without_condense():
+    batch = InputBatch(max_num_reqs=4, max_model_len=16, block_size=4)
+    for i in range(3):
+        add(batch, f"r{i}", 4)
+    batch.remove_request("r1")
+    assert add(batch, "r5", 4) == 1
+    batch.condense()
+    assert batch.req_ids[:3] == ["r0", "r5", "r2"]
+
+
+def test_slot_mapping_from_block_table():
+    batch = InputBatch(max_num_reqs=2, max_model_len=16, block_size=4)
+    batch.add_request("a", [1] * 6, 6, 0, [7, 2], SamplingParams(), None)
+    rows = np.zeros(6, dtype=np.int64)
+    positions = np.arange(6)
+    assert batch.block_table.slot_mapping(rows, positions).tolist() == [28, 29, 30, 31, 8, 9]
