@@ -4,6 +4,7 @@ import sys
 
 COMMANDS = {
     "demo": "v1.entrypoints.demo",
+    "serve": "v1.entrypoints.openai.api_server",
 }
 
 

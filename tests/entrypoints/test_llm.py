@@ -174,3 +174,67 @@ def test_bad_inputs_raise_and_engine_keeps_working(llm, hf_greedy, prompt, param
 def test_unknown_model_path():
     with pytest.raises(ValueError, match="/no/such/model"):
         LLM("/no/such/model")
+
+
+def token_ids(outputs: list[RequestOutput]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize(
+    "config, prompt_set",
+    [
+        ({}, "mixed"),
+        # 24 blocks of 16 = 384 tokens for 8 requests of ~150 tokens + 32 outputs each.
+        ({"num_gpu_blocks": 24, "max_model_len": 384}, "chat"),
+    ],
+    ids=["default", "tiny_kv_pool"],
+)
+def test_async_scheduling_matches_sync(make_llm, hf_greedy, chat_prompts, config, prompt_set):
+    prompts = mixed_prompts(chat_prompts) if prompt_set == "mixed" else chat_prompts
+    sync = make_llm(**config).generate(prompts, GREEDY, use_tqdm=False)
+    llm = make_llm(async_scheduling=True, **config)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert token_ids(outputs) == token_ids(sync)
+    assert_matches_hf(outputs, hf_greedy)
+    if "num_gpu_blocks" in config:
+        assert llm.get_stats().num_preemptions > 0
+    check_idle(llm)
+
+
+# ---- the engine core in its own process (the default) -------------------------------------
+
+
+def test_multiprocess_llm_matches_hf(hf_greedy, chat_prompts):
+    from v1.engine.core_client import SyncMPClient
+
+    with LLM(num_gpu_blocks=256, max_model_len=1024) as llm:
+        client = llm.llm_engine.client
+        assert isinstance(client, SyncMPClient)
+        outputs = llm.generate(mixed_prompts(chat_prompts), GREEDY, use_tqdm=False)
+        assert_matches_hf(outputs, hf_greedy)
+        (chat,) = llm.chat([{"role": "user", "content": "What is 2+2?"}],
+                           SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+        assert "4" in chat.outputs[0].text
+        with pytest.raises(ValueError, match="max_model_len"):
+            llm.generate(["x " * 3000], GREEDY, use_tqdm=False)
+        check_idle(llm)
+        proc = client._res.proc
+    assert not proc.is_alive()
+
+
+def test_multiprocess_option(monkeypatch, default_model):
+    import v1.entrypoints.llm as llm_module
+
+    with pytest.raises(ValueError, match="multiprocess=False"):
+        LLM(loaded_model=default_model, multiprocess=True)
+
+    class Chosen(Exception):
+        pass
+
+    def inproc(*args):
+        raise Chosen
+
+    monkeypatch.setattr(llm_module, "InprocClient", inproc)
+    monkeypatch.setenv("V1_ENABLE_MULTIPROCESSING", "0")
+    with pytest.raises(Chosen):
+        LLM()

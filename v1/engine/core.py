@@ -3,23 +3,79 @@
 `step()` is synchronous: schedule, execute, update. `step_with_batch_queue()` is async
 scheduling (a batch queue of two): step N+1 is scheduled while step N executes on the
 runner's thread, with output placeholders standing for the tokens N has not returned yet.
+
+`EngineCoreProc` runs an `EngineCore` in its own process (multiprocessing, 'spawn'), serving
+any number of frontend processes over ZMQ. Three threads: the input thread receives and
+decodes messages into a queue; the busy loop drains that queue, steps the core, and blocks
+on the queue only when the core is idle; the output thread encodes and sends.
+
+Protocol. An engine core at ADDRESS (`ipc://PATH`, by default in a fresh temp dir, or
+`tcp://HOST:PORT`) binds two sockets:
+
+- input: a PULL socket at ADDRESS. Clients PUSH two frames, [EngineCoreRequestType, msgpack]:
+    HELLO    client_index: int      answered by READY
+    ADD      AddRequest             answered by OUTPUTS, step by step, until it finishes
+    ABORT    list[str] request ids  no answer (the client has forgotten them already)
+    UTILITY  UtilityRequest         answered by UTILITY_RESULT (an error there is the
+                                    caller's, e.g. a failed check_integrity; the core serves on)
+- output: a ROUTER socket at `output_address(ADDRESS)` (PATH + "-out", or PORT + 1).
+  Client i connects a DEALER with routing id `client_routing_id(i)` and receives only its
+  own messages, two frames [EngineCoreOutputType, msgpack]:
+    READY           EngineCoreReady: the model facts a frontend needs (it loads only the
+                    tokenizer, from `model_dir`)
+    OUTPUTS         EngineCoreOutputs of this client's requests; with `engine_error` set it is
+                    the death notice, sent to every client when the busy loop ends (an
+                    exception, e.g. in the model, or shutdown), and the last message
+    UTILITY_RESULT  UtilityResult
+
+A client connects its DEALER, then sends HELLO and waits for READY; request ids must be
+unique across the clients of one engine. When a client is gone (its DEALER disconnected),
+the core aborts its requests. From another process, while an engine core runs at ADDRESS:
+
+    from v1.engine.core_client import SyncMPClient   # or AsyncMPClient, for AsyncLLM
+    from v1.engine.llm_engine import LLMEngine
+    engine = LLMEngine(SyncMPClient(address=ADDRESS, client_index=1))
+
+(the process that started the engine has `client.address`, and is client 0). The engine
+process exits when the process that started it terminates it or dies (it watches its parent
+pid), so none is ever orphaned; it removes its ipc socket files when it exits.
+
+Test hook: `V1_ENGINE_CORE_HOOK="module:function"` in the environment of the process that
+starts an engine makes the engine process call `function(engine_core)` once the core is
+built, before serving (tests inject failures into the model this way).
 """
 
+import enum
+import importlib
 import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from typing import Any
 
+import msgspec
 import torch
+import zmq
 
 from v1.config import EngineArgs
 from v1.core.sched.output import SchedulerOutput
 from v1.core.sched.scheduler import Scheduler
-from v1.outputs import EngineCoreOutputs, ModelRunnerOutput, SchedulerStats
+from v1.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerStats
 from v1.request import EngineCoreRequest
 from v1.worker.model_loader import LoadedModel, load_model
 from v1.worker.model_runner import ModelRunner, attention_impl_for
 
 logger = logging.getLogger("v1")
+
+# What clients may call by name (`call_utility`), in process or over ZMQ.
+UTILITY_METHODS = frozenset({"reset_prefix_cache", "get_stats", "check_integrity", "ping"})
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -120,6 +176,310 @@ class EngineCore:
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
 
+    def ping(self) -> bool:
+        """A round trip through the busy loop: the core is alive and serving."""
+        return True
+
+    def call_utility(self, method: str, args: Sequence[Any] = ()) -> Any:
+        if method not in UTILITY_METHODS:
+            raise ValueError(
+                f"unknown utility {method!r}: expected one of {sorted(UTILITY_METHODS)}"
+            )
+        return getattr(self, method)(*args)
+
     def shutdown(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+
+
+# ---- the engine core in its own process --------------------------------------------------
+
+
+class EngineCoreRequestType(bytes, enum.Enum):
+    """First frame of a client -> core message (see the module docstring)."""
+
+    HELLO = b"\x00"
+    ADD = b"\x01"
+    ABORT = b"\x02"
+    UTILITY = b"\x03"
+    # Never on the wire: the output thread posts it when a client cannot be reached.
+    CLIENT_GONE = b"\xff"
+
+
+class EngineCoreOutputType(bytes, enum.Enum):
+    """First frame of a core -> client message."""
+
+    READY = b"\x00"
+    OUTPUTS = b"\x01"
+    UTILITY_RESULT = b"\x02"
+
+
+class AddRequest(msgspec.Struct, array_like=True, gc=False):
+    request: EngineCoreRequest
+    # SamplingParams.__post_init__, which msgspec runs on decoding, resets
+    # all_stop_token_ids to stop_token_ids and so drops the processor's EOS extras: they
+    # travel beside the request and are put back.
+    all_stop_token_ids: list[int]
+
+
+class UtilityRequest(msgspec.Struct, array_like=True):
+    client_index: int
+    call_id: int
+    method: str
+    args: tuple[Any, ...] = ()
+
+
+class UtilityResult(msgspec.Struct, array_like=True):
+    call_id: int
+    result: msgspec.Raw = msgspec.Raw(b"\xc0")  # msgpack-encoded; the caller knows the type
+    error: tuple[str, str] | None = None  # (exception type name, message)
+
+
+class EngineCoreReady(msgspec.Struct, array_like=True):
+    """What a frontend needs to know of the model, from the core that loaded it."""
+
+    model_name: str
+    model_dir: str  # HF-format directory holding the tokenizer files
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int | None
+    stop_token_ids: tuple[int, ...]
+
+
+def output_address(address: str) -> str:
+    """The output socket's address, derived from the engine's (input) address."""
+    if address.startswith("ipc://"):
+        return address + "-out"
+    if address.startswith("tcp://"):
+        host, _, port = address[len("tcp://"):].rpartition(":")
+        if port.isdigit() and int(port) > 0:
+            return f"tcp://{host}:{int(port) + 1}"
+    raise ValueError(
+        f"engine address {address!r} must be ipc://PATH or tcp://HOST:PORT (PORT > 0; the "
+        "output socket takes PORT + 1)"
+    )
+
+
+def client_routing_id(client_index: int) -> bytes:
+    return b"client-%d" % client_index
+
+
+class EngineCoreProc:
+    """An EngineCore serving ZMQ clients; `run_engine_core` is the process's main."""
+
+    def __init__(self, engine_core: EngineCore, address: str) -> None:
+        self.engine_core = engine_core
+        self.address = address
+        loaded = engine_core.loaded
+        self.ready = EngineCoreReady(
+            loaded.model_name,
+            str(loaded.model_dir),
+            engine_core.scheduler_config.max_model_len,
+            int(loaded.hf_config.vocab_size),
+            loaded.eos_token_id,
+            tuple(loaded.stop_token_ids),
+        )
+        self.clients: set[int] = set()  # said HELLO; they get the death notice
+        self.input_queue: queue.Queue[tuple[EngineCoreRequestType, Any]] = queue.Queue()
+        # (client index, type, message); None tells the output thread to finish.
+        self.output_queue: queue.Queue[tuple[int, EngineCoreOutputType, Any] | None] = (
+            queue.Queue()
+        )
+        self._encoder = msgspec.msgpack.Encoder()
+        self._stop_input = threading.Event()
+        # Bound here, so that an address in use fails the startup. From then on each socket
+        # is used by its own thread only (ZMQ sockets are not thread-safe).
+        self._ctx = zmq.Context()
+        self._input_socket = self._ctx.socket(zmq.PULL)
+        self._output_socket = self._ctx.socket(zmq.ROUTER)
+        # Raise EHOSTUNREACH for a client that is not (or no longer) connected instead of
+        # dropping its messages silently; never block on a slow client.
+        self._output_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._output_socket.setsockopt(zmq.SNDHWM, 0)
+        self._input_socket.setsockopt(zmq.RCVHWM, 0)
+        try:
+            self._input_socket.bind(address)
+            self._output_socket.bind(output_address(address))
+        except BaseException:
+            self._ctx.destroy(linger=0)
+            raise
+        self._input_thread = threading.Thread(
+            target=self._process_input_socket, name="v1-core-input", daemon=True
+        )
+        self._output_thread = threading.Thread(
+            target=self._process_output_queue, name="v1-core-output", daemon=True
+        )
+
+    # -- the process -------------------------------------------------------------------
+
+    @staticmethod
+    def run_engine_core(
+        args: EngineArgs, address: str, report: Connection, parent_pid: int
+    ) -> None:
+        """Main of the engine process: build the core, report ("ready", "", "") or
+        ("error", exception type, message) through `report`, then serve until terminated."""
+        # Ctrl-C reaches the whole process group: the frontend handles it and shuts us down.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, _exit_on_signal)
+        _watch_parent(parent_pid)
+        try:
+            engine_core = EngineCore(args)
+            _run_test_hook(engine_core)
+            proc = EngineCoreProc(engine_core, address)
+        except BaseException as e:
+            logger.error("the engine core failed to start: %s: %s", type(e).__name__, e)
+            report.send(("error", type(e).__name__, str(e)))
+            sys.exit(1)
+        report.send(("ready", "", ""))
+        report.close()
+        sys.exit(proc.run())
+
+    def run(self) -> int:
+        """Serve until terminated (exit status 0) or the busy loop fails (1)."""
+        self._input_thread.start()
+        self._output_thread.start()
+        status, reason = 0, "the engine core was shut down"
+        try:
+            self.run_busy_loop()
+        except SystemExit:
+            pass
+        except BaseException as e:
+            logger.exception("the engine core's busy loop failed")
+            status, reason = 1, f"the engine core died: {type(e).__name__}: {e}"
+        finally:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second terminate: let us finish
+            self.shutdown(reason)
+        return status
+
+    def shutdown(self, reason: str) -> None:
+        """Send every client the death notice, stop the threads, free the sockets."""
+        for client in sorted(self.clients):
+            notice = EngineCoreOutputs(client_index=client, engine_error=reason)
+            self.output_queue.put((client, EngineCoreOutputType.OUTPUTS, notice))
+        self.output_queue.put(None)
+        self._stop_input.set()
+        self._output_thread.join(5)
+        self._input_thread.join(5)
+        self.engine_core.shutdown()
+        self._ctx.destroy(linger=0)
+        for addr in (self.address, output_address(self.address)):
+            if addr.startswith("ipc://"):  # ZMQ leaves the socket file behind
+                try:
+                    os.unlink(addr[len("ipc://"):])
+                except FileNotFoundError:
+                    pass
+
+    # -- the busy loop -----------------------------------------------------------------
+
+    def run_busy_loop(self) -> None:
+        while True:
+            self._process_input_queue()
+            for client, outputs in self.engine_core.step().items():
+                self.output_queue.put((client, EngineCoreOutputType.OUTPUTS, outputs))
+
+    def _process_input_queue(self) -> None:
+        if not self.engine_core.has_unfinished_requests():
+            self._handle_input(*self.input_queue.get())  # idle: sleep until a message
+        while not self.input_queue.empty():
+            self._handle_input(*self.input_queue.get_nowait())
+
+    def _handle_input(self, kind: EngineCoreRequestType, message: Any) -> None:
+        core = self.engine_core
+        if kind is EngineCoreRequestType.ADD:
+            request = message.request
+            request.sampling_params.all_stop_token_ids = set(message.all_stop_token_ids)
+            try:
+                core.add_request(request)
+            except ValueError as e:  # a request id in use: refuse this request, serve on
+                rejected = EngineCoreOutput(request.request_id, [], None, "abort", str(e))
+                outputs = EngineCoreOutputs([rejected], client_index=request.client_index)
+                self.output_queue.put(
+                    (request.client_index, EngineCoreOutputType.OUTPUTS, outputs)
+                )
+        elif kind is EngineCoreRequestType.ABORT:
+            core.abort_requests(message)
+        elif kind is EngineCoreRequestType.UTILITY:
+            self.output_queue.put(
+                (message.client_index, EngineCoreOutputType.UTILITY_RESULT,
+                 self._call_utility(message))
+            )
+        elif kind is EngineCoreRequestType.HELLO:
+            self.clients.add(message)
+            self.output_queue.put((message, EngineCoreOutputType.READY, self.ready))
+        else:  # CLIENT_GONE
+            self.clients.discard(message)
+            requests = core.scheduler.requests.values()
+            core.abort_requests([r.request_id for r in requests if r.client_index == message])
+
+    def _call_utility(self, call: UtilityRequest) -> UtilityResult:
+        try:
+            result = self.engine_core.call_utility(call.method, call.args)
+        except Exception as e:  # the caller's problem (a bad name, a failed check)
+            return UtilityResult(call.call_id, error=(type(e).__name__, str(e)))
+        return UtilityResult(call.call_id, msgspec.Raw(self._encoder.encode(result)))
+
+    # -- the socket threads ------------------------------------------------------------
+
+    def _process_input_socket(self) -> None:
+        T = EngineCoreRequestType
+        decoders = {
+            T.HELLO: msgspec.msgpack.Decoder(int),
+            T.ADD: msgspec.msgpack.Decoder(AddRequest),
+            T.ABORT: msgspec.msgpack.Decoder(list[str]),
+            T.UTILITY: msgspec.msgpack.Decoder(UtilityRequest),
+        }
+        sock = self._input_socket
+        while not self._stop_input.is_set():
+            if not sock.poll(100):  # wake up now and then to see if we should stop
+                continue
+            frames = sock.recv_multipart(copy=False)
+            try:
+                kind = T(frames[0].bytes)
+                self.input_queue.put((kind, decoders[kind].decode(frames[1].buffer)))
+            except (ValueError, KeyError, IndexError, msgspec.DecodeError) as e:
+                logger.warning("dropped a malformed message from a client: %r", e)
+        sock.close(linger=0)
+
+    def _process_output_queue(self) -> None:
+        sock = self._output_socket
+        encoder = msgspec.msgpack.Encoder()
+        while (item := self.output_queue.get()) is not None:
+            client, kind, message = item
+            frames = (client_routing_id(client), kind.value, encoder.encode(message))
+            # The client connects its DEALER before it sends HELLO, yet our end may not have
+            # seen that connection yet: retry READY a while before giving the client up.
+            deadline = time.monotonic() + (5.0 if kind is EngineCoreOutputType.READY else 0.0)
+            while True:
+                try:
+                    sock.send_multipart(frames, copy=False)
+                    break
+                except zmq.ZMQError as e:
+                    if e.errno != zmq.EHOSTUNREACH:
+                        raise
+                    if time.monotonic() >= deadline:  # gone: drop, abort its requests
+                        self.input_queue.put((EngineCoreRequestType.CLIENT_GONE, client))
+                        break
+                    time.sleep(0.005)
+        sock.close(linger=1000)  # give the death notices a moment to leave
+
+
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Terminate this process when its parent dies, even by SIGKILL: no orphaned engine."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="v1-parent-watch", daemon=True).start()
+
+
+def _run_test_hook(engine_core: EngineCore) -> None:
+    hook = os.environ.get("V1_ENGINE_CORE_HOOK")
+    if hook:
+        module, _, function = hook.partition(":")
+        getattr(importlib.import_module(module), function)(engine_core)

@@ -1,13 +1,56 @@
-"""Clients of the engine core. The frontend talks to the core only through these."""
+"""Clients of the engine core. The frontend talks to the core only through these.
 
+- `InprocClient`: the core in this process; `get_output()` steps it.
+- `SyncMPClient` (for `LLM`) and `AsyncMPClient` (for `AsyncLLM`): the core in its own
+  process (`EngineCoreProc`, protocol in `v1.engine.core`), over ZMQ. Given `EngineArgs`, a
+  client starts the engine process, owns it (is client 0) and terminates it on shutdown;
+  given only `address=` (and a `client_index` unique among the engine's clients), it
+  connects to an engine core already running there:
+
+      client = SyncMPClient(address="ipc:///tmp/v1-engine-x/engine", client_index=1)
+
+A background thread receives the client's messages and watches the engine: its output
+socket, that socket's disconnection, and, for an engine this client started, the process's
+sentinel. When the engine dies, every waiting call raises `EngineDeadError` within ~0.1 s
+and every later call raises it at once.
+"""
+
+import asyncio
+import itertools
+import multiprocessing
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import weakref
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from concurrent.futures import Future
+from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
 from typing import Any, NamedTuple
 
+import msgspec
+import zmq
+
 from v1.config import EngineArgs
-from v1.engine.core import EngineCore
-from v1.outputs import EngineCoreOutputs
+from v1.engine.core import (
+    AddRequest,
+    EngineCore,
+    EngineCoreOutputType,
+    EngineCoreProc,
+    EngineCoreReady,
+    EngineCoreRequestType,
+    UtilityRequest,
+    UtilityResult,
+    client_routing_id,
+    output_address,
+)
+from v1.engine.exceptions import EngineDeadError, error_from_remote
+from v1.outputs import EngineCoreOutputs, SchedulerStats
 from v1.request import EngineCoreRequest
-from v1.worker.model_loader import LoadedModel
+from v1.worker.model_loader import LoadedModel, load_tokenizer
 
 
 class ModelInfo(NamedTuple):
@@ -23,6 +66,7 @@ class ModelInfo(NamedTuple):
 
 class EngineCoreClient(ABC):
     model_info: ModelInfo
+    client_index: int = 0
 
     @abstractmethod
     def add_request(self, request: EngineCoreRequest) -> None: ...
@@ -39,9 +83,6 @@ class EngineCoreClient(ABC):
 
     @abstractmethod
     def shutdown(self) -> None: ...
-
-
-_UTILITIES = frozenset({"reset_prefix_cache", "get_stats", "check_integrity"})
 
 
 class InprocClient(EngineCoreClient):
@@ -74,9 +115,345 @@ class InprocClient(EngineCoreClient):
         return EngineCoreOutputs()
 
     def call_utility(self, method: str, *args: Any) -> Any:
-        if method not in _UTILITIES:
-            raise ValueError(f"unknown utility {method!r}: expected one of {sorted(_UTILITIES)}")
-        return getattr(self.engine_core, method)(*args)
+        return self.engine_core.call_utility(method, args)
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
+
+
+# ---- the engine core in another process ----------------------------------------------------
+
+# How long a client waits for READY from an engine it did not start (it may not be there).
+CONNECT_TIMEOUT_S = 30.0
+# The decoded type of each utility's result (others: plain msgpack values).
+_UTILITY_RESULT_TYPES: dict[str, Any] = {"get_stats": SchedulerStats, "reset_prefix_cache": bool}
+
+
+def launch_engine_core(args: EngineArgs, address: str) -> BaseProcess:
+    """Start an engine process serving at `address`; return once its model is loaded.
+
+    A failure to start (a bad model path, an address in use) is raised here as the engine
+    raised it: a ValueError stays a ValueError with the same message.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    proc = ctx.Process(
+        target=EngineCoreProc.run_engine_core,
+        args=(args, address, writer, os.getpid()),
+        name="v1-engine-core",
+        daemon=True,  # multiprocessing terminates it at exit, should all else fail
+    )
+    proc.start()
+    writer.close()  # the child's copy is the only one left: EOF when it dies
+    try:
+        wait([reader, proc.sentinel])
+        try:
+            status, error_type, message = reader.recv()
+        except EOFError:
+            status, error_type, message = "died", "", ""
+    except BaseException:  # e.g. Ctrl-C while the model loads
+        _stop_process(proc)
+        raise
+    finally:
+        reader.close()
+    if status == "ready":
+        return proc
+    proc.join(10)  # after reporting, it exits by itself
+    _stop_process(proc)
+    if status == "error":
+        raise error_from_remote(error_type, message)
+    raise RuntimeError(
+        f"the engine core process exited during startup ({_exit_status(proc)}). It starts "
+        "with 'spawn', which runs the main script again: a script that starts an engine must "
+        "do so under `if __name__ == \"__main__\":` (or use LLM(..., multiprocess=False))"
+    )
+
+
+def _stop_process(proc: BaseProcess) -> None:
+    if proc.is_alive():
+        proc.terminate()  # SIGTERM: the engine notifies its clients and exits
+        proc.join(10)
+    if proc.is_alive():
+        proc.kill()
+    proc.join()
+
+
+def _exit_status(proc: BaseProcess) -> str:
+    proc.join(1)  # its sentinel fires as it exits, a moment before its status is known
+    code = proc.exitcode
+    return f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+
+
+class _Resources:
+    """What a client's shutdown releases, apart from the client object (so that a finalizer
+    can release it at exit without keeping the client alive)."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.proc: BaseProcess | None = None
+        self.ctx = zmq.Context()
+        self.tmp_dir: str | None = None
+
+    def release(self) -> None:
+        self.stop.set()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(5)  # it polls every 100 ms
+        if self.proc is not None:
+            _stop_process(self.proc)
+        self.ctx.destroy(linger=0)
+        if self.tmp_dir is not None:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+
+
+class MPClient(ABC):
+    """A client of an engine core in another process: sockets, handshake, the receiver
+    thread, failure and shutdown. Subclasses deliver outputs to their callers."""
+
+    def __init__(
+        self,
+        args: EngineArgs | None = None,
+        *,
+        address: str | None = None,
+        client_index: int = 0,
+    ) -> None:
+        if args is None and address is None:
+            raise ValueError("give EngineArgs (to start an engine core) or an address")
+        self.client_index = client_index
+        self.dead_error: EngineDeadError | None = None
+        self._lock = threading.Lock()  # guards the input socket, dead_error and _pending
+        self._pending: dict[int, tuple[Future[Any], Any]] = {}  # call id -> (future, type)
+        self._call_ids = itertools.count()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._res = _Resources()
+        self._finalizer = weakref.finalize(self, self._res.release)  # runs at exit, too
+        try:
+            if args is not None:
+                if address is None:
+                    self._res.tmp_dir = tempfile.mkdtemp(prefix="v1-engine-")
+                    address = f"ipc://{self._res.tmp_dir}/engine"
+                self._res.proc = launch_engine_core(args, address)
+            self.address = address
+            self._connect(address)
+        except BaseException:
+            self._finalizer()
+            raise
+
+    def _connect(self, address: str) -> None:
+        ctx = self._res.ctx
+        self._input = ctx.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.SNDHWM, 0)  # sends never block
+        self._output = ctx.socket(zmq.DEALER)
+        self._output.setsockopt(zmq.ROUTING_ID, client_routing_id(self.client_index))
+        self._output.setsockopt(zmq.RCVHWM, 0)
+        # Before connecting, so that no disconnection goes unseen.
+        self._monitor = self._output.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._output.connect(output_address(address))
+        self._input.connect(address)
+        self._send(EngineCoreRequestType.HELLO, self.client_index)
+        waited_ms, proc = 0, self._res.proc
+        while not self._output.poll(100):
+            waited_ms += 100
+            if proc is not None and not proc.is_alive():
+                raise EngineDeadError(f"the engine core process died ({_exit_status(proc)})")
+            if proc is None and waited_ms >= CONNECT_TIMEOUT_S * 1000:
+                raise TimeoutError(
+                    f"no engine core answered at {address} within {CONNECT_TIMEOUT_S:.0f} s "
+                    f"(is one running there? is client_index {self.client_index} taken?)"
+                )
+        kind, payload = self._output.recv_multipart()
+        if kind != EngineCoreOutputType.READY.value:
+            raise RuntimeError(f"the engine core at {address} did not answer HELLO with READY")
+        ready = msgspec.msgpack.decode(payload, type=EngineCoreReady)
+        self.model_info = ModelInfo(
+            ready.model_name,
+            load_tokenizer(ready.model_dir),
+            ready.max_model_len,
+            ready.vocab_size,
+            ready.eos_token_id,
+            ready.stop_token_ids,
+        )
+        self._res.thread = threading.Thread(
+            target=self._receive, name="v1-core-client-output", daemon=True
+        )
+        self._res.thread.start()
+
+    # -- sending -----------------------------------------------------------------------
+
+    def _send(self, kind: EngineCoreRequestType, message: Any) -> None:
+        data = self._encoder.encode(message)
+        with self._lock:
+            if self.dead_error is not None:
+                raise self.dead_error
+            self._input.send_multipart((kind.value, data), copy=False)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        request.client_index = self.client_index
+        all_stop = list(request.sampling_params.all_stop_token_ids)
+        self._send(EngineCoreRequestType.ADD, AddRequest(request, all_stop))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            try:
+                self._send(EngineCoreRequestType.ABORT, request_ids)
+            except EngineDeadError:
+                pass  # a dead engine has nothing left to abort
+
+    def _utility_future(self, method: str, args: Sequence[Any]) -> Future[Any]:
+        future: Future[Any] = Future()
+        with self._lock:
+            if self.dead_error is not None:
+                raise self.dead_error
+            call_id = next(self._call_ids)
+            self._pending[call_id] = (future, _UTILITY_RESULT_TYPES.get(method, Any))
+        call = UtilityRequest(self.client_index, call_id, method, tuple(args))
+        self._send(EngineCoreRequestType.UTILITY, call)
+        return future
+
+    # -- receiving ---------------------------------------------------------------------
+
+    @abstractmethod
+    def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
+        """Hand outputs (or, once, the error that ends them) to whoever waits for them."""
+
+    def _receive(self) -> None:
+        """The receiver thread: route messages until stopped or the engine is dead."""
+        poller = zmq.Poller()
+        poller.register(self._output, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        proc = self._res.proc
+        if proc is not None:
+            poller.register(proc.sentinel, zmq.POLLIN)
+        outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        result_decoder = msgspec.msgpack.Decoder(UtilityResult)
+        try:
+            while not self._res.stop.is_set():
+                events = dict(poller.poll(100))
+                # Read what the engine sent before judging a disconnection or an exit: the
+                # death notice, when there is one, says why.
+                while self._output.poll(0):
+                    kind, payload = self._output.recv_multipart(copy=False)
+                    if kind.bytes == EngineCoreOutputType.OUTPUTS.value:
+                        outputs = outputs_decoder.decode(payload.buffer)
+                        if outputs.engine_error is not None:
+                            raise EngineDeadError(outputs.engine_error)
+                        self._deliver(outputs)
+                    elif kind.bytes == EngineCoreOutputType.UTILITY_RESULT.value:
+                        self._resolve(result_decoder.decode(payload.buffer))
+                if self._monitor in events or (proc is not None and proc.sentinel in events):
+                    if proc is None:
+                        raise EngineDeadError(f"the engine core at {self.address} disconnected")
+                    raise EngineDeadError(f"the engine core process died ({_exit_status(proc)})")
+        except EngineDeadError as e:
+            self._fail(e)
+        except Exception as e:  # a broken message or socket: nobody must wait forever
+            self._fail(EngineDeadError(f"lost the engine core at {self.address}: {e!r}"))
+
+    def _resolve(self, result: UtilityResult) -> None:
+        with self._lock:
+            future, result_type = self._pending.pop(result.call_id)
+        if result.error is not None:
+            future.set_exception(error_from_remote(*result.error))
+        else:
+            future.set_result(msgspec.msgpack.decode(result.result, type=result_type))
+
+    def _fail(self, error: EngineDeadError) -> None:
+        """The engine is gone: fail every waiting and later call with `error`."""
+        with self._lock:
+            if self.dead_error is not None:
+                return
+            self.dead_error = error
+            pending, self._pending = self._pending, {}
+        for future, _ in pending.values():
+            future.set_exception(error)
+        self._deliver(error)
+
+    def shutdown(self) -> None:
+        """Fail what still waits, stop the receiver thread, terminate the engine process if
+        this client started it (it removes its socket files), and free the sockets."""
+        self._fail(EngineDeadError("the engine core client was shut down"))
+        self._finalizer()
+
+    def __enter__(self) -> "MPClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+class SyncMPClient(MPClient, EngineCoreClient):
+    """A blocking client, for `LLM` / `LLMEngine`."""
+
+    def __init__(
+        self,
+        args: EngineArgs | None = None,
+        *,
+        address: str | None = None,
+        client_index: int = 0,
+    ) -> None:
+        self._outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
+        super().__init__(args, address=address, client_index=client_index)
+
+    def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
+        self._outputs.put(item)
+
+    def get_output(self) -> EngineCoreOutputs:
+        if self.dead_error is not None:
+            raise self.dead_error
+        item = self._outputs.get()
+        if isinstance(item, EngineDeadError):
+            self._outputs.put(item)  # for any other thread waiting here
+            raise item
+        return item
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        return self._utility_future(method, args).result()
+
+
+class AsyncMPClient(MPClient):
+    """An asyncio client, for `AsyncLLM`. It binds to the event loop it is first used in
+    (adding a request or awaiting outputs); use it from that loop only."""
+
+    def __init__(
+        self,
+        args: EngineArgs | None = None,
+        *,
+        address: str | None = None,
+        client_index: int = 0,
+    ) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._outputs: asyncio.Queue[EngineCoreOutputs | EngineDeadError] = asyncio.Queue()
+        super().__init__(args, address=address, client_index=client_index)
+
+    def _bind_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif self._loop is not loop:
+            raise RuntimeError("an AsyncMPClient is bound to the event loop it was first used in")
+
+    def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
+        loop = self._loop
+        if loop is None:
+            return  # never used: nothing to deliver to, and dead_error says the rest
+        try:
+            loop.call_soon_threadsafe(self._outputs.put_nowait, item)
+        except RuntimeError:
+            pass  # the loop is closed: nobody is left to wake
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._bind_loop()
+        super().add_request(request)
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        self._bind_loop()
+        if self.dead_error is not None:
+            raise self.dead_error
+        item = await self._outputs.get()
+        if isinstance(item, EngineDeadError):
+            self._outputs.put_nowait(item)
+            raise item
+        return item
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        return await asyncio.wrap_future(self._utility_future(method, args))

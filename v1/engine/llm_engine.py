@@ -25,7 +25,10 @@ class LLMEngine:
             info.stop_token_ids,
         )
         self.output_processor = OutputProcessor(info.tokenizer)
-        self._ids = itertools.count()
+        # Request ids must be unique across an engine core's clients: client 0 numbers its
+        # requests "0", "1", ...; client i > 0 "i-0", "i-1", ...
+        prefix = f"{client.client_index}-" if client.client_index else ""
+        self._ids = (f"{prefix}{i}" for i in itertools.count())
 
     def add_request(
         self,
@@ -35,7 +38,7 @@ class LLMEngine:
         priority: int = 0,
         output_kind: RequestOutputKind = RequestOutputKind.FINAL,
     ) -> str:
-        request_id = request_id or str(next(self._ids))
+        request_id = request_id or next(self._ids)
         request, text = self.processor.process_inputs(request_id, prompt, params, None, priority)
         for core_request in self.output_processor.add_request(request, text, output_kind):
             self.client.add_request(core_request)

@@ -1,12 +1,13 @@
 """`LLM`: offline batched generation, used like vLLM's."""
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from v1.config import EngineArgs
-from v1.engine.core_client import InprocClient
+from v1.engine.core_client import EngineCoreClient, InprocClient, SyncMPClient
 from v1.engine.llm_engine import LLMEngine
 from v1.engine.processor import PromptType
 from v1.outputs import RequestOutput, SchedulerStats
@@ -24,17 +25,37 @@ class LLM:
     >>> out[0].outputs[0].text
 
     Keyword arguments are the engine options of `EngineArgs` (vLLM's names).
-    `loaded_model` reuses weights already loaded in this process (several engines, one copy).
+    As in vLLM, the engine core runs in its own process (`SyncMPClient`), which `shutdown()`
+    (or leaving a `with` block, or the interpreter's exit) terminates. `multiprocess=False`,
+    or V1_ENABLE_MULTIPROCESSING=0 in the environment, runs it in this process instead.
+    `loaded_model` reuses weights already loaded in this process (several engines, one copy),
+    so it implies in-process.
     """
 
     def __init__(
-        self, model: str | None = None, *, loaded_model: LoadedModel | None = None, **kwargs: Any
+        self,
+        model: str | None = None,
+        *,
+        loaded_model: LoadedModel | None = None,
+        multiprocess: bool | None = None,
+        **kwargs: Any,
     ) -> None:
         unknown = set(kwargs) - set(EngineArgs.__slots__)
         if unknown:
             raise ValueError(f"unknown engine options {sorted(unknown)}")
+        if multiprocess is None:
+            multiprocess = (
+                loaded_model is None and os.environ.get("V1_ENABLE_MULTIPROCESSING", "1") != "0"
+            )
+        if multiprocess and loaded_model is not None:
+            raise ValueError("loaded_model needs multiprocess=False: its weights live here")
         self.engine_args = EngineArgs(model=model, **kwargs)
-        self.llm_engine = LLMEngine(InprocClient(self.engine_args, loaded_model))
+        client: EngineCoreClient = (
+            SyncMPClient(self.engine_args)
+            if multiprocess
+            else InprocClient(self.engine_args, loaded_model)
+        )
+        self.llm_engine = LLMEngine(client)
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer

@@ -94,16 +94,25 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # [T, 1, head_dim / 2]: broadcasts over the heads of q and of k.
-        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
+        cos, sin = self.cos_sin(positions, q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's tables for `_rotate`, [T, 1, head_dim] each: cat(cos, cos) and
+        cat(-sin, sin). Built once per forward and shared by every layer."""
+        cos = self.cos_cache[positions].to(dtype)
+        sin = self.sin_cache[positions].to(dtype)
+        return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), without building either concat.
+    """x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), with rotate_half(x) = cat(-x2, x1):
+    here the sign sits in the sin table, so the halves are only swapped. Each element is
+    x1 * c - x2 * s or x2 * c + x1 * s, rounded exactly as transformers rounds it."""
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return x * cos + torch.cat((x2, x1), dim=-1) * sin
 
 
 class RMSNorm(nn.Module):
@@ -148,20 +157,20 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         hidden_states: torch.Tensor,
-        rotary_emb: RotaryEmbedding,
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
-        q, k, v = self.qkv_proj(hidden_states).split(
-            [self.q_size, self.kv_size, self.kv_size], dim=-1
+        qkv = self.qkv_proj(hidden_states)
+        # q and k are adjacent in the fused output: rotate both heads' sets in one go.
+        qk = qkv[:, : self.q_size + self.kv_size].view(
+            num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
         )
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary_emb(positions, q, k)
+        qk = _rotate(qk, *rope)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         # The backend writes k/v into the paged cache and expands kv heads for GQA itself.
         out = self.attn.forward(q, k, v, kv_cache, attn_metadata)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
@@ -206,15 +215,14 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         hidden_states: torch.Tensor,
-        rotary_emb: RotaryEmbedding,
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         # Pre-norm residual blocks, in the same order of operations as transformers.
         attn_out = self.self_attn(
-            positions, self.input_layernorm(hidden_states), rotary_emb, kv_cache, attn_metadata
+            rope, self.input_layernorm(hidden_states), kv_cache, attn_metadata
         )
         hidden_states = hidden_states + attn_out
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
@@ -249,10 +257,9 @@ class LlamaModel(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
+        rope = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden_states = layer(
-                positions, hidden_states, self.rotary_emb, kv_cache, attn_metadata
-            )
+            hidden_states = layer(rope, hidden_states, kv_cache, attn_metadata)
         return self.norm(hidden_states)
 
 

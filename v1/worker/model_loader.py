@@ -119,7 +119,7 @@ def load_model(
     llm.load_weights(_iter_safetensors(model_dir))
     llm.eval()
 
-    tokenizer = _load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     eos_token_id, stop_token_ids = _eos_ids(model_dir, hf_config, tokenizer)
     loaded = LoadedModel(
         model=llm,
@@ -146,7 +146,11 @@ def _iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def _load_tokenizer(model_dir: Path) -> PreTrainedTokenizerFast | None:
+def load_tokenizer(model_dir: str | os.PathLike[str]) -> PreTrainedTokenizerFast | None:
+    """The tokenizer of an HF-format model directory (`LoadedModel.model_dir`), or None when it
+    has no tokenizer files. Light: reads no weights, so a frontend whose engine core runs in
+    another process loads only this."""
+    model_dir = Path(model_dir)
     has_tokenizer = any(
         (model_dir / name).is_file()
         for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")

@@ -1,5 +1,32 @@
-"""Attention in plain torch: the CPU backend and the reference for the Triton kernels."""
+"""Attention in plain torch: the CPU backend, and the reference for the Triton kernels.
 
+Two implementations of the same contract (see `abstract.py`):
+
+- `paged_attention_reference`: per request, gather its context K/V out of the blocks and run
+  causal SDPA. Short and obviously right; the Triton tests compare against it.
+- `paged_attention`: what `TorchAttentionImpl` runs. Same results up to float rounding, planned
+  once per step (`AttentionPlan`) and shared by every layer:
+  * decodes (one query each) are batched: their K/V blocks are gathered into one padded
+    [R, kv_heads, S, D] view and attended in one SDPA call, in buckets of similar length so
+    that padding stays small;
+  * prefills attend to their fresh K/V directly when they have no context (no cache read),
+    else to their gathered context, one SDPA call each;
+  * cascade: requests whose leading blocks are the same physical blocks (a shared system
+    prompt hit in the prefix cache) attend to that shared prefix together, in one call over
+    all their queries, which reads the prefix once instead of once per request. Each request
+    then attends to the rest of its context alone, and the two partial results are merged
+    with their log-sum-exps: with l_p, l_r the prefix's and the rest's logsumexp of the
+    scaled scores, out = o_r + sigmoid(l_p - l_r) * (o_p - o_r).
+
+SDPA gets 4-D [batch, heads, len, dim] tensors: on CPU that selects the flash kernel (blocked,
+GQA aware, strided inputs), which is several times faster than the math fallback that 3-D
+inputs get.
+"""
+
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -9,24 +36,17 @@ from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata
 def write_kv_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
+    """Store token i's K/V at flat slot `slot_mapping[i]`; a negative slot is padding and
+    stores nothing. Rows of key/value beyond `len(slot_mapping)` are ignored."""
     n = slot_mapping.shape[0]
+    key, value = key[:n], value[:n]
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
-    flat[0].index_copy_(0, slot_mapping, key[:n])
-    flat[1].index_copy_(0, slot_mapping, value[:n])
-
-
-class TorchAttentionImpl(AttentionImpl):
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-        return paged_attention_reference(query, kv_cache, metadata, self.scale)
+    flat[0].index_copy_(0, slot_mapping, key)
+    flat[1].index_copy_(0, slot_mapping, value)
 
 
 def paged_attention_reference(
@@ -39,19 +59,320 @@ def paged_attention_reference(
     for r, seq_len in enumerate(metadata.seq_lens_cpu.tolist()):
         q_start, q_end = int(starts[r]), int(starts[r + 1])
         q_len = q_end - q_start
+        if q_len == 0:
+            continue
         num_blocks = -(-seq_len // block_size)
         blocks = metadata.block_table[r, :num_blocks].long()
         k = kv_cache[0, blocks].flatten(0, 1)[:seq_len]  # [seq_len, kvh, d]
         v = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
-        q = query[q_start:q_end].transpose(0, 1)  # [h, q_len, d]
         # Query i sits at position seq_len - q_len + i and sees keys up to there.
         mask = None
         if q_len > 1:
-            pos_q = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-            mask = torch.arange(seq_len).unsqueeze(0) <= pos_q
-        o = F.scaled_dot_product_attention(
-            q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale,
-            enable_gqa=True,
+            pos_q = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
+            mask = torch.arange(seq_len, device=query.device).unsqueeze(0) <= pos_q
+        o = F.scaled_dot_product_attention(  # [1, h, q_len, d]
+            query[q_start:q_end].transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask, scale=scale, enable_gqa=True,
         )
-        out[q_start:q_end] = o.transpose(0, 1)
+        out[q_start:q_end] = o[0].transpose(0, 1)
+    return out
+
+
+class TorchAttentionImpl(AttentionImpl):
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        plan = AttentionPlan.for_step(metadata, kv_cache.shape[2])
+        plan.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        return paged_attention(query, key, value, kv_cache, plan, self.scale)
+
+
+# ---- the fast path ------------------------------------------------------------------------------
+
+# Share a prefix only when it saves at least this many token reads in total.
+MIN_CASCADE_SAVING = 256
+# Decodes are padded to the longest of their bucket. A decode starts a new bucket (one more
+# SDPA call) only when the bucket's shortest member would be padded by more than this many
+# tokens and by more than BUCKET_RATIO times its own length.
+BUCKET_MIN_PAD = 256
+BUCKET_RATIO = 1.5
+
+
+class _Rows:
+    """A set of query rows: a slice when they are contiguous (views, no copies), else an
+    index tensor."""
+
+    __slots__ = ("index", "start", "stop")
+
+    def __init__(self, rows: np.ndarray, device: torch.device) -> None:
+        rows = np.asarray(rows, dtype=np.int64)
+        self.start, self.stop = int(rows[0]), int(rows[-1]) + 1
+        contiguous = self.stop - self.start == len(rows) and bool(np.all(np.diff(rows) == 1))
+        self.index = None if contiguous else torch.from_numpy(rows).to(device)
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        return x[self.start : self.stop] if self.index is None else x.index_select(0, self.index)
+
+    def put(self, out: torch.Tensor, value: torch.Tensor) -> None:
+        if self.index is None:
+            out[self.start : self.stop] = value
+        else:
+            out.index_copy_(0, self.index, value)
+
+
+@dataclass(slots=True)
+class _Prefill:
+    q_start: int
+    q_end: int
+    seq_len: int
+    start: int  # first key position attended here (the group's prefix length, or 0)
+    blocks: torch.Tensor | None  # int64 block ids covering [start, seq_len); None: fresh K/V
+    mask: torch.Tensor | None  # float [q_len, seq_len - start], -inf: hidden; None: causal
+    need_lse: bool
+
+
+@dataclass(slots=True)
+class _DecodeBucket:
+    rows: _Rows  # the query rows of these decodes
+    blocks: torch.Tensor  # int64 [R * nb]: their blocks after their group's prefix, padded
+    mask: torch.Tensor | None  # float [R, 1, 1, nb * B], -inf on padding; None: no padding
+    # Rows (of R * nb * B) of the gathered K/V past each sequence's end: zeroed after the
+    # gather, because such a slot may hold anything (NaN included) and NaN * 0 is NaN.
+    pad_rows: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class _Group:
+    rows: _Rows  # the query rows of all members
+    blocks: torch.Tensor  # int64 [k]: the shared prefix blocks
+
+
+@dataclass(slots=True)
+class AttentionPlan:
+    """What every layer of one step needs, derived once from the step's metadata (host side)."""
+
+    num_tokens: int
+    block_size: int
+    any_padding_slot: bool
+    prefills: list[_Prefill] = field(default_factory=list)
+    decodes: list[_DecodeBucket] = field(default_factory=list)
+    groups: list[_Group] = field(default_factory=list)
+
+    _local = threading.local()
+
+    @classmethod
+    def for_step(cls, metadata: AttentionMetadata, block_size: int) -> "AttentionPlan":
+        """The plan of this metadata, built by the first layer and reused by the others."""
+        cached = getattr(cls._local, "cached", None)
+        if cached is not None and cached[0] is metadata and cached[1].block_size == block_size:
+            return cached[1]
+        plan = cls.build(metadata, block_size)
+        cls._local.cached = (metadata, plan)
+        return plan
+
+    @classmethod
+    def build(cls, metadata: AttentionMetadata, block_size: int) -> "AttentionPlan":
+        dev = metadata.slot_mapping.device
+        B = block_size
+        qsl = np.asarray(metadata.query_start_loc_cpu, dtype=np.int64)
+        seq_lens = np.asarray(metadata.seq_lens_cpu, dtype=np.int64)
+        num_reqs = len(seq_lens)
+        q_lens = qsl[1 : num_reqs + 1] - qsl[:num_reqs]
+        table = metadata.block_table.cpu().numpy()
+        num_blocks = -(-seq_lens // B)
+        ctx_blocks = (seq_lens - q_lens) // B  # full blocks entirely before the queries
+        slots = metadata.slot_mapping
+        plan = cls(
+            num_tokens=int(qsl[num_reqs]),
+            block_size=B,
+            any_padding_slot=bool(slots.numel()) and bool((slots < 0).any()),
+        )
+
+        def tensor(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(dev)
+
+        # Cascade groups: requests whose leading blocks are the same physical blocks.
+        prefix = np.zeros(num_reqs, dtype=np.int64)  # shared prefix blocks per request
+        active = np.flatnonzero((q_lens > 0) & (ctx_blocks > 0))
+        if len(active) > 1:
+            first = table[active, 0]
+            for b in np.unique(first):
+                members = active[first == b]
+                if len(members) < 2:
+                    continue
+                ref = members[np.argmax(ctx_blocks[members])]
+                width = int(ctx_blocks[members].max())
+                same = table[members, :width] == table[ref, :width]
+                same &= np.arange(width)[None, :] < ctx_blocks[members][:, None]
+                # lcp[i]: leading blocks member i shares with the reference row.
+                lcp = np.where(same.all(1), width, np.argmin(same, axis=1))
+                # Keep the members and prefix length that save the most reads.
+                order = np.argsort(-lcp, kind="stable")
+                saving = lcp[order] * np.arange(len(order))  # (n - 1) * k for the top n
+                best = int(np.argmax(saving))
+                if saving[best] * B < MIN_CASCADE_SAVING:
+                    continue
+                k = int(lcp[order[best]])
+                chosen = np.sort(members[order[: best + 1]])
+                prefix[chosen] = k
+                tokens = np.concatenate([np.arange(qsl[r], qsl[r + 1]) for r in chosen])
+                plan.groups.append(_Group(_Rows(tokens, dev), tensor(table[ref, :k])))
+
+        # Decodes: batched, bucketed by the number of blocks left after their prefix.
+        dec = np.flatnonzero(q_lens == 1)
+        if len(dec):
+            rest = num_blocks[dec] - prefix[dec]
+            order = np.argsort(rest, kind="stable")
+            dec, rest = dec[order], rest[order]
+            cut = [0]
+            for i in range(1, len(dec)):
+                pad = rest[i] - rest[cut[-1]]
+                if pad * B > BUCKET_MIN_PAD and rest[i] > BUCKET_RATIO * rest[cut[-1]]:
+                    cut.append(i)
+            cut.append(len(dec))
+            for lo, hi in zip(cut[:-1], cut[1:]):
+                nb = int(rest[hi - 1])
+                keep = np.argsort(dec[lo:hi])  # back in query order: rows may be a slice
+                rows, n = dec[lo:hi][keep], rest[lo:hi][keep]
+                j = np.arange(nb)[None, :]
+                cols = prefix[rows, None] + np.where(j < n[:, None], j, 0)
+                blocks = table[rows[:, None], cols]
+                pos = prefix[rows, None] * B + np.arange(nb * B)[None, :]
+                pad = pos >= seq_lens[rows, None]
+                mask = pad_rows = None
+                if pad.any():
+                    m = np.where(pad, -np.inf, 0.0).astype(np.float32)[:, None, None, :]
+                    mask = torch.from_numpy(m).to(dev)
+                    pad_rows = tensor(np.flatnonzero(pad))
+                plan.decodes.append(_DecodeBucket(
+                    _Rows(qsl[rows], dev), tensor(blocks.reshape(-1)), mask, pad_rows
+                ))
+
+        # Prefill chunks (and anything with more than one query): one call each.
+        for r in np.flatnonzero(q_lens > 1).tolist():
+            seq_len, q_len = int(seq_lens[r]), int(q_lens[r])
+            start = int(prefix[r]) * B
+            blocks = mask = None
+            if seq_len > q_len:
+                blocks = tensor(table[r, start // B : num_blocks[r]])
+                pos_q = np.arange(seq_len - q_len, seq_len)[:, None]
+                hidden = np.arange(start, seq_len)[None, :] > pos_q
+                mask = torch.from_numpy(np.where(hidden, -np.inf, 0).astype(np.float32)).to(dev)
+            plan.prefills.append(_Prefill(
+                int(qsl[r]), int(qsl[r + 1]), seq_len, start, blocks, mask, start > 0
+            ))
+        return plan
+
+    def write_kv_cache(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        if self.any_padding_slot:
+            write_kv_cache(key, value, kv_cache, slot_mapping)
+            return
+        n = slot_mapping.shape[0]
+        flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
+        flat[0].index_copy_(0, slot_mapping, key[:n])
+        flat[1].index_copy_(0, slot_mapping, value[:n])
+
+
+def _sdpa_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDPA on [b, h, q, d] / [b, kvh, k, d] that also returns logsumexp [b, h, q] of the
+    scaled, masked scores (natural log). `mask` is additive (float)."""
+    if _flash_with_lse is not None:
+        out, lse = _flash_with_lse(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+        return out, lse
+    # Portable fallback: the same in plain ops.
+    ratio = q.shape[1] // k.shape[1]
+    if ratio > 1:
+        k, v = k.repeat_interleave(ratio, 1), v.repeat_interleave(ratio, 1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores + mask
+    lse = scores.logsumexp(-1)
+    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v), lse
+
+
+# The CPU flash kernel behind SDPA, which also returns the logsumexp (a private aten op:
+# looked up once, with the plain-ops fallback above if this torch lacks it).
+_flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _gather(kv_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """K and V of `blocks`, in order: [2, len(blocks) * B, kvh, d] (one copy for both)."""
+    two, num_blocks, B, kvh, d = kv_cache.shape
+    out = kv_cache.view(2, num_blocks, B * kvh * d).index_select(1, blocks)
+    return out.view(2, -1, kvh, d)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    plan: AttentionPlan,
+    scale: float,
+) -> torch.Tensor:
+    """The step's attention for query [T, h, d]; key/value are this step's new K/V (already
+    in the cache). Matches `paged_attention_reference` up to float rounding; like it, it
+    never lets a slot past a sequence's end change the result."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    out = torch.empty_like(query)
+    lse = None
+    if plan.groups:
+        lse = torch.empty(query.shape[0], num_heads, dtype=torch.float32, device=query.device)
+
+    for bucket in plan.decodes:
+        q = bucket.rows.take(query).unsqueeze(2)  # [R, h, 1, d]
+        R = q.shape[0]
+        kv = _gather(kv_cache, bucket.blocks)
+        if bucket.pad_rows is not None:
+            kv.view(2, kv.shape[1], -1).index_fill_(1, bucket.pad_rows, 0.0)
+        kv = kv.view(2, R, -1, *kv_cache.shape[3:])
+        k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [R, kvh, S, d], strided
+        if lse is None:
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=bucket.mask, scale=scale, enable_gqa=True
+            )
+        else:
+            o, o_lse = _sdpa_lse(q, k, v, bucket.mask, scale)
+            bucket.rows.put(lse, o_lse.reshape(R, num_heads))
+        bucket.rows.put(out, o.reshape(R, num_heads, head_dim))
+
+    for p in plan.prefills:
+        q = query[p.q_start : p.q_end].transpose(0, 1).unsqueeze(0)  # [1, h, q_len, d]
+        if p.blocks is None:  # no context: the fresh K/V are the whole sequence
+            k, v = key[p.q_start : p.q_end], value[p.q_start : p.q_end]
+        else:
+            k, v = _gather(kv_cache, p.blocks)[:, : p.seq_len - p.start].unbind(0)
+        k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        if p.need_lse:
+            assert lse is not None
+            o, o_lse = _sdpa_lse(q, k, v, p.mask, scale)
+            lse[p.q_start : p.q_end] = o_lse[0].transpose(0, 1)
+        else:
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=p.mask, is_causal=p.mask is None, scale=scale,
+                enable_gqa=True,
+            )
+        out[p.q_start : p.q_end] = o[0].transpose(0, 1)
+
+    for g in plan.groups:
+        assert lse is not None
+        kv = _gather(kv_cache, g.blocks)
+        k, v = kv[0].transpose(0, 1).unsqueeze(0), kv[1].transpose(0, 1).unsqueeze(0)
+        q = g.rows.take(query).transpose(0, 1).unsqueeze(0)  # [1, h, Tg, d]
+        o_p, l_p = _sdpa_lse(q, k, v, None, scale)
+        o_p, l_p = o_p[0].transpose(0, 1), l_p[0].transpose(0, 1)  # [Tg, h, d], [Tg, h]
+        o_r, l_r = g.rows.take(out), g.rows.take(lse)
+        g.rows.put(out, torch.lerp(o_r, o_p, torch.sigmoid(l_p - l_r).unsqueeze(-1)))
     return out

@@ -1,0 +1,219 @@
+"""Offline throughput without shared prefixes: the engine against HF transformers `generate`.
+
+nano-vllm's benchmark scaled to a 2-core CPU: `--num-seqs` prompts of random token ids with
+random input lengths in `--input-len` and random output lengths in `--output-len` (fixed seed),
+every request generating exactly its output length (ignore_eos; min_new_tokens on HF). HF runs
+the same prompts in left-padded batches of `--hf-batch-size`; a batch generates as many tokens
+as its longest request wants (static batching), and only the requested tokens are counted.
+With `--hf-sort` (default) HF batches requests of similar output length together, to waste
+less.
+
+`--decode` measures batched decode instead: `--decode-seqs` concurrent requests of
+`--decode-input-len` random tokens, each generating `--decode-output-len` tokens. The decode
+rate is the difference of two runs, one generating 1 token (prefill) and one generating all:
+
+    decode_tok_s = seqs * (output_len - 1) / (t_all - t_prefill)
+
+Prints a table, then one JSON line (engine_tok_s, hf_tok_s, speedup, ...; with --decode:
+decode_tok_s, ...). `--out DIR` writes throughput.json / decode.json and a PNG.
+
+    .venv/bin/python bench/bench_throughput.py
+    .venv/bin/python bench/bench_throughput.py --decode --no-hf
+"""
+
+import argparse
+import json
+import random
+import sys
+import time
+from typing import Any
+
+from common import (
+    add_common_args,
+    agreement,
+    bar,
+    environment,
+    hf_generate,
+    load,
+    load_hf,
+    make_llm,
+    median,
+    print_table,
+    setup_threads,
+    write_outputs,
+)
+
+
+def random_prompts(
+    rng: random.Random, n: int, lens: tuple[int, int], vocab: int
+) -> list[list[int]]:
+    # Ids from the vocabulary's ordinary range (skip the first 256: special and byte tokens).
+    return [[rng.randrange(256, vocab) for _ in range(rng.randint(*lens))] for _ in range(n)]
+
+
+def timed_generate(llm: Any, prompts: list[list[int]], params: Any) -> tuple[float, list]:
+    llm.reset_prefix_cache()
+    t0 = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return time.perf_counter() - t0, outputs
+
+
+def throughput(args: argparse.Namespace, loaded: Any, engine_kwargs: dict[str, Any]) -> None:
+    from v1.sampling_params import SamplingParams
+
+    rng = random.Random(args.seed)
+    vocab = int(loaded.hf_config.vocab_size)
+    prompts = random_prompts(rng, args.num_seqs, tuple(args.input_len), vocab)
+    out_lens = [rng.randint(*args.output_len) for _ in prompts]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in out_lens]
+    num_in, num_out = sum(map(len, prompts)), sum(out_lens)
+    print(f"{len(prompts)} requests, {num_in} prompt tokens, {num_out} output tokens",
+          file=sys.stderr)
+
+    llm = make_llm(loaded, **engine_kwargs)
+    timed_generate(llm, [prompts[0][:32]], SamplingParams(max_tokens=2, ignore_eos=True))
+    times, outputs = [], []
+    for r in range(args.repeat):
+        t, outputs = timed_generate(llm, prompts, params)
+        times.append(t)
+        print(f"run {r}: engine {t:.2f} s", file=sys.stderr)
+    llm.shutdown()
+    engine_tokens = [o.outputs[0].token_ids for o in outputs]
+    assert [len(t) for t in engine_tokens] == out_lens
+
+    hf_times: list[float] = []
+    hf_tokens = None
+    if not args.no_hf:
+        hf = load_hf(loaded)
+        order = sorted(range(len(prompts)), key=lambda i: out_lens[i]) if args.hf_sort else list(
+            range(len(prompts)))
+        pad = loaded.tokenizer.pad_token_id if loaded.tokenizer is not None else 0
+        for r in range(args.hf_repeat):
+            t, hf_sorted = hf_generate(
+                hf, [prompts[i] for i in order], [out_lens[i] for i in order],
+                args.hf_batch_size, pad or 0,
+                lambda done, total: print(f"  hf {done}/{total}", file=sys.stderr),
+            )
+            hf_times.append(t)
+            print(f"run {r}: hf {t:.2f} s", file=sys.stderr)
+        hf_tokens = [[] for _ in prompts]
+        for i, toks in zip(order, hf_sorted):
+            hf_tokens[i] = toks
+        del hf
+
+    engine_s = median(times)
+    hf_s = median(hf_times) if hf_times else None
+    result: dict[str, Any] = {
+        "bench": "throughput",
+        "requests": len(prompts),
+        "prompt_tokens": num_in,
+        "output_tokens": num_out,
+        "engine_s": round(engine_s, 3),
+        "hf_s": round(hf_s, 3) if hf_s else None,
+        "engine_tok_s": round(num_out / engine_s, 1),
+        "hf_tok_s": round(num_out / hf_s, 1) if hf_s else None,
+        "speedup": round(hf_s / engine_s, 2) if hf_s else None,
+        "engine_total_tok_s": round((num_in + num_out) / engine_s, 1),
+        "engine_runs_s": [round(t, 3) for t in times],
+        "hf_runs_s": [round(t, 3) for t in hf_times],
+        **environment(),
+    }
+    if hf_tokens is not None:
+        result["hf_agreement"] = {k: round(v, 4) for k, v in
+                                  agreement(engine_tokens, hf_tokens).items()}
+    rows = [["engine", engine_s, num_out / engine_s, (num_in + num_out) / engine_s]]
+    if hf_s:
+        rows.append([f"HF generate (batch {args.hf_batch_size})", hf_s, num_out / hf_s,
+                     (num_in + num_out) / hf_s])
+    print_table(["run", "seconds", "out tok/s", "total tok/s"], rows)
+
+    def plot(fig: Any) -> None:
+        labels = [r[0] for r in rows]
+        bar(fig.add_subplot(1, 2, 1), labels, [r[1] for r in rows], "seconds (median)",
+            f"{len(prompts)} random prompts, {num_out} output tokens")
+        bar(fig.add_subplot(1, 2, 2), labels, [r[2] for r in rows], "output tokens/s",
+            "throughput")
+
+    write_outputs(args.out, "throughput", result, plot)
+    print(json.dumps(result))
+
+
+def decode(args: argparse.Namespace, loaded: Any, engine_kwargs: dict[str, Any]) -> None:
+    from v1.sampling_params import SamplingParams
+
+    rng = random.Random(args.seed)
+    vocab = int(loaded.hf_config.vocab_size)
+    n, out_len = args.decode_seqs, args.decode_output_len
+    prompts = random_prompts(rng, n, (args.decode_input_len, args.decode_input_len), vocab)
+    engine_kwargs = dict(engine_kwargs, max_num_seqs=max(n, args.max_num_seqs))
+    llm = make_llm(loaded, **engine_kwargs)
+    timed_generate(llm, [prompts[0][:32]], SamplingParams(max_tokens=2, ignore_eos=True))
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    full = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+    prefill_times, full_times, rates = [], [], []
+    for r in range(args.repeat):
+        t1, _ = timed_generate(llm, prompts, one)
+        tn, outputs = timed_generate(llm, prompts, full)
+        assert all(len(o.outputs[0].token_ids) == out_len for o in outputs)
+        prefill_times.append(t1)
+        full_times.append(tn)
+        rates.append(n * (out_len - 1) / (tn - t1))
+        print(f"run {r}: prefill+1 {t1:.2f} s, all {tn:.2f} s, decode {rates[-1]:.1f} tok/s",
+              file=sys.stderr)
+    llm.shutdown()
+    decode_tok_s = median(rates)
+    step_ms = 1e3 * n / decode_tok_s
+    result = {
+        "bench": "decode",
+        "concurrent": n,
+        "input_len": args.decode_input_len,
+        "output_len": out_len,
+        "decode_tok_s": round(decode_tok_s, 1),
+        "decode_step_ms": round(step_ms, 2),
+        "prefill_s": round(median(prefill_times), 3),
+        "total_s": round(median(full_times), 3),
+        "total_out_tok_s": round(n * out_len / median(full_times), 1),
+        "decode_runs_tok_s": [round(x, 1) for x in rates],
+        **environment(),
+    }
+    print_table(["concurrent", "context", "decode tok/s", "step ms", "prefill s", "total s"],
+                [[n, f"{args.decode_input_len}..{args.decode_input_len + out_len}",
+                  decode_tok_s, step_ms, median(prefill_times), median(full_times)]])
+
+    def plot(fig: Any) -> None:
+        bar(fig.add_subplot(1, 1, 1), [f"{n} concurrent"], [decode_tok_s], "output tokens/s",
+            f"batched decode, context {args.decode_input_len}..{args.decode_input_len + out_len}")
+
+    write_outputs(args.out, "decode", result, plot)
+    print(json.dumps(result))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-seqs", type=int, default=64)
+    parser.add_argument("--input-len", type=int, nargs=2, default=[50, 500], metavar=("MIN", "MAX"))
+    parser.add_argument("--output-len", type=int, nargs=2, default=[50, 250],
+                        metavar=("MIN", "MAX"))
+    parser.add_argument("--hf-sort", action=argparse.BooleanOptionalAction, default=True,
+                        help="batch HF requests by output length (less static-batching waste)")
+    parser.add_argument("--decode", action="store_true",
+                        help="measure batched decode throughput instead")
+    parser.add_argument("--decode-seqs", type=int, default=64)
+    parser.add_argument("--decode-input-len", type=int, default=128)
+    parser.add_argument("--decode-output-len", type=int, default=128)
+    add_common_args(parser)
+    args = parser.parse_args()
+    setup_threads(args)
+    loaded = load(args.model)
+    engine_kwargs: dict[str, Any] = dict(max_num_seqs=args.max_num_seqs)
+    if args.max_num_batched_tokens:
+        engine_kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.decode:
+        decode(args, loaded, engine_kwargs)
+    else:
+        throughput(args, loaded, engine_kwargs)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""Helpers shared by the end-to-end benchmarks (bench_prefix_cache.py, bench_throughput.py).
+
+- loading the model once for the engine and for the HF transformers baseline (the baseline reads
+  the HF-format directory the engine's loader produced, so both run the very same fp32 weights);
+- building an in-process `LLM` on already loaded weights, whatever the engine's default
+  process layout is;
+- HF `generate` in left-padded batches with exactly the requested number of new tokens;
+- the output: a fixed-width table, a PNG, and one JSON object as the last line of stdout.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="a .gguf file or HF model directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch intra-op threads (0: leave torch's default)")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="engine runs per configuration; the median is reported")
+    parser.add_argument("--hf-batch-size", type=int, default=8, help="HF generate batch size")
+    parser.add_argument("--hf-repeat", type=int, default=1,
+                        help="HF baseline runs (the median is reported)")
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--out", default=None, help="directory for the JSON result and a PNG plot")
+
+
+def setup_threads(args: argparse.Namespace) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+
+def load(model: str | None):
+    """The engine's `LoadedModel` (fp32, CPU, torch attention backend)."""
+    from v1.attention.backends.torch_attn import TorchAttentionImpl
+    from v1.worker.model_loader import load_model
+
+    return load_model(model, torch.float32, torch.device("cpu"), TorchAttentionImpl)
+
+
+def make_llm(loaded: Any, **kwargs: Any):
+    """An `LLM` in this process on `loaded`'s weights (no second copy, no engine process)."""
+    from v1.config import EngineArgs
+    from v1.entrypoints.llm import LLM
+
+    if "multiprocess" in getattr(EngineArgs, "__slots__", ()):
+        kwargs.setdefault("multiprocess", False)
+    os.environ.setdefault("V1_ENABLE_MULTIPROCESSING", "0")
+    return LLM(loaded_model=loaded, **kwargs)
+
+
+def load_hf(loaded: Any):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(loaded.model_dir, dtype=torch.float32)
+    return model.eval()
+
+
+@torch.inference_mode()
+def hf_generate(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    output_lens: Sequence[int],
+    batch_size: int,
+    pad_token_id: int,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[float, list[list[int]]]:
+    """Greedy `generate` over batches of `batch_size` consecutive prompts, left-padded.
+
+    Each batch generates exactly max(output_lens of the batch) tokens (min_new_tokens =
+    max_new_tokens, so EOS cannot end it early); a request's output is cut to its own length.
+    Returns the wall time and the outputs.
+    """
+    outputs: list[list[int]] = []
+    t0 = time.perf_counter()
+    for start in range(0, len(prompts), batch_size):
+        batch = prompts[start : start + batch_size]
+        lens = output_lens[start : start + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, p in enumerate(batch):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        n = max(lens)
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+            do_sample=False, pad_token_id=pad_token_id, eos_token_id=None,
+        )
+        outputs.extend(row[width : width + k].tolist() for row, k in zip(out, lens))
+        if progress:
+            progress(start + len(batch), len(prompts))
+    return time.perf_counter() - t0, outputs
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int:
+    """Index of the first differing token (len of the shorter when one prefixes the other)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def agreement(ours: Sequence[Sequence[int]], ref: Sequence[Sequence[int]]) -> dict[str, float]:
+    """How far greedy outputs agree: exact matches, and the mean identical prefix fraction.
+    (fp32 rounding differs between batched/padded HF and the engine, so near-ties can flip.)"""
+    exact = sum(list(a) == list(b) for a, b in zip(ours, ref))
+    prefix = [first_divergence(a, b) / max(1, len(b)) for a, b in zip(ours, ref)]
+    return {"exact_match": exact / max(1, len(ref)),
+            "mean_common_prefix": statistics.fmean(prefix) if prefix else 0.0}
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def print_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    cells = [[str(h) for h in header]] + [
+        [f"{c:.3f}" if isinstance(c, float) else str(c) for c in row] for row in rows
+    ]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    for j, row in enumerate(cells):
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                        for i, (c, w) in enumerate(zip(row, widths))))
+        if j == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def write_outputs(out_dir: str | None, name: str, result: dict[str, Any],
+                  plot: Callable[[Any], None]) -> None:
+    """`out_dir/name.json` and `out_dir/name.png` (plot(fig) draws on a fresh figure)."""
+    if not out_dir:
+        return
+    path = Path(out_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=(10, 4))
+    plot(fig)
+    fig.tight_layout()
+    fig.savefig(path / f"{name}.png", dpi=120)
+    plt.close(fig)
+
+
+def bar(ax: Any, labels: Sequence[str], values: Sequence[float], ylabel: str, title: str) -> None:
+    bars = ax.bar(labels, values, color=["tab:blue", "tab:orange", "tab:gray", "tab:green"]
+                  [: len(labels)])
+    for b, v in zip(bars, values):
+        ax.annotate(f"{v:.3g}", (b.get_x() + b.get_width() / 2, b.get_height()),
+                    ha="center", va="bottom")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+
+
+def environment() -> dict[str, Any]:
+    return {"torch": torch.__version__, "threads": torch.get_num_threads(),
+            "cpus": os.cpu_count()}

@@ -1,0 +1,236 @@
+"""The torch backend's fast path (batched decodes, cascade over shared prefixes) against its
+per-request reference and against dense float64 attention; the cache write's padding rule."""
+
+import numpy as np
+import pytest
+import torch
+
+from v1.attention.backends import torch_attn
+from v1.attention.backends.abstract import AttentionMetadata, kv_cache_shape
+from v1.attention.backends.torch_attn import (
+    AttentionPlan,
+    TorchAttentionImpl,
+    paged_attention_reference,
+    write_kv_cache,
+)
+
+ATOL, RTOL = 2e-5, 1e-5
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Batch:
+    """A packed step over a shuffled block pool. Requests of one group share their first
+    `prefix` tokens' blocks (the same physical blocks, as after prefix-cache hits). Unused
+    slots hold NaN, so reading one unmasked poisons the output; the shared blocks are written
+    in the step itself when a member's new tokens cover them (a cold prompt and its hits
+    scheduled together)."""
+
+    def __init__(self, reqs, prefixes, num_heads, num_kv_heads, head_size, block_size, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        B = block_size
+        shape = (num_kv_heads, head_size)
+        group_kv = {
+            g: (torch.randn(n, *shape, generator=gen), torch.randn(n, *shape, generator=gen))
+            for g, n in prefixes.items()
+        }
+        own_blocks = [cdiv(s, B) - (prefixes[g] // B if g is not None else 0) for _, s, g in reqs]
+        num_blocks = sum(own_blocks) + sum(n // B for n in prefixes.values()) + 2
+        pool = iter(torch.randperm(num_blocks, generator=gen).tolist())
+        group_blocks = {g: [next(pool) for _ in range(n // B)] for g, n in prefixes.items()}
+        written_in_step = {g for g, n in prefixes.items()
+                           if any(grp == g and s - q < n for q, s, grp in reqs)}
+        max_blocks = max(cdiv(s, B) for _, s, _ in reqs) + 1
+        table = np.full((len(reqs), max_blocks), next(pool), dtype=np.int32)  # stale padding
+        self.kv_cache = torch.full(kv_cache_shape(num_blocks, B, *shape), float("nan"))
+        q, k_new, v_new, slots = [], [], [], []
+        self.full_k, self.full_v, self.reqs = [], [], reqs
+        for r, (q_len, seq_len, g) in enumerate(reqs):
+            shared = group_blocks.get(g, [])
+            blocks = shared + [next(pool) for _ in range(own_blocks[r])]
+            table[r, : len(blocks)] = blocks
+            n_shared = len(shared) * B
+            k = torch.randn(seq_len, *shape, generator=gen)
+            v = torch.randn(seq_len, *shape, generator=gen)
+            if g is not None:
+                k[:n_shared], v[:n_shared] = group_kv[g]
+            self.full_k.append(k)
+            self.full_v.append(v)
+            pos = torch.arange(seq_len)
+            req_slots = torch.tensor(blocks)[pos // B].long() * B + pos % B
+            ctx = seq_len - q_len
+            first = n_shared if g in written_in_step else 0
+            if ctx > first:
+                write_kv_cache(k[first:ctx], v[first:ctx], self.kv_cache, req_slots[first:ctx])
+            slots.append(req_slots[ctx:])
+            k_new.append(k[ctx:])
+            v_new.append(v[ctx:])
+            q.append(torch.randn(q_len, num_heads, head_size, generator=gen))
+        q_lens = np.array([r[0] for r in reqs], dtype=np.int32)
+        seq_lens = np.array([r[1] for r in reqs], dtype=np.int32)
+        qsl = np.zeros(len(reqs) + 1, dtype=np.int32)
+        np.cumsum(q_lens, out=qsl[1:])
+        self.metadata = AttentionMetadata(
+            num_actual_tokens=int(qsl[-1]), max_query_len=int(q_lens.max()),
+            max_seq_len=int(seq_lens.max()), query_start_loc=torch.from_numpy(qsl),
+            seq_lens=torch.from_numpy(seq_lens), block_table=torch.from_numpy(table),
+            slot_mapping=torch.cat(slots), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
+        )
+        self.query, self.key, self.value = torch.cat(q), torch.cat(k_new), torch.cat(v_new)
+
+    def run_fast(self, scale):
+        impl = TorchAttentionImpl(self.query.shape[1], self.query.shape[2], self.key.shape[1],
+                                  scale)
+        cache = self.kv_cache.clone()
+        out = impl.forward(self.query, self.key, self.value, cache, self.metadata)
+        return out, cache
+
+    def run_reference(self, scale):
+        cache = self.kv_cache.clone()
+        write_kv_cache(self.key, self.value, cache, self.metadata.slot_mapping)
+        return paged_attention_reference(self.query, cache, self.metadata, scale), cache
+
+    def dense(self, scale):
+        outs = []
+        starts = self.metadata.query_start_loc_cpu
+        for r, (q_len, seq_len, _) in enumerate(self.reqs):
+            q = self.query[int(starts[r]) : int(starts[r + 1])].double()
+            ratio = q.shape[1] // self.full_k[r].shape[1]
+            k = self.full_k[r].double().repeat_interleave(ratio, dim=1)
+            v = self.full_v[r].double().repeat_interleave(ratio, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+            q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+            visible = torch.arange(seq_len)[None, :] <= q_pos
+            probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+            outs.append(torch.einsum("hqk,khd->qhd", probs, v))
+        return torch.cat(outs)
+
+
+# (q_len, seq_len, group): the group's first prefixes[group] tokens are shared blocks.
+SCENARIOS = {
+    "decode": ([(1, 17, None), (1, 1, None), (1, 40, None), (1, 33, None), (1, 8, None)], {}),
+    "decode-lengths": ([(1, 3, None), (1, 600, None), (1, 47, None), (1, 90, None),
+                        (1, 16, None)], {}),
+    "prefill": ([(20, 20, None), (7, 7, None), (33, 33, None)], {}),
+    "chunked": ([(9, 29, None), (19, 35, None), (5, 50, None), (30, 33, None)], {}),
+    "mixed": ([(1, 23, None), (12, 12, None), (1, 64, None), (10, 37, None), (1, 5, None),
+               (25, 25, None), (6, 22, None)], {}),
+    "shared-decode": ([(1, 150, 0), (1, 170, 0), (1, 129, 0), (1, 300, 0), (1, 40, None)],
+                      {0: 128}),
+    "shared-prefill": ([(20, 150, 0), (5, 133, 0), (1, 160, 0), (40, 168, 0)], {0: 128}),
+    "cold-and-hits": ([(150, 150, 0), (20, 148, 0), (9, 137, 0), (1, 200, 0)], {0: 128}),
+    "two-groups": ([(1, 100, 0), (3, 90, 1), (1, 300, 0), (1, 95, 1), (2, 99, 0), (1, 87, 1),
+                    (4, 4, None)], {0: 64, 1: 80}),
+}
+GQA = {"gqa1": (2, 2), "gqa3": (9, 3), "gqa4": (8, 2)}
+
+
+@pytest.fixture(params=[True, False], ids=["flash-lse", "plain-lse"])
+def lse_impl(request, monkeypatch):
+    if not request.param:
+        monkeypatch.setattr(torch_attn, "_flash_with_lse", None)
+    return request.param
+
+
+@pytest.fixture
+def always_cascade(monkeypatch):
+    """Cascade any shared prefix, however small the saving (the tests' prefixes are short)."""
+    monkeypatch.setattr(torch_attn, "MIN_CASCADE_SAVING", 0)
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("block_size,gqa", [(16, "gqa3"), (8, "gqa1"), (16, "gqa4")])
+def test_fast_path_matches_reference_and_dense(scenario, block_size, gqa, lse_impl,
+                                                always_cascade):
+    reqs, prefixes = SCENARIOS[scenario]
+    if any(n % block_size for n in prefixes.values()):
+        pytest.skip("prefix not a whole number of blocks")
+    num_heads, num_kv_heads = GQA[gqa]
+    batch = Batch(reqs, prefixes, num_heads, num_kv_heads, 64, block_size, seed=1)
+    scale = 64**-0.5
+    out, cache = batch.run_fast(scale)
+    ref, ref_cache = batch.run_reference(scale)
+    assert torch.equal(cache.nan_to_num(), ref_cache.nan_to_num())
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(out.double(), batch.dense(scale), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("scenario", ["shared-decode", "shared-prefill", "cold-and-hits",
+                                      "two-groups"])
+def test_shared_prefixes_are_cascaded(scenario, always_cascade):
+    reqs, prefixes = SCENARIOS[scenario]
+    batch = Batch(reqs, prefixes, 9, 3, 64, 16)
+    plan = AttentionPlan.build(batch.metadata, 16)
+    assert len(plan.groups) == len(prefixes)
+    for group, n in zip(plan.groups, prefixes.values()):
+        assert len(group.blocks) == n // 16
+    # A cold prompt writing the shared blocks in this step cannot read them as a prefix.
+    if scenario == "cold-and-hits":
+        cold = plan.prefills[0]
+        assert cold.q_start == 0 and cold.start == 0 and cold.blocks is None
+
+
+def test_plan_is_built_once_per_step():
+    batch = Batch(*SCENARIOS["mixed"], 9, 3, 64, 16)
+    plan = AttentionPlan.for_step(batch.metadata, 16)
+    assert AttentionPlan.for_step(batch.metadata, 16) is plan
+    other = Batch(*SCENARIOS["mixed"], 9, 3, 64, 16)
+    assert AttentionPlan.for_step(other.metadata, 16) is not plan
+
+
+def test_decodes_of_very_different_lengths_are_bucketed():
+    batch = Batch(*SCENARIOS["decode-lengths"], 9, 3, 64, 16)
+    plan = AttentionPlan.build(batch.metadata, 16)
+    assert len(plan.decodes) == 2
+    long, short = sorted(plan.decodes, key=lambda b: b.rows.stop - b.rows.start)
+    assert (long.rows.start, long.rows.stop, long.rows.index) == (1, 2, None)
+    assert short.rows.index.tolist() == [0, 2, 3, 4]
+
+
+def test_decodes_of_similar_lengths_share_one_call_over_a_slice():
+    batch = Batch(*SCENARIOS["decode"], 9, 3, 64, 16)
+    (bucket,) = AttentionPlan.build(batch.metadata, 16).decodes
+    assert (bucket.rows.start, bucket.rows.stop, bucket.rows.index) == (0, 5, None)
+
+
+def test_write_kv_cache_skips_negative_slots():
+    shape = kv_cache_shape(4, 8, 2, 16)
+    cache = torch.zeros(shape)
+    key, value = torch.randn(5, 2, 16), torch.randn(5, 2, 16)
+    slots = torch.tensor([3, -1, 17, -1, 30])
+    write_kv_cache(key, value, cache, slots)
+    flat = cache.view(2, 32, 2, 16)
+    for i, s in [(0, 3), (2, 17), (4, 30)]:
+        assert torch.equal(flat[0, s], key[i]) and torch.equal(flat[1, s], value[i])
+    written = {3, 17, 30}
+    others = [s for s in range(32) if s not in written]
+    assert not flat[:, others].any()
+
+
+def test_padded_slots_through_the_backend():
+    """Rows past the real tokens (slot -1) are not written; the real ones are attended."""
+    batch = Batch(*SCENARIOS["mixed"], 9, 3, 64, 16, seed=3)
+    md = batch.metadata
+    pad = 2
+    padded_md = AttentionMetadata(
+        md.num_actual_tokens, md.max_query_len, md.max_seq_len, md.query_start_loc,
+        md.seq_lens, md.block_table, torch.cat([md.slot_mapping, torch.full((pad,), -1)]),
+        md.query_start_loc_cpu, md.seq_lens_cpu,
+    )
+    impl = TorchAttentionImpl(9, 64, 3, 0.125)
+    cache = batch.kv_cache.clone()
+    q = torch.cat([batch.query, torch.randn(pad, 9, 64)])
+    k = torch.cat([batch.key, torch.randn(pad, 3, 64)])
+    v = torch.cat([batch.value, torch.randn(pad, 3, 64)])
+    out = impl.forward(q, k, v, cache, padded_md)
+    ref, ref_cache = batch.run_reference(0.125)
+    assert torch.equal(cache.nan_to_num(), ref_cache.nan_to_num())
+    torch.testing.assert_close(out[: md.num_actual_tokens], ref, atol=ATOL, rtol=RTOL)
+
+
+def test_small_shared_prefixes_are_not_worth_a_cascade():
+    batch = Batch(*SCENARIOS["two-groups"], 9, 3, 64, 16)
+    assert not AttentionPlan.build(batch.metadata, 16).groups

@@ -1,0 +1,62 @@
+"""Helpers for tests that start engine core processes."""
+
+import glob
+import os
+import socket
+import time
+from collections.abc import Callable
+
+import zmq
+
+from v1.engine.core import output_address
+
+# Small KV caches: engine processes start fast and several fit in memory at once.
+SMALL_ENGINE = {"num_gpu_blocks": 256, "max_model_len": 1024}
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.05)
+
+
+def child_pids() -> set[int]:
+    """This process's live children, from /proc (zombies count: they were not reaped)."""
+    me, pids = os.getpid(), set()
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue  # exited meanwhile
+        if int(fields[1]) == me:
+            pids.add(int(stat.split("/")[2]))
+    return pids
+
+
+def free_tcp_address() -> str:
+    """tcp://127.0.0.1:PORT with PORT and PORT + 1 (the output socket) both free."""
+    for _ in range(100):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return f"tcp://127.0.0.1:{port}"
+    raise RuntimeError("no two consecutive free ports")
+
+
+def assert_ports_free(address: str) -> None:
+    """A new engine could bind both ports of this tcp engine address (ZMQ binds with
+    SO_REUSEADDR, so connections in TIME_WAIT do not count)."""
+    ctx = zmq.Context()
+    try:
+        for addr in (address, output_address(address)):
+            sock = ctx.socket(zmq.ROUTER)
+            sock.bind(addr)
+            sock.close(linger=0)
+    finally:
+        ctx.term()

@@ -1,0 +1,450 @@
+"""The OpenAI-compatible server end to end: one real `python -m v1 serve` process for the
+module (the default model, small engine options), driven with the `openai` client and httpx."""
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+pytestmark = [pytest.mark.model, pytest.mark.slow]
+
+MODEL = "smol"  # --served-model-name
+PROMPT = "The capital of France is"
+MESSAGES = [{"role": "user", "content": "Name three colors."}]
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, port: int, log: Path) -> None:
+        self.proc, self.port, self.log = proc, port, log
+        self.url = f"http://127.0.0.1:{port}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT does not count
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def _descendants(pid: int) -> set[int]:
+    """The live processes below `pid` (the engine core and its helpers), from /proc."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+@pytest.fixture(scope="module")
+def server(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    port = _free_port()
+    log = tmp_path_factory.mktemp("openai_server") / "server.log"
+    cmd = [
+        sys.executable, "-m", "v1", "serve", "--model", str(default_model_path),
+        "--port", str(port), "--served-model-name", MODEL, "--max-model-len", "1024",
+        "--num-gpu-blocks", "256", "--uvicorn-log-level", "warning",
+    ]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    server = Server(proc, port, log)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, f"the server exited:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"the server did not start:\n{log.read_text()}"
+            try:
+                if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        yield server
+    finally:
+        if proc.poll() is None:  # test_shutdown did not run or failed
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+
+
+def _metrics(server: Server) -> dict[str, float]:
+    text = httpx.get(f"{server.url}/metrics").text
+    return {
+        line.split()[0]: float(line.split()[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+
+
+def _wait_idle(server: Server, timeout: float = 5.0) -> dict[str, float]:
+    """Metrics once nothing runs, waits or holds a KV block (fails after `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = _metrics(server)
+        idle = m["v1_num_requests_running"] == m["v1_num_requests_waiting"] == 0
+        if (idle and m["v1_kv_cache_usage_perc"] == 0) or time.monotonic() > deadline:
+            assert m["v1_num_requests_running"] == m["v1_num_requests_waiting"] == 0, m
+            assert m["v1_kv_cache_usage_perc"] == 0, m
+            return m
+        time.sleep(0.05)
+
+
+def test_models(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_completion_greedy(client: openai.OpenAI) -> None:
+    first, second = (
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=1
+        )
+        for _ in range(2)
+    )
+    choice = first.choices[0]
+    assert choice.text and choice.text == second.choices[0].text
+    assert choice.finish_reason == "length"
+    # Greedy: every token is the most likely one.
+    lp = choice.logprobs
+    for token, token_lp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert top == {token: pytest.approx(token_lp)}
+    usage = first.usage
+    assert usage.completion_tokens == 8 == len(lp.tokens)
+    assert usage.total_tokens == usage.prompt_tokens + 8 and usage.prompt_tokens > 0
+    assert usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_prompt_forms(client: openai.OpenAI) -> None:
+    """A string, a list of one string, token ids and a list of one list of ids."""
+
+    def text(prompt) -> str:
+        return client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=4, temperature=0
+        ).choices[0].text
+
+    assert text([PROMPT]) == text(PROMPT)
+    ids = [504, 3575, 282, 4649, 314]
+    assert text([ids]) == text(ids) != ""
+
+
+def test_chat_stream_matches_non_stream(client: openai.OpenAI) -> None:
+    kwargs = dict(model=MODEL, messages=MESSAGES, temperature=0, max_completion_tokens=16)
+    full = client.chat.completions.create(**kwargs)
+    chunks = list(
+        client.chat.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content != ""
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finish[-1] == full.choices[0].finish_reason and not any(finish[:-1])
+    assert chunks[-1].choices == []
+    usage, full_usage = chunks[-1].usage, full.usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (
+        full_usage.prompt_tokens, full_usage.completion_tokens)
+
+
+def test_n_and_seed(client: openai.OpenAI) -> None:
+    def run():
+        return client.completions.create(
+            model=MODEL, prompt=PROMPT, n=2, max_tokens=6, temperature=1.0, seed=7
+        )
+
+    first, second = run(), run()
+    assert sorted(c.index for c in first.choices) == [0, 1]
+    assert [c.text for c in first.choices] == [c.text for c in second.choices]
+    assert first.usage.completion_tokens == 12
+
+    chat = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, n=2, max_tokens=4, temperature=1.0, seed=7
+    )
+    assert sorted(c.index for c in chat.choices) == [0, 1]
+    assert all(c.message.content for c in chat.choices)
+
+
+def test_stop_strings(client: openai.OpenAI) -> None:
+    def complete(**kwargs):
+        return client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, **kwargs
+        ).choices[0]
+
+    text = complete().text
+    stop = text.strip().split()[1]  # the second word: something is generated before it
+    cut = text.index(stop)
+    for value in (stop, [stop, "never seen"]):
+        choice = complete(stop=value)
+        assert (choice.text, choice.finish_reason) == (text[:cut], "stop")
+        assert choice.model_extra["stop_reason"] == stop
+    included = complete(stop=stop, extra_body={"include_stop_str_in_output": True})
+    assert included.text == text[: cut + len(stop)]
+
+
+def test_logprobs(client: openai.OpenAI) -> None:
+    k = 3
+    choice = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=k
+    ).choices[0]
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == choice.text
+    offsets = [0]
+    for token in lp.tokens[:-1]:
+        offsets.append(offsets[-1] + len(token))
+    assert lp.text_offset == offsets
+    for token_lp, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= k and token_lp <= 0
+        assert max(top.values()) == pytest.approx(token_lp)  # greedy
+
+    # Streamed, the offsets run on across chunks.
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=k, stream=True
+    )
+    chunks = [c.choices[0].logprobs for c in stream]
+    assert sum((c.text_offset for c in chunks), []) == offsets
+
+    chat = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True,
+        top_logprobs=2,
+    ).choices[0]
+    content = chat.logprobs.content
+    assert len(content) == 5 and "".join(t.token for t in content) == chat.message.content
+    for t in content:
+        assert len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob == pytest.approx(t.logprob)
+        assert bytes(t.bytes) == t.token.encode()
+
+
+def test_sampling_options(client: openai.OpenAI) -> None:
+    choice = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0.8, top_p=0.9, seed=1,
+        extra_body={"top_k": 20, "min_p": 0.05, "min_tokens": 6, "ignore_eos": True,
+                    "stop_token_ids": [2], "priority": 1},
+    ).choices[0]
+    assert choice.finish_reason == "length"
+
+
+def test_prefix_cache_hits_in_usage(client: openai.OpenAI) -> None:
+    prompt = "A long shared prefix to be cached in full blocks. " * 4  # > 2 blocks of 16
+    first, second = (
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1) for _ in range(2)
+    )
+    assert first.usage.prompt_tokens >= 32
+    assert second.usage.prompt_tokens_details.cached_tokens >= 32
+
+
+def test_metrics(server: Server, client: openai.OpenAI) -> None:
+    text = httpx.get(f"{server.url}/metrics").text
+    names = [
+        ("v1_num_requests_running", "gauge"), ("v1_num_requests_waiting", "gauge"),
+        ("v1_kv_cache_usage_perc", "gauge"), ("v1_prefix_cache_queries_total", "counter"),
+        ("v1_prefix_cache_hits_total", "counter"), ("v1_num_preemptions_total", "counter"),
+        ("v1_prompt_tokens_total", "counter"), ("v1_generation_tokens_total", "counter"),
+    ]
+    for name, kind in names:
+        assert f"# HELP {name} " in text and f"# TYPE {name} {kind}\n" in text
+    before = _metrics(server)
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3)
+    after = _metrics(server)
+    assert after["v1_generation_tokens_total"] >= before["v1_generation_tokens_total"] + 3
+    assert after["v1_prompt_tokens_total"] > before["v1_prompt_tokens_total"]
+    assert after["v1_prefix_cache_queries_total"] > before["v1_prefix_cache_queries_total"]
+
+
+def test_burst_of_concurrent_requests(server: Server) -> None:
+    num = 200
+
+    async def one(http: httpx.AsyncClient, i: int) -> httpx.Response:
+        if i % 4 == 0:
+            body = {"messages": [{"role": "user", "content": f"Count to {i}."}], "max_tokens": 4}
+            return await http.post("/v1/chat/completions", json=body)
+        body = {"prompt": f"Request {i} says", "max_tokens": 4, "stream": i % 4 == 1}
+        return await http.post("/v1/completions", json=body)
+
+    async def burst() -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=num)
+        async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=300) as http:
+            return await asyncio.gather(*(one(http, i) for i in range(num)))
+
+    responses = asyncio.run(burst())
+    assert [r.status_code for r in responses] == [200] * num
+    streamed = [r.text for i, r in enumerate(responses) if i % 4 == 1]
+    assert all(t.endswith("data: [DONE]\n\n") for t in streamed)
+    assert all(r.json()["choices"][0]["text"] for i, r in enumerate(responses) if i % 4 > 1)
+    _wait_idle(server)
+
+
+# (endpoint, body, expected status, param in the error (None: not checked))
+BAD_REQUESTS = {
+    "malformed json": ("completions", b'{"prompt": "hi", ', 400, None),
+    "not an object": ("completions", b"[1, 2]", 400, None),
+    "no prompt": ("completions", {"max_tokens": 3}, 400, "prompt"),
+    "prompt wrong type": ("completions", {"prompt": 5}, 400, "prompt"),
+    "max_tokens string": ("completions", {"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
+    "max_tokens 0": ("completions", {"prompt": "hi", "max_tokens": 0}, 400, None),
+    "max_tokens negative": ("completions", {"prompt": "hi", "max_tokens": -3}, 400, None),
+    "temperature negative": ("completions", {"prompt": "hi", "temperature": -1}, 400, None),
+    "top_p 0": ("completions", {"prompt": "hi", "top_p": 0}, 400, None),
+    "top_p 2": ("completions", {"prompt": "hi", "top_p": 2}, 400, None),
+    "n 0": ("completions", {"prompt": "hi", "n": 0}, 400, None),
+    "n bool": ("completions", {"prompt": "hi", "n": True}, 400, "n"),
+    "stop wrong type": ("completions", {"prompt": "hi", "stop": 5}, 400, "stop"),
+    "logprobs too large": ("completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    "logprobs negative": ("completions", {"prompt": "hi", "logprobs": -1}, 400, "logprobs"),
+    "token id out of vocab": ("completions", {"prompt": [1, 10**6]}, 400, None),
+    "negative token id": ("completions", {"prompt": [1, -2]}, 400, None),
+    "empty prompt": ("completions", {"prompt": ""}, 400, None),
+    "batched prompts": ("completions", {"prompt": ["a", "b"]}, 400, None),
+    "prompt over max_model_len": ("completions", {"prompt": "hello " * 1100}, 400, None),
+    "min_tokens over max_tokens": (
+        "completions", {"prompt": "hi", "max_tokens": 2, "min_tokens": 5}, 400, None),
+    "stream_options without stream": (
+        "completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, None),
+    "unknown model": ("completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+    "empty messages": ("chat/completions", {"messages": []}, 400, None),
+    "messages missing role": (
+        "chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages.0.role"),
+    "messages not a list": ("chat/completions", {"messages": "hi"}, 400, "messages"),
+    "image content": (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        400, "messages.0.content"),
+    "top_logprobs without logprobs": (
+        "chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, 400, None),
+    "top_logprobs too large": (
+        "chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 50},
+        400, "top_logprobs"),
+    "max_completion_tokens 0": (
+        "chat/completions", {"messages": MESSAGES, "max_completion_tokens": 0}, 400, None),
+    "stream wrong type": ("chat/completions", {"messages": MESSAGES, "stream": "yes"}, 400,
+                          "stream"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS.values(), ids=BAD_REQUESTS.keys())
+def test_bad_request(server: Server, case: tuple) -> None:
+    endpoint, body, status, param = case
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(
+        f"{server.url}/v1/{endpoint}", content=content,
+        headers={"content-type": "application/json"},
+    )
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["code"] == status
+    assert error["type"] == {400: "BadRequestError", 404: "NotFoundError"}[status]
+    if param is not None:
+        assert error["param"] == param
+    # The server is unharmed.
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"]
+
+
+def test_openai_client_raises_on_bad_request(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=0)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=MESSAGES)
+
+
+def test_disconnect_aborts(server: Server) -> None:
+    """A client that leaves mid-stream, or gives up waiting for a whole completion, has its
+    request aborted: the engine stops generating and frees its blocks."""
+    # ignore_eos: each would run 200 tokens (seconds on a CPU) unless aborted.
+    body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True}
+    before = _metrics(server)
+    with httpx.Client(base_url=server.url) as http:
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            assert _metrics(server)["v1_num_requests_running"] == 1
+        _wait_idle(server, timeout=3)
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/completions", json=body, timeout=0.5)
+        after = _wait_idle(server, timeout=3)
+    generated = after["v1_generation_tokens_total"] - before["v1_generation_tokens_total"]
+    assert generated < 2 * 200
+
+
+def test_shutdown_stops_engine_and_frees_port(server: Server) -> None:
+    """Last: SIGINT shuts the server down gracefully, engine process included."""
+    children = _descendants(server.proc.pid)
+    server.proc.send_signal(signal.SIGINT)
+    assert server.proc.wait(timeout=30) == 0, server.log.read_text()
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() for pid in children):
+        assert time.monotonic() < deadline, f"left running: {children}"
+        time.sleep(0.1)
+    assert _port_is_free(server.port)
+
+
+def test_engine_death_answers_500_and_503(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine that dies after a request's first token: the request gets 500 (in-band,
+    when streaming) and /health 503. A stand-in engine here: killing the real one would
+    leave the module's server unusable."""
+    from fastapi.testclient import TestClient
+
+    from v1.config import EngineArgs
+    from v1.engine.exceptions import EngineDeadError
+    from v1.entrypoints.openai import api_server
+    from v1.outputs import CompletionOutput, RequestOutput
+
+    class DyingEngine:
+        model_name, max_model_len = "dying", 64
+
+        @classmethod
+        def from_engine_args(cls, args: EngineArgs) -> "DyingEngine":
+            return cls()
+
+        async def generate(self, prompt, params, request_id, priority=0):
+            first = CompletionOutput(0, "Hi", [5], None, None)
+            yield RequestOutput(request_id, None, prompt, [first], finished=False)
+            raise EngineDeadError("the engine core process died")
+
+        async def check_health(self) -> None:
+            raise EngineDeadError("the engine core process died")
+
+        def shutdown(self) -> None:
+            pass
+
+    monkeypatch.setattr(api_server, "AsyncLLM", DyingEngine)
+    with TestClient(api_server.build_app(EngineArgs())) as http:
+        assert http.get("/health").status_code == 503
+        body = {"prompt": [1, 2], "max_tokens": 2}
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 500
+        assert response.json()["error"]["type"] == "InternalServerError"
+        events = http.post("/v1/completions", json={**body, "stream": True}).text.split("\n\n")
+        assert json.loads(events[0].removeprefix("data: "))["choices"][0]["text"] == "Hi"
+        assert json.loads(events[1].removeprefix("data: "))["error"]["code"] == 500
+        assert events[2:] == ["data: [DONE]", ""]

@@ -1,0 +1,157 @@
+"""`AsyncLLM`: the asyncio frontend of the engine, for servers.
+
+The engine core runs in its own process (`AsyncMPClient`). One output-handler task, started
+on first use, turns each `EngineCoreOutputs` into `RequestOutput`s (the `OutputProcessor`,
+DELTA kind) and puts each into its request's asyncio queue, from which `generate` yields.
+Everything here runs on the event loop's thread, so nothing needs a lock.
+
+    engine = AsyncLLM.from_engine_args(EngineArgs())   # in a running event loop, or not
+    async for out in engine.generate("Hello", SamplingParams(max_tokens=8), "req-1"):
+        print(out.outputs[0].text, end="")               # the new text only
+
+A second frontend process joins an engine core running at ADDRESS with
+`AsyncLLM(AsyncMPClient(address=ADDRESS, client_index=1))`.
+"""
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from v1.config import EngineArgs
+from v1.engine.core_client import AsyncMPClient
+from v1.engine.exceptions import EngineDeadError
+from v1.engine.output_processor import OutputProcessor, RequestOutputKind
+from v1.engine.processor import Processor, PromptType
+from v1.outputs import RequestOutput, SchedulerStats
+from v1.sampling_params import SamplingParams
+
+logger = logging.getLogger("v1")
+
+# What a request's queue carries: its outputs, then None if abort() ended it, or the error
+# that ended every request.
+_QueueItem = RequestOutput | EngineDeadError | None
+
+
+class AsyncLLM:
+    def __init__(self, client: AsyncMPClient) -> None:
+        self.client = client
+        info = client.model_info
+        self.tokenizer: Any = info.tokenizer
+        self.model_name = info.model_name
+        self.max_model_len = info.max_model_len
+        self.processor = Processor(
+            info.tokenizer, info.max_model_len, info.vocab_size, info.eos_token_id,
+            info.stop_token_ids,
+        )
+        self.output_processor = OutputProcessor(info.tokenizer)
+        self._queues: dict[str, asyncio.Queue[_QueueItem]] = {}
+        self._output_handler: asyncio.Task[None] | None = None
+        self._handler_error: EngineDeadError | None = None
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "AsyncLLM":
+        """Start an engine core process with `args` (blocks until its model is loaded)."""
+        return cls(AsyncMPClient(args))
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        return self._handler_error or self.client.dead_error
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream the request's DELTA outputs; the last has `finished=True`.
+
+        Bad input raises ValueError on the first iteration, before anything reaches the
+        engine. Leaving the loop early (break, cancellation, a closed connection) aborts the
+        request in the engine core, which frees its blocks; `abort(request_id)` ends the
+        stream without a finished output; a dead engine raises EngineDeadError.
+        """
+        if self.dead_error is not None:
+            raise self.dead_error
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request, text = self.processor.process_inputs(
+            request_id, prompt, sampling_params, priority=priority
+        )
+        core_requests = self.output_processor.add_request(request, text, RequestOutputKind.DELTA)
+        queue: asyncio.Queue[_QueueItem] = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._start_output_handler()
+        finished = False
+        try:
+            for core_request in core_requests:
+                self.client.add_request(core_request)
+            while not finished:
+                out = await queue.get()
+                if out is None:
+                    return
+                if isinstance(out, EngineDeadError):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            del self._queues[request_id]
+            if not finished:
+                self._abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request (the parent id of an n > 1 request aborts all its children)."""
+        self._abort(request_id)
+        queue = self._queues.get(request_id)
+        if queue is not None:
+            queue.put_nowait(None)
+
+    def _abort(self, request_id: str) -> None:
+        self.client.abort_requests(self.output_processor.abort_requests([request_id]))
+
+    async def get_stats(self) -> SchedulerStats:
+        return await self.client.call_utility_async("get_stats")
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.client.call_utility_async("reset_prefix_cache")
+
+    async def check_health(self) -> None:
+        """Raise EngineDeadError if the engine is dead (the receiver thread notices at once)."""
+        if self.dead_error is not None:
+            raise self.dead_error
+
+    def _start_output_handler(self) -> None:
+        if self._output_handler is None:
+            self._output_handler = asyncio.get_running_loop().create_task(
+                self._handle_outputs(), name="v1-async-llm-output-handler"
+            )
+
+    async def _handle_outputs(self) -> None:
+        """The one consumer of the engine's outputs: route them to the requests' queues."""
+        try:
+            while True:
+                outputs = await self.client.get_output_async()
+                processed = self.output_processor.process_outputs(outputs.outputs)
+                for out in processed.request_outputs:
+                    queue = self._queues.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+                # Stop strings finish requests here; the core has to be told.
+                self.client.abort_requests(processed.reqs_to_abort)
+        except EngineDeadError as e:
+            error = e
+        except Exception as e:  # a bug here would leave every request waiting forever
+            logger.exception("the AsyncLLM output handler failed")
+            error = self._handler_error = EngineDeadError(f"the output handler failed: {e!r}")
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+
+    def shutdown(self) -> None:
+        """Terminate the engine core process (if this frontend started it). Requests still
+        streaming get EngineDeadError, through the output handler, which then ends."""
+        self.client.shutdown()

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server (`python -m v1 serve`)."""

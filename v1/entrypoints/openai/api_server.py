@@ -1,0 +1,239 @@
+"""`python -m v1 serve`: an OpenAI-compatible HTTP server over AsyncLLM (FastAPI + uvicorn).
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both also streamed as server-sent
+events), GET /v1/models, GET /health (200, or 503 when the engine is dead), GET /metrics
+(Prometheus text format).
+
+Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: invalid requests
+(malformed JSON and wrong types included, which FastAPI would answer with 422) get 400
+BadRequestError; an unknown model name gets 404 NotFoundError, as OpenAI and vLLM answer it;
+a dead engine gets 500. A client that disconnects aborts its request in the engine.
+"""
+
+import argparse
+import asyncio
+import dataclasses
+import os
+import typing
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing, asynccontextmanager
+from typing import Any, TypeVar
+
+import uvicorn
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException
+from starlette.types import Receive, Scope, Send
+
+from v1.config import EngineArgs
+from v1.engine.async_llm import AsyncLLM
+from v1.engine.exceptions import EngineDeadError
+from v1.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    ModelList,
+)
+from v1.entrypoints.openai.serving import ModelNotFoundError, OpenAIServing, error_for
+
+T = TypeVar("T")
+
+# On SIGINT/SIGTERM, requests still running get this long to finish; then they are cancelled
+# (which aborts them in the engine) and the engine shuts down.
+_GRACEFUL_SHUTDOWN_S = 5
+
+# /metrics: (name, type, help, SchedulerStats field).
+_METRICS = [
+    ("v1_num_requests_running", "gauge", "Requests running in the engine.", "num_running_reqs"),
+    ("v1_num_requests_waiting", "gauge", "Requests waiting to run.", "num_waiting_reqs"),
+    ("v1_kv_cache_usage_perc", "gauge", "Fraction of KV cache blocks in use (0 to 1).",
+     "kv_cache_usage"),
+    ("v1_prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
+     "prefix_cache_queries"),
+    ("v1_prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.",
+     "prefix_cache_hits"),
+    ("v1_num_preemptions_total", "counter", "Requests preempted.", "num_preemptions"),
+    ("v1_prompt_tokens_total", "counter", "Prompt tokens processed.", "num_prompt_tokens"),
+    ("v1_generation_tokens_total", "counter", "Tokens generated.", "num_generation_tokens"),
+]
+
+router = APIRouter()
+
+
+def _serving(raw: Request) -> OpenAIServing:
+    return raw.app.state.serving
+
+
+@router.post("/v1/completions")
+async def create_completion(request: CompletionRequest, raw: Request) -> Response:
+    return await _respond(raw, _serving(raw).create_completion(request))
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(request: ChatCompletionRequest, raw: Request) -> Response:
+    return await _respond(raw, _serving(raw).create_chat_completion(request))
+
+
+@router.get("/v1/models")
+async def show_models(raw: Request) -> ModelList:
+    return _serving(raw).models()
+
+
+@router.get("/health")
+async def health(raw: Request) -> Response:
+    try:
+        await _serving(raw).engine.check_health()
+    except EngineDeadError:
+        return Response(status_code=503)
+    return Response(status_code=200)
+
+
+@router.get("/metrics")
+async def metrics(raw: Request) -> PlainTextResponse:
+    stats = await _serving(raw).engine.get_stats()
+    lines = []
+    for name, kind, help_text, field in _METRICS:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+        lines.append(f"{name} {getattr(stats, field)}")
+    return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+
+class _SSEResponse(StreamingResponse):
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # Not Starlette's own disconnect watch: its anyio cancel scope cancels every await in
+        # the generators' cleanup too, the engine's abort included. Closing the stream at the
+        # end aborts a request that is still running (its generator is parked at a yield).
+        async with aclosing(self.body_iterator):  # type: ignore[type-var]
+            await _unless_disconnected(receive, self.stream_response(send))
+
+
+async def _respond(raw: Request, work: Awaitable[BaseModel | AsyncIterator[str]]) -> Response:
+    result = await _unless_disconnected(raw.receive, work)
+    if result is None:  # nobody is left to read it
+        return Response(status_code=499)
+    if isinstance(result, BaseModel):
+        return Response(result.model_dump_json(), media_type="application/json")
+    return _SSEResponse(result)
+
+
+async def _unless_disconnected(receive: Receive, work: Awaitable[T]) -> T | None:
+    """Awaits `work`, but cancels it (aborting its request in the engine) and returns None if
+    the client disconnects first: a client that gave up should not keep the engine busy."""
+
+    async def disconnected() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    listener = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait((task, listener), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        listener.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait((task,))  # its cleanup (the engine's abort) runs first
+    return None if task.cancelled() else task.result()
+
+
+def _error(status: int, message: str, param: str | None = None) -> Response:
+    body = ErrorResponse.make(status, message, param)
+    return Response(body.model_dump_json(), status, media_type="application/json")
+
+
+async def _on_invalid_request(raw: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    errors = exc.errors()
+    if errors[0]["type"] == "json_invalid":
+        return _error(400, f"invalid JSON: {errors[0].get('ctx', {}).get('error', '')}")
+    # A loc starts with where the value was ("body"); the rest is the parameter's path, then
+    # for a union the member tried ("prompt.list[int]"): param is the path the errors share.
+    locs = [tuple(map(str, e["loc"][1:])) for e in errors]
+    message = "; ".join(
+        f"{'.'.join(loc)}: {_reason(e)}" if loc else _reason(e) for loc, e in zip(locs, errors)
+    )
+    return _error(400, message, ".".join(os.path.commonprefix(locs)) or None)
+
+
+def _reason(error: Any) -> str:
+    # Our own validators' ValueErrors: their message, without pydantic's "Value error, ".
+    return str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]
+
+
+async def _on_http_error(raw: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return _error(exc.status_code, str(exc.detail))
+
+
+async def _on_error(raw: Request, exc: Exception) -> Response:
+    body = error_for(exc)
+    return Response(body.model_dump_json(), body.error.code, media_type="application/json")
+
+
+def build_app(engine_args: EngineArgs, served_model_names: list[str] | None = None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine = AsyncLLM.from_engine_args(engine_args)
+        app.state.serving = OpenAIServing(engine, served_model_names or [engine.model_name])
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    app = FastAPI(title="v1 OpenAI-compatible server", lifespan=lifespan)
+    app.include_router(router)
+    app.add_exception_handler(RequestValidationError, _on_invalid_request)
+    app.add_exception_handler(HTTPException, _on_http_error)
+    # Exception (anything else: a bug) is handled last, by Starlette, which also logs it.
+    for exc_class in (ValueError, ModelNotFoundError, EngineDeadError, Exception):
+        app.add_exception_handler(exc_class, _on_error)
+    return app
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m v1 serve",
+        description="An OpenAI-compatible server over the engine.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument(
+        "--served-model-name", nargs="+", default=None,
+        help="the model name(s) requests may give; by default the model's own name",
+    )
+    parser.add_argument(
+        "--uvicorn-log-level", default="info", help="uvicorn's log level",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+    )
+    # The engine options are EngineArgs' fields, spelled as vLLM's flags.
+    group = parser.add_argument_group("engine options")
+    hints = typing.get_type_hints(EngineArgs)
+    for field in dataclasses.fields(EngineArgs):
+        flag, hint = "--" + field.name.replace("_", "-"), hints[field.name]
+        kwargs: dict[str, Any] = {"default": field.default, "help": "default: %(default)s"}
+        if hint is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+        else:  # X or X | None: parse as X
+            scalar = next(t for t in typing.get_args(hint) or (hint,) if t is not type(None))
+            group.add_argument(flag, type=scalar, **kwargs)
+    return parser
+
+
+def main(argv: list[str]) -> None:
+    args = make_parser().parse_args(argv)
+    engine_args = EngineArgs(
+        **{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)}
+    )
+    uvicorn.run(
+        build_app(engine_args, args.served_model_name),
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
+    )
+

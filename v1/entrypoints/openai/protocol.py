@@ -1,0 +1,258 @@
+"""Request and response models of the OpenAI API subset this server implements.
+
+Pydantic checks types (strictly: "5" is not an integer, as in OpenAI's API); value ranges are
+checked once, by `SamplingParams` and the engine's processor, whose ValueErrors the server
+answers with 400. Fields we do not model are ignored and logged, as vLLM does, and a null
+field means "not given", as many clients send it.
+"""
+
+from http import HTTPStatus
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from v1.sampling_params import SamplingParams
+
+# As vLLM's default `max_logprobs` and OpenAI's `top_logprobs` limit.
+MAX_LOGPROBS = 20
+
+# The request fields passed to SamplingParams unchanged (same names there).
+_SAMPLING_FIELDS = {
+    "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+    "ignore_eos", "min_tokens", "include_stop_str_in_output", "skip_special_tokens",
+}
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_given(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(OpenAIBaseModel):
+    """What both endpoints share: the model, the sampling options (vLLM's extra ones
+    included), priority and streaming."""
+
+    model: str | None = None  # None: the first served model name
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    priority: int = 0  # lower runs first (with --scheduling-policy priority)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> "SamplingRequest":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        return SamplingParams(
+            **self.model_dump(include=_SAMPLING_FIELDS), max_tokens=max_tokens, logprobs=logprobs
+        )
+
+
+class CompletionRequest(SamplingRequest):
+    # Text, token ids, or a batch of one of either (batches of more are not supported).
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int = 16  # OpenAI's default for completions
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def engine_prompt(self) -> str | list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise ValueError("batched prompts are not supported: send one prompt a request")
+            prompt = prompt[0]
+        return prompt  # type: ignore[return-value]
+
+    def to_sampling_params(self) -> SamplingParams:
+        return self._sampling_params(self.max_tokens, self.logprobs)
+
+
+class TextPart(OpenAIBaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: str | list[TextPart] = ""
+
+    def to_template_dict(self) -> dict[str, str]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        return {"role": self.role, "content": content}
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    max_tokens: int | None = None  # deprecated by OpenAI for max_completion_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        max_tokens = self.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = self.max_tokens  # None: up to max_model_len
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs)
+
+
+# ---- responses ---------------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy logprobs: per generated token its text, logprob, the top
+    alternatives and where it starts in the choice's text."""
+
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top_logprobs: list[dict[str, float]] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or token id that ended it
+
+
+class CompletionResponse(BaseModel):
+    """A completion, or one chunk of a streamed one (OpenAI uses the same shape)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(ChatLogprob):
+    top_logprobs: list[ChatLogprob]
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "v1"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+    @classmethod
+    def make(cls, status: int, message: str, param: str | None = None) -> "ErrorResponse":
+        """OpenAI's error body; its type is named after the status (400: BadRequestError)."""
+        name = HTTPStatus(status).phrase.replace(" ", "")
+        name = name if name.endswith("Error") else name + "Error"
+        return cls(error=ErrorInfo(message=message, type=name, param=param, code=status))
