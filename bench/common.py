@@ -17,7 +17,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
+# libgomp reads this once, when torch is imported. By default an OpenMP thread that reaches a
+# barrier first spins for a while; on a machine shared with other busy processes (2 cores
+# here) the spinning thread keeps its partner off the CPU, and every parallel op can then
+# wait out a scheduler time slice: small ops measured 100x slower, GEMMs 3x. Sleeping waiters
+# avoid that; both the engine and the HF baseline run under the same setting. Set
+# OMP_WAIT_POLICY=ACTIVE (or anything) in the environment to override.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
@@ -170,4 +178,5 @@ def bar(ax: Any, labels: Sequence[str], values: Sequence[float], ylabel: str, ti
 
 def environment() -> dict[str, Any]:
     return {"torch": torch.__version__, "threads": torch.get_num_threads(),
-            "cpus": os.cpu_count()}
+            "cpus": os.cpu_count(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "loadavg_1m": round(os.getloadavg()[0], 2)}

@@ -175,10 +175,10 @@ def test_shared_prefixes_are_cascaded(scenario, always_cascade):
 
 def test_plan_is_built_once_per_step():
     batch = Batch(*SCENARIOS["mixed"], 9, 3, 64, 16)
-    plan = AttentionPlan.for_step(batch.metadata, 16)
-    assert AttentionPlan.for_step(batch.metadata, 16) is plan
+    plan = AttentionPlan.for_step(batch.metadata, batch.kv_cache)
+    assert AttentionPlan.for_step(batch.metadata, batch.kv_cache.clone()) is plan
     other = Batch(*SCENARIOS["mixed"], 9, 3, 64, 16)
-    assert AttentionPlan.for_step(other.metadata, 16) is not plan
+    assert AttentionPlan.for_step(other.metadata, other.kv_cache) is not plan
 
 
 def test_decodes_of_very_different_lengths_are_bucketed():
@@ -188,6 +188,17 @@ def test_decodes_of_very_different_lengths_are_bucketed():
     long, short = sorted(plan.decodes, key=lambda b: b.rows.stop - b.rows.start)
     assert (long.rows.start, long.rows.stop, long.rows.index) == (1, 2, None)
     assert short.rows.index.tolist() == [0, 2, 3, 4]
+
+
+def test_big_decode_gathers_are_split(monkeypatch):
+    batch = Batch(*SCENARIOS["decode"], 9, 3, 64, 16)
+    block_bytes = batch.kv_cache[:, 0].nbytes
+    monkeypatch.setattr(torch_attn, "MAX_GATHER_BYTES", 3 * block_bytes * 3)
+    calls = AttentionPlan.build(batch.metadata, 16, block_bytes).decodes
+    assert [(c.rows.start, c.rows.stop) for c in calls] == [(0, 3), (3, 5)]  # 3 blocks each
+    out, _ = batch.run_fast(0.125)
+    ref, _ = batch.run_reference(0.125)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)
 
 
 def test_decodes_of_similar_lengths_share_one_call_over_a_slice():

@@ -4,7 +4,7 @@ import glob
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import zmq
 
@@ -60,3 +60,15 @@ def assert_ports_free(address: str) -> None:
             sock.close(linger=0)
     finally:
         ctx.term()
+
+
+def assert_greedy_match(
+    a: list[int], a_top: list[Collection[int]], b: list[int], b_top: list[Collection[int]]
+) -> None:
+    """Two greedy runs whose batches differed (so float rounding may too), by vLLM's rule:
+    equal until the first divergence, where each side's token is in the other's top-5."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            assert x in b_top[i] and y in a_top[i], f"diverged at {i}: {x} vs {y}"
+            return
+    assert len(a) == len(b)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.engine.mp_utils import SMALL_ENGINE, child_pids
+from tests.engine.mp_utils import SMALL_ENGINE, assert_greedy_match, child_pids
 from v1 import LLM, SamplingParams
 from v1.config import EngineArgs
 from v1.engine.async_llm import AsyncLLM
@@ -84,15 +84,20 @@ def test_streaming_deltas_add_up_to_the_final_output(engine, loop, inproc_llm):
 
 
 def test_concurrent_requests_and_n(engine, loop, inproc_llm):
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, logprobs=5)
     sampled = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8)
 
     async def main() -> list[list[RequestOutput]]:
-        streams = [collect(engine, p, GREEDY, f"c{i}") for i, p in enumerate(PROMPTS)]
+        streams = [collect(engine, p, greedy, f"c{i}") for i, p in enumerate(PROMPTS)]
         return await asyncio.gather(*streams, collect(engine, "Name a fruit:", sampled, "n3"))
 
     *streams, n3 = loop.run_until_complete(main())
-    expected = inproc_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert [joined_tokens(s) for s in streams] == [e.outputs[0].token_ids for e in expected]
+    expected = inproc_llm.generate(PROMPTS, greedy, use_tqdm=False)
+    for deltas, ref in zip(streams, expected, strict=True):
+        tops = [top for d in deltas for top in d.outputs[0].logprobs]
+        assert_greedy_match(joined_tokens(deltas), tops, ref.outputs[0].token_ids,
+                            ref.outputs[0].logprobs)
+    # Seeded sampling does not depend on the batch: equal, token for token.
     (ref,) = inproc_llm.generate(["Name a fruit:"], sampled, use_tqdm=False)
     assert n3[-1].finished and not any(d.finished for d in n3[:-1])
     assert [joined_tokens(n3, i) for i in range(3)] == [c.token_ids for c in ref.outputs]

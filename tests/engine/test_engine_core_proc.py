@@ -15,6 +15,7 @@ import pytest
 
 from tests.engine.mp_utils import (
     SMALL_ENGINE,
+    assert_greedy_match,
     assert_ports_free,
     child_pids,
     free_tcp_address,
@@ -25,7 +26,7 @@ from v1.config import EngineArgs
 from v1.engine.core_client import SyncMPClient
 from v1.engine.exceptions import EngineDeadError
 from v1.engine.llm_engine import LLMEngine
-from v1.outputs import SchedulerStats
+from v1.outputs import RequestOutput, SchedulerStats
 
 pytestmark = pytest.mark.model
 
@@ -36,6 +37,7 @@ PROMPTS = [
     "Once upon a time, in a small village by the sea, there lived an old fisherman who",
 ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
+GREEDY_TOP5 = SamplingParams(temperature=0.0, max_tokens=16, logprobs=5)
 LONG = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
 
 
@@ -132,16 +134,17 @@ def spy():
 
 client.get_output = spy
 engine = LLMEngine(client)
-params = SamplingParams(temperature=0.0, max_tokens=16)
+params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=5)
 ids = [engine.add_request(p, params) for p in prompts]
 done = {}
 while engine.has_unfinished_requests():
     for out in engine.step():
         if out.finished:
-            done[out.request_id] = out.outputs[0].token_ids
+            c = out.outputs[0]
+            done[out.request_id] = [c.token_ids, [list(top) for top in c.logprobs]]
 engine.add_request(prompts[0], SamplingParams(max_tokens=1000, ignore_eos=True))
 engine.step()
-print(json.dumps({"ids": ids, "tokens": [done[i] for i in ids], "received": received}))
+print(json.dumps({"ids": ids, "outputs": [done[i] for i in ids], "received": received}))
 sys.stdout.flush()
 os._exit(0)
 """
@@ -150,7 +153,7 @@ os._exit(0)
 def test_two_frontend_processes_share_one_engine(mp_llm):
     address = mp_llm.llm_engine.client.address
     prompts = {1: PROMPTS[:2], 2: PROMPTS[2:]}
-    solo = lambda prompts: token_ids(mp_llm.generate(prompts, GREEDY, use_tqdm=False))
+    solo = lambda prompts: mp_llm.generate(prompts, GREEDY_TOP5, use_tqdm=False)
     expected = {i: solo(p) for i, p in prompts.items()}
     own_expected = solo(PROMPTS[1:3])
     frontends = {
@@ -165,7 +168,7 @@ def test_two_frontend_processes_share_one_engine(mp_llm):
 
     def client0() -> None:
         while not stop.wait(0.5):
-            own.append(token_ids(mp_llm.generate(PROMPTS[1:3], GREEDY, use_tqdm=False)))
+            own.extend(zip(own_expected, solo(PROMPTS[1:3])))
 
     thread = threading.Thread(target=client0)
     thread.start()
@@ -179,12 +182,20 @@ def test_two_frontend_processes_share_one_engine(mp_llm):
         result = json.loads(results[i])
         assert all(r.startswith(f"{i}-") for r in result["received"])  # only its own
         assert set(result["ids"]) <= set(result["received"])
-        assert result["tokens"] == expected[i]
-    assert own and all(o == own_expected for o in own)
+        for (tokens, tops), ref in zip(result["outputs"], expected[i], strict=True):
+            assert_same_greedy(ref, tokens, tops)
+    assert own
+    for ref, out in own:
+        assert_same_greedy(ref, out.outputs[0].token_ids, out.outputs[0].logprobs)
     # The vanished frontends' long requests were aborted: nothing runs, no block is held.
     wait_until(lambda: mp_llm.get_stats().num_running_reqs == 0)
     assert mp_llm.get_stats().kv_cache_usage == 0
     mp_llm.llm_engine.client.call_utility("check_integrity")
+
+
+def assert_same_greedy(ref: RequestOutput, tokens: list[int], tops: list) -> None:
+    c = ref.outputs[0]
+    assert_greedy_match(tokens, tops, c.token_ids, c.logprobs)
 
 
 def test_sigkill_mid_generation_raises_engine_dead(default_model_path):

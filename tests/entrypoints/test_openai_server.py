@@ -151,7 +151,7 @@ def test_prompt_forms(client: openai.OpenAI) -> None:
         ).choices[0].text
 
     assert text([PROMPT]) == text(PROMPT)
-    ids = [504, 3575, 282, 4649, 314]
+    ids = [504, 3575, 282, 4649, 314]  # any in-vocabulary ids
     assert text([ids]) == text(ids) != ""
 
 
@@ -175,19 +175,17 @@ def test_chat_stream_matches_non_stream(client: openai.OpenAI) -> None:
 
 
 def test_n_and_seed(client: openai.OpenAI) -> None:
+    sampling = dict(n=2, max_tokens=4, temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+
     def run():
-        return client.completions.create(
-            model=MODEL, prompt=PROMPT, n=2, max_tokens=6, temperature=1.0, seed=7
-        )
+        return client.completions.create(model=MODEL, prompt=PROMPT, **sampling)
 
     first, second = run(), run()
     assert sorted(c.index for c in first.choices) == [0, 1]
     assert [c.text for c in first.choices] == [c.text for c in second.choices]
-    assert first.usage.completion_tokens == 12
+    assert first.usage.completion_tokens == 8
 
-    chat = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, n=2, max_tokens=4, temperature=1.0, seed=7
-    )
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, **sampling)
     assert sorted(c.index for c in chat.choices) == [0, 1]
     assert all(c.message.content for c in chat.choices)
 

@@ -11,6 +11,8 @@ Only the last token of a request whose known tokens are all computed after this 
 sampled; a prefill chunk that stops short of the end of its prompt samples nothing.
 """
 
+import ctypes
+import ctypes.util
 import logging
 
 import numpy as np
@@ -29,6 +31,25 @@ from v1.worker.sampler import Sampler, SamplingMetadata
 logger = logging.getLogger("v1")
 
 _DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+
+
+def tune_cpu_malloc() -> bool:
+    """Keep freed activation memory in the process (glibc malloc) instead of returning it to
+    the OS after every step.
+
+    glibc serves big allocations with mmap and gives them back on free, so each step's
+    multi-megabyte activations are page-faulted (and zeroed by the kernel) anew: ~1.5 GB of
+    faults per 4,000 prefill tokens here, about 6% of the CPU time. Raising the mmap and
+    trim thresholds makes such blocks come from, and go back to, the heap. Blocks of 64 MiB
+    and more (the KV cache) are still mapped and unmapped as before. Returns whether applied.
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False  # not glibc
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(mallopt(m_mmap_threshold, 64 << 20)) and bool(mallopt(m_trim_threshold, 1 << 30))
 
 
 def attention_impl_for(device: torch.device) -> type[AttentionImpl]:
@@ -52,6 +73,8 @@ class ModelRunner:
     ) -> None:
         self.device = device
         self.dtype = dtype
+        if device.type == "cpu":
+            tune_cpu_malloc()
         self.block_size = cache_config.block_size
         self.loaded = loaded
         self.model = loaded.model

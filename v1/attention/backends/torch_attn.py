@@ -89,7 +89,7 @@ class TorchAttentionImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        plan = AttentionPlan.for_step(metadata, kv_cache.shape[2])
+        plan = AttentionPlan.for_step(metadata, kv_cache)
         plan.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         return paged_attention(query, key, value, kv_cache, plan, self.scale)
 
@@ -103,6 +103,8 @@ MIN_CASCADE_SAVING = 256
 # tokens and by more than BUCKET_RATIO times its own length.
 BUCKET_MIN_PAD = 256
 BUCKET_RATIO = 1.5
+# The most K/V bytes one decode call gathers (a bucket is split into calls of this size).
+MAX_GATHER_BYTES = 16 << 20
 
 
 class _Rows:
@@ -168,17 +170,21 @@ class AttentionPlan:
     _local = threading.local()
 
     @classmethod
-    def for_step(cls, metadata: AttentionMetadata, block_size: int) -> "AttentionPlan":
-        """The plan of this metadata, built by the first layer and reused by the others."""
+    def for_step(cls, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> "AttentionPlan":
+        """The plan of this metadata, built by the first layer and reused by the others
+        (every layer's cache has the same shape)."""
         cached = getattr(cls._local, "cached", None)
-        if cached is not None and cached[0] is metadata and cached[1].block_size == block_size:
-            return cached[1]
-        plan = cls.build(metadata, block_size)
-        cls._local.cached = (metadata, plan)
+        if cached is not None and cached[0] is metadata and cached[1] == kv_cache.shape:
+            return cached[2]
+        plan = cls.build(metadata, kv_cache.shape[2], kv_cache[:, 0].nbytes)
+        cls._local.cached = (metadata, kv_cache.shape, plan)
         return plan
 
     @classmethod
-    def build(cls, metadata: AttentionMetadata, block_size: int) -> "AttentionPlan":
+    def build(
+        cls, metadata: AttentionMetadata, block_size: int, block_bytes: int = 1
+    ) -> "AttentionPlan":
+        """`block_bytes`: one block's K and V together, to size the decode gathers."""
         dev = metadata.slot_mapping.device
         B = block_size
         qsl = np.asarray(metadata.query_start_loc_cpu, dtype=np.int64)
@@ -240,20 +246,14 @@ class AttentionPlan:
             for lo, hi in zip(cut[:-1], cut[1:]):
                 nb = int(rest[hi - 1])
                 keep = np.argsort(dec[lo:hi])  # back in query order: rows may be a slice
-                rows, n = dec[lo:hi][keep], rest[lo:hi][keep]
-                j = np.arange(nb)[None, :]
-                cols = prefix[rows, None] + np.where(j < n[:, None], j, 0)
-                blocks = table[rows[:, None], cols]
-                pos = prefix[rows, None] * B + np.arange(nb * B)[None, :]
-                pad = pos >= seq_lens[rows, None]
-                mask = pad_rows = None
-                if pad.any():
-                    m = np.where(pad, -np.inf, 0.0).astype(np.float32)[:, None, None, :]
-                    mask = torch.from_numpy(m).to(dev)
-                    pad_rows = tensor(np.flatnonzero(pad))
-                plan.decodes.append(_DecodeBucket(
-                    _Rows(qsl[rows], dev), tensor(blocks.reshape(-1)), mask, pad_rows
-                ))
+                bucket_rows, bucket_n = dec[lo:hi][keep], rest[lo:hi][keep]
+                # Gather at most MAX_GATHER_BYTES per call: the copy stays in the last-level
+                # cache for SDPA to read, and comes from the heap, not fresh (faulted) pages.
+                per_call = max(1, MAX_GATHER_BYTES // (nb * block_bytes))
+                for c in range(0, len(bucket_rows), per_call):
+                    rows, n = bucket_rows[c : c + per_call], bucket_n[c : c + per_call]
+                    plan.decodes.append(_decode_call(rows, n, nb, prefix, table, seq_lens,
+                                                     qsl, B, dev))
 
         # Prefill chunks (and anything with more than one query): one call each.
         for r in np.flatnonzero(q_lens > 1).tolist():
@@ -271,7 +271,10 @@ class AttentionPlan:
         return plan
 
     def write_kv_cache(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
         if self.any_padding_slot:
@@ -281,6 +284,26 @@ class AttentionPlan:
         flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
         flat[0].index_copy_(0, slot_mapping, key[:n])
         flat[1].index_copy_(0, slot_mapping, value[:n])
+
+
+def _decode_call(
+    rows: np.ndarray, n: np.ndarray, nb: int, prefix: np.ndarray, table: np.ndarray,
+    seq_lens: np.ndarray, qsl: np.ndarray, B: int, dev: torch.device,
+) -> _DecodeBucket:
+    """One SDPA call for decode requests `rows`: each attends to its `n` blocks after its
+    prefix, padded to `nb` blocks."""
+    j = np.arange(nb)[None, :]
+    cols = prefix[rows, None] + np.where(j < n[:, None], j, 0)
+    blocks = table[rows[:, None], cols]
+    pos = prefix[rows, None] * B + np.arange(nb * B)[None, :]
+    pad = pos >= seq_lens[rows, None]
+    mask = pad_rows = None
+    if pad.any():
+        m = np.where(pad, -np.inf, 0.0).astype(np.float32)[:, None, None, :]
+        mask = torch.from_numpy(m).to(dev)
+        pad_rows = torch.from_numpy(np.flatnonzero(pad)).to(dev)
+    block_ids = torch.from_numpy(np.ascontiguousarray(blocks.reshape(-1), dtype=np.int64))
+    return _DecodeBucket(_Rows(qsl[rows], dev), block_ids.to(dev), mask, pad_rows)
 
 
 def _sdpa_lse(
@@ -331,18 +354,20 @@ def paged_attention(
     if plan.groups:
         lse = torch.empty(query.shape[0], num_heads, dtype=torch.float32, device=query.device)
 
+    num_kv_heads = kv_cache.shape[3]
     for bucket in plan.decodes:
-        q = bucket.rows.take(query).unsqueeze(2)  # [R, h, 1, d]
+        # A decode's query heads that share a kv head are the rows of one [g, d] query of
+        # that kv head: SDPA then reads each K/V row once per kv head, not once per head.
+        q = bucket.rows.take(query)
         R = q.shape[0]
+        q = q.view(R, num_kv_heads, num_heads // num_kv_heads, head_dim)
         kv = _gather(kv_cache, bucket.blocks)
         if bucket.pad_rows is not None:
             kv.view(2, kv.shape[1], -1).index_fill_(1, bucket.pad_rows, 0.0)
         kv = kv.view(2, R, -1, *kv_cache.shape[3:])
         k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [R, kvh, S, d], strided
         if lse is None:
-            o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=bucket.mask, scale=scale, enable_gqa=True
-            )
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=bucket.mask, scale=scale)
         else:
             o, o_lse = _sdpa_lse(q, k, v, bucket.mask, scale)
             bucket.rows.put(lse, o_lse.reshape(R, num_heads))
