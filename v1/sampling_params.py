@@ -43,7 +43,9 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._verify()
-        self.all_stop_token_ids = set(self.stop_token_ids)
+        # A union, not a reset: decoding a message re-runs __post_init__ on a copy whose
+        # processor already added the model's further end-of-text ids.
+        self.all_stop_token_ids = set(self.stop_token_ids) | set(self.all_stop_token_ids)
 
     def _verify(self) -> None:
         def bad(name: str, value: object, limit: str) -> ValueError:
