@@ -123,6 +123,9 @@ SCENARIOS = {
     "cold-and-hits": ([(150, 150, 0), (20, 148, 0), (9, 137, 0), (1, 200, 0)], {0: 128}),
     "two-groups": ([(1, 100, 0), (3, 90, 1), (1, 300, 0), (1, 95, 1), (2, 99, 0), (1, 87, 1),
                     (4, 4, None)], {0: 64, 1: 80}),
+    # Prefills with more keys than the native kernel takes (SDPA), beside ones it takes.
+    "long-prefills": ([(300, 300, None), (1, 40, None), (5, 400, None), (280, 300, None),
+                       (30, 290, 0), (1, 280, 0)], {0: 256}),
 }
 GQA = {"gqa1": (2, 2), "gqa3": (9, 3), "gqa4": (8, 2)}
 
@@ -131,6 +134,17 @@ GQA = {"gqa1": (2, 2), "gqa3": (9, 3), "gqa4": (8, 2)}
 def lse_impl(request, monkeypatch):
     if not request.param:
         monkeypatch.setattr(torch_attn, "_flash_with_lse", None)
+    return request.param
+
+
+@pytest.fixture(params=["native", "sdpa"])
+def decode_impl(request, monkeypatch):
+    """Decodes through the C kernel (skipped without a C compiler) or through SDPA."""
+    if request.param == "native":
+        if torch_attn.native_decode_kernel(torch.zeros(kv_cache_shape(1, 16, 3, 64)), 9) is None:
+            pytest.skip("the native decode kernel is not available (no C compiler?)")
+    else:
+        monkeypatch.setitem(torch_attn._native_state, "kernel", None)
     return request.param
 
 
@@ -143,7 +157,7 @@ def always_cascade(monkeypatch):
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 @pytest.mark.parametrize("block_size,gqa", [(16, "gqa3"), (8, "gqa1"), (16, "gqa4")])
 def test_fast_path_matches_reference_and_dense(scenario, block_size, gqa, lse_impl,
-                                                always_cascade):
+                                                decode_impl, always_cascade):
     reqs, prefixes = SCENARIOS[scenario]
     if any(n % block_size for n in prefixes.values()):
         pytest.skip("prefix not a whole number of blocks")
@@ -175,10 +189,10 @@ def test_shared_prefixes_are_cascaded(scenario, always_cascade):
 
 def test_plan_is_built_once_per_step():
     batch = Batch(*SCENARIOS["mixed"], 9, 3, 64, 16)
-    plan = AttentionPlan.for_step(batch.metadata, batch.kv_cache)
-    assert AttentionPlan.for_step(batch.metadata, batch.kv_cache.clone()) is plan
+    plan = AttentionPlan.for_step(batch.metadata, batch.kv_cache, 9)
+    assert AttentionPlan.for_step(batch.metadata, batch.kv_cache.clone(), 9) is plan
     other = Batch(*SCENARIOS["mixed"], 9, 3, 64, 16)
-    assert AttentionPlan.for_step(other.metadata, other.kv_cache) is not plan
+    assert AttentionPlan.for_step(other.metadata, other.kv_cache, 9) is not plan
 
 
 def test_decodes_of_very_different_lengths_are_bucketed():
@@ -191,6 +205,7 @@ def test_decodes_of_very_different_lengths_are_bucketed():
 
 
 def test_big_decode_gathers_are_split(monkeypatch):
+    monkeypatch.setitem(torch_attn._native_state, "kernel", None)  # the SDPA path
     batch = Batch(*SCENARIOS["decode"], 9, 3, 64, 16)
     block_bytes = batch.kv_cache[:, 0].nbytes
     monkeypatch.setattr(torch_attn, "MAX_GATHER_BYTES", 3 * block_bytes * 3)
@@ -245,3 +260,32 @@ def test_padded_slots_through_the_backend():
 def test_small_shared_prefixes_are_not_worth_a_cascade():
     batch = Batch(*SCENARIOS["two-groups"], 9, 3, 64, 16)
     assert not AttentionPlan.build(batch.metadata, 16).groups
+
+
+def test_native_kernel_serves_decodes_and_short_prefills(decode_impl, always_cascade):
+    batch = Batch(*SCENARIOS["long-prefills"], 9, 3, 64, 16)
+    plan = AttentionPlan.for_step(batch.metadata, batch.kv_cache, 9)
+    if decode_impl == "native":
+        assert not plan.decodes
+        # The decodes (rows 300 and 616) and the 30-token chunk after the shared prefix.
+        assert plan.native.tokens.tolist() == [300, *range(586, 616), 616]
+        assert plan.native.end.tolist() == [40, *range(261, 291), 280]
+        assert plan.native.start.tolist() == [0] + [256] * 31
+        assert [p.q_start for p in plan.prefills] == [0, 301, 306]
+    else:
+        assert plan.native is None and plan.decodes and len(plan.prefills) == 4
+
+
+def test_native_kernel_only_for_what_it_supports(decode_impl):
+    if decode_impl != "native":
+        pytest.skip("about the native kernel")
+    kernel = torch_attn.native_decode_kernel
+    assert kernel(torch.zeros(kv_cache_shape(1, 16, 3, 64)), 9) is not None
+    assert kernel(torch.zeros(kv_cache_shape(1, 16, 3, 64), dtype=torch.bfloat16), 9) is None
+    assert kernel(torch.zeros(kv_cache_shape(1, 16, 3, 60)), 9) is None  # head size % 8
+    assert kernel(torch.zeros(kv_cache_shape(1, 16, 2, 64)), 9) is None  # 9 heads on 2
+
+
+def test_native_kernel_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("V1_CPU_ATTENTION_KERNEL", "0")
+    assert torch_attn._load_native_decode_kernel() is None
