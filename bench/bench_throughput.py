@@ -17,6 +17,10 @@ over the time from the first tokens to the last finish (the requests' own timest
 
 (Without timestamps it falls back to the difference with a run that generates one token.)
 
+`--engine-process` adds the default `LLM` (engine core in its own process, over ZMQ) on the
+same prompts, its runs interleaved with the in-process ones:
+process_overhead = engine_process_s / engine_s - 1.
+
 Prints a table, then one JSON line (engine_tok_s, hf_tok_s, speedup, ...; with --decode:
 decode_tok_s, ...). `--out DIR` writes throughput.json / decode.json and a PNG.
 
@@ -40,6 +44,7 @@ from common import (
     load,
     load_hf,
     make_llm,
+    make_process_llm,
     median,
     print_table,
     setup_threads,
@@ -73,15 +78,22 @@ def throughput(args: argparse.Namespace, loaded: Any, engine_kwargs: dict[str, A
     print(f"{len(prompts)} requests, {num_in} prompt tokens, {num_out} output tokens",
           file=sys.stderr)
 
-    llm = make_llm(loaded, **engine_kwargs)
-    timed_generate(llm, [prompts[0][:32]], SamplingParams(max_tokens=2, ignore_eos=True))
-    times, outputs = [], []
-    for r in range(args.repeat):
-        t, outputs = timed_generate(llm, prompts, params)
-        times.append(t)
-        print(f"run {r}: engine {t:.2f} s", file=sys.stderr)
-    llm.shutdown()
-    engine_tokens = [o.outputs[0].token_ids for o in outputs]
+    llms = {"engine": make_llm(loaded, **engine_kwargs)}
+    if args.engine_process:
+        llms["engine process"] = make_process_llm(args.model, **engine_kwargs)
+    runs: dict[str, list[float]] = {name: [] for name in llms}
+    tokens: dict[str, list] = {}
+    for llm in llms.values():
+        timed_generate(llm, [prompts[0][:32]], SamplingParams(max_tokens=2, ignore_eos=True))
+    for r in range(args.repeat):  # interleaved, so that both see the same machine
+        for name, llm in llms.items():
+            t, outputs = timed_generate(llm, prompts, params)
+            runs[name].append(t)
+            tokens[name] = [o.outputs[0].token_ids for o in outputs]
+            print(f"run {r}: {name} {t:.2f} s", file=sys.stderr)
+    for llm in llms.values():
+        llm.shutdown()
+    times, engine_tokens = runs["engine"], tokens["engine"]
     assert [len(t) for t in engine_tokens] == out_lens
 
     hf_times: list[float] = []
@@ -121,10 +133,19 @@ def throughput(args: argparse.Namespace, loaded: Any, engine_kwargs: dict[str, A
         "hf_runs_s": [round(t, 3) for t in hf_times],
         **environment(),
     }
+    if args.engine_process:
+        process_s = median(runs["engine process"])
+        result.update(
+            engine_process_s=round(process_s, 3),
+            engine_process_runs_s=[round(t, 3) for t in runs["engine process"]],
+            process_overhead=round(process_s / engine_s - 1, 4),
+            process_same_tokens=tokens["engine process"] == engine_tokens,
+        )
     if hf_tokens is not None:
         result["hf_agreement"] = {k: round(v, 4) for k, v in
                                   agreement(engine_tokens, hf_tokens).items()}
-    rows = [["engine", engine_s, num_out / engine_s, (num_in + num_out) / engine_s]]
+    rows = [[name, median(ts), num_out / median(ts), (num_in + num_out) / median(ts)]
+            for name, ts in runs.items()]
     if hf_s:
         rows.append([f"HF generate (batch {args.hf_batch_size})", hf_s, num_out / hf_s,
                      (num_in + num_out) / hf_s])
@@ -224,6 +245,9 @@ def main() -> None:
                         metavar=("MIN", "MAX"))
     parser.add_argument("--hf-sort", action=argparse.BooleanOptionalAction, default=True,
                         help="batch HF requests by output length (less static-batching waste)")
+    parser.add_argument("--engine-process", action="store_true",
+                        help="also run the engine core in its own process (ZMQ), interleaved "
+                             "with the in-process runs: process_overhead = process/in-process - 1")
     parser.add_argument("--decode", action="store_true",
                         help="measure batched decode throughput instead")
     parser.add_argument("--decode-seqs", type=int, default=64)

@@ -60,13 +60,16 @@ def load(model: str | None):
 
 def make_llm(loaded: Any, **kwargs: Any):
     """An `LLM` in this process on `loaded`'s weights (no second copy, no engine process)."""
-    from v1.config import EngineArgs
     from v1.entrypoints.llm import LLM
 
-    if "multiprocess" in getattr(EngineArgs, "__slots__", ()):
-        kwargs.setdefault("multiprocess", False)
-    os.environ.setdefault("V1_ENABLE_MULTIPROCESSING", "0")
-    return LLM(loaded_model=loaded, **kwargs)
+    return LLM(loaded_model=loaded, multiprocess=False, **kwargs)
+
+
+def make_process_llm(model: str | None, **kwargs: Any):
+    """An `LLM` whose engine core runs in its own process (the default `LLM`), over ZMQ."""
+    from v1.entrypoints.llm import LLM
+
+    return LLM(model=model, multiprocess=True, **kwargs)
 
 
 def load_hf(loaded: Any):
