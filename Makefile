@@ -1,3 +1,7 @@
+# pipefail: a benchmark that fails fails its `| tee` line too.
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
+
 PY := .venv/bin/python
 PIP := .venv/bin/pip
 
@@ -21,6 +25,17 @@ test: setup
 
 demo: setup
 	$(PY) -m v1 demo
+
+# The README's figures: every benchmark at its defaults (about 25 minutes on 2 cores), each
+# writing its JSON, PNG and printed table under bench/results/.
+BENCH_OUT := bench/results
+bench: setup
+	mkdir -p $(BENCH_OUT)
+	$(PY) bench/bench_prefix_cache.py --out $(BENCH_OUT) | tee $(BENCH_OUT)/prefix_cache.txt
+	$(PY) bench/bench_throughput.py --engine-process --out $(BENCH_OUT) \
+		| tee $(BENCH_OUT)/throughput.txt
+	$(PY) bench/bench_throughput.py --decode --no-hf --out $(BENCH_OUT) | tee $(BENCH_OUT)/decode.txt
+	$(PY) bench/bench_serving.py --out $(BENCH_OUT) | tee $(BENCH_OUT)/serving.txt
 
 clean:
 	rm -rf .venv
