@@ -86,7 +86,7 @@ def test_stop_ids_and_strings_survive_the_wire(mp_llm, monkeypatch):
     (first,) = mp_llm.generate(["1, 2, 3, 4,"], GREEDY, use_tqdm=False)
     tok = first.outputs[0].token_ids[2]
     # As if the generation config listed `tok` among its end-of-text ids: the processor puts
-    # it into all_stop_token_ids alone, which decoding SamplingParams would reset.
+    # it into all_stop_token_ids alone, which must survive the engine process's decoder.
     monkeypatch.setattr(mp_llm.llm_engine.processor, "extra_stop_token_ids", (tok,))
     (out,) = mp_llm.generate(["1, 2, 3, 4,"], GREEDY, use_tqdm=False)
     assert out.outputs[0].token_ids == first.outputs[0].token_ids[:3]

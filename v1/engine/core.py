@@ -14,7 +14,7 @@ Protocol. An engine core at ADDRESS (`ipc://PATH`, by default in a fresh temp di
 
 - input: a PULL socket at ADDRESS. Clients PUSH two frames, [EngineCoreRequestType, msgpack]:
     HELLO    client_index: int      answered by READY
-    ADD      AddRequest             answered by OUTPUTS, step by step, until it finishes
+    ADD      EngineCoreRequest      answered by OUTPUTS, step by step, until it finishes
     ABORT    list[str] request ids  no answer (the client has forgotten them already)
     UTILITY  UtilityRequest         answered by UTILITY_RESULT (an error there is the
                                     caller's, e.g. a failed check_integrity; the core serves on)
@@ -214,14 +214,6 @@ class EngineCoreOutputType(bytes, enum.Enum):
     UTILITY_RESULT = b"\x02"
 
 
-class AddRequest(msgspec.Struct, array_like=True, gc=False):
-    request: EngineCoreRequest
-    # SamplingParams.__post_init__, which msgspec runs on decoding, resets
-    # all_stop_token_ids to stop_token_ids and so drops the processor's EOS extras: they
-    # travel beside the request and are put back.
-    all_stop_token_ids: list[int]
-
-
 class UtilityRequest(msgspec.Struct, array_like=True):
     client_index: int
     call_id: int
@@ -386,8 +378,7 @@ class EngineCoreProc:
     def _handle_input(self, kind: EngineCoreRequestType, message: Any) -> None:
         core = self.engine_core
         if kind is EngineCoreRequestType.ADD:
-            request = message.request
-            request.sampling_params.all_stop_token_ids = set(message.all_stop_token_ids)
+            request = message
             try:
                 core.add_request(request)
             except ValueError as e:  # a request id in use: refuse this request, serve on
@@ -424,7 +415,7 @@ class EngineCoreProc:
         T = EngineCoreRequestType
         decoders = {
             T.HELLO: msgspec.msgpack.Decoder(int),
-            T.ADD: msgspec.msgpack.Decoder(AddRequest),
+            T.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
             T.ABORT: msgspec.msgpack.Decoder(list[str]),
             T.UTILITY: msgspec.msgpack.Decoder(UtilityRequest),
         }

@@ -37,7 +37,6 @@ import zmq
 
 from v1.config import EngineArgs
 from v1.engine.core import (
-    AddRequest,
     EngineCore,
     EngineCoreOutputType,
     EngineCoreProc,
@@ -307,8 +306,7 @@ class MPClient(ABC):
 
     def add_request(self, request: EngineCoreRequest) -> None:
         request.client_index = self.client_index
-        all_stop = list(request.sampling_params.all_stop_token_ids)
-        self._send(EngineCoreRequestType.ADD, AddRequest(request, all_stop))
+        self._send(EngineCoreRequestType.ADD, request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
