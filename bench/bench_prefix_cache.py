@@ -74,6 +74,24 @@ def question(rng: random.Random, words: list[str], num_tokens: int, tokenizer: A
     return text + "?"
 
 
+def add_workload_args(
+    parser: argparse.ArgumentParser, groups: int, output_len: int, interleave: bool
+) -> None:
+    """The options of `make_workload` (and the output length), with these defaults."""
+    parser.add_argument("--groups", type=int, default=groups, help="distinct system prompts")
+    parser.add_argument("--system-len", type=int, default=1000,
+                        help="system prompt length in tokens (about)")
+    parser.add_argument("--question-len", type=int, nargs=2, default=[10, 60],
+                        metavar=("MIN", "MAX"), help="question length range in tokens")
+    parser.add_argument("--output-len", type=int, default=output_len,
+                        help="generated tokens per request")
+    parser.add_argument("--plain", action="store_true",
+                        help="plain text prompts instead of the chat template")
+    parser.add_argument("--interleave", action=argparse.BooleanOptionalAction,
+                        default=interleave,
+                        help="submit the groups round robin (else one after another)")
+
+
 def make_workload(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
     rng = random.Random(args.seed)
     words = word_list(tokenizer)
@@ -131,17 +149,8 @@ def run_engine(llm: Any, prompts: list[list[int]], params: Any) -> tuple[float, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--groups", type=int, default=1, help="distinct system prompts")
+    add_workload_args(parser, groups=1, output_len=48, interleave=False)
     parser.add_argument("--prompts-per-group", type=int, default=64)
-    parser.add_argument("--system-len", type=int, default=1000,
-                        help="system prompt length in tokens (about)")
-    parser.add_argument("--question-len", type=int, nargs=2, default=[10, 60],
-                        metavar=("MIN", "MAX"), help="question length range in tokens")
-    parser.add_argument("--output-len", type=int, default=48, help="generated tokens per request")
-    parser.add_argument("--plain", action="store_true",
-                        help="plain text prompts instead of the chat template")
-    parser.add_argument("--interleave", action="store_true",
-                        help="submit the groups round robin instead of one after another")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-cache-run", dest="no_cache_run", action="store_false",
                         help="skip the engine run without prefix caching")

@@ -60,7 +60,7 @@ from typing import Any
 
 import httpx
 import numpy as np
-from bench_prefix_cache import ideal_hit_tokens, make_workload
+from bench_prefix_cache import add_workload_args, ideal_hit_tokens, make_workload
 from common import environment, print_table, write_outputs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -204,16 +204,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--request-rate", type=float, default=1.0,
                         help="Poisson arrival rate in requests/s (inf: all at once)")
-    parser.add_argument("--groups", type=int, default=4, help="distinct system prompts")
-    parser.add_argument("--system-len", type=int, default=1000,
-                        help="system prompt length in tokens (about)")
-    parser.add_argument("--question-len", type=int, nargs=2, default=[10, 60],
-                        metavar=("MIN", "MAX"), help="question length range in tokens")
-    parser.add_argument("--output-len", type=int, default=32, help="generated tokens per request")
-    parser.add_argument("--plain", action="store_true",
-                        help="plain text prompts instead of the chat template")
-    parser.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=True,
-                        help="send the groups round robin (else one group after another)")
+    add_workload_args(parser, groups=4, output_len=32, interleave=True)
     parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
     parser.add_argument("--model", default=None,
                         help="a .gguf file or HF model directory (default: SmolLM2-135M-Instruct)")
