@@ -194,30 +194,48 @@ def _has_news(delta: CompletionOutput) -> bool:
     return bool(delta.text or delta.logprobs or delta.finish_reason)
 
 
+class _StreamDeltas:
+    """A streamed request's deltas worth a chunk (`_has_news`), counting every generated
+    token on the way for the usage block."""
+
+    def __init__(self, outputs: StartedRequest) -> None:
+        self._outputs = outputs
+        self._last: RequestOutput | None = None
+        self._num_generated = 0
+
+    async def __aiter__(self) -> AsyncIterator[CompletionOutput]:
+        async for output in self._outputs:
+            self._last = output
+            for delta in output.outputs:
+                self._num_generated += len(delta.token_ids)
+                if _has_news(delta):
+                    yield delta
+
+    def usage(self) -> UsageInfo:
+        assert self._last is not None, "usage before the request's first output"
+        return _usage(self._last, self._num_generated)
+
+
 async def _completion_chunks(
     outputs: StartedRequest, head: dict[str, Any], k: int | None, include_usage: bool
 ) -> AsyncIterator[CompletionResponse]:
     offsets: dict[int, int] = {}  # per choice, its text length so far (for text_offset)
-    num_generated = 0
-    async for output in outputs:
-        for delta in output.outputs:
-            num_generated += len(delta.token_ids)
-            if not _has_news(delta):
-                continue
-            logprobs = None
-            if k is not None:
-                logprobs = _completion_logprobs(delta, k, offsets.get(delta.index, 0))
-                offsets[delta.index] = offsets.get(delta.index, 0) + sum(map(len, logprobs.tokens))
-            choice = CompletionChoice(
-                index=delta.index,
-                text=delta.text,
-                logprobs=logprobs,
-                finish_reason=delta.finish_reason,
-                stop_reason=delta.stop_reason,
-            )
-            yield CompletionResponse(**head, choices=[choice])
+    deltas = _StreamDeltas(outputs)
+    async for delta in deltas:
+        logprobs = None
+        if k is not None:
+            logprobs = _completion_logprobs(delta, k, offsets.get(delta.index, 0))
+            offsets[delta.index] = offsets.get(delta.index, 0) + sum(map(len, logprobs.tokens))
+        choice = CompletionChoice(
+            index=delta.index,
+            text=delta.text,
+            logprobs=logprobs,
+            finish_reason=delta.finish_reason,
+            stop_reason=delta.stop_reason,
+        )
+        yield CompletionResponse(**head, choices=[choice])
     if include_usage:
-        yield CompletionResponse(**head, choices=[], usage=_usage(output, num_generated))
+        yield CompletionResponse(**head, choices=[], usage=deltas.usage())
 
 
 async def _chat_chunks(
@@ -226,22 +244,18 @@ async def _chat_chunks(
     for i in range(n):  # as OpenAI, each choice's first chunk gives the role alone
         role = DeltaMessage(role="assistant", content="")
         yield ChatCompletionChunk(**head, choices=[ChatStreamChoice(index=i, delta=role)])
-    num_generated = 0
-    async for output in outputs:
-        for delta in output.outputs:
-            num_generated += len(delta.token_ids)
-            if not _has_news(delta):
-                continue
-            choice = ChatStreamChoice(
-                index=delta.index,
-                delta=DeltaMessage(content=delta.text),
-                logprobs=None if k is None else _chat_logprobs(delta, k),
-                finish_reason=delta.finish_reason,
-                stop_reason=delta.stop_reason,
-            )
-            yield ChatCompletionChunk(**head, choices=[choice])
+    deltas = _StreamDeltas(outputs)
+    async for delta in deltas:
+        choice = ChatStreamChoice(
+            index=delta.index,
+            delta=DeltaMessage(content=delta.text),
+            logprobs=None if k is None else _chat_logprobs(delta, k),
+            finish_reason=delta.finish_reason,
+            stop_reason=delta.stop_reason,
+        )
+        yield ChatCompletionChunk(**head, choices=[choice])
     if include_usage:
-        yield ChatCompletionChunk(**head, choices=[], usage=_usage(output, num_generated))
+        yield ChatCompletionChunk(**head, choices=[], usage=deltas.usage())
 
 
 async def _collect(
