@@ -242,6 +242,7 @@ class MPClient(ABC):
         self._pending: dict[int, tuple[Future[Any], Any]] = {}  # call id -> (future, type)
         self._call_ids = itertools.count()
         self._encoder = msgspec.msgpack.Encoder()
+        self._init_delivery()  # before the receiver thread starts delivering
         self._res = _Resources()
         self._finalizer = weakref.finalize(self, self._res.release)  # runs at exit, too
         try:
@@ -329,6 +330,10 @@ class MPClient(ABC):
     # -- receiving ---------------------------------------------------------------------
 
     @abstractmethod
+    def _init_delivery(self) -> None:
+        """Set up where `_deliver` puts things (called once, first thing in __init__)."""
+
+    @abstractmethod
     def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
         """Hand outputs (or, once, the error that ends them) to whoever waits for them."""
 
@@ -400,15 +405,8 @@ class MPClient(ABC):
 class SyncMPClient(MPClient, EngineCoreClient):
     """A blocking client, for `LLM` / `LLMEngine`."""
 
-    def __init__(
-        self,
-        args: EngineArgs | None = None,
-        *,
-        address: str | None = None,
-        client_index: int = 0,
-    ) -> None:
+    def _init_delivery(self) -> None:
         self._outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
-        super().__init__(args, address=address, client_index=client_index)
 
     def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
         self._outputs.put(item)
@@ -430,16 +428,9 @@ class AsyncMPClient(MPClient):
     """An asyncio client, for `AsyncLLM`. It binds to the event loop it is first used in
     (adding a request or awaiting outputs); use it from that loop only."""
 
-    def __init__(
-        self,
-        args: EngineArgs | None = None,
-        *,
-        address: str | None = None,
-        client_index: int = 0,
-    ) -> None:
+    def _init_delivery(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outputs: asyncio.Queue[EngineCoreOutputs | EngineDeadError] = asyncio.Queue()
-        super().__init__(args, address=address, client_index=client_index)
 
     def _bind_loop(self) -> None:
         loop = asyncio.get_running_loop()
