@@ -13,6 +13,14 @@ from v1.engine.core import output_address
 # Small KV caches: engine processes start fast and several fit in memory at once.
 SMALL_ENGINE = {"num_gpu_blocks": 256, "max_model_len": 1024}
 
+# Prompts of a few kinds (prose, numbers, code) and lengths, for the engine-process tests.
+PROMPTS = [
+    "The capital of France is",
+    "1, 2, 3, 4,",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+]
+
 
 def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.engine.mp_utils import SMALL_ENGINE, assert_greedy_match, child_pids
+from tests.engine.mp_utils import PROMPTS, SMALL_ENGINE, assert_greedy_match, child_pids
 from v1 import LLM, SamplingParams
 from v1.config import EngineArgs
 from v1.engine.async_llm import AsyncLLM
@@ -18,12 +18,6 @@ from v1.outputs import RequestOutput, SchedulerStats
 
 pytestmark = pytest.mark.model
 
-PROMPTS = [
-    "The capital of France is",
-    "1, 2, 3, 4,",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
-]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 LONG = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
 

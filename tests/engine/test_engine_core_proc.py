@@ -14,6 +14,7 @@ import time
 import pytest
 
 from tests.engine.mp_utils import (
+    PROMPTS,
     SMALL_ENGINE,
     assert_greedy_match,
     assert_ports_free,
@@ -30,12 +31,6 @@ from v1.outputs import RequestOutput, SchedulerStats
 
 pytestmark = pytest.mark.model
 
-PROMPTS = [
-    "The capital of France is",
-    "1, 2, 3, 4,",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
-]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 GREEDY_TOP5 = SamplingParams(temperature=0.0, max_tokens=16, logprobs=5)
 LONG = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
