@@ -1,6 +1,13 @@
 """Engine configuration, with vLLM's option names. Plain data: every layer may read it."""
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    """Where converted weights and built kernels are kept: $V1_CACHE_DIR, else ~/.cache/v1."""
+    return Path(os.environ.get("V1_CACHE_DIR") or Path.home() / ".cache" / "v1").expanduser()
 
 
 @dataclass(slots=True)

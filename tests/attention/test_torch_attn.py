@@ -286,5 +286,5 @@ def test_native_kernel_only_for_what_it_supports():
 
 
 def test_native_kernel_can_be_switched_off(monkeypatch):
-    monkeypatch.setenv("V1_CPU_ATTENTION_KERNEL", "0")
+    monkeypatch.setenv("V1_CPU_KERNELS", "0")
     assert torch_attn._load_native_decode_kernel() is None

@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
 
 from v1.attention.backends.abstract import AttentionImpl
+from v1.config import cache_root
 from v1.worker.model import LlamaForCausalLM
 
 logger = logging.getLogger("v1")
@@ -183,10 +184,6 @@ def _eos_ids(
 
 
 # ---- GGUF conversion ----------------------------------------------------------------------
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("V1_CACHE_DIR") or Path.home() / ".cache" / "v1").expanduser()
 
 
 def converted_dir(gguf_path: Path) -> Path:

@@ -26,30 +26,20 @@ Decodes have a faster option still: a small C kernel (`_NATIVE_DECODE_SOURCE`, ~
 that reads each request's K/V in place through its block table, with an online softmax, one
 request per OpenMP task. SDPA spends most of a decode in per-(request, head) overhead and
 needs the gathered copy; the kernel needs neither and is 3-4x faster at 64 decodes. It is
-built with the system C compiler on first use (well under a second) into the cache directory
-and loaded with ctypes; without a compiler, for other dtypes or shapes, or with
-V1_CPU_ATTENTION_KERNEL=0, the SDPA path above runs instead.
+built on first use by `v1.native`; without a compiler, for other dtypes or shapes, or with
+V1_CPU_KERNELS=0, the SDPA path above runs instead.
 """
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from v1 import native
 from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata
-
-logger = logging.getLogger("v1")
 
 
 def write_kv_cache(
@@ -484,10 +474,9 @@ def paged_attention(
 
 # ---- the native decode kernel -------------------------------------------------------------------
 
-_NATIVE_DECODE_SOURCE = r"""
+_NATIVE_DECODE_SOURCE = native.VECTOR_C + r"""
 #include <float.h>
 #include <math.h>
-#include <stdint.h>
 
 /* Paged attention for requests with one query token each (decodes), reading K/V in place.
 
@@ -501,32 +490,6 @@ _NATIVE_DECODE_SOURCE = r"""
    Query head h reads kv head h / (H / KVH). One OpenMP task per request: it streams the
    request's blocks once, chunk by chunk (TMAX keys), keeping a running max m, sum l and
    unnormalised output acc per head (the online softmax). D must be a multiple of 8. */
-
-typedef float v8 __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-
-static inline v8 load8(const float *p) { v8 x; __builtin_memcpy(&x, p, 32); return x; }
-static inline void store8(float *p, v8 x) { __builtin_memcpy(p, &x, 32); }
-static inline float hsum(v8 x) { return x[0] + x[1] + x[2] + x[3] + x[4] + x[5] + x[6] + x[7]; }
-
-/* e^x on 8 lanes: 2^round(x log2 e) times a degree-6 Taylor polynomial of e^f, |f| <= ln2/2
-   (relative error ~1e-7); below -87 it returns ~1e-38, never a denormal. */
-static inline v8 exp8(v8 x) {
-    const v8 lo = {-87.f, -87.f, -87.f, -87.f, -87.f, -87.f, -87.f, -87.f};
-    v8i below = x < lo;
-    x = (v8)((below & (v8i)lo) | (~below & (v8i)x));
-    v8 t = x * 1.44269504088896341f;
-    v8 n = (t + 12582912.f) - 12582912.f;   /* round to nearest (|t| < 2^22) */
-    v8 f = (t - n) * 0.69314718055994531f;
-    v8 p = f * (1.f / 720) + 1.f / 120;
-    p = p * f + 1.f / 24;
-    p = p * f + 1.f / 6;
-    p = p * f + 0.5f;
-    p = p * f + 1.f;
-    p = p * f + 1.f;
-    v8i e = (__builtin_convertvector(n, v8i) + 127) << 23;
-    return p * (v8)e;
-}
 
 enum { TMAX = 32 };
 
@@ -647,7 +610,6 @@ class _NativeDecodeKernel:
         )
 
 
-_native_lock = threading.Lock()
 _native_state: dict[str, _NativeDecodeKernel | None] = {}
 
 
@@ -665,46 +627,10 @@ def native_decode_kernel(kv_cache: torch.Tensor, num_heads: int) -> _NativeDecod
     ):
         return None
     if "kernel" not in _native_state:
-        with _native_lock:
-            if "kernel" not in _native_state:
-                _native_state["kernel"] = _load_native_decode_kernel()
+        _native_state["kernel"] = _load_native_decode_kernel()
     return _native_state["kernel"]
 
 
 def _load_native_decode_kernel() -> _NativeDecodeKernel | None:
-    if os.environ.get("V1_CPU_ATTENTION_KERNEL", "1").lower() in ("0", "false", "no", "off"):
-        return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        logger.info("no C compiler: CPU decode attention uses SDPA")
-        return None
-    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
-    # -march=native: the binary is only valid for this CPU, so the CPU is part of the key.
-    cpu = platform.machine() + platform.processor() + _cpu_flags()
-    key = hashlib.sha256("\0".join([_NATIVE_DECODE_SOURCE, compiler, *flags, cpu]).encode())
-    cache = Path(os.environ.get("V1_CACHE_DIR") or Path.home() / ".cache" / "v1").expanduser()
-    path = cache / "kernels" / f"paged_decode_{key.hexdigest()[:16]}.so"
-    try:
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-                src = Path(tmp) / "paged_decode.c"
-                src.write_text(_NATIVE_DECODE_SOURCE)
-                subprocess.run(
-                    [compiler, *flags, "-o", str(Path(tmp) / path.name), str(src), "-lm"],
-                    check=True, capture_output=True, text=True, timeout=120,
-                )
-                os.replace(Path(tmp) / path.name, path)  # atomic: others see all or nothing
-        return _NativeDecodeKernel(ctypes.CDLL(str(path)))
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", "") or e
-        logger.warning("CPU decode attention kernel unavailable, using SDPA: %s", detail)
-        return None
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
+    lib = native.load("paged_decode", _NATIVE_DECODE_SOURCE)
+    return None if lib is None else _NativeDecodeKernel(lib)
