@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn.utils import skip_init
 
 from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata
+from v1.worker.ops import StepOps, ops_for_step
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -91,70 +92,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", freqs.cos().to(device), persistent=False)
         self.register_buffer("sin_cache", freqs.sin().to(device), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin(positions, q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's tables for `_rotate`, [T, 1, head_dim] each: cat(cos, cos) and
-        cat(-sin, sin). Built once per forward and shared by every layer."""
+        """The step's tables for `rope` (see `ops`), [T, 1, head_dim] each: cat(cos, cos)
+        and cat(-sin, sin). Built once per forward and shared by every layer."""
         cos = self.cos_cache[positions].to(dtype)
         sin = self.sin_cache[positions].to(dtype)
         return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), with rotate_half(x) = cat(-x2, x1):
-    here the sign sits in the sin table, so the halves are only swapped. Each element is
-    x1 * c - x2 * s or x2 * c + x1 * s, rounded exactly as transformers rounds it."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((x2, x1), dim=-1) * sin
-
-
-# Steps of at most this many tokens run their elementwise ops on one thread (see SmallOps).
-SERIAL_SMALL_OPS_MAX_TOKENS = 128
-
-
-class SmallOps:
-    """Context for a step's elementwise ops: norms, RoPE, activation, residual adds.
-
-    On CPU every parallel op wakes the other OpenMP threads and waits for them: a few us
-    when they spin, ~80 us when they sleep (OMP_WAIT_POLICY=PASSIVE, the sensible setting on
-    a shared machine), and up to a scheduler time slice when they spin on an oversubscribed
-    machine. A decode batch's elementwise ops are tiny ([64, 1536] at most), so one thread
-    runs them faster in every one of those cases; the GEMMs and attention in between keep
-    all threads. `serial=False` (prefill-sized steps, GPUs) makes this a no-op.
-    """
-
-    __slots__ = ("serial", "_threads")
-
-    def __init__(self, serial: bool) -> None:
-        self.serial = serial
-        self._threads = 1
-
-    @classmethod
-    def for_step(cls, hidden_states: torch.Tensor) -> "SmallOps":
-        return cls(
-            hidden_states.device.type == "cpu"
-            and hidden_states.shape[0] <= SERIAL_SMALL_OPS_MAX_TOKENS
-            and torch.get_num_threads() > 1
-        )
-
-    def __enter__(self) -> None:
-        if self.serial:
-            self._threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.serial:
-            torch.set_num_threads(self._threads)
-
-
-_NO_SMALL_OPS = SmallOps(False)
 
 
 def _onednn_linear_available() -> bool:
@@ -233,16 +178,17 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
+    """The weight and eps of an RMSNorm; the step's `ops.rms_norm` applies them."""
+
     def __init__(self, hidden_size: int, eps: float, device: torch.device, dtype: torch.dtype):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 even for a bf16 model, then scale in the model dtype (as HF does).
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, ops: StepOps
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.rms_norm(x, residual, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
@@ -278,7 +224,7 @@ class LlamaAttention(nn.Module):
         hidden_states: torch.Tensor,
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
-        small_ops: SmallOps = _NO_SMALL_OPS,
+        ops: StepOps,
     ) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)
@@ -286,8 +232,7 @@ class LlamaAttention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(
             num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
         )
-        with small_ops:
-            qk = _rotate(qk, *rope)
+        qk = ops.rope(qk, *rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         # The backend writes k/v into the paged cache and expands kv heads for GQA itself.
@@ -312,11 +257,8 @@ class LlamaMLP(nn.Module):
             bias=bias, device=device, dtype=dtype,
         )
 
-    def forward(self, x: torch.Tensor, small_ops: SmallOps = _NO_SMALL_OPS) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        with small_ops:
-            x = F.silu(gate) * up
-        return self.down_proj(x)
+    def forward(self, x: torch.Tensor, ops: StepOps) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -338,20 +280,18 @@ class LlamaDecoderLayer(nn.Module):
         self,
         rope: tuple[torch.Tensor, torch.Tensor],
         hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
-        small_ops: SmallOps = _NO_SMALL_OPS,
-    ) -> torch.Tensor:
-        # Pre-norm residual blocks, in the same order of operations as transformers.
-        with small_ops:
-            x = self.input_layernorm(hidden_states)
-        attn_out = self.self_attn(rope, x, kv_cache, attn_metadata, small_ops)
-        with small_ops:
-            hidden_states = hidden_states + attn_out
-            x = self.post_attention_layernorm(hidden_states)
-        mlp_out = self.mlp(x, small_ops)
-        with small_ops:
-            return hidden_states + mlp_out
+        ops: StepOps,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm residual blocks, as transformers computes them, with each residual add
+        moved into the norm after it: takes and returns (block output, residual stream before
+        that output is added); the first layer gets residual None."""
+        x, residual = self.input_layernorm(hidden_states, residual, ops)
+        x = self.self_attn(rope, x, kv_cache, attn_metadata, ops)
+        x, residual = self.post_attention_layernorm(x, residual, ops)
+        return self.mlp(x, ops), residual
 
 
 class LlamaModel(nn.Module):
@@ -383,13 +323,14 @@ class LlamaModel(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
-        small_ops = SmallOps.for_step(hidden_states)
-        with small_ops:
-            rope = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
+        ops = ops_for_step(hidden_states)
+        rope = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden_states = layer(rope, hidden_states, kv_cache, attn_metadata, small_ops)
-        with small_ops:
-            return self.norm(hidden_states)
+            hidden_states, residual = layer(
+                rope, hidden_states, residual, kv_cache, attn_metadata, ops
+            )
+        return self.norm(hidden_states, residual, ops)[0]
 
 
 class LlamaForCausalLM(nn.Module):
