@@ -86,7 +86,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.s.requests))
     @rule(data=st.data())
     def abort(self, data):
-        rid = data.draw(st.sampled_from(sorted(self.s.requests)))
+        # Arrival order, not sorted ids: ids come from a global counter, so their sort order
+        # differs between replays of the same choices (hypothesis then reports it as flaky).
+        rid = data.draw(st.sampled_from(list(self.s.requests)))
         self.s.finish_requests([rid])
         self.finished.add(rid)
 
