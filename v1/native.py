@@ -64,15 +64,15 @@ _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
 
 
-def disabled() -> bool:
+def _disabled() -> bool:
     return os.environ.get("V1_CPU_KERNELS", "1").lower() in ("0", "false", "no", "off")
 
 
 def load(name: str, source: str, flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The library built from `source` (C) with FLAGS + `flags`, or None if kernels are off
     or it cannot be built. Built at most once per process; the result, None included, is
-    remembered."""
-    if disabled():
+    remembered. V1_CPU_KERNELS is read on every call, so switching it takes effect at once."""
+    if _disabled():
         return None
     if name not in _loaded:
         with _lock:

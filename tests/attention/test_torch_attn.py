@@ -144,7 +144,7 @@ def decode_impl(request, monkeypatch):
         if torch_attn.native_decode_kernel(torch.zeros(kv_cache_shape(1, 16, 3, 64)), 9) is None:
             pytest.skip("the native decode kernel is not available (no C compiler?)")
     else:
-        monkeypatch.setitem(torch_attn._native_state, "kernel", None)
+        monkeypatch.setenv("V1_CPU_KERNELS", "0")
     return request.param
 
 
@@ -205,7 +205,7 @@ def test_decodes_of_very_different_lengths_are_bucketed():
 
 
 def test_big_decode_gathers_are_split(monkeypatch):
-    monkeypatch.setitem(torch_attn._native_state, "kernel", None)  # the SDPA path
+    monkeypatch.setenv("V1_CPU_KERNELS", "0")  # the SDPA path
     batch = Batch(*SCENARIOS["decode"], 9, 3, 64, 16)
     block_bytes = batch.kv_cache[:, 0].nbytes
     monkeypatch.setattr(torch_attn, "MAX_GATHER_BYTES", 3 * block_bytes * 3)
@@ -287,4 +287,4 @@ def test_native_kernel_only_for_what_it_supports():
 
 def test_native_kernel_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("V1_CPU_KERNELS", "0")
-    assert torch_attn._load_native_decode_kernel() is None
+    assert torch_attn.native_decode_kernel(torch.zeros(kv_cache_shape(1, 16, 3, 64)), 9) is None

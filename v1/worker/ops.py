@@ -133,7 +133,7 @@ void v1_silu_and_mul(const float *gate_up, int64_t in_row, float *out, int64_t o
 
 class NativeOps:
     """The same ops as `TorchOps`, each one C call. For fp32 CPU tensors whose rows are
-    contiguous; `for_step` hands it out only for such steps."""
+    contiguous; `ops_for_step` hands it out only for such steps."""
 
     __slots__ = ("_norm", "_rope", "_silu_and_mul")
 

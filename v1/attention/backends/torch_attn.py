@@ -31,6 +31,7 @@ V1_CPU_KERNELS=0, the SDPA path above runs instead.
 """
 
 import ctypes
+import functools
 import threading
 from dataclasses import dataclass, field
 
@@ -167,6 +168,7 @@ class _NativeDecodes:
     """The queries the C kernel serves this step: per entry (int64 each) its request's
     block-table row, its query row, and the key positions [start, end) it attends to."""
 
+    kernel: "_NativeDecodeKernel"  # the one the plan was made for
     table: torch.Tensor  # int32 [num_reqs, max_blocks], contiguous: the step's block table
     table_rows: torch.Tensor
     tokens: torch.Tensor
@@ -205,17 +207,17 @@ class AttentionPlan:
         if cached is not None and cached[0] is metadata and cached[1] == key:
             return cached[2]
         plan = cls.build(metadata, kv_cache.shape[2], kv_cache[:, 0].nbytes,
-                         native=native_decode_kernel(kv_cache, num_heads) is not None)
+                         native_decode_kernel(kv_cache, num_heads))
         cls._local.cached = (metadata, key, plan)
         return plan
 
     @classmethod
     def build(
         cls, metadata: AttentionMetadata, block_size: int, block_bytes: int = 1,
-        native: bool = False,
+        kernel: "_NativeDecodeKernel | None" = None,
     ) -> "AttentionPlan":
         """`block_bytes`: one block's K and V together, to size the decode gathers;
-        `native`: plan the decodes for the C kernel instead."""
+        `kernel`: plan the decodes for this C kernel instead."""
         dev = metadata.slot_mapping.device
         B = block_size
         qsl = np.asarray(metadata.query_start_loc_cpu, dtype=np.int64)
@@ -265,7 +267,7 @@ class AttentionPlan:
         # Decodes: batched, bucketed by the number of blocks left after their prefix.
         dec = np.flatnonzero(q_lens == 1)
         short = np.zeros(num_reqs, dtype=bool)
-        if native:
+        if kernel is not None:
             # The kernel attends one query at a time, so a prefill chunk with few keys
             # left after its prefix (a prompt that hit the cache) goes there too, as one
             # decode-like entry per query token: token i of the chunk sees [start, its own
@@ -278,7 +280,7 @@ class AttentionPlan:
                 i = np.arange(len(owner)) - np.repeat(np.cumsum(n) - n, n)  # index in chunk
                 end = seq_lens[owner] - q_lens[owner] + i + 1
                 plan.native = _NativeDecodes(
-                    metadata.block_table.to(torch.int32).contiguous(), tensor(owner),
+                    kernel, metadata.block_table.to(torch.int32).contiguous(), tensor(owner),
                     tensor(qsl[owner] + i), tensor(prefix[owner] * B), tensor(end),
                 )
         elif len(dec):
@@ -409,10 +411,8 @@ def paged_attention(
         lse = torch.empty(query.shape[0], num_heads, dtype=torch.float32, device=query.device)
 
     num_kv_heads = kv_cache.shape[3]
-    if plan.native is not None:
-        kernel = native_decode_kernel(kv_cache, num_heads)
-        assert kernel is not None
-        kernel(query, kv_cache, plan.native, out, lse, scale)
+    if (native_decodes := plan.native) is not None:
+        native_decodes.kernel(query, kv_cache, native_decodes, out, lse, scale)
     for bucket in plan.decodes:
         # A decode's query heads that share a kv head are the rows of one [g, d] query of
         # that kv head: SDPA then reads each K/V row once per kv head, not once per head.
@@ -610,12 +610,9 @@ class _NativeDecodeKernel:
         )
 
 
-_native_state: dict[str, _NativeDecodeKernel | None] = {}
-
-
 def native_decode_kernel(kv_cache: torch.Tensor, num_heads: int) -> _NativeDecodeKernel | None:
     """The C decode kernel if it can serve this cache (CPU, fp32, contiguous, head size a
-    multiple of 8, not too many heads), building and loading it on first use; else None."""
+    multiple of 8, not too many heads) and C kernels are on (`v1.native`); else None."""
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
     if (
         kv_cache.device.type != "cpu"
@@ -626,11 +623,10 @@ def native_decode_kernel(kv_cache: torch.Tensor, num_heads: int) -> _NativeDecod
         or num_heads * head_dim > _NATIVE_MAX_HEAD_FLOATS
     ):
         return None
-    if "kernel" not in _native_state:
-        _native_state["kernel"] = _load_native_decode_kernel()
-    return _native_state["kernel"]
-
-
-def _load_native_decode_kernel() -> _NativeDecodeKernel | None:
     lib = native.load("paged_decode", _NATIVE_DECODE_SOURCE)
-    return None if lib is None else _NativeDecodeKernel(lib)
+    return None if lib is None else _bind_decode_kernel(lib)
+
+
+@functools.cache
+def _bind_decode_kernel(lib: ctypes.CDLL) -> _NativeDecodeKernel:
+    return _NativeDecodeKernel(lib)
