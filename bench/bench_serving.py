@@ -224,10 +224,9 @@ def main() -> None:
     # SIGTERM as an exception too, so the server is stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
-    from v1.worker.model_loader import convert_gguf, load_tokenizer, resolve_model
+    from v1.worker.model_loader import hf_dir_of, load_tokenizer, resolve_model
 
-    path = resolve_model(args.model)
-    tokenizer = load_tokenizer(convert_gguf(path) if path.is_file() else path)
+    tokenizer = load_tokenizer(hf_dir_of(resolve_model(args.model)))
     args.prompts_per_group = -(-args.num_prompts // args.groups)
     prompts = make_workload(args, tokenizer)[: args.num_prompts]
     ideal = sum(ideal_hit_tokens(prompts, args.block_size)) / sum(map(len, prompts))

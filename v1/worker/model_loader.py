@@ -100,6 +100,11 @@ def default_model_path() -> Path:
 # ---- loading ------------------------------------------------------------------------------
 
 
+def hf_dir_of(path: Path) -> Path:
+    """The HF directory a resolved model path stands for: a GGUF file's converted copy."""
+    return convert_gguf(path) if path.is_file() else path
+
+
 def load_model(
     model: str | os.PathLike[str] | None,
     dtype: torch.dtype,
@@ -108,7 +113,7 @@ def load_model(
 ) -> LoadedModel:
     start = time.perf_counter()
     path = resolve_model(model)
-    model_dir = convert_gguf(path) if path.is_file() else path
+    model_dir = hf_dir_of(path)
 
     hf_config = AutoConfig.from_pretrained(model_dir)
     if getattr(hf_config, "model_type", None) != "llama":
