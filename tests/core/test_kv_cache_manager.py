@@ -19,6 +19,7 @@ def schedule_prompt(kv: KVCacheManager, request) -> list[int]:
     """What the scheduler does for a waiting request: look up, allocate, advance."""
     hits, num_hit = kv.get_computed_blocks(request)
     assert kv.allocate_slots(request, request.num_tokens - num_hit, hits, num_hit) is not None
+    kv.record_prefix_hit(request, num_hit)
     request.num_computed_tokens = request.num_tokens
     return kv.get_block_ids(request.request_id)
 

@@ -2,7 +2,14 @@
 
 import pytest
 
-from tests.core.utils import EOS, fake_model_output, make_request, make_scheduler, run_step
+from tests.core.utils import (
+    EOS,
+    ShadowRunner,
+    fake_model_output,
+    make_request,
+    make_scheduler,
+    run_step,
+)
 from v1.outputs import ModelRunnerOutput
 from v1.request import RequestStatus
 
@@ -118,6 +125,10 @@ def test_long_prompt_is_not_skipped_when_chunking_is_off():
         ({"min_tokens": 2}, [EOS, 5, EOS], "stop", None, 3),
         ({"min_tokens": 2, "stop_token_ids": [9]}, [9, 9], "stop", 9, 2),
         ({"max_tokens": 2}, [5, 5], "length", None, 2),
+        # On the last allowed position a stop token still reports "stop" (vLLM's order).
+        ({"max_tokens": 2}, [5, EOS], "stop", None, 2),
+        ({"max_tokens": 1, "stop_token_ids": [9]}, [9], "stop", 9, 1),
+        ({"max_tokens": 2, "min_tokens": 2, "stop_token_ids": [9]}, [9, 9], "stop", 9, 2),
     ],
 )
 def test_stop_conditions(params, tokens, reason, stop_reason, num_out):
@@ -131,6 +142,15 @@ def test_stop_conditions(params, tokens, reason, stop_reason, num_out):
     assert r.output_token_ids == tokens[:num_out]
     assert not s.has_requests()
     s.check_integrity()
+
+
+def test_stop_token_at_max_model_len_reports_stop():
+    s = make_scheduler(max_model_len=12)
+    r = make_request(11, max_tokens=100)
+    s.add_request(r)
+    _, outs = run_step(s, EOS)
+    assert outs[0].outputs[0].finish_reason == "stop"
+    assert r.num_tokens == 12
 
 
 def test_max_model_len_caps_generation():
@@ -238,6 +258,81 @@ def test_priority_preemption_when_blocks_run_out_takes_worst_running():
         s.check_integrity()
     assert victims == {bad.request_id}
     assert good.num_preemptions == 0 and bad.num_preemptions >= 1
+
+
+def run_with_shadow(s, runner: ShadowRunner, max_steps: int = 200) -> set[str]:
+    """Step to completion through the KV-checking runner; returns every preempted id."""
+    preempted: set[str] = set()
+    for _ in range(max_steps):
+        if not s.has_requests():
+            break
+        out = s.schedule()
+        preempted |= out.preempted_req_ids
+        s.update_from_output(out, runner.execute(out, eos_row=-1))
+        s.check_integrity()
+    assert not s.has_requests()
+    return preempted
+
+
+def test_priority_preemption_never_undoes_a_scheduled_running_request():
+    # `low` runs first; `high` joins. With 2 blocks left, `low`'s third chunk (2 blocks)
+    # would fit and then `high`'s decode (1 block) would not: evicting `low` then would
+    # undo a chunk whose full blocks were already findable. Running requests are served
+    # best first instead, so `low` is the one that cannot allocate, and preempts itself.
+    s = make_scheduler(
+        policy="priority", num_blocks=12, max_num_batched_tokens=64,
+        long_prefill_token_threshold=16,
+    )
+    low = make_request(40, priority=1, max_tokens=4)
+    high = make_request(8, priority=0, max_tokens=4)
+    runner = ShadowRunner(4)
+    s.add_request(low)
+    s.update_from_output(out := s.schedule(), runner.execute(out, eos_row=-1))
+    s.add_request(high)
+    assert run_with_shadow(s, runner) == {low.request_id}
+    assert low.num_output_tokens == high.num_output_tokens == 4
+
+
+def test_preempting_a_request_scheduled_this_step_unhashes_what_it_was_to_write():
+    # `high` needs 2 blocks, 1 is free: it preempts `low`, whose second chunk (blocks 4-7,
+    # made findable when scheduled) is then never computed.
+    s = make_scheduler(
+        policy="priority", num_blocks=9, max_num_batched_tokens=64,
+        long_prefill_token_threshold=16,
+    )
+    low = make_request(32, priority=1, max_tokens=3)
+    high = make_request(8, priority=0, max_tokens=3)
+    runner = ShadowRunner(4)
+    s.add_request(low)
+    s.update_from_output(out := s.schedule(), runner.execute(out, eos_row=-1))
+    s.add_request(high)
+    out = s.schedule()
+    assert out.preempted_req_ids == {low.request_id}
+    assert list(out.num_scheduled_tokens) == [high.request_id]
+    index = s.kv_cache_manager.block_pool.cached_block_hash_to_block
+    assert all(h in index for h in low.block_hashes[:4])  # computed in step 1
+    assert not any(h in index for h in low.block_hashes[4:])
+    s.update_from_output(out, runner.execute(out, eos_row=-1))
+    run_with_shadow(s, runner)
+    assert low.num_output_tokens == high.num_output_tokens == 3
+
+
+def test_no_preemption_for_a_waiting_request_that_still_would_not_fit():
+    # Seats are full. Evicting `low` frees 2 blocks, 3 in all, and `mid` needs 4; `high`
+    # ranks above `mid` and stays. So nobody is preempted, and `low` keeps running.
+    s = make_scheduler(policy="priority", num_blocks=8, max_num_seqs=2)
+    high = make_request(19, priority=0, max_tokens=8)
+    low = make_request(7, priority=2, max_tokens=8)
+    s.add_request(high)
+    s.add_request(low)
+    run_step(s)
+    mid = make_request(16, priority=1, max_tokens=2)
+    s.add_request(mid)
+    out = s.schedule()
+    assert not out.preempted_req_ids
+    assert list(out.num_scheduled_tokens) == [high.request_id, low.request_id]
+    s.update_from_output(out, fake_model_output(s, out))
+    drain(s)
 
 
 def test_abort_frees_everything():

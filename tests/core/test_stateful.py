@@ -1,4 +1,5 @@
-"""Random add / step / abort sequences on a small pool; invariants checked after every step.
+"""Random add / step / abort / reset sequences on a small pool, run through a shadow runner that
+knows what is in the KV cache; accounting and content are checked after every step.
 
 Preemption happens by itself: the pool is small enough that running requests outgrow it.
 Async scheduling keeps one step in flight, as the engine's batch queue does.
@@ -10,10 +11,10 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from tests.core.utils import EOS, make_request, make_scheduler
-from v1.outputs import ModelRunnerOutput
+from tests.core.utils import EOS, ShadowRunner, make_request, make_scheduler
 
 BLOCK_SIZE = 4
+MAX_MODEL_LEN = 32
 PREFIXES = [[11] * 8, [22] * 12, []]
 
 
@@ -21,25 +22,28 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(
         num_blocks=st.integers(8, 24),
         budget=st.integers(8, 48),
-        threshold=st.sampled_from([0, 3, 8]),
-        policy=st.sampled_from(["fcfs", "priority"]),
+        threshold=st.sampled_from([0, 3, 8, 16]),
+        # Weighted to where KV content can go wrong: preemption undoing cached blocks.
+        policy=st.sampled_from(["priority", "priority", "fcfs"]),
         async_scheduling=st.booleans(),
-        caching=st.booleans(),
+        caching=st.sampled_from([True, True, False]),
     )
     def setup(self, num_blocks, budget, threshold, policy, async_scheduling, caching):
         self.s = make_scheduler(
             num_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=6,
-            max_model_len=32, policy=policy, long_prefill_token_threshold=threshold,
+            max_model_len=MAX_MODEL_LEN, policy=policy, long_prefill_token_threshold=threshold,
             async_scheduling=async_scheduling, enable_prefix_caching=caching,
         )
         self.budget = budget
+        self.runner = ShadowRunner(BLOCK_SIZE)
         self.in_flight: deque = deque()
         self.finished: set[str] = set()
-        self.added: set[str] = set()
+        self.added: dict[str, tuple[int, int]] = {}  # id -> (prompt length, max_tokens)
+        self.received: dict[str, list[int]] = {}
 
     @rule(
         prefix=st.sampled_from(PREFIXES),
-        suffix_len=st.integers(1, 14),
+        suffix_len=st.integers(1, 19),  # prompts up to 31 < max_model_len
         max_tokens=st.integers(1, 12),
         priority=st.integers(0, 3),
     )
@@ -48,13 +52,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             prefix + [500 + i for i in range(suffix_len)], block_size=BLOCK_SIZE,
             max_tokens=max_tokens, priority=priority,
         )
-        self.added.add(r.request_id)
+        self.added[r.request_id] = (r.num_prompt_tokens, max_tokens)
         self.s.add_request(r)
 
     @rule(eos_row=st.integers(0, 8))
     def step(self, eos_row):
         s = self.s
-        placeholders = {rid: r.num_output_placeholders for rid, r in s.requests.items()}
         out = s.schedule()
         assert out.total_num_scheduled_tokens <= self.budget
         assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
@@ -63,15 +66,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             event("preempted")
         if any(r.num_computed_tokens for r in out.scheduled_new_reqs):
             event("prefix hit")
-        sampled = []
-        for i, rid in enumerate(out.num_scheduled_tokens):
-            r = s.requests[rid]
-            if s.async_scheduling:
-                samples = r.num_output_placeholders > placeholders.get(rid, 0)
-            else:
-                samples = r.num_computed_tokens >= r.num_tokens
-            sampled.append([EOS if i == eos_row else 40 + i] if samples else [])
-        self.in_flight.append((out, ModelRunnerOutput(list(out.num_scheduled_tokens), sampled)))
+        if any(out.scheduled_cached_reqs.resumed_from_preemption):
+            event("resumed")
+        self.in_flight.append((out, self.runner.execute(out, eos_row)))
         if not s.async_scheduling or len(self.in_flight) == 2:
             self._finish_oldest()
 
@@ -80,8 +77,20 @@ class SchedulerMachine(RuleBasedStateMachine):
         for client_outs in self.s.update_from_output(out, model_out).values():
             for o in client_outs.outputs:
                 assert o.request_id not in self.finished
+                got = self.received.setdefault(o.request_id, [])
+                got.extend(o.new_token_ids)
+                # Exactly what the runner sampled for it, in order (the runner may have
+                # sampled more, in a step that was in flight when the request finished).
+                assert got == self.runner.sampled.get(o.request_id, [])[: len(got)]
+                num_prompt, max_tokens = self.added[o.request_id]
+                assert len(got) <= max_tokens
+                assert num_prompt + len(got) <= MAX_MODEL_LEN
                 if o.finish_reason is not None:
                     self.finished.add(o.request_id)
+                if o.finish_reason == "length":
+                    assert len(got) == max_tokens or num_prompt + len(got) == MAX_MODEL_LEN
+                elif o.finish_reason == "stop":
+                    assert got[-1] == EOS
 
     @precondition(lambda self: bool(self.s.requests))
     @rule(data=st.data())
@@ -91,6 +100,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(list(self.s.requests)))
         self.s.finish_requests([rid])
         self.finished.add(rid)
+
+    @rule()
+    def reset_prefix_cache(self):
+        kv = self.s.kv_cache_manager
+        in_use = kv.block_pool.get_num_free_blocks() < kv.num_blocks
+        assert self.s.reset_prefix_cache() is not in_use
+        if not in_use:
+            assert not kv.block_pool.cached_block_hash_to_block
 
     @invariant()
     def integrity(self):
@@ -108,7 +125,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             else:
                 self._finish_oldest()
         assert not self.s.has_requests()
-        assert self.finished == self.added, "a request was lost"
+        assert self.finished == self.added.keys(), "a request was lost"
         self.s.check_integrity()
         kv = self.s.kv_cache_manager
         assert kv.block_pool.get_num_free_blocks() == kv.num_blocks
@@ -116,7 +133,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 SchedulerMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None,
+    max_examples=1500, stateful_step_count=50, deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestScheduler = SchedulerMachine.TestCase

@@ -1,6 +1,7 @@
 """Helpers for core tests: hand-made requests and model outputs, as vLLM's tests do."""
 
 import itertools
+from dataclasses import dataclass
 
 from v1.config import CacheConfig, SchedulerConfig
 from v1.core.kv_cache_utils import make_block_hasher
@@ -75,3 +76,79 @@ def fake_model_output(
 def run_step(scheduler: Scheduler, token: int = 7):
     out = scheduler.schedule()
     return out, scheduler.update_from_output(out, fake_model_output(scheduler, out, token))
+
+
+@dataclass(slots=True)
+class _RunnerRequest:
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class ShadowRunner:
+    """A fake model runner that records what each KV slot holds.
+
+    Like the real runner it learns each request's tokens and block table from the
+    `SchedulerOutput` deltas alone, and appends the tokens it samples itself. Running a step,
+    it first writes every computed position (as every layer writes K/V before attending), the
+    slot then holding the token prefix that ends there; then it checks that every position each
+    scheduled request attends to holds exactly that request's prefix. A prefix-cache hit or a
+    resumed request on a block nobody wrote, or on one overwritten since, fails the check.
+
+    It samples `EOS` for the batch row `eos_row`, else a token that depends on the prefix (as
+    greedy decoding would), so that equal prefixes continue equally and share blocks.
+    """
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.slots: dict[tuple[int, int], tuple[int, ...]] = {}
+        self.requests: dict[str, _RunnerRequest] = {}
+        self.sampled: dict[str, list[int]] = {}
+
+    def _slot(self, req: _RunnerRequest, pos: int) -> tuple[int, int]:
+        return req.block_ids[pos // self.block_size], pos % self.block_size
+
+    def execute(self, out: SchedulerOutput, eos_row: int) -> ModelRunnerOutput:
+        for req_id in out.finished_req_ids | out.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        for new in out.scheduled_new_reqs:
+            self.requests[new.req_id] = _RunnerRequest(
+                list(new.prompt_token_ids), list(new.block_ids), new.num_computed_tokens
+            )
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if cached.resumed_from_preemption[i]:
+                token_ids = cached.resumed_token_ids[i]
+                assert token_ids is not None
+                self.requests[req_id] = _RunnerRequest(
+                    list(token_ids), list(cached.new_block_ids[i]), cached.num_computed_tokens[i]
+                )
+            else:
+                req = self.requests[req_id]
+                assert req.num_computed_tokens == cached.num_computed_tokens[i], req_id
+                req.block_ids.extend(cached.new_block_ids[i])
+        scheduled = [(self.requests[r], n) for r, n in out.num_scheduled_tokens.items()]
+        for req, n in scheduled:
+            end = req.num_computed_tokens + n
+            assert end <= len(req.token_ids), "scheduled a token the runner does not know"
+            assert len(req.block_ids) * self.block_size >= end, "blocks do not cover the step"
+            for pos in range(req.num_computed_tokens, end):
+                self.slots[self._slot(req, pos)] = tuple(req.token_ids[: pos + 1])
+        sampled: list[list[int]] = []
+        for row, (req_id, (req, n)) in enumerate(zip(out.num_scheduled_tokens, scheduled)):
+            end = req.num_computed_tokens + n
+            for pos in range(end):
+                held = self.slots.get(self._slot(req, pos))
+                assert held == tuple(req.token_ids[: pos + 1]), (
+                    f"{req_id} attends to position {pos} in block {self._slot(req, pos)}, "
+                    f"which holds {held}, not its own prefix {req.token_ids[: pos + 1]}"
+                )
+            req.num_computed_tokens = end
+            if end < len(req.token_ids):
+                sampled.append([])  # a prefill chunk short of the end
+                continue
+            token = EOS if row == eos_row else 40 + sum(req.token_ids) % 7
+            req.token_ids.append(token)
+            self.sampled.setdefault(req_id, []).append(token)
+            sampled.append([token])
+        return ModelRunnerOutput(list(out.num_scheduled_tokens), sampled)

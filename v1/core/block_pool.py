@@ -114,14 +114,11 @@ class BlockPool:
                 f"{self.free_block_queue.num_free_blocks} are free"
             )
         popleft = self.free_block_queue.popleft
-        index = self.cached_block_hash_to_block
         out = []
         for _ in range(num_blocks):
             block = popleft()
             if block.block_hash is not None:
-                if index.get(block.block_hash) is block:
-                    del index[block.block_hash]
-                block.block_hash = None
+                self._unhash(block)
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -148,6 +145,17 @@ class BlockPool:
             if block_hash not in index:
                 block.block_hash = block_hash
                 index[block_hash] = block
+
+    def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Make blocks unfindable: their K/V will not hold what their hashes say."""
+        for block in blocks:
+            self._unhash(block)
+
+    def _unhash(self, block: KVCacheBlock) -> None:
+        block_hash = block.block_hash
+        if block_hash is not None and self.cached_block_hash_to_block.get(block_hash) is block:
+            del self.cached_block_hash_to_block[block_hash]
+        block.block_hash = None
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference each; blocks reaching zero go back to the free list in order."""

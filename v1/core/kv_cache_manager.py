@@ -7,6 +7,20 @@ A request's blocks, in token order (block_size 4, 10 tokens computed or schedule
     request.block_hashes = [h0, h1]        num_cached_block[id] = 2
 
 The first `num_cached_block[id]` blocks are indexed in the pool's prefix cache.
+
+When a block becomes findable (the visibility rule). `allocate_slots` indexes the full
+blocks a step will fill as soon as that step is scheduled, so a request admitted later in
+the same `schedule()` can share them (every layer writes the step's K/V before attending),
+and a request scheduled while that step runs (async) reads them only after it. That is
+sound only if the scheduling is never undone, and `schedule()` undoes one thing: it may
+preempt a request it scheduled earlier in the same call. Hence:
+
+- `free()` un-hashes a request's blocks past its computed tokens before releasing them:
+  outside `schedule()` there are none (every hashed block is computed or scheduled in a step
+  already handed to the runner); inside, they are exactly the blocks an undone step was to
+  write, so nobody finds K/V that is never written.
+- The scheduler never preempts a request whose unwritten blocks another request already
+  shares (`has_shared_unwritten_blocks`): that sharer would attend to them.
 """
 
 from collections import deque
@@ -90,11 +104,14 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        num_hit_tokens = len(blocks) * self.block_size
+        return blocks, len(blocks) * self.block_size
+
+    def record_prefix_hit(self, request: Request, num_hit_tokens: int) -> None:
+        """Count a scheduled request's lookup in the hit-rate metrics (once, on admission:
+        a request may be looked up in several steps before it is admitted)."""
         # A resumed request mostly hits its own blocks: counting it would inflate the rate.
-        if request.num_preemptions == 0:
+        if self.enable_caching and request.num_preemptions == 0:
             self.prefix_cache_metrics.observe(request.num_tokens, num_hit_tokens)
-        return blocks, num_hit_tokens
 
     def allocate_slots(
         self,
@@ -109,15 +126,10 @@ class KVCacheManager:
         the waiting queue. Returns the newly allocated blocks (not the hits), or None, with
         nothing changed, when the pool cannot supply them.
         """
-        block_size = self.block_size
         req_id = request.request_id
         req_blocks = self.req_to_blocks.get(req_id, _NO_BLOCKS)
-        num_computed = request.num_computed_tokens + num_new_computed_tokens
-        num_tokens_after = num_computed + num_new_tokens
-        num_new_blocks = (
-            (num_tokens_after + block_size - 1) // block_size
-            - len(req_blocks) - len(new_computed_blocks)
-        )
+        num_tokens_after = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_new_blocks = self._num_new_blocks(req_blocks, new_computed_blocks, num_tokens_after)
         pool = self.block_pool
         if num_new_blocks > 0 or new_computed_blocks:
             # Touching a free hit takes it off the free list: it cannot also be handed out.
@@ -135,17 +147,60 @@ class KVCacheManager:
         else:
             new_blocks = _NO_BLOCKS
         if self.enable_caching:
-            # Blocks this step fills become findable now; their K/V is written in the same
-            # forward pass before anyone attends to it.
-            num_full = min(num_tokens_after // block_size, len(request.block_hashes))
+            # Blocks this step fills become findable now (see the module docstring).
+            num_full = min(num_tokens_after // self.block_size, len(request.block_hashes))
             num_cached = self.num_cached_block[req_id]
             if num_full > num_cached:
                 pool.cache_full_blocks(req_blocks, request.block_hashes, num_cached, num_full)
                 self.num_cached_block[req_id] = num_full
         return new_blocks
 
+    def _num_new_blocks(
+        self, req_blocks: list[KVCacheBlock], hits: list[KVCacheBlock], num_tokens: int
+    ) -> int:
+        return -(-num_tokens // self.block_size) - len(req_blocks) - len(hits)
+
+    def can_allocate_after_freeing(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock],
+        num_new_computed_tokens: int,
+        freeing: list[Request],
+    ) -> bool:
+        """Whether `allocate_slots` would succeed once the `freeing` requests (which do not
+        include `request`) are freed. Changes nothing."""
+        refs: dict[KVCacheBlock, int] = {}
+        for other in freeing:
+            for block in self.req_to_blocks.get(other.request_id, _NO_BLOCKS):
+                refs[block] = refs.get(block, 0) + 1
+        num_freed = sum(1 for block, n in refs.items() if block.ref_cnt == n)
+        num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == refs.get(b, 0))
+        num_tokens_after = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_new_blocks = self._num_new_blocks(
+            self.req_to_blocks.get(request.request_id, _NO_BLOCKS), new_computed_blocks,
+            num_tokens_after,
+        )
+        num_free = self.block_pool.get_num_free_blocks() + num_freed
+        return num_new_blocks <= num_free - num_free_hits
+
+    def unwritten_cached_blocks(self, request: Request) -> list[KVCacheBlock]:
+        """Indexed blocks past the request's computed tokens: inside `schedule()`, those a
+        step scheduled in that call is to write; outside it, none."""
+        blocks = self.req_to_blocks.get(request.request_id, _NO_BLOCKS)
+        first = request.num_computed_tokens // self.block_size
+        return blocks[first:self.num_cached_block.get(request.request_id, 0)]
+
+    def has_shared_unwritten_blocks(self, request: Request) -> bool:
+        return any(b.ref_cnt > 1 for b in self.unwritten_cached_blocks(request))
+
     def free(self, request: Request) -> None:
-        """Release a request's blocks, tail first, so its tail is evicted before its head."""
+        """Release a request's blocks, tail first, so its tail is evicted before its head.
+        Blocks it cached past its computed tokens are un-hashed first (their step was
+        undone: see the module docstring)."""
+        unwritten = self.unwritten_cached_blocks(request)
+        if unwritten:
+            self.block_pool.uncache_blocks(unwritten)
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
         if blocks:

@@ -10,13 +10,19 @@ Invariants, every step:
 - sum(num_scheduled_tokens) <= max_num_batched_tokens; len(running) <= max_num_seqs;
 - a request is in exactly one of `running`, `waiting`, or neither (finished and gone);
 - a request's blocks cover its computed tokens plus those scheduled this step;
-- no waiting request is admitted in a step that preempted for lack of blocks.
+- no waiting request is admitted in a step that preempted for lack of blocks;
+- under the priority policy `running` is sorted by (priority, arrival_time), so the victim is
+  always `running[-1]`, and a running request is never preempted after this step scheduled
+  it (only a waiting request's admission may do that, see `_victims_for`);
+- a request is preempted for a waiting one only if that one is then admitted.
 """
 
+import bisect
 import time
 from collections.abc import Iterable
 
 from v1.config import CacheConfig, SchedulerConfig
+from v1.core.block_pool import KVCacheBlock
 from v1.core.kv_cache_manager import KVCacheManager
 from v1.core.kv_cache_utils import make_block_hasher
 from v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -29,6 +35,11 @@ WAITING = RequestStatus.WAITING
 PREEMPTED = RequestStatus.PREEMPTED
 FINISHED_STOPPED = RequestStatus.FINISHED_STOPPED
 FINISHED_LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+def _rank(request: Request) -> tuple[int, float]:
+    """Priority order: lower is better."""
+    return request.priority, request.arrival_time
 
 
 class Scheduler:
@@ -156,7 +167,7 @@ class Scheduler:
             self.waiting.prepend_request(victim)
             preempted.append(victim)
 
-        # 1. Running requests, in order.
+        # 1. Running requests, in order (by priority under the priority policy).
         async_scheduling = self.async_scheduling
         running = self.running
         req_index = 0
@@ -184,9 +195,8 @@ class Scheduler:
                 new_blocks = kv.allocate_slots(request, num_new_tokens)
                 if new_blocks is not None:
                     break
-                victim = self._pick_victim()
-                if self.running.index(victim) < req_index:
-                    req_index -= 1
+                # The last running request: not scheduled yet in this step (or `request`).
+                victim = running[-1]
                 preempt(victim)
                 if victim is request:
                     break
@@ -202,31 +212,28 @@ class Scheduler:
         if not preempted:
             while self.waiting and token_budget > 0:
                 request = self.waiting.peek_request()
-                if request in preempted or request.num_output_placeholders:
-                    break  # (async) its last step's output is not back yet
-                if len(self.running) >= self.max_num_seqs and not self._preempt_for(
-                    request, preempt
-                ):
+                if request.num_output_placeholders or request in preempted:
+                    break  # (async) its last step's output is not back yet; or just evicted
+                victims: list[Request] = []
+                while (plan := self._plan_admission(
+                    request, token_budget, victims, num_scheduled_tokens
+                )) is None:
+                    victim = self._next_victim(request, victims)
+                    if victim is None:
+                        break
+                    victims.append(victim)
+                if plan is None:
                     break
-                hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
-                num_new_tokens = request.num_tokens - num_hit_tokens
-                if 0 < threshold < num_new_tokens:
-                    num_new_tokens = threshold
-                if num_new_tokens > token_budget:
-                    if not self.chunked_prefill:
-                        break  # do not skip a long prompt in favour of shorter ones
-                    num_new_tokens = token_budget
+                for victim in victims:
+                    preempt(victim)
+                hit_blocks, num_hit_tokens, num_new_tokens = plan
                 new_blocks = kv.allocate_slots(
                     request, num_new_tokens, hit_blocks, num_hit_tokens
                 )
-                while new_blocks is None and self._preempt_for(request, preempt):
-                    new_blocks = kv.allocate_slots(
-                        request, num_new_tokens, hit_blocks, num_hit_tokens
-                    )
-                if new_blocks is None:
-                    break
+                assert new_blocks is not None, "an admission plan did not fit"
+                kv.record_prefix_hit(request, num_hit_tokens)
                 self.waiting.pop_request()
-                self.running.append(request)
+                self._add_running(request)
                 if request.status == WAITING:
                     scheduled_new.append(request)
                 else:
@@ -283,21 +290,64 @@ class Scheduler:
             num_computed_tokens=[r.num_computed_tokens for r in reqs],
         )
 
-    def _pick_victim(self) -> Request:
-        """FCFS evicts the last running request; priority the worst (priority, arrival)."""
+    def _add_running(self, request: Request) -> None:
         if self.priority_policy:
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
+            bisect.insort(self.running, request, key=_rank)
+        else:
+            self.running.append(request)
 
-    def _preempt_for(self, request: Request, preempt) -> bool:
-        """Priority policy: evict the worst running request if `request` ranks better."""
-        if not self.priority_policy or not self.running:
-            return False
-        victim = self._pick_victim()
-        if (victim.priority, victim.arrival_time) <= (request.priority, request.arrival_time):
-            return False
-        preempt(victim)
-        return True
+    def _plan_admission(
+        self,
+        request: Request,
+        token_budget: int,
+        victims: list[Request],
+        num_scheduled_tokens: dict[str, int],
+    ) -> tuple[list[KVCacheBlock], int, int] | None:
+        """What admitting a waiting request takes once `victims` are preempted: its
+        prefix-cache hits, their length and the tokens to compute; None if it cannot be
+        admitted (no free seat, no budget, or not enough blocks). Changes nothing."""
+        if len(self.running) - len(victims) >= self.max_num_seqs:
+            return None
+        kv = self.kv_cache_manager
+        hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+        if victims:
+            # A victim this step scheduled frees its budget and un-hashes the blocks that
+            # step was to write: hits end before the first of those.
+            lost = {b for v in victims for b in kv.unwritten_cached_blocks(v)}
+            for i, block in enumerate(hit_blocks):
+                if block in lost:
+                    hit_blocks = hit_blocks[:i]
+                    num_hit_tokens = i * self.block_size
+                    break
+            token_budget += sum(num_scheduled_tokens.get(v.request_id, 0) for v in victims)
+        num_new_tokens = request.num_tokens - num_hit_tokens
+        threshold = self.long_prefill_token_threshold
+        if 0 < threshold < num_new_tokens:
+            num_new_tokens = threshold
+        if num_new_tokens > token_budget:
+            if not self.chunked_prefill:
+                return None  # do not skip a long prompt in favour of shorter ones
+            num_new_tokens = token_budget
+        if not kv.can_allocate_after_freeing(
+            request, num_new_tokens, hit_blocks, num_hit_tokens, victims
+        ):
+            return None
+        return hit_blocks, num_hit_tokens, num_new_tokens
+
+    def _next_victim(self, request: Request, victims: list[Request]) -> Request | None:
+        """Priority policy: the worst running request, not among `victims`, that ranks
+        below the waiting `request` and may be preempted now (one whose unwritten blocks
+        another request already shares must stay: that request will read them)."""
+        if not self.priority_policy:
+            return None
+        rank = _rank(request)
+        kv = self.kv_cache_manager
+        for candidate in reversed(self.running):  # worst first
+            if _rank(candidate) <= rank:
+                return None
+            if candidate not in victims and not kv.has_shared_unwritten_blocks(candidate):
+                return candidate
+        return None
 
     # -- results ------------------------------------------------------------------------
 
@@ -362,20 +412,21 @@ class Scheduler:
 
     @staticmethod
     def _check_stop(request: Request, max_model_len: int) -> bool:
+        """vLLM's order: nothing stops before `min_tokens` (but the length limits), then
+        EOS, then stop token ids, then the length limits."""
         num_output = len(request.output_token_ids)
+        params = request.sampling_params
+        if num_output >= params.min_tokens:
+            last = request.output_token_ids[-1]
+            if last == request.eos_token_id and not params.ignore_eos:
+                request.status = FINISHED_STOPPED
+                return True
+            if last in params.all_stop_token_ids:
+                request.status = FINISHED_STOPPED
+                request.stop_reason = last
+                return True
         if len(request.all_token_ids) >= max_model_len or num_output >= request.max_tokens:
             request.status = FINISHED_LENGTH_CAPPED
-            return True
-        params = request.sampling_params
-        if num_output < params.min_tokens:
-            return False
-        last = request.output_token_ids[-1]
-        if last == request.eos_token_id and not params.ignore_eos:
-            request.status = FINISHED_STOPPED
-            return True
-        if last in params.all_stop_token_ids:
-            request.status = FINISHED_STOPPED
-            request.stop_reason = last
             return True
         return False
 
