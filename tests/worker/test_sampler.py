@@ -158,6 +158,24 @@ def test_logprobs_and_rank() -> None:
     assert per_row[0].token_ids[0] == sampled[0].item() == per_row[0].token_ids[1]
 
 
+def test_min_tokens_mask_comes_after_raw_logprobs() -> None:
+    logits = make_logits(3)
+    raw = logits.log_softmax(dim=-1)
+    top = logits.argmax(dim=-1)
+    params = [SamplingParams(temperature=0.0, logprobs=1)] * 2 + [SamplingParams(top_k=1)]
+    banned = {0: [int(top[0])], 2: [int(top[2])]}
+    out = Sampler()(logits.clone(), SamplingMetadata.from_params(params), banned)
+    sampled = out.sampled_token_ids
+    # Rows 0 (greedy) and 2 (random) cannot sample their masked top token; row 1 is untouched.
+    assert sampled[0] != top[0] and sampled[1] == top[1] and sampled[2] != top[2]
+    lt = out.logprobs_tensors
+    assert lt is not None
+    # Logprobs and ranks are those of the raw logits: the masked token is still the top-1.
+    assert torch.equal(lt.logprob_token_ids[:, 1], top)
+    assert torch.equal(lt.logprobs, raw.gather(-1, lt.logprob_token_ids))
+    assert lt.sampled_token_ranks[:2].tolist() == [2, 1]
+
+
 def test_mixed_greedy_and_random_batch() -> None:
     logits = make_logits(8, scale=0.5)
     params = [SamplingParams(temperature=0.0 if i % 2 else 1.0, top_k=50) for i in range(8)]

@@ -3,8 +3,10 @@
 Requests are added when first scheduled and removed when finished or preempted; between,
 steps only send deltas (new block ids, computed counts). Rows are kept dense
 (`condense()` moves the last rows into holes) so that the arrays' first `num_reqs` rows are
-the batch. Tokens sampled by the runner are written here at once: the runner never waits
-for the scheduler to tell it what it sampled (which is what lets the scheduler run ahead).
+the batch. `version` changes with every add, remove or move of a row, so caches built from
+the rows (the runner's sampling metadata) know when to rebuild. Tokens sampled by the runner
+are written here at once: the runner never waits for the scheduler to tell it what it
+sampled (which is what lets the scheduler run ahead).
 """
 
 import numpy as np
@@ -31,6 +33,9 @@ class InputBatch:
         self.generators: dict[str, torch.Generator] = {}
         self._holes: list[int] = []
         self.num_reqs = 0
+        # Bumped whenever a row changes request (or params): a request id alone is not
+        # enough, since a finished id may come back with other params.
+        self.version = 0
 
     def add_request(
         self,
@@ -44,6 +49,7 @@ class InputBatch:
     ) -> int:
         row = self._holes.pop() if self._holes else self.num_reqs
         self.num_reqs += 1
+        self.version += 1
         self.req_ids[row] = req_id
         self.req_id_to_index[req_id] = row
         self.token_ids[row, : len(token_ids)] = token_ids
@@ -65,6 +71,7 @@ class InputBatch:
         self.generators.pop(req_id, None)
         self._holes.append(row)
         self.num_reqs -= 1
+        self.version += 1
 
     def condense(self) -> None:
         """Fill holes with the last rows so rows [0, num_reqs) are exactly the live ones."""
@@ -91,3 +98,4 @@ class InputBatch:
         self.req_ids[dst], self.req_ids[src] = req_id, None
         self.sampling_params[src] = None
         self.req_id_to_index[req_id] = dst
+        self.version += 1

@@ -87,7 +87,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self._sampling_metadata: SamplingMetadata | None = None
-        self._sampling_key: tuple[str, ...] = ()
+        self._sampling_key: tuple[int, bytes] = (-1, b"")
         self._preempted: dict[str, tuple[SamplingParams, int, torch.Generator | None]] = {}
 
     # -- KV cache ---------------------------------------------------------------------
@@ -228,12 +228,11 @@ class ModelRunner:
         if len(sample_idx):
             logits_idx = torch.from_numpy(query_start_loc[1:][sample_idx] - 1).to(dev)
             logits = self.model.compute_logits(hidden[logits_idx])
-            self._apply_min_tokens(logits, rows[sample_idx])
+            sample_rows = rows[sample_idx]
             metadata_s = self._get_sampling_metadata(req_ids, rows, sample_idx)
-            sampler_out = self.sampler(logits, metadata_s)
+            sampler_out = self.sampler(logits, metadata_s, self._min_tokens_stop_ids(sample_rows))
             token_ids = sampler_out.sampled_token_ids.tolist()
             # Store the sampled tokens now: the next step's inputs come from here.
-            sample_rows = rows[sample_idx]
             batch.token_ids[sample_rows, batch.num_tokens[sample_rows]] = token_ids
             batch.num_tokens[sample_rows] += 1
             for i, tok in zip(sample_idx.tolist(), token_ids):
@@ -251,8 +250,12 @@ class ModelRunner:
     def _get_sampling_metadata(
         self, req_ids: list[str], rows: np.ndarray, sample_idx: np.ndarray
     ) -> SamplingMetadata:
-        """Rebuilt only when the set of sampling requests changes (seldom, in decode)."""
-        key = tuple(req_ids[i] for i in sample_idx.tolist())
+        """Rebuilt only when the sampling rows or the batch's rows change (seldom, in decode).
+
+        The batch version is in the key because a request id is not: a finished id may come
+        back with other params (and a new generator) in the same row.
+        """
+        key = (self.input_batch.version, rows[sample_idx].tobytes())
         if key != self._sampling_key or self._sampling_metadata is None:
             batch = self.input_batch
             sample_rows = rows[sample_idx].tolist()
@@ -266,9 +269,11 @@ class ModelRunner:
             self._sampling_key = key
         return self._sampling_metadata
 
-    def _apply_min_tokens(self, logits: torch.Tensor, sample_rows: np.ndarray) -> None:
-        """Until a request has `min_tokens` outputs, its stop tokens cannot be sampled."""
+    def _min_tokens_stop_ids(self, sample_rows: np.ndarray) -> dict[int, list[int]]:
+        """Sampling index -> the stop tokens it may not sample yet: until a request has
+        `min_tokens` outputs, its stop tokens are masked (by the sampler, after logprobs)."""
         batch = self.input_batch
+        stop_ids_by_index: dict[int, list[int]] = {}
         for i, row in enumerate(sample_rows.tolist()):
             params = batch.sampling_params[row]
             if not params.min_tokens:
@@ -278,4 +283,5 @@ class ModelRunner:
                 stop_ids = set(params.all_stop_token_ids)
                 if not params.ignore_eos and self.loaded.eos_token_id is not None:
                     stop_ids.add(self.loaded.eos_token_id)
-                logits[i, [t for t in stop_ids if t < self.vocab_size]] = float("-inf")
+                stop_ids_by_index[i] = [t for t in stop_ids if t < self.vocab_size]
+        return stop_ids_by_index

@@ -6,6 +6,11 @@ per row against the row's cumulative distribution. That needs one random draw pe
 of one per vocabulary entry (the exponential-race trick), which on CPU is ~40x cheaper, and a
 row with a seed draws its number from its own generator, so its tokens do not depend on what
 else is in the batch.
+
+Logprobs follow vLLM's default `logprobs_mode="raw_logprobs"`: the log-softmax of the model's
+logits as they come in, before any processing (the `min_tokens` mask, temperature, top-k,
+top-p, min-p). So a stop token that `min_tokens` forbids still shows its real logprob, and a
+sampled token's rank is its rank under the model.
 """
 
 from collections.abc import Sequence
@@ -102,11 +107,31 @@ class SamplerOutput(NamedTuple):
 class Sampler:
     """Stateless; `sampler(logits, metadata)` is `sampler.sample(logits, metadata)`."""
 
-    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        return self.sample(logits, metadata)
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        metadata: SamplingMetadata,
+        min_tokens_stop_ids: dict[int, list[int]] | None = None,
+    ) -> SamplerOutput:
+        return self.sample(logits, metadata, min_tokens_stop_ids)
 
-    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        """logits: fp32 [num_reqs, vocab], left unmodified."""
+    def sample(
+        self,
+        logits: torch.Tensor,
+        metadata: SamplingMetadata,
+        min_tokens_stop_ids: dict[int, list[int]] | None = None,
+    ) -> SamplerOutput:
+        """logits: fp32 [num_reqs, vocab]; the only change made to them is the `min_tokens`
+        mask, in place. min_tokens_stop_ids: row -> token ids that row may not sample now.
+        """
+        # Raw, so taken before the mask; log_softmax writes a new tensor, which lets the mask
+        # go in place (no copy of the logits) whether or not a row asks for logprobs.
+        raw_logprobs = None
+        if metadata.max_num_logprobs is not None:
+            raw_logprobs = logits.log_softmax(dim=-1)
+        if min_tokens_stop_ids:
+            _apply_min_tokens(logits, min_tokens_stop_ids)
+
         greedy = None if metadata.all_random else logits.argmax(dim=-1)
         if metadata.all_greedy:
             assert greedy is not None
@@ -120,14 +145,21 @@ class Sampler:
                 sampled = torch.where(metadata.temperature < _GREEDY_EPS, greedy, random)
 
         logprobs = None
-        if metadata.max_num_logprobs is not None:
-            logprobs = _compute_logprobs(logits, sampled, metadata.max_num_logprobs)
+        if raw_logprobs is not None:
+            assert metadata.max_num_logprobs is not None
+            logprobs = _gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled, logprobs)
 
 
-def _compute_logprobs(logits: torch.Tensor, sampled: torch.Tensor, k: int) -> LogprobsTensors:
-    """Logprobs of the raw model distribution (before temperature and filters), as vLLM."""
-    logprobs = logits.log_softmax(dim=-1)
+def _apply_min_tokens(logits: torch.Tensor, stop_ids: dict[int, list[int]]) -> None:
+    """Masks each row's forbidden stop tokens, all rows in one indexed write."""
+    rows = [row for row, ids in stop_ids.items() for _ in ids]
+    cols = [t for ids in stop_ids.values() for t in ids]
+    logits[rows, cols] = float("-inf")
+
+
+def _gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, k: int) -> LogprobsTensors:
+    """Each row's sampled token and top-k tokens from its full-vocabulary logprobs."""
     top_lps, top_ids = logprobs.topk(k, dim=-1)
     sampled_col = sampled.unsqueeze(-1)
     sampled_lp = logprobs.gather(-1, sampled_col)

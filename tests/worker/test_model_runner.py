@@ -1,0 +1,81 @@
+"""ModelRunner driven by hand-made SchedulerOutputs on the real default model."""
+
+import torch
+
+from v1.config import CacheConfig, SchedulerConfig
+from v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from v1.outputs import ModelRunnerOutput, TokenLogprobs
+from v1.sampling_params import SamplingParams
+from v1.worker.model_loader import LoadedModel
+from v1.worker.model_runner import ModelRunner
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 4
+PROMPT = [504, 3575, 282, 4649, 314]  # any token ids will do
+
+
+def make_runner(loaded: LoadedModel) -> ModelRunner:
+    runner = ModelRunner(
+        loaded,
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
+        CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks=NUM_BLOCKS),
+        torch.device("cpu"),
+        torch.float32,
+    )
+    runner.initialize_kv_cache(NUM_BLOCKS)
+    return runner
+
+
+def prefill(
+    runner: ModelRunner,
+    req_id: str,
+    params: SamplingParams,
+    block_id: int,
+    finished: frozenset[str] = frozenset(),
+) -> ModelRunnerOutput:
+    """One step that prefills PROMPT for a new request (after dropping `finished` ones)."""
+    new = NewRequestData(req_id, PROMPT, params, [block_id], num_computed_tokens=0)
+    out = SchedulerOutput(
+        scheduled_new_reqs=[new],
+        scheduled_cached_reqs=CachedRequestData(),
+        num_scheduled_tokens={req_id: len(PROMPT)},
+        total_num_scheduled_tokens=len(PROMPT),
+        finished_req_ids=set(finished),
+        preempted_req_ids=set(),
+    )
+    return runner.execute_model(out)
+
+
+def only_logprobs(out: ModelRunnerOutput) -> TokenLogprobs:
+    assert out.logprobs is not None and out.logprobs[0] is not None
+    (lp,) = out.logprobs[0]
+    return lp
+
+
+def test_reused_req_id_is_sampled_with_its_new_params(default_model):
+    seeded = SamplingParams(temperature=2.0, seed=1, logprobs=5)
+    expected = prefill(make_runner(default_model), "a", seeded, block_id=0)
+
+    runner = make_runner(default_model)
+    greedy = prefill(runner, "a", SamplingParams(temperature=0.0), block_id=0)
+    # The seeded draw must differ from greedy, or this test could not see a stale greedy row.
+    assert greedy.sampled_token_ids != expected.sampled_token_ids
+    # "a" finished; a new request reuses its id (and its batch row) with other params.
+    reused = prefill(runner, "a", seeded, block_id=1, finished=frozenset({"a"}))
+    assert reused.sampled_token_ids == expected.sampled_token_ids
+    assert only_logprobs(reused) == only_logprobs(expected)
+
+
+def test_logprobs_are_raw_before_min_tokens_masking(default_model):
+    runner = make_runner(default_model)
+    raw = only_logprobs(prefill(runner, "a", SamplingParams(temperature=0.0, logprobs=5), 0))
+    top_id = raw.token_ids[1]
+    # The most likely token is a stop token that min_tokens forbids sampling now.
+    params = SamplingParams(temperature=0.0, logprobs=5, min_tokens=1, stop_token_ids=[top_id])
+    masked = only_logprobs(prefill(runner, "b", params, 1, finished=frozenset({"a"})))
+    # The runner-up is sampled, but reported with its rank and logprob in the raw logits...
+    assert masked.token_ids[0] == raw.token_ids[2]
+    assert masked.sampled_rank == 2
+    # ...and the top-5 still holds the stop token with its raw (finite) logprob.
+    assert masked.token_ids[1:] == raw.token_ids[1:]
+    assert masked.logprobs == [raw.logprobs[2], *raw.logprobs[1:]]
