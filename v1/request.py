@@ -10,7 +10,13 @@ from v1.sampling_params import SamplingParams
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
-    """What a frontend sends the engine core: tokenized and validated already."""
+    """What a frontend sends the engine core: tokenized and validated already.
+
+    `request_id` is the frontend's internal id, unique for the engine's life (the caller's
+    id plus a random suffix; "{i}_{parent's id}" for child i of an n > 1 request): it is
+    the only id the engine core, scheduler and runner see. `external_req_id` is the id the
+    caller gave, which it sees again in its RequestOutputs and aborts by.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -20,6 +26,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     priority: int = 0
     cache_salt: str | None = None
     client_index: int = 0
+    external_req_id: str | None = None
 
 
 class RequestStatus(enum.IntEnum):

@@ -140,6 +140,26 @@ def test_abort_ends_the_stream(engine, loop):
     assert loop.run_until_complete(wait_idle(engine)).kv_cache_usage == 0
 
 
+def test_an_aborted_id_is_free_at_once(engine, loop, inproc_llm):
+    """The caller's id may name a new request right after abort(), while the old stream is
+    still open: each stream gets its own request's outputs, and closing the old stream
+    leaves the new request alone."""
+
+    async def main() -> tuple[list[RequestOutput], list[RequestOutput]]:
+        old = engine.generate(PROMPTS[3], LONG, "again")
+        await anext(old)
+        await engine.abort("again")
+        new = await collect(engine, PROMPTS[1], GREEDY, "again")
+        return new, [out async for out in old]
+
+    new, rest = loop.run_until_complete(asyncio.wait_for(main(), 60))
+    (ref,) = inproc_llm.generate([PROMPTS[1]], GREEDY, use_tqdm=False)
+    assert new[-1].finished and all(d.request_id == "again" for d in new)
+    assert joined_tokens(new) == ref.outputs[0].token_ids
+    assert not any(d.finished for d in rest)
+    assert loop.run_until_complete(wait_idle(engine)).kv_cache_usage == 0
+
+
 def test_bad_input_raises_before_anything_is_sent(engine, loop):
     async def main() -> None:
         before = (await engine.get_stats()).num_prompt_tokens

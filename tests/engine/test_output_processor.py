@@ -19,6 +19,13 @@ def encode(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def core_request(request_id: str, prompt_token_ids: list[int], **params: Any) -> EngineCoreRequest:
+    """A request as the processor makes it, with the caller's id as its internal one too."""
+    return EngineCoreRequest(
+        request_id, prompt_token_ids, SamplingParams(**params), external_req_id=request_id
+    )
+
+
 def add(
     processor: OutputProcessor,
     tokenizer,
@@ -26,8 +33,9 @@ def add(
     kind: str = "final",
     **params: Any,
 ) -> list[EngineCoreRequest]:
-    request = EngineCoreRequest(request_id, encode(tokenizer, PROMPT), SamplingParams(**params))
-    return processor.add_request(request, PROMPT, kind)
+    return processor.add_request(
+        core_request(request_id, encode(tokenizer, PROMPT), **params), PROMPT, kind
+    )
 
 
 def feed(
@@ -136,7 +144,7 @@ def test_prompt_primes_the_stream_without_leaking(tokenizer) -> None:
     partial = encode(tokenizer, "你")[0]
     processor = OutputProcessor(tokenizer)
     prompt_ids = [*encode(tokenizer, "Say hello"), partial]
-    processor.add_request(EngineCoreRequest("r", prompt_ids, SamplingParams()), None, "final")
+    processor.add_request(core_request("r", prompt_ids), None, "final")
     ids = encode(tokenizer, " hello there")
     completion = only_output(feed(processor, "r", ids))
     assert completion.text == " hello there"
@@ -292,7 +300,8 @@ def test_eos_and_stop_token_finish_reasons(tokenizer) -> None:
 def test_parent_makes_child_requests(tokenizer) -> None:
     params = SamplingParams(n=3, seed=10, stop_token_ids=[7])
     params.all_stop_token_ids.add(EOS)
-    parent = ParentRequest(EngineCoreRequest("p", [1, 2], params, arrival_time=5.0), None)
+    request = EngineCoreRequest("p", [1, 2], params, arrival_time=5.0, external_req_id="p")
+    parent = ParentRequest(request, None)
     children = parent.make_child_requests()
     assert [c.request_id for c in children] == ["0_p", "1_p", "2_p"]
     assert [c.sampling_params.seed for c in children] == [10, 11, 12]
@@ -300,7 +309,7 @@ def test_parent_makes_child_requests(tokenizer) -> None:
     assert all(c.sampling_params.all_stop_token_ids == {7, EOS} for c in children)
     assert all(c.prompt_token_ids == [1, 2] and c.arrival_time == 5.0 for c in children)
     assert (params.n, params.seed) == (3, 10)  # the parent's params are left alone
-    unseeded = ParentRequest(EngineCoreRequest("q", [1], SamplingParams(n=2)), None)
+    unseeded = ParentRequest(core_request("q", [1], n=2), None)
     assert [c.sampling_params.seed for c in unseeded.make_child_requests()] == [None, None]
 
 
@@ -404,6 +413,4 @@ def test_bad_requests_are_refused(tokenizer) -> None:
     with pytest.raises(ValueError):
         add(processor, tokenizer, "x", kind="sometimes")
     with pytest.raises(ValueError, match="tokenizer"):
-        OutputProcessor(None).add_request(
-            EngineCoreRequest("s", [1], SamplingParams(stop=["x"])), None, "final"
-        )
+        OutputProcessor(None).add_request(core_request("s", [1], stop=["x"]), None, "final")

@@ -3,7 +3,9 @@
 The engine core runs in its own process (`AsyncMPClient`). One output-handler task, started
 on first use, turns each `EngineCoreOutputs` into `RequestOutput`s (the `OutputProcessor`,
 DELTA kind) and puts each into its request's asyncio queue, from which `generate` yields.
-Everything here runs on the event loop's thread, so nothing needs a lock.
+Everything here runs on the event loop's thread, so nothing needs a lock. Requests go by
+the caller's id here; the engine core knows them by internal ids (see `EngineCoreRequest`),
+so an id may be used again as soon as its request is aborted or finished.
 
     engine = AsyncLLM.from_engine_args(EngineArgs())   # in a running event loop, or not
     async for out in engine.generate("Hello", SamplingParams(max_tokens=8), "req-1"):
@@ -78,8 +80,6 @@ class AsyncLLM:
         """
         if self.dead_error is not None:
             raise self.dead_error
-        if request_id in self._queues:
-            raise ValueError(f"request id {request_id!r} is already in use")
         request, text = self.processor.process_inputs(
             request_id, prompt, sampling_params, priority=priority
         )
@@ -100,19 +100,22 @@ class AsyncLLM:
                 finished = out.finished
                 yield out
         finally:
-            del self._queues[request_id]
+            # After an abort, a new request may have taken the caller's id already: leave
+            # its queue, and abort only this request, by its internal id.
+            if self._queues.get(request_id) is queue:
+                del self._queues[request_id]
             if not finished:
-                self._abort(request_id)
+                self._abort(request.request_id, internal=True)
 
     async def abort(self, request_id: str) -> None:
-        """Abort a request (the parent id of an n > 1 request aborts all its children)."""
+        """Abort the live request with this caller's id (with n > 1, all its children)."""
         self._abort(request_id)
         queue = self._queues.get(request_id)
         if queue is not None:
             queue.put_nowait(None)
 
-    def _abort(self, request_id: str) -> None:
-        self.client.abort_requests(self.output_processor.abort_requests([request_id]))
+    def _abort(self, request_id: str, internal: bool = False) -> None:
+        self.client.abort_requests(self.output_processor.abort_requests([request_id], internal))
 
     async def get_stats(self) -> SchedulerStats:
         return await self.client.call_utility_async("get_stats")

@@ -1,4 +1,8 @@
-"""The synchronous frontend: processor -> engine core client -> output processor."""
+"""The synchronous frontend: processor -> engine core client -> output processor.
+
+Callers name requests by their own ids (or get "0", "1", ...); the engine core knows each
+request by the internal id the processor gives it (see `EngineCoreRequest`).
+"""
 
 import itertools
 from collections.abc import Sequence
@@ -25,10 +29,7 @@ class LLMEngine:
             info.stop_token_ids,
         )
         self.output_processor = OutputProcessor(info.tokenizer)
-        # Request ids must be unique across an engine core's clients: client 0 numbers its
-        # requests "0", "1", ...; client i > 0 "i-0", "i-1", ...
-        prefix = f"{client.client_index}-" if client.client_index else ""
-        self._ids = (f"{prefix}{i}" for i in itertools.count())
+        self._ids = map(str, itertools.count())
 
     def add_request(
         self,
@@ -38,6 +39,7 @@ class LLMEngine:
         priority: int = 0,
         output_kind: RequestOutputKind = RequestOutputKind.FINAL,
     ) -> str:
+        """Returns the caller's id: the one outputs carry and `abort_requests` takes."""
         request_id = request_id or next(self._ids)
         request, text = self.processor.process_inputs(request_id, prompt, params, None, priority)
         for core_request in self.output_processor.add_request(request, text, output_kind):

@@ -3,6 +3,10 @@
 Runs in the frontend process: detokenizes, applies stop strings (telling the caller which
 requests to abort in the core), converts logprobs, and gathers the n child requests of a
 parent request back into one RequestOutput. Pure Python; an async frontend wraps it.
+
+Its state is keyed by the internal request ids that the engine core knows, so outputs of a
+request the caller has aborted never reach a new request under the same caller id; every
+RequestOutput carries the caller's id, and callers abort by it.
 """
 
 import copy
@@ -36,13 +40,15 @@ class OutputProcessorOutput(NamedTuple):
 class ParentRequest:
     """A request with n > 1: the core runs n child requests; their outputs become one.
 
-    Child i has id f"{i}_{parent_id}", n = 1 and, if the parent has a seed, seed + i, so the
-    children differ from each other yet every run of the parent is reproducible.
+    Child i has id f"{i}_{parent_id}" (of the parent's internal id, so unique too), n = 1
+    and, if the parent has a seed, seed + i, so the children differ from each other yet
+    every run of the parent is reproducible.
     """
 
     def __init__(self, request: EngineCoreRequest, prompt: str | None) -> None:
         self.request = request
         self.request_id = request.request_id
+        self.external_req_id = _external_req_id(request)
         self.prompt = prompt
         self.n = request.sampling_params.n
         self.output_kind = RequestOutputKind.FINAL  # set by OutputProcessor.add_request
@@ -100,7 +106,7 @@ class ParentRequest:
         else:
             outputs = list(self.completions)
         return RequestOutput(
-            request_id=self.request_id,
+            request_id=self.external_req_id,
             prompt=self.prompt,
             prompt_token_ids=self.request.prompt_token_ids,
             outputs=outputs,
@@ -124,6 +130,7 @@ class RequestState:
         index: int,
     ) -> None:
         self.request_id = request.request_id
+        self.external_req_id = _external_req_id(request)
         self.prompt = prompt
         self.prompt_token_ids = request.prompt_token_ids
         self.output_kind = output_kind
@@ -197,7 +204,7 @@ class RequestState:
 
     def make_request_output(self, completion: CompletionOutput) -> RequestOutput:
         return RequestOutput(
-            request_id=self.request_id,
+            request_id=self.external_req_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
             outputs=[completion],
@@ -231,43 +238,41 @@ class OutputProcessor:
         # None: the caller works with token ids only; no text, no stop strings.
         self.tokenizer = None if tokenizer is None else get_backend_tokenizer(tokenizer)
         self.token_texts = None if self.tokenizer is None else TokenTexts(self.tokenizer)
-        self.request_states: dict[str, RequestState] = {}  # by core request id
-        self.parent_requests: dict[str, ParentRequest] = {}
+        self.request_states: dict[str, RequestState] = {}  # by internal (core) request id
+        self.parent_requests: dict[str, ParentRequest] = {}  # by internal id
+        # Caller's id -> internal id of its live request (or parent): one each at a time.
+        self.external_req_ids: dict[str, str] = {}
 
     def add_request(
         self,
         request: EngineCoreRequest,
         prompt: str | None,
         output_kind: RequestOutputKind | str = RequestOutputKind.FINAL,
-        parent: ParentRequest | None = None,
     ) -> list[EngineCoreRequest]:
-        """Starts tracking a request; returns the requests to send to the engine core.
+        """Starts tracking a request; returns the requests to send to the engine core: the
+        request itself, or its n child requests when n > 1.
 
-        With n > 1 (and no `parent`) that is the n child requests. A caller that fans out
-        itself passes each child with its `parent` instead and gets the child back.
+        A caller's id may be used again once its request is over, not while it is live.
         """
         kind = RequestOutputKind(output_kind)
         if request.sampling_params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
-        if parent is None and request.sampling_params.n > 1:
+        external_req_id = _external_req_id(request)
+        if external_req_id in self.external_req_ids:
+            raise ValueError(f"request id {external_req_id!r} is already in use")
+        parent: ParentRequest | None = None
+        core_requests = [request]
+        if request.sampling_params.n > 1:
             parent = ParentRequest(request, prompt)
-            children = parent.make_child_requests()
-            for child in children:
-                self.add_request(child, prompt, kind, parent)
-            return children
-        if request.request_id in self.request_states:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        index = 0
-        if parent is not None:
-            if request.request_id not in parent.child_ids:
-                raise ValueError(f"{request.request_id!r} is not a child of {parent.request_id!r}")
-            index = parent.child_ids.index(request.request_id)
-            self.parent_requests[parent.request_id] = parent
             parent.output_kind = kind
-        self.request_states[request.request_id] = RequestState(
-            request, prompt, kind, self.tokenizer, self.token_texts, parent, index
-        )
-        return [request]
+            core_requests = parent.make_child_requests()
+            self.parent_requests[parent.request_id] = parent
+        for index, core_request in enumerate(core_requests):
+            self.request_states[core_request.request_id] = RequestState(
+                core_request, prompt, kind, self.tokenizer, self.token_texts, parent, index
+            )
+        self.external_req_ids[external_req_id] = request.request_id
+        return core_requests
 
     def process_outputs(self, outputs: Iterable[EngineCoreOutput]) -> OutputProcessorOutput:
         request_outputs: list[RequestOutput] = []
@@ -283,6 +288,8 @@ class OutputProcessor:
                 reqs_to_abort.append(state.request_id)
             if state.finish_reason is not None:
                 del self.request_states[state.request_id]
+                if state.parent is None:
+                    del self.external_req_ids[state.external_req_id]
             completion = state.make_completion_output()
             if state.parent is not None:
                 state.parent.record(completion, state)
@@ -292,31 +299,33 @@ class OutputProcessor:
         for parent in touched_parents.values():
             if parent.finished:
                 del self.parent_requests[parent.request_id]
+                del self.external_req_ids[parent.external_req_id]
             request_output = parent.make_request_output()
             if request_output is not None:
                 request_outputs.append(request_output)
         return OutputProcessorOutput(request_outputs, reqs_to_abort)
 
-    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+    def abort_requests(self, request_ids: Iterable[str], internal: bool = False) -> list[str]:
         """Forgets the requests; returns the core request ids still running, to abort there.
 
-        A parent id (or any child's id) aborts all of that parent's children.
+        `request_ids` are callers' ids or, with `internal`, the requests' own (internal) ids;
+        a parent's id aborts all of its children. Unknown or finished ids are skipped.
         """
+        ids = request_ids
+        if not internal:  # lazily: a caller's id given twice is skipped the second time
+            ids = (self.external_req_ids[i] for i in request_ids if i in self.external_req_ids)
         to_abort: list[str] = []
-        for request_id in request_ids:
-            parent = self.parent_requests.get(request_id)
-            state = self.request_states.get(request_id)
-            if parent is None and state is not None:
-                parent = state.parent
-            if parent is None:
-                if state is not None:
-                    del self.request_states[request_id]
-                    to_abort.append(request_id)
+        for request_id in ids:
+            parent = self.parent_requests.pop(request_id, None)
+            if parent is not None:
+                del self.external_req_ids[parent.external_req_id]
+                core_ids = parent.child_ids
+            elif (state := self.request_states.get(request_id)) is not None:
+                del self.external_req_ids[state.external_req_id]
+                core_ids = [request_id]
+            else:
                 continue
-            self.parent_requests.pop(parent.request_id, None)
-            for child_id in parent.child_ids:
-                if self.request_states.pop(child_id, None) is not None:
-                    to_abort.append(child_id)
+            to_abort += [i for i in core_ids if self.request_states.pop(i, None) is not None]
         return to_abort
 
     def get_num_unfinished_requests(self) -> int:
@@ -325,6 +334,11 @@ class OutputProcessor:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
+
+
+def _external_req_id(request: EngineCoreRequest) -> str:
+    assert request.external_req_id is not None, "Processor.process_inputs sets it"
+    return request.external_req_id
 
 
 def _snapshot(metrics: RequestMetrics) -> RequestMetrics:

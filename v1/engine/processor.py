@@ -1,11 +1,13 @@
 """Frontend input processing: prompts in, validated `EngineCoreRequest`s out.
 
 Every check that can fail on user input happens here, with a ValueError that names the
-value and the limit, before the engine core sees the request.
+value and the limit, before the engine core sees the request. It also gives each request
+its internal id (see `EngineCoreRequest`).
 """
 
 import copy
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -105,12 +107,15 @@ class Processor:
                 f"(valid: 0 to {self.vocab_size - 1})"
             )
         request = EngineCoreRequest(
-            request_id=request_id,
+            # A uuid, not a counter: unique across the frontend processes sharing a core, and
+            # a reused caller id never meets its predecessor's steps still in flight there.
+            request_id=f"{request_id}-{uuid.uuid4().hex}",
             prompt_token_ids=token_ids,
             sampling_params=params,
             eos_token_id=self.eos_token_id,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             priority=priority,
             cache_salt=cache_salt,
+            external_req_id=request_id,
         )
         return request, text
