@@ -36,6 +36,8 @@ bench: setup
 		| tee $(BENCH_OUT)/throughput.txt
 	$(PY) bench/bench_throughput.py --decode --no-hf --out $(BENCH_OUT) | tee $(BENCH_OUT)/decode.txt
 	$(PY) bench/bench_serving.py --out $(BENCH_OUT) | tee $(BENCH_OUT)/serving.txt
+	$(PY) bench/bench_step_breakdown.py --floors --out $(BENCH_OUT) \
+		| tee $(BENCH_OUT)/step_breakdown.txt
 
 clean:
 	rm -rf .venv

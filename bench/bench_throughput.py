@@ -18,8 +18,11 @@ over the time from the first tokens to the last finish (the requests' own timest
 (Without timestamps it falls back to the difference with a run that generates one token.)
 
 `--engine-process` adds the default `LLM` (engine core in its own process, over ZMQ) on the
-same prompts, its runs interleaved with the in-process ones:
-process_overhead = engine_process_s / engine_s - 1.
+same prompts, its runs interleaved with the in-process ones (in-process, process, in-process,
+...). Run i of each forms a pair that saw the same phase of the machine, so the overhead is
+the median of the paired ratios (a ratio of the two medians mixes runs minutes apart):
+
+    process_overhead = median_i(engine_process_runs_s[i] / engine_runs_s[i]) - 1
 
 Prints a table, then one JSON line (engine_tok_s, hf_tok_s, speedup, ...; with --decode:
 decode_tok_s, ...). `--out DIR` writes throughput.json / decode.json and a PNG.
@@ -134,11 +137,12 @@ def throughput(args: argparse.Namespace, loaded: Any, engine_kwargs: dict[str, A
         **environment(),
     }
     if args.engine_process:
-        process_s = median(runs["engine process"])
+        ratios = paired_ratios(times, runs["engine process"])
         result.update(
-            engine_process_s=round(process_s, 3),
+            engine_process_s=round(median(runs["engine process"]), 3),
             engine_process_runs_s=[round(t, 3) for t in runs["engine process"]],
-            process_overhead=round(process_s / engine_s - 1, 4),
+            process_pair_ratios=[round(r, 4) for r in ratios],
+            process_overhead=round(median(ratios) - 1, 4),
             process_same_tokens=tokens["engine process"] == engine_tokens,
         )
     if hf_tokens is not None:
@@ -150,6 +154,11 @@ def throughput(args: argparse.Namespace, loaded: Any, engine_kwargs: dict[str, A
         rows.append([f"HF generate (batch {args.hf_batch_size})", hf_s, num_out / hf_s,
                      (num_in + num_out) / hf_s])
     print_table(["run", "seconds", "out tok/s", "total tok/s"], rows)
+    if args.engine_process:
+        print("engine process / in-process, run by run: " + ", ".join(
+            f"{p:.2f}/{e:.2f} s = {r:.3f}"
+            for e, p, r in zip(times, runs["engine process"], ratios)))
+        print(f"process_overhead (median of the pairs): {median(ratios) - 1:+.1%}")
 
     def plot(fig: Any) -> None:
         labels = [r[0] for r in rows]
@@ -160,6 +169,22 @@ def throughput(args: argparse.Namespace, loaded: Any, engine_kwargs: dict[str, A
 
     write_outputs(args.out, "throughput", result, plot)
     print(json.dumps(result))
+
+
+def paired_ratios(base: list[float], other: list[float]) -> list[float]:
+    """other[i] / base[i] for each pair of interleaved runs."""
+    if len(base) != len(other):
+        raise ValueError(f"{len(base)} runs against {len(other)}: not pairs")
+    return [o / b for b, o in zip(base, other)]
+
+
+def decode_engine_kwargs(engine_kwargs: dict[str, Any], seqs: int,
+                         input_len: int) -> dict[str, Any]:
+    """Room for every prompt in the first step, so that all requests then decode together."""
+    return dict(engine_kwargs, max_num_seqs=max(seqs, engine_kwargs.get("max_num_seqs") or 0),
+                max_num_batched_tokens=max(seqs * input_len,
+                                           engine_kwargs.get("max_num_batched_tokens") or 0,
+                                           2048))
 
 
 def decode_window(outputs: list) -> tuple[float, int] | None:
@@ -184,12 +209,7 @@ def decode(args: argparse.Namespace, loaded: Any, engine_kwargs: dict[str, Any])
     vocab = int(loaded.hf_config.vocab_size)
     n, out_len = args.decode_seqs, args.decode_output_len
     prompts = random_prompts(rng, n, (args.decode_input_len, args.decode_input_len), vocab)
-    # Every prompt is prefilled in the first step, so that all requests then decode together.
-    engine_kwargs = dict(engine_kwargs, max_num_seqs=max(n, args.max_num_seqs),
-                         max_num_batched_tokens=max(n * args.decode_input_len,
-                                                    engine_kwargs.get("max_num_batched_tokens")
-                                                    or 0, 2048))
-    llm = make_llm(loaded, **engine_kwargs)
+    llm = make_llm(loaded, **decode_engine_kwargs(engine_kwargs, n, args.decode_input_len))
     timed_generate(llm, [prompts[0][:32]], SamplingParams(max_tokens=2, ignore_eos=True))
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     full = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
@@ -247,7 +267,8 @@ def main() -> None:
                         help="batch HF requests by output length (less static-batching waste)")
     parser.add_argument("--engine-process", action="store_true",
                         help="also run the engine core in its own process (ZMQ), interleaved "
-                             "with the in-process runs: process_overhead = process/in-process - 1")
+                             "with the in-process runs: process_overhead = median of the "
+                             "paired process/in-process ratios - 1")
     parser.add_argument("--decode", action="store_true",
                         help="measure batched decode throughput instead")
     parser.add_argument("--decode-seqs", type=int, default=64)

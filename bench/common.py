@@ -28,12 +28,16 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 
-def add_common_args(parser: argparse.ArgumentParser) -> None:
+def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="a .gguf file or HF model directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch intra-op threads (0: leave torch's default)")
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    add_model_args(parser)
     parser.add_argument("--repeat", type=int, default=3,
                         help="engine runs per configuration; the median is reported")
     parser.add_argument("--hf-batch-size", type=int, default=8, help="HF generate batch size")

@@ -1,5 +1,6 @@
-"""The benchmarks' own arithmetic (workload, ideal hit rate, decode window, percentiles) and
-that each script starts: their figures are only as good as these."""
+"""The benchmarks' own arithmetic (workload, ideal hit rate, decode window, percentiles,
+paired ratios, FLOP and byte counts) and that each script starts: their figures are only as
+good as these."""
 
 import argparse
 import subprocess
@@ -14,7 +15,14 @@ sys.path.insert(0, str(BENCH))
 
 import bench_prefix_cache  # noqa: E402
 import bench_serving  # noqa: E402
+import bench_step_breakdown  # noqa: E402
 import bench_throughput  # noqa: E402
+
+# SmolLM2-135M's shapes (the default model), no weights needed.
+SMOLLM2_135M = SimpleNamespace(
+    hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+    num_key_value_heads=3, head_dim=64, vocab_size=49152,
+)
 
 
 def test_ideal_hit_tokens_counts_shared_full_blocks_before_the_last_token():
@@ -64,6 +72,50 @@ def test_decode_window_starts_at_the_common_first_token():
     assert bench_throughput.decode_window([no_times]) is None
 
 
+def test_process_overhead_pairs_interleaved_runs():
+    # The committed make bench run: in-process and engine-process runs, in the order run.
+    inproc, process = [88.041, 84.325, 79.119], [85.176, 93.71, 86.292]
+    ratios = bench_throughput.paired_ratios(inproc, process)
+    assert ratios == pytest.approx([0.96746, 1.11129, 1.09066], abs=1e-5)
+    # The median pair says +9.1%; the ratio of the two medians said +2.3%.
+    assert bench_throughput.median(ratios) - 1 == pytest.approx(0.0907, abs=1e-4)
+    with pytest.raises(ValueError):
+        bench_throughput.paired_ratios([1.0, 2.0], [1.0])
+
+
+def test_decode_engine_kwargs_fit_every_prompt_in_the_first_step():
+    kwargs = bench_throughput.decode_engine_kwargs({"max_num_seqs": 16}, 64, 128)
+    assert kwargs == {"max_num_seqs": 64, "max_num_batched_tokens": 64 * 128}
+    small = bench_throughput.decode_engine_kwargs(
+        {"max_num_seqs": 256, "max_num_batched_tokens": 4096}, 8, 32)
+    assert small == {"max_num_seqs": 256, "max_num_batched_tokens": 4096}
+
+
+def test_step_breakdown_counts_gemm_flops_and_kv_bytes():
+    # Per layer: qkv 576 x (576 + 2 * 192), o 576 x 576, gate/up 576 x 3072, down 1536 x 576;
+    # then the (tied) LM head 576 x 49152.
+    assert bench_step_breakdown.linear_weights(SMOLLM2_135M) == 30 * 3_538_944 + 28_311_552
+    flops = 64 * bench_step_breakdown.gemm_flops_per_token(SMOLLM2_135M)
+    assert flops == pytest.approx(17.21e9, rel=1e-3)  # per decode step of 64 tokens
+    # K and V, 3 kv heads of 64 fp32 values, 30 layers: 46,080 bytes per context token.
+    assert bench_step_breakdown.kv_bytes_per_token(SMOLLM2_135M, 4) == 46_080
+    # Decode steps see contexts 129 .. 255 after a 128-token prompt and 128 output tokens.
+    context = bench_step_breakdown.mean_decode_context(128, 128)
+    assert context == sum(range(129, 256)) / 127 == 192
+    assert 64 * context * 46_080 == pytest.approx(566.2e6, rel=1e-3)
+
+
+def test_step_breakdown_splits_nested_timers():
+    timed = {"gemm": 0.140, "attention": 0.030, "sampling": 0.003, "runner": 0.180,
+             "core": 0.181, "step": 0.183}
+    parts = bench_step_breakdown.split_step(timed)
+    assert list(parts) == list(bench_step_breakdown.PARTS)
+    assert parts["other model work"] == pytest.approx(0.007)
+    assert parts["scheduler"] == pytest.approx(0.001)
+    assert parts["output processing"] == pytest.approx(0.002)
+    assert sum(parts.values()) == pytest.approx(timed["step"])
+
+
 def test_serving_summary_in_milliseconds():
     stats = bench_serving.summary("ttft", [0.1 * i for i in range(1, 101)])
     assert stats["ttft_ms_mean"] == pytest.approx(5050.0)
@@ -74,7 +126,7 @@ def test_serving_summary_in_milliseconds():
 
 
 @pytest.mark.parametrize("name", ["bench_prefix_cache", "bench_throughput", "bench_serving",
-                                  "bench_scheduler", "bench_async"])
+                                  "bench_scheduler", "bench_async", "bench_step_breakdown"])
 def test_help(name):
     out = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), "--help"],
                          capture_output=True, text=True, timeout=120)
