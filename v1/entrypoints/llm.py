@@ -30,6 +30,13 @@ class LLM:
     or V1_ENABLE_MULTIPROCESSING=0 in the environment, runs it in this process instead.
     `loaded_model` reuses weights already loaded in this process (several engines, one copy),
     so it implies in-process.
+
+    Lengths, as in vLLM's `LLM`: a prompt may have up to `max_model_len` tokens (a longer one
+    raises ValueError), and max_tokens is capped to fit: generation stops with finish_reason
+    "length" when prompt plus output reach `max_model_len`, whatever max_tokens asks. So a
+    prompt of exactly `max_model_len` tokens gets one token (it needs no KV slot), and
+    max_tokens=None means all the room left. (The OpenAI server rejects a request whose
+    max_tokens does not fit with a 400 instead.)
     """
 
     def __init__(
@@ -67,6 +74,12 @@ class LLM:
         priority: Sequence[int] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in the order of `prompts`.
+
+        One `SamplingParams` applies to all prompts, or pass one per prompt; `priority` (one
+        per prompt, lower first) matters under scheduling_policy="priority". Each request's
+        max_tokens is capped to what `max_model_len` leaves after its prompt (see the class).
+        """
         if isinstance(prompts, (str, Mapping)) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
