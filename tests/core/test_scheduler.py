@@ -335,6 +335,25 @@ def test_no_preemption_for_a_waiting_request_that_still_would_not_fit():
     drain(s)
 
 
+def test_no_preemption_for_token_budget():
+    # Chunked prefill off: the better prompt (30 tokens) misses the budget by the decodes'
+    # 4 tokens. Blocks and seats are plenty, so nobody loses their KV for it: it waits.
+    s = make_scheduler(
+        policy="priority", num_blocks=256, max_num_batched_tokens=32, max_model_len=32,
+        enable_chunked_prefill=False,
+    )
+    low = [make_request(4, priority=1, max_tokens=20) for _ in range(4)]
+    for r in low:
+        s.add_request(r)
+    run_step(s)
+    s.add_request(make_request(30, priority=0, max_tokens=4))
+    out = s.schedule()
+    assert not out.preempted_req_ids
+    assert list(out.num_scheduled_tokens) == [r.request_id for r in low]
+    s.update_from_output(out, fake_model_output(s, out))
+    drain(s)
+
+
 def test_abort_frees_everything():
     s = make_scheduler()
     running, waiting = make_request(9), make_request(9)

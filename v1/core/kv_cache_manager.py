@@ -73,6 +73,22 @@ class PrefixCacheMetrics:
         self.__init__(self._window_size)
 
 
+class FreedBlocks:
+    """What preempting some running requests would release, accumulated one request at a
+    time (`KVCacheManager.add_to_freed`): the scheduler plans an admission before it
+    preempts anyone."""
+
+    __slots__ = ("refs", "num_freed", "unwritten")
+
+    def __init__(self) -> None:
+        self.refs: dict[KVCacheBlock, int] = {}  # references those requests hold
+        self.num_freed = 0  # blocks nobody else holds: free once those requests are
+        self.unwritten: set[KVCacheBlock] = set()  # un-hashed when they are freed
+
+
+_NOTHING_FREED = FreedBlocks()
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         self.block_size = block_size
@@ -132,9 +148,7 @@ class KVCacheManager:
         num_new_blocks = self._num_new_blocks(req_blocks, new_computed_blocks, num_tokens_after)
         pool = self.block_pool
         if num_new_blocks > 0 or new_computed_blocks:
-            # Touching a free hit takes it off the free list: it cannot also be handed out.
-            num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-            if num_new_blocks > pool.free_block_queue.num_free_blocks - num_free_hits:
+            if not self._fits(num_new_blocks, new_computed_blocks, _NOTHING_FREED):
                 return None
             if req_blocks is _NO_BLOCKS:
                 req_blocks = self.req_to_blocks[req_id] = []
@@ -160,28 +174,39 @@ class KVCacheManager:
     ) -> int:
         return -(-num_tokens // self.block_size) - len(req_blocks) - len(hits)
 
-    def can_allocate_after_freeing(
+    def add_to_freed(self, freed: FreedBlocks, request: Request) -> None:
+        """Account for preempting `request` too (nothing is freed yet)."""
+        refs = freed.refs
+        for block in self.req_to_blocks.get(request.request_id, _NO_BLOCKS):
+            n = refs[block] = refs.get(block, 0) + 1
+            if n == block.ref_cnt:
+                freed.num_freed += 1
+        freed.unwritten.update(self.unwritten_cached_blocks(request))
+
+    def can_allocate(
         self,
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock],
         num_new_computed_tokens: int,
-        freeing: list[Request],
+        freed: FreedBlocks,
     ) -> bool:
-        """Whether `allocate_slots` would succeed once the `freeing` requests (which do not
-        include `request`) are freed. Changes nothing."""
-        refs: dict[KVCacheBlock, int] = {}
-        for other in freeing:
-            for block in self.req_to_blocks.get(other.request_id, _NO_BLOCKS):
-                refs[block] = refs.get(block, 0) + 1
-        num_freed = sum(1 for block, n in refs.items() if block.ref_cnt == n)
-        num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == refs.get(b, 0))
+        """Whether `allocate_slots` would succeed once the requests in `freed` are freed.
+        Changes nothing."""
         num_tokens_after = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_new_blocks = self._num_new_blocks(
             self.req_to_blocks.get(request.request_id, _NO_BLOCKS), new_computed_blocks,
             num_tokens_after,
         )
-        num_free = self.block_pool.get_num_free_blocks() + num_freed
+        return self._fits(num_new_blocks, new_computed_blocks, freed)
+
+    def _fits(
+        self, num_new_blocks: int, hits: list[KVCacheBlock], freed: FreedBlocks
+    ) -> bool:
+        # Touching a free hit takes it off the free list: it cannot also be handed out.
+        refs = freed.refs
+        num_free_hits = sum(1 for b in hits if b.ref_cnt == refs.get(b, 0))
+        num_free = self.block_pool.get_num_free_blocks() + freed.num_freed
         return num_new_blocks <= num_free - num_free_hits
 
     def unwritten_cached_blocks(self, request: Request) -> list[KVCacheBlock]:

@@ -13,17 +13,18 @@ Invariants, every step:
 - no waiting request is admitted in a step that preempted for lack of blocks;
 - under the priority policy `running` is sorted by (priority, arrival_time), so the victim is
   always `running[-1]`, and a running request is never preempted after this step scheduled
-  it (only a waiting request's admission may do that, see `_victims_for`);
+  it (only a waiting request's admission may do that, see `_plan_admission`);
 - a request is preempted for a waiting one only if that one is then admitted.
 """
 
 import bisect
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from typing import NamedTuple
 
 from v1.config import CacheConfig, SchedulerConfig
 from v1.core.block_pool import KVCacheBlock
-from v1.core.kv_cache_manager import KVCacheManager
+from v1.core.kv_cache_manager import FreedBlocks, KVCacheManager
 from v1.core.kv_cache_utils import make_block_hasher
 from v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from v1.core.sched.request_queue import create_request_queue
@@ -35,6 +36,14 @@ WAITING = RequestStatus.WAITING
 PREEMPTED = RequestStatus.PREEMPTED
 FINISHED_STOPPED = RequestStatus.FINISHED_STOPPED
 FINISHED_LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+class Admission(NamedTuple):
+    """How a waiting request is admitted: its prefix-cache hits and the tokens to compute."""
+
+    hit_blocks: list[KVCacheBlock]
+    num_hit_tokens: int
+    num_new_tokens: int
 
 
 def _rank(request: Request) -> tuple[int, float]:
@@ -215,14 +224,17 @@ class Scheduler:
                 if request.num_output_placeholders or request in preempted:
                     break  # (async) its last step's output is not back yet; or just evicted
                 victims: list[Request] = []
+                freed = FreedBlocks()
+                candidates = self._victim_candidates(request)
                 while (plan := self._plan_admission(
-                    request, token_budget, victims, num_scheduled_tokens
+                    request, token_budget, len(victims), freed
                 )) is None:
-                    victim = self._next_victim(request, victims)
+                    victim = next(candidates, None)
                     if victim is None:
                         break
                     victims.append(victim)
-                if plan is None:
+                    kv.add_to_freed(freed, victim)
+                if plan is None or not plan.num_new_tokens:
                     break
                 for victim in victims:
                     preempt(victim)
@@ -297,57 +309,50 @@ class Scheduler:
             self.running.append(request)
 
     def _plan_admission(
-        self,
-        request: Request,
-        token_budget: int,
-        victims: list[Request],
-        num_scheduled_tokens: dict[str, int],
-    ) -> tuple[list[KVCacheBlock], int, int] | None:
-        """What admitting a waiting request takes once `victims` are preempted: its
-        prefix-cache hits, their length and the tokens to compute; None if it cannot be
-        admitted (no free seat, no budget, or not enough blocks). Changes nothing."""
-        if len(self.running) - len(victims) >= self.max_num_seqs:
+        self, request: Request, token_budget: int, num_victims: int, freed: FreedBlocks
+    ) -> Admission | None:
+        """What admitting a waiting request takes once the `freed` victims are preempted;
+        None if it has no seat or not enough blocks then. `num_new_tokens` 0: it does not
+        fit the token budget (chunked prefill off), which no preemption changes (victims'
+        budget is not counted, so nobody is preempted for budget). Changes nothing."""
+        if len(self.running) - num_victims >= self.max_num_seqs:
             return None
         kv = self.kv_cache_manager
         hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
-        if victims:
-            # A victim this step scheduled frees its budget and un-hashes the blocks that
-            # step was to write: hits end before the first of those.
-            lost = {b for v in victims for b in kv.unwritten_cached_blocks(v)}
+        if freed.unwritten:
+            # Victims this step scheduled un-hash the blocks that step was to write: hits
+            # end before the first of those.
             for i, block in enumerate(hit_blocks):
-                if block in lost:
+                if block in freed.unwritten:
                     hit_blocks = hit_blocks[:i]
                     num_hit_tokens = i * self.block_size
                     break
-            token_budget += sum(num_scheduled_tokens.get(v.request_id, 0) for v in victims)
         num_new_tokens = request.num_tokens - num_hit_tokens
         threshold = self.long_prefill_token_threshold
         if 0 < threshold < num_new_tokens:
             num_new_tokens = threshold
         if num_new_tokens > token_budget:
             if not self.chunked_prefill:
-                return None  # do not skip a long prompt in favour of shorter ones
+                # Do not skip a long prompt in favour of shorter ones.
+                return Admission(hit_blocks, num_hit_tokens, 0)
             num_new_tokens = token_budget
-        if not kv.can_allocate_after_freeing(
-            request, num_new_tokens, hit_blocks, num_hit_tokens, victims
-        ):
+        if not kv.can_allocate(request, num_new_tokens, hit_blocks, num_hit_tokens, freed):
             return None
-        return hit_blocks, num_hit_tokens, num_new_tokens
+        return Admission(hit_blocks, num_hit_tokens, num_new_tokens)
 
-    def _next_victim(self, request: Request, victims: list[Request]) -> Request | None:
-        """Priority policy: the worst running request, not among `victims`, that ranks
-        below the waiting `request` and may be preempted now (one whose unwritten blocks
-        another request already shares must stay: that request will read them)."""
+    def _victim_candidates(self, request: Request) -> Iterator[Request]:
+        """Priority policy: the running requests that rank below the waiting `request`,
+        worst first, that may be preempted now (not one whose unwritten blocks another
+        request already shares in this step: that request will read them)."""
         if not self.priority_policy:
-            return None
+            return
         rank = _rank(request)
         kv = self.kv_cache_manager
-        for candidate in reversed(self.running):  # worst first
+        for candidate in reversed(self.running):
             if _rank(candidate) <= rank:
-                return None
-            if candidate not in victims and not kv.has_shared_unwritten_blocks(candidate):
-                return candidate
-        return None
+                return
+            if not kv.has_shared_unwritten_blocks(candidate):
+                yield candidate
 
     # -- results ------------------------------------------------------------------------
 
