@@ -6,7 +6,7 @@ from pathlib import Path
 
 # OpenMP's spinning workers collapse when the 2 cores are shared (tests start engine
 # processes beside the test process): passive waiting keeps each process fast. Set before
-# torch loads; spawned engine processes inherit it.
+# torch loads; engine processes (forked or spawned) inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402

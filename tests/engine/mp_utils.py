@@ -43,6 +43,21 @@ def child_pids() -> set[int]:
     return pids
 
 
+def marked_processes(mark: str) -> set[int]:
+    """Live processes with `mark` ("NAME=VALUE") in their environment: put a fresh one into a
+    script's environment, and its engine processes carry it too, wherever they were reparented
+    (zombies count as gone: their environment reads empty)."""
+    entry, pids = mark.encode(), set()
+    for environ in glob.glob("/proc/[0-9]*/environ"):
+        try:
+            with open(environ, "rb") as f:
+                if entry in f.read().split(b"\0"):
+                    pids.add(int(environ.split("/")[2]))
+        except OSError:
+            continue  # exited meanwhile, or not ours
+    return pids
+
+
 def free_tcp_address() -> str:
     """tcp://127.0.0.1:PORT with PORT and PORT + 1 (the output socket) both free."""
     for _ in range(100):

@@ -4,10 +4,11 @@
 scheduling (a batch queue of two): step N+1 is scheduled while step N executes on the
 runner's thread, with output placeholders standing for the tokens N has not returned yet.
 
-`EngineCoreProc` runs an `EngineCore` in its own process (multiprocessing, 'spawn'), serving
-any number of frontend processes over ZMQ. Three threads: the input thread receives and
-decodes messages into a queue; the busy loop drains that queue, steps the core, and blocks
-on the queue only when the core is idle; the output thread encodes and sends.
+`EngineCoreProc` runs an `EngineCore` in its own process (multiprocessing, 'fork' or 'spawn':
+see `v1.engine.core_client.engine_start_method`), serving any number of frontend processes
+over ZMQ. Three threads: the input thread receives and decodes messages into a queue; the
+busy loop drains that queue, steps the core, and blocks on the queue only when the core is
+idle; the output thread encodes and sends.
 
 Protocol. An engine core at ADDRESS (`ipc://PATH`, by default in a fresh temp dir, or
 `tcp://HOST:PORT`) binds two sockets:
@@ -28,8 +29,10 @@ Protocol. An engine core at ADDRESS (`ipc://PATH`, by default in a fresh temp di
                     exception, e.g. in the model, or shutdown), and the last message
     UTILITY_RESULT  UtilityResult
 
-A client connects its DEALER, then sends HELLO and waits for READY; request ids must be
-unique across the clients of one engine. When a client is gone (its DEALER disconnected),
+A client connects its DEALER, then sends HELLO and waits for READY. Request ids (in ADD,
+ABORT and OUTPUTS) are the frontends' internal ids, the caller's id plus a uuid (see
+`EngineCoreRequest`), so they are unique across the clients of one engine and for its life;
+an id already in the core is refused. When a client is gone (its DEALER disconnected),
 the core aborts its requests. From another process, while an engine core runs at ADDRESS:
 
     from v1.engine.core_client import SyncMPClient   # or AsyncMPClient, for AsyncLLM
@@ -310,6 +313,9 @@ class EngineCoreProc:
     ) -> None:
         """Main of the engine process: build the core, report ("ready", "", "") or
         ("error", exception type, message) through `report`, then serve until terminated."""
+        # A forked child inherits the parent's signal wakeup fd (an asyncio loop's): our
+        # signals must not wake the parent's handlers.
+        signal.set_wakeup_fd(-1)
         # Ctrl-C reaches the whole process group: the frontend handles it and shuts us down.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, _exit_on_signal)
@@ -381,7 +387,7 @@ class EngineCoreProc:
             request = message
             try:
                 core.add_request(request)
-            except ValueError as e:  # a request id in use: refuse this request, serve on
+            except ValueError as e:  # an id in use (a frontend's bug): refuse it, serve on
                 rejected = EngineCoreOutput(request.request_id, [], None, "abort", str(e))
                 outputs = EngineCoreOutputs([rejected], client_index=request.client_index)
                 self.output_queue.put(

@@ -9,6 +9,10 @@
 
       client = SyncMPClient(address="ipc:///tmp/v1-engine-x/engine", client_index=1)
 
+The engine process starts with `fork` (a script needs no `if __name__ == "__main__":` guard)
+unless V1_WORKER_MULTIPROC_METHOD=spawn, or fork is unsafe here (CUDA initialised), where it
+starts with `spawn`, which runs the main script again, and a warning says why.
+
 A background thread receives the client's messages and watches the engine: its output
 socket, that socket's disconnection, and, for an engine this client started, the process's
 sentinel. When the engine dies, every waiting call raises `EngineDeadError` within ~0.1 s
@@ -16,8 +20,8 @@ and every later call raises it at once.
 """
 
 import asyncio
-import contextlib
 import itertools
+import logging
 import multiprocessing
 import os
 import queue
@@ -26,17 +30,25 @@ import tempfile
 import threading
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from typing import Any, NamedTuple
 
-import msgspec
-import zmq
+# An engine process inherits OpenMP's wait policy from the process that loaded torch: forked
+# from this one, or spawned with its environment. Unless passive, its OpenMP threads spin
+# between ops and take the CPU from this process while it tokenizes and detokenizes (on 2
+# cores, generation up to 5x slower); sleeping costs an uncontended engine ~10% of a decode
+# step. libgomp reads the policy once, as torch loads: hence here, before it does.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from v1.config import EngineArgs
-from v1.engine.core import (
+import msgspec  # noqa: E402
+import torch  # noqa: E402
+import zmq  # noqa: E402
+
+from v1.config import EngineArgs  # noqa: E402
+from v1.engine.core import (  # noqa: E402
     EngineCore,
     EngineCoreOutputType,
     EngineCoreProc,
@@ -47,10 +59,12 @@ from v1.engine.core import (
     client_routing_id,
     output_address,
 )
-from v1.engine.exceptions import EngineDeadError, error_from_remote
-from v1.outputs import EngineCoreOutputs, SchedulerStats
-from v1.request import EngineCoreRequest
-from v1.worker.model_loader import LoadedModel, load_tokenizer
+from v1.engine.exceptions import EngineDeadError, error_from_remote  # noqa: E402
+from v1.outputs import EngineCoreOutputs, SchedulerStats  # noqa: E402
+from v1.request import EngineCoreRequest  # noqa: E402
+from v1.worker.model_loader import LoadedModel, load_tokenizer  # noqa: E402
+
+logger = logging.getLogger("v1")
 
 
 class ModelInfo(NamedTuple):
@@ -129,13 +143,45 @@ CONNECT_TIMEOUT_S = 30.0
 _UTILITY_RESULT_TYPES: dict[str, Any] = {"get_stats": SchedulerStats, "reset_prefix_cache": bool}
 
 
+# Chooses how engine processes start, as VLLM_WORKER_MULTIPROC_METHOD does in vLLM.
+MULTIPROC_METHOD_ENV = "V1_WORKER_MULTIPROC_METHOD"
+MULTIPROC_METHODS = ("fork", "spawn")
+
+
+class StartMethod(NamedTuple):
+    name: str  # "fork" or "spawn"
+    reason: str  # why spawn, for messages ("" for fork)
+
+
+def engine_start_method() -> StartMethod:
+    """fork, unless V1_WORKER_MULTIPROC_METHOD=spawn or fork is unsafe in this process (then
+    spawn, with a warning that says why)."""
+    name = os.environ.get(MULTIPROC_METHOD_ENV) or "fork"
+    if name not in MULTIPROC_METHODS:
+        raise ValueError(
+            f"{MULTIPROC_METHOD_ENV}={name!r} is not a start method for the engine process: "
+            f"use one of {', '.join(map(repr, MULTIPROC_METHODS))}"
+        )
+    if name == "spawn":
+        return StartMethod("spawn", f"{MULTIPROC_METHOD_ENV}=spawn")
+    if torch.cuda.is_initialized():
+        reason = "CUDA is initialised in this process, and a forked child cannot use it"
+        logger.warning(
+            "starting the engine core process with 'spawn', not 'fork': %s. spawn runs the "
+            'main script again: create the engine under `if __name__ == "__main__":`', reason
+        )
+        return StartMethod("spawn", reason)
+    return StartMethod("fork", "")
+
+
 def launch_engine_core(args: EngineArgs, address: str) -> BaseProcess:
     """Start an engine process serving at `address`; return once its model is loaded.
 
     A failure to start (a bad model path, an address in use) is raised here as the engine
     raised it: a ValueError stays a ValueError with the same message.
     """
-    ctx = multiprocessing.get_context("spawn")
+    method = engine_start_method()
+    ctx = multiprocessing.get_context(method.name)
     reader, writer = ctx.Pipe(duplex=False)
     proc = ctx.Process(
         target=EngineCoreProc.run_engine_core,
@@ -143,7 +189,9 @@ def launch_engine_core(args: EngineArgs, address: str) -> BaseProcess:
         name="v1-engine-core",
         daemon=True,  # multiprocessing terminates it at exit, should all else fail
     )
-    with _engine_environment():
+    if method.name == "fork":
+        _fork_from_fresh_thread(proc)
+    else:
         proc.start()
     writer.close()  # the child's copy is the only one left: EOF when it dies
     try:
@@ -163,27 +211,36 @@ def launch_engine_core(args: EngineArgs, address: str) -> BaseProcess:
     _stop_process(proc)
     if status == "error":
         raise error_from_remote(error_type, message)
+    hint = ""
+    if method.name == "spawn":
+        hint = (
+            f" It started with 'spawn' ({method.reason}), which runs the main script again: a "
+            'script that starts an engine must do so under `if __name__ == "__main__":` (or '
+            "use LLM(..., multiprocess=False))"
+        )
     raise RuntimeError(
-        f"the engine core process exited during startup ({_exit_status(proc)}). It starts "
-        "with 'spawn', which runs the main script again: a script that starts an engine must "
-        "do so under `if __name__ == \"__main__\":` (or use LLM(..., multiprocess=False))"
+        f"the engine core process exited during startup ({_exit_status(proc)}).{hint}"
     )
 
 
-@contextlib.contextmanager
-def _engine_environment() -> Iterator[None]:
-    """The environment the engine process is spawned with: this one, plus
-    OMP_WAIT_POLICY=PASSIVE unless set. The engine's OpenMP threads otherwise spin between
-    ops and take the CPU from this process while it tokenizes and detokenizes (on 2 cores,
-    steps up to 17x slower); sleeping costs an uncontended engine ~10% of a decode step."""
-    if "OMP_WAIT_POLICY" in os.environ:
-        yield
-        return
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # read by the child at spawn, not by us
-    try:
-        yield
-    finally:
-        del os.environ["OMP_WAIT_POLICY"]
+def _fork_from_fresh_thread(proc: BaseProcess) -> None:
+    """Start `proc` (a fork context's) from a new thread. The child is a copy of the forking
+    thread alone, and a thread that ran torch ops owns an OpenMP pool (libgomp) whose threads
+    the copy would wait for at its first parallel op, forever; a fresh thread owns none. (Not
+    a ThreadPoolExecutor's thread: the child would exit with status 1.)"""
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            proc.start()
+        except BaseException as e:  # raised in the caller's thread below
+            errors.append(e)
+
+    forker = threading.Thread(target=start, name="v1-fork")
+    forker.start()
+    forker.join()
+    if errors:
+        raise errors[0]
 
 
 def _stop_process(proc: BaseProcess) -> None:

@@ -1,0 +1,190 @@
+"""How the engine core process starts (V1_WORKER_MULTIPROC_METHOD): with fork by default, so
+that vLLM's quickstart runs as written, in a script without `if __name__ == "__main__":`;
+with spawn when asked or when fork is unsafe. Scripts run in subprocesses, as a user runs
+them, and no engine process outlives its script however the script ends."""
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.engine.mp_utils import PROMPTS, SMALL_ENGINE, marked_processes, wait_until
+from v1 import LLM, SamplingParams
+from v1.config import EngineArgs
+from v1.engine import core_client
+from v1.engine.core_client import AsyncMPClient, SyncMPClient
+
+METHOD_ENV = "V1_WORKER_MULTIPROC_METHOD"
+QUICKSTART = Path(__file__).parent / "scripts" / "quickstart.py"
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+
+# Starts an engine, generates greedily for the prompts in argv[1] and reports; then exits
+# (argv[2] == "exit") or waits to be killed.
+ENGINE_SCRIPT = f"""
+import json, sys, time
+from v1 import LLM, SamplingParams
+llm = LLM(**{SMALL_ENGINE!r})
+outputs = llm.generate(json.loads(sys.argv[1]), {GREEDY!r}, use_tqdm=False)
+proc = llm.llm_engine.client._res.proc
+tokens = [o.outputs[0].token_ids for o in outputs]
+print(json.dumps({{"method": proc._start_method, "tokens": tokens}}), flush=True)
+if sys.argv[2] != "exit":
+    time.sleep(600)
+"""
+
+
+def start_script(args: list[str], method: str | None) -> tuple[subprocess.Popen, str]:
+    """`python ARGS` with V1_WORKER_MULTIPROC_METHOD=method (None: unset) and a fresh mark in
+    its environment (see `marked_processes`); returns the process and the mark."""
+    token = uuid.uuid4().hex
+    env = {k: v for k, v in os.environ.items() if k != METHOD_ENV} | {"V1_TEST_MARK": token}
+    if method is not None:
+        env[METHOD_ENV] = method
+    proc = subprocess.Popen(
+        [sys.executable, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )
+    return proc, f"V1_TEST_MARK={token}"
+
+
+@pytest.fixture(scope="module")
+def inproc_tokens(default_model) -> list[list[int]]:
+    llm = LLM(loaded_model=default_model, **SMALL_ENGINE)
+    try:
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.model
+def test_quickstart_runs_as_written(default_model_path):
+    proc, mark = start_script([str(QUICKSTART)], None)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    lines = out.splitlines()
+    assert len(lines) == 4, out
+    assert all(line.startswith("Prompt: '") and ", Generated text: " in line for line in lines)
+    assert "spawn" not in err  # fork was safe: no warning
+    assert not marked_processes(mark)  # the engine process ended with the script
+
+
+@pytest.mark.model
+def test_quickstart_under_spawn_fails_saying_why(default_model_path):
+    proc, mark = start_script([str(QUICKSTART)], "spawn")
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1
+    assert (
+        f"It started with 'spawn' ({METHOD_ENV}=spawn), which runs the main script again" in err
+    )
+    assert not marked_processes(mark)
+
+
+def end_engine_script(proc: subprocess.Popen, mark: str, end: str) -> dict:
+    """Read an ENGINE_SCRIPT's report, then kill it or let it exit; check that it had child
+    processes (the engine; under spawn, multiprocessing's resource tracker too) and that none
+    is left; return the report."""
+    try:
+        line = proc.stdout.readline()
+        children = marked_processes(mark) - {proc.pid}
+    finally:
+        if end == "kill":
+            proc.kill()  # SIGKILL: the script cannot shut its engine down
+        _, err = proc.communicate(timeout=60)
+    assert line, err
+    assert children
+    assert proc.returncode == (-signal.SIGKILL if end == "kill" else 0), err
+    wait_until(lambda: not marked_processes(mark), timeout_s=5)
+    return json.loads(line)
+
+
+@pytest.mark.model
+def test_both_methods_match_inproc_and_end_with_their_script(inproc_tokens):
+    # (fork, exit) is the quickstart's test. The scripts run side by side, to be quick.
+    runs = [("fork", "kill"), ("spawn", "kill"), ("spawn", "exit")]
+    scripts = [start_script(["-c", ENGINE_SCRIPT, json.dumps(PROMPTS), end], method)
+               for method, end in runs]
+    try:
+        for (method, end), (proc, mark) in zip(runs, scripts):
+            report = end_engine_script(proc, mark, end)
+            assert report["method"] == method
+            assert report["tokens"] == inproc_tokens
+    finally:
+        for proc, _ in scripts:
+            proc.kill()
+            proc.wait()
+
+
+def test_unknown_method_is_a_value_error(monkeypatch):
+    monkeypatch.setenv(METHOD_ENV, "forkserver")
+    with pytest.raises(ValueError, match=f"{METHOD_ENV}='forkserver'.*'fork', 'spawn'"):
+        SyncMPClient(EngineArgs(model="/no/such/model"))
+
+
+@pytest.mark.parametrize("asked", [None, "fork"])
+def test_fork_falls_back_to_spawn_once_cuda_is_initialised(asked, monkeypatch, caplog):
+    monkeypatch.delenv(METHOD_ENV, raising=False)
+    assert core_client.engine_start_method().name == "fork"
+    if asked:
+        monkeypatch.setenv(METHOD_ENV, asked)
+    monkeypatch.setattr("torch.cuda.is_initialized", lambda: True)
+    with caplog.at_level(logging.WARNING, logger="v1"):
+        method = core_client.engine_start_method()
+    assert method.name == "spawn" and "CUDA is initialised" in method.reason
+    assert "'spawn', not 'fork'" in caplog.text and "CUDA is initialised" in caplog.text
+
+
+@pytest.mark.model
+def test_forked_engine_leaves_the_parents_signal_handlers_alone(default_model_path, monkeypatch):
+    # asyncio's signal handlers learn of signals through a wakeup fd that a forked child
+    # inherits: the SIGTERM that ends the engine must not reach this process's handlers.
+    monkeypatch.delenv(METHOD_ENV, raising=False)
+
+    async def main() -> list[str]:
+        loop, received = asyncio.get_running_loop(), []
+        loop.add_signal_handler(signal.SIGTERM, received.append, "SIGTERM")
+        try:
+            client = AsyncMPClient(EngineArgs(**SMALL_ENGINE))
+            assert client._res.proc._start_method == "fork"
+            client.shutdown()
+            await asyncio.sleep(0.2)  # a wakeup byte would be handled by now
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)
+        return received
+
+    assert asyncio.run(main()) == []
+
+
+# Reports the OpenMP wait policy in the environment as torch loads (libgomp reads it then).
+POLICY_AT_TORCH_LOAD = """
+import os, sys
+
+class Spy:
+    def find_spec(self, name, path, target=None):
+        if name == "torch":
+            print(os.environ.get("OMP_WAIT_POLICY"))
+            sys.meta_path.remove(self)
+
+sys.meta_path.insert(0, Spy())
+from v1 import LLM
+"""
+
+
+def test_openmp_waits_passively_unless_told_otherwise():
+    # Forked engines inherit the policy torch loaded with: a spinning one takes the CPU from
+    # the frontend (generation 5x slower on 2 cores).
+    for policy, expected in [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")]:
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        if policy is not None:
+            env["OMP_WAIT_POLICY"] = policy
+        out = subprocess.run(
+            [sys.executable, "-c", POLICY_AT_TORCH_LOAD], env=env, capture_output=True,
+            text=True, timeout=120, check=True,
+        ).stdout
+        assert out.split() == [expected]
