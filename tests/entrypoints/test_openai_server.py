@@ -2,14 +2,18 @@
 module (the default model, small engine options), driven with the `openai` client and httpx."""
 
 import asyncio
+import contextlib
 import json
+import os
 import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -17,7 +21,8 @@ import pytest
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
-MODEL = "smol"  # --served-model-name
+MODEL, ALIAS = "smol", "smol-alias"  # --served-model-name: responses report the first
+MAX_MODEL_LEN = 1024
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "Name three colors."}]
 
@@ -28,7 +33,7 @@ class Server:
         self.url = f"http://127.0.0.1:{port}"
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -61,34 +66,48 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
-@pytest.fixture(scope="module")
-def server(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    port = _free_port()
-    log = tmp_path_factory.mktemp("openai_server") / "server.log"
+def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 120) -> None:
+    """Until `url`/health answers 200; fails, showing the log, if the server exits first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, f"the server exited:\n{log.read_text()}"
+        assert time.monotonic() < deadline, f"the server did not start:\n{log.read_text()}"
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def serve(model_path: Path, log: Path, *options: str) -> Iterator[Server]:
+    """A `python -m v1 serve` process on a free port, killed at the end if still running."""
+    port = free_port()
     cmd = [
-        sys.executable, "-m", "v1", "serve", "--model", str(default_model_path),
-        "--port", str(port), "--served-model-name", MODEL, "--max-model-len", "1024",
-        "--num-gpu-blocks", "256", "--uvicorn-log-level", "warning",
+        sys.executable, "-m", "v1", "serve", "--model", str(model_path), "--port", str(port),
+        "--uvicorn-log-level", "warning", *options,
     ]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     server = Server(proc, port, log)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"the server exited:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"the server did not start:\n{log.read_text()}"
-            try:
-                if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        wait_healthy(proc, server.url, log)
         yield server
     finally:
-        if proc.poll() is None:  # test_shutdown did not run or failed
+        if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("openai_server") / "server.log"
+    with serve(
+        default_model_path, log, "--served-model-name", MODEL, ALIAS,
+        "--max-model-len", str(MAX_MODEL_LEN), "--num-gpu-blocks", "256",
+    ) as server:
+        yield server  # test_shutdown stops it
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +137,14 @@ def _wait_idle(server: Server, timeout: float = 5.0) -> dict[str, float]:
         time.sleep(0.05)
 
 
-def test_models(client: openai.OpenAI) -> None:
-    assert [m.id for m in client.models.list().data] == [MODEL]
+def test_served_model_names(client: openai.OpenAI) -> None:
+    """Every --served-model-name is listed and accepted; responses report the first."""
+    assert [m.id for m in client.models.list().data] == [MODEL, ALIAS]
+    for name in (MODEL, ALIAS):
+        completion = client.completions.create(model=name, prompt=PROMPT, max_tokens=1)
+        assert completion.model == MODEL
+        chat = client.chat.completions.create(model=name, messages=MESSAGES, max_tokens=1)
+        assert chat.model == MODEL
 
 
 def test_completion_greedy(client: openai.OpenAI) -> None:
@@ -190,21 +215,47 @@ def test_n_and_seed(client: openai.OpenAI) -> None:
     assert all(c.message.content for c in chat.choices)
 
 
-def test_stop_strings(client: openai.OpenAI) -> None:
-    def complete(**kwargs):
-        return client.completions.create(
-            model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, **kwargs
-        ).choices[0]
+def _complete(client: openai.OpenAI, stream: bool, **kwargs: Any) -> tuple[str, str, Any]:
+    """A greedy completion's text, finish_reason and stop_reason, streamed or not."""
+    kwargs = {"model": MODEL, "max_tokens": 12, "temperature": 0, **kwargs}
+    if not stream:
+        choice = client.completions.create(**kwargs).choices[0]
+        return choice.text, choice.finish_reason, choice.model_extra["stop_reason"]
+    chunks = [c.choices[0] for c in client.completions.create(**kwargs, stream=True)]
+    assert not any(c.finish_reason for c in chunks[:-1])
+    last = chunks[-1]
+    return "".join(c.text for c in chunks), last.finish_reason, last.model_extra["stop_reason"]
 
-    text = complete().text
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "sse"])
+def test_stop_strings(client: openai.OpenAI, stream: bool) -> None:
+    text, _, _ = _complete(client, False, prompt=PROMPT)
     stop = text.strip().split()[1]  # the second word: something is generated before it
     cut = text.index(stop)
     for value in (stop, [stop, "never seen"]):
-        choice = complete(stop=value)
-        assert (choice.text, choice.finish_reason) == (text[:cut], "stop")
-        assert choice.model_extra["stop_reason"] == stop
-    included = complete(stop=stop, extra_body={"include_stop_str_in_output": True})
-    assert included.text == text[: cut + len(stop)]
+        assert _complete(client, stream, prompt=PROMPT, stop=value) == (text[:cut], "stop", stop)
+    included = _complete(
+        client, stream, prompt=PROMPT, stop=stop, extra_body={"include_stop_str_in_output": True}
+    )
+    assert included == (text[: cut + len(stop)], "stop", stop)
+
+
+# Prompts whose greedy completion holds a character of several UTF-8 bytes (and tokens).
+NON_ASCII_PROMPTS = ["The French word for coffee is", "The Chinese word for hello is"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "sse"])
+@pytest.mark.parametrize("prompt", NON_ASCII_PROMPTS)
+def test_non_ascii_stop_strings(client: openai.OpenAI, prompt: str, stream: bool) -> None:
+    text, _, _ = _complete(client, False, prompt=prompt)
+    cut = next((i for i, ch in enumerate(text) if ord(ch) > 127), None)
+    assert cut, f"the greedy output {text!r} has no non-ASCII character after its start"
+    stop = text[cut - 1 : cut + 1]  # the character and the one before it
+    assert _complete(client, stream, prompt=prompt, stop=stop) == (text[: cut - 1], "stop", stop)
+    included = _complete(
+        client, stream, prompt=prompt, stop=stop, extra_body={"include_stop_str_in_output": True}
+    )
+    assert included == (text[: cut + 1], "stop", stop)
 
 
 def test_logprobs(client: openai.OpenAI) -> None:
@@ -241,13 +292,41 @@ def test_logprobs(client: openai.OpenAI) -> None:
         assert bytes(t.bytes) == t.token.encode()
 
 
-def test_sampling_options(client: openai.OpenAI) -> None:
-    choice = client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0.8, top_p=0.9, seed=1,
-        extra_body={"top_k": 20, "min_p": 0.05, "min_tokens": 6, "ignore_eos": True,
-                    "stop_token_ids": [2], "priority": 1},
-    ).choices[0]
-    assert choice.finish_reason == "length"
+@pytest.fixture(scope="module")
+def tokenizer(default_model_path: Path) -> Any:
+    from v1.worker.model_loader import hf_dir_of, load_tokenizer
+
+    return load_tokenizer(hf_dir_of(default_model_path))
+
+
+def test_sampling_options(client: openai.OpenAI, tokenizer: Any) -> None:
+    """vLLM's extra sampling options each change the output as they should, so dropping any
+    of them fails here."""
+    prompt = "Once upon a time"
+
+    def complete(**body: Any) -> Any:
+        return client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=8, extra_body=body
+        ).choices[0]
+
+    greedy = complete(temperature=0, logprobs=0)
+    # Hot sampling (with a fixed seed) leaves greedy; a filter that keeps only the most likely
+    # token brings it back.
+    hot = {"temperature": 1.5, "seed": 3}
+    assert complete(**hot).text != greedy.text
+    for keep_the_top in ({"top_k": 1}, {"min_p": 1.0}, {"top_p": 1e-6}):
+        assert complete(**hot, **keep_the_top).text == greedy.text, keep_the_top
+
+    # A stop token id that greedy produces as its 4th token ends the output there.
+    tokens = greedy.logprobs.tokens
+    stop_ids = tokenizer.encode(tokens[3], add_special_tokens=False)
+    assert len(stop_ids) == 1 and tokens[3] not in tokens[:3], tokens
+    stopped = complete(temperature=0, stop_token_ids=stop_ids)
+    assert (stopped.finish_reason, stopped.model_extra["stop_reason"]) == ("stop", stop_ids[0])
+    assert stopped.text.startswith("".join(tokens[:3]))
+    # min_tokens keeps the stop token from being sampled before it: here never, in 8.
+    longer = complete(temperature=0, stop_token_ids=stop_ids, min_tokens=8)
+    assert longer.text.startswith("".join(tokens[:3])) and longer.finish_reason == "length"
 
 
 def test_prefix_cache_hits_in_usage(client: openai.OpenAI) -> None:
@@ -344,6 +423,19 @@ BAD_REQUESTS = {
         "chat/completions", {"messages": MESSAGES, "max_completion_tokens": 0}, 400, None),
     "stream wrong type": ("chat/completions", {"messages": MESSAGES, "stream": "yes"}, 400,
                           "stream"),
+    "unsupported presence_penalty": (
+        "completions", {"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    "unsupported tools": (
+        "chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}]}, 400,
+        "tools"),
+    "unsupported message name": (
+        "chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "Al"}]},
+        400, "messages.0.name"),
+    "unsupported continuous_usage_stats": (
+        "completions",
+        {"prompt": "hi", "stream": True,
+         "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+        400, "stream_options.continuous_usage_stats"),
 }
 
 
@@ -375,23 +467,106 @@ def test_openai_client_raises_on_bad_request(client: openai.OpenAI) -> None:
         client.chat.completions.create(model="gpt-4", messages=MESSAGES)
 
 
+TOOL = {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}
+# field: the openai client's arguments that set it to something this server does not
+# implement (vLLM's own fields go in extra_body).
+UNSUPPORTED_CHAT = {
+    "presence_penalty": {"presence_penalty": 1.0},
+    "frequency_penalty": {"frequency_penalty": 1.0},
+    "logit_bias": {"logit_bias": {"504": 100}},
+    "response_format": {"response_format": {"type": "json_object"}},
+    "tools": {"tools": [TOOL]},
+    "tool_choice": {"tool_choice": "required"},
+    "reasoning_effort": {"reasoning_effort": "low"},
+    "chat_template_kwargs": {"extra_body": {"chat_template_kwargs": {"enable_thinking": True}}},
+    "guided_json": {"extra_body": {"guided_json": {"type": "object"}}},
+    "repetition_penalty": {"extra_body": {"repetition_penalty": 1.2}},
+}
+UNSUPPORTED_COMPLETION = {
+    "suffix": {"suffix": " and so on."},
+    "echo": {"echo": True},
+    "best_of": {"best_of": 2},
+    "logit_bias": {"logit_bias": {"504": 100}},
+    "allowed_token_ids": {"extra_body": {"allowed_token_ids": [504]}},
+}
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "field", "kwargs"),
+    [pytest.param("chat", f, kw, id=f"chat-{f}") for f, kw in UNSUPPORTED_CHAT.items()]
+    + [pytest.param("completion", f, kw, id=f) for f, kw in UNSUPPORTED_COMPLETION.items()],
+)
+def test_unsupported_field_is_refused(
+    client: openai.OpenAI, endpoint: str, field: str, kwargs: dict[str, Any]
+) -> None:
+    """A field the server does not implement, set to anything but its default, gets a 400
+    naming it instead of an answer that ignored it."""
+    if endpoint == "chat":
+        create, base = client.chat.completions.create, {"messages": MESSAGES}
+    else:
+        create, base = client.completions.create, {"prompt": PROMPT}
+    with pytest.raises(openai.BadRequestError) as error:
+        create(model=MODEL, max_tokens=2, **base, **kwargs)
+    assert error.value.param == field and field in error.value.message
+
+
+def test_defaults_and_ignored_fields_are_accepted(server: Server, client: openai.OpenAI) -> None:
+    """Unimplemented fields at their defaults change nothing, so they pass; fields that do not
+    change the output (`user`) and unknown ones are ignored with a warning, as vLLM does."""
+    kwargs = {"model": MODEL, "messages": MESSAGES, "max_tokens": 6, "temperature": 0}
+    plain = client.chat.completions.create(**kwargs).choices[0].message.content
+    at_defaults = client.chat.completions.create(
+        **kwargs, presence_penalty=0, frequency_penalty=0.0, tool_choice="none", user="someone",
+        extra_body={"repetition_penalty": 1.0, "add_generation_prompt": True,
+                    "no_such_field": 1},
+    )
+    assert at_defaults.choices[0].message.content == plain
+    deadline = time.monotonic() + 5
+    while "['no_such_field', 'user']" not in server.log.read_text():
+        assert time.monotonic() < deadline, "no warning about the ignored fields"
+        time.sleep(0.1)
+
+
+def test_prompt_plus_max_tokens_over_max_model_len(client: openai.OpenAI) -> None:
+    """A request that cannot get all the tokens it asks for is refused with both numbers, not
+    cut short at max_model_len."""
+    text = "hello " * 990
+    requests = {
+        "prompt": (client.completions.create, {"prompt": text}),
+        "messages": (client.chat.completions.create,
+                     {"messages": [{"role": "user", "content": text}]}),
+    }
+    for source, (create, body) in requests.items():
+        num_prompt = create(model=MODEL, max_tokens=1, **body).usage.prompt_tokens
+        room = MAX_MODEL_LEN - num_prompt
+        assert room > 1, num_prompt
+        full = create(model=MODEL, max_tokens=room, extra_body={"ignore_eos": True}, **body)
+        assert full.usage.completion_tokens == room
+        with pytest.raises(openai.BadRequestError) as error:
+            create(model=MODEL, max_tokens=room + 1, **body)
+        numbers = [MAX_MODEL_LEN, MAX_MODEL_LEN + 1, num_prompt, room + 1]
+        assert all(str(n) in error.value.message for n in numbers), error.value.message
+        assert source in error.value.message
+
+
 def test_disconnect_aborts(server: Server) -> None:
     """A client that leaves mid-stream, or gives up waiting for a whole completion, has its
-    request aborted: the engine stops generating and frees its blocks."""
-    # ignore_eos: each would run 200 tokens (seconds on a CPU) unless aborted.
-    body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True}
+    request aborted: the engine stops generating and frees its blocks. Each on its own."""
+    max_tokens = 1000  # ignore_eos: far more than either may generate once its client left
+    body = {"prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True}
     before = _metrics(server)
     with httpx.Client(base_url=server.url) as http:
         with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
             assert _metrics(server)["v1_num_requests_running"] == 1
-        _wait_idle(server, timeout=3)
+        after_stream = _wait_idle(server, timeout=3)
         with pytest.raises(httpx.ReadTimeout):
             http.post("/v1/completions", json=body, timeout=0.5)
-        after = _wait_idle(server, timeout=3)
-    generated = after["v1_generation_tokens_total"] - before["v1_generation_tokens_total"]
-    assert generated < 2 * 200
+        after_post = _wait_idle(server, timeout=3)
+    for start, end in ((before, after_stream), (after_stream, after_post)):
+        generated = end["v1_generation_tokens_total"] - start["v1_generation_tokens_total"]
+        assert 0 < generated < max_tokens // 2
 
 
 def test_shutdown_stops_engine_and_frees_port(server: Server) -> None:
@@ -406,6 +581,87 @@ def test_shutdown_stops_engine_and_frees_port(server: Server) -> None:
     assert _port_is_free(server.port)
 
 
+@pytest.fixture(scope="module")
+def one_at_a_time(
+    default_model_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    """A second server that runs one request at a time, by priority (test_real_engine_death
+    kills its engine)."""
+    log = tmp_path_factory.mktemp("openai_server_priority") / "server.log"
+    with serve(
+        default_model_path, log, "--scheduling-policy", "priority", "--max-num-seqs", "1",
+        "--max-model-len", "512", "--num-gpu-blocks", "64",
+    ) as server:
+        yield server
+
+
+def _wait_for(server: Server, condition: Any, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition(_metrics(server)):
+        assert time.monotonic() < deadline, _metrics(server)
+        time.sleep(0.02)
+
+
+def test_priority_reaches_the_scheduler(one_at_a_time: Server) -> None:
+    """Two requests wait behind a running one; the later one, with the better (lower)
+    priority, runs first. Were priority dropped, first come would be first served."""
+    server = one_at_a_time
+
+    def complete(priority: int, max_tokens: int) -> float:
+        body = {"prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True,
+                "priority": priority}
+        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        return time.monotonic()
+
+    with ThreadPoolExecutor(3) as pool:
+        running = pool.submit(complete, 0, 100)
+        _wait_for(server, lambda m: m["v1_num_requests_running"] == 1)
+        worse = pool.submit(complete, 10, 4)
+        _wait_for(server, lambda m: m["v1_num_requests_waiting"] == 1)
+        better = pool.submit(complete, 1, 4)
+        _wait_for(server, lambda m: m["v1_num_requests_waiting"] == 2)
+        assert not running.done(), "the running request ended before both others queued"
+        assert running.result() < better.result() < worse.result()
+
+
+def _engine_core_pid(server: Server) -> int:
+    """The engine core: the server's child process (forked or spawned) that is not
+    multiprocessing's resource tracker."""
+    pids = [
+        pid for pid in _descendants(server.proc.pid)
+        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+        == str(server.proc.pid)
+        and b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+    assert len(pids) == 1, pids
+    return pids[0]
+
+
+def test_real_engine_death(one_at_a_time: Server) -> None:
+    """SIGKILL the real engine core behind the server: the streamed request in flight ends
+    with an in-band 500 error, the one waiting gets a 500, so does the next one, and /health
+    answers 503; the server itself stays up to say so."""
+    server = one_at_a_time
+    body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
+    with ThreadPoolExecutor(1) as pool, httpx.Client(base_url=server.url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
+            events = stream.iter_lines()
+            assert json.loads(next(events).removeprefix("data: "))["choices"]
+            waiting = pool.submit(http.post, "/v1/completions", json=body)
+            _wait_for(server, lambda m: m["v1_num_requests_waiting"] == 1)
+            os.kill(_engine_core_pid(server), signal.SIGKILL)
+            rest = [e.removeprefix("data: ") for e in events if e]
+        assert rest.pop() == "[DONE]"
+        error = json.loads(rest[-1])["error"]
+        assert error["code"] == 500 and "died" in error["message"], error
+        for response in (waiting.result(), http.post("/v1/completions", json=body)):
+            assert response.status_code == 500, response.text
+            assert response.json()["error"]["type"] == "InternalServerError"
+        assert http.get("/health").status_code == 503
+    assert server.proc.poll() is None
+
+
 def test_engine_death_answers_500_and_503(monkeypatch: pytest.MonkeyPatch) -> None:
     """An engine that dies after a request's first token: the request gets 500 (in-band,
     when streaming) and /health 503. A stand-in engine here: killing the real one would
@@ -414,11 +670,13 @@ def test_engine_death_answers_500_and_503(monkeypatch: pytest.MonkeyPatch) -> No
 
     from v1.config import EngineArgs
     from v1.engine.exceptions import EngineDeadError
+    from v1.engine.processor import Processor
     from v1.entrypoints.openai import api_server
     from v1.outputs import CompletionOutput, RequestOutput
 
     class DyingEngine:
         model_name, max_model_len = "dying", 64
+        processor = Processor(None, max_model_len, vocab_size=100, eos_token_id=None)
 
         @classmethod
         def from_engine_args(cls, args: EngineArgs) -> "DyingEngine":

@@ -6,8 +6,10 @@ events), GET /v1/models, GET /health (200, or 503 when the engine is dead), GET 
 
 Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: invalid requests
 (malformed JSON and wrong types included, which FastAPI would answer with 422) get 400
-BadRequestError; an unknown model name gets 404 NotFoundError, as OpenAI and vLLM answer it;
-a dead engine gets 500. A client that disconnects aborts its request in the engine.
+BadRequestError, and so do a field this server does not implement set to anything but its
+default, and a prompt whose length plus max_tokens exceeds max_model_len; an unknown model
+name gets 404 NotFoundError, as OpenAI and vLLM answer it; a dead engine gets 500. A client
+that disconnects aborts its request in the engine.
 """
 
 import argparse
@@ -43,6 +45,10 @@ T = TypeVar("T")
 # On SIGINT/SIGTERM, requests still running get this long to finish; then they are cancelled
 # (which aborts them in the engine) and the engine shuts down.
 _GRACEFUL_SHUTDOWN_S = 5
+
+# The name the default model (no --model) is served as: its model card's, without the GGUF
+# file's quantization suffix, so that clients written for vLLM serving it work unchanged.
+DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 # /metrics: (name, type, help, SchedulerStats field).
 _METRICS = [
@@ -178,7 +184,8 @@ def build_app(engine_args: EngineArgs, served_model_names: list[str] | None = No
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = AsyncLLM.from_engine_args(engine_args)
-        app.state.serving = OpenAIServing(engine, served_model_names or [engine.model_name])
+        default_name = engine.model_name if engine_args.model else DEFAULT_SERVED_MODEL_NAME
+        app.state.serving = OpenAIServing(engine, served_model_names or [default_name])
         try:
             yield
         finally:
@@ -204,7 +211,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument(
         "--served-model-name", nargs="+", default=None,
-        help="the model name(s) requests may give; by default the model's own name",
+        help="the model name(s) requests may give (any of them); responses report the first. "
+        f"By default the model's file or directory name ({DEFAULT_SERVED_MODEL_NAME} for the "
+        "default model)",
     )
     parser.add_argument(
         "--uvicorn-log-level", default="info", help="uvicorn's log level",

@@ -2,16 +2,31 @@
 
 Pydantic checks types (strictly: "5" is not an integer, as in OpenAI's API); value ranges are
 checked once, by `SamplingParams` and the engine's processor, whose ValueErrors the server
-answers with 400. Fields we do not model are ignored and logged, as vLLM does, and a null
-field means "not given", as many clients send it.
+answers with 400. A null field means "not given", as many clients send it.
+
+Nothing a request asks for is silently dropped. The models declare the fields of OpenAI's and
+vLLM's APIs that change what is generated; those this server does not implement are marked
+`Unsupported`, and a request that sets one to anything but its default gets a 400 naming it.
+Fields we do not know, and those that do not change the output (`user`, `store`, `metadata`,
+`service_tier`, `parallel_tool_calls`), are ignored with a warning in the log, as vLLM does.
 """
 
+import logging
 from http import HTTPStatus
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from v1.sampling_params import SamplingParams
+
+logger = logging.getLogger("v1.entrypoints.openai")
 
 # As vLLM's default `max_logprobs` and OpenAI's `top_logprobs` limit.
 MAX_LOGPROBS = 20
@@ -21,6 +36,15 @@ _SAMPLING_FIELDS = {
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
     "ignore_eos", "min_tokens", "include_stop_str_in_output", "skip_special_tokens",
 }
+
+
+class _UnsupportedMark:
+    pass
+
+
+T = TypeVar("T")
+# A field this server does not implement (yet): only its default is accepted.
+Unsupported = Annotated[T, _UnsupportedMark()]
 
 
 class OpenAIBaseModel(BaseModel):
@@ -33,9 +57,30 @@ class OpenAIBaseModel(BaseModel):
             return {k: v for k, v in data.items() if v is not None}
         return data
 
+    @field_validator("*")
+    @classmethod
+    def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        # Runs for given fields only: a default is never validated.
+        field = cls.model_fields[info.field_name]  # type: ignore[index]
+        unsupported = any(isinstance(m, _UnsupportedMark) for m in field.metadata)
+        if unsupported and value != field.default:
+            default = "" if field.default is None else f" or set it to {field.default!r}"
+            raise ValueError(f"not supported by this server: leave it out{default}")
+        return value
+
+    @model_validator(mode="after")
+    def _warn_about_unknown_fields(self) -> "OpenAIBaseModel":
+        if self.model_extra:
+            logger.warning(
+                "%s: ignoring fields this server does not use: %s",
+                type(self).__name__, sorted(self.model_extra),
+            )
+        return self
+
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
+    continuous_usage_stats: Unsupported[bool] = False  # vLLM's
 
 
 class SamplingRequest(OpenAIBaseModel):
@@ -59,6 +104,37 @@ class SamplingRequest(OpenAIBaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
 
+    # OpenAI's fields we do not implement.
+    frequency_penalty: Unsupported[float] = 0.0
+    presence_penalty: Unsupported[float] = 0.0
+    logit_bias: Unsupported[dict[str, float] | None] = None
+    response_format: Unsupported[dict[str, Any] | None] = None
+    echo: Unsupported[bool] = False
+    # vLLM's sampling and structured-output extras we do not implement.
+    best_of: Unsupported[int | None] = None
+    use_beam_search: Unsupported[bool] = False
+    length_penalty: Unsupported[float] = 1.0
+    repetition_penalty: Unsupported[float] = 1.0
+    spaces_between_special_tokens: Unsupported[bool] = True
+    truncate_prompt_tokens: Unsupported[int | None] = None
+    allowed_token_ids: Unsupported[list[int] | None] = None
+    bad_words: Unsupported[list[str] | None] = None
+    prompt_logprobs: Unsupported[int | None] = None
+    guided_json: Unsupported[str | dict[str, Any] | None] = None
+    guided_regex: Unsupported[str | None] = None
+    guided_choice: Unsupported[list[str] | None] = None
+    guided_grammar: Unsupported[str | None] = None
+    guided_decoding_backend: Unsupported[str | None] = None
+    guided_whitespace_pattern: Unsupported[str | None] = None
+    structured_outputs: Unsupported[dict[str, Any] | None] = None
+    logits_processors: Unsupported[list[Any] | None] = None
+    return_tokens_as_token_ids: Unsupported[bool] = False
+    return_token_ids: Unsupported[bool] = False
+    cache_salt: Unsupported[str | None] = None
+    request_id: Unsupported[str | None] = None
+    kv_transfer_params: Unsupported[dict[str, Any] | None] = None
+    vllm_xargs: Unsupported[dict[str, Any] | None] = None
+
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "SamplingRequest":
         if self.stream_options is not None and not self.stream:
@@ -80,6 +156,9 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int = 16  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: Unsupported[str | None] = None
+    add_special_tokens: Unsupported[bool] = True  # the prompt gets them (BOS)
+    prompt_embeds: Unsupported[str | list[str] | None] = None
 
     def engine_prompt(self) -> str | list[int]:
         prompt = self.prompt
@@ -101,6 +180,9 @@ class TextPart(OpenAIBaseModel):
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[TextPart] = ""
+    name: Unsupported[str | None] = None
+    tool_calls: Unsupported[list[dict[str, Any]] | None] = None
+    tool_call_id: Unsupported[str | None] = None
 
     def to_template_dict(self) -> dict[str, str]:
         content = self.content
@@ -115,6 +197,25 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: int | None = None  # deprecated by OpenAI for max_completion_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # OpenAI's fields we do not implement.
+    tools: Unsupported[list[dict[str, Any]] | None] = None
+    tool_choice: Unsupported[str | dict[str, Any]] = "none"
+    functions: Unsupported[list[dict[str, Any]] | None] = None  # deprecated for tools
+    function_call: Unsupported[str | dict[str, Any] | None] = None  # deprecated
+    reasoning_effort: Unsupported[str | None] = None
+    modalities: Unsupported[list[str] | None] = None
+    audio: Unsupported[dict[str, Any] | None] = None
+    prediction: Unsupported[dict[str, Any] | None] = None
+    web_search_options: Unsupported[dict[str, Any] | None] = None
+    # vLLM's chat extras we do not implement.
+    include_reasoning: Unsupported[bool] = True
+    add_generation_prompt: Unsupported[bool] = True
+    continue_final_message: Unsupported[bool] = False
+    add_special_tokens: Unsupported[bool] = False  # the chat template holds them
+    documents: Unsupported[list[dict[str, str]] | None] = None
+    chat_template: Unsupported[str | None] = None
+    chat_template_kwargs: Unsupported[dict[str, Any] | None] = None
+    mm_processor_kwargs: Unsupported[dict[str, Any] | None] = None
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs and not self.logprobs:

@@ -103,8 +103,11 @@ class OpenAIServing:
     ) -> CompletionResponse | AsyncIterator[str]:
         head = self._head(request, "cmpl")
         params = request.to_sampling_params()
+        text, token_ids = self.engine.processor.tokenize_prompt(request.engine_prompt())
+        self._check_length(len(token_ids), params.max_tokens, "prompt")
+        prompt = {"prompt": text, "prompt_token_ids": token_ids}
         outputs = await StartedRequest.start(
-            self.engine, request.engine_prompt(), params, head["id"], request.priority
+            self.engine, prompt, params, head["id"], request.priority
         )
         k = request.logprobs
         if request.stream:
@@ -137,10 +140,9 @@ class OpenAIServing:
         except jinja2.TemplateError as e:  # the template refused the conversation
             raise ValueError(f"the chat template failed: {e}") from e
         # The template holds the special tokens already: no second BOS (as LLM.chat).
-        prompt = {
-            "prompt": text,
-            "prompt_token_ids": self.engine.tokenizer.encode(text, add_special_tokens=False),
-        }
+        token_ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
+        self._check_length(len(token_ids), params.max_tokens, "messages")
+        prompt = {"prompt": text, "prompt_token_ids": token_ids}
         outputs = await StartedRequest.start(
             self.engine, prompt, params, head["id"], request.priority
         )
@@ -166,13 +168,24 @@ class OpenAIServing:
 
     def _head(self, request: SamplingRequest, id_prefix: str) -> dict[str, Any]:
         """The fields every response and chunk of this request starts with."""
-        model = request.model or self.served_model_names[0]
-        if model not in self.served_model_names:
-            raise ModelNotFoundError(model)
-        if request.model_extra:
-            logger.warning("ignoring unsupported request fields %s", sorted(request.model_extra))
+        if request.model is not None and request.model not in self.served_model_names:
+            raise ModelNotFoundError(request.model)
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-        return {"id": request_id, "created": int(time.time()), "model": model}
+        # Any served name is accepted; responses report the first, as vLLM documents.
+        return {"id": request_id, "created": int(time.time()), "model": self.served_model_names[0]}
+
+    def _check_length(self, num_prompt_tokens: int, max_tokens: int | None, source: str) -> None:
+        """Refuse a request that cannot get the tokens it asks for, rather than cut it short
+        at max_model_len (None asks for the room left, which must be at least one token)."""
+        max_model_len = self.engine.max_model_len
+        num_completion_tokens = 1 if max_tokens is None else max_tokens
+        requested = num_prompt_tokens + num_completion_tokens
+        if requested > max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {max_model_len} tokens, but this "
+                f"request needs {requested}: {num_prompt_tokens} in the {source} and "
+                f"{num_completion_tokens} to generate. Shorten the {source} or lower max_tokens."
+            )
 
 
 async def _sse(outputs: StartedRequest, events: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
