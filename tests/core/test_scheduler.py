@@ -274,21 +274,28 @@ def run_with_shadow(s, runner: ShadowRunner, max_steps: int = 200) -> set[str]:
     return preempted
 
 
+def low_then_high(num_blocks: int, low_prompt: int, max_tokens: int):
+    """Priority policy, chunks of 16: `low` runs its first chunk alone, then an 8-token
+    `high` arrives."""
+    s = make_scheduler(
+        policy="priority", num_blocks=num_blocks, max_num_batched_tokens=64,
+        long_prefill_token_threshold=16,
+    )
+    low = make_request(low_prompt, priority=1, max_tokens=max_tokens)
+    high = make_request(8, priority=0, max_tokens=max_tokens)
+    runner = ShadowRunner(4)
+    s.add_request(low)
+    s.update_from_output(out := s.schedule(), runner.execute(out, eos_row=-1))
+    s.add_request(high)
+    return s, runner, low, high
+
+
 def test_priority_preemption_never_undoes_a_scheduled_running_request():
     # `low` runs first; `high` joins. With 2 blocks left, `low`'s third chunk (2 blocks)
     # would fit and then `high`'s decode (1 block) would not: evicting `low` then would
     # undo a chunk whose full blocks were already findable. Running requests are served
     # best first instead, so `low` is the one that cannot allocate, and preempts itself.
-    s = make_scheduler(
-        policy="priority", num_blocks=12, max_num_batched_tokens=64,
-        long_prefill_token_threshold=16,
-    )
-    low = make_request(40, priority=1, max_tokens=4)
-    high = make_request(8, priority=0, max_tokens=4)
-    runner = ShadowRunner(4)
-    s.add_request(low)
-    s.update_from_output(out := s.schedule(), runner.execute(out, eos_row=-1))
-    s.add_request(high)
+    s, runner, low, high = low_then_high(num_blocks=12, low_prompt=40, max_tokens=4)
     assert run_with_shadow(s, runner) == {low.request_id}
     assert low.num_output_tokens == high.num_output_tokens == 4
 
@@ -296,16 +303,7 @@ def test_priority_preemption_never_undoes_a_scheduled_running_request():
 def test_preempting_a_request_scheduled_this_step_unhashes_what_it_was_to_write():
     # `high` needs 2 blocks, 1 is free: it preempts `low`, whose second chunk (blocks 4-7,
     # made findable when scheduled) is then never computed.
-    s = make_scheduler(
-        policy="priority", num_blocks=9, max_num_batched_tokens=64,
-        long_prefill_token_threshold=16,
-    )
-    low = make_request(32, priority=1, max_tokens=3)
-    high = make_request(8, priority=0, max_tokens=3)
-    runner = ShadowRunner(4)
-    s.add_request(low)
-    s.update_from_output(out := s.schedule(), runner.execute(out, eos_row=-1))
-    s.add_request(high)
+    s, runner, low, high = low_then_high(num_blocks=9, low_prompt=32, max_tokens=3)
     out = s.schedule()
     assert out.preempted_req_ids == {low.request_id}
     assert list(out.num_scheduled_tokens) == [high.request_id]
