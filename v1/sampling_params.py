@@ -3,6 +3,7 @@
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+_INF = float("inf")
 
 
 @dataclass(slots=True)
@@ -12,6 +13,12 @@ class SamplingParams:
     `temperature == 0` means greedy. `top_k` of 0 (or -1) and `top_p` of 1 disable those
     filters. `stop` strings are applied by the output processor; `stop_token_ids`, EOS,
     `max_tokens` and `min_tokens` by the scheduler.
+
+    The logits processors follow vLLM: `presence_penalty` and `frequency_penalty` count the
+    output tokens, `repetition_penalty` the prompt's and the output's (divides a positive
+    logit, multiplies a negative one); `logit_bias` adds to token ids' logits;
+    `allowed_token_ids` restricts sampling to those ids; `bad_words` are never completed
+    (the processor tokenizes them into `bad_words_token_ids`).
     """
 
     n: int = 1
@@ -28,6 +35,14 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # Filled in by the processor: each bad word's token ids, with and without a leading space.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # Filled in by the processor from the tokenizer's EOS and `stop_token_ids`; the scheduler
     # checks membership once per generated token, so it is a set.
     all_stop_token_ids: set[int] = field(default_factory=set)
@@ -81,7 +96,39 @@ class SamplingParams:
             raise bad("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             raise bad("logprobs", self.logprobs, "an integer >= 0 or None")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not is_num(value) or not -2.0 <= value <= 2.0:
+                raise bad(name, value, "in [-2, 2]")
+        if not is_num(self.repetition_penalty) or not 0.0 < self.repetition_penalty < _INF:
+            raise bad("repetition_penalty", self.repetition_penalty, "a finite number > 0")
+        if self.logit_bias is not None and not (
+            isinstance(self.logit_bias, dict)
+            and all(is_int(t) and t >= 0 for t in self.logit_bias)
+            and all(is_num(b) and -100.0 <= b <= 100.0 for b in self.logit_bias.values())
+        ):
+            raise bad("logit_bias", self.logit_bias, "a dict of token id -> bias in [-100, 100]")
+        if self.allowed_token_ids is not None and not (
+            isinstance(self.allowed_token_ids, list)
+            and self.allowed_token_ids
+            and all(is_int(t) and t >= 0 for t in self.allowed_token_ids)
+        ):
+            raise bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list of token ids")
+        if self.bad_words is not None and not (
+            isinstance(self.bad_words, list)
+            and all(isinstance(w, str) and w.strip() for w in self.bad_words)
+        ):
+            raise bad("bad_words", self.bad_words, "a list of non-blank strings")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether sampling needs this request's token counts."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )

@@ -1,6 +1,7 @@
 """The persistent batch: rows stay dense across add / remove / condense."""
 
 import numpy as np
+import torch
 
 from v1.sampling_params import SamplingParams
 from v1.worker.input_batch import InputBatch
@@ -12,7 +13,7 @@ def add(batch: InputBatch, req_id: str, n: int) -> int:
 
 
 def test_condense_moves_last_rows_into_holes():
-    batch = InputBatch(max_num_reqs=8, max_model_len=32, block_size=4)
+    batch = InputBatch(max_num_reqs=8, max_model_len=32, block_size=4, vocab_size=1000)
     for i in range(6):
         assert add(batch, f"r{i}", 3 + i) == i
     batch.remove_request("r1")
@@ -32,7 +33,7 @@ def test_condense_moves_last_rows_into_holes():
 
 
 def test_remove_then_add_reuses_a_hole_without_condense():
-    batch = InputBatch(max_num_reqs=4, max_model_len=16, block_size=4)
+    batch = InputBatch(max_num_reqs=4, max_model_len=16, block_size=4, vocab_size=1000)
     for i in range(3):
         add(batch, f"r{i}", 4)
     batch.remove_request("r1")
@@ -41,8 +42,23 @@ def test_remove_then_add_reuses_a_hole_without_condense():
     assert batch.req_ids[:3] == ["r0", "r5", "r2"]
 
 
+def test_token_counts_follow_a_moved_row():
+    batch = InputBatch(max_num_reqs=4, max_model_len=16, block_size=4, vocab_size=1000)
+    add(batch, "r0", 2)
+    params = SamplingParams(presence_penalty=1.0)
+    batch.add_request("r1", [3, 4, 4, 9], 2, 0, [], params, None)  # outputs: 4, 9
+    batch.remove_request("r0")
+    batch.condense()
+    assert batch.req_id_to_index["r1"] == 0
+    assert batch.prompt_token_mask is not None and batch.output_token_counts is not None
+    assert batch.prompt_token_mask[0].nonzero().flatten().tolist() == [3, 4]
+    assert batch.output_token_counts[0, [4, 9]].tolist() == [1, 1]
+    batch.count_sampled(torch.tensor([0]), torch.tensor([9]))
+    assert batch.output_token_counts[0].sum() == 3 and batch.output_token_counts[0, 9] == 2
+
+
 def test_slot_mapping_from_block_table():
-    batch = InputBatch(max_num_reqs=2, max_model_len=16, block_size=4)
+    batch = InputBatch(max_num_reqs=2, max_model_len=16, block_size=4, vocab_size=1000)
     batch.add_request("a", [1] * 6, 6, 0, [7, 2], SamplingParams(), None)
     rows = np.zeros(6, dtype=np.int64)
     positions = np.arange(6)

@@ -7,6 +7,12 @@ the batch. `version` changes with every add, remove or move of a row, so caches 
 the rows (the runner's sampling metadata) know when to rebuild. Tokens sampled by the runner
 are written here at once: the runner never waits for the scheduler to tell it what it
 sampled (which is what lets the scheduler run ahead).
+
+Requests with a repetition, frequency or presence penalty also keep token counts here, on the
+model's device: which tokens the prompt has and how often each was sampled. A row is filled
+from all its tokens when added (so a resumed request's counts include what it generated
+before preemption) and the runner adds each sampled token. The tensors are allocated with the
+first such request: a batch that never uses penalties pays nothing.
 """
 
 import numpy as np
@@ -17,9 +23,18 @@ from v1.worker.block_table import BlockTable
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int):
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        block_size: int,
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+    ):
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.device = device
         self.req_ids: list[str | None] = [None] * max_num_reqs
         self.req_id_to_index: dict[str, int] = {}
         # One extra column: the token sampled at the last position is stored, never computed.
@@ -31,6 +46,8 @@ class InputBatch:
         self.block_table = BlockTable(max_num_reqs, max_blocks, block_size)
         self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs
         self.generators: dict[str, torch.Generator] = {}
+        self.prompt_token_mask: torch.Tensor | None = None  # bool [max_num_reqs, vocab]
+        self.output_token_counts: torch.Tensor | None = None  # int32 [max_num_reqs, vocab]
         self._holes: list[int] = []
         self.num_reqs = 0
         # Bumped whenever a row changes request (or params): a request id alone is not
@@ -60,7 +77,26 @@ class InputBatch:
         self.sampling_params[row] = params
         if generator is not None:
             self.generators[req_id] = generator
+        if params.has_penalties:
+            self._fill_token_counts(row, token_ids, num_prompt_tokens)
         return row
+
+    def _fill_token_counts(self, row: int, token_ids: list[int], num_prompt_tokens: int) -> None:
+        if self.prompt_token_mask is None or self.output_token_counts is None:
+            shape = (self.max_num_reqs, self.vocab_size)
+            self.prompt_token_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
+            self.output_token_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
+        tokens = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+        self.prompt_token_mask[row] = False
+        self.prompt_token_mask[row, tokens[:num_prompt_tokens]] = True
+        counts = tokens[num_prompt_tokens:].bincount(minlength=self.vocab_size)
+        self.output_token_counts[row] = counts
+
+    def count_sampled(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Adds one sampled token to each row's output counts (rows and ids on the device)."""
+        assert self.output_token_counts is not None
+        ones = torch.ones_like(token_ids, dtype=torch.int32)
+        self.output_token_counts.index_put_((rows, token_ids), ones, accumulate=True)
 
     def remove_request(self, req_id: str) -> None:
         row = self.req_id_to_index.pop(req_id, None)
@@ -94,7 +130,12 @@ class InputBatch:
         for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens):
             arr[dst] = arr[src]
         self.block_table.move_row(src, dst)
-        self.sampling_params[dst] = self.sampling_params[src]
+        params = self.sampling_params[dst] = self.sampling_params[src]
+        assert params is not None
+        if params.has_penalties:
+            assert self.prompt_token_mask is not None and self.output_token_counts is not None
+            self.prompt_token_mask[dst] = self.prompt_token_mask[src]
+            self.output_token_counts[dst] = self.output_token_counts[src]
         self.req_ids[dst], self.req_ids[src] = req_id, None
         self.sampling_params[src] = None
         self.req_id_to_index[req_id] = dst

@@ -26,7 +26,7 @@ from v1.sampling_params import SamplingParams
 from v1.worker.input_batch import InputBatch
 from v1.worker.model import head_dim_of
 from v1.worker.model_loader import LoadedModel
-from v1.worker.sampler import Sampler, SamplingMetadata
+from v1.worker.sampler import BadWords, Sampler, SamplingMetadata, TokenCounts
 
 logger = logging.getLogger("v1")
 
@@ -82,7 +82,8 @@ class ModelRunner:
         self.vocab_size = int(self.hf_config.vocab_size)
         self.max_model_len = scheduler_config.max_model_len
         self.input_batch = InputBatch(
-            scheduler_config.max_num_seqs, self.max_model_len, self.block_size
+            scheduler_config.max_num_seqs, self.max_model_len, self.block_size, self.vocab_size,
+            device,
         )
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
@@ -230,7 +231,12 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[logits_idx])
             sample_rows = rows[sample_idx]
             metadata_s = self._get_sampling_metadata(req_ids, rows, sample_idx)
-            sampler_out = self.sampler(logits, metadata_s, self._min_tokens_stop_ids(sample_rows))
+            banned = self._min_tokens_stop_ids(sample_rows)
+            if metadata_s.bad_words is not None:
+                self._add_bad_word_bans(banned, metadata_s.bad_words, sample_rows)
+            sampler_out = self.sampler(logits, metadata_s, banned)
+            if metadata_s.penalties is not None:
+                batch.count_sampled(metadata_s.penalties.counts.rows, sampler_out.sampled_token_ids)
             token_ids = sampler_out.sampled_token_ids.tolist()
             # Store the sampled tokens now: the next step's inputs come from here.
             batch.token_ids[sample_rows, batch.num_tokens[sample_rows]] = token_ids
@@ -265,9 +271,33 @@ class ModelRunner:
                 for i, j in enumerate(sample_idx.tolist())
                 if req_ids[j] in batch.generators
             }
-            self._sampling_metadata = SamplingMetadata.from_params(params, generators, self.device)
+            token_counts = None
+            if batch.prompt_token_mask is not None and batch.output_token_counts is not None:
+                token_counts = TokenCounts(
+                    batch.prompt_token_mask,
+                    batch.output_token_counts,
+                    torch.tensor(sample_rows, dtype=torch.int64, device=self.device),
+                )
+            self._sampling_metadata = SamplingMetadata.from_params(
+                params, generators, self.device, self.vocab_size, token_counts
+            )
             self._sampling_key = key
         return self._sampling_metadata
+
+    def _add_bad_word_bans(
+        self, banned: dict[int, list[int]], bad_words: BadWords, sample_rows: np.ndarray
+    ) -> None:
+        """Adds to `banned` the tokens that would complete a bad word now."""
+        batch = self.input_batch
+        num_tokens = batch.num_tokens[sample_rows].astype(np.int64)
+        num_output = num_tokens - batch.num_prompt_tokens[sample_rows]
+        # Only the tail a prefix can reach is read, not the rows' whole token history.
+        width = bad_words.prefixes.shape[1]
+        columns = (num_tokens[:, None] - width + np.arange(width)).clip(min=0)
+        tails = batch.token_ids[sample_rows[:, None], columns]
+        rows, token_ids = bad_words.banned(tails, num_output)
+        for row, token_id in zip(rows.tolist(), token_ids.tolist(), strict=True):
+            banned.setdefault(row, []).append(token_id)
 
     def _min_tokens_stop_ids(self, sample_rows: np.ndarray) -> dict[int, list[int]]:
         """Sampling index -> the stop tokens it may not sample yet: until a request has

@@ -7,6 +7,12 @@ of one per vocabulary entry (the exponential-race trick), which on CPU is ~40x c
 row with a seed draws its number from its own generator, so its tokens do not depend on what
 else is in the batch.
 
+Before any of that, as vLLM, the logits processors: the `allowed_token_ids` mask, banned
+tokens (`min_tokens`' stop tokens and `bad_words`' completions), `logit_bias`, then the
+repetition, frequency and presence penalties. Each is one batched tensor op over the rows that
+use it, and is skipped entirely (its metadata is None) when no row does. The penalties read
+token counts that the persistent batch keeps up to date, so nothing is rebuilt per step.
+
 Logprobs follow vLLM's default `logprobs_mode="raw_logprobs"`: the log-softmax of the model's
 logits as they come in, before any processing (the `min_tokens` mask, temperature, top-k,
 top-p, min-p). So a stop token that `min_tokens` forbids still shows its real logprob, and a
@@ -17,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from v1.outputs import TokenLogprobs
@@ -27,6 +34,61 @@ _GREEDY_EPS = 1e-5  # the same rule as SamplingParams.greedy
 # vocabulary only for rows whose nucleus is larger: a full sort of a 49k vocabulary costs ~5 ms
 # a row on CPU, a top-256 ~0.25 ms.
 _TOP_P_CANDIDATES = 256
+
+
+class TokenCounts(NamedTuple):
+    """The persistent batch's per-row token counts and which of their rows each sampling row
+    reads."""
+
+    prompt_mask: torch.Tensor  # bool [max_num_reqs, vocab]: the token is in the row's prompt
+    output_counts: torch.Tensor  # int32 [max_num_reqs, vocab]: times the row has sampled it
+    rows: torch.Tensor  # int64 [num_reqs]: sampling row i's row in the two tensors
+
+
+@dataclass(slots=True)
+class Penalties:
+    """Per-row penalty values, as columns that broadcast over the vocabulary."""
+
+    presence: torch.Tensor  # fp32 [num_reqs, 1]; 0 disables
+    frequency: torch.Tensor  # fp32 [num_reqs, 1]; 0 disables
+    repetition: torch.Tensor  # fp32 [num_reqs, 1]; 1 disables
+    counts: TokenCounts
+
+
+@dataclass(slots=True)
+class BadWords:
+    """Every banned word of the batch, one entry a word: its last token is banned when the
+    row's output ends with the tokens before it (right-aligned in `prefixes`, -1 pads)."""
+
+    rows: np.ndarray  # int64 [num_words]: the word's sampling row
+    prefixes: np.ndarray  # int64 [num_words, longest word - 1]
+    prefix_lens: np.ndarray  # int64 [num_words]
+    last_tokens: np.ndarray  # int64 [num_words]
+
+    @classmethod
+    def from_words(cls, words_by_row: dict[int, list[list[int]]]) -> "BadWords":
+        words = [(row, w) for row, ws in words_by_row.items() for w in ws]
+        width = max(len(w) for _, w in words) - 1
+        prefixes = np.full((len(words), width), -1, dtype=np.int64)
+        for i, (_, w) in enumerate(words):
+            prefixes[i, width - len(w) + 1 :] = w[:-1]
+        return cls(
+            np.array([row for row, _ in words], dtype=np.int64),
+            prefixes,
+            np.array([len(w) - 1 for _, w in words], dtype=np.int64),
+            np.array([w[-1] for _, w in words], dtype=np.int64),
+        )
+
+    def banned(self, tails: np.ndarray, num_output: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(sampling rows, token ids) that would complete a bad word now, all words at once.
+
+        tails: int64 [num_reqs, prefixes' width], each row's last tokens (anything where the
+        row has fewer); num_output: each row's generated-token count: only generated tokens
+        may match a prefix, as vLLM.
+        """
+        match = ((tails[self.rows] == self.prefixes) | (self.prefixes < 0)).all(axis=1)
+        match &= num_output[self.rows] >= self.prefix_lens
+        return self.rows[match], self.last_tokens[match]
 
 
 @dataclass(slots=True)
@@ -42,6 +104,11 @@ class SamplingMetadata:
     # Row index -> that request's generator (on the logits' device), for rows with a seed.
     generators: dict[int, torch.Generator]
     max_num_logprobs: int | None  # the most logprobs any row asked for; None: no row did
+    # Applied to greedy rows too (they change the argmax), so never neutralised as above.
+    allowed_token_ids_mask: torch.Tensor | None  # bool [num_reqs, vocab]; True: not allowed
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, token ids, biases
+    penalties: Penalties | None
+    bad_words: BadWords | None  # matched by the runner, which has the rows' past tokens
 
     @classmethod
     def from_params(
@@ -49,8 +116,14 @@ class SamplingMetadata:
         params: Sequence[SamplingParams],
         generators: dict[int, torch.Generator] | None = None,
         device: torch.device | str = "cpu",
+        vocab_size: int | None = None,
+        token_counts: TokenCounts | None = None,
     ) -> "SamplingMetadata":
-        """Builds the batch's tensors from its rows' params (row i is params[i])."""
+        """Builds the batch's tensors from its rows' params (row i is params[i]).
+
+        vocab_size is needed when a row has `allowed_token_ids`, token_counts when one has
+        a penalty.
+        """
         greedy = [p.greedy for p in params]
         # Greedy rows get neutral values: their filters would never be used, and a batch
         # whose only top-k/top-p/min-p requests are greedy then skips that work entirely.
@@ -78,7 +151,62 @@ class SamplingMetadata:
             # A greedy row never draws: keeping its generator would only advance it.
             generators={i: g for i, g in (generators or {}).items() if not greedy[i]},
             max_num_logprobs=max(num_logprobs) if num_logprobs else None,
+            allowed_token_ids_mask=_allowed_token_ids_mask(params, vocab_size, device),
+            logit_bias=_logit_bias(params, device),
+            penalties=_penalties(params, token_counts, device),
+            bad_words=BadWords.from_words(
+                {i: p.bad_words_token_ids for i, p in enumerate(params) if p.bad_words_token_ids}
+            )
+            if any(p.bad_words_token_ids for p in params)
+            else None,
         )
+
+
+def _allowed_token_ids_mask(
+    params: Sequence[SamplingParams], vocab_size: int | None, device: torch.device | str
+) -> torch.Tensor | None:
+    restricted = [(i, p.allowed_token_ids) for i, p in enumerate(params) if p.allowed_token_ids]
+    if not restricted:
+        return None
+    assert vocab_size is not None, "allowed_token_ids needs the vocabulary size"
+    mask = torch.zeros(len(params), vocab_size, dtype=torch.bool)
+    mask[[i for i, _ in restricted]] = True
+    rows = [i for i, ids in restricted for _ in ids]
+    cols = [t for _, ids in restricted for t in ids]
+    mask[rows, cols] = False
+    return mask.to(device)
+
+
+def _logit_bias(
+    params: Sequence[SamplingParams], device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    biased = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
+    if not biased:
+        return None
+    rows, ids, biases = zip(*biased, strict=True)
+    return (
+        torch.tensor(rows, dtype=torch.int64, device=device),
+        torch.tensor(ids, dtype=torch.int64, device=device),
+        torch.tensor(biases, dtype=torch.float32, device=device),
+    )
+
+
+def _penalties(
+    params: Sequence[SamplingParams], counts: TokenCounts | None, device: torch.device | str
+) -> Penalties | None:
+    if not any(p.has_penalties for p in params):
+        return None
+    assert counts is not None, "penalties need the batch's token counts"
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(-1)
+
+    return Penalties(
+        column([p.presence_penalty for p in params]),
+        column([p.frequency_penalty for p in params]),
+        column([p.repetition_penalty for p in params]),
+        counts,
+    )
 
 
 class LogprobsTensors(NamedTuple):
@@ -111,26 +239,34 @@ class Sampler:
         self,
         logits: torch.Tensor,
         metadata: SamplingMetadata,
-        min_tokens_stop_ids: dict[int, list[int]] | None = None,
+        banned_token_ids: dict[int, list[int]] | None = None,
     ) -> SamplerOutput:
-        return self.sample(logits, metadata, min_tokens_stop_ids)
+        return self.sample(logits, metadata, banned_token_ids)
 
     def sample(
         self,
         logits: torch.Tensor,
         metadata: SamplingMetadata,
-        min_tokens_stop_ids: dict[int, list[int]] | None = None,
+        banned_token_ids: dict[int, list[int]] | None = None,
     ) -> SamplerOutput:
-        """logits: fp32 [num_reqs, vocab]; the only change made to them is the `min_tokens`
-        mask, in place. min_tokens_stop_ids: row -> token ids that row may not sample now.
+        """logits: fp32 [num_reqs, vocab]; the masks and the bias change them in place.
+        banned_token_ids: row -> token ids that row may not sample now (`min_tokens`' stop
+        tokens, `bad_words`' completions).
         """
-        # Raw, so taken before the mask; log_softmax writes a new tensor, which lets the mask
-        # go in place (no copy of the logits) whether or not a row asks for logprobs.
+        # Raw, so taken before any processing; log_softmax writes a new tensor, which lets the
+        # masks go in place (no copy of the logits) whether or not a row asks for logprobs.
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = logits.log_softmax(dim=-1)
-        if min_tokens_stop_ids:
-            _apply_min_tokens(logits, min_tokens_stop_ids)
+        if metadata.allowed_token_ids_mask is not None:
+            logits.masked_fill_(metadata.allowed_token_ids_mask, float("-inf"))
+        if banned_token_ids:
+            _apply_bans(logits, banned_token_ids)
+        if metadata.logit_bias is not None:
+            rows, ids, biases = metadata.logit_bias
+            logits.index_put_((rows, ids), biases, accumulate=True)
+        if metadata.penalties is not None:
+            logits = apply_penalties(logits, metadata.penalties)
 
         greedy = None if metadata.all_random else logits.argmax(dim=-1)
         if metadata.all_greedy:
@@ -151,11 +287,25 @@ class Sampler:
         return SamplerOutput(sampled, logprobs)
 
 
-def _apply_min_tokens(logits: torch.Tensor, stop_ids: dict[int, list[int]]) -> None:
-    """Masks each row's forbidden stop tokens, all rows in one indexed write."""
-    rows = [row for row, ids in stop_ids.items() for _ in ids]
-    cols = [t for ids in stop_ids.values() for t in ids]
+def _apply_bans(logits: torch.Tensor, banned: dict[int, list[int]]) -> None:
+    """Masks each row's banned tokens, all rows in one indexed write."""
+    rows = [row for row, ids in banned.items() for _ in ids]
+    cols = [t for ids in banned.values() for t in ids]
     logits[rows, cols] = float("-inf")
+
+
+def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
+    """vLLM's penalties, all rows at once: repetition over prompt and output tokens, then
+    frequency (times the count) and presence (once) over output tokens."""
+    prompt_mask, output_counts, rows = penalties.counts
+    output_counts = output_counts[rows]
+    output_mask = output_counts > 0
+    seen = prompt_mask[rows] | output_mask
+    repetition = torch.where(seen, penalties.repetition, 1.0)
+    logits = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits -= penalties.frequency * output_counts
+    logits -= penalties.presence * output_mask
+    return logits
 
 
 def _gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, k: int) -> LogprobsTensors:
