@@ -62,6 +62,7 @@ import httpx
 import numpy as np
 from bench_prefix_cache import add_workload_args, ideal_hit_tokens, make_workload
 from common import environment, print_table, write_outputs
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -113,8 +114,9 @@ async def get_metrics(client: httpx.AsyncClient, base: str) -> dict[str, float]:
         text = (await client.get(f"{base}/metrics")).text
     except httpx.HTTPError:  # the server died: no /metrics figures
         return {}
-    pairs = (line.split() for line in text.splitlines() if line and not line.startswith("#"))
-    return {name: float(value) for name, value in pairs}
+    # One model per server, so a sample's name (labels aside) is enough for the counters here.
+    families = text_string_to_metric_families(text)
+    return {sample.name: sample.value for family in families for sample in family.samples}
 
 
 async def run(base: str, prompts: list[list[int]], args: argparse.Namespace
@@ -139,8 +141,8 @@ async def run(base: str, prompts: list[list[int]], args: argparse.Namespace
             at += rng.expovariate(args.request_rate) if math.isfinite(args.request_rate) else 0
         await asyncio.gather(*tasks)
         after = await get_metrics(client, base)
-    hits, queries = (after.get(name, math.nan) - before.get(name, math.nan)
-                     for name in ("v1_prefix_cache_hits_total", "v1_prefix_cache_queries_total"))
+    names = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
+    hits, queries = (after.get(name, math.nan) - before.get(name, math.nan) for name in names)
     return reqs, hits / queries if queries > 0 else None
 
 

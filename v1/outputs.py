@@ -39,6 +39,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # On the finishing output: seconds from entering the scheduler to first being scheduled.
+    queue_time: float | None = None
 
 
 class SchedulerStats(msgspec.Struct, omit_defaults=True):

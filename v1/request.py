@@ -82,7 +82,7 @@ class Request:
         "sampling_params", "eos_token_id", "max_tokens", "output_token_ids", "all_token_ids",
         "status", "num_computed_tokens", "num_cached_tokens", "num_preemptions",
         "num_output_placeholders", "block_hashes", "cache_salt", "stop_reason",
-        "_block_hasher",
+        "queued_time", "scheduled_time", "_block_hasher",
     )
 
     def __init__(
@@ -114,6 +114,9 @@ class Request:
         self.num_output_placeholders = 0
         self.cache_salt = cache_salt
         self.stop_reason: int | str | None = None
+        # Engine-core clock (monotonic): entering the scheduler, and first being scheduled.
+        self.queued_time = 0.0
+        self.scheduled_time: float | None = None
         self.block_hashes: list[BlockHash] = []
         self._block_hasher = block_hasher
         if block_hasher is not None:

@@ -153,6 +153,17 @@ def test_stop_token_at_max_model_len_reports_stop():
     assert r.num_tokens == 12
 
 
+def test_finishing_output_carries_queue_time():
+    s = make_scheduler(max_num_seqs=1)
+    first, second = make_request(5, max_tokens=2), make_request(5, max_tokens=1)
+    s.add_request(first)
+    s.add_request(second)  # waits for the only seat
+    finished = drain(s)
+    assert 0 <= finished[first.request_id].queue_time < finished[second.request_id].queue_time
+    assert second.scheduled_time is not None
+    assert finished[second.request_id].queue_time == second.scheduled_time - second.queued_time
+
+
 def test_max_model_len_caps_generation():
     s = make_scheduler(max_model_len=12)
     r = make_request(10, max_tokens=100)

@@ -17,13 +17,13 @@ A second frontend process joins an engine core running at ADDRESS with
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from v1.config import EngineArgs
 from v1.engine.core_client import AsyncMPClient
 from v1.engine.exceptions import EngineDeadError
-from v1.engine.output_processor import OutputProcessor, RequestOutputKind
+from v1.engine.output_processor import IterationStats, OutputProcessor, RequestOutputKind
 from v1.engine.processor import Processor, PromptType
 from v1.outputs import RequestOutput, SchedulerStats
 from v1.sampling_params import SamplingParams
@@ -50,6 +50,9 @@ class AsyncLLM:
         self._queues: dict[str, asyncio.Queue[_QueueItem]] = {}
         self._output_handler: asyncio.Task[None] | None = None
         self._handler_error: EngineDeadError | None = None
+        # Called with each batch's per-request latencies (a server's Prometheus metrics);
+        # with none, no latencies are gathered.
+        self.stat_loggers: list[Callable[[IterationStats], None]] = []
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "AsyncLLM":
@@ -139,13 +142,17 @@ class AsyncLLM:
         try:
             while True:
                 outputs = await self.client.get_output_async()
-                processed = self.output_processor.process_outputs(outputs.outputs)
+                stats = IterationStats() if self.stat_loggers else None
+                processed = self.output_processor.process_outputs(outputs.outputs, stats)
                 for out in processed.request_outputs:
                     queue = self._queues.get(out.request_id)
                     if queue is not None:
                         queue.put_nowait(out)
                 # Stop strings finish requests here; the core has to be told.
                 self.client.abort_requests(processed.reqs_to_abort)
+                if stats is not None:
+                    for log_stats in self.stat_loggers:
+                        log_stats(stats)
         except EngineDeadError as e:
             error = e
         except Exception as e:  # a bug here would leave every request waiting forever

@@ -13,6 +13,7 @@ import copy
 import enum
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from tokenizers import Tokenizer
@@ -29,6 +30,23 @@ class RequestOutputKind(enum.StrEnum):
     CUMULATIVE = "cumulative"  # every output carries everything so far
     DELTA = "delta"  # only what is new since the last output (streaming servers)
     FINAL = "final"  # one output, when finished (LLM.generate)
+
+
+@dataclass(slots=True)
+class FinishedRequestStats:
+    finish_reason: str
+    e2e_latency: float  # arrival to finish, seconds
+    queue_time: float | None  # in the scheduler's queue until first scheduled, seconds
+
+
+@dataclass(slots=True)
+class IterationStats:
+    """Per-request latencies seen while processing one batch of core outputs (for metrics);
+    a parent's n children count as n requests, as in vLLM."""
+
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished_requests: list[FinishedRequestStats] = field(default_factory=list)
 
 
 class OutputProcessorOutput(NamedTuple):
@@ -154,13 +172,19 @@ class RequestState:
         self.num_cached_tokens = 0
         self.metrics = RequestMetrics(arrival_time=request.arrival_time or time.monotonic())
 
-    def update(self, output: EngineCoreOutput, now: float) -> bool:
+    def update(self, output: EngineCoreOutput, now: float, stats: IterationStats | None) -> bool:
         """Applies one core output; True when a stop string finished the request here."""
         new_ids = output.new_token_ids
+        metrics = self.metrics
         if new_ids:
-            if self.metrics.first_token_time is None:
-                self.metrics.first_token_time = now
-            self.metrics.last_token_time = now
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+                if stats is not None:
+                    stats.time_to_first_tokens.append(now - metrics.arrival_time)
+            elif stats is not None:
+                assert metrics.last_token_time is not None
+                stats.inter_token_latencies.append(now - metrics.last_token_time)
+            metrics.last_token_time = now
         self.token_ids += new_ids
         if output.num_cached_tokens:
             self.num_cached_tokens = output.num_cached_tokens
@@ -178,7 +202,13 @@ class RequestState:
         if stop_string is not None:
             self.finish_reason, self.stop_reason = "stop", stop_string
         if self.finish_reason is not None:
-            self.metrics.finished_time = now
+            metrics.finished_time = now
+            if stats is not None:
+                stats.finished_requests.append(
+                    FinishedRequestStats(
+                        self.finish_reason, now - metrics.arrival_time, output.queue_time
+                    )
+                )
         return stop_string is not None
 
     def make_completion_output(self) -> CompletionOutput | None:
@@ -274,7 +304,10 @@ class OutputProcessor:
         self.external_req_ids[external_req_id] = request.request_id
         return core_requests
 
-    def process_outputs(self, outputs: Iterable[EngineCoreOutput]) -> OutputProcessorOutput:
+    def process_outputs(
+        self, outputs: Iterable[EngineCoreOutput], stats: IterationStats | None = None
+    ) -> OutputProcessorOutput:
+        """With `stats`, also records the requests' latencies there."""
         request_outputs: list[RequestOutput] = []
         reqs_to_abort: list[str] = []
         touched_parents: dict[str, ParentRequest] = {}
@@ -283,7 +316,7 @@ class OutputProcessor:
             state = self.request_states.get(output.request_id)
             if state is None:
                 continue  # aborted, or finished here by a stop string before the core knew
-            stopped_here = state.update(output, now)
+            stopped_here = state.update(output, now, stats)
             if stopped_here and output.finish_reason is None:
                 reqs_to_abort.append(state.request_id)
             if state.finish_reason is not None:

@@ -38,6 +38,12 @@ FINISHED_STOPPED = RequestStatus.FINISHED_STOPPED
 FINISHED_LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
 
 
+def _queue_time(request: Request) -> float | None:
+    if request.scheduled_time is None:
+        return None
+    return request.scheduled_time - request.queued_time
+
+
 class Admission(NamedTuple):
     """How a waiting request is admitted: its prefix-cache hits and the tokens to compute."""
 
@@ -103,6 +109,7 @@ class Scheduler:
             )
             self._ignored.append(request)
             return
+        request.queued_time = time.monotonic()
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
         self.num_prompt_tokens += request.num_prompt_tokens
@@ -252,8 +259,9 @@ class Scheduler:
                     scheduled_resumed.append(request)
                 request.status = RUNNING
                 request.num_computed_tokens = num_hit_tokens
-                if request.num_cached_tokens < 0:
+                if request.scheduled_time is None:  # first admission
                     request.num_cached_tokens = num_hit_tokens
+                    request.scheduled_time = time.monotonic()
                 req_to_new_block_ids[request.request_id] = kv.get_block_ids(request.request_id)
                 num_scheduled_tokens[request.request_id] = num_new_tokens
                 token_budget -= num_new_tokens
@@ -392,6 +400,7 @@ class Scheduler:
                 logprobs_rows[i] if logprobs_rows is not None else None,
                 request.get_finished_reason() if finished else None,
                 request.stop_reason, request.num_cached_tokens,
+                _queue_time(request) if finished else None,
             )
             client_outputs = outputs.get(request.client_index)
             if client_outputs is None:

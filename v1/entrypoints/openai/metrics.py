@@ -1,0 +1,138 @@
+"""GET /metrics through `prometheus_client`, under vLLM's metric names and labels, so that
+vLLM's Grafana dashboard and scrape configs work unchanged.
+
+Two sources: the engine core's `SchedulerStats` (queue sizes, KV cache usage, prefix-cache
+and token counters, all cumulative since the core started), fetched at each scrape; and the
+frontend's per-request latencies (`IterationStats`), recorded as the outputs arrive.
+
+Each server has its own `CollectorRegistry`: several servers may run in one process (tests),
+and the global registry would refuse a second set of the same names.
+"""
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
+
+from v1.engine.async_llm import AsyncLLM
+from v1.engine.output_processor import IterationStats
+from v1.outputs import SchedulerStats
+
+# (name, kind, help, SchedulerStats field). Counters are named without `_total`, which the
+# exposition appends, as vLLM's are.
+_SCHEDULER_METRICS = [
+    ("vllm:num_requests_running", "gauge", "Requests running in the engine.",
+     "num_running_reqs"),
+    ("vllm:num_requests_waiting", "gauge", "Requests waiting to run.",
+     "num_waiting_reqs"),
+    ("vllm:kv_cache_usage_perc", "gauge", "Fraction of KV cache blocks in use (0 to 1).",
+     "kv_cache_usage"),
+    ("vllm:prefix_cache_queries", "counter",
+     "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
+    ("vllm:prefix_cache_hits", "counter",
+     "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+    ("vllm:num_preemptions", "counter", "Requests preempted.",
+     "num_preemptions"),
+    ("vllm:prompt_tokens", "counter", "Prompt tokens processed.",
+     "num_prompt_tokens"),
+    ("vllm:generation_tokens", "counter", "Tokens generated.",
+     "num_generation_tokens"),
+]
+
+# vLLM's bucket boundaries, so that quantiles compare with a vLLM server's.
+_TTFT_BUCKETS = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+]
+_ITL_BUCKETS = [
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+]
+_REQUEST_LATENCY_BUCKETS = [
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+]
+
+# Exposed at 0 from the start, so that rate() sees a request's first success of a kind.
+_FINISH_REASONS = ("stop", "length", "abort")
+
+
+class _SchedulerStatsCollector(Collector):
+    """The core's latest `SchedulerStats` as gauges and counters. Its counters are already
+    cumulative, so they are exposed as they are rather than through `Counter.inc`."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.stats = SchedulerStats()
+
+    def collect(self) -> Iterator[Metric]:
+        for name, kind, help_text, field in _SCHEDULER_METRICS:
+            family_type = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            family = family_type(name, help_text, labels=["model_name"])
+            family.add_metric([self.model_name], getattr(self.stats, field))
+            yield family
+
+
+class PrometheusMetrics:
+    """One server's metrics: `record` is an `AsyncLLM` stat logger, `expose` answers a
+    scrape."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self._scheduler = _SchedulerStatsCollector(model_name)
+        self.registry.register(self._scheduler)
+
+        def histogram(name: str, help_text: str, buckets: list[float]) -> Histogram:
+            return Histogram(
+                name, help_text, ["model_name"], buckets=buckets, registry=self.registry
+            ).labels(model_name)
+
+        self._ttft = histogram(
+            "vllm:time_to_first_token_seconds", "Seconds from arrival to the first token.",
+            _TTFT_BUCKETS,
+        )
+        # vLLM's current name, and the older name of the same histogram, which vLLM's example
+        # Grafana dashboard still charts.
+        self._itl = [
+            histogram(name, "Seconds between a request's successive tokens.", _ITL_BUCKETS)
+            for name in (
+                "vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"
+            )
+        ]
+        self._e2e = histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Seconds from arrival to finish.", _REQUEST_LATENCY_BUCKETS,
+        )
+        self._queue = histogram(
+            "vllm:request_queue_time_seconds",
+            "Seconds a request waited in the scheduler's queue before first being scheduled.",
+            _REQUEST_LATENCY_BUCKETS,
+        )
+        self._success = Counter(
+            "vllm:request_success", "Requests finished, by finish reason.",
+            ["model_name", "finished_reason"], registry=self.registry,
+        )
+        self._model_name = model_name
+        for reason in _FINISH_REASONS:
+            self._success.labels(model_name, reason)
+
+    def record(self, stats: IterationStats) -> None:
+        for ttft in stats.time_to_first_tokens:
+            self._ttft.observe(ttft)
+        for itl in stats.inter_token_latencies:
+            for itl_histogram in self._itl:
+                itl_histogram.observe(itl)
+        for finished in stats.finished_requests:
+            self._e2e.observe(finished.e2e_latency)
+            if finished.queue_time is not None:
+                self._queue.observe(finished.queue_time)
+            self._success.labels(self._model_name, finished.finish_reason).inc()
+
+    async def expose(self, engine: AsyncLLM, accept: str) -> tuple[bytes, str]:
+        """The exposition, with the engine core's stats as of now, and its content type: the
+        format the scraper's Accept header prefers (Prometheus asks for OpenMetrics first)."""
+        self._scheduler.stats = await engine.get_stats()
+        encode, content_type = choose_encoder(accept)
+        return encode(self.registry), content_type
