@@ -71,9 +71,27 @@ class EngineArgs:
     async_scheduling: bool = False
     num_gpu_blocks: int | None = None
     kv_cache_memory: int | None = None  # bytes
+    # vLLM's spellings of the two above, accepted as they mean the same.
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    # On GPU, the fraction of its memory the engine may use, the weights included (None:
+    # the KV cache gets 85% of what is free after loading). Accepted, and unused, on CPU.
+    gpu_memory_utilization: float | None = None
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        utilization = self.gpu_memory_utilization
+        if utilization is not None and not 0 < utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+
+    def _either(self, name: str, vllm_name: str) -> int | None:
+        """An option given under our name or vLLM's (both: they must agree)."""
+        ours, vllms = getattr(self, name), getattr(self, vllm_name)
+        if ours is not None and vllms is not None and ours != vllms:
+            raise ValueError(f"{name}={ours} and {vllm_name}={vllms} disagree: give one")
+        return vllms if ours is None else ours
 
     def create_configs(
         self, model_max_len: int, on_gpu: bool
@@ -97,10 +115,22 @@ class EngineArgs:
             policy=self.scheduling_policy,
             async_scheduling=self.async_scheduling,
         )
+        kv_cache_memory = self._either("kv_cache_memory", "kv_cache_memory_bytes")
+        if kv_cache_memory is None and on_gpu and self.gpu_memory_utilization is not None:
+            kv_cache_memory = _gpu_kv_cache_budget(self.gpu_memory_utilization)
         cache_config = CacheConfig(
             block_size=self.block_size,
-            num_gpu_blocks=self.num_gpu_blocks,
-            kv_cache_memory=self.kv_cache_memory,
+            num_gpu_blocks=self._either("num_gpu_blocks", "num_gpu_blocks_override"),
+            kv_cache_memory=kv_cache_memory,
             enable_prefix_caching=self.enable_prefix_caching,
         )
         return scheduler_config, cache_config
+
+
+def _gpu_kv_cache_budget(utilization: float) -> int:
+    """vLLM's gpu_memory_utilization: the KV cache gets what the weights (loaded by now) and
+    everything else on the GPU leave of `utilization` of its memory."""
+    import torch  # here only: this module is plain data otherwise
+
+    free, total = torch.cuda.mem_get_info()
+    return int(total * utilization) - (total - free)

@@ -11,6 +11,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jinja2
+
 from v1.request import EngineCoreRequest
 from v1.sampling_params import SamplingParams
 
@@ -61,17 +63,59 @@ class Processor:
                 )
         return ids
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> str:
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The conversation as the template renders it, as vLLM: `chat_template` replaces the
+        model's, `continue_final_message` leaves the last message open for the model to
+        go on with, and `chat_template_kwargs` reach the template as variables (overriding
+        the two flags, as vLLM's do)."""
         if not messages:
             raise ValueError("messages is empty")
         for m in messages:
             if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
                 raise ValueError(f"each message needs 'role' and 'content', got {m!r}")
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template")
-        return self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=True
-        )
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer")
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template: pass one")
+        kwargs = {
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+            **(chat_template_kwargs or {}),
+        }
+        # These two are the call's own: as template variables they would break it.
+        reserved = {"tokenize", "chat_template"} & kwargs.keys()
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)}")
+        if kwargs["add_generation_prompt"] and kwargs["continue_final_message"]:
+            raise ValueError(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+            )
+        try:
+            return self.tokenizer.apply_chat_template(
+                list(messages), chat_template=chat_template, tokenize=False, **kwargs
+            )
+        except jinja2.TemplateError as e:  # the template refused the conversation
+            raise ValueError(f"the chat template failed: {e}") from e
+
+    def _bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
+        """Each word's tokens alone and after a space (as vLLM): a word mid-text usually
+        tokenizes with its leading space."""
+        if bad_words and self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer: this model has none")
+        token_ids: list[list[int]] = []
+        for word in bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in token_ids:
+                    token_ids.append(ids)
+        return token_ids
 
     def process_inputs(
         self,
@@ -87,6 +131,8 @@ class Processor:
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         text, token_ids = self.tokenize_prompt(prompt)
+        if isinstance(prompt, Mapping):  # vLLM's prompt dicts carry the salt
+            cache_salt = prompt.get("cache_salt", cache_salt)
         if not token_ids:
             raise ValueError("the prompt is empty (0 tokens)")
         if len(token_ids) > self.max_model_len:
@@ -101,11 +147,17 @@ class Processor:
         params.all_stop_token_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:  # the generation config's further end-of-text ids
             params.all_stop_token_ids.update(self.extra_stop_token_ids)
-        if params.stop_token_ids and max(params.stop_token_ids) >= self.vocab_size:
-            raise ValueError(
-                f"stop_token_ids {params.stop_token_ids} has an id outside the vocabulary "
-                f"(valid: 0 to {self.vocab_size - 1})"
-            )
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", list(params.logit_bias or ())),
+            ("allowed_token_ids", params.allowed_token_ids),
+        ):
+            if ids and max(ids) >= self.vocab_size:
+                raise ValueError(
+                    f"{name} {getattr(params, name)} has an id outside the vocabulary "
+                    f"(valid: 0 to {self.vocab_size - 1})"
+                )
+        params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words or [])
         request = EngineCoreRequest(
             # A uuid, not a counter: unique across the frontend processes sharing a core, and
             # a reused caller id never meets its predecessor's steps still in flight there.

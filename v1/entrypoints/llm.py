@@ -104,12 +104,28 @@ class LLM:
         messages: Messages | Sequence[Messages],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them."""
+        """Apply the chat template to one conversation or a list of them, then generate.
+
+        As vLLM's: `chat_template` (Jinja text) replaces the model's; with
+        `continue_final_message=True` (and `add_generation_prompt=False`) the model goes on
+        with the last message instead of answering it; `chat_template_kwargs` are extra
+        template variables.
+        """
         if messages and isinstance(messages[0], Mapping):
             messages = [messages]  # type: ignore[list-item]
         processor = self.llm_engine.processor
-        prompts = [processor.apply_chat_template(conv) for conv in messages]  # type: ignore
+        prompts = [
+            processor.apply_chat_template(
+                conv, chat_template, add_generation_prompt, continue_final_message,  # type: ignore[arg-type]
+                chat_template_kwargs,
+            )
+            for conv in messages
+        ]
         # The template already holds the special tokens: do not add BOS again.
         token_prompts = [
             {"prompt": p, "prompt_token_ids": self.get_tokenizer().encode(

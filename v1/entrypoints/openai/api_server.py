@@ -2,7 +2,9 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both also streamed as server-sent
 events), GET /v1/models, GET /health (200, or 503 when the engine is dead), GET /metrics
-(Prometheus text format).
+(Prometheus, under vLLM's metric names), and vLLM's POST /tokenize, POST /detokenize and
+GET /version.
+With --api-key, the /v1 routes need `Authorization: Bearer KEY` (else 401), as in vLLM.
 
 Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: invalid requests
 (malformed JSON and wrong types included, which FastAPI would answer with 422) get 400
@@ -15,16 +17,19 @@ that disconnects aborts its request in the engine.
 import argparse
 import asyncio
 import dataclasses
+import importlib.metadata
 import os
+import secrets
 import typing
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing, asynccontextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
@@ -32,11 +37,17 @@ from starlette.types import Receive, Scope, Send
 from v1.config import EngineArgs
 from v1.engine.async_llm import AsyncLLM
 from v1.engine.exceptions import EngineDeadError
+from v1.entrypoints.openai.metrics import PrometheusMetrics
 from v1.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
 )
 from v1.entrypoints.openai.serving import ModelNotFoundError, OpenAIServing, error_for
 
@@ -49,21 +60,6 @@ _GRACEFUL_SHUTDOWN_S = 5
 # The name the default model (no --model) is served as: its model card's, without the GGUF
 # file's quantization suffix, so that clients written for vLLM serving it work unchanged.
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-# /metrics: (name, type, help, SchedulerStats field).
-_METRICS = [
-    ("v1_num_requests_running", "gauge", "Requests running in the engine.", "num_running_reqs"),
-    ("v1_num_requests_waiting", "gauge", "Requests waiting to run.", "num_waiting_reqs"),
-    ("v1_kv_cache_usage_perc", "gauge", "Fraction of KV cache blocks in use (0 to 1).",
-     "kv_cache_usage"),
-    ("v1_prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
-     "prefix_cache_queries"),
-    ("v1_prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.",
-     "prefix_cache_hits"),
-    ("v1_num_preemptions_total", "counter", "Requests preempted.", "num_preemptions"),
-    ("v1_prompt_tokens_total", "counter", "Prompt tokens processed.", "num_prompt_tokens"),
-    ("v1_generation_tokens_total", "counter", "Tokens generated.", "num_generation_tokens"),
-]
 
 router = APIRouter()
 
@@ -87,6 +83,21 @@ async def show_models(raw: Request) -> ModelList:
     return _serving(raw).models()
 
 
+@router.post("/tokenize")
+async def tokenize(request: TokenizeRequest, raw: Request) -> TokenizeResponse:
+    return _serving(raw).tokenize(request)
+
+
+@router.post("/detokenize")
+async def detokenize(request: DetokenizeRequest, raw: Request) -> DetokenizeResponse:
+    return _serving(raw).detokenize(request)
+
+
+@router.get("/version")
+async def show_version() -> VersionResponse:
+    return VersionResponse(version=importlib.metadata.version("v1"))
+
+
 @router.get("/health")
 async def health(raw: Request) -> Response:
     try:
@@ -97,13 +108,11 @@ async def health(raw: Request) -> Response:
 
 
 @router.get("/metrics")
-async def metrics(raw: Request) -> PlainTextResponse:
-    stats = await _serving(raw).engine.get_stats()
-    lines = []
-    for name, kind, help_text, field in _METRICS:
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-        lines.append(f"{name} {getattr(stats, field)}")
-    return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+async def metrics(raw: Request) -> Response:
+    prometheus: PrometheusMetrics = raw.app.state.metrics
+    accept = raw.headers.get("accept", "")
+    body, content_type = await prometheus.expose(_serving(raw).engine, accept)
+    return Response(body, media_type=content_type)
 
 
 class _SSEResponse(StreamingResponse):
@@ -180,12 +189,50 @@ async def _on_error(raw: Request, exc: Exception) -> Response:
     return Response(body.model_dump_json(), body.error.code, media_type="application/json")
 
 
-def build_app(engine_args: EngineArgs, served_model_names: list[str] | None = None) -> FastAPI:
+class _APIKeyCheck:
+    """vLLM's --api-key: a /v1 request without `Authorization: Bearer KEY` gets 401 (the
+    others, /health included, stay open)."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and (
+            scope["method"] != "OPTIONS"  # CORS preflights carry no credentials
+        ):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                await _error(401, "Unauthorized")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def load_chat_template(chat_template: str) -> str:
+    """--chat-template, as vLLM takes it: a file's path, or the template itself."""
+    if Path(chat_template).is_file():
+        return Path(chat_template).read_text()
+    if not any(c in chat_template for c in "{}\n"):  # neither Jinja nor several lines
+        raise ValueError(f"--chat-template: no such file {chat_template!r}")
+    return chat_template
+
+
+def build_app(
+    engine_args: EngineArgs,
+    served_model_names: list[str] | None = None,
+    chat_template: str | None = None,
+    api_key: str | None = None,
+) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = AsyncLLM.from_engine_args(engine_args)
         default_name = engine.model_name if engine_args.model else DEFAULT_SERVED_MODEL_NAME
-        app.state.serving = OpenAIServing(engine, served_model_names or [default_name])
+        app.state.serving = OpenAIServing(
+            engine, served_model_names or [default_name], chat_template
+        )
+        # Labelled with the name responses report, as vLLM labels its metrics.
+        app.state.metrics = PrometheusMetrics(app.state.serving.served_model_names[0])
+        engine.stat_loggers.append(app.state.metrics.record)
         try:
             yield
         finally:
@@ -198,6 +245,8 @@ def build_app(engine_args: EngineArgs, served_model_names: list[str] | None = No
     # Exception (anything else: a bug) is handled last, by Starlette, which also logs it.
     for exc_class in (ValueError, ModelNotFoundError, EngineDeadError, Exception):
         app.add_exception_handler(exc_class, _on_error)
+    if api_key is not None:
+        app.add_middleware(_APIKeyCheck, api_key=api_key)
     return app
 
 
@@ -207,6 +256,10 @@ def make_parser() -> argparse.ArgumentParser:
         description="An OpenAI-compatible server over the engine.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    parser.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL",
+        help="the model, as --model (vLLM's `serve MODEL`)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument(
@@ -214,6 +267,14 @@ def make_parser() -> argparse.ArgumentParser:
         help="the model name(s) requests may give (any of them); responses report the first. "
         f"By default the model's file or directory name ({DEFAULT_SERVED_MODEL_NAME} for the "
         "default model)",
+    )
+    parser.add_argument(
+        "--chat-template", default=None,
+        help="a chat template (a file, or the Jinja text itself) to use instead of the model's",
+    )
+    parser.add_argument(
+        "--api-key", default=None,
+        help="if given, the /v1 routes need the header `Authorization: Bearer API_KEY`",
     )
     parser.add_argument(
         "--uvicorn-log-level", default="info", help="uvicorn's log level",
@@ -234,12 +295,23 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> None:
-    args = make_parser().parse_args(argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            parser.error(f"two models given: {args.model_tag} and --model {args.model}")
+        args.model = args.model_tag
     engine_args = EngineArgs(
         **{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)}
     )
+    try:
+        chat_template = None if args.chat_template is None else load_chat_template(
+            args.chat_template
+        )
+    except (OSError, ValueError) as e:
+        parser.error(str(e))
     uvicorn.run(
-        build_app(engine_args, args.served_model_name),
+        build_app(engine_args, args.served_model_name, chat_template, args.api_key),
         host=args.host,
         port=args.port,
         log_level=args.uvicorn_log_level,

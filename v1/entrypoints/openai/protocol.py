@@ -35,6 +35,8 @@ MAX_LOGPROBS = 20
 _SAMPLING_FIELDS = {
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
     "ignore_eos", "min_tokens", "include_stop_str_in_output", "skip_special_tokens",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "allowed_token_ids",
+    "bad_words",
 }
 
 
@@ -100,25 +102,27 @@ class SamplingRequest(OpenAIBaseModel):
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None  # token id (a string, JSON's keys) -> bias
+    repetition_penalty: float = 1.0  # vLLM's, as the three below
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     priority: int = 0  # lower runs first (with --scheduling-policy priority)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # vLLM's: requests with different salts never share prefix-cache blocks.
+    cache_salt: str | None = None
 
     # OpenAI's fields we do not implement.
-    frequency_penalty: Unsupported[float] = 0.0
-    presence_penalty: Unsupported[float] = 0.0
-    logit_bias: Unsupported[dict[str, float] | None] = None
     response_format: Unsupported[dict[str, Any] | None] = None
     echo: Unsupported[bool] = False
     # vLLM's sampling and structured-output extras we do not implement.
     best_of: Unsupported[int | None] = None
     use_beam_search: Unsupported[bool] = False
     length_penalty: Unsupported[float] = 1.0
-    repetition_penalty: Unsupported[float] = 1.0
     spaces_between_special_tokens: Unsupported[bool] = True
     truncate_prompt_tokens: Unsupported[int | None] = None
-    allowed_token_ids: Unsupported[list[int] | None] = None
-    bad_words: Unsupported[list[str] | None] = None
     prompt_logprobs: Unsupported[int | None] = None
     guided_json: Unsupported[str | dict[str, Any] | None] = None
     guided_regex: Unsupported[str | None] = None
@@ -130,10 +134,16 @@ class SamplingRequest(OpenAIBaseModel):
     logits_processors: Unsupported[list[Any] | None] = None
     return_tokens_as_token_ids: Unsupported[bool] = False
     return_token_ids: Unsupported[bool] = False
-    cache_salt: Unsupported[str | None] = None
     request_id: Unsupported[str | None] = None
     kv_transfer_params: Unsupported[dict[str, Any] | None] = None
     vllm_xargs: Unsupported[dict[str, Any] | None] = None
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _cache_salt_not_empty(cls, value: str) -> str:
+        if not value:
+            raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
+        return value
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "SamplingRequest":
@@ -147,12 +157,24 @@ class SamplingRequest(OpenAIBaseModel):
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
-            **self.model_dump(include=_SAMPLING_FIELDS), max_tokens=max_tokens, logprobs=logprobs
+            **self.model_dump(include=_SAMPLING_FIELDS), max_tokens=max_tokens, logprobs=logprobs,
+            logit_bias=self._logit_bias(),
         )
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """Keys as token ids, biases clamped to [-100, 100] (as vLLM and OpenAI)."""
+        if self.logit_bias is None:
+            return None
+        bias: dict[int, float] = {}
+        for key, value in self.logit_bias.items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids (digits), got {key!r}")
+            bias[int(key)] = min(100.0, max(-100.0, value))
+        return bias
 
 
 class CompletionRequest(SamplingRequest):
-    # Text, token ids, or a batch of one of either (batches of more are not supported).
+    # Text, token ids, or a batch of either: each prompt gets n choices, as in vLLM.
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int = 16  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -160,13 +182,11 @@ class CompletionRequest(SamplingRequest):
     add_special_tokens: Unsupported[bool] = True  # the prompt gets them (BOS)
     prompt_embeds: Unsupported[str | list[str] | None] = None
 
-    def engine_prompt(self) -> str | list[int]:
+    def engine_prompts(self) -> list[str | list[int]]:
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise ValueError("batched prompts are not supported: send one prompt a request")
-            prompt = prompt[0]
-        return prompt  # type: ignore[return-value]
+            return prompt  # type: ignore[return-value]
+        return [prompt]  # type: ignore[list-item]
 
     def to_sampling_params(self) -> SamplingParams:
         return self._sampling_params(self.max_tokens, self.logprobs)
@@ -191,8 +211,19 @@ class ChatMessage(OpenAIBaseModel):
         return {"role": self.role, "content": content}
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatTemplateRequest(OpenAIBaseModel):
+    """A conversation and how the chat template renders it (vLLM's fields)."""
+
     messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last message is left open, to be continued
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables
+    # A request's own template: vLLM, too, refuses it unless told to trust requests.
+    chat_template: Unsupported[str | None] = None
+    add_special_tokens: Unsupported[bool] = False  # the chat template holds them
+
+
+class ChatCompletionRequest(SamplingRequest, ChatTemplateRequest):
     max_completion_tokens: int | None = None
     max_tokens: int | None = None  # deprecated by OpenAI for max_completion_tokens
     logprobs: bool = False
@@ -209,12 +240,7 @@ class ChatCompletionRequest(SamplingRequest):
     web_search_options: Unsupported[dict[str, Any] | None] = None
     # vLLM's chat extras we do not implement.
     include_reasoning: Unsupported[bool] = True
-    add_generation_prompt: Unsupported[bool] = True
-    continue_final_message: Unsupported[bool] = False
-    add_special_tokens: Unsupported[bool] = False  # the chat template holds them
     documents: Unsupported[list[dict[str, str]] | None] = None
-    chat_template: Unsupported[str | None] = None
-    chat_template_kwargs: Unsupported[dict[str, Any] | None] = None
     mm_processor_kwargs: Unsupported[dict[str, Any] | None] = None
 
     def to_sampling_params(self) -> SamplingParams:
@@ -225,6 +251,25 @@ class ChatCompletionRequest(SamplingRequest):
             max_tokens = self.max_tokens  # None: up to max_model_len
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs)
+
+
+class TokenizeCompletionRequest(OpenAIBaseModel):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: Unsupported[bool] = True  # as a completion's prompt gets them
+
+
+class TokenizeChatRequest(ChatTemplateRequest):
+    model: str | None = None
+
+
+# vLLM's /tokenize takes a prompt, or messages to render with the chat template.
+TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]
 
 
 # ---- responses ---------------------------------------------------------------------------
@@ -339,6 +384,20 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
 
 
 class ErrorInfo(BaseModel):

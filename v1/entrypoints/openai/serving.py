@@ -1,5 +1,7 @@
 """The OpenAI endpoints over AsyncLLM: requests in, engine calls, responses or SSE out."""
 
+import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -7,7 +9,6 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-import jinja2
 from pydantic import BaseModel, ValidationError
 
 from v1.engine.async_llm import AsyncLLM
@@ -22,17 +23,23 @@ from v1.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     ChatLogprob,
     ChatStreamChoice,
+    ChatTemplateRequest,
     ChatTokenLogprob,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
     PromptTokensDetails,
     SamplingRequest,
+    TokenizeChatRequest,
+    TokenizeRequest,
+    TokenizeResponse,
     UsageInfo,
 )
 from v1.outputs import CompletionOutput, Logprob, RequestOutput
@@ -59,35 +66,98 @@ def error_for(exc: Exception) -> ErrorResponse:
 
 
 class StartedRequest:
-    """A request's DELTA outputs, from its first one on. Waiting for that first output makes
-    bad input raise its ValueError before the response starts, so it can still get a 400.
-    Closing it (early) aborts the request in the engine."""
+    """The DELTA outputs of a request's prompts (one, or a completion's batch), merged as they
+    come, with a batch's choices numbered on (prompt i's choice j is i * n + j, as vLLM).
+    Waiting for every prompt's first output makes bad input raise its ValueError before the
+    response starts, so it can still get a 400. Closing it (early) aborts them in the engine."""
 
-    def __init__(self, outputs: AsyncGenerator[RequestOutput, None], first: RequestOutput):
-        self._outputs = outputs
-        self._first = first
+    def __init__(
+        self, streams: list[AsyncGenerator[RequestOutput, None]], firsts: list[RequestOutput],
+        n: int,
+    ) -> None:
+        self._streams = streams
+        self._last = firsts  # per prompt, its latest output (for usage)
+        self._n = n
+        self._pending: dict[asyncio.Future[RequestOutput], int] = {}  # next output: prompt
 
     @classmethod
     async def start(
-        cls, engine: AsyncLLM, prompt: PromptType, params: SamplingParams, request_id: str,
-        priority: int,
+        cls, engine: AsyncLLM, prompts: list[PromptType], params: SamplingParams,
+        request_id: str, priority: int,
     ) -> "StartedRequest":
-        outputs = engine.generate(prompt, params, request_id, priority)
-        return cls(outputs, await anext(outputs))
+        streams = [
+            engine.generate(prompt, params, f"{request_id}-{i}", priority)
+            for i, prompt in enumerate(prompts)
+        ]
+        firsts = [asyncio.ensure_future(anext(stream)) for stream in streams]
+        try:
+            await asyncio.gather(*firsts)
+        except BaseException:  # bad input, or the client left: abort every prompt
+            for task in firsts:
+                task.cancel()
+            await asyncio.wait(firsts)
+            for stream in streams:
+                await stream.aclose()
+            raise
+        return cls(streams, [task.result() for task in firsts], params.n)
+
+    @property
+    def num_choices(self) -> int:
+        return self._n * len(self._streams)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        yield self._first
-        async for output in self._outputs:
-            yield output
+        for i, first in enumerate(self._last):
+            yield self._numbered(i, first)
+        self._pending = {
+            asyncio.ensure_future(anext(stream)): i for i, stream in enumerate(self._streams)
+        }
+        while self._pending:
+            done, _ = await asyncio.wait(self._pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = self._pending.pop(task)
+                try:
+                    output = task.result()
+                except StopAsyncIteration:
+                    continue
+                self._last[i] = output
+                yield self._numbered(i, output)
+                self._pending[asyncio.ensure_future(anext(self._streams[i]))] = i
+
+    def _numbered(self, i: int, output: RequestOutput) -> RequestOutput:
+        if i == 0:
+            return output
+        outputs = [dataclasses.replace(c, index=i * self._n + c.index) for c in output.outputs]
+        return dataclasses.replace(output, outputs=outputs)
+
+    def usage(self, num_generated: int) -> UsageInfo:
+        num_prompt = sum(len(output.prompt_token_ids) for output in self._last)
+        return UsageInfo(
+            prompt_tokens=num_prompt,
+            completion_tokens=num_generated,
+            total_tokens=num_prompt + num_generated,
+            prompt_tokens_details=PromptTokensDetails(
+                cached_tokens=sum(output.num_cached_tokens for output in self._last)
+            ),
+        )
 
     async def aclose(self) -> None:
-        await self._outputs.aclose()
+        # A stream with an output pending is running: cancel that first (it aborts then).
+        for task in self._pending:
+            task.cancel()
+        if self._pending:
+            await asyncio.wait(self._pending)
+        self._pending = {}
+        for stream in self._streams:
+            await stream.aclose()
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
+    def __init__(
+        self, engine: AsyncLLM, served_model_names: list[str], chat_template: str | None = None
+    ) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
+        self.chat_template = chat_template  # None: the model's own
 
     def models(self) -> ModelList:
         created = int(time.time())
@@ -103,16 +173,18 @@ class OpenAIServing:
     ) -> CompletionResponse | AsyncIterator[str]:
         head = self._head(request, "cmpl")
         params = request.to_sampling_params()
-        text, token_ids = self.engine.processor.tokenize_prompt(request.engine_prompt())
-        self._check_length(len(token_ids), params.max_tokens, "prompt")
-        prompt = {"prompt": text, "prompt_token_ids": token_ids}
+        prompts: list[PromptType] = []
+        for engine_prompt in request.engine_prompts():
+            text, token_ids = self.engine.processor.tokenize_prompt(engine_prompt)
+            self._check_length(len(token_ids), params.max_tokens, "prompt")
+            prompts.append(self._engine_prompt(request, text, token_ids))
         outputs = await StartedRequest.start(
-            self.engine, prompt, params, head["id"], request.priority
+            self.engine, prompts, params, head["id"], request.priority
         )
         k = request.logprobs
         if request.stream:
             return _sse(outputs, _completion_chunks(outputs, head, k, request.include_usage))
-        choices, final = await _collect(outputs, params.n)
+        choices, usage = await _collect(outputs)
         return CompletionResponse(
             **head,
             choices=[
@@ -125,7 +197,7 @@ class OpenAIServing:
                 )
                 for c in choices
             ],
-            usage=_usage(final, sum(len(c.token_ids) for c in choices)),
+            usage=usage,
         )
 
     async def create_chat_completion(
@@ -133,24 +205,17 @@ class OpenAIServing:
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         head = self._head(request, "chatcmpl")
         params = request.to_sampling_params()
-        try:
-            text = self.engine.processor.apply_chat_template(
-                [m.to_template_dict() for m in request.messages]
-            )
-        except jinja2.TemplateError as e:  # the template refused the conversation
-            raise ValueError(f"the chat template failed: {e}") from e
-        # The template holds the special tokens already: no second BOS (as LLM.chat).
-        token_ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
+        text, token_ids = self._chat_prompt(request)
         self._check_length(len(token_ids), params.max_tokens, "messages")
-        prompt = {"prompt": text, "prompt_token_ids": token_ids}
         outputs = await StartedRequest.start(
-            self.engine, prompt, params, head["id"], request.priority
+            self.engine, [self._engine_prompt(request, text, token_ids)], params, head["id"],
+            request.priority,
         )
         k = params.logprobs
         if request.stream:
-            chunks = _chat_chunks(outputs, head, params.n, k, request.include_usage)
+            chunks = _chat_chunks(outputs, head, k, request.include_usage)
             return _sse(outputs, chunks)
-        choices, final = await _collect(outputs, params.n)
+        choices, usage = await _collect(outputs)
         return ChatCompletionResponse(
             **head,
             choices=[
@@ -163,13 +228,50 @@ class OpenAIServing:
                 )
                 for c in choices
             ],
-            usage=_usage(final, sum(len(c.token_ids) for c in choices)),
+            usage=usage,
         )
+
+    def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+        """A prompt's token ids as a completion would get them, or a conversation's as a chat
+        completion would."""
+        self._check_model(request.model)
+        if isinstance(request, TokenizeChatRequest):
+            _, token_ids = self._chat_prompt(request)
+        else:
+            _, token_ids = self.engine.processor.tokenize_prompt(request.prompt)
+        return TokenizeResponse(
+            count=len(token_ids), max_model_len=self.engine.max_model_len, tokens=token_ids
+        )
+
+    def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        self._check_model(request.model)
+        _, token_ids = self.engine.processor.tokenize_prompt(request.tokens)  # in vocabulary
+        return DetokenizeResponse(prompt=self.engine.tokenizer.decode(token_ids))
+
+    def _chat_prompt(self, request: ChatTemplateRequest) -> tuple[str, list[int]]:
+        text = self.engine.processor.apply_chat_template(
+            [m.to_template_dict() for m in request.messages],
+            self.chat_template,
+            request.add_generation_prompt,
+            request.continue_final_message,
+            request.chat_template_kwargs,
+        )
+        # The template holds the special tokens already: no second BOS (as LLM.chat).
+        return text, self.engine.tokenizer.encode(text, add_special_tokens=False)
+
+    @staticmethod
+    def _engine_prompt(
+        request: SamplingRequest, text: str | None, token_ids: list[int]
+    ) -> PromptType:
+        return {"prompt": text, "prompt_token_ids": token_ids, "cache_salt": request.cache_salt}
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.served_model_names:
+            raise ModelNotFoundError(model)
 
     def _head(self, request: SamplingRequest, id_prefix: str) -> dict[str, Any]:
         """The fields every response and chunk of this request starts with."""
-        if request.model is not None and request.model not in self.served_model_names:
-            raise ModelNotFoundError(request.model)
+        self._check_model(request.model)
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         # Any served name is accepted; responses report the first, as vLLM documents.
         return {"id": request_id, "created": int(time.time()), "model": self.served_model_names[0]}
@@ -213,20 +315,17 @@ class _StreamDeltas:
 
     def __init__(self, outputs: StartedRequest) -> None:
         self._outputs = outputs
-        self._last: RequestOutput | None = None
         self._num_generated = 0
 
     async def __aiter__(self) -> AsyncIterator[CompletionOutput]:
         async for output in self._outputs:
-            self._last = output
             for delta in output.outputs:
                 self._num_generated += len(delta.token_ids)
                 if _has_news(delta):
                     yield delta
 
     def usage(self) -> UsageInfo:
-        assert self._last is not None, "usage before the request's first output"
-        return _usage(self._last, self._num_generated)
+        return self._outputs.usage(self._num_generated)
 
 
 async def _completion_chunks(
@@ -252,9 +351,10 @@ async def _completion_chunks(
 
 
 async def _chat_chunks(
-    outputs: StartedRequest, head: dict[str, Any], n: int, k: int | None, include_usage: bool
+    outputs: StartedRequest, head: dict[str, Any], k: int | None, include_usage: bool
 ) -> AsyncIterator[ChatCompletionChunk]:
-    for i in range(n):  # as OpenAI, each choice's first chunk gives the role alone
+    # As OpenAI, each choice's first chunk gives the role alone.
+    for i in range(outputs.num_choices):
         role = DeltaMessage(role="assistant", content="")
         yield ChatCompletionChunk(**head, choices=[ChatStreamChoice(index=i, delta=role)])
     deltas = _StreamDeltas(outputs)
@@ -271,11 +371,9 @@ async def _chat_chunks(
         yield ChatCompletionChunk(**head, choices=[], usage=deltas.usage())
 
 
-async def _collect(
-    outputs: StartedRequest, n: int
-) -> tuple[list[CompletionOutput], RequestOutput]:
-    """A non-streamed request's n choices, put together from its deltas, and its last output."""
-    choices = [CompletionOutput(i, "", [], None, []) for i in range(n)]
+async def _collect(outputs: StartedRequest) -> tuple[list[CompletionOutput], UsageInfo]:
+    """A non-streamed request's choices, put together from its deltas, and its usage."""
+    choices = [CompletionOutput(i, "", [], None, []) for i in range(outputs.num_choices)]
     async with aclosing(outputs):
         async for output in outputs:
             for delta in output.outputs:
@@ -284,17 +382,7 @@ async def _collect(
                 c.token_ids += delta.token_ids
                 c.logprobs += delta.logprobs or []  # type: ignore[operator]
                 c.finish_reason, c.stop_reason = delta.finish_reason, delta.stop_reason
-    return choices, output
-
-
-def _usage(final: RequestOutput, num_generated: int) -> UsageInfo:
-    num_prompt = len(final.prompt_token_ids)
-    return UsageInfo(
-        prompt_tokens=num_prompt,
-        completion_tokens=num_generated,
-        total_tokens=num_prompt + num_generated,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=final.num_cached_tokens),
-    )
+    return choices, outputs.usage(sum(len(c.token_ids) for c in choices))
 
 
 def _top(logprobs: dict[int, Logprob], k: int) -> list[Logprob]:
