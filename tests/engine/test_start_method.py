@@ -25,8 +25,9 @@ METHOD_ENV = "V1_WORKER_MULTIPROC_METHOD"
 QUICKSTART = Path(__file__).parent / "scripts" / "quickstart.py"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
-# Starts an engine, generates greedily for the prompts in argv[1] and reports; then exits
-# (argv[2] == "exit") or waits to be killed.
+# Starts an engine, generates greedily for the prompts in argv[1] and reports; then, once a
+# line comes on stdin (so that the test sees its processes first), exits (argv[2] == "exit")
+# or waits to be killed.
 ENGINE_SCRIPT = f"""
 import json, sys, time
 from v1 import LLM, SamplingParams
@@ -35,6 +36,7 @@ outputs = llm.generate(json.loads(sys.argv[1]), {GREEDY!r}, use_tqdm=False)
 proc = llm.llm_engine.client._res.proc
 tokens = [o.outputs[0].token_ids for o in outputs]
 print(json.dumps({{"method": proc._start_method, "tokens": tokens}}), flush=True)
+sys.stdin.readline()
 if sys.argv[2] != "exit":
     time.sleep(600)
 """
@@ -48,8 +50,8 @@ def start_script(args: list[str], method: str | None) -> tuple[subprocess.Popen,
     if method is not None:
         env[METHOD_ENV] = method
     proc = subprocess.Popen(
-        [sys.executable, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True,
+        [sys.executable, *args], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
     )
     return proc, f"V1_TEST_MARK={token}"
 
@@ -96,7 +98,7 @@ def end_engine_script(proc: subprocess.Popen, mark: str, end: str) -> dict:
     finally:
         if end == "kill":
             proc.kill()  # SIGKILL: the script cannot shut its engine down
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate("go\n", timeout=60)
     assert line, err
     assert children
     assert proc.returncode == (-signal.SIGKILL if end == "kill" else 0), err
