@@ -1,17 +1,17 @@
 """Outputs at each layer boundary: model runner -> scheduler -> frontend -> user."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import msgspec
 
 
 class TokenLogprobs(NamedTuple):
-    """Logprobs for one sampled token: the sampled id first, then the top-k ids."""
+    """Logprobs for one sampled (or prompt) token: its id first, then the top-k ids."""
 
     token_ids: list[int]
     logprobs: list[float]
-    sampled_rank: int  # 1-based rank of the sampled token in the full distribution
+    sampled_rank: int  # 1-based rank of the first token in the full distribution
 
 
 @dataclass(slots=True)
@@ -25,6 +25,9 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     # Per request, the logprobs of its sampled tokens; None where not asked for.
     logprobs: list[list[TokenLogprobs] | None] | None = None
+    # Request id -> the logprobs of its prompt tokens 1.., for requests asking for them whose
+    # prompt this step finished (the runner keeps earlier chunks' until then).
+    prompt_logprobs_dict: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput([], [])
@@ -39,8 +42,12 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
-    # On the finishing output: seconds from entering the scheduler to first being scheduled.
+    # On a request's first output with tokens: seconds from entering the scheduler to first
+    # being scheduled (the frontend keeps it: a stop string may end the request before the
+    # core sends a finishing output).
     queue_time: float | None = None
+    # With the first sampled token: the logprobs of prompt tokens 1.. (prompt_logprobs).
+    new_prompt_logprobs: list[tuple[list[int], list[float], int]] | None = None
 
 
 class SchedulerStats(msgspec.Struct, omit_defaults=True):
@@ -93,10 +100,14 @@ class CompletionOutput:
 @dataclass(slots=True)
 class RequestMetrics:
     arrival_time: float
-    first_scheduled_time: float | None = None
+    time_in_queue: float | None = None  # seconds in the scheduler's queue before first scheduled
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+
+
+# Per prompt token, its logprob and the top ones; None for the first token, which has none.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass(slots=True)
@@ -108,5 +119,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    # With prompt_logprobs; in delta mode only on the output that first has them.
+    prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None

@@ -33,6 +33,8 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    # vLLM's: per prompt token (but the first), its logprob and the top-k; 0 gives its own only.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     presence_penalty: float = 0.0
@@ -94,8 +96,10 @@ class SamplingParams:
             raise bad("stop", self.stop, "a non-empty string or a list of non-empty strings")
         if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
-        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
-            raise bad("logprobs", self.logprobs, "an integer >= 0 or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or value < 0):
+                raise bad(name, value, "an integer >= 0 or None")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not is_num(value) or not -2.0 <= value <= 2.0:

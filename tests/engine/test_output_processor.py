@@ -6,7 +6,12 @@ from typing import Any
 import pytest
 
 from v1.engine.detokenizer import find_stop_string
-from v1.engine.output_processor import OutputProcessor, OutputProcessorOutput, ParentRequest
+from v1.engine.output_processor import (
+    IterationStats,
+    OutputProcessor,
+    OutputProcessorOutput,
+    ParentRequest,
+)
 from v1.outputs import CompletionOutput, EngineCoreOutput, Logprob, RequestOutput
 from v1.request import EngineCoreRequest
 from v1.sampling_params import SamplingParams
@@ -168,6 +173,20 @@ def test_stop_string_cuts_text_and_aborts(tokenizer) -> None:
         assert completion.token_ids == ids[: len(completion.token_ids)]
         assert len(completion.token_ids) < len(ids)
         assert not processor.has_unfinished_requests()
+
+
+def test_queue_time_of_a_request_a_stop_string_ends(tokenizer) -> None:
+    """The core sends the queue time with the first tokens; a stop string then ends the
+    request in the frontend, with no finishing output from the core: its stats keep it."""
+    processor = OutputProcessor(tokenizer)
+    add(processor, tokenizer, stop=["Done"])
+    first, *rest = encode(tokenizer, " Yes. Done here.")
+    stats = IterationStats()
+    processor.process_outputs([EngineCoreOutput("r", [first], queue_time=0.25)], stats)
+    for token in rest:
+        processor.process_outputs([EngineCoreOutput("r", [token])], stats)
+    (finished,) = stats.finished_requests
+    assert (finished.finish_reason, finished.queue_time) == ("stop", 0.25)
 
 
 def test_stop_string_spanning_two_tokens(tokenizer) -> None:

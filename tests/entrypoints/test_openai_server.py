@@ -428,7 +428,7 @@ BAD_REQUESTS = {
         "chat/completions", {"messages": MESSAGES, "max_completion_tokens": 0}, 400, None),
     "stream wrong type": ("chat/completions", {"messages": MESSAGES, "stream": "yes"}, 400,
                           "stream"),
-    "unsupported echo": ("completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+    "unsupported suffix": ("completions", {"prompt": "hi", "suffix": "!"}, 400, "suffix"),
     "unsupported tools": (
         "chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}]}, 400,
         "tools"),
@@ -484,9 +484,9 @@ UNSUPPORTED_CHAT = {
 }
 UNSUPPORTED_COMPLETION = {
     "suffix": {"suffix": " and so on."},
-    "echo": {"echo": True},
     "best_of": {"best_of": 2},
-    "prompt_logprobs": {"extra_body": {"prompt_logprobs": 1}},
+    "use_beam_search": {"extra_body": {"use_beam_search": True}},
+    "truncate_prompt_tokens": {"extra_body": {"truncate_prompt_tokens": 3}},
 }
 
 

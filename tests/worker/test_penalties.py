@@ -87,7 +87,8 @@ def test_penalties_match_reference_with_incremental_counts() -> None:
     assert md.penalties is not None
     logits = random_logits(len(params), seed=99)
     torch.testing.assert_close(
-        apply_penalties(logits, md.penalties), reference_penalties(logits, histories, params)
+        apply_penalties(logits.clone(), md.penalties),
+        reference_penalties(logits, histories, params),
     )
 
 

@@ -19,7 +19,14 @@ from typing import TYPE_CHECKING, NamedTuple
 from tokenizers import Tokenizer
 
 from v1.engine.detokenizer import IncrementalDetokenizer, TokenTexts, get_backend_tokenizer
-from v1.outputs import CompletionOutput, EngineCoreOutput, Logprob, RequestMetrics, RequestOutput
+from v1.outputs import (
+    CompletionOutput,
+    EngineCoreOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from v1.request import EngineCoreRequest
 
 if TYPE_CHECKING:
@@ -77,6 +84,8 @@ class ParentRequest:
         self.num_finished = 0
         self.num_cached_tokens = 0
         self.metrics = RequestMetrics(arrival_time=request.arrival_time or time.monotonic())
+        # The children share the prompt: the parent reports the first child's prompt logprobs.
+        self.first_child: RequestState | None = None
 
     @staticmethod
     def child_request_id(index: int, parent_id: str) -> str:
@@ -99,6 +108,8 @@ class ParentRequest:
 
     def record(self, completion: CompletionOutput | None, child: "RequestState") -> None:
         """Takes a child's latest output (None: nothing to show yet, in final mode)."""
+        if child.index == 0:
+            self.first_child = child
         if completion is not None:
             if self.output_kind is RequestOutputKind.DELTA:
                 self.deltas.append(completion)
@@ -129,6 +140,9 @@ class ParentRequest:
             prompt_token_ids=self.request.prompt_token_ids,
             outputs=outputs,
             finished=self.finished,
+            prompt_logprobs=(
+                None if self.first_child is None else self.first_child.take_prompt_logprobs()
+            ),
             num_cached_tokens=self.num_cached_tokens,
             metrics=_snapshot(self.metrics),
         )
@@ -166,6 +180,7 @@ class RequestState:
         self.cumulative_logprob: float | None = None
         if params.logprobs is not None:
             self.logprobs, self.cumulative_logprob = [], 0.0
+        self.prompt_logprobs: PromptLogprobs | None = None  # once the core sends them
         self.num_tokens_sent = 0  # for delta outputs
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -186,10 +201,15 @@ class RequestState:
                 stats.inter_token_latencies.append(now - metrics.last_token_time)
             metrics.last_token_time = now
         self.token_ids += new_ids
+        if output.queue_time is not None:
+            metrics.time_in_queue = output.queue_time
         if output.num_cached_tokens:
             self.num_cached_tokens = output.num_cached_tokens
         if self.logprobs is not None and output.new_logprobs:
             self._add_logprobs(output.new_logprobs)
+        if output.new_prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+            self.prompt_logprobs += map(self._logprob_dict, output.new_prompt_logprobs)
 
         self.finish_reason, self.stop_reason = output.finish_reason, output.stop_reason
         stop_string = None
@@ -206,7 +226,7 @@ class RequestState:
             if stats is not None:
                 stats.finished_requests.append(
                     FinishedRequestStats(
-                        self.finish_reason, now - metrics.arrival_time, output.queue_time
+                        self.finish_reason, now - metrics.arrival_time, metrics.time_in_queue
                     )
                 )
         return stop_string is not None
@@ -239,26 +259,39 @@ class RequestState:
             prompt_token_ids=self.prompt_token_ids,
             outputs=[completion],
             finished=self.finish_reason is not None,
+            prompt_logprobs=self.take_prompt_logprobs(),
             num_cached_tokens=self.num_cached_tokens,
             metrics=_snapshot(self.metrics),
         )
 
+    def take_prompt_logprobs(self) -> PromptLogprobs | None:
+        """The prompt logprobs for an output: in delta mode only the first output with them
+        carries them, as vLLM."""
+        prompt_logprobs = self.prompt_logprobs
+        if self.output_kind is RequestOutputKind.DELTA:
+            self.prompt_logprobs = None
+        return prompt_logprobs
+
     def _add_logprobs(self, new_logprobs: list[tuple[list[int], list[float], int]]) -> None:
         assert self.logprobs is not None and self.cumulative_logprob is not None
-        for token_ids, logprobs, sampled_rank in new_logprobs:
-            decoded: list[str] | list[None] = [None] * len(token_ids)
-            if self.token_texts is not None:
-                decoded = self.token_texts(token_ids)
-            # The sampled token comes first with its own rank; the top tokens follow, ranked
-            # 1..k. A sampled token that is also among them keeps its top-k entry.
-            ranks = [sampled_rank, *range(1, len(token_ids))]
-            self.logprobs.append(
-                {
-                    tid: Logprob(lp, rank, text)
-                    for tid, lp, rank, text in zip(token_ids, logprobs, ranks, decoded, strict=True)
-                }
-            )
-            self.cumulative_logprob += logprobs[0]
+        for token_logprobs in new_logprobs:
+            self.logprobs.append(self._logprob_dict(token_logprobs))
+            self.cumulative_logprob += token_logprobs[1][0]
+
+    def _logprob_dict(
+        self, token_logprobs: tuple[list[int], list[float], int]
+    ) -> dict[int, Logprob]:
+        token_ids, logprobs, rank = token_logprobs
+        decoded: list[str] | list[None] = [None] * len(token_ids)
+        if self.token_texts is not None:
+            decoded = self.token_texts(token_ids)
+        # The given (sampled or prompt) token comes first with its own rank; the top tokens
+        # follow, ranked 1..k. A given token that is also among them keeps its top-k entry.
+        ranks = [rank, *range(1, len(token_ids))]
+        return {
+            tid: Logprob(lp, r, text)
+            for tid, lp, r, text in zip(token_ids, logprobs, ranks, decoded, strict=True)
+        }
 
 
 class OutputProcessor:
@@ -378,7 +411,7 @@ def _snapshot(metrics: RequestMetrics) -> RequestMetrics:
     # A copy for the user, as ours keeps changing (dataclasses.replace is ~5x slower).
     return RequestMetrics(
         metrics.arrival_time,
-        metrics.first_scheduled_time,
+        metrics.time_in_queue,
         metrics.first_token_time,
         metrics.last_token_time,
         metrics.finished_time,

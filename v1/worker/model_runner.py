@@ -9,11 +9,17 @@ the request t belongs to,
 
 Only the last token of a request whose known tokens are all computed after this step is
 sampled; a prefill chunk that stops short of the end of its prompt samples nothing.
+
+A request with `prompt_logprobs` also gets logits at every prompt position of its chunks (the
+scheduler gives it no prefix-cache hits, so every position is computed here): each chunk's
+logprobs of the next prompt tokens are kept until the step that finishes the prompt, which
+returns them all.
 """
 
 import ctypes
 import ctypes.util
 import logging
+from typing import cast
 
 import numpy as np
 import torch
@@ -21,12 +27,12 @@ import torch
 from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata, kv_cache_shape
 from v1.config import CacheConfig, SchedulerConfig
 from v1.core.sched.output import SchedulerOutput
-from v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, TokenLogprobs
 from v1.sampling_params import SamplingParams
 from v1.worker.input_batch import InputBatch
 from v1.worker.model import head_dim_of
 from v1.worker.model_loader import LoadedModel
-from v1.worker.sampler import BadWords, Sampler, SamplingMetadata, TokenCounts
+from v1.worker.sampler import BadWords, Sampler, SamplingMetadata, TokenCounts, gather_logprobs
 
 logger = logging.getLogger("v1")
 
@@ -90,6 +96,8 @@ class ModelRunner:
         self._sampling_metadata: SamplingMetadata | None = None
         self._sampling_key: tuple[int, bytes] = (-1, b"")
         self._preempted: dict[str, tuple[SamplingParams, int, torch.Generator | None]] = {}
+        # Requests owed prompt logprobs -> those of the chunks computed so far.
+        self.in_progress_prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
 
     # -- KV cache ---------------------------------------------------------------------
 
@@ -137,9 +145,11 @@ class ModelRunner:
 
     def _update_states(self, out: SchedulerOutput) -> None:
         batch = self.input_batch
+        in_progress = self.in_progress_prompt_logprobs
         for req_id in out.finished_req_ids:
             batch.remove_request(req_id)
             self._preempted.pop(req_id, None)
+            in_progress.pop(req_id, None)
         for req_id in out.preempted_req_ids:
             # Out of the batch until resumed; its params and seeded generator wait here.
             row = batch.req_id_to_index[req_id]
@@ -149,6 +159,8 @@ class ModelRunner:
                 params, int(batch.num_prompt_tokens[row]), batch.generators.get(req_id)
             )
             batch.remove_request(req_id)
+            if req_id in in_progress:  # it resumes from its first token: collect anew
+                in_progress[req_id] = []
         batch.condense()
         for new in out.scheduled_new_reqs:
             params = new.sampling_params
@@ -160,6 +172,8 @@ class ModelRunner:
                 new.req_id, new.prompt_token_ids, len(new.prompt_token_ids),
                 new.num_computed_tokens, new.block_ids, params, generator,
             )
+            if params.prompt_logprobs is not None:
+                in_progress[new.req_id] = []
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             if cached.resumed_from_preemption[i]:
@@ -220,6 +234,11 @@ class ModelRunner:
             self.kv_caches,
             metadata,
         )
+        prompt_logprobs_dict = (
+            self._get_prompt_logprobs_dict(hidden, req_ids, num_computed, num_scheduled)
+            if self.in_progress_prompt_logprobs
+            else {}
+        )
 
         # Rows that sample: every known token is computed after this step.
         samples = seq_lens >= batch.num_tokens[rows]
@@ -235,8 +254,9 @@ class ModelRunner:
             if metadata_s.bad_words is not None:
                 self._add_bad_word_bans(banned, metadata_s.bad_words, sample_rows)
             sampler_out = self.sampler(logits, metadata_s, banned)
-            if metadata_s.penalties is not None:
-                batch.count_sampled(metadata_s.penalties.counts.rows, sampler_out.sampled_token_ids)
+            if (penalties := metadata_s.penalties) is not None:
+                sampled = sampler_out.sampled_token_ids[penalties.sample_idx]
+                batch.count_sampled(penalties.counts.rows, sampled)
             token_ids = sampler_out.sampled_token_ids.tolist()
             # Store the sampled tokens now: the next step's inputs come from here.
             batch.token_ids[sample_rows, batch.num_tokens[sample_rows]] = token_ids
@@ -251,7 +271,45 @@ class ModelRunner:
                 ):
                     logprobs_rows[i] = None if lp is None else [lp]
         batch.num_computed_tokens[rows] = seq_lens
-        return ModelRunnerOutput(req_ids, sampled_rows, logprobs_rows)
+        return ModelRunnerOutput(req_ids, sampled_rows, logprobs_rows, prompt_logprobs_dict)
+
+    def _get_prompt_logprobs_dict(
+        self,
+        hidden: torch.Tensor,
+        req_ids: list[str],
+        num_computed: np.ndarray,
+        num_scheduled: np.ndarray,
+    ) -> dict[str, list[TokenLogprobs]]:
+        """Collects this step's chunk of each request owed prompt logprobs; returns those of
+        the requests whose prompt this step finishes. Raw logprobs, as for sampled tokens."""
+        batch = self.input_batch
+        completed: dict[str, list[TokenLogprobs]] = {}
+        token_start = 0  # the request's first token in `hidden`
+        for req_id, start, num in zip(req_ids, num_computed.tolist(), num_scheduled.tolist()):
+            collected = self.in_progress_prompt_logprobs.get(req_id)
+            if collected is not None:
+                row = batch.req_id_to_index[req_id]
+                num_prompt = int(batch.num_prompt_tokens[row])
+                # Position p's logits give the logprob of prompt token p + 1.
+                end = min(start + num, num_prompt - 1)
+                if end > start:
+                    params = batch.sampling_params[row]
+                    assert params is not None and params.prompt_logprobs is not None
+                    k = params.prompt_logprobs
+                    chunk = hidden[token_start : token_start + end - start]
+                    logits = self.model.compute_logits(chunk)
+                    next_ids = torch.from_numpy(batch.token_ids[row, start + 1 : end + 1])
+                    logprobs = gather_logprobs(
+                        logits.log_softmax(dim=-1), next_ids.to(self.device), k
+                    )
+                    # Every position asks for k, so none is None.
+                    collected += cast(
+                        list[TokenLogprobs], logprobs.to_token_logprobs([k] * (end - start))
+                    )
+                if start + num >= num_prompt:
+                    completed[req_id] = self.in_progress_prompt_logprobs.pop(req_id)
+            token_start += num
+        return completed
 
     def _get_sampling_metadata(
         self, req_ids: list[str], rows: np.ndarray, sample_idx: np.ndarray

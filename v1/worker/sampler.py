@@ -47,12 +47,14 @@ class TokenCounts(NamedTuple):
 
 @dataclass(slots=True)
 class Penalties:
-    """Per-row penalty values, as columns that broadcast over the vocabulary."""
+    """The penalised rows (only those: each costs full-vocabulary passes) and their values,
+    as columns that broadcast over the vocabulary."""
 
-    presence: torch.Tensor  # fp32 [num_reqs, 1]; 0 disables
-    frequency: torch.Tensor  # fp32 [num_reqs, 1]; 0 disables
-    repetition: torch.Tensor  # fp32 [num_reqs, 1]; 1 disables
-    counts: TokenCounts
+    sample_idx: torch.Tensor  # int64 [num_penalised]: their sampling rows
+    presence: torch.Tensor  # fp32 [num_penalised, 1]; 0 disables
+    frequency: torch.Tensor  # fp32 [num_penalised, 1]; 0 disables
+    repetition: torch.Tensor  # fp32 [num_penalised, 1]; 1 disables
+    counts: TokenCounts  # its `rows` are the penalised rows' rows in the count tensors
 
 
 @dataclass(slots=True)
@@ -194,18 +196,23 @@ def _logit_bias(
 def _penalties(
     params: Sequence[SamplingParams], counts: TokenCounts | None, device: torch.device | str
 ) -> Penalties | None:
-    if not any(p.has_penalties for p in params):
+    penalised = [p for p in params if p.has_penalties]
+    if not penalised:
         return None
     assert counts is not None, "penalties need the batch's token counts"
 
     def column(values: list[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(-1)
 
+    idx = torch.tensor(
+        [i for i, p in enumerate(params) if p.has_penalties], dtype=torch.int64, device=device
+    )
     return Penalties(
-        column([p.presence_penalty for p in params]),
-        column([p.frequency_penalty for p in params]),
-        column([p.repetition_penalty for p in params]),
-        counts,
+        idx,
+        column([p.presence_penalty for p in penalised]),
+        column([p.frequency_penalty for p in penalised]),
+        column([p.repetition_penalty for p in penalised]),
+        counts._replace(rows=counts.rows[idx]),
     )
 
 
@@ -283,7 +290,7 @@ class Sampler:
         logprobs = None
         if raw_logprobs is not None:
             assert metadata.max_num_logprobs is not None
-            logprobs = _gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
+            logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled, logprobs)
 
 
@@ -295,21 +302,25 @@ def _apply_bans(logits: torch.Tensor, banned: dict[int, list[int]]) -> None:
 
 
 def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
-    """vLLM's penalties, all rows at once: repetition over prompt and output tokens, then
-    frequency (times the count) and presence (once) over output tokens."""
+    """vLLM's penalties, all penalised rows at once: repetition over prompt and output
+    tokens, then frequency (times the count) and presence (once) over output tokens. Writes
+    the penalised rows of `logits` in place and returns it."""
     prompt_mask, output_counts, rows = penalties.counts
     output_counts = output_counts[rows]
     output_mask = output_counts > 0
     seen = prompt_mask[rows] | output_mask
     repetition = torch.where(seen, penalties.repetition, 1.0)
-    logits = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits -= penalties.frequency * output_counts
-    logits -= penalties.presence * output_mask
+    penalised = logits[penalties.sample_idx]
+    penalised = torch.where(penalised > 0, penalised / repetition, penalised * repetition)
+    penalised -= penalties.frequency * output_counts
+    penalised -= penalties.presence * output_mask
+    logits[penalties.sample_idx] = penalised
     return logits
 
 
-def _gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, k: int) -> LogprobsTensors:
-    """Each row's sampled token and top-k tokens from its full-vocabulary logprobs."""
+def gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, k: int) -> LogprobsTensors:
+    """Each row's given token (sampled, or the next prompt token) and top-k tokens from its
+    full-vocabulary logprobs."""
     top_lps, top_ids = logprobs.topk(k, dim=-1)
     sampled_col = sampled.unsqueeze(-1)
     sampled_lp = logprobs.gather(-1, sampled_col)

@@ -326,7 +326,12 @@ class Scheduler:
         if len(self.running) - num_victims >= self.max_num_seqs:
             return None
         kv = self.kv_cache_manager
-        hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+        if request.sampling_params.prompt_logprobs is None:
+            hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+        else:
+            # As vLLM: cached positions' logits are never computed, and their logprobs are
+            # asked for.
+            hit_blocks, num_hit_tokens = [], 0
         if freed.unwritten:
             # Victims this step scheduled un-hash the blocks that step was to write: hits
             # end before the first of those.
@@ -374,6 +379,7 @@ class Scheduler:
         max_model_len = self.max_model_len
         async_scheduling = self.async_scheduling
         logprobs_rows = model_output.logprobs
+        prompt_logprobs_dict = model_output.prompt_logprobs_dict
         stopped = False
         num_generated = 0
         for i, (req_id, new_token_ids) in enumerate(
@@ -400,7 +406,10 @@ class Scheduler:
                 logprobs_rows[i] if logprobs_rows is not None else None,
                 request.get_finished_reason() if finished else None,
                 request.stop_reason, request.num_cached_tokens,
-                _queue_time(request) if finished else None,
+                # The first output with tokens: all of them are this step's.
+                _queue_time(request) if request.num_output_tokens == len(new_token_ids)
+                else None,
+                new_prompt_logprobs=prompt_logprobs_dict.get(req_id),
             )
             client_outputs = outputs.get(request.client_index)
             if client_outputs is None:

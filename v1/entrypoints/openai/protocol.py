@@ -116,14 +116,12 @@ class SamplingRequest(OpenAIBaseModel):
 
     # OpenAI's fields we do not implement.
     response_format: Unsupported[dict[str, Any] | None] = None
-    echo: Unsupported[bool] = False
     # vLLM's sampling and structured-output extras we do not implement.
     best_of: Unsupported[int | None] = None
     use_beam_search: Unsupported[bool] = False
     length_penalty: Unsupported[float] = 1.0
     spaces_between_special_tokens: Unsupported[bool] = True
     truncate_prompt_tokens: Unsupported[int | None] = None
-    prompt_logprobs: Unsupported[int | None] = None
     guided_json: Unsupported[str | dict[str, Any] | None] = None
     guided_regex: Unsupported[str | None] = None
     guided_choice: Unsupported[list[str] | None] = None
@@ -155,10 +153,12 @@ class SamplingRequest(OpenAIBaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         return SamplingParams(
             **self.model_dump(include=_SAMPLING_FIELDS), max_tokens=max_tokens, logprobs=logprobs,
-            logit_bias=self._logit_bias(),
+            prompt_logprobs=prompt_logprobs, logit_bias=self._logit_bias(),
         )
 
     def _logit_bias(self) -> dict[int, float] | None:
@@ -178,6 +178,10 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int = 16  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # The prompt's text before the completion's (and, with logprobs, its tokens' logprobs).
+    echo: bool = False
+    # vLLM's: each choice gets `prompt_logprobs`, this many top tokens per prompt position.
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: Unsupported[str | None] = None
     add_special_tokens: Unsupported[bool] = True  # the prompt gets them (BOS)
     prompt_embeds: Unsupported[str | list[str] | None] = None
@@ -188,8 +192,18 @@ class CompletionRequest(SamplingRequest):
             return prompt  # type: ignore[return-value]
         return [prompt]  # type: ignore[list-item]
 
+    @model_validator(mode="after")
+    def _prompt_extras_not_streamed(self) -> "CompletionRequest":
+        if self.stream and (self.echo or self.prompt_logprobs is not None):
+            raise ValueError("echo and prompt_logprobs are not supported with stream=true")
+        return self
+
     def to_sampling_params(self) -> SamplingParams:
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        # As vLLM: echoed prompt tokens get logprobs like the generated ones.
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo:
+            prompt_logprobs = self.logprobs
+        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
 
 
 class TextPart(OpenAIBaseModel):
@@ -241,6 +255,8 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateRequest):
     # vLLM's chat extras we do not implement.
     include_reasoning: Unsupported[bool] = True
     documents: Unsupported[list[dict[str, str]] | None] = None
+    echo: Unsupported[bool] = False  # vLLM's, for chat: the last message's content
+    prompt_logprobs: Unsupported[int | None] = None
     mm_processor_kwargs: Unsupported[dict[str, Any] | None] = None
 
     def to_sampling_params(self) -> SamplingParams:
@@ -291,9 +307,20 @@ class CompletionLogprobs(BaseModel):
     alternatives and where it starts in the choice's text."""
 
     tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float]] = []
+    # None for an echoed prompt's first token, which has nothing before it.
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
     text_offset: list[int] = []
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's `Logprob`, as its `prompt_logprobs` show it (made from ours, `v1.outputs.Logprob`)."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 class CompletionChoice(BaseModel):
@@ -302,6 +329,8 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop string or token id that ended it
+    # vLLM's: per prompt token, token id -> its logprob (None for the first token).
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -5,7 +5,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
 from typing import Any
 
@@ -42,7 +42,7 @@ from v1.entrypoints.openai.protocol import (
     TokenizeResponse,
     UsageInfo,
 )
-from v1.outputs import CompletionOutput, Logprob, RequestOutput
+from v1.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from v1.sampling_params import SamplingParams
 
 logger = logging.getLogger("v1.entrypoints.openai")
@@ -77,6 +77,8 @@ class StartedRequest:
     ) -> None:
         self._streams = streams
         self._last = firsts  # per prompt, its latest output (for usage)
+        # Per prompt, its prompt logprobs once an output had them (only one does, in delta mode).
+        self._prompt_logprobs = [output.prompt_logprobs for output in firsts]
         self._n = n
         self._pending: dict[asyncio.Future[RequestOutput], int] = {}  # next output: prompt
 
@@ -120,6 +122,8 @@ class StartedRequest:
                 except StopAsyncIteration:
                     continue
                 self._last[i] = output
+                if output.prompt_logprobs is not None:
+                    self._prompt_logprobs[i] = output.prompt_logprobs
                 yield self._numbered(i, output)
                 self._pending[asyncio.ensure_future(anext(self._streams[i]))] = i
 
@@ -128,6 +132,12 @@ class StartedRequest:
             return output
         outputs = [dataclasses.replace(c, index=i * self._n + c.index) for c in output.outputs]
         return dataclasses.replace(output, outputs=outputs)
+
+    def prompt_of(self, choice_index: int) -> tuple[RequestOutput, PromptLogprobs | None]:
+        """A choice's prompt: the latest output of it (its text and token ids) and its prompt
+        logprobs."""
+        i = choice_index // self._n
+        return self._last[i], self._prompt_logprobs[i]
 
     def usage(self, num_generated: int) -> UsageInfo:
         num_prompt = sum(len(output.prompt_token_ids) for output in self._last)
@@ -188,16 +198,45 @@ class OpenAIServing:
         return CompletionResponse(
             **head,
             choices=[
-                CompletionChoice(
-                    index=c.index,
-                    text=c.text,
-                    logprobs=None if k is None else _completion_logprobs(c, k, 0),
-                    finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason,
-                )
-                for c in choices
+                self._completion_choice(c, *outputs.prompt_of(c.index), request) for c in choices
             ],
             usage=usage,
+        )
+
+    def _completion_choice(
+        self,
+        c: CompletionOutput,
+        prompt: RequestOutput,
+        prompt_logprobs: PromptLogprobs | None,
+        request: CompletionRequest,
+    ) -> CompletionChoice:
+        """A finished choice; with `echo`, its prompt's text (and tokens' logprobs) first."""
+        k = request.logprobs
+        text, token_ids = c.text, c.token_ids
+        logprobs: Sequence[dict[int, Logprob] | None] = c.logprobs or []
+        first_token_text = ""
+        if request.echo:
+            tokenizer = self.engine.tokenizer
+            prompt_ids = prompt.prompt_token_ids
+            prompt_text = prompt.prompt
+            if prompt_text is None:  # given as token ids
+                prompt_text = tokenizer.decode(prompt_ids)
+            text, token_ids = prompt_text + text, prompt_ids + token_ids
+            if k is not None:
+                # The prompt logprobs were asked for with k (to_sampling_params).
+                assert prompt_logprobs is not None
+                logprobs = [*prompt_logprobs, *logprobs]
+                first_token_text = tokenizer.decode(prompt_ids[:1], skip_special_tokens=False)
+        return CompletionChoice(
+            index=c.index,
+            text=text,
+            logprobs=(
+                None if k is None
+                else _completion_logprobs(token_ids, logprobs, k, 0, first_token_text)
+            ),
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+            prompt_logprobs=prompt_logprobs,
         )
 
     async def create_chat_completion(
@@ -336,7 +375,9 @@ async def _completion_chunks(
     async for delta in deltas:
         logprobs = None
         if k is not None:
-            logprobs = _completion_logprobs(delta, k, offsets.get(delta.index, 0))
+            logprobs = _completion_logprobs(
+                delta.token_ids, delta.logprobs or [], k, offsets.get(delta.index, 0)
+            )
             offsets[delta.index] = offsets.get(delta.index, 0) + sum(map(len, logprobs.tokens))
         choice = CompletionChoice(
             index=delta.index,
@@ -390,14 +431,29 @@ def _top(logprobs: dict[int, Logprob], k: int) -> list[Logprob]:
     return sorted(logprobs.values(), key=lambda lp: lp.rank or 0)[:k]
 
 
-def _completion_logprobs(c: CompletionOutput, k: int, offset: int) -> CompletionLogprobs:
+def _completion_logprobs(
+    token_ids: list[int],
+    logprobs: Sequence[dict[int, Logprob] | None],
+    k: int,
+    offset: int,
+    first_token_text: str = "",
+) -> CompletionLogprobs:
+    """None in `logprobs` is an echoed prompt's first token: its logprob and top are null, as
+    OpenAI's, and `first_token_text` is its text (no Logprob carries it)."""
     result = CompletionLogprobs()
-    for token_id, logprobs in zip(c.token_ids, c.logprobs or [], strict=True):
-        sampled = logprobs[token_id]
-        token = sampled.decoded_token or ""
+    for token_id, logprobs_at in zip(token_ids, logprobs, strict=True):
+        if logprobs_at is None:
+            token = first_token_text
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+        else:
+            given = logprobs_at[token_id]
+            token = given.decoded_token or ""
+            result.token_logprobs.append(given.logprob)
+            result.top_logprobs.append(
+                {lp.decoded_token or "": lp.logprob for lp in _top(logprobs_at, k)}
+            )
         result.tokens.append(token)
-        result.token_logprobs.append(sampled.logprob)
-        result.top_logprobs.append({lp.decoded_token or "": lp.logprob for lp in _top(logprobs, k)})
         result.text_offset.append(offset)
         offset += len(token)
     return result

@@ -1,0 +1,99 @@
+"""/v1/completions' `echo` (OpenAI's) and `prompt_logprobs` (vLLM's), through the real `openai`
+client against one `python -m v1 serve` process."""
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.entrypoints.test_openai_server import MESSAGES, MODEL, serve
+
+pytestmark = [pytest.mark.model, pytest.mark.slow]
+
+PROMPT = "The capital of France is"
+OTHER = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def client(
+    default_model_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[openai.OpenAI]:
+    log = tmp_path_factory.mktemp("openai_echo") / "server.log"
+    with serve(
+        default_model_path, log, "--served-model-name", MODEL, "--max-model-len", "256",
+        "--num-gpu-blocks", "64",
+    ) as server:
+        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+
+
+def complete(client: openai.OpenAI, prompt: str | list[int], **kwargs) -> openai.types.Completion:
+    return client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=4, temperature=0, **kwargs
+    )
+
+
+def test_echo_prepends_the_prompt(client: openai.OpenAI, hf_tokenizer) -> None:
+    plain = complete(client, PROMPT).choices[0].text
+    assert complete(client, PROMPT, echo=True).choices[0].text == PROMPT + plain
+    # A prompt given as token ids is echoed as its text.
+    ids = hf_tokenizer.encode(PROMPT, add_special_tokens=False)
+    assert complete(client, ids, echo=True).choices[0].text == hf_tokenizer.decode(ids) + plain
+
+
+def test_echo_with_logprobs_scores_the_prompt_tokens_too(client: openai.OpenAI) -> None:
+    plain = complete(client, PROMPT, logprobs=2)
+    echoed = complete(client, PROMPT, logprobs=2, echo=True)
+    num_prompt = echoed.usage.prompt_tokens
+    lp, plain_lp = echoed.choices[0].logprobs, plain.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == num_prompt + 4
+    # As OpenAI: the first prompt token has nothing before it to be scored against.
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(isinstance(x, float) for x in lp.token_logprobs[1:])
+    assert all(0 < len(top) <= 2 for top in lp.top_logprobs[1:])
+    assert lp.tokens[num_prompt:] == plain_lp.tokens
+    assert lp.token_logprobs[num_prompt:] == pytest.approx(plain_lp.token_logprobs)
+    assert "".join(lp.tokens[:num_prompt]) == PROMPT  # (this model adds no BOS)
+    assert lp.text_offset == sorted(lp.text_offset)
+    # The prompt part is the prompt logprobs', which come along, as vLLM's.
+    prompt_logprobs = echoed.choices[0].prompt_logprobs
+    assert len(prompt_logprobs) == num_prompt
+    for pos in range(1, num_prompt):
+        assert lp.token_logprobs[pos] in [e["logprob"] for e in prompt_logprobs[pos].values()]
+
+
+def test_prompt_logprobs_per_choice(client: openai.OpenAI, hf_tokenizer) -> None:
+    k = 3
+    response = complete(client, [PROMPT, OTHER], n=2, extra_body={"prompt_logprobs": k})
+    assert len(response.choices) == 4
+    for choice in response.choices:
+        prompt = [PROMPT, OTHER][choice.index // 2]  # prompt i's choice j is i * n + j
+        ids = hf_tokenizer.encode(prompt)
+        prompt_logprobs = choice.prompt_logprobs
+        assert len(prompt_logprobs) == len(ids) and prompt_logprobs[0] is None
+        for token_id, entry in zip(ids[1:], prompt_logprobs[1:], strict=True):
+            assert str(token_id) in entry and len(entry) in (k, k + 1)
+            assert sorted(e["rank"] for e in entry.values())[:k] == list(range(1, k + 1))
+            assert entry[str(token_id)]["decoded_token"] == hf_tokenizer.decode([token_id])
+    assert complete(client, PROMPT).choices[0].prompt_logprobs is None
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"echo": True, "stream": True},
+        {"extra_body": {"prompt_logprobs": 21}},
+        {"extra_body": {"prompt_logprobs": -1}},
+    ],
+)
+def test_bad_prompt_extras_are_refused(client: openai.OpenAI, kwargs) -> None:
+    with pytest.raises(openai.BadRequestError):
+        complete(client, PROMPT, **kwargs)
+
+
+@pytest.mark.parametrize("field", ["echo", "prompt_logprobs"])
+def test_chat_still_refuses_them(client: openai.OpenAI, field: str) -> None:
+    with pytest.raises(openai.BadRequestError, match=field):
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=2, extra_body={field: 1}
+        )
