@@ -7,7 +7,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.entrypoints.test_openai_server import MESSAGES, MODEL, serve
+from tests.entrypoints.test_openai_server import MESSAGES, MODEL, serve_client
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -19,12 +19,11 @@ OTHER = "Once upon a time"
 def client(
     default_model_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[openai.OpenAI]:
-    log = tmp_path_factory.mktemp("openai_echo") / "server.log"
-    with serve(
-        default_model_path, log, "--served-model-name", MODEL, "--max-model-len", "256",
-        "--num-gpu-blocks", "64",
-    ) as server:
-        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    with serve_client(
+        default_model_path, tmp_path_factory, "openai_echo",
+        "--max-model-len", "256", "--num-gpu-blocks", "64",
+    ) as client:
+        yield client
 
 
 def complete(client: openai.OpenAI, prompt: str | list[int], **kwargs) -> openai.types.Completion:

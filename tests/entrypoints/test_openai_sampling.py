@@ -7,7 +7,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.entrypoints.test_openai_server import MODEL, serve
+from tests.entrypoints.test_openai_server import MODEL, serve_client
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -19,18 +19,11 @@ TOKEN = 504  # any in-vocabulary id
 def client(
     default_model_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[openai.OpenAI]:
-    log = tmp_path_factory.mktemp("openai_sampling") / "server.log"
-    with serve(
-        default_model_path,
-        log,
-        "--served-model-name",
-        MODEL,
-        "--max-model-len",
-        "512",
-        "--num-gpu-blocks",
-        "128",
-    ) as server:
-        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    with serve_client(
+        default_model_path, tmp_path_factory, "openai_sampling",
+        "--max-model-len", "512", "--num-gpu-blocks", "128",
+    ) as client:
+        yield client
 
 
 def greedy(client: openai.OpenAI, prompt: str, max_tokens: int = 12, **extra) -> list[str]:

@@ -101,6 +101,17 @@ def serve(model_path: Path, log: Path, *options: str) -> Iterator[Server]:
             proc.wait()
 
 
+@contextlib.contextmanager
+def serve_client(
+    model_path: Path, tmp_path_factory: pytest.TempPathFactory, name: str, *options: str
+) -> Iterator[openai.OpenAI]:
+    """`serve` under the name MODEL, with its log in a fresh temp dir; yields an `openai`
+    client of it."""
+    log = tmp_path_factory.mktemp(name) / "server.log"
+    with serve(model_path, log, "--served-model-name", MODEL, *options) as server:
+        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+
+
 @pytest.fixture(scope="module")
 def server(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("openai_server") / "server.log"
