@@ -2,12 +2,12 @@
 
 from typing import TYPE_CHECKING
 
-from v1.sampling_params import SamplingParams
+from v1.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from v1.entrypoints.llm import LLM
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str):

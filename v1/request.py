@@ -3,6 +3,8 @@
 import enum
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, Protocol
 
 import msgspec
 
@@ -30,14 +32,17 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class RequestStatus(enum.IntEnum):
-    """Lifecycle: WAITING -> RUNNING -> (PREEMPTED -> WAITING ->)* -> FINISHED_*.
+    """Lifecycle: (WAITING_FOR_FSM ->) WAITING -> RUNNING -> (PREEMPTED -> WAITING ->)*
+    -> FINISHED_*.
 
     Any unfinished state may go to FINISHED_ABORTED; FINISHED_IGNORED is for a request that
-    can never be scheduled (it is rejected before it runs). Finished states compare greater
+    can never be scheduled (it is rejected before it runs). A structured-output request waits
+    in WAITING_FOR_FSM until its grammar is compiled. Finished states compare greater
     than PREEMPTED, so `status > PREEMPTED` is the finished test.
     """
 
     WAITING = enum.auto()
+    WAITING_FOR_FSM = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()
@@ -63,6 +68,16 @@ _FINISHED_REASONS = {
 }
 
 
+class StructuredOutputGrammar(Protocol):
+    """A request's grammar matcher, as the scheduler and the bitmask filler use it."""
+
+    def accept_tokens(self, token_ids: list[int]) -> bool: ...
+
+    def is_terminated(self) -> bool: ...
+
+    def fill_bitmask(self, bitmask: Any, row: int) -> None: ...
+
+
 BlockHash = bytes
 # (request) -> the hashes of the request's full blocks not hashed yet.
 BlockHasher = Callable[["Request"], list[BlockHash]]
@@ -82,7 +97,7 @@ class Request:
         "sampling_params", "eos_token_id", "max_tokens", "output_token_ids", "all_token_ids",
         "status", "num_computed_tokens", "num_cached_tokens", "num_preemptions",
         "num_output_placeholders", "block_hashes", "cache_salt", "stop_reason",
-        "queued_time", "scheduled_time", "_block_hasher",
+        "queued_time", "scheduled_time", "_block_hasher", "grammar_future", "grammar",
     )
 
     def __init__(
@@ -117,6 +132,9 @@ class Request:
         # Engine-core clock (monotonic): entering the scheduler, and first being scheduled.
         self.queued_time = 0.0
         self.scheduled_time: float | None = None
+        # Structured output: the compilation in flight, then the matcher once it is done.
+        self.grammar_future: Future[StructuredOutputGrammar] | None = None
+        self.grammar: StructuredOutputGrammar | None = None
         self.block_hashes: list[BlockHash] = []
         self._block_hasher = block_hasher
         if block_hasher is not None:

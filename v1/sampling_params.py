@@ -1,9 +1,39 @@
 """Sampling parameters, validated on construction like vLLM's."""
 
 from dataclasses import dataclass, field
+from typing import Any
 
 _GREEDY_EPS = 1e-5
 _INF = float("inf")
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """vLLM's: constrain the output to exactly one of a JSON schema (`json`, a dict or its
+    text), any JSON object (`json_object`), a regular expression, one of the `choice`
+    strings, or an EBNF `grammar` (xgrammar's dialect)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [
+            name for name in ("json", "regex", "choice", "grammar", "json_object")
+            if getattr(self, name) not in (None, False)
+        ]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs takes exactly one of json, regex, choice, grammar or "
+                f"json_object, got {given or 'none'}"
+            )
+        if self.choice is not None and not (
+            isinstance(self.choice, list) and self.choice
+            and all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError(f"choice must be a list of non-empty strings, got {self.choice!r}")
 
 
 @dataclass(slots=True)
@@ -18,7 +48,8 @@ class SamplingParams:
     output tokens, `repetition_penalty` the prompt's and the output's (divides a positive
     logit, multiplies a negative one); `logit_bias` adds to token ids' logits;
     `allowed_token_ids` restricts sampling to those ids; `bad_words` are never completed
-    (the processor tokenizes them into `bad_words_token_ids`).
+    (the processor tokenizes them into `bad_words_token_ids`). `structured_outputs` masks
+    every sampled token to what its grammar allows.
     """
 
     n: int = 1
@@ -43,6 +74,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled in by the processor: each bad word's token ids, with and without a leading space.
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # Filled in by the processor from the tokenizer's EOS and `stop_token_ids`; the scheduler

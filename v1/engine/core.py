@@ -70,6 +70,7 @@ import zmq
 from v1.config import EngineArgs
 from v1.core.sched.output import SchedulerOutput
 from v1.core.sched.scheduler import Scheduler
+from v1.engine.structured_output import StructuredOutputManager
 from v1.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerStats
 from v1.request import EngineCoreRequest
 from v1.worker.model_loader import LoadedModel, load_model
@@ -117,7 +118,17 @@ class EngineCore:
                 "give the cache more memory"
             )
         self.model_runner.initialize_kv_cache(num_blocks)
-        self.scheduler = Scheduler(scheduler_config, cache_config, num_blocks)
+        self.structured_output_manager = (
+            StructuredOutputManager(
+                loaded.tokenizer, loaded.hf_config.vocab_size,
+                [i for i in (loaded.eos_token_id, *loaded.stop_token_ids) if i is not None],
+            )
+            if loaded.tokenizer is not None
+            else None
+        )
+        self.scheduler = Scheduler(
+            scheduler_config, cache_config, num_blocks, self.structured_output_manager
+        )
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
@@ -191,6 +202,8 @@ class EngineCore:
         return getattr(self, method)(*args)
 
     def shutdown(self) -> None:
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.shutdown()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
 

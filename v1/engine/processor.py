@@ -13,6 +13,7 @@ from typing import Any
 
 import jinja2
 
+from v1.engine.structured_output import validate_structured_output_params
 from v1.request import EngineCoreRequest
 from v1.sampling_params import SamplingParams
 
@@ -166,6 +167,10 @@ class Processor:
                     f"(valid: 0 to {self.vocab_size - 1})"
                 )
         params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words or [])
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs needs a tokenizer: this model has none")
+            validate_structured_output_params(params.structured_outputs)
         request = EngineCoreRequest(
             # A uuid, not a counter: unique across the frontend processes sharing a core, and
             # a reused caller id never meets its predecessor's steps still in flight there.

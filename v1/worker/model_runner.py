@@ -58,6 +58,18 @@ def tune_cpu_malloc() -> bool:
     return bool(mallopt(m_mmap_threshold, 64 << 20)) and bool(mallopt(m_trim_threshold, 1 << 30))
 
 
+def apply_grammar_bitmask(
+    logits: torch.Tensor, bitmask: np.ndarray, logit_rows: list[int]
+) -> None:
+    """Set to -inf the logits of tokens the grammar forbids: bitmask row i (32 tokens per
+    int32 word, bit set: allowed) masks logits row `logit_rows[i]`, before any sampling."""
+    words = torch.from_numpy(bitmask).to(logits.device, non_blocking=True)
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, : logits.shape[1]]
+    index = torch.tensor(logit_rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
 def attention_impl_for(device: torch.device) -> type[AttentionImpl]:
     if device.type == "cuda":
         from v1.attention.backends.triton_attn import TritonAttentionImpl
@@ -249,6 +261,12 @@ class ModelRunner:
             logits_idx = torch.from_numpy(query_start_loc[1:][sample_idx] - 1).to(dev)
             logits = self.model.compute_logits(hidden[logits_idx])
             sample_rows = rows[sample_idx]
+            if out.grammar_bitmask is not None:
+                sample_pos = {req_ids[j]: i for i, j in enumerate(sample_idx.tolist())}
+                apply_grammar_bitmask(
+                    logits, out.grammar_bitmask,
+                    [sample_pos[r] for r in out.structured_output_request_ids],
+                )
             metadata_s = self._get_sampling_metadata(req_ids, rows, sample_idx)
             banned = self._min_tokens_stop_ids(sample_rows)
             if metadata_s.bad_words is not None:

@@ -7,8 +7,13 @@ ids then *replace* the old ones and `resumed_token_ids` carries all its tokens.
 """
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from v1.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the core stays free of numpy at run time; the manager builds the array
+    import numpy as np
+    import numpy.typing as npt
 
 
 @dataclass(slots=True)
@@ -43,3 +48,7 @@ class SchedulerOutput:
     # Requests that left the batch since the last step: the runner drops their state.
     finished_req_ids: set[str]
     preempted_req_ids: set[str]
+    # Structured output: the requests that sample this step under a grammar, in the order of
+    # `grammar_bitmask`'s rows (int32, 32 tokens per word, bit set: allowed).
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: "npt.NDArray[np.int32] | None" = None

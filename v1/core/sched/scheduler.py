@@ -15,12 +15,18 @@ Invariants, every step:
   always `running[-1]`, and a running request is never preempted after this step scheduled
   it (only a waiting request's admission may do that, see `_plan_admission`);
 - a request is preempted for a waiting one only if that one is then admitted.
+
+Structured output: a request with `structured_outputs` waits in WAITING_FOR_FSM until its
+grammar is compiled (by the manager, off the step loop); the waiting loop sets it aside
+meanwhile, so it blocks nobody. Each step asks the manager for the token bitmask of the
+structured requests that sample. Under async scheduling a structured request whose token
+is still in flight is not scheduled again: its next mask needs that token.
 """
 
 import bisect
 import time
 from collections.abc import Iterable, Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from v1.config import CacheConfig, SchedulerConfig
 from v1.core.block_pool import KVCacheBlock
@@ -33,9 +39,23 @@ from v1.request import EngineCoreRequest, Request, RequestStatus
 
 RUNNING = RequestStatus.RUNNING
 WAITING = RequestStatus.WAITING
+WAITING_FOR_FSM = RequestStatus.WAITING_FOR_FSM
 PREEMPTED = RequestStatus.PREEMPTED
 FINISHED_STOPPED = RequestStatus.FINISHED_STOPPED
 FINISHED_LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
+FINISHED_ABORTED = RequestStatus.FINISHED_ABORTED
+
+
+class StructuredOutputManagerProtocol(Protocol):
+    """What the scheduler needs of the engine's `StructuredOutputManager`."""
+
+    def grammar_init(self, request: Request) -> None:
+        """Start compiling; set `request.grammar_future`."""
+        ...
+
+    def grammar_bitmask(self, requests: list[Request]) -> Any:
+        """The token bitmask of these requests' next tokens, one row each."""
+        ...
 
 
 def _queue_time(request: Request) -> float | None:
@@ -59,7 +79,11 @@ def _rank(request: Request) -> tuple[int, float]:
 
 class Scheduler:
     def __init__(
-        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        structured_output_manager: StructuredOutputManagerProtocol | None = None,
     ) -> None:
         self.config = scheduler_config
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -77,6 +101,7 @@ class Scheduler:
             make_block_hasher(cache_config.block_size)
             if cache_config.enable_prefix_caching else None
         )
+        self.structured_output_manager = structured_output_manager
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(scheduler_config.policy)
         self.running: list[Request] = []
@@ -109,6 +134,11 @@ class Scheduler:
             )
             self._ignored.append(request)
             return
+        if request.sampling_params.structured_outputs is not None:
+            if self.structured_output_manager is None:
+                raise ValueError("structured outputs need a model with a tokenizer")
+            request.status = WAITING_FOR_FSM
+            self.structured_output_manager.grammar_init(request)
         request.queued_time = time.monotonic()
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
@@ -204,8 +234,10 @@ class Scheduler:
                 >= request.max_tokens
             ):
                 num_new_tokens = 0  # its last token is in flight already
-            if num_new_tokens <= 0:
-                req_index += 1
+            if num_new_tokens <= 0 or (
+                request.grammar is not None and request.num_output_placeholders
+            ):
+                req_index += 1  # nothing to do; or (async) its mask awaits its token
                 continue
             while True:
                 new_blocks = kv.allocate_slots(request, num_new_tokens)
@@ -226,8 +258,15 @@ class Scheduler:
 
         # 2. Waiting requests, unless this step had to preempt.
         if not preempted:
+            # Structured requests whose grammar is still compiling: set aside, put back after.
+            skipped: list[Request] = []
             while self.waiting and token_budget > 0:
                 request = self.waiting.peek_request()
+                if request.status == WAITING_FOR_FSM and not self._grammar_ready(request):
+                    self.waiting.pop_request()
+                    if not request.is_finished():
+                        skipped.append(request)
+                    continue
                 if request.num_output_placeholders or request in preempted:
                     break  # (async) its last step's output is not back yet; or just evicted
                 victims: list[Request] = []
@@ -265,6 +304,8 @@ class Scheduler:
                 req_to_new_block_ids[request.request_id] = kv.get_block_ids(request.request_id)
                 num_scheduled_tokens[request.request_id] = num_new_tokens
                 token_budget -= num_new_tokens
+            for request in reversed(skipped):
+                self.waiting.prepend_request(request)
 
         # 3. The step's description for the runner.
         new_reqs_data = [
@@ -283,11 +324,23 @@ class Scheduler:
             self.max_num_batched_tokens - token_budget, self.finished_req_ids, preempted_ids,
         )
         self.finished_req_ids = set()
+        requests = self.requests
+        if self.structured_output_manager is not None:
+            # Those that sample this step (the chunk reaches the end of their known tokens).
+            structured = [
+                r for req_id, num in num_scheduled_tokens.items()
+                if (r := requests[req_id]).grammar is not None
+                and r.num_computed_tokens + num >= r.num_tokens
+            ]
+            if structured:
+                output.structured_output_request_ids = [r.request_id for r in structured]
+                output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
+                    structured
+                )
 
         # Advance the computed counts now, so the next schedule() can run before this
         # step's output is back (async scheduling). A step that completes a request's known
         # tokens samples one: under async its id is a placeholder until the output arrives.
-        requests = self.requests
         for req_id, num in num_scheduled_tokens.items():
             request = requests[req_id]
             request.num_computed_tokens += num
@@ -309,6 +362,25 @@ class Scheduler:
             new_block_ids=[new_block_ids[r.request_id] for r in reqs],
             num_computed_tokens=[r.num_computed_tokens for r in reqs],
         )
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """Whether a WAITING_FOR_FSM request's grammar is compiled (it becomes WAITING); a
+        failed compilation finishes it, reported with the next outputs."""
+        future = request.grammar_future
+        assert future is not None
+        if not future.done():
+            return False
+        exc = future.exception()
+        if exc is not None:
+            request.status = FINISHED_ABORTED
+            request.stop_reason = f"structured output grammar failed to compile: {exc}"
+            self._free_request(request)
+            self._ignored.append(request)
+            return False
+        request.grammar = future.result()
+        request.grammar_future = None
+        request.status = WAITING
+        return True
 
     def _add_running(self, request: Request) -> None:
         if self.priority_policy:
@@ -396,6 +468,8 @@ class Scheduler:
             request.append_output_token_ids(new_token_ids)
             num_generated += len(new_token_ids)
             finished = self._check_stop(request, max_model_len)
+            if request.grammar is not None and not finished:
+                finished = self._advance_grammar(request, new_token_ids)
             if finished:
                 stopped = True
                 if was_waiting:
@@ -453,6 +527,20 @@ class Scheduler:
             return True
         return False
 
+    @staticmethod
+    def _advance_grammar(request: Request, token_ids: list[int]) -> bool:
+        """Feed the matcher the accepted tokens; finish the request when its grammar is
+        complete, or when it rejects a token (a state the mask should make unreachable)."""
+        assert request.grammar is not None
+        if not request.grammar.accept_tokens(token_ids):
+            request.status = FINISHED_ABORTED
+            request.stop_reason = f"structured output grammar rejected tokens {token_ids}"
+            return True
+        if request.grammar.is_terminated():
+            request.status = FINISHED_STOPPED
+            return True
+        return False
+
     # -- utilities ----------------------------------------------------------------------
 
     def reset_prefix_cache(self) -> bool:
@@ -484,6 +572,6 @@ class Scheduler:
         assert running_ids | waiting_ids == self.requests.keys(), "request state leaked"
         assert len(self.running) <= self.max_num_seqs
         assert all(r.status == RUNNING for r in self.running)
-        assert all(r.status in (WAITING, PREEMPTED) for r in self.waiting)
+        assert all(r.status in (WAITING, WAITING_FOR_FSM, PREEMPTED) for r in self.waiting)
         for req_id in self.kv_cache_manager.req_to_blocks:
             assert req_id in running_ids or req_id in waiting_ids, f"{req_id} holds blocks"

@@ -1,0 +1,150 @@
+"""Structured output end to end with the real default model: every output obeys its spec."""
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from tests.entrypoints.test_llm import check_idle, make_llm  # noqa: F401 (fixture)
+from v1 import LLM, SamplingParams, StructuredOutputsParams
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"enum": ["Paris", "London", "Rome"]},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+PROMPTS = [
+    "Describe a person as JSON.",
+    "Here is a user record in JSON format:",
+    "Output a JSON object for a customer.",
+]
+CHOICES = ["Paris", "London", "Rome", "Berlin"]
+PHONE = r"\(\d{3}\) \d{3}-\d{4}"
+
+
+def json_params(**kwargs) -> SamplingParams:
+    kwargs.setdefault("temperature", 0.0)
+    return SamplingParams(
+        max_tokens=80, structured_outputs=StructuredOutputsParams(json=SCHEMA), **kwargs
+    )
+
+
+def assert_valid(outputs) -> None:
+    for output in outputs:
+        for completion in output.outputs:
+            assert completion.finish_reason == "stop", completion.text
+            jsonschema.validate(json.loads(completion.text), SCHEMA)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"max_num_batched_tokens": 4, "async_scheduling": True},  # chunked prefill
+        {"num_gpu_blocks": 6, "max_model_len": 96},  # preemption
+    ],
+    ids=["default", "chunked_async", "preemption"],
+)
+def test_json_schema_outputs_validate(make_llm, config):  # noqa: F811
+    params = [json_params(), json_params(temperature=0.8, seed=3, n=2), json_params()]
+    llm = make_llm(**config)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert_valid(outputs)
+    if "num_gpu_blocks" in config:
+        assert llm.get_stats().num_preemptions > 0
+    check_idle(llm)
+
+
+def test_async_matches_sync(make_llm):  # noqa: F811
+    params = [json_params(), json_params(temperature=0.8, seed=5)]
+    sync = make_llm().generate(PROMPTS[:2], params, use_tqdm=False)
+    llm = make_llm(async_scheduling=True)
+    outputs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in sync]
+    check_idle(llm)
+
+
+def test_choice_regex_grammar_and_json_object(make_llm):  # noqa: F811
+    def params(**spec) -> SamplingParams:
+        return SamplingParams(
+            temperature=0.7, seed=1, n=3, max_tokens=40,
+            structured_outputs=StructuredOutputsParams(**spec),
+        )
+
+    llm = make_llm()
+    choice, regex, grammar = llm.generate(
+        ["The capital of Italy is", "Call us at", "Is the sky green? Answer:"],
+        [params(choice=CHOICES), params(regex=PHONE),
+         params(grammar='root ::= ("yes" | "no") "." [ a-z]*')],
+        use_tqdm=False,
+    )
+    assert all(c.text in CHOICES for c in choice.outputs)
+    assert all(re.fullmatch(PHONE, c.text) for c in regex.outputs)
+    assert all(re.fullmatch(r"(yes|no)\.[ a-z]*", c.text) for c in grammar.outputs)
+    obj = llm.generate(
+        "Give me a JSON object:",
+        SamplingParams(
+            temperature=0.0, max_tokens=40,
+            structured_outputs=StructuredOutputsParams(json_object=True),
+        ),
+        use_tqdm=False,
+    )[0].outputs[0].text
+    # Cut by max_tokens or not, it is the start of a JSON object.
+    assert obj.startswith("{")
+    check_idle(llm)
+
+
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ({"json": {"type": "nope"}}, "invalid structured_outputs json"),
+        ({"regex": "(unclosed"}, "invalid structured_outputs regex"),
+        ({"grammar": "root ::= undefined_rule"}, "invalid structured_outputs grammar"),
+    ],
+)
+def test_bad_spec_raises_before_scheduling(make_llm, spec, match):  # noqa: F811
+    llm = make_llm()
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(**spec))
+    with pytest.raises(ValueError, match=match):
+        llm.generate("Hi", params, use_tqdm=False)
+    assert not llm.llm_engine.client.engine_core.scheduler.has_requests()
+
+
+def test_exactly_one_spec():
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams()
+
+
+def test_engine_process(default_model_path):
+    with LLM(num_gpu_blocks=64, max_model_len=512) as llm:
+        assert_valid(llm.generate(PROMPTS, json_params(), use_tqdm=False))
+
+
+def test_compiled_grammar_cached_by_key(make_llm, monkeypatch):  # noqa: F811
+    from v1.engine.structured_output import StructuredOutputManager
+
+    compiled: list[tuple[str, str]] = []
+    compile_ = StructuredOutputManager._compile
+
+    def counting(self, key):
+        compiled.append(key)
+        return compile_(self, key)
+
+    monkeypatch.setattr(StructuredOutputManager, "_compile", counting)
+    llm = make_llm()
+    # Four requests (n=2), one schema; the same schema as text with other key order too.
+    llm.generate(PROMPTS, [json_params(), json_params(temperature=0.8, seed=3, n=2),
+                           json_params()], use_tqdm=False)
+    reordered = json.dumps(dict(reversed(SCHEMA.items())))
+    llm.generate("Hi", SamplingParams(
+        max_tokens=5, structured_outputs=StructuredOutputsParams(json=json.loads(reordered))
+    ), use_tqdm=False)
+    assert len(compiled) == 1
