@@ -30,16 +30,17 @@ PHONE = r"\(\d{3}\) \d{3}-\d{4}"
 
 def json_params(**kwargs) -> SamplingParams:
     kwargs.setdefault("temperature", 0.0)
-    return SamplingParams(
-        max_tokens=80, structured_outputs=StructuredOutputsParams(json=SCHEMA), **kwargs
-    )
+    kwargs.setdefault("max_tokens", 80)
+    return SamplingParams(structured_outputs=StructuredOutputsParams(json=SCHEMA), **kwargs)
 
 
 def assert_valid(outputs) -> None:
     for output in outputs:
         for completion in output.outputs:
             assert completion.finish_reason == "stop", completion.text
-            jsonschema.validate(json.loads(completion.text), SCHEMA)
+            record = json.loads(completion.text)
+            jsonschema.validate(record, SCHEMA)
+            assert list(record) == list(SCHEMA["properties"])  # in the schema's order
 
 
 @pytest.mark.parametrize(
@@ -116,6 +117,25 @@ def test_bad_spec_raises_before_scheduling(make_llm, spec, match):  # noqa: F811
     assert not llm.llm_engine.client.engine_core.scheduler.has_requests()
 
 
+def test_non_ascii_choices(make_llm):  # noqa: F811
+    choices = ["😀", "🙂", "été"]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=choices)
+    )
+    (output,) = make_llm().generate("My favourite emoji is", params, use_tqdm=False)
+    assert output.outputs[0].text in choices
+    assert output.outputs[0].finish_reason == "stop"
+
+
+def test_min_tokens_with_a_grammar_is_refused(make_llm):  # noqa: F811
+    # The grammar may allow only EOS while min_tokens bans it: refused up front.
+    params = SamplingParams(
+        min_tokens=2, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])
+    )
+    with pytest.raises(ValueError, match="min_tokens"):
+        make_llm().generate("Hi", params, use_tqdm=False)
+
+
 def test_exactly_one_spec():
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputsParams(regex="a", choice=["a"])
@@ -140,11 +160,14 @@ def test_compiled_grammar_cached_by_key(make_llm, monkeypatch):  # noqa: F811
 
     monkeypatch.setattr(StructuredOutputManager, "_compile", counting)
     llm = make_llm()
-    # Four requests (n=2), one schema; the same schema as text with other key order too.
+    # Four requests (n=2), one schema, then the same schema again: one compilation.
     llm.generate(PROMPTS, [json_params(), json_params(temperature=0.8, seed=3, n=2),
                            json_params()], use_tqdm=False)
-    reordered = json.dumps(dict(reversed(SCHEMA.items())))
-    llm.generate("Hi", SamplingParams(
-        max_tokens=5, structured_outputs=StructuredOutputsParams(json=json.loads(reordered))
-    ), use_tqdm=False)
+    llm.generate("Hi", json_params(max_tokens=5), use_tqdm=False)
     assert len(compiled) == 1
+    # Properties in another order are another grammar: the output follows their order.
+    reordered = {**SCHEMA, "properties": dict(reversed(SCHEMA["properties"].items()))}
+    llm.generate("Hi", SamplingParams(
+        max_tokens=5, structured_outputs=StructuredOutputsParams(json=reordered)
+    ), use_tqdm=False)
+    assert len(compiled) == 2

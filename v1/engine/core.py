@@ -156,16 +156,24 @@ class EngineCore:
             return self.step_with_batch_queue()
         if not self.scheduler.has_requests():
             return {}
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output = self._schedule()
         model_output = self.model_runner.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, model_output)
+
+    def _schedule(self) -> SchedulerOutput:
+        scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.total_num_scheduled_tokens and self.structured_output_manager:
+            # Nothing could run, as when only requests whose grammar compiles are left:
+            # wait for a compilation (briefly: new input must not wait) rather than spin.
+            self.structured_output_manager.wait_for_compilation(timeout=0.05)
+        return scheduler_output
 
     def step_with_batch_queue(self) -> dict[int, EngineCoreOutputs]:
         """Keep up to two steps in flight; return the outputs of the oldest when the queue
         is full or nothing more can be scheduled."""
         assert self._executor is not None
         if self.scheduler.has_requests() and len(self.batch_queue) < 2:
-            scheduler_output = self.scheduler.schedule()
+            scheduler_output = self._schedule()
             future = self._executor.submit(self.model_runner.execute_model, scheduler_output)
             self.batch_queue.appendleft((future, scheduler_output))
             if (

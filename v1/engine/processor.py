@@ -171,6 +171,12 @@ class Processor:
             if self.tokenizer is None:
                 raise ValueError("structured_outputs needs a tokenizer: this model has none")
             validate_structured_output_params(params.structured_outputs)
+            if params.min_tokens:
+                # The grammar may allow only EOS before min_tokens, which min_tokens bans.
+                raise ValueError(
+                    f"min_tokens ({params.min_tokens}) cannot be combined with "
+                    "structured_outputs: leave it at 0"
+                )
         request = EngineCoreRequest(
             # A uuid, not a counter: unique across the frontend processes sharing a core, and
             # a reused caller id never meets its predecessor's steps still in flight there.

@@ -11,7 +11,8 @@ calls `grammar_init` when a request arrives (the request waits in WAITING_FOR_FS
 """
 
 import json
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import OrderedDict
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -23,17 +24,20 @@ from v1.sampling_params import StructuredOutputsParams
 
 # (kind, spec text): what a compiled grammar is cached by.
 GrammarKey = tuple[str, str]
+GRAMMAR_CACHE_SIZE = 128
 
 
 def _choice_ebnf(choices: list[str]) -> str:
-    # JSON string literals are valid EBNF string literals (same escapes).
-    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+    # JSON string literals are valid EBNF string literals (same escapes), but not JSON's
+    # surrogate-pair escapes: keep non-ASCII characters as they are.
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
 def grammar_key(params: StructuredOutputsParams) -> GrammarKey:
     if params.json is not None:
         spec = params.json
-        return "json", spec if isinstance(spec, str) else json.dumps(spec, sort_keys=True)
+        # Not sorted: the output lists the properties in the schema's order.
+        return "json", spec if isinstance(spec, str) else json.dumps(spec)
     if params.regex is not None:
         return "regex", params.regex
     if params.choice is not None:
@@ -84,7 +88,8 @@ class StructuredOutputManager:
         # One thread: compilations queue behind each other, never behind the step loop.
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="v1-grammar")
         self._compiler: xgr.GrammarCompiler | None = None
-        self._cache: dict[GrammarKey, Future[xgr.CompiledGrammar]] = {}
+        # LRU: a large schema compiles to megabytes.
+        self._cache: OrderedDict[GrammarKey, Future[xgr.CompiledGrammar]] = OrderedDict()
 
     def _compile(self, key: GrammarKey) -> xgr.CompiledGrammar:
         if self._compiler is None:  # built on first use: costs ~0.1 s, off the step loop
@@ -111,6 +116,10 @@ class StructuredOutputManager:
         compiled = self._cache.get(key)
         if compiled is None:
             compiled = self._cache[key] = self.executor.submit(self._compile, key)
+            if len(self._cache) > GRAMMAR_CACHE_SIZE:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
         future: Future[StructuredOutputGrammar] = Future()
 
         def make_matcher(done: Future[xgr.CompiledGrammar]) -> None:
@@ -131,6 +140,13 @@ class StructuredOutputManager:
             assert request.grammar is not None
             request.grammar.fill_bitmask(bitmask, row)
         return bitmask
+
+    def wait_for_compilation(self, timeout: float) -> None:
+        """Block until a compilation in flight ends, or `timeout` seconds: when nothing else
+        can run, the engine waits here instead of stepping empty batches."""
+        pending = [f for f in self._cache.values() if not f.done()]
+        if pending:
+            wait(pending, timeout, FIRST_COMPLETED)
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
