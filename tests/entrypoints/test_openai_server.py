@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -486,12 +487,10 @@ TOOL = {"type": "function", "function": {"name": "now", "parameters": {"type": "
 # field: the openai client's arguments that set it to something this server does not
 # implement (vLLM's own fields go in extra_body).
 UNSUPPORTED_CHAT = {
-    "response_format": {"response_format": {"type": "json_object"}},
     "tools": {"tools": [TOOL]},
     "tool_choice": {"tool_choice": "required"},
     "reasoning_effort": {"reasoning_effort": "low"},
     "guided_json": {"extra_body": {"guided_json": {"type": "object"}}},
-    "structured_outputs": {"extra_body": {"structured_outputs": {"choice": ["a", "b"]}}},
 }
 UNSUPPORTED_COMPLETION = {
     "suffix": {"suffix": " and so on."},
@@ -518,6 +517,43 @@ def test_unsupported_field_is_refused(
     with pytest.raises(openai.BadRequestError) as error:
         create(model=MODEL, max_tokens=2, **base, **kwargs)
     assert error.value.param == field and field in error.value.message
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_json_schema(client: openai.OpenAI) -> None:
+    chat = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=80, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
+    )
+    assert chat.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(chat.choices[0].message.content), PERSON)
+
+
+def test_structured_outputs_extra_body_and_bad_formats(client: openai.OpenAI) -> None:
+    choices = ["Rome", "Paris"]
+    out = client.completions.create(
+        model=MODEL, prompt="The capital of Italy is", max_tokens=5, temperature=0.9, n=3,
+        seed=1, extra_body={"structured_outputs": {"choice": choices}},
+    )
+    assert all(c.text in choices for c in out.choices)
+    for bad in (
+        {"extra_body": {"response_format": {"type": "xml"}}},
+        {"extra_body": {"response_format": {"type": "json_object"},
+                        "structured_outputs": {"regex": "a"}}},
+        {"extra_body": {"structured_outputs": {"regex": "(unclosed"}}},
+    ):
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, **bad)
 
 
 def test_defaults_and_ignored_fields_are_accepted(server: Server, client: openai.OpenAI) -> None:

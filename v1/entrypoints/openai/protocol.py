@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from v1.sampling_params import SamplingParams
+from v1.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("v1.entrypoints.openai")
 
@@ -114,8 +114,10 @@ class SamplingRequest(OpenAIBaseModel):
     # vLLM's: requests with different salts never share prefix-cache blocks.
     cache_salt: str | None = None
 
-    # OpenAI's fields we do not implement.
-    response_format: Unsupported[dict[str, Any] | None] = None
+    # Structured output: OpenAI's `response_format` ({"type": "text" | "json_object" |
+    # "json_schema"}) or vLLM's `structured_outputs` (StructuredOutputsParams' fields).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
     # vLLM's sampling and structured-output extras we do not implement.
     best_of: Unsupported[int | None] = None
     use_beam_search: Unsupported[bool] = False
@@ -128,7 +130,6 @@ class SamplingRequest(OpenAIBaseModel):
     guided_grammar: Unsupported[str | None] = None
     guided_decoding_backend: Unsupported[str | None] = None
     guided_whitespace_pattern: Unsupported[str | None] = None
-    structured_outputs: Unsupported[dict[str, Any] | None] = None
     logits_processors: Unsupported[list[Any] | None] = None
     return_tokens_as_token_ids: Unsupported[bool] = False
     return_token_ids: Unsupported[bool] = False
@@ -159,6 +160,29 @@ class SamplingRequest(OpenAIBaseModel):
         return SamplingParams(
             **self.model_dump(include=_SAMPLING_FIELDS), max_tokens=max_tokens, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, logit_bias=self._logit_bias(),
+            structured_outputs=self._structured_outputs(),
+        )
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        if self.response_format is not None and self.structured_outputs is not None:
+            raise ValueError("give response_format or structured_outputs, not both")
+        if self.structured_outputs is not None:
+            try:
+                return StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:  # an unknown key
+                raise ValueError(f"structured_outputs: {e}") from e
+        kind = (self.response_format or {}).get("type", "text")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        schema = (self.response_format or {}).get("json_schema", {}).get("schema")
+        if kind == "json_schema" and isinstance(schema, dict):
+            return StructuredOutputsParams(json=schema)
+        raise ValueError(
+            f"response_format must be {{'type': 'text' | 'json_object'}} or "
+            f"{{'type': 'json_schema', 'json_schema': {{'schema': {{...}}}}}}, "
+            f"got {self.response_format!r}"
         )
 
     def _logit_bias(self) -> dict[int, float] | None:
