@@ -124,7 +124,7 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
-        self.num_cached_tokens = -1  # set when first scheduled
+        self.num_cached_tokens = 0  # prefix-cache hits at first admission
         self.num_preemptions = 0
         self.num_output_placeholders = 0
         self.cache_salt = cache_salt

@@ -4,6 +4,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _GREEDY_EPS = 1e-5
+# As vLLM's default `max_logprobs` (and OpenAI's `top_logprobs` limit): each top-k costs a
+# full-vocabulary sort, per sampled token or per prompt position.
+MAX_LOGPROBS = 20
 _INF = float("inf")
 
 

@@ -1,13 +1,10 @@
 """/v1/completions' `echo` (OpenAI's) and `prompt_logprobs` (vLLM's), through the real `openai`
 client against one `python -m v1 serve` process."""
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import openai
 import pytest
 
-from tests.entrypoints.test_openai_server import MESSAGES, MODEL, serve_client
+from tests.entrypoints.test_openai_server import MESSAGES, MODEL
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -15,15 +12,9 @@ PROMPT = "The capital of France is"
 OTHER = "Once upon a time"
 
 
-@pytest.fixture(scope="module")
-def client(
-    default_model_path: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[openai.OpenAI]:
-    with serve_client(
-        default_model_path, tmp_path_factory, "openai_echo",
-        "--max-model-len", "256", "--num-gpu-blocks", "64",
-    ) as client:
-        yield client
+@pytest.fixture
+def client(extras_client: openai.OpenAI) -> openai.OpenAI:
+    return extras_client
 
 
 def complete(client: openai.OpenAI, prompt: str | list[int], **kwargs) -> openai.types.Completion:

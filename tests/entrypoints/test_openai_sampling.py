@@ -1,13 +1,10 @@
 """The logits-processor sampling fields over HTTP (penalties, logit_bias, allowed_token_ids,
 bad_words), through the real `openai` client against one `python -m v1 serve` process."""
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import openai
 import pytest
 
-from tests.entrypoints.test_openai_server import MODEL, serve_client
+from tests.entrypoints.test_openai_server import MODEL
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -15,15 +12,9 @@ REPETITIVE = "I like cats. I like cats."  # greedy: " I'm a cat. I'm a cat. I'm 
 TOKEN = 504  # any in-vocabulary id
 
 
-@pytest.fixture(scope="module")
-def client(
-    default_model_path: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[openai.OpenAI]:
-    with serve_client(
-        default_model_path, tmp_path_factory, "openai_sampling",
-        "--max-model-len", "512", "--num-gpu-blocks", "128",
-    ) as client:
-        yield client
+@pytest.fixture
+def client(extras_client: openai.OpenAI) -> openai.OpenAI:
+    return extras_client
 
 
 def greedy(client: openai.OpenAI, prompt: str, max_tokens: int = 12, **extra) -> list[str]:

@@ -15,10 +15,7 @@ import jinja2
 
 from v1.engine.structured_output import validate_structured_output_params
 from v1.request import EngineCoreRequest
-from v1.sampling_params import SamplingParams
-
-# As vLLM's default `max_logprobs`: each prompt position's top-k costs a full-vocabulary sort.
-MAX_PROMPT_LOGPROBS = 20
+from v1.sampling_params import MAX_LOGPROBS, SamplingParams
 
 # What `generate` accepts per prompt, as vLLM: text, token ids, or a dict with either.
 PromptType = str | Sequence[int] | Mapping[str, Any]
@@ -144,9 +141,9 @@ class Processor:
                 f"the prompt has {len(token_ids)} tokens, more than max_model_len "
                 f"({self.max_model_len})"
             )
-        if params.prompt_logprobs is not None and params.prompt_logprobs > MAX_PROMPT_LOGPROBS:
+        if params.prompt_logprobs is not None and params.prompt_logprobs > MAX_LOGPROBS:
             raise ValueError(
-                f"prompt_logprobs must be at most {MAX_PROMPT_LOGPROBS}, "
+                f"prompt_logprobs must be at most {MAX_LOGPROBS}, "
                 f"got {params.prompt_logprobs}"
             )
         params = copy.copy(params)  # the core's copy: the caller may reuse theirs

@@ -483,7 +483,9 @@ class Scheduler:
                 # The first output with tokens: all of them are this step's.
                 _queue_time(request) if request.num_output_tokens == len(new_token_ids)
                 else None,
-                new_prompt_logprobs=prompt_logprobs_dict.get(req_id),
+                new_prompt_logprobs=(
+                    prompt_logprobs_dict.get(req_id) if prompt_logprobs_dict else None
+                ),
             )
             client_outputs = outputs.get(request.client_index)
             if client_outputs is None:

@@ -24,12 +24,9 @@ from pydantic import (
     model_validator,
 )
 
-from v1.sampling_params import SamplingParams, StructuredOutputsParams
+from v1.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("v1.entrypoints.openai")
-
-# As vLLM's default `max_logprobs` and OpenAI's `top_logprobs` limit.
-MAX_LOGPROBS = 20
 
 # The request fields passed to SamplingParams unchanged (same names there).
 _SAMPLING_FIELDS = {
