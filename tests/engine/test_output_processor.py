@@ -330,6 +330,10 @@ def test_parent_makes_child_requests(tokenizer) -> None:
     assert (params.n, params.seed) == (3, 10)  # the parent's params are left alone
     unseeded = ParentRequest(core_request("q", [1], n=2), None)
     assert [c.sampling_params.seed for c in unseeded.make_child_requests()] == [None, None]
+    # The prompt is shared: only the first child computes its logprobs.
+    with_prompt_logprobs = ParentRequest(core_request("s", [1], n=3, prompt_logprobs=2), None)
+    assert [c.sampling_params.prompt_logprobs for c in with_prompt_logprobs.make_child_requests()
+            ] == [2, None, None]
 
 
 @pytest.mark.parametrize("kind", ["final", "cumulative", "delta"])

@@ -99,6 +99,8 @@ class ParentRequest:
             if params.seed is not None:
                 params.seed += i
             params.all_stop_token_ids = set(params.all_stop_token_ids)
+            if i > 0:  # the children share the prompt: child 0 computes its logprobs alone
+                params.prompt_logprobs = None
             child = copy.copy(self.request)
             child.request_id = self.child_ids[i]
             child.sampling_params = params
