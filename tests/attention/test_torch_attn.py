@@ -1,5 +1,7 @@
 """The torch backend's fast path (batched decodes, cascade over shared prefixes) against its
-per-request reference and against dense float64 attention; the cache write's padding rule."""
+per-request reference and against dense float64 attention; the cache write's padding rule;
+sliding-window layers on every path (C kernel, SDPA decodes, prefills with and without
+context), with the blocks before every window poisoned."""
 
 import numpy as np
 import pytest
@@ -80,19 +82,38 @@ class Batch:
         )
         self.query, self.key, self.value = torch.cat(q), torch.cat(k_new), torch.cat(v_new)
 
-    def run_fast(self, scale):
+    def run_fast(self, scale, sliding_window=None, kv_cache=None):
         impl = TorchAttentionImpl(self.query.shape[1], self.query.shape[2], self.key.shape[1],
-                                  scale)
-        cache = self.kv_cache.clone()
+                                  scale, sliding_window=sliding_window)
+        cache = (self.kv_cache if kv_cache is None else kv_cache).clone()
         out = impl.forward(self.query, self.key, self.value, cache, self.metadata)
         return out, cache
 
-    def run_reference(self, scale):
+    def run_reference(self, scale, sliding_window=None):
         cache = self.kv_cache.clone()
         write_kv_cache(self.key, self.value, cache, self.metadata.slot_mapping)
-        return paged_attention_reference(self.query, cache, self.metadata, scale), cache
+        out = paged_attention_reference(self.query, cache, self.metadata, scale, sliding_window)
+        return out, cache
 
-    def dense(self, scale):
+    def out_of_window_poisoned(self, window):
+        """The cache with NaN in every block that no query of the step can see through a
+        window of `window` (blocks wholly before each request's first query's window and
+        used by no other request that needs them): a path reading one unmasked, or failing to
+        skip it, poisons its output."""
+        B = self.kv_cache.shape[2]
+        table = self.metadata.block_table.numpy()
+        needed, seen = set(), set()
+        for r, (q_len, seq_len, _) in enumerate(self.reqs):
+            blocks = table[r, : cdiv(seq_len, B)].tolist()
+            first = max(0, seq_len - q_len - window + 1) // B
+            seen.update(blocks)
+            needed.update(blocks[first:])
+        cache = self.kv_cache.clone()
+        dead = sorted(seen - needed)
+        cache[:, dead] = float("nan")
+        return cache, len(dead)
+
+    def dense(self, scale, sliding_window=None):
         outs = []
         starts = self.metadata.query_start_loc_cpu
         for r, (q_len, seq_len, _) in enumerate(self.reqs):
@@ -102,7 +123,10 @@ class Batch:
             v = self.full_v[r].double().repeat_interleave(ratio, dim=1)
             scores = torch.einsum("qhd,khd->hqk", q, k) * scale
             q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-            visible = torch.arange(seq_len)[None, :] <= q_pos
+            pos_k = torch.arange(seq_len)[None, :]
+            visible = pos_k <= q_pos
+            if sliding_window is not None:
+                visible &= q_pos - pos_k < sliding_window
             probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
             outs.append(torch.einsum("hqk,khd->qhd", probs, v))
         return torch.cat(outs)
@@ -288,3 +312,103 @@ def test_native_kernel_only_for_what_it_supports():
 def test_native_kernel_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("V1_CPU_KERNELS", "0")
     assert torch_attn.native_decode_kernel(torch.zeros(kv_cache_shape(1, 16, 3, 64)), 9) is None
+
+
+# ---- sliding window ----------------------------------------------------------------------------
+
+WINDOWS = [1, 7, 24, 260]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("block_size,gqa", [(16, "gqa3"), (8, "gqa1"), (16, "gqa4")])
+def test_sliding_window_matches_dense(scenario, block_size, gqa, window, decode_impl,
+                                      always_cascade):
+    """Every path with a window shorter than some sequence of the step: decodes (C kernel or
+    SDPA), prefills without context (window shorter and longer than the prompt), chunks
+    after a cached context, shared prefixes (no cascade then), with the blocks before every
+    window NaN; and the reference's window against dense attention."""
+    reqs, prefixes = SCENARIOS[scenario]
+    if any(n % block_size for n in prefixes.values()):
+        pytest.skip("prefix not a whole number of blocks")
+    if window >= max(s for _, s, _ in reqs):
+        pytest.skip("the window hides nothing here (test_window_as_long_as_the_sequences)")
+    num_heads, num_kv_heads = GQA[gqa]
+    batch = Batch(reqs, prefixes, num_heads, num_kv_heads, 64, block_size, seed=1)
+    scale = 64**-0.5
+    dense = batch.dense(scale, window)
+    # The window changes the answer here, so a path that ignored it would fail.
+    assert not torch.allclose(dense, batch.dense(scale), atol=1e-3)
+    poisoned, num_dead = batch.out_of_window_poisoned(window)
+    out, cache = batch.run_fast(scale, window, kv_cache=poisoned)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), dense, atol=ATOL, rtol=RTOL)
+    ref, ref_cache = batch.run_reference(scale, window)
+    torch.testing.assert_close(ref.double(), dense, atol=ATOL, rtol=RTOL)
+    # The step's cache write is the same (outside the poisoned blocks).
+    alive = ~poisoned.isnan()
+    assert torch.equal(cache[alive], ref_cache[alive])
+    if scenario == "decode-lengths" and window <= 24:
+        assert num_dead > 0  # the 600-token decode's early blocks were poisoned
+
+
+@pytest.mark.parametrize("scenario", ["decode", "chunked", "mixed", "shared-prefill"])
+def test_window_as_long_as_the_sequences(scenario, decode_impl, always_cascade):
+    """A window of at least every sequence length is global attention: the same plan object
+    as no window, the same output bit for bit; one a token shorter is not."""
+    reqs, prefixes = SCENARIOS[scenario]
+    longest = max(s for _, s, _ in reqs)
+    batch = Batch(reqs, prefixes, 9, 3, 64, 16, seed=2)
+    out, _ = batch.run_fast(0.125)
+    for window in (longest, longest + 1, 10**9):
+        plan = AttentionPlan.for_step(batch.metadata, batch.kv_cache, 9, window)
+        assert plan is AttentionPlan.for_step(batch.metadata, batch.kv_cache, 9)
+        assert plan.sliding_window is None
+        assert torch.equal(batch.run_fast(0.125, window)[0], out)
+    shorter = AttentionPlan.for_step(batch.metadata, batch.kv_cache, 9, longest - 1)
+    assert shorter.sliding_window == longest - 1
+    windowed, _ = batch.run_fast(0.125, longest - 1)
+    torch.testing.assert_close(windowed.double(), batch.dense(0.125, longest - 1), atol=ATOL,
+                               rtol=RTOL)
+    assert not torch.allclose(windowed, out, atol=1e-3)
+
+
+def test_window_of_one_is_the_own_value():
+    """Each query sees only its own key: the output is the token's own V, on every path."""
+    batch = Batch(*SCENARIOS["mixed"], 8, 2, 64, 16, seed=4)
+    out, _ = batch.run_fast(0.125, 1)
+    own_v = batch.value.repeat_interleave(4, dim=1)  # query head h reads kv head h // 4
+    torch.testing.assert_close(out, own_v, atol=ATOL, rtol=RTOL)
+
+
+def test_sliding_window_plans(always_cascade):
+    """One plan per window and step (reused by every layer of that window); a windowed plan
+    reads only the window's blocks and has no cascade."""
+    reqs, prefixes = SCENARIOS["shared-decode"]  # decodes of 150..300 tokens on 128 shared
+    batch = Batch(reqs, prefixes, 9, 3, 64, 16)
+    md, cache = batch.metadata, batch.kv_cache
+    glob = AttentionPlan.for_step(md, cache, 9)
+    w20 = AttentionPlan.for_step(md, cache, 9, 20)
+    w33 = AttentionPlan.for_step(md, cache, 9, 33)
+    assert len({id(glob), id(w20), id(w33)}) == 3 and glob.groups and not w20.groups
+    # Alternating layers (as Gemma 3's) reuse them.
+    assert AttentionPlan.for_step(md, cache, 9, 20) is w20
+    assert AttentionPlan.for_step(md, cache, 9) is glob
+
+    seq_lens = np.array([s for _, s, _ in reqs])
+    # SDPA decodes: the blocks from the one holding key seq_len - w: 2 or 3 blocks, not 19.
+    plan = AttentionPlan.build(md, 16, sliding_window=20)
+    assert sum(b.blocks.numel() for b in plan.decodes) <= 3 * len(reqs)
+    # C kernel entries: [max(0, seq_len - w), seq_len).
+    kernel = torch_attn.native_decode_kernel(cache, 9)
+    if kernel is not None:
+        plan = AttentionPlan.build(md, 16, kernel=kernel, sliding_window=20)
+        assert plan.native.end.tolist() == seq_lens.tolist()
+        assert plan.native.start.tolist() == (seq_lens - 20).tolist()
+
+
+def test_sliding_window_must_be_positive():
+    with pytest.raises(ValueError, match="sliding_window"):
+        TorchAttentionImpl(9, 64, 3, 0.125, sliding_window=0)
+    assert TorchAttentionImpl(9, 64, 3, 0.125, sliding_window=4).sliding_window == 4
+    assert TorchAttentionImpl(9, 64, 3, 0.125).sliding_window is None

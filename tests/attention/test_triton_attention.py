@@ -146,16 +146,20 @@ def cpu_metadata(md: AttentionMetadata) -> AttentionMetadata:
     )
 
 
-def reference(batch: Batch, scale: float) -> torch.Tensor:
+def reference(batch: Batch, scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """The torch backend's answer, computed on CPU in fp32."""
     kv_cache = batch.kv_cache.float().cpu().clone()
     md = cpu_metadata(batch.metadata)
     write_kv_cache(batch.key.float().cpu(), batch.value.float().cpu(), kv_cache, md.slot_mapping)
-    return paged_attention_reference(batch.query.float().cpu(), kv_cache, md, scale)
+    return paged_attention_reference(batch.query.float().cpu(), kv_cache, md, scale,
+                                     sliding_window)
 
 
-def dense_causal_attention(batch: Batch, scale: float) -> torch.Tensor:
-    """Naive float64 attention from the unpaged K/V: query head h reads kv head h // ratio."""
+def dense_causal_attention(
+    batch: Batch, scale: float, sliding_window: int | None = None
+) -> torch.Tensor:
+    """Naive float64 attention from the unpaged K/V: query head h reads kv head h // ratio;
+    with a window, query i sees keys j only where i - j < sliding_window."""
     outs = []
     starts = batch.metadata.query_start_loc_cpu
     num_heads = batch.query.shape[1]
@@ -165,19 +169,37 @@ def dense_causal_attention(batch: Batch, scale: float) -> torch.Tensor:
         k = batch.full_k[r].double().repeat_interleave(ratio, dim=1)  # [seq_len, H, D]
         v = batch.full_v[r].double().repeat_interleave(ratio, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-        q_pos = torch.arange(seq_len - q_len, seq_len)
-        visible = torch.arange(seq_len)[None, :] <= q_pos[:, None]
+        q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+        k_pos = torch.arange(seq_len)[None, :]
+        visible = k_pos <= q_pos
+        if sliding_window is not None:
+            visible &= q_pos - k_pos < sliding_window
         probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
         outs.append(torch.einsum("hqk,khd->qhd", probs, v))
     return torch.cat(outs)
 
 
-def run_triton(batch: Batch, scale: float, **tiles) -> torch.Tensor:
-    kv_cache = batch.kv_cache.clone()
+def run_triton(batch: Batch, scale: float, kv_cache: torch.Tensor | None = None,
+               **kwargs) -> torch.Tensor:
+    kv_cache = (batch.kv_cache if kv_cache is None else kv_cache).clone()
     reshape_and_cache(batch.key, batch.value, kv_cache, batch.metadata.slot_mapping)
     out = torch.empty_like(batch.query)
-    unified_attention(batch.query, kv_cache, out, batch.metadata, scale, **tiles)
+    unified_attention(batch.query, kv_cache, out, batch.metadata, scale, **kwargs)
     return out
+
+
+def poison_out_of_window(batch: Batch, window: int) -> tuple[torch.Tensor, int]:
+    """The cache with NaN in every block wholly before its request's first query's window
+    (blocks are not shared here): a kernel that loads one unmasked poisons its output."""
+    kv_cache = batch.kv_cache.clone()
+    block_size = kv_cache.shape[2]
+    table = batch.metadata.block_table.cpu()
+    dead = []
+    for r, (q_len, seq_len) in enumerate(batch.reqs):
+        first = max(0, seq_len - q_len - window + 1) // block_size
+        dead += table[r, :first].tolist()
+    kv_cache[:, dead] = float("nan")
+    return kv_cache, len(dead)
 
 
 # ----------------------------------------------------------------------------- reference
@@ -360,6 +382,82 @@ def test_triton_backend_matches_torch_backend():
     assert not out.isnan().any()
 
 
+# ----------------------------------------------------------------------------- sliding window
+
+
+@pytest.mark.parametrize("window", [1, 5, 19])
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("block_size,gqa", [(8, "gqa3"), (16, "gqa1")])
+def test_unified_attention_sliding_window(scenario, block_size, gqa, window):
+    """Decodes, prefills (window shorter than the prompt) and chunks after a cached context,
+    against dense attention with the window's mask, with the blocks before every window NaN;
+    the torch reference's window against the same."""
+    num_heads, num_kv_heads = GQA[gqa]
+    batch = make_batch(SCENARIOS[scenario], num_heads, num_kv_heads, 64, block_size, seed=8,
+                       device=DEVICE)
+    scale = 64**-0.5
+    dense = dense_causal_attention(batch, scale, window)
+    assert not torch.allclose(dense, dense_causal_attention(batch, scale), atol=1e-3)
+    poisoned, num_dead = poison_out_of_window(batch, window)
+    assert num_dead > 0 or scenario == "prefill"  # no context: nothing before a window
+    out = run_triton(batch, scale, kv_cache=poisoned, sliding_window=window)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.cpu().double(), dense, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(reference(batch, scale, window).double(), dense, atol=ATOL,
+                               rtol=RTOL)
+
+
+@pytest.mark.parametrize(
+    "block_m,tile_n,window",
+    [
+        (16, 16, 3),  # 5 tokens x 3 heads per query tile, KV tile of 16
+        (32, 16, 2),  # 10 tokens per tile: its last rows see nothing of its first KV tile
+        (64, 32, 7),  # 21 tokens per tile, KV tiles over four pages
+        (16, 64, 40),  # the window spans several KV tiles: unmasked ones in the middle
+    ],
+)
+def test_unified_attention_sliding_window_tile_shapes(block_m, tile_n, window):
+    batch = make_batch(MIXED, 6, 2, 64, 8, seed=9, device=DEVICE)
+    dense = dense_causal_attention(batch, 0.125, window)
+    poisoned, _ = poison_out_of_window(batch, window)
+    out = run_triton(batch, 0.125, kv_cache=poisoned, block_m=block_m, tile_n=tile_n,
+                     sliding_window=window)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.cpu().double(), dense, atol=ATOL, rtol=RTOL)
+
+
+def test_unified_attention_window_as_long_as_the_sequences():
+    """A window of at least every sequence length is global attention; one shorter is not."""
+    batch = make_batch(MIXED, 6, 2, 64, 16, seed=10, device=DEVICE)
+    longest = max(s for _, s in MIXED)
+    out = run_triton(batch, 0.125)
+    for window in (longest, 10**6):
+        torch.testing.assert_close(run_triton(batch, 0.125, sliding_window=window), out,
+                                   atol=1e-6, rtol=1e-6)
+    shorter = run_triton(batch, 0.125, sliding_window=longest - 1)
+    torch.testing.assert_close(shorter.cpu().double(),
+                               dense_causal_attention(batch, 0.125, longest - 1), atol=ATOL,
+                               rtol=RTOL)
+    assert not torch.allclose(shorter, out, atol=1e-3)
+
+
+def test_triton_backend_matches_torch_backend_with_window():
+    num_heads, num_kv_heads, head_size, window = 8, 2, 64, 6
+    batch = make_batch(MIXED, num_heads, num_kv_heads, head_size, 16, seed=11, device=DEVICE)
+    scale = 1 / math.sqrt(head_size)
+    triton_impl = TritonAttentionImpl(num_heads, head_size, num_kv_heads, scale,
+                                      sliding_window=window)
+    torch_impl = TorchAttentionImpl(num_heads, head_size, num_kv_heads, scale,
+                                    sliding_window=window)
+    md = batch.metadata
+    out = triton_impl.forward(batch.query, batch.key, batch.value, batch.kv_cache.clone(), md)
+    ref = torch_impl.forward(batch.query.cpu(), batch.key.cpu(), batch.value.cpu(),
+                             batch.kv_cache.cpu().clone(), cpu_metadata(md))
+    torch.testing.assert_close(out.cpu(), ref, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(out.cpu().double(), dense_causal_attention(batch, scale, window),
+                               atol=ATOL, rtol=RTOL)
+
+
 # ----------------------------------------------------------------------------- compiled
 
 
@@ -389,12 +487,14 @@ _COMPILE_SCRIPT = textwrap.dedent(
 
     # The production path (bf16, GQA 3, prefill-sized tile) must use tensor cores; head 80
     # also exercises the masked head dimension. (fp32's 3xTF32 variant compiles too, in ~6 s.)
-    for dtype, prec, qpk, d, block_m, tile_n in [("bf16", "tf32", 3, 80, 64, 64)]:
+    # The sliding-window variant (its extra loop and masks) must compile too.
+    for dtype, prec, qpk, d, block_m, tile_n, window in [("bf16", "tf32", 3, 80, 64, 64, 0),
+                                                          ("bf16", "tf32", 3, 80, 64, 64, 512)]:
         c = dict(NUM_QUERIES_PER_KV=qpk, HEAD_SIZE=d, HEAD_SIZE_PAD=triton.next_power_of_2(d),
                  BLOCK_SIZE=16, BLOCK_M=block_m, BLOCK_Q=block_m // qpk, TILE_N=tile_n,
-                 DOT_PRECISION=prec)
+                 DOT_PRECISION=prec, SLIDING_WINDOW=window)
         k = compile_for_h100(U._unified_attention_kernel, dtype, c, 4)
-        assert "mma" in k.asm["ptx"], (dtype, "no tensor-core instructions")
+        assert "mma" in k.asm["ptx"], (dtype, window, "no tensor-core instructions")
     compile_for_h100(R._reshape_and_cache_kernel, "bf16",
                      dict(NUM_KV_HEADS=3, HEAD_SIZE=64, KV_HEADS_PAD=4, HEAD_SIZE_PAD=64), 1)
     print("compiled")

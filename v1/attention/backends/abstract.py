@@ -11,6 +11,17 @@ Queries of all requests are packed: request `r` owns rows
 `seq_lens[r]` (cached context first, then the new tokens). A decode is `q_len == 1`; a
 prefill chunk with cached context has `q_len < seq_len`. Attention is causal within the new
 tokens and sees all of the context. There are no dense masks.
+
+Sliding window (per layer, `AttentionImpl(..., sliding_window=w)`): a query at absolute
+position i attends to the keys at positions j with i - w < j <= i, that is `i - j < w`: itself
+and the w - 1 positions before it. `None` (the default) is global causal attention; a window
+of at least the sequence length is the same thing. This is transformers' meaning of
+`sliding_window` in config.json (Mistral, Qwen2, Gemma 3): `masking_utils.sliding_window_overlay`
+keeps `kv_idx > q_idx - sliding_window`, and-ed with the causal `kv_idx <= q_idx`
+(`sliding_window_causal_mask_function`), and its flash-attention path passes
+`window_size=(sliding_window - 1, ...)`, the same set. The window only masks: out-of-window
+blocks stay allocated in the cache (freeing them is the KV manager's business, not done yet),
+but the backends never let them change a result and read as few of them as they can.
 """
 
 from abc import ABC, abstractmethod
@@ -43,11 +54,22 @@ def kv_cache_shape(
 class AttentionImpl(ABC):
     """One layer's attention over the paged cache; stateless apart from its shapes."""
 
-    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        num_kv_heads: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ):
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be None or at least 1, not {sliding_window}")
         self.num_heads = num_heads
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads
         self.scale = scale
+        # Keys this far back or further are hidden: i - j < sliding_window (None: global).
+        self.sliding_window = sliding_window
 
     @abstractmethod
     def forward(

@@ -28,6 +28,18 @@ request per OpenMP task. SDPA spends most of a decode in per-(request, head) ove
 needs the gathered copy; the kernel needs neither and is 3-4x faster at 64 decodes. It is
 built on first use by `v1.native`; without a compiler, for other dtypes or shapes, or with
 V1_CPU_KERNELS=0, the SDPA path above runs instead.
+
+Sliding-window layers (`sliding_window=w`, see `abstract.py`: query i sees keys j with
+i - w < j <= i) get a plan of their own, built once per step and window. A window no sequence
+of the step is longer than is no window at all and shares the global plan. Otherwise:
+  * every path starts reading at the block of the first key its queries can see, so whole
+    blocks before the window are never read (a decode reads at most ceil(w / B) + 1 blocks);
+  * the C kernel needs no change: its entries attend to [start, end), and start becomes
+    max(0, end - w);
+  * SDPA decodes and prefill chunks mask the keys before each query's window in the first
+    block they gather (those rows are zeroed too, like padding);
+  * there is no cascade (a shared prefix is mostly out of the window, and where it is not,
+    different queries would need different parts of it).
 """
 
 import ctypes
@@ -60,9 +72,11 @@ def write_kv_cache(
 
 
 def paged_attention_reference(
-    query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+    query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Per request: gather its context K/V from the blocks, then causal SDPA (GQA aware)."""
+    """Per request: gather its context K/V from the blocks, then causal SDPA (GQA aware),
+    hiding keys `sliding_window` or more positions back if a window is given."""
     block_size = kv_cache.shape[2]
     out = torch.empty_like(query)
     starts = metadata.query_start_loc_cpu
@@ -75,11 +89,16 @@ def paged_attention_reference(
         blocks = metadata.block_table[r, :num_blocks].long()
         k = kv_cache[0, blocks].flatten(0, 1)[:seq_len]  # [seq_len, kvh, d]
         v = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
-        # Query i sits at position seq_len - q_len + i and sees keys up to there.
+        # Query i sits at position seq_len - q_len + i and sees keys up to there (and, with a
+        # window, only the last `sliding_window` of those).
         mask = None
-        if q_len > 1:
+        windowed = sliding_window is not None and sliding_window < seq_len
+        if q_len > 1 or windowed:
             pos_q = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
-            mask = torch.arange(seq_len, device=query.device).unsqueeze(0) <= pos_q
+            pos_k = torch.arange(seq_len, device=query.device).unsqueeze(0)
+            mask = pos_k <= pos_q
+            if windowed:
+                mask &= pos_q - pos_k < sliding_window
         o = F.scaled_dot_product_attention(  # [1, h, q_len, d]
             query[q_start:q_end].transpose(0, 1).unsqueeze(0),
             k.transpose(0, 1).unsqueeze(0),
@@ -99,7 +118,7 @@ class TorchAttentionImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        plan = AttentionPlan.for_step(metadata, kv_cache, self.num_heads)
+        plan = AttentionPlan.for_step(metadata, kv_cache, self.num_heads, self.sliding_window)
         plan.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         return paged_attention(query, key, value, kv_cache, plan, self.scale)
 
@@ -147,7 +166,8 @@ class _Prefill:
     q_start: int
     q_end: int
     seq_len: int
-    start: int  # first key position attended here (the group's prefix length, or 0)
+    start: int  # first key position read here (after the group's prefix, or the first
+    # block of the window, or 0)
     blocks: torch.Tensor | None  # int64 block ids covering [start, seq_len); None: fresh K/V
     mask: torch.Tensor | None  # float [q_len, seq_len - start], -inf: hidden; None: causal
     need_lse: bool
@@ -158,8 +178,9 @@ class _DecodeBucket:
     rows: _Rows  # the query rows of these decodes
     blocks: torch.Tensor  # int64 [R * nb]: their blocks after their group's prefix, padded
     mask: torch.Tensor | None  # float [R, 1, 1, nb * B], -inf on padding; None: no padding
-    # Rows (of R * nb * B) of the gathered K/V past each sequence's end: zeroed after the
-    # gather, because such a slot may hold anything (NaN included) and NaN * 0 is NaN.
+    # Rows (of R * nb * B) of the gathered K/V past each sequence's end (or before its
+    # window): zeroed after the gather, because such a slot may hold anything (NaN included)
+    # and NaN * 0 is NaN.
     pad_rows: torch.Tensor | None
 
 
@@ -193,31 +214,45 @@ class AttentionPlan:
     decodes: list[_DecodeBucket] = field(default_factory=list)  # SDPA path
     native: _NativeDecodes | None = None  # C kernel path (then `decodes` is empty)
     groups: list[_Group] = field(default_factory=list)
+    sliding_window: int | None = None  # the window this plan masks by (None: global)
 
     _local = threading.local()
 
     @classmethod
     def for_step(
-        cls, metadata: AttentionMetadata, kv_cache: torch.Tensor, num_heads: int
+        cls, metadata: AttentionMetadata, kv_cache: torch.Tensor, num_heads: int,
+        sliding_window: int | None = None,
     ) -> "AttentionPlan":
-        """The plan of this metadata, built by the first layer and reused by the others
-        (every layer's cache has the same shape)."""
+        """The plan of this metadata and window, built by the first layer that needs it and
+        reused by the others (every layer's cache has the same shape): one plan per distinct
+        window in the step, where a window longer than every sequence shares the global one."""
         key = (kv_cache.shape, kv_cache.dtype, kv_cache.device, num_heads)
         cached = getattr(cls._local, "cached", None)
         if cached is not None and cached[0] is metadata and cached[1] == key:
-            return cached[2]
-        plan = cls.build(metadata, kv_cache.shape[2], kv_cache[:, 0].nbytes,
-                         native_decode_kernel(kv_cache, num_heads))
-        cls._local.cached = (metadata, key, plan)
+            plans = cached[2]
+            plan = plans.get(sliding_window)
+            if plan is not None:
+                return plan
+        else:
+            plans = {}
+            cls._local.cached = (metadata, key, plans)
+        window = _effective_window(sliding_window, metadata.seq_lens_cpu)
+        plan = plans.get(window)
+        if plan is None:
+            plan = cls.build(metadata, kv_cache.shape[2], kv_cache[:, 0].nbytes,
+                             native_decode_kernel(kv_cache, num_heads), window)
+            plans[window] = plan
+        plans[sliding_window] = plan
         return plan
 
     @classmethod
     def build(
         cls, metadata: AttentionMetadata, block_size: int, block_bytes: int = 1,
-        kernel: "_NativeDecodeKernel | None" = None,
+        kernel: "_NativeDecodeKernel | None" = None, sliding_window: int | None = None,
     ) -> "AttentionPlan":
         """`block_bytes`: one block's K and V together, to size the decode gathers;
-        `kernel`: plan the decodes for this C kernel instead."""
+        `kernel`: plan the decodes for this C kernel instead; `sliding_window`: hide keys
+        that many positions back or further."""
         dev = metadata.slot_mapping.device
         B = block_size
         qsl = np.asarray(metadata.query_start_loc_cpu, dtype=np.int64)
@@ -228,19 +263,22 @@ class AttentionPlan:
         num_blocks = -(-seq_lens // B)
         ctx_blocks = (seq_lens - q_lens) // B  # full blocks entirely before the queries
         slots = metadata.slot_mapping
+        w = _effective_window(sliding_window, seq_lens)
         plan = cls(
             num_tokens=int(qsl[num_reqs]),
             block_size=B,
             any_padding_slot=bool(slots.numel()) and bool((slots < 0).any()),
+            sliding_window=w,
         )
 
         def tensor(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(dev)
 
-        # Cascade groups: requests whose leading blocks are the same physical blocks.
+        # Cascade groups: requests whose leading blocks are the same physical blocks (not
+        # with a window).
         prefix = np.zeros(num_reqs, dtype=np.int64)  # shared prefix blocks per request
         active = np.flatnonzero((q_lens > 0) & (ctx_blocks > 0))
-        if len(active) > 1:
+        if len(active) > 1 and w is None:
             first = table[active, 0]
             for b in np.unique(first):
                 members = active[first == b]
@@ -264,6 +302,14 @@ class AttentionPlan:
                 tokens = np.concatenate([np.arange(qsl[r], qsl[r + 1]) for r in chosen])
                 plan.groups.append(_Group(_Rows(tokens, dev), tensor(table[ref, :k])))
 
+        # The first key each request reads itself: after its shared prefix; with a window,
+        # the first key its first query sees (in blocks: the block holding that key).
+        if w is None:
+            key_lo = prefix * B
+        else:
+            key_lo = np.maximum(seq_lens - q_lens - w + 1, 0)
+        first_blk = key_lo // B
+
         # Decodes: batched, bucketed by the number of blocks left after their prefix.
         dec = np.flatnonzero(q_lens == 1)
         short = np.zeros(num_reqs, dtype=bool)
@@ -272,19 +318,22 @@ class AttentionPlan:
             # left after its prefix (a prompt that hit the cache) goes there too, as one
             # decode-like entry per query token: token i of the chunk sees [start, its own
             # position]. Long ones stay with SDPA (per-token entries would reread keys).
-            short = (q_lens > 1) & (seq_lens - prefix * B <= NATIVE_PREFILL_MAX_KEYS)
+            # (An entry reads at most `w` keys with a window.)
+            keys = seq_lens - prefix * B if w is None else np.minimum(seq_lens, w)
+            short = (q_lens > 1) & (keys <= NATIVE_PREFILL_MAX_KEYS)
             rows = np.flatnonzero((q_lens == 1) | short)
             if len(rows):
                 n = q_lens[rows]
                 owner = np.repeat(rows, n)  # request of each entry
                 i = np.arange(len(owner)) - np.repeat(np.cumsum(n) - n, n)  # index in chunk
                 end = seq_lens[owner] - q_lens[owner] + i + 1
+                start = prefix[owner] * B if w is None else np.maximum(end - w, 0)
                 plan.native = _NativeDecodes(
                     kernel, metadata.block_table.to(torch.int32).contiguous(), tensor(owner),
-                    tensor(qsl[owner] + i), tensor(prefix[owner] * B), tensor(end),
+                    tensor(qsl[owner] + i), tensor(start), tensor(end),
                 )
         elif len(dec):
-            rest = num_blocks[dec] - prefix[dec]
+            rest = num_blocks[dec] - first_blk[dec]
             order = np.argsort(rest, kind="stable")
             dec, rest = dec[order], rest[order]
             cut = [0]
@@ -302,21 +351,29 @@ class AttentionPlan:
                 per_call = max(1, MAX_GATHER_BYTES // (nb * block_bytes))
                 for c in range(0, len(bucket_rows), per_call):
                     rows, n = bucket_rows[c : c + per_call], bucket_n[c : c + per_call]
-                    plan.decodes.append(_decode_call(rows, n, nb, prefix, table, seq_lens,
-                                                     qsl, B, dev))
+                    plan.decodes.append(_decode_call(rows, n, nb, key_lo, table, seq_lens,
+                                                     qsl, B, dev, w is not None))
 
         # Prefill chunks (and anything with more than one query): one call each.
         for r in np.flatnonzero((q_lens > 1) & ~short).tolist():
             seq_len, q_len = int(seq_lens[r]), int(q_lens[r])
-            start = int(prefix[r]) * B
-            blocks = mask = None
+            start = int(first_blk[r]) * B
+            blocks = hidden = None
             if seq_len > q_len:
                 blocks = tensor(table[r, start // B : num_blocks[r]])
                 pos_q = np.arange(seq_len - q_len, seq_len)[:, None]
-                hidden = np.arange(start, seq_len)[None, :] > pos_q
+                pos_k = np.arange(start, seq_len)[None, :]
+                hidden = pos_k > pos_q
+                if w is not None:
+                    hidden |= pos_q - pos_k >= w
+            elif w is not None and q_len > w:  # no context: the fresh K/V, windowed
+                pos = np.arange(q_len)
+                hidden = (pos[None, :] > pos[:, None]) | (pos[:, None] - pos[None, :] >= w)
+            mask = None
+            if hidden is not None:
                 mask = torch.from_numpy(np.where(hidden, -np.inf, 0).astype(np.float32)).to(dev)
             plan.prefills.append(_Prefill(
-                int(qsl[r]), int(qsl[r + 1]), seq_len, start, blocks, mask, start > 0
+                int(qsl[r]), int(qsl[r + 1]), seq_len, start, blocks, mask, bool(prefix[r])
             ))
         return plan
 
@@ -337,16 +394,20 @@ class AttentionPlan:
 
 
 def _decode_call(
-    rows: np.ndarray, n: np.ndarray, nb: int, prefix: np.ndarray, table: np.ndarray,
-    seq_lens: np.ndarray, qsl: np.ndarray, B: int, dev: torch.device,
+    rows: np.ndarray, n: np.ndarray, nb: int, first: np.ndarray, table: np.ndarray,
+    seq_lens: np.ndarray, qsl: np.ndarray, B: int, dev: torch.device, windowed: bool = False,
 ) -> _DecodeBucket:
-    """One SDPA call for decode requests `rows`: each attends to its `n` blocks after its
-    prefix, padded to `nb` blocks."""
+    """One SDPA call for decode requests `rows`: each attends to its `n` blocks from the one
+    holding key position `first[r]` (after its prefix), padded to `nb` blocks. `windowed`:
+    also hide the keys before `first[r]` in that block (else `first` is a block start)."""
     j = np.arange(nb)[None, :]
-    cols = prefix[rows, None] + np.where(j < n[:, None], j, 0)
+    first_blk = first[rows, None] // B
+    cols = first_blk + np.where(j < n[:, None], j, 0)
     blocks = table[rows[:, None], cols]
-    pos = prefix[rows, None] * B + np.arange(nb * B)[None, :]
+    pos = first_blk * B + np.arange(nb * B)[None, :]
     pad = pos >= seq_lens[rows, None]
+    if windowed:
+        pad |= pos < first[rows, None]
     mask = pad_rows = None
     if pad.any():
         m = np.where(pad, -np.inf, 0.0).astype(np.float32)[:, None, None, :]
@@ -354,6 +415,13 @@ def _decode_call(
         pad_rows = torch.from_numpy(np.flatnonzero(pad)).to(dev)
     block_ids = torch.from_numpy(np.ascontiguousarray(blocks.reshape(-1), dtype=np.int64))
     return _DecodeBucket(_Rows(qsl[rows], dev), block_ids.to(dev), mask, pad_rows)
+
+
+def _effective_window(sliding_window: int | None, seq_lens: np.ndarray) -> int | None:
+    """The window, or None where it hides nothing: no sequence of the step is longer."""
+    if sliding_window is None or len(seq_lens) == 0 or sliding_window >= int(seq_lens.max()):
+        return None
+    return int(sliding_window)
 
 
 def _sdpa_lse(

@@ -2,7 +2,8 @@
 
 `forward` writes this step's K/V into the paged cache at `slot_mapping` (negative slots are
 padding and skipped), then runs a single launch of the unified paged-attention kernel over the
-whole packed batch (prefill chunks with cached context and decodes together). Same contract as
+whole packed batch (prefill chunks with cached context and decodes together), masked by the
+layer's sliding window if it has one (a constexpr of the kernel). Same contract as
 `TorchAttentionImpl`, which is its reference. Without a GPU the kernels only run in Triton's
 interpreter (TRITON_INTERPRET=1 set before the ops are imported), on CPU tensors.
 """
@@ -15,8 +16,15 @@ from v1.attention.ops.triton_unified_attention import unified_attention
 
 
 class TritonAttentionImpl(AttentionImpl):
-    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float):
-        super().__init__(num_heads, head_size, num_kv_heads, scale)
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        num_kv_heads: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ):
+        super().__init__(num_heads, head_size, num_kv_heads, scale, sliding_window)
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads {num_heads} is not a multiple of {num_kv_heads}")
 
@@ -30,4 +38,5 @@ class TritonAttentionImpl(AttentionImpl):
     ) -> torch.Tensor:
         reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
         out = query.new_empty(query.shape)
-        return unified_attention(query, kv_cache, out, metadata, self.scale)
+        return unified_attention(query, kv_cache, out, metadata, self.scale,
+                                 sliding_window=self.sliding_window)

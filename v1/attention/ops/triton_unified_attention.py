@@ -27,6 +27,14 @@ Grid: one program per (query tile, kv head).
   Keys visible to every row of the tile (the cached context and the new tokens before the
   tile's first token) go through an unmasked loop; only the last few tiles apply the causal
   mask. Softmax is online (flash-attention style) in fp32, with exp2 and a pre-folded scale.
+* Sliding window (`SLIDING_WINDOW` = w > 0; 0 is global): row at position i sees keys j with
+  i - w < j <= i (see `abstract.py`). The program starts at the tile holding the first key its
+  first row sees, so whole tiles before the window are skipped and a decode reads at most
+  about w keys; keys before that first key are not even loaded (their blocks may hold
+  anything). Tiles every row sees whole still take the unmasked loop; the tiles before them
+  (the window's ragged start) and the causal tail apply both masks. A row may see nothing in
+  the first tiles it meets, so the masked tiles guard the online softmax against -inf - -inf.
+  With w = 0 the kernel is exactly the global one (the window code is compiled out).
 """
 
 import math
@@ -69,16 +77,20 @@ def _attend_kv_tile(
     stride_c_off,
     scale_log2,
     offs_d,
+    kv_lo,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HEAD_SIZE_PAD: tl.constexpr,
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,
 ):
     offs_n = kv_start + tl.arange(0, TILE_N)
     if MASKED:
         n_valid = offs_n < kv_end
+        if SLIDING_WINDOW > 0:
+            n_valid = n_valid & (offs_n >= kv_lo)  # before the tile's window: not loaded
         blk = tl.load(block_table_row_ptr + offs_n // BLOCK_SIZE, mask=n_valid, other=0)
     else:
         blk = tl.load(block_table_row_ptr + offs_n // BLOCK_SIZE)
@@ -107,13 +119,24 @@ def _attend_kv_tile(
     if MASKED:
         # Causal: row at absolute position q_pos sees keys 0..q_pos. Every key that passes is
         # also < kv_end for real rows; padding rows are never stored.
-        s = tl.where(offs_n[None, :] <= q_pos[:, None], s, float("-inf"))
+        visible = offs_n[None, :] <= q_pos[:, None]
+        if SLIDING_WINDOW > 0:
+            # ... and only the last SLIDING_WINDOW of them (which are all >= kv_lo).
+            visible = visible & (q_pos[:, None] - offs_n[None, :] < SLIDING_WINDOW)
+        s = tl.where(visible, s, float("-inf"))
 
-    # Online softmax. The first tile always holds key 0, which every row sees, so m_i is finite
-    # from then on and no row ever computes exp2(-inf - -inf).
+    # Online softmax. Without a window the first tile always holds key 0, which every row
+    # sees, so m_i is finite from then on and no row ever computes exp2(-inf - -inf). With a
+    # window a row may see none of the first (masked) tiles it meets: exponentiate against 0
+    # while its max is still -inf (then alpha = p = 0 and the row stays empty).
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    if MASKED and SLIDING_WINDOW > 0:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+    else:
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
@@ -147,6 +170,7 @@ def _unified_attention_kernel(
     BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,  # 0: global attention
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -190,19 +214,40 @@ def _unified_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_SIZE_PAD], dtype=tl.float32)
 
-    for t in range(0, num_full_tiles):
+    kv_lo = 0  # the first key any row of the tile sees
+    first_full = 0  # the unmasked tiles are [first_full, num_full_tiles)
+    masked_from = num_full_tiles  # the causal tail: [masked_from, num_tiles)
+    if SLIDING_WINDOW > 0:
+        # The first row (position full_end - 1) sees keys from full_end - w; the last real
+        # row (kv_end - 1) from kv_end - w, so every row sees all of [kv_end - w, full_end).
+        kv_lo = tl.maximum(full_end - SLIDING_WINDOW, 0)
+        first_tile = kv_lo // TILE_N
+        all_see = tl.cdiv(tl.maximum(kv_end - SLIDING_WINDOW, 0), TILE_N)
+        first_full = tl.maximum(first_tile, tl.minimum(all_see, num_full_tiles))
+        masked_from = tl.maximum(first_full, num_full_tiles)
+        for t in range(first_tile, first_full):
+            acc, l_i, m_i = _attend_kv_tile(
+                acc, l_i, m_i, q, q_pos, t * TILE_N, kv_end, block_table_row_ptr,
+                k_head_ptr, v_head_ptr, stride_c_blk, stride_c_off, scale_log2, offs_d, kv_lo,
+                BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_SIZE_PAD, True, DOT_PRECISION,
+                SLIDING_WINDOW,
+            )
+    for t in range(first_full, num_full_tiles):
         acc, l_i, m_i = _attend_kv_tile(
             acc, l_i, m_i, q, q_pos, t * TILE_N, kv_end, block_table_row_ptr,
-            k_head_ptr, v_head_ptr, stride_c_blk, stride_c_off, scale_log2, offs_d,
-            BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_SIZE_PAD, False, DOT_PRECISION,
+            k_head_ptr, v_head_ptr, stride_c_blk, stride_c_off, scale_log2, offs_d, kv_lo,
+            BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_SIZE_PAD, False, DOT_PRECISION, SLIDING_WINDOW,
         )
-    for t in range(num_full_tiles, num_tiles):
+    for t in range(masked_from, num_tiles):
         acc, l_i, m_i = _attend_kv_tile(
             acc, l_i, m_i, q, q_pos, t * TILE_N, kv_end, block_table_row_ptr,
-            k_head_ptr, v_head_ptr, stride_c_blk, stride_c_off, scale_log2, offs_d,
-            BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_SIZE_PAD, True, DOT_PRECISION,
+            k_head_ptr, v_head_ptr, stride_c_blk, stride_c_off, scale_log2, offs_d, kv_lo,
+            BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_SIZE_PAD, True, DOT_PRECISION, SLIDING_WINDOW,
         )
 
+    if SLIDING_WINDOW > 0:
+        # Rows past the tile's real tokens may see no key at all (0 / 0); never stored.
+        l_i = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_i[:, None]
     tl.store(
         out_ptr + q_row[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :],
@@ -232,6 +277,7 @@ def unified_attention(
     *,
     block_m: int | None = None,
     tile_n: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal paged attention for a packed mixed batch; writes `out` and returns it.
 
@@ -241,6 +287,8 @@ def unified_attention(
     device; max_query_len). Rows of `out` past `query_start_loc[-1]` are left untouched.
     block_m / tile_n override the tile sizes (powers of two, block_m >= 16 and at least the GQA
     ratio, tile_n >= 16); the defaults pick BLOCK_M from max_query_len.
+    sliding_window: a row at position i sees only keys j with i - j < sliding_window (None:
+    global). Each distinct window is one more compiled variant of the kernel.
     """
     _check_device(query)
     num_tokens, num_heads, head_size = query.shape
@@ -304,6 +352,7 @@ def unified_attention(
         BLOCK_Q=block_q,
         TILE_N=tile_n,
         DOT_PRECISION=dot_precision,
+        SLIDING_WINDOW=sliding_window or 0,
         num_warps=num_warps,
         num_stages=2,
     )
