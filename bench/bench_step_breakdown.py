@@ -62,8 +62,9 @@ from common import (
 from v1.attention.backends import torch_attn
 from v1.engine.core import EngineCore
 from v1.engine.llm_engine import LLMEngine
+from v1.models import DecoderForCausalLM, head_dim_of
+from v1.models.layers.linear import Linear
 from v1.sampling_params import SamplingParams
-from v1.worker.model import Linear, LlamaForCausalLM, head_dim_of
 from v1.worker.model_runner import ModelRunner
 from v1.worker.sampler import Sampler
 
@@ -157,7 +158,7 @@ class StepClock:
         with ExitStack() as stack:
             for owner, attr, wrap in [
                 (Linear, "forward", functools.partial(self._timed, "gemm")),
-                (LlamaForCausalLM, "compute_logits", functools.partial(self._timed, "gemm")),
+                (DecoderForCausalLM, "compute_logits", functools.partial(self._timed, "gemm")),
                 (torch_attn, "paged_attention", functools.partial(self._timed, "attention")),
                 (Sampler, "__call__", functools.partial(self._timed, "sampling")),
                 (ModelRunner, "execute_model", self._runner),

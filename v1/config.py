@@ -1,8 +1,24 @@
 """Engine configuration, with vLLM's option names. Plain data: every layer may read it."""
 
+import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("v1")
+
+# generation_config.json's keys that become default sampling parameters (vLLM's list), and
+# the SamplingParams field each sets.
+GENERATION_CONFIG_DEFAULTS = {
+    "repetition_penalty": "repetition_penalty",
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "max_new_tokens": "max_tokens",
+}
 
 
 def cache_root() -> Path:
@@ -60,6 +76,12 @@ class EngineArgs:
     """The user-facing engine options, named as vLLM names them."""
 
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct, GGUF)
+    # With a hub id as `model`: the branch, tag or commit to find in the local HF cache.
+    revision: str | None = None
+    # Where requests' default sampling parameters come from: "auto", the model's
+    # generation_config.json; "vllm", vLLM's own (SamplingParams' defaults); or a directory
+    # holding a generation_config.json.
+    generation_config: str = "auto"
     max_model_len: int | None = None  # None: the model's context length
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # None: 2048 on CPU, 8192 on GPU
@@ -80,11 +102,45 @@ class EngineArgs:
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
     seed: int = 0
-
     def __post_init__(self) -> None:
         utilization = self.gpu_memory_utilization
         if utilization is not None and not 0 < utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+        gen = self.generation_config
+        if gen not in ("auto", "vllm") and not Path(gen).expanduser().is_dir():
+            raise ValueError(
+                "generation_config must be 'auto', 'vllm' or a directory holding a "
+                f"generation_config.json, got {gen!r}"
+            )
+
+    def get_diff_sampling_param(self, model_dir: str | os.PathLike[str]) -> dict[str, Any]:
+        """vLLM's: the default sampling parameters the model's creator recommends, for
+        requests that do not set them: generation_config.json's temperature, top_p, top_k,
+        min_p, repetition_penalty and max_new_tokens (as max_tokens), as SamplingParams
+        keywords. Read from `model_dir` (the loaded model's HF directory) under "auto", from
+        the given directory under a path; nothing under "vllm" or without the file."""
+        if self.generation_config == "vllm":
+            return {}
+        folder = model_dir if self.generation_config == "auto" else self.generation_config
+        file = Path(folder).expanduser() / "generation_config.json"
+        try:
+            config = json.loads(file.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot read {file}: {e}") from e
+        defaults = {
+            ours: config[key]
+            for key, ours in GENERATION_CONFIG_DEFAULTS.items()
+            if isinstance(config, dict) and config.get(key) is not None
+        }
+        if defaults:
+            logger.info(
+                "default sampling parameters from %s, for requests that do not set them: %s "
+                "(generation_config='vllm' / --generation-config vllm turns this off)",
+                file, defaults,
+            )
+        return defaults
 
     def _either(self, name: str, vllm_name: str) -> int | None:
         """An option given under our name or vLLM's (both: they must agree)."""

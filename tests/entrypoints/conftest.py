@@ -80,11 +80,12 @@ def chat_prompts(hf_tokenizer) -> list[list[int]]:
 @pytest.fixture(scope="session")
 def extras_client(default_model_path, tmp_path_factory):
     """An `openai` client of one `python -m v1 serve` shared by the modules that test single
-    request fields (sampling, echo): one server start for all of them."""
+    request fields (sampling, echo, tools): one server start for all of them."""
     from tests.entrypoints.test_openai_server import serve_client
 
     with serve_client(
         default_model_path, tmp_path_factory, "openai_extras",
         "--max-model-len", "512", "--num-gpu-blocks", "128",
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
     ) as client:
         yield client

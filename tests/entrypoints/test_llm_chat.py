@@ -83,3 +83,13 @@ def test_vllm_spellings_of_kv_cache_options(default_model) -> None:
         gpu_memory_utilization=0.5,
     ) as llm:
         assert llm.chat([QUESTION], ONE_TOKEN, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_tools_reach_the_template(llm: LLM) -> None:
+    """As vLLM's `LLM.chat(tools=...)`: the function definitions are the template's `tools`."""
+    template = "{% for t in tools or [] %}{{ t.function.name }};{% endfor %}" + TEMPLATE
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {}}}]
+    assert prompt_of(llm, [QUESTION], chat_template=template, tools=tools).startswith(
+        "get_time;<|im_start|>user"
+    )
+    assert prompt_of(llm, [QUESTION], chat_template=template).startswith("<|im_start|>user")

@@ -441,9 +441,14 @@ BAD_REQUESTS = {
     "stream wrong type": ("chat/completions", {"messages": MESSAGES, "stream": "yes"}, 400,
                           "stream"),
     "unsupported suffix": ("completions", {"prompt": "hi", "suffix": "!"}, 400, "suffix"),
-    "unsupported tools": (
+    "tool without function": (
         "chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}]}, 400,
-        "tools"),
+        "tools.0.function"),
+    # As vLLM: "auto" (the default with tools) needs --enable-auto-tool-choice.
+    "auto tool choice not enabled": (
+        "chat/completions",
+        {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        400, None),
     "unsupported message name": (
         "chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "Al"}]},
         400, "messages.0.name"),
@@ -487,8 +492,8 @@ TOOL = {"type": "function", "function": {"name": "now", "parameters": {"type": "
 # field: the openai client's arguments that set it to something this server does not
 # implement (vLLM's own fields go in extra_body).
 UNSUPPORTED_CHAT = {
-    "tools": {"tools": [TOOL]},
-    "tool_choice": {"tool_choice": "required"},
+    "functions": {"functions": [TOOL["function"]]},
+    "function_call": {"function_call": "auto"},
     "reasoning_effort": {"reasoning_effort": "low"},
     "guided_json": {"extra_body": {"guided_json": {"type": "object"}}},
 }
@@ -721,7 +726,7 @@ def test_engine_death_answers_500_and_503(monkeypatch: pytest.MonkeyPatch) -> No
     from v1.outputs import CompletionOutput, RequestOutput
 
     class DyingEngine:
-        model_name, max_model_len = "dying", 64
+        model_name, max_model_len, model_dir = "dying", 64, "/nonexistent"
         processor = Processor(None, max_model_len, vocab_size=100, eos_token_id=None)
 
         def __init__(self) -> None:

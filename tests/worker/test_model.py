@@ -10,8 +10,9 @@ import torch
 
 from v1.attention.backends.abstract import AttentionMetadata, kv_cache_shape
 from v1.attention.backends.torch_attn import TorchAttentionImpl
+from v1.models import DecoderForCausalLM, head_dim_of
+from v1.models.layers.rotary import rope_inv_freq, rope_parameters
 from v1.worker import model_loader
-from v1.worker.model import LlamaForCausalLM, head_dim_of, rope_inv_freq
 from v1.worker.model_loader import load_model, resolve_model
 
 BLOCK_SIZE = 16
@@ -36,14 +37,14 @@ class Chunk:
     block_table: list[int]  # block ids of the whole sequence, in order
 
 
-def new_kv_caches(model: LlamaForCausalLM, num_blocks: int) -> list[torch.Tensor]:
+def new_kv_caches(model: DecoderForCausalLM, num_blocks: int) -> list[torch.Tensor]:
     cfg = model.config
     shape = kv_cache_shape(num_blocks, BLOCK_SIZE, cfg.num_key_value_heads, head_dim_of(cfg))
     return [torch.zeros(shape) for _ in range(cfg.num_hidden_layers)]
 
 
 def run_step(
-    model: LlamaForCausalLM, kv_caches: list[torch.Tensor], chunks: list[Chunk]
+    model: DecoderForCausalLM, kv_caches: list[torch.Tensor], chunks: list[Chunk]
 ) -> list[torch.Tensor]:
     """One packed forward over all chunks; returns each chunk's logits [len(tokens), vocab]."""
     query_lens = [len(c.tokens) for c in chunks]
@@ -76,7 +77,7 @@ def run_step(
     return list(logits.split(query_lens))
 
 
-def prefill(model: LlamaForCausalLM, tokens: list[int], block_table: list[int]) -> torch.Tensor:
+def prefill(model: DecoderForCausalLM, tokens: list[int], block_table: list[int]) -> torch.Tensor:
     kv_caches = new_kv_caches(model, max(block_table) + 1)
     return run_step(model, kv_caches, [Chunk(tokens, 0, block_table)])[0]
 
@@ -217,13 +218,13 @@ def test_hf_directory_matches_hf(tmp_path):
 
     # The rope table is transformers' own llama3 frequencies, from either config spelling.
     hf_inv_freq = hf.model.rotary_emb.inv_freq
-    assert torch.equal(rope_inv_freq(hf.config, 16), hf_inv_freq)
+    assert torch.equal(rope_inv_freq(rope_parameters(hf.config), 16, 256)[0], hf_inv_freq)
     legacy = types.SimpleNamespace(
         rope_theta=10000.0,
         rope_scaling={**tiny_llama_config().rope_parameters, "type": "llama3"},
     )
     del legacy.rope_scaling["rope_type"], legacy.rope_scaling["rope_theta"]
-    assert torch.equal(rope_inv_freq(legacy, 16), hf_inv_freq)
+    assert torch.equal(rope_inv_freq(rope_parameters(legacy), 16, 256)[0], hf_inv_freq)
 
 
 # ---- (d) resolving model names -------------------------------------------------------------------

@@ -41,6 +41,7 @@ class AsyncLLM:
         info = client.model_info
         self.tokenizer: Any = info.tokenizer
         self.model_name = info.model_name
+        self.model_dir = info.model_dir  # its generation_config.json: default sampling params
         self.max_model_len = info.max_model_len
         self.processor = Processor(
             info.tokenizer, info.max_model_len, info.vocab_size, info.eos_token_id,

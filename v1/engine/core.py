@@ -103,7 +103,9 @@ class EngineCore:
         device, dtype = resolve_device_and_dtype(args.device, args.dtype)
         torch.manual_seed(args.seed)
         if loaded is None:
-            loaded = load_model(args.model, dtype, device, attention_impl_for(device))
+            loaded = load_model(
+                args.model, dtype, device, attention_impl_for(device), revision=args.revision
+            )
         self.loaded = loaded
         scheduler_config, cache_config = args.create_configs(
             loaded.max_model_len, device.type == "cuda"

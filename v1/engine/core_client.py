@@ -76,6 +76,9 @@ class ModelInfo(NamedTuple):
     vocab_size: int
     eos_token_id: int | None
     stop_token_ids: tuple[int, ...]
+    # The model's HF-format directory (its generation_config.json gives default sampling
+    # parameters: `EngineArgs.get_diff_sampling_param`).
+    model_dir: str
 
 
 class EngineCoreClient(ABC):
@@ -112,6 +115,7 @@ class InprocClient(EngineCoreClient):
             int(loaded.hf_config.vocab_size),
             loaded.eos_token_id,
             loaded.stop_token_ids,
+            str(loaded.model_dir),
         )
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -347,6 +351,7 @@ class MPClient(ABC):
             ready.vocab_size,
             ready.eos_token_id,
             ready.stop_token_ids,
+            ready.model_dir,
         )
         self._res.thread = threading.Thread(
             target=self._receive, name="v1-core-client-output", daemon=True

@@ -71,11 +71,13 @@ class Processor:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         """The conversation as the template renders it, as vLLM: `chat_template` replaces the
         model's, `continue_final_message` leaves the last message open for the model to
         go on with, and `chat_template_kwargs` reach the template as variables (overriding
-        the two flags, as vLLM's do)."""
+        the two flags, as vLLM's do). `tools` (OpenAI's function definitions) reach the
+        template as `tools`; a template that does not use them ignores them."""
         if not messages:
             raise ValueError("messages is empty")
         for m in messages:
@@ -91,7 +93,7 @@ class Processor:
             **(chat_template_kwargs or {}),
         }
         # These two are the call's own: as template variables they would break it.
-        reserved = {"tokenize", "chat_template"} & kwargs.keys()
+        reserved = {"tokenize", "chat_template", "tools"} & kwargs.keys()
         if reserved:
             raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)}")
         if kwargs["add_generation_prompt"] and kwargs["continue_final_message"]:
@@ -100,7 +102,8 @@ class Processor:
             )
         try:
             return self.tokenizer.apply_chat_template(
-                list(messages), chat_template=chat_template, tokenize=False, **kwargs
+                list(messages), chat_template=chat_template, tokenize=False,
+                tools=None if tools is None else list(tools), **kwargs,
             )
         except jinja2.TemplateError as e:  # the template refused the conversation
             raise ValueError(f"the chat template failed: {e}") from e

@@ -12,7 +12,7 @@ from v1.engine.llm_engine import LLMEngine
 from v1.engine.processor import PromptType
 from v1.outputs import RequestOutput, SchedulerStats
 from v1.sampling_params import SamplingParams
-from v1.worker.model_loader import LoadedModel
+from v1.worker.model_loader import LoadedModel, resolve_model
 
 Messages = Sequence[Mapping[str, Any]]
 
@@ -57,15 +57,32 @@ class LLM:
         if multiprocess and loaded_model is not None:
             raise ValueError("loaded_model needs multiprocess=False: its weights live here")
         self.engine_args = EngineArgs(model=model, **kwargs)
+        if loaded_model is None:
+            # A path or hub id that is not there fails here, before an engine starts.
+            resolve_model(model, self.engine_args.revision)
         client: EngineCoreClient = (
             SyncMPClient(self.engine_args)
             if multiprocess
             else InprocClient(self.engine_args, loaded_model)
         )
         self.llm_engine = LLMEngine(client)
+        try:  # generation_config.json's sampling defaults ("auto"), or none ("vllm")
+            self.default_sampling_params = self.engine_args.get_diff_sampling_param(
+                client.model_info.model_dir
+            )
+        except BaseException:
+            self.shutdown()
+            raise
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use when given no SamplingParams, as vLLM's: the
+        model's generation_config.json defaults (temperature, top_p, top_k, min_p,
+        repetition_penalty, max_new_tokens as max_tokens) over SamplingParams' own, unless
+        the engine was made with generation_config="vllm"."""
+        return SamplingParams(**self.default_sampling_params)
 
     def generate(
         self,
@@ -86,7 +103,7 @@ class LLM:
             prompts = [prompts]  # one prompt: text, a dict or token ids
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
@@ -108,13 +125,14 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Apply the chat template to one conversation or a list of them, then generate.
 
         As vLLM's: `chat_template` (Jinja text) replaces the model's; with
         `continue_final_message=True` (and `add_generation_prompt=False`) the model goes on
         with the last message instead of answering it; `chat_template_kwargs` are extra
-        template variables.
+        template variables; `tools` (OpenAI-style function definitions) reach the template.
         """
         if messages and isinstance(messages[0], Mapping):
             messages = [messages]  # type: ignore[list-item]
@@ -122,7 +140,7 @@ class LLM:
         prompts = [
             processor.apply_chat_template(
                 conv, chat_template, add_generation_prompt, continue_final_message,  # type: ignore[arg-type]
-                chat_template_kwargs,
+                chat_template_kwargs, tools,
             )
             for conv in messages
         ]

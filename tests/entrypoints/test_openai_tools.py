@@ -1,0 +1,292 @@
+"""Tool calling over HTTP with the real model and the `openai` client (the shared server runs
+with `--enable-auto-tool-choice --tool-call-parser hermes`), and the parsers on their own."""
+
+import json
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.entrypoints.test_openai_server import MODEL
+from v1.entrypoints.openai.protocol import ChatCompletionRequest
+from v1.entrypoints.openai.tool_calls import (
+    HermesToolParser,
+    NamedToolCall,
+    RequiredToolCalls,
+    ToolCallExtractor,
+    merge_tool_calls,
+)
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"timezone": {"type": "string", "maxLength": 12}},
+    "required": ["timezone"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city", "parameters": WEATHER}},
+    {"type": "function", "function": {
+        "name": "get_time", "description": "The time in a timezone", "parameters": TIME}},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+MESSAGES = [{"role": "user", "content": "What is the weather like in Paris?"}]
+
+
+def run(extractor: ToolCallExtractor, text: str, chunk: int) -> tuple[str, list[tuple[str, str]]]:
+    """Feed `text` in pieces of `chunk` characters: the content and the whole calls."""
+    content, deltas = "", []
+    for i in range(0, len(text), chunk):
+        got = extractor.feed(text[i : i + chunk])
+        content, deltas = content + got.content, deltas + got.tool_calls
+    got = extractor.finish()
+    calls = merge_tool_calls(deltas + got.tool_calls)
+    return content + got.content, [(c.function.name, c.function.arguments) for c in calls]
+
+
+HERMES = (
+    'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+    '"unit": "celsius"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": '
+    '{"timezone": "CET"}}\n</tool_call>\n'
+)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5, 11, len(HERMES)])
+def test_hermes_parser_any_chunking(chunk: int) -> None:
+    assert run(HermesToolParser(), HERMES, chunk) == ("Let me check.", [
+        ("get_weather", '{"city": "Paris", "unit": "celsius"}'),
+        ("get_time", '{"timezone": "CET"}'),
+    ])
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("a < b <tool", ("a < b <tool", [])),  # looked like a tag, was not
+        ("x <tool_call>{not json}</tool_call> y", ("x <tool_call>{not json}</tool_call> y", [])),
+        ('x <tool_call>{"name": "f"}</tool_call>', ('x <tool_call>{"name": "f"}</tool_call>', [])),
+        # Cut off before the end tag (max_tokens): a call if its JSON is whole, else text.
+        ('<tool_call>{"name": "f", "arguments": {}}', ("", [("f", "{}")])),
+        ('ok <tool_call>{"name": "f", "argu', ('ok <tool_call>{"name": "f", "argu', [])),
+    ],
+)
+def test_hermes_parser_keeps_what_is_not_a_call(text: str, expected: tuple) -> None:
+    for chunk in (1, 4, len(text)):
+        assert run(HermesToolParser(), text, chunk) == expected
+
+
+def test_hermes_parser_max_calls_leaves_the_rest_as_text() -> None:
+    content, calls = run(HermesToolParser(max_calls=1), HERMES, 3)
+    assert [name for name, _ in calls] == ["get_weather"]
+    assert content.startswith("Let me check.") and '"get_time"' in content
+
+
+def test_required_and_named_extractors() -> None:
+    array = ' [{"name": "get_time", "parameters": {"timezone": "UTC"}}, {"name": "g", ' \
+        '"parameters": {"a": [1, {"b": "]"}]}}]'
+    for chunk in (1, 3, len(array)):
+        assert run(RequiredToolCalls(), array, chunk) == (
+            "", [("get_time", '{"timezone": "UTC"}'), ("g", '{"a": [1, {"b": "]"}]}')]
+        )
+    assert run(RequiredToolCalls(), '[{"name": "g", "param', 2) == ('{"name": "g", "param', [])
+    assert run(NamedToolCall("f"), '{"x": 1}', 2) == ("", [("f", '{"x": 1}')])
+
+
+def test_required_schema_has_each_tool_and_parallel_limit() -> None:
+    def schema(**kwargs: Any) -> dict[str, Any]:
+        request = ChatCompletionRequest(messages=MESSAGES, tools=TOOLS, **kwargs)
+        params = request.to_sampling_params()
+        assert params.structured_outputs is not None
+        return params.structured_outputs.json  # type: ignore[return-value]
+
+    required = schema(tool_choice="required")
+    jsonschema.validate([{"name": "get_time", "parameters": {"timezone": "UTC"}}], required)
+    with pytest.raises(jsonschema.ValidationError):  # another tool's parameters
+        jsonschema.validate([{"name": "get_time", "parameters": {"city": "Rome"}}], required)
+    with pytest.raises(jsonschema.ValidationError):  # no call
+        jsonschema.validate([], required)
+    two = [{"name": "get_time", "parameters": {"timezone": "UTC"}}] * 2
+    jsonschema.validate(two, required)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(two, schema(tool_choice="required", parallel_tool_calls=False))
+    named = {"type": "function", "function": {"name": "get_time"}}
+    assert schema(tool_choice=named) == TIME
+
+
+def test_tool_messages_reach_the_template(hf_tokenizer) -> None:
+    """An assistant's earlier call (arguments as an object) and the tool's answer are what a
+    tool-aware template renders, and the tools too."""
+    template = (
+        "{% for t in tools %}TOOL {{ t.function.name }};{% endfor %}"
+        "{% for m in messages %}[{{ m.role }}]"
+        "{% for c in m.tool_calls or [] %}CALL {{ c.function.name }} "
+        "{{ c.function.arguments.city }};{% endfor %}"
+        "{% if m.tool_call_id %}({{ m.tool_call_id }}){% endif %}{{ m.content }}{% endfor %}"
+    )
+    request = ChatCompletionRequest(messages=[
+        *MESSAGES,
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18 degrees"},
+    ], tools=TOOLS)
+    text = hf_tokenizer.apply_chat_template(
+        [m.to_template_dict() for m in request.messages], chat_template=template,
+        tools=request.template_tools(), tokenize=False,
+    )
+    assert text == (
+        "TOOL get_weather;TOOL get_time;[user]What is the weather like in Paris?"
+        "[assistant]CALL get_weather Paris;[tool](c1)18 degrees"
+    )
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"tool_choice": "required"}, "tools"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "nope"),
+        ({"messages": [{"role": "tool", "content": "18"}]}, "tool_call_id"),
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "assistant"),
+    ],
+)
+def test_bad_tool_requests_are_refused(fields: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ChatCompletionRequest(**{"messages": MESSAGES, **fields})
+
+
+# ---- over HTTP, with the real model ------------------------------------------------------
+
+
+
+@pytest.fixture
+def client(extras_client: openai.OpenAI) -> openai.OpenAI:
+    return extras_client
+
+
+def chat(client: openai.OpenAI, **kwargs: Any) -> Any:
+    kwargs = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "max_tokens": 60, **kwargs}
+    return client.chat.completions.create(**kwargs)
+
+
+def streamed(client: openai.OpenAI, **kwargs: Any) -> tuple[str, list[tuple[str, str]], str]:
+    """A streamed chat's content, calls (put together from their deltas) and finish reason."""
+    content, calls, finish = "", {}, None
+    for chunk in chat(client, stream=True, **kwargs):
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for delta in choice.delta.tool_calls or []:
+            if delta.id is not None:
+                assert delta.type == "function" and delta.function.name
+                calls[delta.index] = [delta.function.name, delta.function.arguments or ""]
+            else:
+                calls[delta.index][1] += delta.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return content, [tuple(c) for c in calls.values()], finish
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_named_tool_always_yields_valid_arguments(client: openai.OpenAI) -> None:
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    out = chat(client, tool_choice=named, n=4, temperature=1.0, seed=7)
+    for choice in out.choices:
+        assert choice.finish_reason == "stop"  # as vLLM: a named call ends with "stop"
+        assert choice.message.content is None
+        [call] = choice.message.tool_calls
+        assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    greedy = chat(client, tool_choice=named, temperature=0).choices[0].message.tool_calls[0]
+    content, calls, finish = streamed(client, tool_choice=named, temperature=0)
+    assert (content, calls, finish) == (
+        "", [("get_weather", greedy.function.arguments)], "stop"
+    )
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_required_tool_calls_validate(client: openai.OpenAI) -> None:
+    out = chat(client, tool_choice="required", n=3, temperature=1.0, seed=3, max_tokens=120,
+               parallel_tool_calls=False)
+    for choice in out.choices:
+        assert choice.finish_reason == "tool_calls", choice.message
+        [call] = choice.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    greedy = chat(client, tool_choice="required", temperature=0, max_tokens=120,
+                  parallel_tool_calls=False).choices[0].message.tool_calls
+    assert streamed(client, tool_choice="required", temperature=0, max_tokens=120,
+                    parallel_tool_calls=False) == (
+        "", [(c.function.name, c.function.arguments) for c in greedy], "tool_calls"
+    )
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_auto_parses_the_models_hermes_calls(client: openai.OpenAI) -> None:
+    """"auto" reads whatever the model writes; the model is steered into a Hermes call with a
+    regex here (a 135M model rarely makes one), so the parser runs on real token deltas."""
+    regex = (
+        r'Sure\. <tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Lyon)", '
+        r'"unit": "celsius"\}\}\n</tool_call>'
+    )
+    kwargs = {
+        "temperature": 0, "max_tokens": 100, "extra_body": {"structured_outputs": {"regex": regex}}
+    }
+    out = chat(client, **kwargs).choices[0]
+    assert out.finish_reason == "tool_calls"
+    assert out.message.content == "Sure."
+    [call] = out.message.tool_calls
+    assert call.function.name == "get_weather"
+    arguments = json.loads(call.function.arguments)
+    assert arguments["city"] in ("Paris", "Lyon")
+    assert streamed(client, **kwargs) == (
+        "Sure.", [("get_weather", call.function.arguments)], "tool_calls"
+    )
+    # Without a call, "auto" is plain text, exactly as without tools.
+    plain = chat(client, temperature=0, max_tokens=12).choices[0]
+    without = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0
+    ).choices[0]
+    assert plain.message.tool_calls == [] and plain.message.content == without.message.content
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_tool_choice_none_and_tool_results(client: openai.OpenAI) -> None:
+    """"none" leaves the output alone; a conversation with a call and its result is accepted
+    and rendered with the tool's answer (the default template shows it as a `tool` turn)."""
+    none = chat(client, tool_choice="none", temperature=0, max_tokens=12).choices[0]
+    assert none.message.tool_calls == [] and none.message.content
+    messages = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call-1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call-1", "content": "18 degrees and sunny"},
+    ]
+    answer = chat(client, messages=messages, tool_choice="none", temperature=0, max_tokens=8)
+    assert answer.choices[0].message.content
+    url = str(client.base_url).removesuffix("/v1/")
+    tokens = httpx.post(f"{url}/tokenize", json={"messages": messages, "tools": TOOLS}).json()
+    detokenized = httpx.post(f"{url}/detokenize", json={"tokens": tokens["tokens"]}).json()
+    assert "<|im_start|>tool\n18 degrees and sunny<|im_end|>" in detokenized["prompt"]
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_tool_choice_with_response_format_is_refused(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="constrains"):
+        chat(client, tool_choice="required", response_format={"type": "json_object"})
+    with pytest.raises(openai.BadRequestError, match="not in tools"):
+        chat(client, tool_choice={"type": "function", "function": {"name": "nope"}})

@@ -1,0 +1,331 @@
+"""The decoder-only transformer every supported architecture is an instance of, over the paged
+KV cache.
+
+One forward runs every scheduled token of the step (prefill chunks and decodes of many
+requests, packed into one flat [T] batch); the attention backend sorts out which token sees
+which context through the paged KV cache and `AttentionMetadata`. Everything else in the model
+is per token, so it needs no notion of requests at all.
+
+An architecture (`v1/models/<arch>.py`) is a `DecoderForCausalLM` subclass that says what its
+layers look like (`layer_spec`, one `LayerSpec` per layer: biases, norms, activation, scale,
+sliding window, which RoPE table) and, where its block is not the usual pre-norm one, its own
+`layer_cls`. Embedding, final norm, LM head, RoPE tables and weight loading live here, once.
+
+Layout differences from transformers, all for speed:
+- q/k/v projections are one `qkv_proj` matmul and gate/up one `gate_up_proj` matmul;
+  `load_weights` takes HF-named tensors and copies each into its slice of the fused weight.
+- RoPE reads a cos/sin table precomputed for every position instead of recomputing it.
+- Each residual add is fused into the norm after it (`RMSNorm` takes the residual stream).
+Parameters are created uninitialised (`skip_init`): an inference model always gets its
+weights from a checkpoint, and random init of 135M parameters would cost a second per load.
+"""
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.nn.utils import skip_init
+
+from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata
+from v1.models.layers.attention import Attention
+from v1.models.layers.linear import PackedWeight
+from v1.models.layers.mlp import GatedMLP
+from v1.models.layers.norm import RMSNorm
+from v1.models.layers.rotary import RotaryEmbedding, rope_parameters
+from v1.worker.ops import StepOps, ops_for_step
+
+DEFAULT_ROPE = "default"
+
+
+def head_dim_of(config: Any) -> int:
+    """The attention head size: explicit in the config where the architecture has it (Qwen 3,
+    Gemma 3: not hidden_size / num_heads), else derived."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSpec:
+    """What one decoder layer is made of, read from the HF config by its architecture."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    hidden_act: str  # transformers' activation name: "silu" or "gelu_pytorch_tanh"
+    rms_norm_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool  # per-head RMSNorm of q and k before RoPE
+    norm_unit_offset: bool  # Gemma's (1 + w) norms (all of the layer's, q/k included)
+    scale: float  # of the attention scores
+    sliding_window: int | None  # a token sees itself and the window - 1 tokens before it
+    rope_key: str  # which RoPE table (`DecoderForCausalLM.rope_parameters_for`)
+
+
+def build_attention(
+    spec: LayerSpec, attn_impl_cls: type[AttentionImpl], device: torch.device, dtype: torch.dtype
+) -> Attention:
+    return Attention(
+        hidden_size=spec.hidden_size,
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        scale=spec.scale,
+        qkv_bias=spec.qkv_bias,
+        o_bias=spec.o_bias,
+        qk_norm_eps=spec.rms_norm_eps if spec.qk_norm else None,
+        qk_norm_unit_offset=spec.norm_unit_offset,
+        sliding_window=spec.sliding_window,
+        attn_impl_cls=attn_impl_cls,
+        device=device,
+        dtype=dtype,
+    )
+
+
+def build_mlp(spec: LayerSpec, device: torch.device, dtype: torch.dtype) -> GatedMLP:
+    return GatedMLP(
+        spec.hidden_size, spec.intermediate_size, spec.hidden_act, spec.mlp_bias, device, dtype
+    )
+
+
+def build_norm(spec: LayerSpec, device: torch.device, dtype: torch.dtype) -> RMSNorm:
+    return RMSNorm(
+        spec.hidden_size, spec.rms_norm_eps, device, dtype, unit_offset=spec.norm_unit_offset
+    )
+
+
+class PreNormDecoderLayer(nn.Module):
+    """x + attn(norm(x)), then x + mlp(norm(x)): the block of Llama, Qwen, Mistral, Phi-3."""
+
+    def __init__(
+        self,
+        spec: LayerSpec,
+        attn_impl_cls: type[AttentionImpl],
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.rope_key = spec.rope_key
+        self.input_layernorm = build_norm(spec, device, dtype)
+        self.self_attn = build_attention(spec, attn_impl_cls, device, dtype)
+        self.post_attention_layernorm = build_norm(spec, device, dtype)
+        self.mlp = build_mlp(spec, device, dtype)
+
+    def forward(
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        ops: StepOps,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Takes and returns (block output, residual stream before that output is added), each
+        residual add moved into the norm after it; the first layer gets residual None."""
+        x, residual = self.input_layernorm(hidden_states, residual, ops)
+        x = self.self_attn(rope, x, kv_cache, attn_metadata, ops)
+        x, residual = self.post_attention_layernorm(x, residual, ops)
+        return self.mlp(x, ops), residual
+
+
+class DecoderModel(nn.Module):
+    """Embedding, the layers, the final norm; RoPE tables shared by the layers that use them."""
+
+    def __init__(
+        self,
+        config: Any,
+        layers: list[nn.Module],
+        rotary_embs: dict[str, RotaryEmbedding],
+        embed_scale: float | None,
+        final_norm: RMSNorm,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = skip_init(
+            nn.Embedding, config.vocab_size, config.hidden_size, device=device, dtype=dtype
+        )
+        # Gemma multiplies embeddings by sqrt(hidden) rounded to the model dtype (as HF does).
+        self.embed_scale: torch.Tensor | None
+        self.register_buffer(
+            "embed_scale",
+            None if embed_scale is None
+            else torch.tensor(embed_scale, dtype=torch.float32).to(device, dtype),
+            persistent=False,
+        )
+        self.layers = nn.ModuleList(layers)
+        self.norm = final_norm
+        self.rotary_embs = nn.ModuleDict(rotary_embs)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            hidden_states = hidden_states * self.embed_scale
+        ops = ops_for_step(hidden_states)
+        # One table per RoPE kind per step: positions are the same in every layer.
+        ropes = {
+            key: emb.cos_sin(positions, hidden_states.dtype)
+            for key, emb in self.rotary_embs.items()
+        }
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden_states, residual = layer(
+                ropes[layer.rope_key], hidden_states, residual, kv_cache, attn_metadata, ops
+            )
+        return self.norm(hidden_states, residual, ops)[0]
+
+
+class DecoderForCausalLM(nn.Module):
+    """Decoder + LM head. `forward` returns final hidden states for every token; the runner
+    picks the rows it samples from and calls `compute_logits` on just those.
+
+    Subclasses define `layer_spec` and may override `layer_cls`, `check_config`,
+    `rope_parameters_for`, `embed_scale` and `final_logit_softcapping`.
+    """
+
+    layer_cls: ClassVar[type[nn.Module]] = PreNormDecoderLayer
+
+    def __init__(
+        self,
+        config: Any,
+        attn_impl_cls: type[AttentionImpl],
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        max_position: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.check_config(config)
+        device = torch.device(device if device is not None else "cpu")
+        self.config = config
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.max_position = max_position or config.max_position_embeddings
+        specs = [self.layer_spec(config, i) for i in range(config.num_hidden_layers)]
+        self.layer_specs = specs
+        layers = [self.layer_cls(spec, attn_impl_cls, device, dtype) for spec in specs]
+        rotary_embs = {
+            key: RotaryEmbedding(
+                self.rope_parameters_for(config, key), head_dim_of(config),
+                config.max_position_embeddings, self.max_position, device,
+            )
+            for key in dict.fromkeys(spec.rope_key for spec in specs)
+        }
+        final_norm = build_norm(specs[0], device, dtype)
+        self.model = DecoderModel(
+            config, layers, rotary_embs, self.embed_scale(config), final_norm, device, dtype
+        )
+        # Tied: the LM head is the embedding matrix itself (compute_logits reads it there).
+        self.lm_head: nn.Linear | None = None
+        if not self.tie_word_embeddings:
+            self.lm_head = skip_init(
+                nn.Linear, config.hidden_size, config.vocab_size,
+                bias=False, device=device, dtype=dtype,
+            )
+        self._packed_head = PackedWeight()  # the LM head's (possibly tied) weight, packed
+        # Inference only: no autograd bookkeeping on any parameter.
+        self.requires_grad_(False)
+
+    # ---- what an architecture says about itself ----------------------------------------------
+
+    def layer_spec(self, config: Any, layer_idx: int) -> LayerSpec:
+        raise NotImplementedError
+
+    def check_config(self, config: Any) -> None:
+        """Raise ValueError for settings this implementation would silently get wrong."""
+
+    def rope_parameters_for(self, config: Any, rope_key: str) -> dict[str, Any]:
+        """The rope parameters of the table `rope_key` (a `LayerSpec.rope_key`)."""
+        return rope_parameters(config, None if rope_key == DEFAULT_ROPE else rope_key)
+
+    def embed_scale(self, config: Any) -> float | None:
+        """A factor on the token embeddings (None: none)."""
+        return None
+
+    @property
+    def final_logit_softcapping(self) -> float | None:
+        """logits = cap * tanh(logits / cap) when set."""
+        return None
+
+    # ---- running --------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # int64 [T]
+        positions: torch.Tensor,  # int64 [T]
+        kv_caches: list[torch.Tensor],  # one per layer, kv_cache_shape(...)
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:  # fp32 [N, vocab]
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        # The rows are the sampled tokens only (at most max_num_seqs): pack at any count.
+        logits = self._packed_head.linear(hidden_states, weight, None, max_rows=1 << 16)
+        cap = self.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
+
+    # ---- weight loading -------------------------------------------------------------------
+
+    def _fused_shards(self) -> dict[str, tuple[str, int, int]]:
+        """HF projection name -> (our fused projection, first row, end row) in that weight."""
+        attn = self.model.layers[0].self_attn
+        q, kv = attn.q_size, attn.kv_size
+        inter = self.model.layers[0].mlp.intermediate_size
+        return {
+            "q_proj": ("qkv_proj", 0, q),
+            "k_proj": ("qkv_proj", q, q + kv),
+            "v_proj": ("qkv_proj", q + kv, q + 2 * kv),
+            "gate_proj": ("gate_up_proj", 0, inter),
+            "up_proj": ("gate_up_proj", inter, 2 * inter),
+        }
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...) into the
+        parameters, each q/k/v and gate/up tensor into its slice of the fused weight (tensors
+        already fused in the checkpoint, as Phi-3's, go in whole). Converts dtype on the way
+        (a bf16 checkpoint into an fp32 model). Raises if a parameter was never written, since
+        parameters start uninitialised."""
+        params = dict(self.named_parameters())
+        shards = self._fused_shards()
+        # Rows still unwritten per parameter: fused ones arrive in pieces.
+        pending: dict[str, int] = {name: p.shape[0] for name, p in params.items()}
+        for hf_name, tensor in weights:
+            name = hf_name
+            if "rotary_emb.inv_freq" in name:
+                continue  # old checkpoints saved this derived buffer; we build our own
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # some tied checkpoints store the shared matrix twice
+            # e.g. model.layers.3.self_attn.k_proj.weight -> ...qkv_proj.weight, rows [q, q+kv)
+            parts = name.split(".")
+            rows: tuple[int, int] | None = None
+            if len(parts) >= 2 and parts[-2] in shards:
+                fused, start, end = shards[parts[-2]]
+                name = ".".join([*parts[:-2], fused, parts[-1]])
+                rows = (start, end)
+            if name not in params:
+                raise ValueError(f"unexpected weight {hf_name!r} for {type(self).__name__}")
+            dst = params[name].data
+            if rows is not None:
+                dst = dst[rows[0] : rows[1]]
+            if dst.shape != tensor.shape:
+                raise ValueError(
+                    f"weight {hf_name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(dst.shape)}"
+                )
+            dst.copy_(tensor)
+            pending[name] -= dst.shape[0]
+        missing = sorted(name for name, rows_left in pending.items() if rows_left != 0)
+        if missing:
+            raise ValueError(f"checkpoint lacks (or repeats) weights for: {missing}")

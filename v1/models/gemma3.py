@@ -1,0 +1,131 @@
+"""Gemma 3, text only (`Gemma3ForCausalLM`: gemma-3-1b and -270m; the larger multimodal
+checkpoints are `Gemma3ForConditionalGeneration`, not supported).
+
+What differs from Llama:
+- token embeddings are multiplied by sqrt(hidden_size) (rounded to the model dtype);
+- every RMSNorm is `(1 + w) * norm(x)`, computed in fp32 (`RMSNorm(unit_offset=True)`);
+- four norms per layer: the attention and MLP outputs are normalised too before their
+  residual adds (`Gemma3DecoderLayer`);
+- per-head RMSNorm of q and k before RoPE;
+- the MLP gate is gelu (tanh approximation, `hidden_activation`);
+- scores are scaled by query_pre_attn_scalar ** -0.5, not head_dim ** -0.5;
+- layers alternate: `layer_types` (or every `sliding_window_pattern`-th layer global, the
+  rest local) says which attend within `sliding_window` tokens, and local layers rotate with
+  their own RoPE base (`rope_local_base_freq`, 10k) while global ones use `rope_theta` (1M)
+  and any `rope_scaling`;
+- optional final logit soft-capping: cap * tanh(logits / cap).
+Attention-score soft-capping (`attn_logit_softcapping`, Gemma 2's) is not in our kernels:
+a config that sets it is refused, as is `use_bidirectional_attention`.
+"""
+
+from typing import Any
+
+import torch
+
+from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata
+from v1.models.decoder import (
+    DecoderForCausalLM,
+    LayerSpec,
+    PreNormDecoderLayer,
+    build_norm,
+    head_dim_of,
+)
+from v1.models.layers.rotary import rope_parameters
+from v1.worker.ops import StepOps
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+
+def gemma3_layer_types(config: Any) -> list[str]:
+    """Each layer's type: `config.layer_types`, or for configs written before that existed,
+    every `sliding_window_pattern`-th layer (default 6) global and the others local."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return list(layer_types)
+    pattern = getattr(config, "sliding_window_pattern", None) or 6
+    return [SLIDING if (i + 1) % pattern else FULL for i in range(config.num_hidden_layers)]
+
+
+class Gemma3DecoderLayer(PreNormDecoderLayer):
+    """x + post_norm(attn(norm(x))), then x + post_norm(mlp(pre_norm(x))), with each residual
+    add fused into the norm after it as in `PreNormDecoderLayer`."""
+
+    def __init__(
+        self,
+        spec: LayerSpec,
+        attn_impl_cls: type[AttentionImpl],
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__(spec, attn_impl_cls, device, dtype)
+        self.pre_feedforward_layernorm = build_norm(spec, device, dtype)
+        self.post_feedforward_layernorm = build_norm(spec, device, dtype)
+
+    def forward(
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        ops: StepOps,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.input_layernorm(hidden_states, residual, ops)
+        x = self.self_attn(rope, x, kv_cache, attn_metadata, ops)
+        x = self.post_attention_layernorm(x, None, ops)[0]
+        x, residual = self.pre_feedforward_layernorm(x, residual, ops)
+        x = self.mlp(x, ops)
+        return self.post_feedforward_layernorm(x, None, ops)[0], residual
+
+
+class Gemma3ForCausalLM(DecoderForCausalLM):
+    layer_cls = Gemma3DecoderLayer
+
+    def check_config(self, config: Any) -> None:
+        if getattr(config, "attn_logit_softcapping", None) is not None:
+            raise ValueError(
+                "Gemma 3 with attn_logit_softcapping is not supported: the attention kernels "
+                "do not soft-cap scores"
+            )
+        if getattr(config, "use_bidirectional_attention", False):
+            raise ValueError("Gemma 3 with use_bidirectional_attention is not supported")
+
+    def layer_spec(self, config: Any, layer_idx: int) -> LayerSpec:
+        layer_type = gemma3_layer_types(config)[layer_idx]
+        bias = bool(getattr(config, "attention_bias", False))
+        return LayerSpec(
+            hidden_size=config.hidden_size,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=head_dim_of(config),
+            intermediate_size=config.intermediate_size,
+            hidden_act=getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh",
+            rms_norm_eps=config.rms_norm_eps,
+            qkv_bias=bias,
+            o_bias=bias,
+            mlp_bias=False,
+            qk_norm=True,
+            norm_unit_offset=True,
+            scale=config.query_pre_attn_scalar**-0.5,
+            sliding_window=config.sliding_window if layer_type == SLIDING else None,
+            rope_key=layer_type,
+        )
+
+    def rope_parameters_for(self, config: Any, rope_key: str) -> dict[str, Any]:
+        nested = getattr(config, "rope_parameters", None)
+        if isinstance(nested, dict) and isinstance(nested.get(rope_key), dict):
+            return rope_parameters(config, rope_key)
+        # A config from before per-layer-type rope parameters: `rope_theta` and
+        # `rope_scaling` are the global layers', `rope_local_base_freq` the local ones'.
+        if rope_key == SLIDING:
+            theta = getattr(config, "rope_local_base_freq", None) or 10000.0
+            return {"rope_type": "default", "rope_theta": theta}
+        return rope_parameters(config)
+
+    def embed_scale(self, config: Any) -> float | None:
+        return config.hidden_size**0.5
+
+    @property
+    def final_logit_softcapping(self) -> float | None:
+        return getattr(self.config, "final_logit_softcapping", None)

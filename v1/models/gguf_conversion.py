@@ -1,0 +1,303 @@
+"""A GGUF file (llama.cpp's format) as an HF checkpoint: config, tensor names, and the weight
+changes llama.cpp's converter made, undone.
+
+Architectures: llama (also Mistral, which llama.cpp writes as llama), qwen2, qwen3, gemma3,
+phi3 — those that both llama.cpp and `v1.models` know. Per architecture, what conversion
+must undo:
+- tensor names: llama.cpp's `blk.N.attn_q` is HF's `model.layers.N.self_attn.q_proj`, and so
+  on; the map differs by architecture (`ffn_norm` is Llama's post-attention norm but Gemma 3's
+  pre-feed-forward one), as in gguf's own `tensor_mapping`;
+- q/k row order: for llama only, llama.cpp permutes each head's q and k rows (and biases)
+  for its interleaved RoPE; the others (qwen2, qwen3, gemma3, phi3) it converts as NEOX-RoPE models
+  and leaves alone (transformers' GGUF loader agrees: only its llama processor un-permutes);
+- Gemma norms: llama.cpp stores `1 + w`; HF checkpoints (and our `RMSNorm(unit_offset)`)
+  hold `w`, so 1 is subtracted again (exact for |w| < 1: 1 + w round-trips).
+Only the config keys each architecture's GGUF metadata carries are read; the rest are the
+values llama.cpp itself assumes (e.g. Gemma 3's local RoPE base 10k and global layer every 6th).
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+_COMMON_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFArchitecture:
+    """How one llama.cpp architecture maps onto its HF counterpart."""
+
+    layer_names: dict[str, str]  # blk.N.<key> -> model.layers.N.<value>
+    config: Callable[["_Metadata"], Any]  # the transformers config, from the metadata
+    unpermute_qk: bool = False  # llama.cpp interleaved q/k rows for its RoPE
+    norm_offset: float = 0.0  # llama.cpp stored norm weights as offset + w
+
+
+class _Metadata:
+    """The GGUF header's key/values for one architecture (keys without the arch prefix)."""
+
+    def __init__(self, reader: Any) -> None:
+        self.reader = reader
+        self.arch: str = self.get_global("general.architecture")
+        self.tensor_names = {t.name for t in reader.tensors}
+        self.tensor_shapes = {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}
+
+    def get_global(self, key: str, default: Any = None) -> Any:
+        f = self.reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.get_global(f"{self.arch}.{key}", default)
+
+    def vocab_size(self) -> int:
+        tokens = self.get_global("tokenizer.ggml.tokens")
+        # GGUF shapes are (in, out): the embedding is (hidden, vocab).
+        return int(
+            self.get("vocab_size") or (len(tokens) if tokens else 0)
+            or self.tensor_shapes["token_embd.weight"][-1]
+        )
+
+    def rope(self, theta_key: str = "rope.freq_base", default_theta: float = 10000.0) -> dict:
+        """rope_parameters from `rope.freq_base` and `rope.scaling.*` (linear only)."""
+        if "rope_freqs.weight" in self.tensor_names:
+            # Llama 3.1 GGUFs carry their rope scaling as a tensor of per-frequency factors.
+            raise ValueError(
+                "GGUF files with rope_freqs (Llama 3.1 rope scaling) are not supported"
+            )
+        rope: dict[str, Any] = {
+            "rope_type": "default", "rope_theta": float(self.get(theta_key, default_theta)),
+        }
+        scaling_type = self.get("rope.scaling.type")
+        if scaling_type not in (None, "none"):
+            if scaling_type != "linear":
+                raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported")
+            rope = {**rope, "rope_type": "linear", "factor": float(self.get("rope.scaling.factor"))}
+        return rope
+
+    def common(self) -> dict[str, Any]:
+        """The config values every supported architecture stores the same way."""
+        hidden = self.get("embedding_length")
+        heads = self.get("attention.head_count")
+        return dict(
+            vocab_size=self.vocab_size(),
+            hidden_size=hidden,
+            intermediate_size=self.get("feed_forward_length"),
+            num_hidden_layers=self.get("block_count"),
+            num_attention_heads=heads,
+            num_key_value_heads=self.get("attention.head_count_kv", heads),
+            max_position_embeddings=self.get("context_length"),
+            rms_norm_eps=self.get("attention.layer_norm_rms_epsilon"),
+            # No separate output matrix in the file: the LM head reuses the embedding.
+            tie_word_embeddings="output.weight" not in self.tensor_names,
+            bos_token_id=self.get_global("tokenizer.ggml.bos_token_id"),
+            eos_token_id=self.get_global("tokenizer.ggml.eos_token_id"),
+            pad_token_id=self.get_global("tokenizer.ggml.padding_token_id"),
+        )
+
+    def head_dim(self) -> int:
+        return int(self.get("attention.key_length")
+                   or self.get("embedding_length") // self.get("attention.head_count"))
+
+
+def _llama_config(meta: _Metadata) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        **meta.common(), head_dim=meta.head_dim(), rope_parameters=meta.rope(),
+        attention_bias="blk.0.attn_q.bias" in meta.tensor_names,
+        mlp_bias="blk.0.ffn_up.bias" in meta.tensor_names,
+        architectures=["LlamaForCausalLM"],
+    )
+
+
+def _qwen2_config(meta: _Metadata) -> Any:
+    from transformers import Qwen2Config
+
+    # Qwen2's head size is always hidden / heads; llama.cpp keeps no sliding window for it.
+    return Qwen2Config(
+        **meta.common(), rope_parameters=meta.rope(), architectures=["Qwen2ForCausalLM"]
+    )
+
+
+def _qwen3_config(meta: _Metadata) -> Any:
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        **meta.common(), head_dim=meta.head_dim(), rope_parameters=meta.rope(),
+        architectures=["Qwen3ForCausalLM"],
+    )
+
+
+def _gemma3_config(meta: _Metadata) -> Any:
+    from transformers import Gemma3TextConfig
+
+    common = meta.common()
+    num_layers = common["num_hidden_layers"]
+    head_dim = meta.head_dim()
+    # Which layers are local: listed per layer, or every n-th global (llama.cpp: n = 6).
+    pattern = meta.get("attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):
+        if len(pattern) != num_layers:
+            raise ValueError(f"sliding_window_pattern lists {len(pattern)} of {num_layers} layers")
+        is_sliding = [bool(p) for p in pattern]
+    else:
+        is_sliding = [bool((i + 1) % int(pattern)) for i in range(num_layers)]
+    # llama.cpp scales scores by 1/sqrt(head_dim), except for the 27B model (62 layers),
+    # whose query_pre_attn_scalar is hidden / heads.
+    scalar = head_dim
+    if num_layers == 62:
+        scalar = common["hidden_size"] // common["num_attention_heads"]
+    return Gemma3TextConfig(
+        **common,
+        head_dim=head_dim,
+        hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=scalar,
+        sliding_window=meta.get("attention.sliding_window"),
+        layer_types=["sliding_attention" if s else "full_attention" for s in is_sliding],
+        rope_parameters={
+            "full_attention": meta.rope(default_theta=1_000_000.0),
+            "sliding_attention": {
+                "rope_type": "default",
+                "rope_theta": float(meta.get("rope.freq_base_swa", 10000.0)),
+            },
+        },
+        final_logit_softcapping=meta.get("final_logit_softcapping"),
+        attn_logit_softcapping=meta.get("attn_logit_softcapping"),
+        architectures=["Gemma3ForCausalLM"],
+    )
+
+
+def _phi3_config(meta: _Metadata) -> Any:
+    from transformers import Phi3Config
+
+    if "rope_factors_long.weight" in meta.tensor_names:
+        raise ValueError("Phi-3 GGUF files with longrope factors (128k) are not supported")
+    return Phi3Config(
+        **meta.common(), rope_parameters=meta.rope(),
+        sliding_window=meta.get("attention.sliding_window"),
+        architectures=["Phi3ForCausalLM"],
+    )
+
+
+ARCHITECTURES: dict[str, GGUFArchitecture] = {
+    "llama": GGUFArchitecture(_COMMON_LAYER_NAMES, _llama_config, unpermute_qk=True),
+    "qwen2": GGUFArchitecture(_COMMON_LAYER_NAMES, _qwen2_config),
+    "qwen3": GGUFArchitecture({**_COMMON_LAYER_NAMES, **_QK_NORM_NAMES}, _qwen3_config),
+    "gemma3": GGUFArchitecture(
+        {
+            **_COMMON_LAYER_NAMES,
+            **_QK_NORM_NAMES,
+            "post_attention_norm": "post_attention_layernorm",
+            "ffn_norm": "pre_feedforward_layernorm",
+            "post_ffw_norm": "post_feedforward_layernorm",
+        },
+        _gemma3_config,
+        norm_offset=1.0,
+    ),
+    "phi3": GGUFArchitecture(
+        {
+            "attn_qkv": "self_attn.qkv_proj",
+            "attn_output": "self_attn.o_proj",
+            "ffn_up": "mlp.gate_up_proj",  # llama.cpp keeps Phi-3's fused gate/up as ffn_up
+            "ffn_down": "mlp.down_proj",
+            "attn_norm": "input_layernorm",
+            "ffn_norm": "post_attention_layernorm",
+        },
+        _phi3_config,
+    ),
+}
+
+
+def hf_tensor_name(arch: GGUFArchitecture, gguf_name: str) -> str | None:
+    """llama.cpp tensor name -> transformers name (None: not one this architecture has)."""
+    base, _, kind = gguf_name.rpartition(".")  # kind: "weight" or "bias"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in arch.layer_names:
+        return f"model.layers.{int(parts[1])}.{arch.layer_names[parts[2]]}.{kind}"
+    if base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.{kind}"
+    return None
+
+
+def unpermute_qk(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's convert-time permutation of q/k projection rows (llama only).
+
+    llama.cpp applies rotary to adjacent pairs (x[2i], x[2i+1]), HF/neox to halves
+    (x[i], x[i + d/2]), so its converter reorders each head's rows from
+    [first half, second half] to interleaved [h0[0], h1[0], h0[1], h1[1], ...].
+    Reading the rows of a head as (d/2, 2) and transposing to (2, d/2) restores the halves.
+    """
+    out_features = weights.shape[0]
+    half = out_features // num_heads // 2
+    return (
+        weights.reshape(num_heads, half, 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+        .copy()
+    )
+
+
+def write_hf_checkpoint(gguf_path: Path, out_dir: Path) -> Any:
+    """Write config.json and model.safetensors (fp32, HF names and layout) for `gguf_path`
+    into `out_dir`; returns the config. The tokenizer is the caller's business."""
+    import gguf  # only needed on the conversion path
+
+    reader = gguf.GGUFReader(gguf_path)
+    meta = _Metadata(reader)
+    arch = ARCHITECTURES.get(meta.arch)
+    if arch is None:
+        raise ValueError(
+            f"{gguf_path}: GGUF architecture {meta.arch!r} is not supported "
+            f"(supported: {', '.join(ARCHITECTURES)})"
+        )
+    config = arch.config(meta)
+    tensors: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        hf_name = hf_tensor_name(arch, tensor.name)
+        if hf_name is None:
+            raise ValueError(f"{gguf_path}: unsupported GGUF tensor {tensor.name!r}")
+        # dequantize returns [out, in] in numpy order, the layout of a torch Linear weight.
+        # For F32 tensors it returns the read-only memory map itself: copy those.
+        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(
+            np.float32, copy=False
+        )
+        if not weights.flags.writeable or not weights.flags.c_contiguous:
+            weights = np.array(weights, order="C")
+        if arch.unpermute_qk and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+            weights = unpermute_qk(weights, config.num_attention_heads)
+        elif arch.unpermute_qk and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+            weights = unpermute_qk(weights, config.num_key_value_heads)
+        if arch.norm_offset and hf_name.endswith("norm.weight"):
+            weights -= np.float32(arch.norm_offset)
+        tensors[hf_name] = torch.from_numpy(weights)
+    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    config.save_pretrained(out_dir)
+    return config
+
+
+def has_tokenizer(gguf_path: Path) -> bool:
+    """Whether the file carries a tokenizer (llama.cpp's always do; hand-written ones may not)."""
+    import gguf
+
+    return "tokenizer.ggml.model" in gguf.GGUFReader(gguf_path).fields
