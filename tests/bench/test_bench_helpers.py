@@ -3,6 +3,7 @@ paired ratios, FLOP and byte counts) and that each script starts: their figures 
 good as these."""
 
 import argparse
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ sys.path.insert(0, str(BENCH))
 import bench_prefix_cache  # noqa: E402
 import bench_serving  # noqa: E402
 import bench_step_breakdown  # noqa: E402
+import bench_structured  # noqa: E402
 import bench_throughput  # noqa: E402
 
 # SmolLM2-135M's shapes (the default model), no weights needed.
@@ -91,6 +93,28 @@ def test_decode_engine_kwargs_fit_every_prompt_in_the_first_step():
     assert small == {"max_num_seqs": 256, "max_num_batched_tokens": 4096}
 
 
+def test_structured_workload_is_half_structured_and_cannot_finish_early():
+    kinds = bench_structured.workload_kinds(32)
+    assert kinds[1::2] == [None] * 16
+    assert [kinds.count(k) for k in ("json", "regex", "choice")] == [8, 4, 4]
+    # Each grammar's shortest text is longer than min_len tokens.
+    n = 10
+    schema = bench_structured.structured_params("json", n, 0).json
+    assert schema["minItems"] == n
+    regex = bench_structured.structured_params("regex", n, 0).regex
+    assert re.fullmatch(regex, "Go" + " a" * n + ".")
+    assert not re.fullmatch(regex, "Go" + " a" * (n - 1) + ".")
+    choices = bench_structured.structured_params("choice", n, 0).choice
+    assert len(choices) == 4 and all(len(c.split()) == n + 1 for c in choices)
+
+
+def test_structured_decode_figures_leave_out_the_prefill_step():
+    outputs = [_output(10.0, 12.0, 5), _output(10.0, 12.0, 5)]
+    rate, step_ms, full = bench_structured.decode_figures([3.0, 0.5, 0.5, 0.5, 0.5], outputs, 5)
+    assert rate == pytest.approx(2 * 4 / 2.0) and step_ms == pytest.approx(500.0) and full
+    assert not bench_structured.decode_figures([1.0, 1.0], outputs, 6)[2]
+
+
 def test_step_breakdown_counts_gemm_flops_and_kv_bytes():
     # Per layer: qkv 576 x (576 + 2 * 192), o 576 x 576, gate/up 576 x 3072, down 1536 x 576;
     # then the (tied) LM head 576 x 49152.
@@ -127,7 +151,7 @@ def test_serving_summary_in_milliseconds():
 
 @pytest.mark.parametrize("name", ["bench_prefix_cache", "bench_throughput", "bench_serving",
                                   "bench_scheduler", "bench_async", "bench_step_breakdown",
-                                  "bench_grammar"])
+                                  "bench_grammar", "bench_structured"])
 def test_help(name):
     out = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), "--help"],
                          capture_output=True, text=True, timeout=120)

@@ -1,5 +1,5 @@
-"""/v1/completions' `echo` (OpenAI's) and `prompt_logprobs` (vLLM's), through the real `openai`
-client against one `python -m v1 serve` process."""
+"""`echo` (OpenAI's, and vLLM's for chat) and `prompt_logprobs` (vLLM's), through the real
+`openai` client against one `python -m v1 serve` process."""
 
 import openai
 import pytest
@@ -71,7 +71,7 @@ def test_prompt_logprobs_per_choice(client: openai.OpenAI, hf_tokenizer) -> None
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"echo": True, "stream": True},
+        {"extra_body": {"prompt_logprobs": 1}, "stream": True},  # as vLLM: not streamed
         {"extra_body": {"prompt_logprobs": 21}},
         {"extra_body": {"prompt_logprobs": -1}},
     ],
@@ -81,9 +81,51 @@ def test_bad_prompt_extras_are_refused(client: openai.OpenAI, kwargs) -> None:
         complete(client, PROMPT, **kwargs)
 
 
-@pytest.mark.parametrize("field", ["echo", "prompt_logprobs"])
-def test_chat_still_refuses_them(client: openai.OpenAI, field: str) -> None:
-    with pytest.raises(openai.BadRequestError, match=field):
-        client.chat.completions.create(
-            model=MODEL, messages=MESSAGES, max_tokens=2, extra_body={field: 1}
+def test_streamed_echo_is_the_unstreamed_one(client: openai.OpenAI) -> None:
+    """Each choice's first chunk starts with the prompt (and, with logprobs, its tokens'),
+    so the chunks add up to the non-streamed choice."""
+    kwargs = {"echo": True, "logprobs": 1, "n": 2}
+    whole = complete(client, [PROMPT, OTHER], **kwargs)
+    text: dict[int, str] = {}
+    tokens: dict[int, list[str]] = {}
+    token_logprobs: dict[int, list[float | None]] = {}
+    for chunk in complete(client, [PROMPT, OTHER], stream=True, **kwargs):
+        for c in chunk.choices:
+            text[c.index] = text.get(c.index, "") + c.text
+            tokens.setdefault(c.index, []).extend(c.logprobs.tokens)
+            token_logprobs.setdefault(c.index, []).extend(c.logprobs.token_logprobs)
+    assert len(whole.choices) == len(text) == 4
+    for c in whole.choices:
+        assert text[c.index] == c.text and c.text.startswith((PROMPT, OTHER))
+        assert tokens[c.index] == c.logprobs.tokens
+        assert token_logprobs[c.index] == pytest.approx(c.logprobs.token_logprobs)
+        assert token_logprobs[c.index][0] is None  # the prompt's first token
+
+
+def test_chat_echo_and_prompt_logprobs(client: openai.OpenAI) -> None:
+    """vLLM's chat `echo`: a continued assistant message is repeated before the reply (a
+    user's is not); `prompt_logprobs` come with the response, one entry per prompt token."""
+    opened = [*MESSAGES, {"role": "assistant", "content": "Red, green"}]
+    continuing = {"add_generation_prompt": False, "continue_final_message": True}
+
+    def chat(messages, stream=False, **extra):
+        return client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=4, temperature=0, stream=stream,
+            extra_body=extra,
         )
+
+    plain = chat(opened, **continuing).choices[0].message.content
+    echoed = chat(opened, echo=True, **continuing).choices[0].message.content
+    assert echoed == "Red, green" + plain
+    streamed = "".join(
+        chunk.choices[0].delta.content or ""
+        for chunk in chat(opened, stream=True, echo=True, **continuing)
+    )
+    assert streamed == echoed
+    assert chat(MESSAGES, echo=True).choices[0].message.content == (
+        chat(MESSAGES).choices[0].message.content
+    )
+    response = chat(MESSAGES, prompt_logprobs=2)
+    assert len(response.prompt_logprobs) == response.usage.prompt_tokens
+    assert response.prompt_logprobs[0] is None and len(response.prompt_logprobs[1]) >= 2
+    assert chat(MESSAGES).model_extra.get("prompt_logprobs") is None

@@ -71,6 +71,8 @@ class XgrammarGrammar:
         self.matcher = xgr.GrammarMatcher(compiled)
 
     def accept_tokens(self, token_ids: list[int]) -> bool:
+        if len(token_ids) == 1:  # every step's case, without a generator
+            return self.matcher.accept_token(token_ids[0])
         return all(self.matcher.accept_token(t) for t in token_ids)
 
     def is_terminated(self) -> bool:

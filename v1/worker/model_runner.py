@@ -19,6 +19,7 @@ returns them all.
 import ctypes
 import ctypes.util
 import logging
+import sys
 from typing import cast
 
 import numpy as np
@@ -62,12 +63,35 @@ def apply_grammar_bitmask(
     logits: torch.Tensor, bitmask: np.ndarray, logit_rows: list[int]
 ) -> None:
     """Set to -inf the logits of tokens the grammar forbids: bitmask row i (32 tokens per
-    int32 word, bit set: allowed) masks logits row `logit_rows[i]`, before any sampling."""
+    int32 word, bit set: allowed) masks logits row `logit_rows[i]`, before any sampling.
+
+    On CPU: numpy unpacks the forbidden bits to one bool per token (little-endian words, so
+    byte b's bit j is token 8b + j) and writes -inf through them row by row, in place. For
+    16 rows of the default model's 49,152 tokens, with masks recorded from
+    bench/bench_structured.py's grammars: 0.73 ms here, against 1.74 ms unpacking with torch
+    ops and a gathered masked_fill (what this did before) and 2.3 ms for xgrammar's CPU
+    kernel (`apply_token_bitmask_inplace`); in that benchmark's decode steps, 2.1 -> 1.0 ms.
+    Elsewhere (a GPU) the words go over as they are and torch unpacks them there.
+    """
+    vocab_size = logits.shape[1]
+    if logits.device.type == "cpu" and logits.dtype in _NUMPY_FLOATS and _LITTLE_ENDIAN:
+        forbidden = np.unpackbits(
+            np.invert(bitmask).view(np.uint8), axis=1, count=vocab_size, bitorder="little"
+        ).view(np.bool_)
+        values = logits.numpy()
+        for mask, row in zip(forbidden, logit_rows):
+            np.copyto(values[row], -np.inf, where=mask)
+        return
     words = torch.from_numpy(bitmask).to(logits.device, non_blocking=True)
     shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, : logits.shape[1]]
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab_size]
     index = torch.tensor(logit_rows, device=logits.device)
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+# Logits dtypes that numpy can view in place (not bfloat16).
+_NUMPY_FLOATS = (torch.float32, torch.float16, torch.float64)
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 def attention_impl_for(device: torch.device) -> type[AttentionImpl]:

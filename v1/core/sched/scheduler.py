@@ -103,6 +103,8 @@ class Scheduler:
         )
         self.structured_output_manager = structured_output_manager
         self.requests: dict[str, Request] = {}
+        # How many of `requests` are structured: no per-step scan for them when none is.
+        self.num_structured_requests = 0
         self.waiting = create_request_queue(scheduler_config.policy)
         self.running: list[Request] = []
         # Left the batch since the last schedule(): the runner must forget them.
@@ -139,6 +141,7 @@ class Scheduler:
                 raise ValueError("structured outputs need a model with a tokenizer")
             request.status = WAITING_FOR_FSM
             self.structured_output_manager.grammar_init(request)
+            self.num_structured_requests += 1
         request.queued_time = time.monotonic()
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
@@ -173,6 +176,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        if request.sampling_params.structured_outputs is not None:
+            self.num_structured_requests -= 1
 
     def has_requests(self) -> bool:
         return bool(self.requests) or bool(self._ignored)
@@ -325,7 +330,7 @@ class Scheduler:
         )
         self.finished_req_ids = set()
         requests = self.requests
-        if self.structured_output_manager is not None:
+        if self.num_structured_requests and self.structured_output_manager is not None:
             # Those that sample this step (the chunk reaches the end of their known tokens).
             structured = [
                 r for req_id, num in num_scheduled_tokens.items()
@@ -572,6 +577,9 @@ class Scheduler:
         assert len(running_ids) == len(self.running), "a request is running twice"
         assert not running_ids & waiting_ids, "a request is both running and waiting"
         assert running_ids | waiting_ids == self.requests.keys(), "request state leaked"
+        assert self.num_structured_requests == sum(
+            r.sampling_params.structured_outputs is not None for r in self.requests.values()
+        )
         assert len(self.running) <= self.max_num_seqs
         assert all(r.status == RUNNING for r in self.running)
         assert all(r.status in (WAITING, WAITING_FOR_FSM, PREEMPTED) for r in self.waiting)

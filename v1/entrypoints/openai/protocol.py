@@ -107,6 +107,9 @@ class SamplingRequest(OpenAIBaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     priority: int = 0  # lower runs first (with --scheduling-policy priority)
+    # vLLM's: this many top tokens per prompt position (completions: in each choice; chat:
+    # in the response). Not streamed, as in vLLM.
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM's: requests with different salts never share prefix-cache blocks.
@@ -143,9 +146,11 @@ class SamplingRequest(OpenAIBaseModel):
         return value
 
     @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> "SamplingRequest":
+    def _stream_fields(self) -> "SamplingRequest":
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValueError("`prompt_logprobs` are not available when `stream=True`.")  # vLLM's
         return self
 
     @property
@@ -202,8 +207,6 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # The prompt's text before the completion's (and, with logprobs, its tokens' logprobs).
     echo: bool = False
-    # vLLM's: each choice gets `prompt_logprobs`, this many top tokens per prompt position.
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: Unsupported[str | None] = None
     add_special_tokens: Unsupported[bool] = True  # the prompt gets them (BOS)
     prompt_embeds: Unsupported[str | list[str] | None] = None
@@ -213,12 +216,6 @@ class CompletionRequest(SamplingRequest):
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             return prompt  # type: ignore[return-value]
         return [prompt]  # type: ignore[list-item]
-
-    @model_validator(mode="after")
-    def _prompt_extras_not_streamed(self) -> "CompletionRequest":
-        if self.stream and (self.echo or self.prompt_logprobs is not None):
-            raise ValueError("echo and prompt_logprobs are not supported with stream=true")
-        return self
 
     def to_sampling_params(self) -> SamplingParams:
         # As vLLM: echoed prompt tokens get logprobs like the generated ones.
@@ -350,8 +347,9 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateRequest):
     # vLLM's chat extras we do not implement.
     include_reasoning: Unsupported[bool] = True
     documents: Unsupported[list[dict[str, str]] | None] = None
-    echo: Unsupported[bool] = False  # vLLM's, for chat: the last message's content
-    prompt_logprobs: Unsupported[int | None] = None
+    # vLLM's: the reply starts with the last message's content when that is the assistant's
+    # (a message being continued).
+    echo: bool = False
     mm_processor_kwargs: Unsupported[dict[str, Any] | None] = None
 
     @model_validator(mode="after")
@@ -366,6 +364,12 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateRequest):
             )
         return self
 
+    def echoed_content(self) -> str:
+        """What `echo` puts before the reply: the last message's text if it is the assistant's
+        (the reply's role), else nothing (as vLLM)."""
+        last = self.messages[-1].to_template_dict() if self.messages else {}
+        return last.get("content") or "" if self.echo and last.get("role") == "assistant" else ""
+
     @property
     def effective_tool_choice(self) -> Literal["none", "auto", "required"] | NamedToolChoice:
         if not self.tools:  # "required" with an empty list means none, as vLLM
@@ -379,7 +383,7 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateRequest):
         if max_tokens is None:
             max_tokens = self.max_tokens  # None: up to max_model_len
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        params = self._sampling_params(max_tokens, logprobs)
+        params = self._sampling_params(max_tokens, logprobs, self.prompt_logprobs)
         choice = self.effective_tool_choice
         if choice == "auto":
             params.skip_special_tokens = False  # the tool-call tags may be special tokens
@@ -544,6 +548,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None  # vLLM's
 
 
 class DeltaMessage(BaseModel):

@@ -5,9 +5,9 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ValidationError
 
@@ -52,6 +52,22 @@ from v1.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from v1.sampling_params import SamplingParams
 
 logger = logging.getLogger("v1.entrypoints.openai")
+
+
+class _Echo(NamedTuple):
+    """What `echo` puts before a completion: the prompt's text, token ids and (with logprobs)
+    their logprobs; the first token has none, and no Logprob carries its text."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob] | None]
+    first_token_text: str
+
+    def prepend(
+        self, c: CompletionOutput
+    ) -> tuple[str, list[int], list[dict[int, Logprob] | None]]:
+        logprobs = [*self.logprobs, *(c.logprobs or [])]
+        return self.text + c.text, self.token_ids + c.token_ids, logprobs
 
 
 class ModelNotFoundError(Exception):
@@ -204,7 +220,11 @@ class OpenAIServing:
         )
         k = request.logprobs
         if request.stream:
-            return _sse(outputs, _completion_chunks(outputs, head, k, request.include_usage))
+            echo = None
+            if request.echo:
+                def echo(i: int) -> _Echo:
+                    return self._echo(*outputs.prompt_of(i), k)
+            return _sse(outputs, _completion_chunks(outputs, head, k, request.include_usage, echo))
         choices, usage = await _collect(outputs)
         return CompletionResponse(
             **head,
@@ -223,32 +243,37 @@ class OpenAIServing:
     ) -> CompletionChoice:
         """A finished choice; with `echo`, its prompt's text (and tokens' logprobs) first."""
         k = request.logprobs
-        text, token_ids = c.text, c.token_ids
-        logprobs: Sequence[dict[int, Logprob] | None] = c.logprobs or []
-        first_token_text = ""
+        echo = _Echo("", [], [], "")
         if request.echo:
-            tokenizer = self.engine.tokenizer
-            prompt_ids = prompt.prompt_token_ids
-            prompt_text = prompt.prompt
-            if prompt_text is None:  # given as token ids
-                prompt_text = tokenizer.decode(prompt_ids)
-            text, token_ids = prompt_text + text, prompt_ids + token_ids
-            if k is not None:
-                # The prompt logprobs were asked for with k (to_sampling_params).
-                assert prompt_logprobs is not None
-                logprobs = [*prompt_logprobs, *logprobs]
-                first_token_text = tokenizer.decode(prompt_ids[:1], skip_special_tokens=False)
+            echo = self._echo(prompt, prompt_logprobs, k)
+        text, token_ids, logprobs = echo.prepend(c)
         return CompletionChoice(
             index=c.index,
             text=text,
             logprobs=(
                 None if k is None
-                else _completion_logprobs(token_ids, logprobs, k, 0, first_token_text)
+                else _completion_logprobs(token_ids, logprobs, k, 0, echo.first_token_text)
             ),
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
             prompt_logprobs=prompt_logprobs,
         )
+
+    def _echo(
+        self, prompt: RequestOutput, prompt_logprobs: PromptLogprobs | None, k: int | None
+    ) -> "_Echo":
+        """A prompt as echoed: its text and token ids, with logprobs their prompt logprobs
+        (asked for with k, see `CompletionRequest.to_sampling_params`)."""
+        tokenizer = self.engine.tokenizer
+        prompt_ids = prompt.prompt_token_ids
+        text = prompt.prompt
+        if text is None:  # given as token ids
+            text = tokenizer.decode(prompt_ids)
+        if k is None:
+            return _Echo(text, prompt_ids, [], "")
+        assert prompt_logprobs is not None
+        first_token_text = tokenizer.decode(prompt_ids[:1], skip_special_tokens=False)
+        return _Echo(text, prompt_ids, list(prompt_logprobs), first_token_text)
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest
@@ -264,23 +289,29 @@ class OpenAIServing:
             request.priority,
         )
         k = params.logprobs
+        echo = request.echoed_content()
         if request.stream:
-            chunks = _chat_chunks(outputs, head, k, request.include_usage, tool_calls)
+            chunks = _chat_chunks(outputs, head, k, request.include_usage, tool_calls, echo)
             return _sse(outputs, chunks)
         choices, usage = await _collect(outputs)
+        messages = [tool_calls.message(c) for c in choices]
+        for message in messages:
+            if echo:
+                message.content = echo + (message.content or "")
         return ChatCompletionResponse(
             **head,
             choices=[
                 ChatChoice(
                     index=c.index,
-                    message=tool_calls.message(c),
+                    message=message,
                     logprobs=None if k is None else _chat_logprobs(c, k),
                     finish_reason=tool_calls.finish_reason(c),
                     stop_reason=c.stop_reason,
                 )
-                for c in choices
+                for c, message in zip(choices, messages, strict=True)
             ],
             usage=usage,
+            prompt_logprobs=outputs.prompt_of(0)[1],
         )
 
     def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
@@ -392,20 +423,27 @@ class _StreamDeltas:
 
 
 async def _completion_chunks(
-    outputs: StartedRequest, head: dict[str, Any], k: int | None, include_usage: bool
+    outputs: StartedRequest, head: dict[str, Any], k: int | None, include_usage: bool,
+    echo: Callable[[int], _Echo] | None,
 ) -> AsyncIterator[CompletionResponse]:
-    offsets: dict[int, int] = {}  # per choice, its text length so far (for text_offset)
+    """With `echo` (choice index -> its prompt), each choice's first chunk starts with it."""
+    offsets: dict[int, int] = {}  # per choice, its tokens' text length so far (text_offset)
+    started: set[int] = set()
     deltas = _StreamDeltas(outputs)
     async for delta in deltas:
+        echoed = _Echo("", [], [], "")
+        if echo is not None and delta.index not in started:
+            echoed = echo(delta.index)
+        started.add(delta.index)
+        text, token_ids, lps = echoed.prepend(delta)
         logprobs = None
         if k is not None:
-            logprobs = _completion_logprobs(
-                delta.token_ids, delta.logprobs or [], k, offsets.get(delta.index, 0)
-            )
-            offsets[delta.index] = offsets.get(delta.index, 0) + sum(map(len, logprobs.tokens))
+            offset = offsets.get(delta.index, 0)
+            logprobs = _completion_logprobs(token_ids, lps, k, offset, echoed.first_token_text)
+            offsets[delta.index] = offset + sum(map(len, logprobs.tokens))
         choice = CompletionChoice(
             index=delta.index,
-            text=delta.text,
+            text=text,
             logprobs=logprobs,
             finish_reason=delta.finish_reason,
             stop_reason=delta.stop_reason,
@@ -458,12 +496,15 @@ class _ToolCalls:
 
 async def _chat_chunks(
     outputs: StartedRequest, head: dict[str, Any], k: int | None, include_usage: bool,
-    tool_calls: _ToolCalls,
+    tool_calls: _ToolCalls, echo: str,
 ) -> AsyncIterator[ChatCompletionChunk]:
-    # As OpenAI, each choice's first chunk gives the role alone.
+    # As OpenAI, each choice's first chunk gives the role alone; then the echo (vLLM's).
     for i in range(outputs.num_choices):
         role = DeltaMessage(role="assistant", content="")
         yield ChatCompletionChunk(**head, choices=[ChatStreamChoice(index=i, delta=role)])
+    for i in range(outputs.num_choices if echo else 0):
+        text = DeltaMessage(content=echo)
+        yield ChatCompletionChunk(**head, choices=[ChatStreamChoice(index=i, delta=text)])
     deltas = _StreamDeltas(outputs)
     async for delta in deltas:
         message = tool_calls.delta(delta)
