@@ -14,23 +14,27 @@ _INF = float("inf")
 class StructuredOutputsParams:
     """vLLM's: constrain the output to exactly one of a JSON schema (`json`, a dict or its
     text), any JSON object (`json_object`), a regular expression, one of the `choice`
-    strings, or an EBNF `grammar` (xgrammar's dialect)."""
+    strings, an EBNF `grammar` (xgrammar's dialect), or a `structural_tag` (xgrammar's JSON
+    format: free text in which, once a trigger appears, a tagged part must follow its
+    schema; e.g. tool calls)."""
 
     json: str | dict[str, Any] | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         given = [
-            name for name in ("json", "regex", "choice", "grammar", "json_object")
+            name
+            for name in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
             if getattr(self, name) not in (None, False)
         ]
         if len(given) != 1:
             raise ValueError(
-                "structured_outputs takes exactly one of json, regex, choice, grammar or "
-                f"json_object, got {given or 'none'}"
+                "structured_outputs takes exactly one of json, regex, choice, grammar, "
+                f"json_object or structural_tag, got {given or 'none'}"
             )
         if self.choice is not None and not (
             isinstance(self.choice, list) and self.choice

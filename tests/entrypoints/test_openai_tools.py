@@ -16,6 +16,7 @@ from v1.entrypoints.openai.tool_calls import (
     NamedToolCall,
     RequiredToolCalls,
     ToolCallExtractor,
+    constrain_auto_tool_calls,
     merge_tool_calls,
 )
 
@@ -290,3 +291,47 @@ def test_tool_choice_with_response_format_is_refused(client: openai.OpenAI) -> N
         chat(client, tool_choice="required", response_format={"type": "json_object"})
     with pytest.raises(openai.BadRequestError, match="not in tools"):
         chat(client, tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+def test_strict_tools_under_auto_are_held_to_their_schema(hf_tokenizer) -> None:
+    """OpenAI's `strict` with "auto": free text, but an opened call must name a tool and
+    follow its schema (compiled as the engine compiles it, matched token by token)."""
+    import xgrammar as xgr
+
+    from v1.entrypoints.openai.tool_calls import hermes_structural_tag
+
+    strict = [{**tool, "function": {**tool["function"], "strict": True}} for tool in TOOLS]
+    request = ChatCompletionRequest(messages=MESSAGES, tools=strict)
+    params = constrain_auto_tool_calls(request, request.to_sampling_params())
+    assert params.structured_outputs == hermes_structural_tag(request.tools)
+    info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer)
+    grammar = xgr.GrammarCompiler(info).compile_structural_tag(
+        params.structured_outputs.structural_tag
+    )
+
+    def accepted(text: str) -> bool:
+        matcher = xgr.GrammarMatcher(grammar)
+        return all(matcher.accept_token(t) for t in hf_tokenizer.encode(text))
+
+    call = '<tool_call>\n{"name": "get_time", "arguments": %s}\n</tool_call>'
+    assert accepted("Let me check. " + call % '{"timezone": "CET"}' + " Done.")
+    assert not accepted(call % '{"city": "Rome"}')  # another tool's arguments
+    assert not accepted(call.replace("get_time", "get_date") % "{}")  # no such tool
+    # Without strict, "auto" is unconstrained; with other constraints, strict is refused.
+    loose = ChatCompletionRequest(messages=MESSAGES, tools=TOOLS)
+    assert constrain_auto_tool_calls(loose, loose.to_sampling_params()).structured_outputs is None
+    both = ChatCompletionRequest(
+        messages=MESSAGES, tools=strict, response_format={"type": "json_object"}
+    )
+    with pytest.raises(ValueError, match="strict"):
+        constrain_auto_tool_calls(both, both.to_sampling_params())
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_strict_auto_request_is_served(client: openai.OpenAI) -> None:
+    strict = [{**tool, "function": {**tool["function"], "strict": True}} for tool in TOOLS]
+    out = chat(client, tools=strict, temperature=0, max_tokens=16).choices[0]
+    assert out.message.content is not None or out.message.tool_calls
+    for call in out.message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])

@@ -44,6 +44,8 @@ def grammar_key(params: StructuredOutputsParams) -> GrammarKey:
         return "grammar", _choice_ebnf(params.choice)
     if params.grammar is not None:
         return "grammar", params.grammar
+    if params.structural_tag is not None:
+        return "structural_tag", params.structural_tag
     return "json_object", ""
 
 
@@ -58,6 +60,8 @@ def validate_structured_output_params(params: StructuredOutputsParams) -> None:
             xgr.Grammar.from_regex(spec)
         elif kind == "grammar":
             xgr.Grammar.from_ebnf(spec)
+        elif kind == "structural_tag":
+            xgr.Grammar.from_structural_tag(spec)
     except Exception as exc:  # xgrammar raises RuntimeError (C++) or ValueError
         raise ValueError(f"invalid structured_outputs {kind}: {exc}") from exc
 
@@ -106,6 +110,8 @@ class StructuredOutputManager:
             return self._compiler.compile_regex(spec)
         if kind == "grammar":
             return self._compiler.compile_grammar(spec)
+        if kind == "structural_tag":
+            return self._compiler.compile_structural_tag(spec)
         return self._compiler.compile_builtin_json_grammar()
 
     def grammar_init(self, request: Request) -> None:

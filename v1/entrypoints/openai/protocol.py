@@ -290,8 +290,8 @@ class FunctionDefinition(OpenAIBaseModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
-    # OpenAI's schema adherence: always so for named and required choices (the output is
-    # constrained), never for "auto" (free text a parser reads).
+    # OpenAI's schema adherence: named and required choices always constrain the output to
+    # the schema; under "auto", strict functions' calls are (`hermes_structural_tag`).
     strict: bool | None = None
 
 

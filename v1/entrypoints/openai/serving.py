@@ -45,6 +45,7 @@ from v1.entrypoints.openai.protocol import (
 from v1.entrypoints.openai.tool_calls import (
     ToolCallExtractor,
     ToolDelta,
+    constrain_auto_tool_calls,
     merge_tool_calls,
     tool_call_extractor,
 )
@@ -279,8 +280,8 @@ class OpenAIServing:
         self, request: ChatCompletionRequest
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         head = self._head(request, "chatcmpl")
-        params = request.to_sampling_params()
         tool_calls = _ToolCalls(request, self.tool_parser)
+        params = constrain_auto_tool_calls(request, request.to_sampling_params())
         text, token_ids = self._chat_prompt(request)
         self._check_length(len(token_ids), params.max_tokens, "messages")
         params = self._with_defaults(request, params)

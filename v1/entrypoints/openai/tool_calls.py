@@ -13,11 +13,15 @@
       {"name": "get_weather", "arguments": {"city": "Paris"}}
       </tool_call>
 
+  Functions marked `strict` are enforced there too: a structural tag (structured output)
+  leaves the text free but holds every opened call to a tool's name and schema.
+
 Each choice's text goes through one incremental extractor (`feed` the text deltas, then
 `finish`), which returns content and tool-call deltas in OpenAI's streaming shape. A
 non-streamed response is the sum of the same deltas, so both agree on every output.
 """
 
+import dataclasses
 import json
 import uuid
 from abc import ABC, abstractmethod
@@ -25,11 +29,13 @@ from typing import Any, NamedTuple
 
 from v1.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ChatCompletionTool,
     DeltaFunctionCall,
     DeltaToolCall,
     FunctionCall,
     ToolCall,
 )
+from v1.sampling_params import SamplingParams, StructuredOutputsParams
 
 TOOL_CALL_PARSERS = ("hermes",)
 
@@ -218,6 +224,29 @@ class HermesToolParser(ToolCallExtractor):
         return self._call(value["name"], value["arguments"])
 
 
+def hermes_structural_tag(tools: list[ChatCompletionTool]) -> StructuredOutputsParams:
+    """Free text, but once the model opens `<tool_call>` it must write a call to one of the
+    tools in the Hermes parser's format, with arguments that follow the function's schema
+    (strict functions) or any JSON object (the others): OpenAI's `strict` under "auto"."""
+    tags = [
+        {
+            "type": "tag",
+            "begin": f'{HermesToolParser.START}\n{{"name": {json.dumps(tool.function.name)}, '
+            '"arguments": ',
+            "content": {"type": "json_schema", "json_schema": (
+                tool.function.parameters or {"type": "object"}
+                if tool.function.strict else {"type": "object"}
+            )},
+            "end": f"}}\n{HermesToolParser.END}",
+        }
+        for tool in tools
+    ]
+    return StructuredOutputsParams(structural_tag=json.dumps({
+        "type": "structural_tag",
+        "format": {"type": "triggered_tags", "triggers": [HermesToolParser.START], "tags": tags},
+    }))
+
+
 def tool_call_extractor(
     request: ChatCompletionRequest, parser: str | None
 ) -> ToolCallExtractor | None:
@@ -235,6 +264,21 @@ def tool_call_extractor(
             )
         return HermesToolParser(None if request.parallel_tool_calls else 1)
     return NamedToolCall(choice.function.name)
+
+
+def constrain_auto_tool_calls(
+    request: ChatCompletionRequest, params: SamplingParams
+) -> SamplingParams:
+    """Under "auto", strict functions are held to their schemas (structured output)."""
+    tools = request.tools or []
+    if request.effective_tool_choice != "auto" or not any(t.function.strict for t in tools):
+        return params
+    if params.structured_outputs is not None:
+        raise ValueError(
+            "strict tools are enforced with structured output: they cannot be combined with "
+            "response_format or structured_outputs"
+        )
+    return dataclasses.replace(params, structured_outputs=hermes_structural_tag(tools))
 
 
 def merge_tool_calls(deltas: list[DeltaToolCall]) -> list[ToolCall]:
