@@ -49,6 +49,7 @@ from unittest import mock
 # it first only while torch is not imported by name at the top.
 from bench_throughput import decode_engine_kwargs, random_prompts, timed_generate
 from common import (
+    CallClock,
     add_model_args,
     bar,
     environment,
@@ -114,24 +115,14 @@ def split_step(timed: dict[str, float]) -> dict[str, float]:
     }
 
 
-class StepClock:
+class StepClock(CallClock):
     """Seconds spent in each timed call, per engine step, with the step's token count
     (the tokens of all core steps in it: one per `LLMEngine.step` in these workloads)."""
 
     def __init__(self) -> None:
         self.steps: list[tuple[int, dict[str, float]]] = []
-        self._spent = dict.fromkeys(TIMED, 0.0)
+        super().__init__(TIMED)
         self._tokens = 0
-
-    def _timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(fn)
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._spent[name] += time.perf_counter() - t0
-        return timed
 
     def _runner(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         timed = self._timed("runner", fn)
@@ -145,7 +136,8 @@ class StepClock:
         timed = self._timed("step", fn)
 
         def step(engine: Any) -> Any:
-            self._spent, self._tokens = dict.fromkeys(TIMED, 0.0), 0
+            self._reset()
+            self._tokens = 0
             out = timed(engine)
             if self._tokens:
                 self.steps.append((self._tokens, self._spent))

@@ -61,6 +61,7 @@ from bench_throughput import (
     random_prompts,
 )
 from common import (
+    CallClock,
     add_model_args,
     bar,
     environment,
@@ -176,28 +177,18 @@ PROFILED = ("fill bitmask", "apply bitmask", "accept tokens", "schedule", "runne
             "update_from_output", "core step")
 
 
-class StructuredClock:
+class StructuredClock(CallClock):
     """Seconds in each profiled call, per engine-core step that decoded every request, for
     each engine core (the timers patch the classes: every engine in this process)."""
 
     def __init__(self, seqs: int) -> None:
         self.seqs = seqs
         self.steps: dict[int, list[dict[str, float]]] = {}
-        self._spent = dict.fromkeys(PROFILED, 0.0)
-
-    def _timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(fn)
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._spent[name] += time.perf_counter() - t0
-        return timed
+        super().__init__(PROFILED)
 
     def _core_step(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def step(core: Any) -> Any:
-            self._spent = dict.fromkeys(PROFILED, 0.0)
+            self._reset()
             running = core.scheduler.running
             decoding = len(running) == self.seqs and all(
                 r.num_computed_tokens >= r.num_prompt_tokens for r in running

@@ -9,6 +9,7 @@
 """
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -187,3 +188,25 @@ def environment() -> dict[str, Any]:
     return {"torch": torch.__version__, "threads": torch.get_num_threads(),
             "cpus": os.cpu_count(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "loadavg_1m": round(os.getloadavg()[0], 2)}
+
+
+class CallClock:
+    """perf_counter seconds spent in patched calls, summed by name into `_spent` (which a
+    subclass resets and files away once per step)."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self._names = tuple(names)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._spent = dict.fromkeys(self._names, 0.0)
+
+    def _timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._spent[name] += time.perf_counter() - t0
+        return timed
