@@ -303,6 +303,70 @@ def test_preemption_under_tiny_kv_pool(arch: ArchModel, make_llm):
     check_idle(llm)
 
 
+
+# Checkpoint config.json structures the parity cases above do not spell out (small shapes, the
+# real keys): read through AutoConfig as a download's config.json is, windows as transformers
+# applies them, and prefill logits equal to transformers'.
+_JSON_COMMON = _common(torch_dtype="bfloat16")
+_GEMMA3_JSON = _JSON_COMMON | {
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "num_hidden_layers": 7,
+    "num_key_value_heads": 1, "head_dim": 32, "query_pre_attn_scalar": 32,
+    "hidden_activation": "gelu_pytorch_tanh", "attention_bias": False,
+    "attn_logit_softcapping": None, "final_logit_softcapping": None, "sliding_window": WINDOW,
+    "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+}
+REAL_CONFIGS: dict[str, tuple[dict[str, Any], list[int | None]]] = {
+    # Qwen2.5: a window and max_window_layers set, but use_sliding_window false: no window.
+    "qwen2.5": (_JSON_COMMON | {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "max_window_layers": 1,
+        "sliding_window": WINDOW, "use_sliding_window": False, "rope_scaling": None,
+        "rope_theta": 1_000_000.0, "tie_word_embeddings": True,
+    }, [None, None, None]),
+    # Qwen3-0.6B: tied, explicit head_dim, no biases, yarn as its long-context card sets it.
+    "qwen3-tied": (_JSON_COMMON | {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 24,
+        "attention_bias": False, "use_sliding_window": False, "sliding_window": None,
+        "tie_word_embeddings": True, "rope_theta": 1_000_000.0,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                         "original_max_position_embeddings": 64},
+    }, [None, None, None]),
+    # Mistral v0.2+: sliding_window null.
+    "mistral-no-window": (_JSON_COMMON | {
+        "architectures": ["MistralForCausalLM"], "model_type": "mistral", "head_dim": 24,
+        "sliding_window": None, "rope_theta": 1_000_000.0,
+    }, [None, None, None]),
+    # Llama 3.2: tied, llama3 rope_scaling, mlp_bias.
+    "llama3.2": (_JSON_COMMON | {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "mlp_bias": True,
+        "tie_word_embeddings": True, "rope_theta": 500_000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    }, [None, None, None]),
+    # gemma-3-1b: no layer_types (every 6th layer global), rope_scaling null, tied.
+    "gemma3-1b": (_GEMMA3_JSON | {
+        "sliding_window_pattern": 6, "rope_scaling": None, "tie_word_embeddings": True,
+    }, [WINDOW] * 5 + [None, WINDOW]),
+    # gemma-3-4b's text config: linear rope_scaling on the global layers only.
+    "gemma3-4b-text": (_GEMMA3_JSON | {
+        "sliding_window_pattern": 6, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    }, [WINDOW] * 5 + [None, WINDOW]),
+}
+
+
+@pytest.mark.parametrize("name", list(REAL_CONFIGS))
+def test_checkpoint_config_structures_match_hf(tmp_path, name):
+    from transformers import AutoConfig
+
+    config_json, windows = REAL_CONFIGS[name]
+    (tmp_path / "config.json").write_text(json.dumps(config_json))
+    hf = build_hf_model(AutoConfig.from_pretrained(tmp_path))
+    hf.save_pretrained(tmp_path)
+    model = load(tmp_path).model
+    assert [s.sliding_window for s in model.layer_specs] == windows
+    tokens = prompts()[-1]
+    assert_close_logits(prefill(model, tokens, [3, 1, 0, 2]), hf_logits(hf, tokens), atol=1e-4)
+
+
 # ---- shared layers -----------------------------------------------------------------------------
 
 
@@ -413,9 +477,10 @@ def gguf_case_config(name: str) -> Any:
     return config
 
 
-def write_gguf(hf: Any, path: Path, name: str) -> None:
+def write_gguf(hf: Any, path: Path, name: str, rope_dims: int | None = None) -> None:
     """What llama.cpp's converter writes for `hf` (F32 tensors, no tokenizer): gguf's own
-    HF -> GGUF tensor-name map, llama's q/k rows permuted, Gemma's norms stored as 1 + w."""
+    HF -> GGUF tensor-name map, llama's q/k rows permuted, Gemma's norms stored as 1 + w,
+    and (llama, phi3) how many dimensions of a head rotate: `rope_dims`, default head_dim."""
     import gguf
 
     config = hf.config
@@ -434,6 +499,8 @@ def write_gguf(hf: Any, path: Path, name: str) -> None:
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if name in ("llama", "phi3"):
+        writer.add_rope_dimension_count(rope_dims or head_dim)
     rope = config.rope_parameters
     if name == "gemma3":
         writer.add_sliding_window(config.sliding_window)
@@ -492,3 +559,13 @@ def test_gguf_loads_as_the_same_model(tmp_path, monkeypatch, name):
     ref = prefill(reference.model, tokens, [3, 1, 0, 2])
     got = prefill(ours.model, tokens, [3, 1, 0, 2])
     assert torch.equal(got, ref), f"max abs diff {(got - ref).abs().max().item():.2e}"
+
+
+def test_gguf_partial_rotary_is_refused(tmp_path, monkeypatch):
+    """llama.cpp writes phi3's rope.dimension_count as head_dim * partial_rotary_factor
+    (Phi-4-mini: 0.75); rotating the whole head instead would be silently wrong."""
+    monkeypatch.setenv("V1_CACHE_DIR", str(tmp_path / "cache"))
+    hf = build_hf_model(gguf_case_config("phi3"), seed=3)
+    write_gguf(hf, tmp_path / "phi3.gguf", "phi3", rope_dims=12)  # of head_dim 16
+    with pytest.raises(ValueError, match="partial rotary"):
+        load(tmp_path / "phi3.gguf")

@@ -85,6 +85,14 @@ class _Metadata:
             raise ValueError(
                 "GGUF files with rope_freqs (Llama 3.1 rope scaling) are not supported"
             )
+        # llama.cpp writes how many dimensions of each head rotate; fewer than head_dim is a
+        # partial rotary (Phi-4-mini's 0.75), which our RoPE would silently apply to all.
+        rope_dims = self.get("rope.dimension_count")
+        if rope_dims is not None and int(rope_dims) != self.head_dim():
+            raise ValueError(
+                f"GGUF rope.dimension_count {rope_dims} is not head_dim {self.head_dim()}: "
+                "partial rotary embeddings are not supported"
+            )
         rope: dict[str, Any] = {
             "rope_type": "default", "rope_theta": float(self.get(theta_key, default_theta)),
         }
