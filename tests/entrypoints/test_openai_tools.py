@@ -8,6 +8,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion
 
 from tests.entrypoints.test_openai_server import MODEL
 from v1.entrypoints.openai.protocol import ChatCompletionRequest
@@ -87,6 +89,39 @@ def test_hermes_parser_keeps_what_is_not_a_call(text: str, expected: tuple) -> N
         assert run(HermesToolParser(), text, chunk) == expected
 
 
+def test_hermes_parser_text_after_a_call_at_any_delta_boundary() -> None:
+    """The whitespace after a call is dropped whichever delta it comes in (a delta boundary
+    right after `</tool_call>` once kept it, so streamed and whole content differed)."""
+    text = '<tool_call>{"name": "f", "arguments": {}}</tool_call>\n Done.'
+    cut = text.index("\n Done")
+    for pieces in ([text], [text[:cut], text[cut:]], [text[:cut], "\n", " ", "Done."]):
+        extractor, content, deltas = HermesToolParser(), "", []
+        for piece in pieces:
+            got = extractor.feed(piece)
+            content, deltas = content + got.content, deltas + got.tool_calls
+        got = extractor.finish()
+        calls = merge_tool_calls(deltas + got.tool_calls)
+        assert (content + got.content, [(c.function.name, c.function.arguments) for c in calls]) \
+            == ("Done.", [("f", "{}")]), pieces
+
+
+def test_streamed_and_whole_messages_agree_when_cut_off() -> None:
+    """A "required" choice cut off (max_tokens) before its first call is its text as written,
+    streamed or not (the stream once lost the opening bracket)."""
+    from v1.entrypoints.openai.serving import _ToolCalls
+    from v1.outputs import CompletionOutput
+
+    request = ChatCompletionRequest(messages=MESSAGES, tools=TOOLS, tool_choice="required")
+    text = ' [{"name": "get_time", "param'
+    whole = _ToolCalls(request, None).message(CompletionOutput(0, text, [], None, [], "length"))
+    tool_calls = _ToolCalls(request, None)
+    streamed = "".join(
+        tool_calls.delta(CompletionOutput(0, piece, [], None, [], finish)).content or ""
+        for piece, finish in ((text[:3], None), (text[3:], "length"))
+    )
+    assert whole.content == streamed == text and whole.tool_calls == []
+
+
 def test_hermes_parser_max_calls_leaves_the_rest_as_text() -> None:
     content, calls = run(HermesToolParser(max_calls=1), HERMES, 3)
     assert [name for name, _ in calls] == ["get_weather"]
@@ -100,7 +135,7 @@ def test_required_and_named_extractors() -> None:
         assert run(RequiredToolCalls(), array, chunk) == (
             "", [("get_time", '{"timezone": "UTC"}'), ("g", '{"a": [1, {"b": "]"}]}')]
         )
-    assert run(RequiredToolCalls(), '[{"name": "g", "param', 2) == ('{"name": "g", "param', [])
+    assert run(RequiredToolCalls(), '[{"name": "g", "param', 2) == ('[{"name": "g", "param', [])
     assert run(NamedToolCall("f"), '{"x": 1}', 2) == ("", [("f", '{"x": 1}')])
 
 
@@ -149,6 +184,20 @@ def test_tool_messages_reach_the_template(hf_tokenizer) -> None:
         "TOOL get_weather;TOOL get_time;[user]What is the weather like in Paris?"
         "[assistant]CALL get_weather Paris;[tool](c1)18 degrees"
     )
+
+
+def test_lenient_tool_fields_as_vllm() -> None:
+    """As vLLM: a tool's and a named choice's `type` may be left out, and an earlier call's
+    empty arguments reach the template as {} (they were a 400)."""
+    request = ChatCompletionRequest(
+        messages=[*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "now", "arguments": ""}}]}],
+        tools=[{"function": {"name": "now"}}], tool_choice={"function": {"name": "now"}},
+    )
+    assert request.messages[-1].to_template_dict()["tool_calls"][0]["function"] == {
+        "name": "now", "arguments": {}
+    }
+    assert request.template_tools() == [{"type": "function", "function": {"name": "now"}}]
 
 
 @pytest.mark.parametrize(
@@ -291,6 +340,30 @@ def test_tool_choice_with_response_format_is_refused(client: openai.OpenAI) -> N
         chat(client, tool_choice="required", response_format={"type": "json_object"})
     with pytest.raises(openai.BadRequestError, match="not in tools"):
         chat(client, tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_logprobs_of_ruled_out_tokens_are_numbers(client: openai.OpenAI) -> None:
+    """A token the grammar rules out has logprob -inf, which JSON cannot hold (it became null,
+    which OpenAI's types refuse): -9999.0, as vLLM."""
+    url = str(client.base_url).rstrip("/")
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    chat = httpx.post(f"{url}/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": named,
+        "logprobs": True, "top_logprobs": 5, "max_tokens": 8, "temperature": 0,
+    }).json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    top = [t["logprob"] for entry in content for t in entry["top_logprobs"]]
+    assert -9999.0 in top and None not in top
+    ChatCompletion.model_validate(chat)
+    completion = httpx.post(f"{url}/completions", timeout=60, json={
+        "model": MODEL, "prompt": "Yes or no?", "max_tokens": 2, "logprobs": 5, "temperature": 0,
+        "structured_outputs": {"choice": ["yes"]},
+    }).json()
+    Completion.model_validate(completion)
+    assert -9999.0 in [v for top in completion["choices"][0]["logprobs"]["top_logprobs"]
+                       for v in top.values()]
 
 
 def test_strict_tools_under_auto_are_held_to_their_schema(hf_tokenizer) -> None:

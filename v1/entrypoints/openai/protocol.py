@@ -267,7 +267,10 @@ class ChatMessage(OpenAIBaseModel):
             message["tool_calls"] = [
                 {"id": call.id, "type": call.type, "function": {
                     "name": call.function.name,
-                    "arguments": _json_object(call.function.arguments, "tool call arguments"),
+                    # Empty (no arguments): {}, as vLLM.
+                    "arguments": _json_object(
+                        call.function.arguments or "{}", "tool call arguments"
+                    ),
                 }}
                 for call in self.tool_calls
             ]
@@ -296,7 +299,7 @@ class FunctionDefinition(OpenAIBaseModel):
 
 
 class ChatCompletionTool(OpenAIBaseModel):
-    type: Literal["function"]
+    type: Literal["function"] = "function"  # as vLLM: may be left out
     function: FunctionDefinition
 
 
@@ -305,7 +308,7 @@ class FunctionName(OpenAIBaseModel):
 
 
 class NamedToolChoice(OpenAIBaseModel):
-    type: Literal["function"]
+    type: Literal["function"] = "function"
     function: FunctionName
 
 
@@ -476,6 +479,11 @@ class PromptLogprob(BaseModel):
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
+
+    @field_validator("logprob")
+    @classmethod
+    def _clamped(cls, logprob: float) -> float:
+        return max(logprob, -9999.0)  # -inf as vLLM's clamp_prompt_logprobs: JSON has no inf
 
 
 class CompletionChoice(BaseModel):

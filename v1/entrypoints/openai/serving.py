@@ -537,6 +537,12 @@ async def _collect(outputs: StartedRequest) -> tuple[list[CompletionOutput], Usa
     return choices, outputs.usage(sum(len(c.token_ids) for c in choices))
 
 
+def _clamped(logprob: float) -> float:
+    """-inf (a token that structured output or a bias ruled out) as -9999.0, as vLLM: JSON has
+    no infinity, and null is not a number to OpenAI's clients."""
+    return max(logprob, -9999.0)
+
+
 def _top(logprobs: dict[int, Logprob], k: int) -> list[Logprob]:
     # The dict holds the sampled token and the top k; the sampled one may rank below k.
     return sorted(logprobs.values(), key=lambda lp: lp.rank or 0)[:k]
@@ -560,9 +566,9 @@ def _completion_logprobs(
         else:
             given = logprobs_at[token_id]
             token = given.decoded_token or ""
-            result.token_logprobs.append(given.logprob)
+            result.token_logprobs.append(_clamped(given.logprob))
             result.top_logprobs.append(
-                {lp.decoded_token or "": lp.logprob for lp in _top(logprobs_at, k)}
+                {lp.decoded_token or "": _clamped(lp.logprob) for lp in _top(logprobs_at, k)}
             )
         result.tokens.append(token)
         result.text_offset.append(offset)
@@ -572,7 +578,7 @@ def _completion_logprobs(
 
 def _chat_logprob(lp: Logprob) -> dict[str, Any]:
     token = lp.decoded_token or ""
-    return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode())}
+    return {"token": token, "logprob": _clamped(lp.logprob), "bytes": list(token.encode())}
 
 
 def _chat_logprobs(c: CompletionOutput, k: int) -> ChatChoiceLogprobs:

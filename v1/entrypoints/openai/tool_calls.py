@@ -115,8 +115,10 @@ class RequiredToolCalls(ToolCallExtractor):
         super().__init__()
         self._buffer = ""
         self._opened = False
+        self._text = ""  # all of it, for a choice cut off before its first call
 
     def feed(self, text: str) -> ToolDelta:
+        self._text += text
         self._buffer += text
         calls: list[DeltaToolCall] = []
         while True:
@@ -139,7 +141,9 @@ class RequiredToolCalls(ToolCallExtractor):
 
     def finish(self) -> ToolDelta:
         rest, self._buffer = self._buffer, ""
-        return ToolDelta(rest, [])  # a cut-off call (max_tokens): kept as text, not lost
+        if self.num_calls == 0:  # cut off (max_tokens) before a call: the text as written
+            return ToolDelta(self._text, [])
+        return ToolDelta(rest, [])  # a cut-off call after others: kept as text, not lost
 
 
 class HermesToolParser(ToolCallExtractor):
@@ -157,6 +161,7 @@ class HermesToolParser(ToolCallExtractor):
         self._buffer = ""
         self._in_call = False
         self._space_before = ""  # the whitespace before the open block
+        self._after_call = False  # whitespace after a call is dropped, in whatever deltas
 
     def feed(self, text: str) -> ToolDelta:
         self._buffer += text
@@ -173,8 +178,11 @@ class HermesToolParser(ToolCallExtractor):
                     content += self._space_before + self.START + body + self.END
                 else:
                     calls.append(call)
-                    self._buffer = self._buffer.lstrip()
+                    self._after_call = True
                 continue
+            if self._after_call:
+                self._buffer = self._buffer.lstrip()
+                self._after_call = not self._buffer
             start = self._buffer.find(self.START)
             if start >= 0:
                 head = self._buffer[:start]
