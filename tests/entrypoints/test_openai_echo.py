@@ -98,7 +98,8 @@ def test_streamed_echo_is_the_unstreamed_one(client: openai.OpenAI) -> None:
     for c in whole.choices:
         assert text[c.index] == c.text and c.text.startswith((PROMPT, OTHER))
         assert tokens[c.index] == c.logprobs.tokens
-        assert token_logprobs[c.index] == pytest.approx(c.logprobs.token_logprobs)
+        # Batch composition differs between the two runs: fp32 GEMMs differ in the last bits.
+        assert token_logprobs[c.index] == pytest.approx(c.logprobs.token_logprobs, abs=1e-4)
         assert token_logprobs[c.index][0] is None  # the prompt's first token
 
 
