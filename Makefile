@@ -37,6 +37,7 @@ bench: setup
 	$(PY) bench/bench_throughput.py --decode --no-hf --out $(BENCH_OUT) | tee $(BENCH_OUT)/decode.txt
 	$(PY) bench/bench_structured.py --out $(BENCH_OUT) | tee $(BENCH_OUT)/structured.txt
 	$(PY) bench/bench_serving.py --out $(BENCH_OUT) | tee $(BENCH_OUT)/serving.txt
+	$(PY) bench/bench_dp.py --out $(BENCH_OUT) | tee $(BENCH_OUT)/dp.txt
 	$(PY) bench/bench_step_breakdown.py --floors --out $(BENCH_OUT) \
 		| tee $(BENCH_OUT)/step_breakdown.txt
 

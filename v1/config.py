@@ -21,6 +21,11 @@ GENERATION_CONFIG_DEFAULTS = {
 }
 
 
+# How a data-parallel client picks an engine core for each request (EngineArgs'
+# data_parallel_routing; v1.engine.dp_router).
+DP_ROUTING_POLICIES = ("affinity", "round_robin", "least_loaded")
+
+
 def cache_root() -> Path:
     """Where converted weights and built kernels are kept: $V1_CACHE_DIR, else ~/.cache/v1."""
     return Path(os.environ.get("V1_CACHE_DIR") or Path.home() / ".cache" / "v1").expanduser()
@@ -102,7 +107,73 @@ class EngineArgs:
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
     seed: int = 0
+    # Data parallelism (v1.engine.dp_client): this many engine-core processes, each with its
+    # own scheduler and KV cache (num_gpu_blocks / kv_cache_memory are per core) and its
+    # share of the CPU cores as torch threads, behind one client that routes each request.
+    data_parallel_size: int = 1
+    # How: "affinity" (to the core most likely to hold the prompt's longest cached prefix,
+    # by its chained block hashes; rendezvous hashing of the first block for new prefixes),
+    # "round_robin" or "least_loaded".
+    data_parallel_routing: str = "affinity"
+    # The load guard (affinity only): a request goes to the least-loaded core instead when
+    # its affinity core's load score (4 x waiting + running requests) exceeds
+    # ratio x the least-loaded's + slack, or its KV cache usage has reached kv_threshold
+    # while another core's has not. See v1/engine/dp_router.py for why these defaults.
+    data_parallel_load_ratio: float = 2.0
+    data_parallel_load_slack: float = 8.0
+    data_parallel_kv_threshold: float = 0.95
+    # Cores on other hosts (v1/engine/dp_headless.py, vLLM's flags): this host runs
+    # data_parallel_size_local of the cores (None: all), ranks from data_parallel_start_rank;
+    # the frontend listens for the others' registration at
+    # tcp://data_parallel_address:data_parallel_rpc_port, where headless hosts connect.
+    data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int = 29550
+    # "mp": this host's cores are local processes (and any others headless); "ray": every
+    # core is a Ray actor, placed by Ray on the cluster `ray.init()` finds (v1/engine/dp_ray.py).
+    data_parallel_backend: str = "mp"
+
     def __post_init__(self) -> None:
+        if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
+            raise ValueError(
+                f"data_parallel_size must be an integer >= 1, got {self.data_parallel_size!r}"
+            )
+        if self.data_parallel_routing not in DP_ROUTING_POLICIES:
+            raise ValueError(
+                f"data_parallel_routing must be one of {', '.join(DP_ROUTING_POLICIES)}, "
+                f"got {self.data_parallel_routing!r}"
+            )
+        if self.data_parallel_load_ratio < 1 or self.data_parallel_load_slack < 0:
+            raise ValueError(
+                "data_parallel_load_ratio must be >= 1 and data_parallel_load_slack >= 0, got "
+                f"{self.data_parallel_load_ratio} and {self.data_parallel_load_slack}"
+            )
+        local, start = self.data_parallel_size_local, self.data_parallel_start_rank
+        if local is not None and not 0 <= local <= self.data_parallel_size:
+            raise ValueError(
+                f"data_parallel_size_local must be in [0, data_parallel_size "
+                f"{self.data_parallel_size}], got {local}"
+            )
+        if not 0 <= start or start + (local or 0) > self.data_parallel_size:
+            raise ValueError(
+                f"data_parallel_start_rank {start} + data_parallel_size_local {local} exceeds "
+                f"data_parallel_size {self.data_parallel_size}"
+            )
+        if self.data_parallel_backend not in ("mp", "ray"):
+            raise ValueError(
+                f"data_parallel_backend must be 'mp' or 'ray', got {self.data_parallel_backend!r}"
+            )
+        if self.data_parallel_backend == "ray" and local is not None:
+            raise ValueError("data_parallel_size_local is for the mp backend: Ray places cores")
+        if not 0 < self.data_parallel_rpc_port < 65536:
+            raise ValueError(f"data_parallel_rpc_port must be a TCP port, got "
+                             f"{self.data_parallel_rpc_port}")
+        if not 0 < self.data_parallel_kv_threshold <= 1:
+            raise ValueError(
+                "data_parallel_kv_threshold must be in (0, 1], got "
+                f"{self.data_parallel_kv_threshold}"
+            )
         utilization = self.gpu_memory_utilization
         if utilization is not None and not 0 < utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")

@@ -13,6 +13,11 @@ so an id may be used again as soon as its request is aborted or finished.
 
 A second frontend process joins an engine core running at ADDRESS with
 `AsyncLLM(AsyncMPClient(address=ADDRESS, client_index=1))`.
+
+With `data_parallel_size` > 1 the client is a `DPAsyncMPClient` (several engine cores):
+`generate(..., data_parallel_rank=i)` pins a request to core i; a core that dies fails the
+requests it held with `EngineCoreDeadError` (an EngineDeadError) and the others serve on;
+`check_health` raises while any core is down (`dead_engines` says which).
 """
 
 import asyncio
@@ -22,7 +27,9 @@ from typing import Any
 
 from v1.config import EngineArgs
 from v1.engine.core_client import AsyncMPClient
-from v1.engine.exceptions import EngineDeadError
+from v1.engine.dp_client import DPAsyncMPClient
+from v1.engine.dp_router import check_data_parallel_rank
+from v1.engine.exceptions import EngineCoreDeadError, EngineDeadError
 from v1.engine.output_processor import IterationStats, OutputProcessor, RequestOutputKind
 from v1.engine.processor import Processor, PromptType
 from v1.outputs import RequestOutput, SchedulerStats
@@ -36,7 +43,7 @@ _QueueItem = RequestOutput | EngineDeadError | None
 
 
 class AsyncLLM:
-    def __init__(self, client: AsyncMPClient) -> None:
+    def __init__(self, client: AsyncMPClient | DPAsyncMPClient) -> None:
         self.client = client
         info = client.model_info
         self.tokenizer: Any = info.tokenizer
@@ -57,7 +64,10 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "AsyncLLM":
-        """Start an engine core process with `args` (blocks until its model is loaded)."""
+        """Start an engine core process with `args` (blocks until its model is loaded);
+        `data_parallel_size` of them behind one routing client when it is > 1."""
+        if args.data_parallel_size > 1:
+            return cls(DPAsyncMPClient(args))
         return cls(AsyncMPClient(args))
 
     @property
@@ -74,16 +84,20 @@ class AsyncLLM:
         sampling_params: SamplingParams,
         request_id: str,
         priority: int = 0,
+        data_parallel_rank: int | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the request's DELTA outputs; the last has `finished=True`.
 
         Bad input raises ValueError on the first iteration, before anything reaches the
         engine. Leaving the loop early (break, cancellation, a closed connection) aborts the
         request in the engine core, which frees its blocks; `abort(request_id)` ends the
-        stream without a finished output; a dead engine raises EngineDeadError.
+        stream without a finished output; a dead engine raises EngineDeadError (with data
+        parallelism, `data_parallel_rank` pins the request to that core, and the death of
+        the core running it raises EngineCoreDeadError).
         """
         if self.dead_error is not None:
             raise self.dead_error
+        check_data_parallel_rank(data_parallel_rank, self.client.data_parallel_size)
         request, text = self.processor.process_inputs(
             request_id, prompt, sampling_params, priority=priority
         )
@@ -94,7 +108,10 @@ class AsyncLLM:
         finished = False
         try:
             for core_request in core_requests:
-                self.client.add_request(core_request)
+                if data_parallel_rank is None:
+                    self.client.add_request(core_request)
+                else:
+                    self.client.add_request(core_request, data_parallel_rank)
             while not finished:
                 out = await queue.get()
                 if out is None:
@@ -127,10 +144,22 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         return await self.client.call_utility_async("reset_prefix_cache")
 
+    @property
+    def dead_engines(self) -> dict[int, str]:
+        """With data parallelism, the cores that died (index -> why); others serve on."""
+        return dict(getattr(self.client, "dead_engines", {}))
+
     async def check_health(self) -> None:
-        """Raise EngineDeadError if the engine is dead (the receiver thread notices at once)."""
+        """Raise EngineDeadError if the engine is dead (the receiver thread notices at once),
+        or, with data parallelism, if any of its cores is (the others still serve)."""
         if self.dead_error is not None:
             raise self.dead_error
+        dead = self.dead_engines
+        if dead:
+            raise EngineDeadError(
+                f"degraded: engine core(s) {sorted(dead)} dead ("
+                + "; ".join(f"core {i}: {why}" for i, why in sorted(dead.items())) + ")"
+            )
 
     def _start_output_handler(self) -> None:
         if self._output_handler is None:
@@ -142,7 +171,11 @@ class AsyncLLM:
         """The one consumer of the engine's outputs: route them to the requests' queues."""
         try:
             while True:
-                outputs = await self.client.get_output_async()
+                try:
+                    outputs = await self.client.get_output_async()
+                except EngineCoreDeadError as e:  # one core of several: fail its requests
+                    self._fail_requests(e)
+                    continue
                 stats = IterationStats() if self.stat_loggers else None
                 processed = self.output_processor.process_outputs(outputs.outputs, stats)
                 for out in processed.request_outputs:
@@ -161,6 +194,15 @@ class AsyncLLM:
             error = self._handler_error = EngineDeadError(f"the output handler failed: {e!r}")
         for queue in self._queues.values():
             queue.put_nowait(error)
+
+    def _fail_requests(self, error: EngineCoreDeadError) -> None:
+        states = self.output_processor.request_states
+        failed = {states[i].external_req_id for i in error.request_ids if i in states}
+        for request_id in failed:
+            queue = self._queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(error)
+            self._abort(request_id)  # n > 1: its children on other cores too
 
     def shutdown(self) -> None:
         """Terminate the engine core process (if this frontend started it). Requests still

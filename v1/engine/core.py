@@ -23,10 +23,15 @@ Protocol. An engine core at ADDRESS (`ipc://PATH`, by default in a fresh temp di
   Client i connects a DEALER with routing id `client_routing_id(i)` and receives only its
   own messages, two frames [EngineCoreOutputType, msgpack]:
     READY           EngineCoreReady: the model facts a frontend needs (it loads only the
-                    tokenizer, from `model_dir`)
-    OUTPUTS         EngineCoreOutputs of this client's requests; with `engine_error` set it is
-                    the death notice, sent to every client when the busy loop ends (an
-                    exception, e.g. in the model, or shutdown), and the last message
+                    tokenizer, from `model_dir`), and the KV cache's shape (block size,
+                    number of blocks, prefix caching on or off: a data-parallel client
+                    routes by it, see `v1.engine.dp_router`)
+    OUTPUTS         EngineCoreOutputs of this client's requests, with the core's
+                    `scheduler_stats` (waiting/running counts, KV usage) as of that step:
+                    the load figures a data-parallel client balances by; with
+                    `engine_error` set it is the death notice, sent to every client when the
+                    busy loop ends (an exception, e.g. in the model, or shutdown), and the
+                    last message
     UTILITY_RESULT  UtilityResult
 
 A client connects its DEALER, then sends HELLO and waits for READY. Request ids (in ADD,
@@ -48,9 +53,11 @@ starts an engine makes the engine process call `function(engine_core)` once the 
 built, before serving (tests inject failures into the model this way).
 """
 
+import ctypes
 import enum
 import importlib
 import logging
+import multiprocessing
 import os
 import queue
 import signal
@@ -120,6 +127,7 @@ class EngineCore:
                 "give the cache more memory"
             )
         self.model_runner.initialize_kv_cache(num_blocks)
+        self.num_blocks = num_blocks
         self.structured_output_manager = (
             StructuredOutputManager(
                 loaded.tokenizer, loaded.hf_config.vocab_size,
@@ -262,6 +270,10 @@ class EngineCoreReady(msgspec.Struct, array_like=True):
     vocab_size: int
     eos_token_id: int | None
     stop_token_ids: tuple[int, ...]
+    # The KV cache (defaults: a core that predates these fields).
+    block_size: int = 16
+    num_gpu_blocks: int = 0
+    enable_prefix_caching: bool = True
 
 
 def output_address(address: str) -> str:
@@ -296,6 +308,9 @@ class EngineCoreProc:
             int(loaded.hf_config.vocab_size),
             loaded.eos_token_id,
             tuple(loaded.stop_token_ids),
+            engine_core.cache_config.block_size,
+            engine_core.num_blocks,
+            engine_core.cache_config.enable_prefix_caching,
         )
         self.clients: set[int] = set()  # said HELLO; they get the death notice
         self.input_queue: queue.Queue[tuple[EngineCoreRequestType, Any]] = queue.Queue()
@@ -332,10 +347,16 @@ class EngineCoreProc:
 
     @staticmethod
     def run_engine_core(
-        args: EngineArgs, address: str, report: Connection, parent_pid: int
+        args: EngineArgs,
+        address: str,
+        report: Connection,
+        parent_pid: int,
+        num_threads: int | None = None,
     ) -> None:
         """Main of the engine process: build the core, report ("ready", "", "") or
-        ("error", exception type, message) through `report`, then serve until terminated."""
+        ("error", exception type, message) through `report`, then serve until terminated.
+        `num_threads`: torch's intra-op threads (a data-parallel core's share of the CPU
+        cores); None leaves torch's default."""
         # A forked child inherits the parent's signal wakeup fd (an asyncio loop's): our
         # signals must not wake the parent's handlers.
         signal.set_wakeup_fd(-1)
@@ -343,6 +364,9 @@ class EngineCoreProc:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, _exit_on_signal)
         _watch_parent(parent_pid)
+        _set_process_name(multiprocessing.current_process().name)
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
         try:
             engine_core = EngineCore(args)
             _run_test_hook(engine_core)
@@ -368,7 +392,8 @@ class EngineCoreProc:
             logger.exception("the engine core's busy loop failed")
             status, reason = 1, f"the engine core died: {type(e).__name__}: {e}"
         finally:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second terminate: let us finish
+            if threading.current_thread() is threading.main_thread():  # not in a Ray actor
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second terminate: finish
             self.shutdown(reason)
         return status
 
@@ -393,10 +418,15 @@ class EngineCoreProc:
     # -- the busy loop -----------------------------------------------------------------
 
     def run_busy_loop(self) -> None:
+        scheduler = self.engine_core.scheduler
         while True:
             self._process_input_queue()
-            for client, outputs in self.engine_core.step().items():
-                self.output_queue.put((client, EngineCoreOutputType.OUTPUTS, outputs))
+            step_outputs = self.engine_core.step()
+            if step_outputs:  # the load figures, as of this step, go with the outputs
+                stats = scheduler.make_stats()
+                for client, outputs in step_outputs.items():
+                    outputs.scheduler_stats = stats
+                    self.output_queue.put((client, EngineCoreOutputType.OUTPUTS, outputs))
 
     def _process_input_queue(self) -> None:
         if not self.engine_core.has_unfinished_requests():
@@ -485,6 +515,16 @@ class EngineCoreProc:
 
 def _exit_on_signal(signum: int, frame: Any) -> None:
     raise SystemExit(0)
+
+
+def _set_process_name(name: str) -> None:
+    """The name `ps` and /proc/PID/comm show (Linux, at most 15 bytes; best effort), so
+    that each data-parallel core can be told apart."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
 
 
 def _watch_parent(parent_pid: int) -> None:

@@ -84,9 +84,14 @@ class ModelInfo(NamedTuple):
 class EngineCoreClient(ABC):
     model_info: ModelInfo
     client_index: int = 0
+    data_parallel_size: int = 1  # engine cores behind this client (v1.engine.dp_client)
 
     @abstractmethod
-    def add_request(self, request: EngineCoreRequest) -> None: ...
+    def add_request(
+        self, request: EngineCoreRequest, data_parallel_rank: int | None = None
+    ) -> None:
+        """Send a request to the engine core (with several, `data_parallel_rank` pins one;
+        the frontend has checked it is in range)."""
 
     @abstractmethod
     def abort_requests(self, request_ids: list[str]) -> None: ...
@@ -118,7 +123,9 @@ class InprocClient(EngineCoreClient):
             str(loaded.model_dir),
         )
 
-    def add_request(self, request: EngineCoreRequest) -> None:
+    def add_request(
+        self, request: EngineCoreRequest, data_parallel_rank: int | None = None
+    ) -> None:
         self.engine_core.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -178,53 +185,83 @@ def engine_start_method() -> StartMethod:
     return StartMethod("fork", "")
 
 
-def launch_engine_core(args: EngineArgs, address: str) -> BaseProcess:
+def launch_engine_core(
+    args: EngineArgs, address: str, num_threads: int | None = None
+) -> BaseProcess:
     """Start an engine process serving at `address`; return once its model is loaded.
 
     A failure to start (a bad model path, an address in use) is raised here as the engine
     raised it: a ValueError stays a ValueError with the same message.
     """
-    method = engine_start_method()
-    ctx = multiprocessing.get_context(method.name)
-    reader, writer = ctx.Pipe(duplex=False)
-    proc = ctx.Process(
-        target=EngineCoreProc.run_engine_core,
-        args=(args, address, writer, os.getpid()),
-        name="v1-engine-core",
-        daemon=True,  # multiprocessing terminates it at exit, should all else fail
-    )
-    if method.name == "fork":
-        _fork_from_fresh_thread(proc)
-    else:
-        proc.start()
-    writer.close()  # the child's copy is the only one left: EOF when it dies
-    try:
-        wait([reader, proc.sentinel])
-        try:
-            status, error_type, message = reader.recv()
-        except EOFError:
-            status, error_type, message = "died", "", ""
-    except BaseException:  # e.g. Ctrl-C while the model loads
-        _stop_process(proc)
-        raise
-    finally:
-        reader.close()
-    if status == "ready":
-        return proc
-    proc.join(10)  # after reporting, it exits by itself
-    _stop_process(proc)
-    if status == "error":
-        raise error_from_remote(error_type, message)
-    hint = ""
-    if method.name == "spawn":
-        hint = (
-            f" It started with 'spawn' ({method.reason}), which runs the main script again: a "
-            'script that starts an engine must do so under `if __name__ == "__main__":` (or '
-            "use LLM(..., multiprocess=False))"
+    return EngineLaunch(args, address, num_threads).wait()
+
+
+class EngineLaunch:
+    """An engine process being started: `wait()` for its model to load. Several launches
+    load their models at once (data parallelism)."""
+
+    def __init__(
+        self,
+        args: EngineArgs,
+        address: str,
+        num_threads: int | None = None,
+        name: str = "v1-engine-core",
+    ) -> None:
+        self.address = address
+        self.method = method = engine_start_method()
+        ctx = multiprocessing.get_context(method.name)
+        self.reader, writer = ctx.Pipe(duplex=False)
+        self.proc = proc = ctx.Process(
+            target=EngineCoreProc.run_engine_core,
+            args=(args, address, writer, os.getpid(), num_threads),
+            name=name,
+            daemon=True,  # multiprocessing terminates it at exit, should all else fail
         )
-    raise RuntimeError(
-        f"the engine core process exited during startup ({_exit_status(proc)}).{hint}"
-    )
+        try:
+            if method.name == "fork":
+                _fork_from_fresh_thread(proc)
+            else:
+                proc.start()
+        except BaseException:
+            self.reader.close()
+            raise
+        finally:
+            writer.close()  # the child's copy is the only one left: EOF when it dies
+
+    def cancel(self) -> None:
+        """Stop the process (started or not yet ready)."""
+        self.reader.close()
+        _stop_process(self.proc)
+
+    def wait(self) -> BaseProcess:
+        proc, reader, method = self.proc, self.reader, self.method
+        try:
+            wait([reader, proc.sentinel])
+            try:
+                status, error_type, message = reader.recv()
+            except EOFError:
+                status, error_type, message = "died", "", ""
+        except BaseException:  # e.g. Ctrl-C while the model loads
+            _stop_process(proc)
+            raise
+        finally:
+            reader.close()
+        if status == "ready":
+            return proc
+        proc.join(10)  # after reporting, it exits by itself
+        _stop_process(proc)
+        if status == "error":
+            raise error_from_remote(error_type, message)
+        hint = ""
+        if method.name == "spawn":
+            hint = (
+                f" It started with 'spawn' ({method.reason}), which runs the main script "
+                'again: a script that starts an engine must do so under `if __name__ == '
+                '"__main__":` (or use LLM(..., multiprocess=False))'
+            )
+        raise RuntimeError(
+            f"the engine core process exited during startup ({_exit_status(proc)}).{hint}"
+        )
 
 
 def _fork_from_fresh_thread(proc: BaseProcess) -> None:
@@ -288,13 +325,19 @@ class MPClient(ABC):
     """A client of an engine core in another process: sockets, handshake, the receiver
     thread, failure and shutdown. Subclasses deliver outputs to their callers."""
 
+    data_parallel_size = 1
+    _load_tokenizer = True  # for model_info (a data-parallel client loads it once)
+
     def __init__(
         self,
         args: EngineArgs | None = None,
         *,
         address: str | None = None,
         client_index: int = 0,
+        proc: BaseProcess | None = None,
     ) -> None:
+        """`proc`: the engine process already started at `address` (by a data-parallel
+        client), which this client then owns as if it had started it."""
         if args is None and address is None:
             raise ValueError("give EngineArgs (to start an engine core) or an address")
         self.client_index = client_index
@@ -306,6 +349,7 @@ class MPClient(ABC):
         self._init_delivery()  # before the receiver thread starts delivering
         self._res = _Resources()
         self._finalizer = weakref.finalize(self, self._res.release)  # runs at exit, too
+        self._res.proc = proc
         try:
             if args is not None:
                 if address is None:
@@ -343,10 +387,10 @@ class MPClient(ABC):
         kind, payload = self._output.recv_multipart()
         if kind != EngineCoreOutputType.READY.value:
             raise RuntimeError(f"the engine core at {address} did not answer HELLO with READY")
-        ready = msgspec.msgpack.decode(payload, type=EngineCoreReady)
+        self.ready = ready = msgspec.msgpack.decode(payload, type=EngineCoreReady)
         self.model_info = ModelInfo(
             ready.model_name,
-            load_tokenizer(ready.model_dir),
+            load_tokenizer(ready.model_dir) if self._load_tokenizer else None,
             ready.max_model_len,
             ready.vocab_size,
             ready.eos_token_id,
@@ -367,7 +411,9 @@ class MPClient(ABC):
                 raise self.dead_error
             self._input.send_multipart((kind.value, data), copy=False)
 
-    def add_request(self, request: EngineCoreRequest) -> None:
+    def add_request(
+        self, request: EngineCoreRequest, data_parallel_rank: int | None = None
+    ) -> None:
         request.client_index = self.client_index
         self._send(EngineCoreRequestType.ADD, request)
 
@@ -510,7 +556,9 @@ class AsyncMPClient(MPClient):
         except RuntimeError:
             pass  # the loop is closed: nobody is left to wake
 
-    def add_request(self, request: EngineCoreRequest) -> None:
+    def add_request(
+        self, request: EngineCoreRequest, data_parallel_rank: int | None = None
+    ) -> None:
         self._bind_loop()
         super().add_request(request)
 

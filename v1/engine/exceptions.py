@@ -17,3 +17,13 @@ def error_from_remote(type_name: str, message: str) -> Exception:
     if isinstance(cls, type) and issubclass(cls, Exception):
         return cls(message)
     return RuntimeError(f"{type_name}: {message}")
+
+
+class EngineCoreDeadError(EngineDeadError):
+    """One engine core of several (data parallelism) died. The requests it held fail with
+    this (`request_ids`: the engine's internal ids); the other cores serve on."""
+
+    def __init__(self, message: str, engine_index: int, request_ids: list[str]) -> None:
+        super().__init__(message)
+        self.engine_index = engine_index
+        self.request_ids = request_ids

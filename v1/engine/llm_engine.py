@@ -2,12 +2,18 @@
 
 Callers name requests by their own ids (or get "0", "1", ...); the engine core knows each
 request by the internal id the processor gives it (see `EngineCoreRequest`).
+
+With data parallelism (a `DPSyncMPClient`), `data_parallel_rank` pins a request to a core,
+and a core that dies fails the requests it held: `step()` raises its `EngineCoreDeadError`
+once it has forgotten them; the engine serves on with the other cores.
 """
 
 import itertools
 from collections.abc import Sequence
 
 from v1.engine.core_client import EngineCoreClient
+from v1.engine.dp_router import check_data_parallel_rank
+from v1.engine.exceptions import EngineCoreDeadError
 from v1.engine.output_processor import OutputProcessor, RequestOutputKind
 from v1.engine.processor import Processor, PromptType
 from v1.outputs import RequestOutput, SchedulerStats
@@ -38,12 +44,22 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
         output_kind: RequestOutputKind = RequestOutputKind.FINAL,
+        data_parallel_rank: int | None = None,
     ) -> str:
         """Returns the caller's id: the one outputs carry and `abort_requests` takes."""
+        check_data_parallel_rank(data_parallel_rank, self.client.data_parallel_size)
         request_id = request_id or next(self._ids)
         request, text = self.processor.process_inputs(request_id, prompt, params, None, priority)
-        for core_request in self.output_processor.add_request(request, text, output_kind):
-            self.client.add_request(core_request)
+        core_requests = self.output_processor.add_request(request, text, output_kind)
+        try:
+            for core_request in core_requests:
+                if data_parallel_rank is None:
+                    self.client.add_request(core_request)
+                else:
+                    self.client.add_request(core_request, data_parallel_rank)
+        except BaseException:  # e.g. its pinned core is dead
+            self.abort_requests([request_id])
+            raise
         return request_id
 
     def abort_requests(self, request_ids: Sequence[str]) -> None:
@@ -53,7 +69,15 @@ class LLMEngine:
         return self.output_processor.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        outputs = self.client.get_output()
+        try:
+            outputs = self.client.get_output()
+        except EngineCoreDeadError as e:  # one core of several died
+            states = self.output_processor.request_states
+            failed = {states[i].external_req_id for i in e.request_ids if i in states}
+            if not failed:
+                return []  # none of them live here any more
+            self.abort_requests(list(failed))  # n > 1: siblings on other cores too
+            raise
         processed = self.output_processor.process_outputs(outputs.outputs)
         if processed.reqs_to_abort:  # stop strings: the core does not know them
             self.client.abort_requests(processed.reqs_to_abort)

@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 
 from v1.config import EngineArgs
 from v1.engine.core_client import EngineCoreClient, InprocClient, SyncMPClient
+from v1.engine.dp_client import DPSyncMPClient
 from v1.engine.llm_engine import LLMEngine
 from v1.engine.processor import PromptType
 from v1.outputs import RequestOutput, SchedulerStats
@@ -37,6 +38,12 @@ class LLM:
     prompt of exactly `max_model_len` tokens gets one token (it needs no KV slot), and
     max_tokens=None means all the room left. (The OpenAI server rejects a request whose
     max_tokens does not fit with a 400 instead.)
+
+    Data parallelism, as vLLM's: `data_parallel_size=N` starts N engine-core processes
+    (each with its own KV cache and cores // N torch threads) behind one client that routes
+    each request by prefix affinity with a load guard (`data_parallel_routing`, see
+    `v1.engine.dp_router`); `generate(..., data_parallel_rank=i)` pins requests to core i;
+    `get_stats()` gives the total with each core's own in `.engines`.
     """
 
     def __init__(
@@ -57,11 +64,15 @@ class LLM:
         if multiprocess and loaded_model is not None:
             raise ValueError("loaded_model needs multiprocess=False: its weights live here")
         self.engine_args = EngineArgs(model=model, **kwargs)
+        if self.engine_args.data_parallel_size > 1 and not multiprocess:
+            raise ValueError("data_parallel_size > 1 needs engine processes (multiprocess=True)")
         if loaded_model is None:
             # A path or hub id that is not there fails here, before an engine starts.
             resolve_model(model, self.engine_args.revision)
         client: EngineCoreClient = (
-            SyncMPClient(self.engine_args)
+            DPSyncMPClient(self.engine_args)
+            if self.engine_args.data_parallel_size > 1
+            else SyncMPClient(self.engine_args)
             if multiprocess
             else InprocClient(self.engine_args, loaded_model)
         )
@@ -90,12 +101,15 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
         use_tqdm: bool = True,
+        data_parallel_rank: int | Sequence[int | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in the order of `prompts`.
 
         One `SamplingParams` applies to all prompts, or pass one per prompt; `priority` (one
         per prompt, lower first) matters under scheduling_policy="priority". Each request's
         max_tokens is capped to what `max_model_len` leaves after its prompt (see the class).
+        `data_parallel_rank` (one for all prompts, or one per prompt; None routes) pins
+        requests to an engine core under data parallelism.
         """
         if isinstance(prompts, (str, Mapping)) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
@@ -114,7 +128,16 @@ class LLM:
                 )
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
-        return self._run(prompts, params, priority, use_tqdm)
+        ranks: list[int | None]
+        if data_parallel_rank is None or isinstance(data_parallel_rank, int):
+            ranks = [data_parallel_rank] * len(prompts)
+        else:
+            ranks = list(data_parallel_rank)
+            if len(ranks) != len(prompts):
+                raise ValueError(
+                    f"got {len(ranks)} data_parallel_ranks for {len(prompts)} prompts"
+                )
+        return self._run(prompts, params, priority, use_tqdm, ranks)
 
     def chat(
         self,
@@ -158,13 +181,17 @@ class LLM:
         params: list[SamplingParams],
         priority: Sequence[int] | None,
         use_tqdm: bool,
+        ranks: Sequence[int | None] | None = None,
     ) -> list[RequestOutput]:
         engine = self.llm_engine
         ids: list[str] = []
         try:
             # Validate and add all first: a bad prompt raises before anything runs.
             for i, (prompt, p) in enumerate(zip(prompts, params)):
-                ids.append(engine.add_request(prompt, p, priority=priority[i] if priority else 0))
+                ids.append(engine.add_request(
+                    prompt, p, priority=priority[i] if priority else 0,
+                    data_parallel_rank=ranks[i] if ranks else None,
+                ))
         except Exception:
             engine.abort_requests(ids)
             raise
@@ -186,6 +213,8 @@ class LLM:
         return self.llm_engine.reset_prefix_cache()
 
     def get_stats(self) -> SchedulerStats:
+        """The engine core's scheduler stats; with data parallelism a `DPSchedulerStats`:
+        the total over the cores, each core's own in `.engines` (None for a dead core)."""
         return self.llm_engine.get_stats()
 
     def shutdown(self) -> None:

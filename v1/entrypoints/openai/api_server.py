@@ -1,8 +1,10 @@
 """`python -m v1 serve`: an OpenAI-compatible HTTP server over AsyncLLM (FastAPI + uvicorn).
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both also streamed as server-sent
-events), GET /v1/models, GET /health (200, or 503 when the engine is dead), GET /metrics
-(Prometheus, under vLLM's metric names), and vLLM's POST /tokenize, POST /detokenize and
+events), GET /v1/models, GET /health (200, or 503 when the engine is dead; with
+--data-parallel-size N, 503 with a JSON body naming the dead cores while any is down, the
+others still serving), GET /metrics (Prometheus, under vLLM's metric names; per engine core,
+labelled `engine`, with data parallelism), and vLLM's POST /tokenize, POST /detokenize and
 GET /version.
 With --api-key, the /v1 routes need `Authorization: Bearer KEY` (else 401), as in vLLM.
 
@@ -18,6 +20,8 @@ import argparse
 import asyncio
 import dataclasses
 import importlib.metadata
+import json
+import logging
 import os
 import secrets
 import typing
@@ -36,6 +40,7 @@ from starlette.types import Receive, Scope, Send
 
 from v1.config import EngineArgs
 from v1.engine.async_llm import AsyncLLM
+from v1.engine.dp_headless import run_headless
 from v1.engine.exceptions import EngineDeadError
 from v1.entrypoints.openai.metrics import PrometheusMetrics
 from v1.entrypoints.openai.protocol import (
@@ -102,10 +107,20 @@ async def show_version() -> VersionResponse:
 
 @router.get("/health")
 async def health(raw: Request) -> Response:
+    engine = _serving(raw).engine
     try:
-        await _serving(raw).engine.check_health()
-    except EngineDeadError:
-        return Response(status_code=503)
+        await engine.check_health()
+    except EngineDeadError as e:
+        dead = getattr(engine, "dead_engines", None)
+        if not dead:
+            return Response(status_code=503)
+        # Data parallel: which cores are down, and whether the others still serve.
+        body = {
+            "status": "dead" if engine.dead_error is not None else "degraded",
+            "dead_engines": sorted(dead),
+            "message": str(e),
+        }
+        return Response(json.dumps(body), 503, media_type="application/json")
     return Response(status_code=200)
 
 
@@ -296,6 +311,12 @@ def make_parser() -> argparse.ArgumentParser:
         help="if given, the /v1 routes need the header `Authorization: Bearer API_KEY`",
     )
     parser.add_argument(
+        "--headless", action="store_true",
+        help="run only this host's data-parallel engine cores (--data-parallel-size-local "
+        "of them, ranks from --data-parallel-start-rank), registered with the frontend at "
+        "--data-parallel-address:--data-parallel-rpc-port; no HTTP server",
+    )
+    parser.add_argument(
         "--uvicorn-log-level", default="info", help="uvicorn's log level",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
@@ -335,6 +356,13 @@ def main(argv: list[str]) -> None:
     parser = make_parser()
     args = parser.parse_args(argv)
     engine_args = engine_args_from(parser, args)
+    if args.headless:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        try:
+            run_headless(engine_args)
+        except ValueError as e:
+            parser.error(str(e))
+        return
     try:
         chat_template = None if args.chat_template is None else load_chat_template(
             args.chat_template

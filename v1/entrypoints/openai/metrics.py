@@ -5,6 +5,11 @@ Two sources: the engine core's `SchedulerStats` (queue sizes, KV cache usage, pr
 and token counters, all cumulative since the core started), fetched at each scrape; and the
 frontend's per-request latencies (`IterationStats`), recorded as the outputs arrive.
 
+With data parallelism the engine-core figures come per core, labelled `engine` (the core's
+index, as vLLM labels them), and a dead core's series disappear; totals are a `sum without
+(engine)` away (`LLM.get_stats()` returns the total itself). The latencies are the frontend's,
+over all cores, without an engine label.
+
 Each server has its own `CollectorRegistry`: several servers may run in one process (tests),
 and the global registry would refuse a second set of the same names.
 """
@@ -17,6 +22,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from v1.engine.async_llm import AsyncLLM
+from v1.engine.dp_client import DPSchedulerStats
 from v1.engine.output_processor import IterationStats
 from v1.outputs import SchedulerStats
 
@@ -68,10 +74,18 @@ class _SchedulerStatsCollector(Collector):
         self.stats = SchedulerStats()
 
     def collect(self) -> Iterator[Metric]:
+        stats = self.stats
+        per_engine = stats.engines if isinstance(stats, DPSchedulerStats) else None
         for name, kind, help_text, field in _SCHEDULER_METRICS:
             family_type = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
-            family = family_type(name, help_text, labels=["model_name"])
-            family.add_metric([self.model_name], getattr(self.stats, field))
+            if per_engine is None:
+                family = family_type(name, help_text, labels=["model_name"])
+                family.add_metric([self.model_name], getattr(stats, field))
+            else:  # data parallel: one series per live core
+                family = family_type(name, help_text, labels=["model_name", "engine"])
+                for i, engine_stats in enumerate(per_engine):
+                    if engine_stats is not None:
+                        family.add_metric([self.model_name, str(i)], getattr(engine_stats, field))
             yield family
 
 

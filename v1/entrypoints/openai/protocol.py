@@ -107,6 +107,9 @@ class SamplingRequest(OpenAIBaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     priority: int = 0  # lower runs first (with --scheduling-policy priority)
+    # vLLM's: with --data-parallel-size N, run the request on engine core i (0 <= i < N)
+    # instead of routing it.
+    data_parallel_rank: int | None = None
     # vLLM's: this many top tokens per prompt position (completions: in each choice; chat:
     # in the response). Not streamed, as in vLLM.
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)

@@ -108,10 +108,12 @@ class StartedRequest:
     @classmethod
     async def start(
         cls, engine: AsyncLLM, prompts: list[PromptType], params: SamplingParams,
-        request_id: str, priority: int,
+        request_id: str, request: SamplingRequest,
     ) -> "StartedRequest":
         streams = [
-            engine.generate(prompt, params, f"{request_id}-{i}", priority)
+            engine.generate(
+                prompt, params, f"{request_id}-{i}", request.priority, request.data_parallel_rank
+            )
             for i, prompt in enumerate(prompts)
         ]
         firsts = [asyncio.ensure_future(anext(stream)) for stream in streams]
@@ -216,9 +218,7 @@ class OpenAIServing:
             self._check_length(len(token_ids), params.max_tokens, "prompt")
             prompts.append(self._engine_prompt(request, text, token_ids))
         params = self._with_defaults(request, params)
-        outputs = await StartedRequest.start(
-            self.engine, prompts, params, head["id"], request.priority
-        )
+        outputs = await StartedRequest.start(self.engine, prompts, params, head["id"], request)
         k = request.logprobs
         if request.stream:
             echo = None
@@ -287,7 +287,7 @@ class OpenAIServing:
         params = self._with_defaults(request, params)
         outputs = await StartedRequest.start(
             self.engine, [self._engine_prompt(request, text, token_ids)], params, head["id"],
-            request.priority,
+            request,
         )
         k = params.logprobs
         echo = request.echoed_content()

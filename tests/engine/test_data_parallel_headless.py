@@ -1,0 +1,113 @@
+"""Engine cores on "another host" without Ray (`python -m v1 serve --headless`), here on
+loopback: a separate process runs core 1 and registers it with a frontend that runs core 0.
+Outputs equal to one core's, pinning to the remote core, its death (its requests fail fast,
+core 0 serves on), and no process left on either side."""
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.engine.mp_utils import PROMPTS, SMALL_ENGINE, child_pids, wait_until
+from tests.entrypoints.test_openai_server import _descendants, free_port
+from v1 import LLM, SamplingParams
+from v1.engine.exceptions import EngineCoreDeadError
+
+pytestmark = pytest.mark.model
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+LONG = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
+ENGINE_FLAGS = ["--num-gpu-blocks", str(SMALL_ENGINE["num_gpu_blocks"]),
+                "--max-model-len", str(SMALL_ENGINE["max_model_len"])]
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def headless_pair(model_path: Path, log: Path) -> Iterator[tuple[LLM, subprocess.Popen]]:
+    """A headless process serving core 1 of 2, and an LLM frontend running core 0."""
+    port = free_port()
+    with open(log, "wb") as out:
+        headless = subprocess.Popen(
+            [sys.executable, "-m", "v1", "serve", "--model", str(model_path), "--headless",
+             "--data-parallel-size", "2", "--data-parallel-size-local", "1",
+             "--data-parallel-start-rank", "1", "--data-parallel-address", "127.0.0.1",
+             "--data-parallel-rpc-port", str(port), *ENGINE_FLAGS],
+            stdout=out, stderr=subprocess.STDOUT,
+        )
+    try:
+        llm = LLM(data_parallel_size=2, data_parallel_size_local=1,
+                  data_parallel_rpc_port=port, **SMALL_ENGINE)
+        try:
+            yield llm, headless
+        finally:
+            llm.shutdown()
+        # The frontend gone, the headless process stops its core and exits by itself.
+        assert headless.wait(10) == 0, log.read_text()
+    finally:
+        if headless.poll() is None:
+            headless.kill()
+            headless.wait()
+
+
+def test_headless_core_serves_like_a_local_one(default_model_path, dp1_llm, tmp_path):
+    before = child_pids()
+    with headless_pair(default_model_path, tmp_path / "headless.log") as (llm, headless):
+        client = llm.llm_engine.client
+        assert client.addresses[0].startswith("ipc://")
+        assert client.addresses[1].startswith("tcp://127.0.0.1:")
+        remote_pids = _descendants(headless.pid)
+        ours = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        theirs = dp1_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in theirs]
+        tokens = [s.num_prompt_tokens for s in llm.get_stats().engines]
+        assert all(tokens), tokens
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False, data_parallel_rank=1)
+        after = [s.num_prompt_tokens for s in llm.get_stats().engines]
+        assert after[0] == tokens[0]
+        assert after[1] - tokens[1] == sum(len(o.prompt_token_ids) for o in ours)
+    wait_until(lambda: child_pids() <= before)
+    wait_until(lambda: not any(map(alive, remote_pids)))
+
+
+def test_headless_core_death(default_model_path, dp1_llm, tmp_path):
+    with headless_pair(default_model_path, tmp_path / "headless.log") as (llm, headless):
+        (core,) = [
+            pid for pid in _descendants(headless.pid)
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "v1-engine-dp1"
+        ]
+        client = llm.llm_engine.client
+        engine = llm.llm_engine
+        ids = [engine.add_request(PROMPTS[0], LONG, data_parallel_rank=r) for r in (0, 1)]
+        wait_until(lambda: (engine.step(), client.router.loads[1].running == 1)[1], 30)
+        killed_at = time.monotonic()
+        os.kill(core, signal.SIGKILL)
+        with pytest.raises(EngineCoreDeadError, match="engine core 1 died"):
+            while True:
+                engine.step()
+        assert time.monotonic() - killed_at < 1.0
+        assert list(client.dead_engines) == [1]
+        engine.abort_requests(ids)
+        # Core 0 serves on; the headless process, its only core gone, exits.
+        ours = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        theirs = dp1_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in theirs]
+        assert headless.wait(10) == 0
+
+
+@pytest.fixture(scope="module")
+def dp1_llm(default_model):
+    llm = LLM(loaded_model=default_model, **SMALL_ENGINE)
+    yield llm
+    llm.shutdown()

@@ -1,0 +1,210 @@
+"""The data-parallel router alone (v1/engine/dp_router.py): no model, no processes, the real
+block-hash function. Balance of new prefixes, prefix affinity, the load guard, pinning, dead
+cores, the bounded index."""
+
+import random
+
+import pytest
+
+from v1.core.kv_cache_utils import make_block_hasher
+from v1.engine.dp_router import DPRouter, LoadGuard, check_data_parallel_rank
+from v1.request import Request
+from v1.sampling_params import SamplingParams
+
+BLOCK = 16
+# A guard that never trips: affinity alone.
+NO_GUARD = LoadGuard(ratio=1e9, slack=1e9, kv_threshold=1.0)
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(49152) for _ in range(n)]
+
+
+def idle(router: DPRouter) -> None:
+    """Every core reports itself idle (the requests routed so far finished)."""
+    for i in range(router.num_engines):
+        router.finished(i, router.loads[i].in_flight)
+        router.update_stats(i, 0, 0, 0.0)
+
+
+def test_hashes_are_the_kv_caches() -> None:
+    """The router's block hashes are the ones the engine core's KV cache computes (salt
+    included), so 'which core holds this prefix' speaks of the same blocks."""
+    router = DPRouter(2, BLOCK)
+    prompt = tokens(1, 5 * BLOCK + 7)
+    for salt in (None, "tenant-a"):
+        request = Request("r", prompt, SamplingParams(), cache_salt=salt,
+                          block_hasher=make_block_hasher(BLOCK))
+        assert router.block_hashes(prompt, salt) == request.block_hashes
+        assert len(request.block_hashes) == 5  # the partial tail is not hashed
+    assert router.block_hashes(prompt, "a")[0] != router.block_hashes(prompt, "b")[0]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("burst", [False, True])
+def test_balance_of_unique_prompts(n: int, burst: bool) -> None:
+    """200 requests with unique prompts (3 to 300 tokens): every core gets more than
+    total / (N + 1), whether they arrive one after another (rendezvous hashing alone
+    balances them) or all at once (the load figures grow between publications)."""
+    router = DPRouter(n, BLOCK, guard=NO_GUARD if not burst else None)
+    counts = [0] * n
+    for i in range(200):
+        counts[router.route(tokens(i, 3 + (i * 37) % 300)).engine] += 1
+        if not burst:
+            idle(router)
+    assert min(counts) > 200 / (n + 1), counts
+
+
+def test_shared_prefixes_stay_together_and_groups_spread() -> None:
+    """Requests sharing a system prompt (several blocks) and differing after it go to one
+    core; 16 such groups spread over both cores, each group whole."""
+    router = DPRouter(2, BLOCK, guard=NO_GUARD)
+    homes: dict[int, set[int]] = {}
+    for i in range(16 * 10):
+        group = i % 16  # interleaved arrivals
+        prompt = tokens(1000 + group, 6 * BLOCK) + tokens(i, 20)
+        homes.setdefault(group, set()).add(router.route(prompt).engine)
+        idle(router)
+    assert all(len(h) == 1 for h in homes.values()), homes
+    per_core = [sum(h == {c} for h in homes.values()) for c in range(2)]
+    assert min(per_core) >= 4, per_core
+    assert router.decisions["affinity"] == 16 * 9 and router.decisions["rendezvous"] == 16
+
+
+def test_the_core_holding_the_longest_prefix_wins() -> None:
+    """A prefix first run on the core its rendezvous hash does not pick (pinned there) is
+    then routed to that core; a request extending a longer cached prefix goes where that
+    longer prefix is."""
+    router = DPRouter(2, BLOCK, guard=NO_GUARD)
+    system = tokens(7, 4 * BLOCK)
+    key = router.block_hashes(system)[0]
+    away = router.rendezvous_order(key)[1]  # the core rendezvous would not choose
+    router.route(system + tokens(1, 5), data_parallel_rank=away)
+    idle(router)
+    route = router.route(system + tokens(2, 5))
+    assert route == (away, "affinity", 4)
+    # The same system prompt plus a long shared context, cached on the other core only.
+    home = 1 - away
+    context = system + tokens(8, 3 * BLOCK)
+    router.route(context, data_parallel_rank=home)
+    idle(router)
+    assert router.route(context + tokens(3, 9)) == (home, "affinity", 7)
+    # 4 blocks cached on both: a tie goes to the prefix's rendezvous home.
+    assert router.route(system + tokens(4, 2 * BLOCK)) == (home, "affinity", 4)
+
+
+def test_salt_separates() -> None:
+    router = DPRouter(2, BLOCK, guard=NO_GUARD)
+    prompt = tokens(3, 4 * BLOCK)
+    router.route(prompt, "a", data_parallel_rank=0)
+    assert router.route(prompt, "a").reason == "affinity"
+    assert router.route(prompt, "b").reason == "rendezvous"
+
+
+def test_load_guard() -> None:
+    """Affinity yields to the least-loaded core when its core's score (4 x waiting +
+    running) exceeds 2 x the least's + 8, or its KV usage reached the threshold while the
+    least's has not; a smaller imbalance keeps affinity."""
+    router = DPRouter(2, BLOCK)
+    prompt = tokens(5, 4 * BLOCK)
+    home = router.route(prompt).engine
+    other = 1 - home
+    idle(router)
+    router.update_stats(home, 0, 8, 0.5)  # score 8 vs 0: within the slack
+    assert router.route(prompt + [1]) == (home, "affinity", 4)
+    router.update_stats(home, 1, 8, 0.5)  # score 12 > 2 x 0 + 8
+    assert router.route(prompt + [2]) == (other, "load", 0)
+    router.update_stats(home, 10, 8, 0.5)
+    router.update_stats(other, 6, 8, 0.5)  # 48 vs 32: 48 <= 2 x 32 + 8
+    assert router.route(prompt + [3]).engine == home
+    idle(router)
+    router.update_stats(home, 0, 1, 0.96)  # nearly full KV cache, the other's is not
+    router.update_stats(other, 0, 3, 0.50)
+    assert router.route(prompt + [4]) == (other, "load", 4)  # the prefix is there now
+    # Switched off, affinity always wins.
+    off = DPRouter(2, BLOCK, guard=NO_GUARD)
+    home = off.route(prompt).engine
+    off.update_stats(home, 50, 50, 0.99)
+    assert off.route(prompt + [5]).engine == home
+
+
+def test_burst_counts_requests_sent_since_the_last_figures() -> None:
+    """Between two publications, requests routed to a core count as running there (as
+    waiting once it reported a queue): a burst of one hot prefix overflows to the other core
+    instead of piling up on one, at the guard's ratio."""
+    router = DPRouter(2, BLOCK)
+    prompt = tokens(6, 4 * BLOCK)
+    engines = [router.route(prompt + [i]).engine for i in range(30)]
+    home = engines[0]
+    assert engines[:9] == [home] * 9  # 9 > 2 x 0 + 8: the 10th goes elsewhere
+    other = engines.count(1 - home)
+    assert 30 - other <= 2 * other + 8 + 1 and other == 7, engines
+    load = router.loads[home]
+    router.update_stats(home, 0, 20, 0.5)  # it published, with room: the rest will run
+    assert load.estimate() == (0, 23) and load.score() == 23
+    router.update_stats(home, 5, 18, 0.5)  # queueing: what is sent now waits
+    router.route(prompt, data_parallel_rank=home)
+    assert load.estimate() == (6, 18) and load.score() == 42
+
+
+def test_prefix_keeps_one_home_after_overflow() -> None:
+    """Once the guard has sent a prefix to a second core too, equal matches go to its
+    rendezvous home, not to whichever is less loaded: the caches stay partitioned."""
+    router = DPRouter(2, BLOCK)
+    prompt = tokens(9, 4 * BLOCK)
+    home = router.route(prompt).engine
+    router.route(prompt, data_parallel_rank=1 - home)  # now cached on both
+    idle(router)
+    router.update_stats(home, 0, 4, 0.1)  # busier, within the guard
+    assert router.route(prompt + [1]).engine == home
+
+
+def test_pinning_and_dead_cores() -> None:
+    router = DPRouter(3, BLOCK)
+    assert router.route(tokens(1, 40), data_parallel_rank=2) == (2, "pinned", 0)
+    with pytest.raises(ValueError, match="out of range"):
+        router.route(tokens(1, 40), data_parallel_rank=3)
+    router.mark_dead(1)
+    with pytest.raises(RuntimeError, match="engine core 1 is dead"):
+        router.route(tokens(1, 40), data_parallel_rank=1)
+    for policy in ("affinity", "round_robin", "least_loaded"):
+        r = DPRouter(3, BLOCK, policy)
+        r.mark_dead(1)
+        assert 1 not in {r.route(tokens(i, 40)).engine for i in range(60)}
+    router.mark_dead(0)
+    router.mark_dead(2)
+    with pytest.raises(RuntimeError, match="no engine core is alive"):
+        router.route(tokens(1, 40))
+    check_data_parallel_rank(None, 1)
+    for bad in (1, -1, True, "0"):
+        with pytest.raises(ValueError, match="data_parallel_rank"):
+            check_data_parallel_rank(bad, 1)
+
+
+def test_baseline_policies() -> None:
+    rr = DPRouter(3, BLOCK, "round_robin")
+    prompt = tokens(1, 64)
+    assert [rr.route(prompt).engine for _ in range(6)] == [0, 1, 2, 0, 1, 2]
+    ll = DPRouter(2, BLOCK, "least_loaded")
+    ll.update_stats(0, 3, 10, 0.2)
+    assert [ll.route(prompt).engine for _ in range(3)] == [1, 1, 1]
+    ll.finished(1, 3)
+    ll.update_stats(1, 5, 10, 0.2)
+    assert ll.route(prompt).engine == 0
+
+
+def test_index_is_bounded_and_keeps_heads() -> None:
+    """Each core's index holds at most its KV cache's blocks; like the cache, it drops a
+    request's tail blocks before its head."""
+    router = DPRouter(2, BLOCK, cache_blocks=[8, 8], guard=NO_GUARD)
+    for i in range(50):
+        router.route(tokens(i, 6 * BLOCK), data_parallel_rank=0)
+    assert len(router.mirrors[0]) == 8
+    last = tokens(49, 6 * BLOCK)
+    head, *_ = router.block_hashes(last)
+    assert head in router.mirrors[0]
+    router.route(tokens(50, 6 * BLOCK), data_parallel_rank=0)
+    assert router.route(last).cached_blocks >= 1  # its head survived the next request
+    router.reset_prefix_index()
+    assert not any(router.mirrors)

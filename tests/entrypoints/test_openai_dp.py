@@ -1,0 +1,166 @@
+"""`python -m v1 serve --data-parallel-size 2` end to end: greedy outputs equal to one engine
+core's, /metrics per core (label `engine`), and the death of a core (its requests get a 500
+within a second, the other core serves on, /health is degraded naming it, /metrics drops
+it), then no engine process outlives the server, even one killed with SIGKILL."""
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.engine.mp_utils import wait_until
+from tests.entrypoints.conftest import PLAIN_PROMPTS
+from tests.entrypoints.test_openai_server import Server, _descendants, serve
+from v1 import LLM, SamplingParams
+
+pytestmark = [pytest.mark.model, pytest.mark.slow]
+
+MODEL = "smol"
+ENGINE = ["--max-model-len", "512", "--num-gpu-blocks", "128"]
+
+
+@pytest.fixture(scope="module")
+def server(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("openai_dp") / "server.log"
+    with serve(
+        default_model_path, log, "--served-model-name", MODEL, "--data-parallel-size", "2",
+        *ENGINE,
+    ) as server:
+        yield server
+
+
+def core_pids(server: Server) -> dict[int, int]:
+    """The server's engine-core processes by data-parallel index (their process names)."""
+    pids = {}
+    for pid in _descendants(server.proc.pid):
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        if name.startswith("v1-engine-dp"):
+            pids[int(name.removeprefix("v1-engine-dp"))] = pid
+    return pids
+
+
+def running_per_core(server: Server) -> dict[str, float]:
+    families = text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)
+    return {
+        s.labels["engine"]: s.value
+        for f in families if f.name == "vllm:num_requests_running" for s in f.samples
+    }
+
+
+def complete(http: httpx.Client, prompt: str, **extra) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0, **extra}
+    return http.post("/v1/completions", json=body)
+
+
+def test_greedy_outputs_match_one_core_and_metrics_per_core(server: Server, default_model):
+    with LLM(loaded_model=default_model, max_model_len=512, num_gpu_blocks=128) as dp1:
+        expected = [
+            o.outputs[0].text
+            for o in dp1.generate(PLAIN_PROMPTS, SamplingParams(temperature=0, max_tokens=12),
+                                  use_tqdm=False)
+        ]
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        got = [complete(http, p).json()["choices"][0]["text"] for p in PLAIN_PROMPTS]
+        assert got == expected
+        families = list(text_string_to_metric_families(http.get("/metrics").text))
+    prompt_tokens = {
+        s.labels["engine"]: s.value
+        for f in families if f.name == "vllm:prompt_tokens" for s in f.samples
+    }
+    assert set(prompt_tokens) == {"0", "1"} and all(prompt_tokens.values()), prompt_tokens
+
+
+def prompt_tokens_per_core(http: httpx.Client) -> dict[str, float]:
+    families = text_string_to_metric_families(http.get("/metrics").text)
+    return {
+        s.labels["engine"]: s.value
+        for f in families if f.name == "vllm:prompt_tokens" for s in f.samples
+    }
+
+
+def test_data_parallel_rank_pins_a_request(server: Server) -> None:
+    """vLLM's `data_parallel_rank` in the body runs the request on that core; out of range
+    is a 400."""
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        for rank in (0, 1):
+            before = prompt_tokens_per_core(http)
+            prompt = f"Pinned to core {rank}: " + "a long unique prompt " * 8
+            assert complete(http, prompt, data_parallel_rank=rank).status_code == 200
+            after = prompt_tokens_per_core(http)
+            grew = {core for core in after if after[core] > before.get(core, 0)}
+            assert grew == {str(rank)}, (before, after)
+        bad = complete(http, "x", data_parallel_rank=2)
+        assert bad.status_code == 400 and "data_parallel_rank" in bad.text
+
+
+def test_core_death_then_no_orphans(server: Server):
+    """Six streamed requests spread over both cores, then core 1 is killed."""
+    pids = core_pids(server)
+    assert sorted(pids) == [0, 1]
+    body = {"model": MODEL, "max_tokens": 120, "ignore_eos": True, "stream": True}
+    prompts = [f"{i}. Once upon a time" for i in range(6)]
+    events: dict[int, list[tuple[float, str]]] = {i: [] for i in range(len(prompts))}
+    status: dict[int, int] = {}
+
+    def stream(i: int) -> None:
+        with httpx.Client(base_url=server.url, timeout=120) as http:
+            with http.stream("POST", "/v1/completions", json={**body, "prompt": prompts[i]}) as r:
+                status[i] = r.status_code
+                for line in r.iter_lines():
+                    if line:
+                        events[i].append((time.monotonic(), line.removeprefix("data: ")))
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    # Both cores run some of them (the router spread the prompts), then core 1 dies.
+    wait_until(lambda: all(v > 0 for v in running_per_core(server).values()), 60)
+    killed_at = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
+    failed = []
+    for t in threads:
+        t.join(120)
+    for i, lines in events.items():
+        if status[i] == 500:  # core 1's, not started yet: a 500 with a JSON body
+            (when, line), = lines
+        else:  # started: the error in-band, or finished normally (core 0's)
+            assert status[i] == 200 and lines[-1][1] == "[DONE]"
+            when, line = lines[-2]
+        last = json.loads(line)
+        if "error" in last:  # core 1's: within a second of the kill
+            assert last["error"]["code"] == 500 and "engine core 1 died" in last["error"]["message"]
+            assert when - killed_at < 1.0
+            failed.append(i)
+        else:
+            assert status[i] == 200 and last["choices"][0]["finish_reason"] == "length"
+    assert 0 < len(failed) < len(prompts), failed
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        health = http.get("/health")
+        assert health.status_code == 503
+        assert health.json()["status"] == "degraded" and health.json()["dead_engines"] == [1]
+        # The router no longer sends to core 1: every request is served, by core 0.
+        for prompt in PLAIN_PROMPTS:
+            response = complete(http, prompt)
+            assert response.status_code == 200, response.text
+        assert set(running_per_core(server)) == {"0"}
+    # The frontend killed outright: its remaining core notices and exits.
+    server.proc.send_signal(signal.SIGKILL)
+    server.proc.wait()
+    wait_until(lambda: not any(map(alive, pids.values())), 10)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
