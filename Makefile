@@ -26,7 +26,7 @@ test: setup
 demo: setup
 	$(PY) -m v1 demo
 
-# The README's figures: every benchmark at its defaults (about 25 minutes on 2 cores here), each
+# The README's figures: every benchmark at its defaults (about 30 minutes on 2 cores here), each
 # writing its JSON, PNG and printed table under bench/results/.
 BENCH_OUT := bench/results
 bench: setup

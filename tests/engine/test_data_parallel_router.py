@@ -28,6 +28,14 @@ def idle(router: DPRouter) -> None:
         router.update_stats(i, 0, 0, 0.0)
 
 
+def publish(router: DPRouter, engine: int, waiting: int, running: int, kv: float) -> None:
+    """A core publishes its load; it holds that many of this client's requests (the router
+    ignores figures from a core that holds none: they are stale, see `finished`)."""
+    load = router.loads[engine]
+    load.in_flight = max(load.in_flight, waiting + running)
+    router.update_stats(engine, waiting, running, kv)
+
+
 def test_hashes_are_the_kv_caches() -> None:
     """The router's block hashes are the ones the engine core's KV cache computes (salt
     included), so 'which core holds this prefix' speaks of the same blocks."""
@@ -111,21 +119,21 @@ def test_load_guard() -> None:
     home = router.route(prompt).engine
     other = 1 - home
     idle(router)
-    router.update_stats(home, 0, 8, 0.5)  # score 8 vs 0: within the slack
+    publish(router, home, 0, 8, 0.5)  # score 8 vs 0: within the slack
     assert router.route(prompt + [1]) == (home, "affinity", 4)
-    router.update_stats(home, 1, 8, 0.5)  # score 12 > 2 x 0 + 8
+    publish(router, home, 1, 8, 0.5)  # score 12 > 2 x 0 + 8
     assert router.route(prompt + [2]) == (other, "load", 0)
-    router.update_stats(home, 10, 8, 0.5)
-    router.update_stats(other, 6, 8, 0.5)  # 48 vs 32: 48 <= 2 x 32 + 8
+    publish(router, home, 10, 8, 0.5)
+    publish(router, other, 6, 8, 0.5)  # 48 vs 32: 48 <= 2 x 32 + 8
     assert router.route(prompt + [3]).engine == home
     idle(router)
-    router.update_stats(home, 0, 1, 0.96)  # nearly full KV cache, the other's is not
-    router.update_stats(other, 0, 3, 0.50)
+    publish(router, home, 0, 1, 0.96)  # nearly full KV cache, the other's is not
+    publish(router, other, 0, 3, 0.50)
     assert router.route(prompt + [4]) == (other, "load", 4)  # the prefix is there now
     # Switched off, affinity always wins.
     off = DPRouter(2, BLOCK, guard=NO_GUARD)
     home = off.route(prompt).engine
-    off.update_stats(home, 50, 50, 0.99)
+    publish(off, home, 50, 50, 0.99)
     assert off.route(prompt + [5]).engine == home
 
 
@@ -141,9 +149,9 @@ def test_burst_counts_requests_sent_since_the_last_figures() -> None:
     other = engines.count(1 - home)
     assert 30 - other <= 2 * other + 8 + 1 and other == 7, engines
     load = router.loads[home]
-    router.update_stats(home, 0, 20, 0.5)  # it published, with room: the rest will run
+    publish(router, home, 0, 20, 0.5)  # it published, with room: the rest will run
     assert load.estimate() == (0, 23) and load.score() == 23
-    router.update_stats(home, 5, 18, 0.5)  # queueing: what is sent now waits
+    publish(router, home, 5, 18, 0.5)  # queueing: what is sent now waits
     router.route(prompt, data_parallel_rank=home)
     assert load.estimate() == (6, 18) and load.score() == 42
 
@@ -156,7 +164,7 @@ def test_prefix_keeps_one_home_after_overflow() -> None:
     home = router.route(prompt).engine
     router.route(prompt, data_parallel_rank=1 - home)  # now cached on both
     idle(router)
-    router.update_stats(home, 0, 4, 0.1)  # busier, within the guard
+    publish(router, home, 0, 4, 0.1)  # busier, within the guard
     assert router.route(prompt + [1]).engine == home
 
 
@@ -187,10 +195,10 @@ def test_baseline_policies() -> None:
     prompt = tokens(1, 64)
     assert [rr.route(prompt).engine for _ in range(6)] == [0, 1, 2, 0, 1, 2]
     ll = DPRouter(2, BLOCK, "least_loaded")
-    ll.update_stats(0, 3, 10, 0.2)
+    publish(ll, 0, 3, 10, 0.2)
     assert [ll.route(prompt).engine for _ in range(3)] == [1, 1, 1]
     ll.finished(1, 3)
-    ll.update_stats(1, 5, 10, 0.2)
+    publish(ll, 1, 5, 10, 0.2)
     assert ll.route(prompt).engine == 0
 
 
@@ -208,3 +216,28 @@ def test_index_is_bounded_and_keeps_heads() -> None:
     assert router.route(last).cached_blocks >= 1  # its head survived the next request
     router.reset_prefix_index()
     assert not any(router.mirrors)
+
+
+def test_an_idle_core_does_not_keep_its_last_load() -> None:
+    """A core whose requests were all aborted publishes nothing more (it does not step): its
+    last figures must not keep the load guard sending everything elsewhere."""
+    router = DPRouter(2, BLOCK, cache_blocks=[256, 256])
+    publish(router, 0, 0, 3, 0.97)  # core 0's last publication: nearly full
+    router.finished(0, 3)  # then its three requests are aborted
+    router.update_stats(0, 0, 3, 0.97)  # and a step's figures still arrive after the abort
+    per_core = [0, 0]
+    for i in range(100):  # one request at a time, unique prompts
+        route = router.route(list(range(i * 1000, i * 1000 + 40)))
+        per_core[route.engine] += 1
+        router.finished(route.engine)
+        router.update_stats(route.engine, 0, 0, 0.01)
+    assert min(per_core) > 100 / 3, per_core
+
+
+def test_rank_check_takes_any_integer_and_names_bad_values() -> None:
+    import numpy as np
+
+    check_data_parallel_rank(np.int64(1), 2)  # an integer, if not an int
+    for bad in (1.0, "0", True, -1, 2):
+        with pytest.raises(ValueError, match=r"data_parallel_rank must be an integer in \[0, 2\)"):
+            check_data_parallel_rank(bad, 2)

@@ -53,6 +53,7 @@ baselines of bench/bench_dp.py. A request may pin a core (`data_parallel_rank`, 
 a pinned request updates that core's mirror too. Dead cores are never chosen.
 """
 
+import numbers
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -279,14 +280,21 @@ class DPRouter:
         self, engine: int, num_waiting: int, num_running: int, kv_usage: float
     ) -> None:
         load = self.loads[engine]
+        if load.in_flight == 0:  # figures of requests all gone since (see `finished`)
+            return
         load.waiting, load.running, load.kv_usage = num_waiting, num_running, kv_usage
         load.saturated = num_waiting > 0 or kv_usage >= self.guard.kv_threshold
         load.sent_since_stats = 0
 
     def finished(self, engine: int, count: int = 1) -> None:
-        """`count` of this client's requests on `engine` finished or were aborted."""
+        """`count` of this client's requests on `engine` finished or were aborted. With none
+        left, the core is idle (this client is its only one): its figures, published or
+        still arriving, are stale, and an idle core publishes nothing more (an abort gets
+        no answer), so kept they would steer requests away from it for good."""
         load = self.loads[engine]
         load.in_flight = max(0, load.in_flight - count)
+        if load.in_flight == 0:
+            self.loads[engine] = CoreLoad()
 
     def mark_dead(self, engine: int) -> None:
         self.alive[engine] = False
@@ -303,7 +311,7 @@ class DPRouter:
 def check_data_parallel_rank(rank: int | None, data_parallel_size: int) -> None:
     """A request's `data_parallel_rank` must name one of the cores (or be None)."""
     if rank is not None and (
-        isinstance(rank, bool) or not isinstance(rank, int)
+        isinstance(rank, bool) or not isinstance(rank, numbers.Integral)
         or not 0 <= rank < data_parallel_size
     ):
         raise ValueError(

@@ -129,8 +129,8 @@ class LLM:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         ranks: list[int | None]
-        if data_parallel_rank is None or isinstance(data_parallel_rank, int):
-            ranks = [data_parallel_rank] * len(prompts)
+        if not isinstance(data_parallel_rank, Sequence) or isinstance(data_parallel_rank, str):
+            ranks = [data_parallel_rank] * len(prompts)  # one for all (checked per request)
         else:
             ranks = list(data_parallel_rank)
             if len(ranks) != len(prompts):
