@@ -6,9 +6,12 @@ import socket
 import time
 from collections.abc import Callable, Collection
 
+import pytest
 import zmq
 
+from v1 import LLM, SamplingParams
 from v1.engine.core import output_address
+from v1.engine.exceptions import EngineCoreDeadError
 
 # Small KV caches: engine processes start fast and several fit in memory at once.
 SMALL_ENGINE = {"num_gpu_blocks": 256, "max_model_len": 1024}
@@ -20,6 +23,10 @@ PROMPTS = [
     "def fibonacci(n):",
     "Once upon a time, in a small village by the sea, there lived an old fisherman who",
 ]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+LONG = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)  # runs until aborted
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
@@ -95,3 +102,23 @@ def assert_greedy_match(
             assert x in b_top[i] and y in a_top[i], f"diverged at {i}: {x} vs {y}"
             return
     assert len(a) == len(b)
+
+
+def core_one_dies_alone(llm: LLM, kill: Callable[[], None], reference: LLM) -> None:
+    """With a request running on each of two data-parallel cores, `kill` core 1: its request
+    fails within a second with EngineCoreDeadError, the client marks the core dead, and core
+    0 serves on, greedy outputs as `reference`'s."""
+    engine, client = llm.llm_engine, llm.llm_engine.client
+    ids = [engine.add_request(PROMPTS[0], LONG, data_parallel_rank=r) for r in (0, 1)]
+    wait_until(lambda: (engine.step(), client.router.loads[1].running == 1)[1], 30)
+    killed_at = time.monotonic()
+    kill()
+    with pytest.raises(EngineCoreDeadError, match="engine core 1 died"):
+        while True:
+            engine.step()
+    assert time.monotonic() - killed_at < 1.0
+    assert list(client.dead_engines) == [1]
+    engine.abort_requests(ids)
+    ours = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    theirs = reference.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in theirs]

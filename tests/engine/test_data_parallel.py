@@ -12,17 +12,22 @@ import time
 
 import pytest
 
-from tests.engine.mp_utils import PROMPTS, SMALL_ENGINE, child_pids, wait_until
+from tests.engine.mp_utils import (
+    GREEDY,
+    LONG,
+    PROMPTS,
+    SMALL_ENGINE,
+    child_pids,
+    wait_until,
+)
 from tests.entrypoints.conftest import QUESTIONS, SYSTEM
-from v1 import LLM, SamplingParams
+from v1 import LLM
 from v1.engine.core import EngineCore
 from v1.engine.dp_client import DPSchedulerStats, DPSyncMPClient
 from v1.engine.exceptions import EngineCoreDeadError, EngineDeadError
 
 pytestmark = pytest.mark.model
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
-LONG = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
 
 
 def shared_prefix_prompts(system: str, questions: list[str]) -> list[str]:
@@ -35,12 +40,6 @@ def dp_llm(default_model_path):
         yield llm
 
 
-@pytest.fixture(scope="module")
-def dp1_llm(default_model):
-    """One engine core (in process, sharing the session's weights)."""
-    llm = LLM(loaded_model=default_model, **SMALL_ENGINE)
-    yield llm
-    llm.shutdown()
 
 
 def engine_stats(llm: LLM) -> list:

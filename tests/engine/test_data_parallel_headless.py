@@ -8,21 +8,24 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.engine.mp_utils import PROMPTS, SMALL_ENGINE, child_pids, wait_until
+from tests.engine.mp_utils import (
+    GREEDY,
+    PROMPTS,
+    SMALL_ENGINE,
+    child_pids,
+    core_one_dies_alone,
+    wait_until,
+)
 from tests.entrypoints.test_openai_server import _descendants, free_port
-from v1 import LLM, SamplingParams
-from v1.engine.exceptions import EngineCoreDeadError
+from v1 import LLM
 
 pytestmark = pytest.mark.model
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
-LONG = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
 ENGINE_FLAGS = ["--num-gpu-blocks", str(SMALL_ENGINE["num_gpu_blocks"]),
                 "--max-model-len", str(SMALL_ENGINE["max_model_len"])]
 
@@ -87,27 +90,8 @@ def test_headless_core_death(default_model_path, dp1_llm, tmp_path):
             pid for pid in _descendants(headless.pid)
             if Path(f"/proc/{pid}/comm").read_text().strip() == "v1-engine-dp1"
         ]
-        client = llm.llm_engine.client
-        engine = llm.llm_engine
-        ids = [engine.add_request(PROMPTS[0], LONG, data_parallel_rank=r) for r in (0, 1)]
-        wait_until(lambda: (engine.step(), client.router.loads[1].running == 1)[1], 30)
-        killed_at = time.monotonic()
-        os.kill(core, signal.SIGKILL)
-        with pytest.raises(EngineCoreDeadError, match="engine core 1 died"):
-            while True:
-                engine.step()
-        assert time.monotonic() - killed_at < 1.0
-        assert list(client.dead_engines) == [1]
-        engine.abort_requests(ids)
-        # Core 0 serves on; the headless process, its only core gone, exits.
-        ours = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        theirs = dp1_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in theirs]
+        core_one_dies_alone(llm, lambda: os.kill(core, signal.SIGKILL), dp1_llm)
+        # Core 0 served on; the headless process, its only core gone, exits.
         assert headless.wait(10) == 0
 
 
-@pytest.fixture(scope="module")
-def dp1_llm(default_model):
-    llm = LLM(loaded_model=default_model, **SMALL_ENGINE)
-    yield llm
-    llm.shutdown()

@@ -4,20 +4,16 @@ cores used, an actor killed (its requests fail fast, the other core serves on), 
 or placement group left after shutdown. Skipped when ray is not installed."""
 
 import os
-import time
 
 import pytest
 
-from tests.engine.mp_utils import PROMPTS, SMALL_ENGINE, wait_until
-from v1 import LLM, SamplingParams
-from v1.engine.exceptions import EngineCoreDeadError
+from tests.engine.mp_utils import GREEDY, PROMPTS, SMALL_ENGINE, core_one_dies_alone, wait_until
+from v1 import LLM
 
 ray = pytest.importorskip("ray")
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
-LONG = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -29,11 +25,6 @@ def ray_cluster():
         ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def dp1_llm(default_model):
-    llm = LLM(loaded_model=default_model, **SMALL_ENGINE)
-    yield llm
-    llm.shutdown()
 
 
 def test_ray_actors_serve_fail_alone_and_leave_nothing(ray_cluster, default_model_path,
@@ -51,19 +42,7 @@ def test_ray_actors_serve_fail_alone_and_leave_nothing(ray_cluster, default_mode
         assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in theirs]
         assert all(s.num_prompt_tokens for s in llm.get_stats().engines)
 
-        engine = llm.llm_engine
-        ids = [engine.add_request(PROMPTS[0], LONG, data_parallel_rank=r) for r in (0, 1)]
-        wait_until(lambda: (engine.step(), client.router.loads[1].running == 1)[1], 30)
-        killed_at = time.monotonic()
-        cores.kill(1)  # Ray restarts nothing
-        with pytest.raises(EngineCoreDeadError, match="engine core 1 died"):
-            while True:
-                engine.step()
-        assert time.monotonic() - killed_at < 1.0
-        assert list(client.dead_engines) == [1]
-        engine.abort_requests(ids)
-        ours = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in theirs]
+        core_one_dies_alone(llm, lambda: cores.kill(1), dp1_llm)  # Ray restarts nothing
     finally:
         llm.shutdown()
     wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in pids), 10)

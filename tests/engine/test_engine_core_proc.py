@@ -128,9 +128,9 @@ def spy():
     received.extend(o.request_id for o in outputs.outputs)
     return outputs
 
-def spy_add(request):
+def spy_add(request, data_parallel_rank=None):
     sent.append(request.request_id)  # the internal id, which the core's outputs carry
-    add_request(request)
+    add_request(request, data_parallel_rank)
 
 client.get_output, client.add_request = spy, spy_add
 engine = LLMEngine(client)

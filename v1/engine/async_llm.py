@@ -108,10 +108,7 @@ class AsyncLLM:
         finished = False
         try:
             for core_request in core_requests:
-                if data_parallel_rank is None:
-                    self.client.add_request(core_request)
-                else:
-                    self.client.add_request(core_request, data_parallel_rank)
+                self.client.add_request(core_request, data_parallel_rank)
             while not finished:
                 out = await queue.get()
                 if out is None:

@@ -59,7 +59,11 @@ from v1.engine.core import (  # noqa: E402
     client_routing_id,
     output_address,
 )
-from v1.engine.exceptions import EngineDeadError, error_from_remote  # noqa: E402
+from v1.engine.exceptions import (  # noqa: E402
+    EngineCoreDeadError,
+    EngineDeadError,
+    error_from_remote,
+)
 from v1.outputs import EngineCoreOutputs, SchedulerStats  # noqa: E402
 from v1.request import EngineCoreRequest  # noqa: E402
 from v1.worker.model_loader import LoadedModel, load_tokenizer  # noqa: E402
@@ -510,8 +514,12 @@ class MPClient(ABC):
         self.shutdown()
 
 
-class SyncMPClient(MPClient, EngineCoreClient):
-    """A blocking client, for `LLM` / `LLMEngine`."""
+class SyncDelivery:
+    """Outputs handed from receiver threads to blocking callers (`get_output`). An
+    EngineDeadError ends the stream for every caller; an EngineCoreDeadError (one core of
+    several) fails only the requests it names, once."""
+
+    dead_error: EngineDeadError | None
 
     def _init_delivery(self) -> None:
         self._outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
@@ -524,17 +532,18 @@ class SyncMPClient(MPClient, EngineCoreClient):
             raise self.dead_error
         item = self._outputs.get()
         if isinstance(item, EngineDeadError):
-            self._outputs.put(item)  # for any other thread waiting here
+            if not isinstance(item, EngineCoreDeadError):
+                self._outputs.put(item)  # for any other thread waiting here
             raise item
         return item
 
-    def call_utility(self, method: str, *args: Any) -> Any:
-        return self._utility_future(method, args).result()
 
+class AsyncDelivery:
+    """Outputs handed from receiver threads to an asyncio loop (`get_output_async`): the
+    client binds to the loop it is first used in (adding a request or awaiting outputs);
+    use it from that loop only. Errors as in `SyncDelivery`."""
 
-class AsyncMPClient(MPClient):
-    """An asyncio client, for `AsyncLLM`. It binds to the event loop it is first used in
-    (adding a request or awaiting outputs); use it from that loop only."""
+    dead_error: EngineDeadError | None
 
     def _init_delivery(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -545,7 +554,9 @@ class AsyncMPClient(MPClient):
         if self._loop is None:
             self._loop = loop
         elif self._loop is not loop:
-            raise RuntimeError("an AsyncMPClient is bound to the event loop it was first used in")
+            raise RuntimeError(
+                f"a {type(self).__name__} is bound to the event loop it was first used in"
+            )
 
     def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
         loop = self._loop
@@ -560,7 +571,7 @@ class AsyncMPClient(MPClient):
         self, request: EngineCoreRequest, data_parallel_rank: int | None = None
     ) -> None:
         self._bind_loop()
-        super().add_request(request)
+        super().add_request(request, data_parallel_rank)  # type: ignore[misc]
 
     async def get_output_async(self) -> EngineCoreOutputs:
         self._bind_loop()
@@ -568,9 +579,21 @@ class AsyncMPClient(MPClient):
             raise self.dead_error
         item = await self._outputs.get()
         if isinstance(item, EngineDeadError):
-            self._outputs.put_nowait(item)
+            if not isinstance(item, EngineCoreDeadError):
+                self._outputs.put_nowait(item)
             raise item
         return item
+
+
+class SyncMPClient(SyncDelivery, MPClient, EngineCoreClient):
+    """A blocking client, for `LLM` / `LLMEngine`."""
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        return self._utility_future(method, args).result()
+
+
+class AsyncMPClient(AsyncDelivery, MPClient):
+    """An asyncio client, for `AsyncLLM`."""
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         return await asyncio.wrap_future(self._utility_future(method, args))

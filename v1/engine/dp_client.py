@@ -32,7 +32,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import queue
 import shutil
 import tempfile
 import threading
@@ -46,10 +45,12 @@ from typing import Any
 from v1.config import EngineArgs
 from v1.engine.core import output_address
 from v1.engine.core_client import (
+    AsyncDelivery,
     EngineCoreClient,
     EngineLaunch,
     ModelInfo,
     MPClient,
+    SyncDelivery,
 )
 from v1.engine.dp_headless import RegistrationServer
 from v1.engine.dp_router import DPRouter, LoadGuard
@@ -251,12 +252,12 @@ class DPClientBase:
             n, self.threads_per_engine, policy,
         )
 
-    # -- delivery (the subclasses') ----------------------------------------------------
+    # -- delivery (`SyncDelivery` / `AsyncDelivery`) ------------------------------------
 
     def _init_delivery(self) -> None:
         raise NotImplementedError
 
-    def _post(self, item: EngineCoreOutputs | EngineDeadError) -> None:
+    def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
         """Hand an item of the merged stream to whoever waits for it (any thread)."""
         raise NotImplementedError
 
@@ -326,7 +327,7 @@ class DPClientBase:
                     done += 1
             if done:
                 self.router.finished(index, done)
-        self._post(item)
+        self._deliver(item)
 
     def _on_core_death(self, index: int, error: EngineDeadError) -> None:
         with self._lock:
@@ -350,9 +351,9 @@ class DPClientBase:
             len(failed), "no core is left" if all_dead else "the others serve on",
         )
         if failed:
-            self._post(EngineCoreDeadError(f"engine core {index} died: {error}", index, failed))
+            self._deliver(EngineCoreDeadError(f"engine core {index} died: {error}", index, failed))
         if self.dead_error is not None and all_dead:
-            self._post(self.dead_error)
+            self._deliver(self.dead_error)
 
     # -- utilities -----------------------------------------------------------------------
 
@@ -398,7 +399,7 @@ class DPClientBase:
             self._closing = True
             if self.dead_error is None:
                 self.dead_error = EngineDeadError("the engine core client was shut down")
-        self._post(self.dead_error)
+        self._deliver(self.dead_error)
         self._finalizer()
 
     def __enter__(self) -> "DPClientBase":
@@ -420,28 +421,10 @@ def _gather(futures: list[tuple[int, Future[Any]]]) -> dict[int, Any]:
     return results
 
 
-class DPSyncMPClient(DPClientBase, EngineCoreClient):
-    """The blocking DP client, for `LLM` / `LLMEngine`."""
-
-    def _init_delivery(self) -> None:
-        self._outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
-
-    def _post(self, item: EngineCoreOutputs | EngineDeadError) -> None:
-        self._outputs.put(item)
-
-    def get_output(self) -> EngineCoreOutputs:
-        """The next outputs of any core. Raises EngineCoreDeadError when a core died with
-        requests of ours (those requests are over; the client serves on), EngineDeadError
-        when every core is dead."""
-        if self.dead_error is not None:
-            raise self.dead_error
-        item = self._outputs.get()
-        if isinstance(item, EngineCoreDeadError):
-            raise item
-        if isinstance(item, EngineDeadError):
-            self._outputs.put(item)  # for any other thread waiting here
-            raise item
-        return item
+class DPSyncMPClient(SyncDelivery, DPClientBase, EngineCoreClient):
+    """The blocking DP client, for `LLM` / `LLMEngine`: `get_output` raises
+    EngineCoreDeadError when a core died with requests of ours (those requests are over; the
+    client serves on), EngineDeadError when every core is dead."""
 
     def call_utility(self, method: str, *args: Any) -> Any:
         return self._combine(method, _gather(self._utility_futures(method, args)))
@@ -452,46 +435,8 @@ class DPSyncMPClient(DPClientBase, EngineCoreClient):
         return future.result()
 
 
-class DPAsyncMPClient(DPClientBase):
-    """The asyncio DP client, for `AsyncLLM`: bound to the event loop it is first used in."""
-
-    def _init_delivery(self) -> None:
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._outputs: asyncio.Queue[EngineCoreOutputs | EngineDeadError] = asyncio.Queue()
-
-    def _bind_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        if self._loop is None:
-            self._loop = loop
-        elif self._loop is not loop:
-            raise RuntimeError("a DPAsyncMPClient is bound to the event loop it was first used in")
-
-    def _post(self, item: EngineCoreOutputs | EngineDeadError) -> None:
-        loop = self._loop
-        if loop is None:
-            return  # never used: no request to fail, and dead_error says the rest
-        try:
-            loop.call_soon_threadsafe(self._outputs.put_nowait, item)
-        except RuntimeError:
-            pass  # the loop is closed
-
-    def add_request(
-        self, request: EngineCoreRequest, data_parallel_rank: int | None = None
-    ) -> None:
-        self._bind_loop()
-        super().add_request(request, data_parallel_rank)
-
-    async def get_output_async(self) -> EngineCoreOutputs:
-        self._bind_loop()
-        if self.dead_error is not None:
-            raise self.dead_error
-        item = await self._outputs.get()
-        if isinstance(item, EngineCoreDeadError):
-            raise item
-        if isinstance(item, EngineDeadError):
-            self._outputs.put_nowait(item)
-            raise item
-        return item
+class DPAsyncMPClient(AsyncDelivery, DPClientBase):
+    """The asyncio DP client, for `AsyncLLM` (errors as `DPSyncMPClient`'s)."""
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         futures = self._utility_futures(method, args)

@@ -53,10 +53,7 @@ class LLMEngine:
         core_requests = self.output_processor.add_request(request, text, output_kind)
         try:
             for core_request in core_requests:
-                if data_parallel_rank is None:
-                    self.client.add_request(core_request)
-                else:
-                    self.client.add_request(core_request, data_parallel_rank)
+                self.client.add_request(core_request, data_parallel_rank)
         except BaseException:  # e.g. its pinned core is dead
             self.abort_requests([request_id])
             raise
