@@ -1,8 +1,8 @@
 """A request as the engine core sees it, and the message that carries it there."""
 
 import enum
+import sys
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
 
@@ -79,8 +79,15 @@ class StructuredOutputGrammar(Protocol):
 
 
 BlockHash = bytes
-# (request) -> the hashes of the request's full blocks not hashed yet.
-BlockHasher = Callable[["Request"], list[BlockHash]]
+
+
+class BlockHasher(Protocol):
+    """(request) -> the hashes of the request's full blocks of `block_size` tokens not hashed
+    yet (`v1.core.kv_cache_utils.make_block_hasher`)."""
+
+    block_size: int
+
+    def __call__(self, request: "Request") -> list[BlockHash]: ...
 
 
 class Request:
@@ -97,7 +104,8 @@ class Request:
         "sampling_params", "eos_token_id", "max_tokens", "output_token_ids", "all_token_ids",
         "status", "num_computed_tokens", "num_cached_tokens", "num_preemptions",
         "num_output_placeholders", "block_hashes", "cache_salt", "stop_reason",
-        "queued_time", "scheduled_time", "_block_hasher", "grammar_future", "grammar",
+        "queued_time", "scheduled_time", "_block_hasher", "_next_hash_len", "grammar_future",
+        "grammar",
     )
 
     def __init__(
@@ -137,8 +145,11 @@ class Request:
         self.grammar: StructuredOutputGrammar | None = None
         self.block_hashes: list[BlockHash] = []
         self._block_hasher = block_hasher
+        # The length at which the next block to hash is full: appends below it skip the
+        # hasher (a call per token and request per step adds up).
+        self._next_hash_len = sys.maxsize
         if block_hasher is not None:
-            self.block_hashes.extend(block_hasher(self))
+            self._hash_full_blocks(block_hasher)
 
     @classmethod
     def from_engine_core_request(
@@ -165,10 +176,13 @@ class Request:
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
-        if self._block_hasher is not None:
-            new_hashes = self._block_hasher(self)
-            if new_hashes:
-                self.block_hashes.extend(new_hashes)
+        if len(self.all_token_ids) >= self._next_hash_len:
+            assert self._block_hasher is not None
+            self._hash_full_blocks(self._block_hasher)
+
+    def _hash_full_blocks(self, hasher: BlockHasher) -> None:
+        self.block_hashes.extend(hasher(self))
+        self._next_hash_len = (len(self.block_hashes) + 1) * hasher.block_size
 
     def is_finished(self) -> bool:
         return self.status > RequestStatus.PREEMPTED

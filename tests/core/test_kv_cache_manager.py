@@ -27,16 +27,18 @@ def schedule_prompt(kv: KVCacheManager, request) -> list[int]:
 def test_free_queue_o1_operations():
     blocks = [KVCacheBlock(i) for i in range(5)]
     q = FreeKVCacheBlockQueue(blocks)
-    assert q.popleft() is blocks[0]
+    assert q.popleft_n(1) == [blocks[0]]
     q.remove(blocks[2])
     q.append(blocks[0])
     q.appendleft(blocks[2])
     assert [b.block_id for b in q.get_all_free_blocks()] == [2, 1, 3, 4, 0]
     assert q.num_free_blocks == 5
-    for _ in range(5):
-        q.popleft()
-    with pytest.raises(ValueError, match="no free block"):
-        q.popleft()
+    assert q.popleft_n(2) == [blocks[2], blocks[1]]
+    with pytest.raises(ValueError, match="cannot take 4 blocks: only 3 are free"):
+        q.popleft_n(4)
+    assert q.num_free_blocks == 3  # a refused take changes nothing
+    assert q.popleft_n(3) == [blocks[3], blocks[4], blocks[0]]
+    assert q.get_all_free_blocks() == [] and q.num_free_blocks == 0
 
 
 def test_block_hashes_chain_and_partial_tail_is_not_hashed():

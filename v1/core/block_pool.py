@@ -34,7 +34,7 @@ class KVCacheBlock:
 
 
 class FreeKVCacheBlockQueue:
-    """O(1) popleft / append / appendleft / remove, linked through the blocks themselves."""
+    """O(1) append / appendleft / remove, O(n) popleft_n, linked through the blocks themselves."""
 
     def __init__(self, blocks: list[KVCacheBlock]) -> None:
         self.num_free_blocks = len(blocks)
@@ -49,12 +49,23 @@ class FreeKVCacheBlockQueue:
         prev.next_free_block = self._tail
         self._tail.prev_free_block = prev
 
-    def popleft(self) -> KVCacheBlock:
-        block = self._head.next_free_block
-        if block is self._tail or block is None:
-            raise ValueError("no free block left")
-        self.remove(block)
-        return block
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """Unlink the first `n` blocks in one splice."""
+        out = []
+        block = self._head
+        for _ in range(n):
+            block = block.next_free_block
+            if block is self._tail or block is None:
+                raise ValueError(f"cannot take {n} blocks: only {len(out)} are free")
+            out.append(block)
+        nxt = block.next_free_block
+        assert nxt is not None
+        self._head.next_free_block = nxt
+        nxt.prev_free_block = self._head
+        for block in out:
+            block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= n
+        return out
 
     def remove(self, block: KVCacheBlock) -> None:
         prev, nxt = block.prev_free_block, block.next_free_block
@@ -113,14 +124,11 @@ class BlockPool:
                 f"cannot get {num_blocks} blocks: only "
                 f"{self.free_block_queue.num_free_blocks} are free"
             )
-        popleft = self.free_block_queue.popleft
-        out = []
-        for _ in range(num_blocks):
-            block = popleft()
+        out = self.free_block_queue.popleft_n(num_blocks)
+        for block in out:
             if block.block_hash is not None:
                 self._unhash(block)
             block.ref_cnt = 1
-            out.append(block)
         return out
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:

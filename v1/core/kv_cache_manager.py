@@ -96,6 +96,10 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
+        # Per request with blocks: up to how many tokens (computed + scheduled) it needs no
+        # `allocate_slots` call, as there is no block to add nor a full one to index yet
+        # (`_quiet_limit`). Most decode steps stay below it: the scheduler skips the call.
+        self.num_quiet_tokens: dict[str, int] = {}
         self.prefix_cache_metrics = PrefixCacheMetrics()
 
     @property
@@ -140,13 +144,14 @@ class KVCacheManager:
 
         `new_computed_blocks` are the prefix-cache hits of a request being scheduled from
         the waiting queue. Returns the newly allocated blocks (not the hits), or None, with
-        nothing changed, when the pool cannot supply them.
+        nothing changed, when the pool cannot supply them. A call within the request's
+        `num_quiet_tokens` does nothing: callers skip it.
         """
         req_id = request.request_id
-        req_blocks = self.req_to_blocks.get(req_id, _NO_BLOCKS)
         num_tokens_after = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        req_blocks = self.req_to_blocks.get(req_id, _NO_BLOCKS)
         num_new_blocks = self._num_new_blocks(req_blocks, new_computed_blocks, num_tokens_after)
-        pool = self.block_pool
+        new_blocks = _NO_BLOCKS
         if num_new_blocks > 0 or new_computed_blocks:
             if not self._fits(num_new_blocks, new_computed_blocks, _NOTHING_FREED):
                 return None
@@ -154,20 +159,36 @@ class KVCacheManager:
                 req_blocks = self.req_to_blocks[req_id] = []
                 self.num_cached_block[req_id] = 0
             if new_computed_blocks:
-                pool.touch(new_computed_blocks)
+                self.block_pool.touch(new_computed_blocks)
                 req_blocks.extend(new_computed_blocks)
-            new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else _NO_BLOCKS
-            req_blocks.extend(new_blocks)
-        else:
-            new_blocks = _NO_BLOCKS
+            if num_new_blocks > 0:
+                new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+                req_blocks.extend(new_blocks)
+        elif req_blocks is _NO_BLOCKS:
+            return _NO_BLOCKS  # no tokens for a request without blocks: nothing to track
+        num_cached = self.num_cached_block[req_id]
         if self.enable_caching:
-            # Blocks this step fills become findable now (see the module docstring).
-            num_full = min(num_tokens_after // self.block_size, len(request.block_hashes))
-            num_cached = self.num_cached_block[req_id]
+            # Blocks this step fills become findable now (see the module docstring); only
+            # those whose tokens are known (under async scheduling, a placeholder is not).
+            block_hashes = request.block_hashes
+            num_full = num_tokens_after // self.block_size
+            if num_full > len(block_hashes):
+                num_full = len(block_hashes)
             if num_full > num_cached:
-                pool.cache_full_blocks(req_blocks, request.block_hashes, num_cached, num_full)
-                self.num_cached_block[req_id] = num_full
+                self.block_pool.cache_full_blocks(req_blocks, block_hashes, num_cached, num_full)
+                self.num_cached_block[req_id] = num_cached = num_full
+        self.num_quiet_tokens[req_id] = self._quiet_limit(len(req_blocks), num_cached)
         return new_blocks
+
+    def _quiet_limit(self, num_blocks: int, num_cached: int) -> int:
+        """See `num_quiet_tokens`: the end of the last block, and with caching, one token
+        short of filling the first block not indexed yet."""
+        limit = num_blocks * self.block_size
+        if self.enable_caching:
+            next_full = (num_cached + 1) * self.block_size
+            if next_full <= limit:
+                return next_full - 1
+        return limit
 
     def _num_new_blocks(
         self, req_blocks: list[KVCacheBlock], hits: list[KVCacheBlock], num_tokens: int
@@ -204,10 +225,11 @@ class KVCacheManager:
         self, num_new_blocks: int, hits: list[KVCacheBlock], freed: FreedBlocks
     ) -> bool:
         # Touching a free hit takes it off the free list: it cannot also be handed out.
-        refs = freed.refs
-        num_free_hits = sum(1 for b in hits if b.ref_cnt == refs.get(b, 0))
-        num_free = self.block_pool.get_num_free_blocks() + freed.num_freed
-        return num_new_blocks <= num_free - num_free_hits
+        num_free = self.block_pool.free_block_queue.num_free_blocks + freed.num_freed
+        if hits:
+            refs = freed.refs
+            num_free -= sum(1 for b in hits if b.ref_cnt == refs.get(b, 0))
+        return num_new_blocks <= num_free
 
     def unwritten_cached_blocks(self, request: Request) -> list[KVCacheBlock]:
         """Indexed blocks past the request's computed tokens: inside `schedule()`, those a
@@ -228,6 +250,7 @@ class KVCacheManager:
             self.block_pool.uncache_blocks(unwritten)
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
+        self.num_quiet_tokens.pop(request.request_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
 
@@ -253,5 +276,11 @@ class KVCacheManager:
                 f"{block}: {refs.get(block.block_id, 0)} references held"
             )
         assert self.num_cached_block.keys() == self.req_to_blocks.keys()
+        assert self.num_quiet_tokens.keys() == self.req_to_blocks.keys()
+        for req_id, limit in self.num_quiet_tokens.items():
+            expected = self._quiet_limit(
+                len(self.req_to_blocks[req_id]), self.num_cached_block[req_id]
+            )
+            assert limit == expected, f"{req_id}: quiet limit {limit}, should be {expected}"
         if not self.req_to_blocks:
             assert self.block_pool.get_num_free_blocks() == self.num_blocks

@@ -35,13 +35,17 @@ def hash_block_tokens(
 _NONE: list[BlockHash] = []  # shared and never mutated: the common case allocates nothing
 
 
-def make_block_hasher(block_size: int) -> BlockHasher:
-    """A hasher for `Request`: returns the hashes of its full blocks not hashed yet.
+class _FullBlockHasher:
+    """`BlockHasher`: the hashes of a request's full blocks not hashed yet. `Request` calls
+    it only once a block may be full (it reads `block_size`)."""
 
-    It runs on every token appended, so the common case (no block filled) returns at once.
-    """
+    __slots__ = ("block_size",)
 
-    def hash_new_full_blocks(request: Request) -> list[BlockHash]:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+
+    def __call__(self, request: Request) -> list[BlockHash]:
+        block_size = self.block_size
         hashes = request.block_hashes
         start = len(hashes) * block_size
         tokens = request.all_token_ids
@@ -56,4 +60,9 @@ def make_block_hasher(block_size: int) -> BlockHasher:
             start += block_size
         return new_hashes
 
-    return hash_new_full_blocks
+
+def make_block_hasher(block_size: int) -> BlockHasher:
+    """A hasher for `Request`s' blocks of `block_size` tokens."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    return _FullBlockHasher(block_size)

@@ -26,6 +26,7 @@ is still in flight is not scheduled again: its next mask needs that token.
 import bisect
 import time
 from collections.abc import Iterable, Iterator
+from itertools import islice
 from typing import Any, NamedTuple, Protocol
 
 from v1.config import CacheConfig, SchedulerConfig
@@ -44,6 +45,10 @@ PREEMPTED = RequestStatus.PREEMPTED
 FINISHED_STOPPED = RequestStatus.FINISHED_STOPPED
 FINISHED_LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
 FINISHED_ABORTED = RequestStatus.FINISHED_ABORTED
+
+# Most decode steps add no block: they share this list, which nothing may mutate (the
+# runner copies block ids), rather than allocate one per request per step.
+_NO_BLOCK_IDS: list[int] = []
 
 
 class StructuredOutputManagerProtocol(Protocol):
@@ -192,9 +197,13 @@ class Scheduler:
         threshold = self.long_prefill_token_threshold
         max_model_len = self.max_model_len
         token_budget = self.max_num_batched_tokens
+        # Batch order: the running requests scheduled, then the waiting ones admitted.
+        # `scheduled_running` and `scheduled_admitted` follow `num_scheduled_tokens`'s
+        # order: each phase adds at the end, and removals keep the order.
         num_scheduled_tokens: dict[str, int] = {}
-        req_to_new_block_ids: dict[str, list[int]] = {}
         scheduled_running: list[Request] = []
+        running_new_block_ids: list[list[int]] = []  # one row per `scheduled_running`
+        scheduled_admitted: list[Request] = []
         scheduled_new: list[Request] = []
         scheduled_resumed: list[Request] = []
         preempted: list[Request] = []
@@ -206,8 +215,10 @@ class Scheduler:
             num = num_scheduled_tokens.pop(victim.request_id, 0)
             if num:
                 token_budget += num
-                req_to_new_block_ids.pop(victim.request_id)
-                for group in (scheduled_running, scheduled_new, scheduled_resumed):
+                if victim in scheduled_running:
+                    i = scheduled_running.index(victim)
+                    del scheduled_running[i], running_new_block_ids[i]
+                for group in (scheduled_admitted, scheduled_new, scheduled_resumed):
                     if victim in group:
                         group.remove(victim)
             kv.free(victim)
@@ -218,48 +229,58 @@ class Scheduler:
             self.waiting.prepend_request(victim)
             preempted.append(victim)
 
-        # 1. Running requests, in order (by priority under the priority policy).
+        # 1. Running requests, in order (by priority under the priority policy). This runs
+        # for every running request every step: plain arithmetic, and no `allocate_slots`
+        # call while the request stays within its `num_quiet_tokens` (most decodes).
         async_scheduling = self.async_scheduling
         running = self.running
-        req_index = 0
-        while req_index < len(running) and token_budget > 0:
-            request = running[req_index]
+        num_quiet_tokens = kv.num_quiet_tokens
+        # Preemption here removes only requests after this one (from the end), which list
+        # iteration tolerates: the loop ends sooner.
+        for request in running:
+            if token_budget <= 0:
+                break
             num_computed = request.num_computed_tokens
             num_new_tokens = (
                 len(request.all_token_ids) + request.num_output_placeholders - num_computed
             )
-            if 0 < threshold < num_new_tokens:
-                num_new_tokens = threshold
-            if num_new_tokens > token_budget:
-                num_new_tokens = token_budget
-            if num_new_tokens > max_model_len - num_computed:
-                num_new_tokens = max_model_len - num_computed
-            if async_scheduling and request.num_output_placeholders and (
-                len(request.output_token_ids) + request.num_output_placeholders
-                >= request.max_tokens
-            ):
-                num_new_tokens = 0  # its last token is in flight already
-            if num_new_tokens <= 0 or (
-                request.grammar is not None and request.num_output_placeholders
-            ):
-                req_index += 1  # nothing to do; or (async) its mask awaits its token
-                continue
-            while True:
+            # A synchronous decode's one token is within every limit below (the budget is
+            # positive, and a running request's tokens never exceed max_model_len).
+            if num_new_tokens != 1 or async_scheduling:
+                if 0 < threshold < num_new_tokens:
+                    num_new_tokens = threshold
+                if num_new_tokens > token_budget:
+                    num_new_tokens = token_budget
+                if num_new_tokens > max_model_len - num_computed:
+                    num_new_tokens = max_model_len - num_computed
+                if async_scheduling and request.num_output_placeholders and (
+                    len(request.output_token_ids) + request.num_output_placeholders
+                    >= request.max_tokens
+                ):
+                    num_new_tokens = 0  # its last token is in flight already
+                if num_new_tokens <= 0 or (
+                    request.grammar is not None and request.num_output_placeholders
+                ):
+                    continue  # nothing to do; or (async) its mask awaits its token
+            req_id = request.request_id
+            if num_computed + num_new_tokens <= num_quiet_tokens.get(req_id, -1):
+                new_block_ids = _NO_BLOCK_IDS  # no block to add, none full to index
+            else:
                 new_blocks = kv.allocate_slots(request, num_new_tokens)
-                if new_blocks is not None:
-                    break
-                # The last running request: not scheduled yet in this step (or `request`).
-                victim = running[-1]
-                preempt(victim)
-                if victim is request:
-                    break
-            if new_blocks is None:
-                break  # it preempted itself: nothing is left to evict for it
+                while new_blocks is None:
+                    # The last running request: not scheduled yet in this step (or `request`).
+                    victim = running[-1]
+                    preempt(victim)
+                    if victim is request:
+                        break
+                    new_blocks = kv.allocate_slots(request, num_new_tokens)
+                if new_blocks is None:
+                    break  # it preempted itself: nothing is left to evict for it
+                new_block_ids = [b.block_id for b in new_blocks]
             scheduled_running.append(request)
-            req_to_new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
-            num_scheduled_tokens[request.request_id] = num_new_tokens
+            running_new_block_ids.append(new_block_ids)
+            num_scheduled_tokens[req_id] = num_new_tokens
             token_budget -= num_new_tokens
-            req_index += 1
 
         # 2. Waiting requests, unless this step had to preempt.
         if not preempted:
@@ -297,6 +318,7 @@ class Scheduler:
                 kv.record_prefix_hit(request, num_hit_tokens)
                 self.waiting.pop_request()
                 self._add_running(request)
+                scheduled_admitted.append(request)
                 if request.status == WAITING:
                     scheduled_new.append(request)
                 else:
@@ -306,7 +328,6 @@ class Scheduler:
                 if request.scheduled_time is None:  # first admission
                     request.num_cached_tokens = num_hit_tokens
                     request.scheduled_time = time.monotonic()
-                req_to_new_block_ids[request.request_id] = kv.get_block_ids(request.request_id)
                 num_scheduled_tokens[request.request_id] = num_new_tokens
                 token_budget -= num_new_tokens
             for request in reversed(skipped):
@@ -316,12 +337,12 @@ class Scheduler:
         new_reqs_data = [
             NewRequestData(
                 r.request_id, r.all_token_ids[:] if r.output_token_ids else r.prompt_token_ids,
-                r.sampling_params, req_to_new_block_ids[r.request_id], r.num_computed_tokens,
+                r.sampling_params, kv.get_block_ids(r.request_id), r.num_computed_tokens,
             )
             for r in scheduled_new
         ]
         cached = self._make_cached_request_data(
-            scheduled_running, scheduled_resumed, req_to_new_block_ids
+            scheduled_running, running_new_block_ids, scheduled_resumed, num_scheduled_tokens
         )
         preempted_ids = {r.request_id for r in preempted}
         output = SchedulerOutput(
@@ -346,8 +367,9 @@ class Scheduler:
         # Advance the computed counts now, so the next schedule() can run before this
         # step's output is back (async scheduling). A step that completes a request's known
         # tokens samples one: under async its id is a placeholder until the output arrives.
-        for req_id, num in num_scheduled_tokens.items():
-            request = requests[req_id]
+        for request, num in zip(
+            scheduled_running + scheduled_admitted, num_scheduled_tokens.values(), strict=True
+        ):
             request.num_computed_tokens += num
             if async_scheduling and request.num_computed_tokens >= (
                 request.num_tokens + request.num_output_placeholders
@@ -355,17 +377,24 @@ class Scheduler:
                 request.num_output_placeholders += 1
         return output
 
-    @staticmethod
     def _make_cached_request_data(
-        running: list[Request], resumed: list[Request], new_block_ids: dict[str, list[int]]
+        self,
+        running: list[Request],
+        running_new_block_ids: list[list[int]],
+        resumed: list[Request],
+        num_scheduled_tokens: dict[str, int],
     ) -> CachedRequestData:
-        reqs = running + resumed
+        # The running requests lead `num_scheduled_tokens`, in order: a slice of its keys.
+        # A resumed request's blocks are all new to the runner.
+        num_running = len(running)
         return CachedRequestData(
-            req_ids=[r.request_id for r in reqs],
-            resumed_from_preemption=[False] * len(running) + [True] * len(resumed),
-            resumed_token_ids=[None] * len(running) + [r.all_token_ids[:] for r in resumed],
-            new_block_ids=[new_block_ids[r.request_id] for r in reqs],
-            num_computed_tokens=[r.num_computed_tokens for r in reqs],
+            req_ids=list(islice(num_scheduled_tokens, num_running))
+            + [r.request_id for r in resumed],
+            resumed_from_preemption=[False] * num_running + [True] * len(resumed),
+            resumed_token_ids=[None] * num_running + [r.all_token_ids[:] for r in resumed],
+            new_block_ids=running_new_block_ids
+            + [self.kv_cache_manager.get_block_ids(r.request_id) for r in resumed],
+            num_computed_tokens=[r.num_computed_tokens for r in running + resumed],
         )
 
     def _grammar_ready(self, request: Request) -> bool:
@@ -455,12 +484,17 @@ class Scheduler:
         requests = self.requests
         max_model_len = self.max_model_len
         async_scheduling = self.async_scheduling
-        logprobs_rows = model_output.logprobs
+        req_ids = model_output.req_ids
+        logprobs_rows = model_output.logprobs or [None] * len(req_ids)
         prompt_logprobs_dict = model_output.prompt_logprobs_dict
+        check_stop = self._check_stop
         stopped = False
         num_generated = 0
-        for i, (req_id, new_token_ids) in enumerate(
-            zip(model_output.req_ids, model_output.sampled_token_ids)
+        # The outputs of the last request's client: consecutive requests mostly share one.
+        client_index, client_outputs = -1, []
+        # Once per scheduled request per step: kept to plain attribute work.
+        for req_id, new_token_ids, logprobs in zip(
+            req_ids, model_output.sampled_token_ids, logprobs_rows, strict=True
         ):
             if not new_token_ids:
                 continue  # a prefill chunk that did not reach the end of the prompt
@@ -469,34 +503,29 @@ class Scheduler:
                 continue  # finished or aborted while this step ran (async)
             if async_scheduling:
                 request.num_output_placeholders -= len(new_token_ids)
-            was_waiting = request.status == PREEMPTED  # (async) preempted while it ran
+            status = request.status
+            # The first output with tokens (all of them this step's) carries the queue time.
+            first_output = not request.output_token_ids
             request.append_output_token_ids(new_token_ids)
             num_generated += len(new_token_ids)
-            finished = self._check_stop(request, max_model_len)
-            if request.grammar is not None and not finished:
-                finished = self._advance_grammar(request, new_token_ids)
-            if finished:
+            finish_reason = None
+            if check_stop(request, max_model_len) or (
+                request.grammar is not None and self._advance_grammar(request, new_token_ids)
+            ):
                 stopped = True
-                if was_waiting:
+                if status == PREEMPTED:  # (async) preempted while it ran: it is waiting
                     self.waiting.remove_request(request)
                 self._free_request(request)
+                finish_reason = request.get_finished_reason()
             out = EngineCoreOutput(
-                request.request_id, new_token_ids,
-                logprobs_rows[i] if logprobs_rows is not None else None,
-                request.get_finished_reason() if finished else None,
-                request.stop_reason, request.num_cached_tokens,
-                # The first output with tokens: all of them are this step's.
-                _queue_time(request) if request.num_output_tokens == len(new_token_ids)
-                else None,
-                new_prompt_logprobs=(
-                    prompt_logprobs_dict.get(req_id) if prompt_logprobs_dict else None
-                ),
+                req_id, new_token_ids, logprobs, finish_reason, request.stop_reason,
+                request.num_cached_tokens, _queue_time(request) if first_output else None,
+                prompt_logprobs_dict.get(req_id) if prompt_logprobs_dict else None,
             )
-            client_outputs = outputs.get(request.client_index)
-            if client_outputs is None:
-                outputs[request.client_index] = [out]
-            else:
-                client_outputs.append(out)
+            if request.client_index != client_index:
+                client_index = request.client_index
+                client_outputs = outputs.setdefault(client_index, [])
+            client_outputs.append(out)
         if stopped:
             self.running = [r for r in self.running if r.status == RUNNING]
         for request in self._ignored:
@@ -585,3 +614,9 @@ class Scheduler:
         assert all(r.status in (WAITING, WAITING_FOR_FSM, PREEMPTED) for r in self.waiting)
         for req_id in self.kv_cache_manager.req_to_blocks:
             assert req_id in running_ids or req_id in waiting_ids, f"{req_id} holds blocks"
+        assert not _NO_BLOCK_IDS, f"the shared empty block-id list was mutated: {_NO_BLOCK_IDS}"
+        if self.block_hasher is not None:
+            # Appends skip the hasher until a block may be full: none may be left unhashed.
+            block_size = self.block_hasher.block_size
+            for r in self.requests.values():
+                assert len(r.block_hashes) == r.num_tokens // block_size, f"{r}: unhashed block"
