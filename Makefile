@@ -43,3 +43,22 @@ bench: setup
 
 clean:
 	rm -rf .venv
+
+# The GPU check (issue 14 §7) for a bare CUDA machine: no venv there, its python3 has torch,
+# triton, transformers and xxhash. `make gpu-wheels` (here, with network) fetches the other
+# packages the engine imports as wheels for that machine's CPython into .whl/ (git-ignored;
+# carry it); `make gpu-check` there installs the missing ones from .whl/ offline into
+# $(GPU_SITE), on PYTHONPATH, and runs `python -m v1.tools.gpu_check $(GPU_CHECK_ARGS)`
+# (without make: `bash v1/tools/gpu_check.sh ARGS`). GPU_CHECK_ARGS="--device cpu" runs its
+# logic here, tiny.
+.PHONY: gpu-wheels gpu-check
+GPU_PYTHON_VERSION ?= 3.12
+GPU_PYTHON ?= python3
+GPU_SITE ?= /tmp/v1-gpu-site
+GPU_CHECK_ARGS ?=
+
+gpu-wheels:
+	python3 -m v1.tools.wheels download --python-version $(GPU_PYTHON_VERSION) --dest .whl
+
+gpu-check:
+	PYTHON=$(GPU_PYTHON) V1_GPU_SITE=$(GPU_SITE) bash v1/tools/gpu_check.sh $(GPU_CHECK_ARGS)
