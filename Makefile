@@ -26,7 +26,7 @@ test: setup
 demo: setup
 	$(PY) -m v1 demo
 
-# The README's figures: every benchmark at its defaults (about 30 minutes on 2 cores here), each
+# The README's figures: every benchmark at its defaults (about 60 minutes on 2 cores here), each
 # writing its JSON, PNG and printed table under bench/results/.
 BENCH_OUT := bench/results
 bench: setup
@@ -35,6 +35,10 @@ bench: setup
 	$(PY) bench/bench_throughput.py --engine-process --out $(BENCH_OUT) \
 		| tee $(BENCH_OUT)/throughput.txt
 	$(PY) bench/bench_throughput.py --decode --no-hf --out $(BENCH_OUT) | tee $(BENCH_OUT)/decode.txt
+	$(PY) bench/bench_throughput.py --short --out $(BENCH_OUT) | tee $(BENCH_OUT)/short.txt
+	$(PY) bench/bench_quant.py --out $(BENCH_OUT) | tee $(BENCH_OUT)/quant.txt
+	$(PY) bench/bench_quant_kernels.py --out $(BENCH_OUT)
+	$(PY) bench/bench_scheduler.py | tee $(BENCH_OUT)/scheduler.txt
 	$(PY) bench/bench_structured.py --out $(BENCH_OUT) | tee $(BENCH_OUT)/structured.txt
 	$(PY) bench/bench_serving.py --out $(BENCH_OUT) | tee $(BENCH_OUT)/serving.txt
 	$(PY) bench/bench_dp.py --out $(BENCH_OUT) | tee $(BENCH_OUT)/dp.txt

@@ -12,22 +12,37 @@ Three runs over the same token ids:
 - engine, prefix caching off;
 - HF transformers `generate`, fp32, left-padded batches of `--hf-batch-size` (the baseline).
 
+`--modes` adds the engine in other numerics (quantized weights, 16-bit KV cache: see
+quant_eval.py), prefix caching on, each run in every round right after the fp32 one (its
+engine built before its run and shut down after it, so one extra KV pool at a time); per
+mode: engine_s, speedup_vs_hf, time_vs_fp32 (median of the rounds' mode/fp32 times) and its
+greedy agreement with fp32's tokens; a mode the engine refuses is reported unavailable.
+
+`--llamacpp`: the same token ids through llama-cpp-python on the same GGUF file, one request
+after another, each reusing the KV of the previous prompt's longest common prefix (its
+`generate` does so; its fastest mode for this workload), greedy, exactly --output-len tokens
+each: llamacpp_s and speedup_vs_llamacpp (llamacpp_s / engine_s) for fp32 and every mode.
+Without `llama_cpp` installed it says so and goes on (exit 0); it is outside `make setup`.
+
 Prints a table, then one JSON line with engine_s, engine_no_cache_s, hf_s, speedup_vs_hf,
 cache_speedup, hit_rate (the engine's prefix-cache hit rate in tokens, cached run),
 ideal_hit_rate (shared full blocks over all prompt tokens, given the submission order),
-out_tok_s and more. `--out DIR` also writes prefix_cache.json and prefix_cache.png.
+out_tok_s, modes and more. `--out DIR` also writes prefix_cache.json and prefix_cache.png.
 
     .venv/bin/python bench/bench_prefix_cache.py                # the full comparison
     .venv/bin/python bench/bench_prefix_cache.py --no-hf --repeat 1   # engine only, quick
+    .venv/bin/python bench/bench_prefix_cache.py --modes fp32 --llamacpp --no-cache-run
 """
 
 import argparse
+import importlib.util
 import json
 import random
 import sys
 import time
 from typing import Any
 
+import quant_eval
 from common import (
     add_common_args,
     agreement,
@@ -42,6 +57,7 @@ from common import (
     setup_threads,
     write_outputs,
 )
+from quant_eval import Mode, ModeUnavailable
 
 
 def word_list(tokenizer: Any, size: int = 6000) -> list[str]:
@@ -146,6 +162,50 @@ def run_engine(llm: Any, prompts: list[list[int]], params: Any) -> tuple[float, 
     return elapsed, outputs, llm.get_stats()
 
 
+def run_mode(mode: Mode, args: argparse.Namespace, loaded: Any, engine_kwargs: dict[str, Any],
+             prompts: list[list[int]], params: Any) -> tuple[float, list, Any]:
+    """One cached run of the engine in `mode`, built (and warmed up) for it and shut down
+    after it: one extra KV pool at a time. Raises ModeUnavailable if the engine refuses it."""
+    from v1.sampling_params import SamplingParams
+
+    # fp32 weights: the ones already loaded; quantized ones: loaded for this engine.
+    llm = quant_eval.make_llm(mode, model=args.model,
+                              loaded=None if mode.quantization else loaded,
+                              enable_prefix_caching=True, **engine_kwargs)
+    try:
+        llm.generate([{"prompt_token_ids": prompts[0][:64]}],
+                     SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+        return run_engine(llm, prompts, params)
+    finally:
+        llm.shutdown()
+
+
+def run_llamacpp(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[float, list]:
+    """llama-cpp-python on the same GGUF: one request after another, greedy, exactly
+    --output-len tokens each; its `generate` keeps the KV of the longest prefix the new
+    prompt shares with what it evaluated last (reset=True does that, despite the name)."""
+    from llama_cpp import Llama
+
+    from v1.worker.model_loader import resolve_model
+
+    path = resolve_model(args.model)
+    if path.suffix != ".gguf":
+        raise ValueError(f"--llamacpp needs a .gguf model, got {path}")
+    n_ctx = max(len(p) for p in prompts) + args.output_len + 16
+    llm = Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512,
+                n_threads=args.threads or None, verbose=False)
+    outputs: list[list[int]] = []
+    t0 = time.perf_counter()
+    for prompt in prompts:
+        tokens: list[int] = []
+        for token in llm.generate(prompt, temp=0.0, repeat_penalty=1.0, reset=True):
+            tokens.append(token)  # EOS too: as ignore_eos, every request gets its length
+            if len(tokens) == args.output_len:
+                break
+        outputs.append(tokens)
+    return time.perf_counter() - t0, outputs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -154,9 +214,15 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-cache-run", dest="no_cache_run", action="store_false",
                         help="skip the engine run without prefix caching")
+    parser.add_argument("--modes", nargs="+", default=list(quant_eval.DEFAULT_MODES),
+                        help="numerics modes to run besides fp32: fp32|gguf|int8, optionally "
+                             "+bf16|+fp16 (the KV cache)")
+    parser.add_argument("--llamacpp", action="store_true",
+                        help="also run llama-cpp-python on the same GGUF (when importable)")
     add_common_args(parser)
     args = parser.parse_args()
     setup_threads(args)
+    extra_modes = [m for m in dict.fromkeys(map(Mode.parse, args.modes)) if m != Mode()]
 
     from v1.sampling_params import SamplingParams
 
@@ -187,10 +253,23 @@ def main() -> None:
     times: dict[str, list[float]] = {"cache": [], "no_cache": []}
     stats = None
     engine_out = None
+    unavailable: dict[Mode, str] = {}
+    mode_runs: dict[Mode, list[tuple[float, list, Any]]] = {m: [] for m in extra_modes}
     for r in range(args.repeat):
         t, engine_out, stats = run_engine(cached_llm, prompts, params)
         times["cache"].append(t)
         print(f"run {r}: engine (cache) {t:.2f} s", file=sys.stderr)
+        for m in extra_modes:  # each right after fp32's: the pair saw the same machine
+            if m in unavailable:
+                continue
+            try:
+                mode_runs[m].append(run_mode(m, args, loaded, engine_kwargs, prompts, params))
+            except ModeUnavailable as e:
+                unavailable[m] = str(e)
+                print(f"{m.name}: unavailable ({e})", file=sys.stderr)
+                continue
+            print(f"run {r}: engine {m.name} (cache) {mode_runs[m][-1][0]:.2f} s",
+                  file=sys.stderr)
         if plain_llm is not None:
             t, _, _ = run_engine(plain_llm, prompts, params)
             times["no_cache"].append(t)
@@ -201,6 +280,16 @@ def main() -> None:
     cached_llm.shutdown()
     if plain_llm is not None:
         plain_llm.shutdown()
+
+    llamacpp: tuple[float, list] | None = None
+    if args.llamacpp:
+        if importlib.util.find_spec("llama_cpp") is None:
+            print("--llamacpp skipped: llama_cpp (llama-cpp-python) is not importable; it is "
+                  "optional and outside `make setup` (pip install llama-cpp-python compiles "
+                  "llama.cpp, ~10 minutes)", file=sys.stderr)
+        else:
+            llamacpp = run_llamacpp(args, prompts)
+            print(f"llama.cpp {llamacpp[0]:.2f} s", file=sys.stderr)
 
     hf_times: list[float] = []
     hf_tokens = None
@@ -247,21 +336,63 @@ def main() -> None:
     if hf_tokens is not None:
         result["hf_agreement"] = {k: round(v, 4) for k, v in
                                   agreement(engine_tokens, hf_tokens).items()}
+    llama_s = llamacpp[0] if llamacpp else None
+    if args.llamacpp:
+        result.update(
+            llamacpp_s=round(llama_s, 3) if llama_s else None,
+            speedup_vs_llamacpp=round(llama_s / engine_s, 2) if llama_s else None,
+            llamacpp_agreement=round(quant_eval.agreement(llamacpp[1], engine_tokens), 4)
+            if llamacpp else None,
+            llamacpp_skipped=None if llamacpp else "llama_cpp is not importable",
+        )
 
     rows = [["engine, prefix cache", engine_s, num_out / engine_s,
              f"{stats.prefix_cache_hit_rate:.3f}"]]
+    result["modes"] = {}
+    for m in extra_modes:
+        if m in unavailable:
+            result["modes"][m.name] = {"unavailable": unavailable[m]}
+            continue
+        runs = mode_runs[m]
+        mode_s = median([t for t, _, _ in runs])
+        mode_tokens = [o.outputs[0].token_ids for o in runs[-1][1]]
+        result["modes"][m.name] = {
+            "engine_s": round(mode_s, 3),
+            "speedup_vs_hf": round(hf_s / mode_s, 2) if hf_s else None,
+            "speedup_vs_llamacpp": round(llama_s / mode_s, 2) if llama_s else None,
+            # Its time over fp32's, median of the rounds' pairs (< 1: faster than fp32).
+            "time_vs_fp32": round(median([t / f for (t, _, _), f in zip(runs, times["cache"])]),
+                                  3),
+            "agreement_vs_fp32": round(quant_eval.agreement(mode_tokens, engine_tokens), 4),
+            "hit_rate": round(runs[-1][2].prefix_cache_hit_rate, 4),
+            "runs_s": [round(t, 3) for t, _, _ in runs],
+        }
+        rows.append([f"engine {m.name}, prefix cache", mode_s, num_out / mode_s,
+                     f"{runs[-1][2].prefix_cache_hit_rate:.3f}"])
     if no_cache_s:
         rows.append(["engine, no cache", no_cache_s, num_out / no_cache_s, "-"])
     if hf_s:
         rows.append([f"HF generate (batch {args.hf_batch_size})", hf_s, num_out / hf_s, "-"])
+    if llama_s:
+        rows.append(["llama.cpp (one by one, prefix KV kept)", llama_s, num_out / llama_s, "-"])
     print_table(["run", "seconds", "out tok/s", "hit rate"], rows)
+    for name, v in result["modes"].items():
+        print(f"{name}: " + (f"unavailable ({v['unavailable']})" if "unavailable" in v else
+                             f"speedup vs HF {v['speedup_vs_hf']}, time vs fp32 "
+                             f"{v['time_vs_fp32']}, agreement with fp32 {v['agreement_vs_fp32']}"))
     print(f"ideal hit rate {ideal_hit_rate:.3f}; speedup vs HF {result['speedup_vs_hf']}; "
-          f"cache speedup {result['cache_speedup']}")
+          f"cache speedup {result['cache_speedup']}"
+          + (f"; speedup vs llama.cpp {result['speedup_vs_llamacpp']}" if llama_s else ""))
+    if args.llamacpp and not llama_s:
+        print("--llamacpp: skipped (llama_cpp is not importable)")
 
     def plot(fig: Any) -> None:
         labels = [r[0].replace(", ", "\n") for r in rows]
-        bar(fig.add_subplot(1, 2, 1), labels, [r[1] for r in rows], "seconds (median)",
+        ax = fig.add_subplot(1, 2, 1)
+        bar(ax, labels, [r[1] for r in rows], "seconds (median)",
             f"{len(prompts)} requests, shared ~{args.system_len}-token system prompts")
+        if len(rows) > 4:  # the modes' bars: slanted labels, to stay readable
+            ax.tick_params(axis="x", labelrotation=45)
         bar(fig.add_subplot(1, 2, 2), ["engine", "ideal"],
             [stats.prefix_cache_hit_rate, ideal_hit_rate], "prompt tokens served from cache",
             "prefix-cache hit rate")

@@ -24,11 +24,23 @@ the median of the paired ratios (a ratio of the two medians mixes runs minutes a
 
     process_overhead = median_i(engine_process_runs_s[i] / engine_runs_s[i]) - 1
 
+`--short` measures the engine process's cost on a short run instead: 32 chat requests
+sharing a ~400-token system prompt (the workload of bench_prefix_cache.py, ~450 tokens each),
+32 greedy tokens each, ~5 s. Each round builds a fresh `LLM` of each kind (in-process, then
+engine process, or the other way round in odd rounds), times its construction (init), its
+first run (cold: whatever start-up work is left after `LLM()` returns is inside) and a second
+run (warm), and shuts it down. Per column, the overhead is the median over the rounds of the
+paired process/in-process ratios, minus 1 (use --repeat 5 or more: the machine is shared).
+Beside the wall times, the CPU seconds of each run (this process and the engine process):
+equal CPU with a longer wall time means the engine waited rather than worked.
+
 Prints a table, then one JSON line (engine_tok_s, hf_tok_s, speedup, ...; with --decode:
-decode_tok_s, ...). `--out DIR` writes throughput.json / decode.json and a PNG.
+decode_tok_s, ...; with --short: process_overhead_cold, process_overhead_warm, ...).
+`--out DIR` writes throughput.json / decode.json / short.json and a PNG.
 
     .venv/bin/python bench/bench_throughput.py
     .venv/bin/python bench/bench_throughput.py --decode --no-hf
+    .venv/bin/python bench/bench_throughput.py --short --repeat 5
 """
 
 import argparse
@@ -42,6 +54,7 @@ from common import (
     add_common_args,
     agreement,
     bar,
+    cpu_seconds,
     environment,
     hf_generate,
     load,
@@ -236,6 +249,7 @@ def decode(args: argparse.Namespace, loaded: Any, engine_kwargs: dict[str, Any])
         "concurrent": n,
         "input_len": args.decode_input_len,
         "output_len": out_len,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "decode_tok_s": round(decode_tok_s, 1),
         "decode_step_ms": round(step_ms, 2),
         "total_s": round(median(total_times), 3),
@@ -253,6 +267,80 @@ def decode(args: argparse.Namespace, loaded: Any, engine_kwargs: dict[str, Any])
             f"batched decode, context {args.decode_input_len}..{args.decode_input_len + out_len}")
 
     write_outputs(args.out, "decode", result, plot)
+    print(json.dumps(result))
+
+
+def short_workload(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
+    """32 chat prompts behind one ~400-token system prompt (bench_prefix_cache's workload)."""
+    from bench_prefix_cache import make_workload
+
+    return make_workload(argparse.Namespace(
+        seed=args.seed, groups=1, system_len=400, question_len=(10, 60), prompts_per_group=32,
+        plain=False, interleave=False,
+    ), tokenizer)
+
+
+def short(args: argparse.Namespace) -> None:
+    from v1.entrypoints.llm import LLM
+    from v1.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    kinds = {"in-process": False, "engine process": True}
+    columns = ("init", "cold", "warm")
+    runs = {kind: {c: [] for c in columns} for kind in kinds}
+    cpu = {kind: {c: [] for c in columns[1:]} for kind in kinds}
+    prompts: list[list[int]] = []
+    tokens: dict[str, list] = {}
+    for r in range(args.repeat):
+        order = list(kinds) if r % 2 == 0 else list(kinds)[::-1]  # neither always goes first
+        for kind in order:
+            t0 = time.perf_counter()
+            llm = LLM(args.model, multiprocess=kinds[kind], max_num_seqs=args.max_num_seqs,
+                      kv_cache_dtype=args.kv_cache_dtype)
+            times = runs[kind]
+            times["init"].append(time.perf_counter() - t0)
+            prompts = prompts or short_workload(args, llm.get_tokenizer())
+            for column in columns[1:]:
+                assert llm.reset_prefix_cache()
+                c0 = cpu_seconds()
+                t, outputs = timed_generate(llm, prompts, params)
+                cpu[kind][column].append(cpu_seconds() - c0)
+                times[column].append(t)
+            tokens[kind] = [o.outputs[0].token_ids for o in outputs]
+            llm.shutdown()
+            print(f"round {r}: {kind} " + ", ".join(
+                f"{c} {times[c][-1]:.2f} s" for c in columns), file=sys.stderr)
+    base, proc = runs["in-process"], runs["engine process"]
+    ratios = {c: paired_ratios(base[c], proc[c]) for c in columns}
+    result: dict[str, Any] = {
+        "bench": "short",
+        "requests": len(prompts),
+        "prompt_tokens": sum(map(len, prompts)),
+        "output_tokens": 32 * len(prompts),
+        "rounds": args.repeat,
+        **{f"{c}_s": round(median(base[c]), 3) for c in columns},
+        **{f"engine_process_{c}_s": round(median(proc[c]), 3) for c in columns},
+        **{f"process_overhead_{c}": round(median(ratios[c]) - 1, 4) for c in columns},
+        "pair_ratios": {c: [round(x, 4) for x in ratios[c]] for c in columns},
+        "runs_s": {kind: {c: [round(t, 3) for t in ts] for c, ts in times.items()}
+                   for kind, times in runs.items()},
+        "cpu_s": {kind: {c: round(median(ts), 3) for c, ts in cs.items()}
+                  for kind, cs in cpu.items()},
+        "process_same_tokens": tokens["engine process"] == tokens["in-process"],
+        **environment(),
+    }
+    print_table(["", *(f"{c} s" for c in columns), "cold cpu s", "warm cpu s"],
+                [[kind, *(median(times[c]) for c in columns),
+                  *(median(cpu[kind][c]) for c in columns[1:])] for kind, times in runs.items()]
+                + [["overhead (median of pairs)",
+                    *(f"{median(ratios[c]) - 1:+.1%}" for c in columns), "", ""]])
+
+    def plot(fig: Any) -> None:
+        for i, c in enumerate(("cold", "warm")):
+            bar(fig.add_subplot(1, 2, i + 1), list(runs), [median(t[c]) for t in runs.values()],
+                "seconds (median)", f"{len(prompts)} shared-prompt chats, {c} run")
+
+    write_outputs(args.out, "short", result, plot)
     print(json.dumps(result))
 
 
@@ -274,11 +362,20 @@ def main() -> None:
     parser.add_argument("--decode-seqs", type=int, default=64)
     parser.add_argument("--decode-input-len", type=int, default=128)
     parser.add_argument("--decode-output-len", type=int, default=128)
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="the engine's kv_cache_dtype (auto: fp32 here; bf16, fp16)")
     add_common_args(parser)
+    parser.add_argument("--short", action="store_true",
+                        help="measure the engine process's cost on a short shared-prompt run "
+                             "(fresh engines each round, in-process vs engine process)")
     args = parser.parse_args()
     setup_threads(args)
+    if args.short:
+        short(args)
+        return
     loaded = load(args.model)
-    engine_kwargs: dict[str, Any] = dict(max_num_seqs=args.max_num_seqs)
+    engine_kwargs: dict[str, Any] = dict(max_num_seqs=args.max_num_seqs,
+                                         kv_cache_dtype=args.kv_cache_dtype)
     if args.max_num_batched_tokens:
         engine_kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.decode:

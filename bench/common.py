@@ -10,6 +10,7 @@
 
 import argparse
 import functools
+import glob
 import json
 import os
 import statistics
@@ -182,6 +183,21 @@ def bar(ax: Any, labels: Sequence[str], values: Sequence[float], ylabel: str, ti
                     ha="center", va="bottom")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
+
+
+def cpu_seconds() -> float:
+    """CPU time (user + system, all threads) of this process and its live children (an engine
+    process), from /proc (Linux): what a run computed, beside how long it waited."""
+    me, tick = os.getpid(), os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            fields = Path(stat).read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(stat.split("/")[2]) == me or int(fields[1]) == me:  # fields[1]: the parent pid
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
 
 
 def environment() -> dict[str, Any]:

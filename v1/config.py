@@ -25,6 +25,29 @@ GENERATION_CONFIG_DEFAULTS = {
 # data_parallel_routing; v1.engine.dp_router).
 DP_ROUTING_POLICIES = ("affinity", "round_robin", "least_loaded")
 
+# quantization's choices (EngineArgs; v1.worker.model_loader): "gguf" runs a GGUF file's Q4_1 /
+# Q8_0 blocks as stored, "int8" quantizes a float checkpoint's weight matrices to Q8_0 at load.
+QUANTIZATION_METHODS = ("gguf", "int8")
+
+# kv_cache_dtype's accepted spellings -> the dtype's name ("auto": the model's dtype).
+KV_CACHE_DTYPES = {
+    "auto": "auto",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16",
+    "float32": "float32", "fp32": "float32",
+}
+
+
+def kv_cache_dtype_name(kv_cache_dtype: str) -> str:
+    """The canonical name of a kv_cache_dtype spelling ("bf16" -> "bfloat16"); ValueError
+    for others (fp8 among them: no kernel here reads it)."""
+    name = KV_CACHE_DTYPES.get(kv_cache_dtype)
+    if name is None:
+        raise ValueError(
+            f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"
+        )
+    return name
+
 
 def cache_root() -> Path:
     """Where converted weights and built kernels are kept: $V1_CACHE_DIR, else ~/.cache/v1."""
@@ -68,8 +91,12 @@ class CacheConfig:
     num_gpu_blocks: int | None = None  # None: derive from kv_cache_memory
     kv_cache_memory: int | None = None  # bytes; None: the device's default budget
     enable_prefix_caching: bool = True
+    # What the KV cache stores (vLLM's name): "auto" (the model's dtype), "bfloat16",
+    # "float16" or "float32"; any spelling of KV_CACHE_DTYPES, kept canonical.
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        self.cache_dtype = kv_cache_dtype_name(self.cache_dtype)
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {self.block_size!r}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
@@ -106,6 +133,14 @@ class EngineArgs:
     gpu_memory_utilization: float | None = None
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
+    # The KV cache's dtype: "auto" (the model's), "bfloat16"/"bf16", "float16"/"fp16" or
+    # "float32"/"fp32". A 16-bit cache under an fp32 model halves the cache's memory (twice
+    # the tokens in the same kv_cache_memory); attention reads it back into fp32.
+    kv_cache_dtype: str = "auto"
+    # Quantized weights (vLLM's option), CPU only: None (float weights, a GGUF's dequantized:
+    # v1/worker/model_loader.py says why that is still the default), or one of
+    # QUANTIZATION_METHODS.
+    quantization: str | None = None
     seed: int = 0
     # Data parallelism (v1.engine.dp_client): this many engine-core processes, each with its
     # own scheduler and KV cache (num_gpu_blocks / kv_cache_memory are per core) and its
@@ -173,6 +208,12 @@ class EngineArgs:
             raise ValueError(
                 "data_parallel_kv_threshold must be in (0, 1], got "
                 f"{self.data_parallel_kv_threshold}"
+            )
+        kv_cache_dtype_name(self.kv_cache_dtype)  # fail before the model loads
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or None), "
+                f"got {self.quantization!r}"
             )
         utilization = self.gpu_memory_utilization
         if utilization is not None and not 0 < utilization <= 1:
@@ -250,6 +291,7 @@ class EngineArgs:
             num_gpu_blocks=self._either("num_gpu_blocks", "num_gpu_blocks_override"),
             kv_cache_memory=kv_cache_memory,
             enable_prefix_caching=self.enable_prefix_caching,
+            cache_dtype=self.kv_cache_dtype,
         )
         return scheduler_config, cache_config
 

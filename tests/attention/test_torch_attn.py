@@ -304,7 +304,9 @@ def test_native_kernel_only_for_what_it_supports():
     kernel = torch_attn.native_decode_kernel
     if kernel(torch.zeros(kv_cache_shape(1, 16, 3, 64)), 9) is None:
         pytest.skip("the native decode kernel is not available (no C compiler?)")
-    assert kernel(torch.zeros(kv_cache_shape(1, 16, 3, 64), dtype=torch.bfloat16), 9) is None
+    assert kernel(torch.zeros(kv_cache_shape(1, 16, 3, 64), dtype=torch.float64), 9) is None
+    bf16_cache = torch.zeros(kv_cache_shape(1, 16, 3, 64), dtype=torch.bfloat16)
+    assert kernel(bf16_cache, 9, torch.bfloat16) is None  # fp32 queries only
     assert kernel(torch.zeros(kv_cache_shape(1, 16, 3, 60)), 9) is None  # head size % 8
     assert kernel(torch.zeros(kv_cache_shape(1, 16, 2, 64)), 9) is None  # 9 heads on 2
 

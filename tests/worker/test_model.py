@@ -205,7 +205,9 @@ def test_hf_directory_matches_hf(tmp_path):
     loaded = load_model(str(tmp_path), torch.float32, torch.device("cpu"), TorchAttentionImpl)
     assert loaded.tokenizer is None and loaded.model_dir == tmp_path.resolve()
     assert loaded.model.lm_head is not None
-    assert not torch.equal(loaded.model.lm_head.weight, loaded.model.model.embed_tokens.weight)
+    assert not torch.equal(
+        loaded.model.lm_head.float_weight(), loaded.model.model.embed_tokens.float_weight()
+    )
 
     tokens = torch.randint(0, 256, (50,)).tolist()
     ref = hf_logits(hf, tokens)
@@ -260,11 +262,11 @@ def test_gguf_weights_equal_transformers(default_model, hf_model):
     kv_size = cfg.num_key_value_heads * head_dim_of(cfg)
     for i in (0, cfg.num_hidden_layers - 1):
         attn, hf_attn = ours.model.layers[i].self_attn, hf_model.model.layers[i].self_attn
-        q, k, v = attn.qkv_proj.weight.split([q_size, kv_size, kv_size])
+        q, k, v = attn.qkv_proj.float_weight().split([q_size, kv_size, kv_size])
         assert torch.equal(q, hf_attn.q_proj.weight)
         assert torch.equal(k, hf_attn.k_proj.weight)
         assert torch.equal(v, hf_attn.v_proj.weight)
-        gate, up = ours.model.layers[i].mlp.gate_up_proj.weight.chunk(2)
+        gate, up = ours.model.layers[i].mlp.gate_up_proj.float_weight().chunk(2)
         assert torch.equal(gate, hf_model.model.layers[i].mlp.gate_proj.weight)
         assert torch.equal(up, hf_model.model.layers[i].mlp.up_proj.weight)
     assert torch.equal(ours.model.embed_tokens.weight, hf_model.model.embed_tokens.weight)

@@ -477,10 +477,14 @@ def gguf_case_config(name: str) -> Any:
     return config
 
 
-def write_gguf(hf: Any, path: Path, name: str, rope_dims: int | None = None) -> None:
-    """What llama.cpp's converter writes for `hf` (F32 tensors, no tokenizer): gguf's own
-    HF -> GGUF tensor-name map, llama's q/k rows permuted, Gemma's norms stored as 1 + w,
-    and (llama, phi3) how many dimensions of a head rotate: `rope_dims`, default head_dim."""
+def write_gguf(
+    hf: Any, path: Path, name: str, rope_dims: int | None = None,
+    tensor_type: Callable[[str], Any] | None = None,
+) -> None:
+    """What llama.cpp's converter writes for `hf` (no tokenizer): gguf's own HF -> GGUF
+    tensor-name map, llama's q/k rows permuted, Gemma's norms stored as 1 + w, and (llama,
+    phi3) how many dimensions of a head rotate: `rope_dims`, default head_dim. Tensors are F32,
+    or the `gguf.GGMLQuantizationType` that `tensor_type(gguf tensor name)` gives (None: F32)."""
     import gguf
 
     config = hf.config
@@ -529,7 +533,11 @@ def write_gguf(hf: Any, path: Path, name: str, rope_dims: int | None = None) -> 
             )
         if name == "gemma3" and base.endswith("norm"):
             data = data + np.float32(1.0)
-        writer.add_tensor(f"{names.get_name(base)}.{suffix}", np.ascontiguousarray(data))
+        gguf_name = f"{names.get_name(base)}.{suffix}"
+        kind = tensor_type(gguf_name) if tensor_type else None
+        if kind is not None:
+            data = gguf.quants.quantize(data, kind)
+        writer.add_tensor(gguf_name, np.ascontiguousarray(data), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -111,7 +111,8 @@ class EngineCore:
         torch.manual_seed(args.seed)
         if loaded is None:
             loaded = load_model(
-                args.model, dtype, device, attention_impl_for(device), revision=args.revision
+                args.model, dtype, device, attention_impl_for(device), revision=args.revision,
+                quantization=args.quantization,
             )
         self.loaded = loaded
         scheduler_config, cache_config = args.create_configs(

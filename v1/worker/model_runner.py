@@ -118,6 +118,12 @@ class ModelRunner:
         if device.type == "cpu":
             tune_cpu_malloc()
         self.block_size = cache_config.block_size
+        # What the cache stores; attention converts K/V to it once, on the write, and reads
+        # it back in the model's dtype (a 16-bit cache under fp32 holds twice the tokens).
+        cache_dtype = cache_config.cache_dtype
+        self.kv_cache_dtype: torch.dtype = (
+            dtype if cache_dtype == "auto" else getattr(torch, cache_dtype)
+        )
         self.loaded = loaded
         self.model = loaded.model
         self.hf_config = self.loaded.hf_config
@@ -140,7 +146,7 @@ class ModelRunner:
     def kv_cache_block_bytes(self) -> int:
         cfg = self.hf_config
         head_dim = head_dim_of(self.hf_config)
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = self.kv_cache_dtype.itemsize
         per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * elem
         return per_token * self.block_size
 
@@ -168,13 +174,13 @@ class ModelRunner:
             num_blocks, self.block_size, cfg.num_key_value_heads, head_dim_of(cfg)
         )
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
             for _ in range(cfg.num_hidden_layers)
         ]
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB, %d tokens)", num_blocks,
+            "KV cache: %d blocks of %d tokens (%.1f MiB, %d tokens, %s)", num_blocks,
             self.block_size, num_blocks * self.kv_cache_block_bytes() / 2**20,
-            num_blocks * self.block_size,
+            num_blocks * self.block_size, str(self.kv_cache_dtype).removeprefix("torch."),
         )
 
     # -- one step ---------------------------------------------------------------------

@@ -22,12 +22,23 @@ SDPA gets 4-D [batch, heads, len, dim] tensors: on CPU that selects the flash ke
 GQA aware, strided inputs), which is several times faster than the math fallback that 3-D
 inputs get.
 
-Decodes have a faster option still: a small C kernel (`_NATIVE_DECODE_SOURCE`, ~100 lines)
+Decodes have a faster option still: a small C kernel (`_PAGED_DECODE_SOURCE`, ~100 lines)
 that reads each request's K/V in place through its block table, with an online softmax, one
 request per OpenMP task. SDPA spends most of a decode in per-(request, head) overhead and
 needs the gathered copy; the kernel needs neither and is 3-4x faster at 64 decodes. It is
 built on first use by `v1.native`; without a compiler, for other dtypes or shapes, or with
 V1_CPU_KERNELS=0, the SDPA path above runs instead.
+
+The cache may hold a narrower dtype than the model computes in (kv_cache_dtype "bfloat16" or
+"float16" under an fp32 model: half the bytes per token, twice the tokens per pool). The
+cache write converts this step's K/V once (into fp16 saturating at +-65504: an inf key
+would make attention NaN); every read widens exactly what it reads back to the query's
+dtype: the C kernel per K/V row (bf16: a 16-bit shift into the high half of an
+fp32; fp16: F16C's vcvtph2ps), the SDPA paths and the reference after their gather. All the
+arithmetic stays fp32, so a 16-bit cache gives bit for bit the fp32 cache's result on K/V
+that were 16-bit values to begin with. A prefill without context that SDPA runs attends to
+its fresh, unrounded K/V (it reads no cache); one the C kernel takes (a short prompt) reads
+them back from the cache, rounded, as every later step does.
 
 Sliding-window layers (`sliding_window=w`, see `abstract.py`: query i sees keys j with
 i - w < j <= i) get a plan of their own, built once per step and window. A window no sequence
@@ -54,6 +65,20 @@ import torch.nn.functional as F
 from v1 import native
 from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata
 
+# fp16's largest finite value. K/V beyond it are stored saturated, as vLLM's fp8 cache writes
+# saturate: an inf key or value would make the softmax, and every later output, NaN.
+_FP16_MAX = torch.finfo(torch.float16).max
+
+
+def _to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` in the cache's dtype (a no-op when it is the model's); into fp16, saturating."""
+    if x.dtype == dtype:
+        return x
+    x = x.to(dtype)
+    if dtype == torch.float16:
+        x.clamp_(-_FP16_MAX, _FP16_MAX)  # after the cast: in place on the copy; NaN stays
+    return x
+
 
 def write_kv_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -67,16 +92,18 @@ def write_kv_cache(
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
-    flat[0].index_copy_(0, slot_mapping, key)
-    flat[1].index_copy_(0, slot_mapping, value)
+    # Converted to the cache's dtype here, once.
+    flat[0].index_copy_(0, slot_mapping, _to_cache_dtype(key, kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, _to_cache_dtype(value, kv_cache.dtype))
 
 
 def paged_attention_reference(
     query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Per request: gather its context K/V from the blocks, then causal SDPA (GQA aware),
-    hiding keys `sliding_window` or more positions back if a window is given."""
+    """Per request: gather its context K/V from the blocks (in the query's dtype), then
+    causal SDPA (GQA aware), hiding keys `sliding_window` or more positions back if a
+    window is given."""
     block_size = kv_cache.shape[2]
     out = torch.empty_like(query)
     starts = metadata.query_start_loc_cpu
@@ -87,8 +114,8 @@ def paged_attention_reference(
             continue
         num_blocks = -(-seq_len // block_size)
         blocks = metadata.block_table[r, :num_blocks].long()
-        k = kv_cache[0, blocks].flatten(0, 1)[:seq_len]  # [seq_len, kvh, d]
-        v = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
+        k = kv_cache[0, blocks].flatten(0, 1)[:seq_len].to(query.dtype)  # [seq_len, kvh, d]
+        v = kv_cache[1, blocks].flatten(0, 1)[:seq_len].to(query.dtype)
         # Query i sits at position seq_len - q_len + i and sees keys up to there (and, with a
         # window, only the last `sliding_window` of those).
         mask = None
@@ -118,7 +145,9 @@ class TorchAttentionImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        plan = AttentionPlan.for_step(metadata, kv_cache, self.num_heads, self.sliding_window)
+        plan = AttentionPlan.for_step(
+            metadata, kv_cache, self.num_heads, self.sliding_window, query.dtype
+        )
         plan.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         return paged_attention(query, key, value, kv_cache, plan, self.scale)
 
@@ -221,12 +250,13 @@ class AttentionPlan:
     @classmethod
     def for_step(
         cls, metadata: AttentionMetadata, kv_cache: torch.Tensor, num_heads: int,
-        sliding_window: int | None = None,
+        sliding_window: int | None = None, query_dtype: torch.dtype = torch.float32,
     ) -> "AttentionPlan":
         """The plan of this metadata and window, built by the first layer that needs it and
         reused by the others (every layer's cache has the same shape): one plan per distinct
-        window in the step, where a window longer than every sequence shares the global one."""
-        key = (kv_cache.shape, kv_cache.dtype, kv_cache.device, num_heads)
+        window in the step, where a window longer than every sequence shares the global one.
+        `query_dtype`: the activations' (the C kernel serves fp32 ones only)."""
+        key = (kv_cache.shape, kv_cache.dtype, kv_cache.device, num_heads, query_dtype)
         cached = getattr(cls._local, "cached", None)
         if cached is not None and cached[0] is metadata and cached[1] == key:
             plans = cached[2]
@@ -239,8 +269,10 @@ class AttentionPlan:
         window = _effective_window(sliding_window, metadata.seq_lens_cpu)
         plan = plans.get(window)
         if plan is None:
-            plan = cls.build(metadata, kv_cache.shape[2], kv_cache[:, 0].nbytes,
-                             native_decode_kernel(kv_cache, num_heads), window)
+            # Gathers are sized by what SDPA reads: the blocks widened to the query's dtype.
+            block_bytes = kv_cache[:, 0].numel() * query_dtype.itemsize
+            plan = cls.build(metadata, kv_cache.shape[2], block_bytes,
+                             native_decode_kernel(kv_cache, num_heads, query_dtype), window)
             plans[window] = plan
         plans[sliding_window] = plan
         return plan
@@ -389,8 +421,8 @@ class AttentionPlan:
             return
         n = slot_mapping.shape[0]
         flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
-        flat[0].index_copy_(0, slot_mapping, key[:n])
-        flat[1].index_copy_(0, slot_mapping, value[:n])
+        flat[0].index_copy_(0, slot_mapping, _to_cache_dtype(key[:n], kv_cache.dtype))
+        flat[1].index_copy_(0, slot_mapping, _to_cache_dtype(value[:n], kv_cache.dtype))
 
 
 def _decode_call(
@@ -448,16 +480,19 @@ def _sdpa_lse(
 _flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def _gather(kv_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of `blocks`, in order: [len(blocks) * B, kvh, d] each.
+def _gather(
+    kv_cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of `blocks`, in order, in `dtype` (the query's; a 16-bit cache is widened
+    after the gather, so only the needed blocks are): [len(blocks) * B, kvh, d] each.
 
     One index_select per cache half along its first dimension (whole blocks, contiguous
     rows): that is the parallel, memcpy-like path; selecting along dim 1 of the [2, ...]
     view runs single-threaded and several times slower.
     """
     two, num_blocks, B, kvh, d = kv_cache.shape
-    k = kv_cache[0].view(num_blocks, B * kvh * d).index_select(0, blocks)
-    v = kv_cache[1].view(num_blocks, B * kvh * d).index_select(0, blocks)
+    k = kv_cache[0].view(num_blocks, B * kvh * d).index_select(0, blocks).to(dtype)
+    v = kv_cache[1].view(num_blocks, B * kvh * d).index_select(0, blocks).to(dtype)
     return k.view(-1, kvh, d), v.view(-1, kvh, d)
 
 
@@ -487,7 +522,7 @@ def paged_attention(
         q = bucket.rows.take(query)
         R = q.shape[0]
         q = q.view(R, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        k, v = _gather(kv_cache, bucket.blocks)
+        k, v = _gather(kv_cache, bucket.blocks, query.dtype)
         if bucket.pad_rows is not None:
             k.view(k.shape[0], -1).index_fill_(0, bucket.pad_rows, 0.0)
             v.view(v.shape[0], -1).index_fill_(0, bucket.pad_rows, 0.0)
@@ -506,7 +541,7 @@ def paged_attention(
         if p.blocks is None:  # no context: the fresh K/V are the whole sequence
             k, v = key[p.q_start : p.q_end], value[p.q_start : p.q_end]
         else:
-            k, v = _gather(kv_cache, p.blocks)
+            k, v = _gather(kv_cache, p.blocks, query.dtype)
             k, v = k[: p.seq_len - p.start], v[: p.seq_len - p.start]
         k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         if p.need_lse:
@@ -523,7 +558,7 @@ def paged_attention(
     group_size = num_heads // num_kv_heads
     for g in plan.groups:
         assert lse is not None
-        k, v = _gather(kv_cache, g.blocks)
+        k, v = _gather(kv_cache, g.blocks, query.dtype)
         k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         # No mask here, so the query heads of one kv head can be stacked into one longer
         # query [group_size * Tg, d] of that kv head: fewer, bigger blocks for the kernel.
@@ -542,36 +577,77 @@ def paged_attention(
 
 # ---- the native decode kernel -------------------------------------------------------------------
 
-_NATIVE_DECODE_SOURCE = native.VECTOR_C + r"""
+# The kernel reads each K/V row through KV_ROW, which gives its D values as fp32: the row
+# itself in an fp32 cache, else the row widened into a small buffer (once per row, for the G
+# query heads that read it). Its source is compiled once per cache dtype
+# (`_DECODE_VARIANTS`), as v1_paged_decode_f32, _bf16 and _f16.
+_KV_ROWS = r"""
 #include <float.h>
 #include <math.h>
 
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+
+static inline const float *row_f32(const float *p, float *buf, int64_t D) {
+    (void)buf, (void)D;
+    return p;
+}
+
+/* bf16 is the high half of an fp32: widen each value to 32 bits and shift it up. */
+static inline const float *row_bf16(const uint16_t *p, float *buf, int64_t D) {
+    for (int64_t i = 0; i < D; i += 8) {
+        v8u16 h;
+        __builtin_memcpy(&h, p + i, 16);
+        store8(buf + i, (v8)(__builtin_convertvector(h, v8i) << 16));
+    }
+    return buf;
+}
+
+#ifdef __F16C__
+/* fp16: vcvtph2ps (F16C; the compiler's builtin, as <immintrin.h> would clash with
+   VECTOR_C's select). Without F16C there is no fp16 variant: torch reads such caches. */
+typedef int16_t v8i16 __attribute__((vector_size(16)));
+
+static inline const float *row_f16(const uint16_t *p, float *buf, int64_t D) {
+    for (int64_t i = 0; i < D; i += 8) {
+        v8i16 h;
+        __builtin_memcpy(&h, p + i, 16);
+        store8(buf + i, __builtin_ia32_vcvtph2ps256(h));
+    }
+    return buf;
+}
+#endif
+"""
+
+_PAGED_DECODE_SOURCE = r"""
 /* Paged attention for requests with one query token each (decodes), reading K/V in place.
 
-   q[tok[r] * q_row + h * D + d]                  query of request r, head h
-   k, v: [num_blocks, B, KVH, D], contiguous      the layer's cache halves
+   q[tok[r] * q_row + h * D + d]                  query of request r, head h (fp32)
+   k, v: [num_blocks, B, KVH, D], contiguous      the layer's cache halves (KV_T each)
    table[table_rows[r] * table_row + i]           block of positions [i * B, (i + 1) * B)
    [start[r], end[r])                             the key positions request r attends to
-   out[tok[r] * out_row + h * D + d]              the output
+   out[tok[r] * out_row + h * D + d]              the output (fp32)
    lse[tok[r] * H + h] (if lse is not NULL)       logsumexp of the scaled scores
 
    Query head h reads kv head h / (H / KVH). One OpenMP task per request: it streams the
    request's blocks once, chunk by chunk (TMAX keys), keeping a running max m, sum l and
-   unnormalised output acc per head (the online softmax). D must be a multiple of 8. */
+   unnormalised output acc per head (the online softmax). Each K/V row of a kv head is
+   read as fp32 once (KV_ROW) for the G query heads that use it; all the arithmetic is
+   fp32. D must be a multiple of 8. */
 
 enum { TMAX = 32 };
 
-void v1_paged_decode(const float *q, int64_t q_row, const float *k, const float *v,
-                     const int32_t *table, int64_t table_row, const int64_t *table_rows,
-                     const int64_t *tok, const int64_t *start, const int64_t *end,
-                     int64_t R, int64_t H, int64_t KVH, int64_t D, int64_t B, float scale,
-                     float *out, int64_t out_row, float *lse) {
+void PAGED_DECODE(const float *q, int64_t q_row, const KV_T *k, const KV_T *v,
+                  const int32_t *table, int64_t table_row, const int64_t *table_rows,
+                  const int64_t *tok, const int64_t *start, const int64_t *end,
+                  int64_t R, int64_t H, int64_t KVH, int64_t D, int64_t B, float scale,
+                  float *out, int64_t out_row, float *lse) {
     const int64_t G = H / KVH, NV = D / 8, row = KVH * D;
     #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t r = 0; r < R; r++) {
         v8 qv[H][NV], acc[H][NV];
         float m[H], l[H];
         float s[H][TMAX + 8] __attribute__((aligned(32)));
+        float wide[D] __attribute__((aligned(32)));  /* a widened K/V row (16-bit caches) */
         const int32_t *blocks = table + table_rows[r] * table_row;
         for (int64_t h = 0; h < H; h++) {
             const float *qp = q + tok[r] * q_row + h * D;
@@ -584,7 +660,7 @@ void v1_paged_decode(const float *q, int64_t q_row, const float *k, const float 
         }
         for (int64_t t0 = start[r]; t0 < end[r];) {
             /* The next chunk: row pointers of up to TMAX keys, across block boundaries. */
-            const float *kr[TMAX], *vr[TMAX];
+            const KV_T *kr[TMAX], *vr[TMAX];
             int64_t n = 0;
             while (n < TMAX && t0 + n < end[r]) {
                 int64_t t = t0 + n, first = (int64_t)blocks[t / B] * B + t % B;
@@ -599,13 +675,14 @@ void v1_paged_decode(const float *q, int64_t q_row, const float *k, const float 
             }
             /* Scores s[h][t] = scale * q_h . k_t, each key row loaded once for its heads. */
             for (int64_t t = 0; t < n; t++)
-                for (int64_t j = 0; j < KVH; j++)
+                for (int64_t j = 0; j < KVH; j++) {
+                    const float *kp = KV_ROW(kr[t] + j * D, wide, D);
                     for (int64_t h = j * G; h < (j + 1) * G; h++) {
-                        const float *kp = kr[t] + j * D;
                         v8 a = load8(kp) * qv[h][0];
                         for (int64_t i = 1; i < NV; i++) a += load8(kp + 8 * i) * qv[h][i];
                         s[h][t] = hsum(a);
                     }
+                }
             /* Online softmax: new running max, rescale what came before, p = e^(s - m). */
             for (int64_t h = 0; h < H; h++) {
                 float mx = m[h];
@@ -627,7 +704,7 @@ void v1_paged_decode(const float *q, int64_t q_row, const float *k, const float 
             /* acc_h += p_h[t] * v_t */
             for (int64_t t = 0; t < n; t++)
                 for (int64_t j = 0; j < KVH; j++) {
-                    const float *vp = vr[t] + j * D;
+                    const float *vp = KV_ROW(vr[t] + j * D, wide, D);
                     for (int64_t h = j * G; h < (j + 1) * G; h++) {
                         v8 p = {0};
                         p += s[h][t];
@@ -646,15 +723,34 @@ void v1_paged_decode(const float *q, int64_t q_row, const float *k, const float 
 }
 """
 
+# Cache dtype -> (name suffix, C element type, KV_ROW, the macro the variant needs). Each
+# variant is a library of its own: in one translation unit, three callers of VECTOR_C's
+# helpers made GCC stop inlining them (the fp32 kernel ran 1.3-3x slower).
+_DECODE_VARIANTS = {
+    torch.float32: ("f32", "float", "row_f32", None),
+    torch.bfloat16: ("bf16", "uint16_t", "row_bf16", None),
+    torch.float16: ("f16", "uint16_t", "row_f16", "__F16C__"),
+}
+
+
+def _native_decode_source(kv_dtype: torch.dtype) -> str:
+    suffix, kv_type, kv_row, needs = _DECODE_VARIANTS[kv_dtype]
+    kernel = (f"#define PAGED_DECODE v1_paged_decode_{suffix}\n#define KV_T {kv_type}\n"
+              f"#define KV_ROW {kv_row}\n{_PAGED_DECODE_SOURCE}")
+    if needs is not None:  # else an empty library: torch reads such caches
+        kernel = f"#ifdef {needs}\n{kernel}#endif\n"
+    return native.VECTOR_C + _KV_ROWS + kernel
+
+
 # Per-thread stack use of the kernel grows with heads * head_size; stay well inside it.
 _NATIVE_MAX_HEAD_FLOATS = 64 * 128
 
 
 class _NativeDecodeKernel:
-    """ctypes binding of `v1_paged_decode`; `__call__` checks nothing the planner checked."""
+    """ctypes binding of one `v1_paged_decode_*`; `__call__` checks nothing the planner
+    checked."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        fn = lib.v1_paged_decode
+    def __init__(self, fn: ctypes._CFuncPtr) -> None:
         ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr,
                        i64, i64, i64, i64, i64, f32, ptr, i64, ptr]
@@ -678,23 +774,30 @@ class _NativeDecodeKernel:
         )
 
 
-def native_decode_kernel(kv_cache: torch.Tensor, num_heads: int) -> _NativeDecodeKernel | None:
-    """The C decode kernel if it can serve this cache (CPU, fp32, contiguous, head size a
-    multiple of 8, not too many heads) and C kernels are on (`v1.native`); else None."""
+def native_decode_kernel(
+    kv_cache: torch.Tensor, num_heads: int, query_dtype: torch.dtype = torch.float32
+) -> _NativeDecodeKernel | None:
+    """The C decode kernel if it can serve this cache (CPU, fp32 / bf16 / fp16 with F16C,
+    contiguous, head size a multiple of 8, not too many heads) for fp32 queries, and C
+    kernels are on (`v1.native`); else None."""
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
     if (
         kv_cache.device.type != "cpu"
-        or kv_cache.dtype != torch.float32
+        or kv_cache.dtype not in _DECODE_VARIANTS
+        or query_dtype != torch.float32
         or not kv_cache.is_contiguous()
         or head_dim % 8
         or num_heads % num_kv_heads
         or num_heads * head_dim > _NATIVE_MAX_HEAD_FLOATS
     ):
         return None
-    lib = native.load("paged_decode", _NATIVE_DECODE_SOURCE)
-    return None if lib is None else _bind_decode_kernel(lib)
+    suffix = _DECODE_VARIANTS[kv_cache.dtype][0]
+    lib = native.load(f"paged_decode_{suffix}", _native_decode_source(kv_cache.dtype))
+    return None if lib is None else _bind_decode_kernel(lib, suffix)
 
 
 @functools.cache
-def _bind_decode_kernel(lib: ctypes.CDLL) -> _NativeDecodeKernel:
-    return _NativeDecodeKernel(lib)
+def _bind_decode_kernel(lib: ctypes.CDLL, suffix: str) -> _NativeDecodeKernel | None:
+    """None where the library is empty (fp16 without F16C)."""
+    fn = getattr(lib, f"v1_paged_decode_{suffix}", None)
+    return None if fn is None else _NativeDecodeKernel(fn)

@@ -6,6 +6,12 @@ whole packed batch (prefill chunks with cached context and decodes together), ma
 layer's sliding window if it has one (a constexpr of the kernel). Same contract as
 `TorchAttentionImpl`, which is its reference. Without a GPU the kernels only run in Triton's
 interpreter (TRITON_INTERPRET=1 set before the ops are imported), on CPU tensors.
+
+The cache may hold another dtype than the model's (kv_cache_dtype): the write casts K/V to
+it on store (into fp16, saturating), and attention casts the query to it on load, runs its
+dots in it with fp32 accumulation, and stores the output in the query's dtype. So an fp32
+model with a 16-bit cache attends as a 16-bit model does (query and P rounded too, unlike
+the CPU path).
 """
 
 import torch

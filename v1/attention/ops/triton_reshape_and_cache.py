@@ -53,6 +53,11 @@ def _reshape_and_cache_kernel(
         value_ptr + tok64 * stride_v_tok + offs_h[:, None] * stride_v_head + offs_d[None, :],
         mask=mask,
     )
+    # Into an fp16 cache from a wider dtype (static: the pointers' types), +-65504 where inf
+    # would be.
+    if key_cache_ptr.dtype.element_ty == tl.float16 and key_ptr.dtype.element_ty != tl.float16:
+        k = tl.clamp(k.to(tl.float32), -65504.0, 65504.0, propagate_nan=tl.PropagateNan.ALL)
+        v = tl.clamp(v.to(tl.float32), -65504.0, 65504.0, propagate_nan=tl.PropagateNan.ALL)
     dst = blk * stride_c_blk + off * stride_c_off
     dst = dst + offs_h[:, None] * stride_c_head + offs_d[None, :]
     tl.store(key_cache_ptr + dst, k, mask=mask)
@@ -71,7 +76,9 @@ def reshape_and_cache(
     contiguous; extra padded rows beyond `len(slot_mapping)` are ignored).
     kv_cache: [2, num_blocks, block_size, num_kv_heads, head_size], contiguous in its last dim.
     slot_mapping: [n] integer slots; negative entries are skipped.
-    Values are cast to the cache's dtype on store.
+    Values are cast to the cache's dtype on store; into fp16 (from a wider dtype) they
+    saturate at +-65504, as the torch backend's write does (an inf key would make attention
+    NaN).
     """
     _check_device(key)
     num_tokens = slot_mapping.shape[0]

@@ -1,6 +1,8 @@
 """Building blocks shared by every architecture in `v1.models`, each written once.
 
-- `linear`: `Linear` (small CPU batches through a prepacked oneDNN weight) and `PackedWeight`;
+- `linear`: `Linear` and `VocabEmbedding`, each holding one copy of its weight: oneDNN-packed
+  fp32 (`PackedWeight`), GGUF blocks (`QuantizedWeight`), or plain;
+- `quant`: `QuantizedWeight`, Q4_1 / Q8_0 blocks and the kernels that multiply with them;
 - `norm`: `RMSNorm`, Llama's `w * x` and Gemma's `(1 + w) * x` flavours;
 - `rotary`: RoPE tables for the `rope_scaling` types transformers defines;
 - `mlp`: the gated MLP (`act(gate) * up`, silu or gelu-tanh);

@@ -1,74 +1,72 @@
-"""Linear layers whose small CPU batches multiply against a weight packed once.
+"""The layers that hold a weight matrix, `Linear` and `VocabEmbedding`, each keeping exactly one
+copy of its weight, in the form its matmul reads:
 
-MKL (behind F.linear) repacks the weight on every call, which costs a decode batch of 64 rows
-about a quarter of its GEMM time; oneDNN multiplies against a copy packed once (for a batch of
-~64 rows) in 20-35% less time up to ~128 rows (measured here on the default model: 30 layers at
-64 rows 145 -> 111 ms, the LM head 37 -> 27 ms). For big batches (prefill) MKL is as fast or
-faster, so only small ones take the packed path.
+- fp32 on CPU: a oneDNN-packed copy (`PackedWeight`), and no plain one. MKL (behind F.linear)
+  repacks the weight on every call and takes slower code paths on this AMD CPU; oneDNN against
+  a copy packed once took 0.4-0.6x F.linear's time from 4 to 2048 rows for the default model's
+  shapes (bench/bench_linear.py), so the packed copy serves every batch size;
+- the vocabulary matrix in fp32 (`VocabEmbedding`): plain, since lookups read its rows; as the
+  tied LM head it goes through oneDNN too (0.6-1.0x the packed copy's time, 0.3-0.6x
+  F.linear's: one copy of 113 MB for the default model instead of two);
+- quantized (`quantization="gguf"` / `"int8"`): `QuantizedWeight` blocks, as the GGUF file
+  stores them or made at load (Q8_0), and no fp32 copy at all;
+- anything else (CUDA, 16-bit dtypes): the plain weight, through F.linear.
+
+Loading: the model writes checkpoint rows into `weight` (a Parameter; fused projections arrive
+in pieces) and, once the last row is in, calls `finish_loading`, which turns it into its final
+form and frees the plain weight; GGUF blocks go in through `load_blocks` instead.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def _onednn_linear_available() -> bool:
-    try:
-        return (
-            torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        )
-    except (AttributeError, RuntimeError):
-        return False
-
-
-_ONEDNN_LINEAR = _onednn_linear_available()
+from v1.models.layers.onednn import ONEDNN_LINEAR, onednn_linear
+from v1.models.layers.quant import QK, QuantizedWeight
 
 
 class PackedWeight:
-    """A oneDNN-prepacked copy of a [out, in] fp32 weight for small-batch matmuls on CPU.
+    """A [out, in] fp32 CPU weight held only as oneDNN's packed copy (same size, its own
+    blocked layout)."""
 
-    The copy is rebuilt when the weight changes in place (new weights loaded) and costs one
-    more weight's memory.
-    """
+    __slots__ = ("packed", "out_features", "in_features")
 
-    __slots__ = ("_key", "_packed")
+    BATCH_HINT = 64  # the batch oneDNN picks its blocking for; it serves any batch size
 
-    BATCH_HINT = 64
-    MAX_ROWS = 128  # above this, F.linear (MKL)
+    def __init__(self, weight: torch.Tensor) -> None:
+        if not self.supports(weight):
+            raise ValueError(
+                f"PackedWeight takes fp32 CPU weights with oneDNN, got {weight.dtype} on "
+                f"{weight.device} (oneDNN: {ONEDNN_LINEAR})"
+            )
+        self.out_features, self.in_features = weight.shape
+        with torch.inference_mode(False), torch.no_grad():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(
+                weight.detach(), self.BATCH_HINT
+            )
 
-    def __init__(self) -> None:
-        self._key: tuple[int, int] | None = None
-        self._packed: torch.Tensor | None = None
+    @staticmethod
+    def supports(weight: torch.Tensor) -> bool:
+        return ONEDNN_LINEAR and weight.device.type == "cpu" and weight.dtype == torch.float32
 
-    def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-        max_rows: int = MAX_ROWS,
-    ) -> torch.Tensor:
-        if (
-            not _ONEDNN_LINEAR
-            or x.dim() != 2
-            or x.shape[0] > max_rows
-            or x.device.type != "cpu"
-            or x.dtype != torch.float32
-            or weight.dtype != torch.float32
-        ):
-            return F.linear(x, weight, bias)
-        key = (weight.data_ptr(), weight._version)
-        if key != self._key:
-            with torch.inference_mode(False), torch.no_grad():
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(
-                    weight.detach(), self.BATCH_HINT
-                )
-            self._key = key
-        return torch.ops.mkldnn._linear_pointwise(
-            x.contiguous(), self._packed, bias, "none", [], ""
-        )
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., in] @ weight.T (+ bias) -> [..., out]; x fp32 on CPU."""
+        return onednn_linear(x, self.packed, bias, self.out_features)
+
+    def unpack(self) -> torch.Tensor:
+        """The plain fp32 weight [out, in] (a copy), for inspection: the engine never needs it."""
+        return self.packed.to_dense()
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size()
 
 
-class Linear(nn.Linear):
-    """nn.Linear whose small CPU batches go through a prepacked weight (`PackedWeight`)."""
+class Linear(nn.Module):
+    """y = x @ W.T + b, W in one of the forms of the module docstring (`weight_form`)."""
+
+    # Whether finish_loading may pack the fp32 weight: not where its rows are read directly.
+    packable = True
 
     def __init__(
         self,
@@ -78,8 +76,126 @@ class Linear(nn.Linear):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        self.packed = PackedWeight()
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        # The plain weight, until finish_loading / load_blocks replace it (then None).
+        self.weight: nn.Parameter | None = nn.Parameter(
+            torch.empty(out_features, in_features, device=device, dtype=dtype)
+        )
+        self.bias: nn.Parameter | None = (
+            nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        )
+        self.kernel: PackedWeight | QuantizedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.packed.linear(x, self.weight, self.bias)
+        return self.linear(x)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel.linear(x, self.bias)
+        assert self.weight is not None
+        if PackedWeight.supports(self.weight) and x.dtype == torch.float32:
+            return onednn_linear(x, self.weight, self.bias, self.out_features)
+        return F.linear(x, self.weight, self.bias)
+
+    # ---- loading ------------------------------------------------------------------------
+
+    def finish_loading(self, quantize: str | None = None) -> None:
+        """All rows of `weight` are written: make the final form. `quantize`: a block kind
+        ("q8_0") to quantize the fp32 weight to, or None to keep it fp32 (packed on CPU). Rows
+        that are no whole number of blocks (in_features not a multiple of 32) stay fp32, as
+        llama.cpp's quantizer keeps such tensors unquantized."""
+        if self.kernel is not None:
+            return  # blocks, from load_blocks
+        assert self.weight is not None
+        if quantize is not None and self.in_features % QK == 0:
+            self.kernel = QuantizedWeight.quantize(self.weight.detach().float(), quantize)
+        elif self.packable and PackedWeight.supports(self.weight):
+            self.kernel = PackedWeight(self.weight)
+        else:
+            return
+        self.weight = None
+
+    def load_blocks(self, rows: tuple[int, int], blocks: QuantizedWeight, name: str) -> None:
+        """GGUF blocks for weight rows [start, end) (a fused projection's shard, or all)."""
+        start, end = rows
+        if self.kernel is None:
+            if self.weight is not None and self.weight.device.type != "cpu":
+                raise ValueError(f"{name}: quantized weights run on CPU only")
+            if start == 0 and end == self.out_features:
+                self.kernel = blocks
+            else:
+                # A fused weight: its shards are copied into one block tensor.
+                whole = torch.empty(self.out_features, blocks.blocks.shape[1], dtype=torch.uint8)
+                self.kernel = QuantizedWeight(
+                    blocks.kind, whole, self.out_features, self.in_features
+                )
+            self.weight = None
+        kernel = self.kernel
+        if not isinstance(kernel, QuantizedWeight) or kernel.kind != blocks.kind:
+            # The rows of one fused weight must share a form (GGUF files written by llama.cpp
+            # give q/k/v and gate/up one type).
+            have = kernel.kind if isinstance(kernel, QuantizedWeight) else "fp32"
+            raise ValueError(
+                f"{name} is stored as {blocks.kind}, but other rows of its fused weight as "
+                f"{have}: a fused projection needs one type"
+            )
+        if kernel is not blocks:
+            kernel.blocks[start:end].copy_(blocks.blocks)
+
+    def dequantize_blocks(self) -> nn.Parameter:
+        """Blocks back to a plain fp32 `weight` (returned), for a fused weight whose other
+        shards arrive in another type; rows not loaded yet hold garbage until written."""
+        assert isinstance(self.kernel, QuantizedWeight)
+        self.weight = nn.Parameter(self.kernel.dequantize(), requires_grad=False)
+        self.kernel = None
+        return self.weight
+
+    # ---- inspection ---------------------------------------------------------------------
+
+    @property
+    def weight_form(self) -> str:
+        """"fp32" (plain), "packed", or the block kind ("q4_1", "q8_0")."""
+        if isinstance(self.kernel, QuantizedWeight):
+            return self.kernel.kind
+        return "packed" if self.kernel is not None else "fp32"
+
+    @property
+    def weight_nbytes(self) -> int:
+        """Bytes held for the weight (bias not counted)."""
+        if self.kernel is not None:
+            return self.kernel.nbytes
+        assert self.weight is not None
+        return self.weight.numel() * self.weight.element_size()
+
+    def float_weight(self) -> torch.Tensor:
+        """The weight as a plain fp32 [out, in] matrix, whatever its form (a copy)."""
+        if isinstance(self.kernel, PackedWeight):
+            return self.kernel.unpack()
+        if isinstance(self.kernel, QuantizedWeight):
+            return self.kernel.dequantize()
+        assert self.weight is not None
+        return self.weight.detach().float().clone()
+
+
+class VocabEmbedding(Linear):
+    """The token embedding [vocab, hidden]: `forward` looks rows up. With tied embeddings it is
+    also the LM head (`linear`), so one matrix serves both; never packed, as lookups read its
+    rows (oneDNN's packed layout has no rows to read)."""
+
+    packable = False
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(embedding_dim, num_embeddings, bias=False, device=device, dtype=dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.kernel, QuantizedWeight):
+            return self.kernel.embedding(ids)
+        return F.embedding(ids, self.weight)

@@ -1,0 +1,232 @@
+"""GGUF block weights (v1.models.layers.quant): the bit layout against the gguf package, ggml's
+rounding, and each multiplication path against the torch reference."""
+
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from v1 import native
+from v1.models.layers import quant
+from v1.models.layers.quant import QuantizedWeight
+
+KINDS = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
+
+needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                              reason="no C compiler")
+
+
+def weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=g) * 0.05
+    w[0, :32] = 0.25  # a constant block: d = 0
+    w[-1, -32:] = torch.linspace(-1, 2, 32)  # a wide one
+    if in_features >= 64:
+        # Ties: d = 1 in both kinds (max |x| 127; max - min 15), so x * (1 / d) lands on
+        # halves, which ggml rounds away from zero (torch.round would round to even).
+        w[-1, :32] = torch.tensor([127.0, 0.0] + [k + 0.5 for k in range(-15, 15)])
+        w[0, 32:64] = torch.tensor([0.0, 15.0] + [k % 15 + 0.5 for k in range(30)])
+    return w
+
+
+def int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8 path sees it: q8_0 per block of 32 with an fp32 scale, dequantized."""
+    b = x.reshape(x.shape[0], -1, quant.QK)
+    d = b.abs().amax(-1, keepdim=True) / 127
+    return (quant._roundf(b * quant._inverse(d)) * d).reshape(x.shape)
+
+
+def close(a: torch.Tensor, b: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """a == b up to fp32 rounding of sums of |x| |w| products (x [..., in], w [out, in])."""
+    scale = (x.abs().double() @ w.abs().double().T).reshape(a.shape)
+    assert ((a.double() - b.double()).abs() <= 1e-6 * scale + 1e-6).all()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_blocks_are_ggml_bit_for_bit(kind: str) -> None:
+    w = weight(7, 96)
+    q = QuantizedWeight.quantize(w, kind)
+    assert q.blocks.shape == (7, 3 * quant.BLOCK_BYTES[kind]) and q.nbytes == q.blocks.numel()
+    assert np.array_equal(q.blocks.numpy(), gguf.quants.quantize(w.numpy(), KINDS[kind]))
+    deq = gguf.quants.dequantize(q.blocks.numpy(), KINDS[kind])
+    assert np.array_equal(q.dequantize().numpy(), deq)
+
+
+def test_q4_1_nibble_order() -> None:
+    """Value j < 16 is the low nibble of byte j, value j + 16 its high nibble."""
+    d_m = torch.tensor([1.0, 0.0]).to(torch.float16).view(torch.uint8)  # d = 1, m = 0
+    j = torch.arange(16, dtype=torch.uint8)
+    block = torch.cat([d_m, j | ((15 - j) << 4)])
+    w = QuantizedWeight("q4_1", block[None], 1, 32).dequantize()[0]
+    assert w.tolist() == list(range(16)) + list(range(15, -1, -1))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_quantize_round_trip(kind: str) -> None:
+    w = weight(5, 64, seed=1)
+    q = QuantizedWeight.quantize(w, kind)
+    blocks = w.reshape(5, -1, 32)
+    step = (blocks.abs().amax(-1) / 127 if kind == "q8_0"
+            else (blocks.amax(-1) - blocks.amin(-1)) / 15)
+    err = (q.dequantize() - w).reshape(5, -1, 32).abs().amax(-1)
+    assert (err <= step * 0.51 + blocks.abs().amax(-1) * 1e-3).all()  # + fp16 rounding of d, m
+    again = QuantizedWeight.quantize(q.dequantize(), kind)
+    assert (again.dequantize() - q.dequantize()).abs().max() <= step.max() * 1e-2
+
+
+def test_rows_concatenate() -> None:
+    """Fused projections: the blocks of stacked weights are the stacked blocks."""
+    a, b = weight(3, 64), weight(5, 64, seed=2)
+    fused = torch.cat([QuantizedWeight.quantize(t, "q4_1").blocks for t in (a, b)])
+    assert torch.equal(fused, QuantizedWeight.quantize(torch.cat([a, b]), "q4_1").blocks)
+
+
+@needs_cc
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", [(37, 96), (1, 32), (67, 160)])
+def test_fp32_path_matches_reference(kind: str, shape: tuple[int, int]) -> None:
+    assert quant._kernels() is not None, "C kernels unavailable (V1_CPU_KERNELS=0?)"
+    q = QuantizedWeight.quantize(weight(*shape), kind)
+    w = q.dequantize()
+    bias = torch.randn(shape[0])
+    for m in (1, 3, 4, 5, 8, 9, 16, 17, 65):  # each tile and its edges
+        x = torch.randn(m, shape[1])
+        ref = torch.nn.functional.linear(x.double(), w.double(), bias.double())
+        close(q.linear(x, bias, path="fp32"), ref, x, w)
+        assert q.linear(x, path="fp32").shape == (m, shape[0])
+
+
+@needs_cc
+@pytest.mark.parametrize("kind", KINDS)
+def test_int8_path_matches_quantized_activations(kind: str) -> None:
+    assert quant._kernels() is not None, "C kernels unavailable (V1_CPU_KERNELS=0?)"
+    q = QuantizedWeight.quantize(weight(41, 128), kind)
+    w = q.dequantize()
+    for m in (1, 3, 16, 17, 40, 70):  # 16 rows per vector, 64 per tile: cover the edges
+        x = torch.randn(m, 128)
+        x[0, :32] = 0  # a zero block: scale 0
+        got = q.linear(x, path="int8")
+        close(got, int8_activations(x).double() @ w.double().T, x, w)
+        # ... which is not what fp32 activations give: the path is really another one.
+        assert (got - q.linear(x, path="fp32")).abs().max() > 1e-4
+
+
+@needs_cc
+def test_path_by_batch_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    q = QuantizedWeight.quantize(weight(16, 64), "q8_0")
+    x = torch.randn(8, 64)
+    assert not torch.equal(q.linear(x, path="int8"), q.linear(x, path="fp32"))
+    monkeypatch.setattr(quant, "INT8_MIN_ROWS", 4)
+    assert torch.equal(q.linear(x[:3]), q.linear(x[:3], path="fp32"))
+    assert torch.equal(q.linear(x), q.linear(x, path="int8"))
+    monkeypatch.setattr(quant, "INT8_MIN_ROWS", None)
+    assert torch.equal(q.linear(x), q.linear(x, path="fp32"))
+    monkeypatch.setattr(quant, "DENSE_MIN_ROWS", 4)
+    assert not torch.equal(q.linear(x, path="dense"), q.linear(x, path="fp32"))
+    assert torch.equal(q.linear(x[:3]), q.linear(x[:3], path="fp32"))
+    assert torch.equal(q.linear(x), q.linear(x, path="dense"))
+
+
+@needs_cc
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_dense_path_dequantizes_in_c(kind: str) -> None:
+    """Big batches: the C dequantizer feeds a dense GEMM; the result is the reference's."""
+    assert quant._kernels() is not None, "C kernels unavailable (V1_CPU_KERNELS=0?)"
+    q = QuantizedWeight.quantize(weight(40, 96), kind)
+    x, bias = torch.randn(130, 96), torch.randn(40)
+    close(q.linear(x, bias, path="dense"), x @ q.dequantize().T + bias, x, q.dequantize())
+    w = torch.empty(40, 96)
+    quant._kernels().dequantize(quant._KIND_CODE[kind], q.blocks.data_ptr(), 40, 96, w.data_ptr())
+    torch.testing.assert_close(w, q.dequantize(), rtol=1e-6, atol=1e-6)
+
+
+def test_int8_min_rows_from_environment() -> None:
+    assert quant._int8_min_rows(None) is None and quant._int8_min_rows("") is None
+    assert quant._int8_min_rows("16") == 16
+    for bad in ("0", "-3", "x"):
+        with pytest.raises(ValueError, match=f"V1_QUANT_INT8_MIN_ROWS='{bad}'.*>= 1"):
+            quant._int8_min_rows(bad)
+
+
+@needs_cc
+def test_strided_and_batched_input() -> None:
+    assert quant._kernels() is not None, "C kernels unavailable (V1_CPU_KERNELS=0?)"
+    q = QuantizedWeight.quantize(weight(24, 64), "q4_1")
+    x = torch.randn(64, 6).T.reshape(2, 3, 64)  # not contiguous
+    ref = x.reshape(6, 64) @ q.dequantize().T
+    close(q.linear(x), ref.reshape(2, 3, 24), x, q.dequantize())
+    ld = torch.randn(5, 100)[:, :64]  # rows 100 apart
+    bias = torch.randn(48)[::2]
+    for path in ("fp32", "int8"):
+        assert torch.equal(q.linear(ld, path=path), q.linear(ld.contiguous(), path=path))
+        assert torch.equal(q.linear(ld, bias, path), q.linear(ld, bias.contiguous(), path))
+    close(q.linear(ld, path="fp32"), ld @ q.dequantize().T, ld, q.dequantize())
+
+
+# Builds without AVX-512 (flags after -march=native switch features off): the int8 path's
+# dot product then takes its other forms; the fp32 path's vectors lower to AVX2 or SSE.
+BUILDS = {"avx_vnni": ("-mno-avx512f",), "avx2": ("-mno-avx512f", "-mno-avxvnni"),
+          "portable": ("-mno-avx",)}
+
+
+@needs_cc
+@pytest.mark.parametrize("isa", BUILDS)
+def test_other_builds(isa: str) -> None:
+    """Each build computes what the native one does (O1: quicker to build)."""
+    lib = native.load(f"quant_{isa}", quant._SOURCE, (*BUILDS[isa], "-O1"))
+    assert lib is not None
+    kernels = quant._Kernels(lib)
+    # This ISA, or a lesser one on a CPU without it.
+    assert kernels.int8_isa == isa or isa != "portable" and kernels.int8_isa in ("avx2", "portable")
+    for kind in KINDS:
+        q = QuantizedWeight.quantize(weight(21, 96), kind)
+        for m in (3, 19):
+            x = torch.randn(m, 96)
+            for fn, path in ((kernels.fp32, "fp32"), (kernels.int8, "int8")):
+                y = torch.empty(m, 21)
+                fn(quant._KIND_CODE[kind], q.blocks.data_ptr(), 21, 96, x.data_ptr(), 96, m,
+                   None, y.data_ptr(), 21)
+                close(y, q.linear(x, path=path), x, q.dequantize())
+
+
+def test_torch_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """V1_CPU_KERNELS=0: every path is the reference, bit for bit; so are non-fp32 inputs."""
+    q = QuantizedWeight.quantize(weight(9, 64), "q4_1")
+    x = torch.randn(4, 64)
+    ref = torch.nn.functional.linear(x, q.dequantize())
+    assert torch.equal(q.linear(x, path="torch"), ref)
+    monkeypatch.setenv("V1_CPU_KERNELS", "0")
+    assert quant._kernels() is None
+    for path in (None, "fp32", "int8"):
+        assert torch.equal(q.linear(x, path=path), ref)
+    x16 = x.bfloat16()  # the weight follows the activations' dtype
+    assert torch.equal(q.linear(x16), torch.nn.functional.linear(x16, q.dequantize().bfloat16()))
+
+
+def test_embedding_rows() -> None:
+    q = QuantizedWeight.quantize(weight(10, 64), "q8_0")
+    ids = torch.tensor([[3, 0], [9, 3]])
+    assert torch.equal(q.embedding(ids), q.dequantize()[ids])
+
+
+def test_bad_shapes() -> None:
+    blocks = torch.zeros(4, 40, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="in_features=48"):
+        QuantizedWeight("q4_1", blocks, 4, 48)
+    with pytest.raises(ValueError, match=r"uint8 \[4, 40\], got torch.uint8 \[4, 34\]"):
+        QuantizedWeight("q4_1", blocks[:, :34], 4, 64)
+    with pytest.raises(ValueError, match="torch.int8"):
+        QuantizedWeight("q4_1", blocks.view(torch.int8), 4, 64)
+    with pytest.raises(ValueError, match="'q4_0'"):
+        QuantizedWeight("q4_0", blocks, 4, 64)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        QuantizedWeight.quantize(torch.zeros(4, 40))
+    with pytest.raises(ValueError, match="'q5_k'"):
+        QuantizedWeight.quantize(torch.zeros(4, 64), "q5_k")
+    q = QuantizedWeight("q4_1", blocks, 4, 64)
+    with pytest.raises(ValueError, match="input has 32 features, the weight takes 64"):
+        q.linear(torch.zeros(2, 32))
+    with pytest.raises(ValueError, match="'fast'"):
+        q.linear(torch.zeros(2, 64), path="fast")

@@ -1,0 +1,733 @@
+"""GGUF block-quantized weights (Q4_1, Q8_0) multiplied as they are stored.
+
+A `QuantizedWeight` keeps a weight's blocks bit-exact in the GGUF/ggml layout, one row of
+blocks per output row, so rows can be reordered or concatenated (fused q/k/v, gate/up) with
+plain tensor indexing and `torch.cat` on `blocks`. `quantize` rounds as ggml does; the torch
+reference (`dequantize`, then F.linear) computes what gguf's own dequantizers compute.
+
+`linear` on CPU with fp32 tensors runs C kernels (built by `v1.native`; V1_CPU_KERNELS=0, no
+compiler, other devices or dtypes: the torch reference). Two paths:
+- "fp32": each block is dequantized to fp32 in registers and meets the fp32 activations by
+  FMA, so the result is x @ dequantize().T up to fp32 rounding (sums in another order). Up to
+  4 rows, dot products over the blocks of 4 weight rows at a time; from 5 rows, a few weight
+  rows are dequantized into an L1 buffer and the activations, transposed once per call, run
+  against it as outer products (see the C source). Either way each weight byte is read and
+  dequantized once per call (for up to 64 rows).
+- "int8", llama.cpp's way: activations quantized per block of 32 to int8 (q8_0 rounding,
+  fp32 scale), integer dot products of 4-byte groups against 16 activation rows at once
+  (AVX-512 VNNI vpdpbusd, else AVX-VNNI, else AVX2 vpmaddubsw, else plain C: whatever the
+  compiler targets), block scales applied in fp32 and q4_1's offsets through the activation
+  block sums. The results change: each activation is rounded to 1/254 of its block's
+  largest magnitude.
+The tiles are sized for AVX-512's 32 registers of 16 floats. Builds for other x86 CPUs
+compute the same results (tests/worker/test_quant_kernels.py builds them) but are not tuned:
+their 64-byte vectors lower to pairs or quads of smaller ones and spill.
+
+Which path for which batch, by `bench/bench_quant_kernels.py` (2 threads of an AVX-512 VNNI
+EPYC shared with other work, load ~11; time of 30 layers + LM head in the GGUF's kinds, q4_1
+layers and q8_0 head, relative to fp32 oneDNN on prepacked weights; range of 3-4 runs):
+
+    rows       1          2          4          8          16         32         64
+    fp32   0.53-0.70  0.42-0.74  0.50-0.94  1.04-1.18  0.90-0.96  0.81-1.38  0.89-1.13
+    int8   0.86-1.07  0.61-0.99  0.76-1.06  0.59-1.01  0.30-0.55  0.36-0.54  0.40-0.52
+
+(A layer's weights stay in cache between the benchmark's calls; in the model the fp32
+weights, 540 MB, stream from memory, so the blocks' lead at a few rows is larger there.) fp32
+activations win up to 4 rows (no activation quantization, no idle int8 lanes); int8
+activations from 8 rows, and from 16 on they take about half the fp32 path's time. For
+larger batches the fp32 path can only match fp32 oneDNN: it does the same FMAs and saves
+memory traffic, which matters little there. Still, INT8_MIN_ROWS defaults to None (fp32
+activations at every batch size): `gguf` runs fp32's very weights and must agree with fp32's
+greedy tokens (issue 14: >= 0.97), and int8 activations everywhere gave perplexity +0.3% but
+greedy agreement 0.61 (`V1_QUANT_INT8_MIN_ROWS=1 .venv/bin/python bench/bench_quant.py
+--modes fp32 gguf --rounds 1`). V1_QUANT_INT8_MIN_ROWS=8 trades that accuracy for speed.
+
+From DENSE_MIN_ROWS rows (prefill chunks) a third path, "dense": the whole weight dequantized
+by C into fp32 once per call, then oneDNN's GEMM. Same figures' run, extended (`--rows
+32,64,128,512,2048 --rounds 3`, load ~2; model in the GGUF's kinds vs fp32 oneDNN):
+
+    rows      32     64     128    512    2048
+    fp32     1.05   1.10   1.13   1.32   1.57
+    dense    2.47   1.90   1.44   1.14   1.07
+    int8     0.47   0.50   0.51   0.58   0.69
+"""
+
+import ctypes
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+from v1 import native
+from v1.models.layers.onednn import ONEDNN_LINEAR, onednn_linear
+
+QK = 32  # values per block
+# Bytes per block. q8_0: fp16 d, int8 qs[32]; x = d * q. q4_1: fp16 d, fp16 m, uint8 qs[16];
+# x = d * nibble + m, element j < 16 the low nibble of qs[j], element j + 16 its high nibble.
+BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
+
+# How `linear` multiplies on CPU: "fp32" (blocks dequantized in registers, fp32 activations),
+# "int8" (activations quantized per block to int8, integer dot products), or "torch" (the
+# reference: dequantize, F.linear). Without `path`, batches of at least INT8_MIN_ROWS rows
+# take "int8" and smaller ones "fp32"; None: always "fp32".
+PATHS = ("fp32", "int8", "dense", "torch")
+
+
+def _int8_min_rows(value: str | None) -> int | None:
+    """V1_QUANT_INT8_MIN_ROWS: unset or empty for None, else a row count >= 1."""
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"V1_QUANT_INT8_MIN_ROWS={value!r}: expected an integer >= 1 or empty")
+    return int(value)
+
+
+INT8_MIN_ROWS: int | None = _int8_min_rows(os.environ.get("V1_QUANT_INT8_MIN_ROWS"))
+# Batches of at least this many rows (prefill) take "dense": the whole weight dequantized to
+# fp32 by C once per call, then oneDNN's fp32 GEMM, which outruns the fp32 block path from
+# about 256 rows while the dequantization costs a few rows' worth of work (figures in the
+# module docstring). The results are the fp32 path's up to rounding (same weights).
+DENSE_MIN_ROWS: int | None = 256
+
+
+class QuantizedWeight:
+    """A [out_features, in_features] weight as GGUF blocks (uint8 [out, in / 32 * bytes])."""
+
+    __slots__ = ("kind", "out_features", "in_features", "blocks")
+
+    def __init__(self, kind: str, blocks: torch.Tensor, out_features: int, in_features: int):
+        if kind not in BLOCK_BYTES:
+            raise ValueError(f"quantization kind {kind!r} is not one of {sorted(BLOCK_BYTES)}")
+        if in_features <= 0 or in_features % QK:
+            raise ValueError(f"in_features={in_features} must be a positive multiple of {QK}")
+        if out_features <= 0:
+            raise ValueError(f"out_features={out_features} must be positive")
+        shape = (out_features, in_features // QK * BLOCK_BYTES[kind])
+        if blocks.dtype != torch.uint8 or tuple(blocks.shape) != shape:
+            raise ValueError(
+                f"{kind} blocks must be uint8 {list(shape)}, got {blocks.dtype} "
+                f"{list(blocks.shape)}"
+            )
+        self.kind = kind
+        self.out_features = out_features
+        self.in_features = in_features
+        self.blocks = blocks.contiguous()
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, kind: str = "q8_0") -> "QuantizedWeight":
+        """Blocks of the fp32 weight `w` [out, in], rounded as ggml's reference quantizers."""
+        if kind not in BLOCK_BYTES:
+            raise ValueError(f"quantization kind {kind!r} is not one of {sorted(BLOCK_BYTES)}")
+        if w.dim() != 2 or w.shape[1] % QK:
+            raise ValueError(
+                f"weight shape {list(w.shape)}: expected [out, in] with in a multiple of {QK}"
+            )
+        out_features, in_features = w.shape
+        x = w.detach().to(torch.float32).reshape(out_features, -1, QK)
+        if kind == "q8_0":
+            d = x.abs().amax(-1, keepdim=True) / 127
+            q = _roundf(x * _inverse(d)).to(torch.int8).view(torch.uint8)
+            parts = [_fp16_bytes(d), q]
+        else:
+            lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+            d = (hi - lo) / 15
+            # ggml: MIN(15, (int8_t)((x - min) * id + 0.5f)), a truncation of a value >= 0.
+            q = ((x - lo) * _inverse(d) + 0.5).trunc().clamp(0, 15).to(torch.uint8)
+            parts = [_fp16_bytes(d), _fp16_bytes(lo), q[..., :16] | (q[..., 16:] << 4)]
+        blocks = torch.cat(parts, -1).reshape(out_features, -1)
+        return cls(kind, blocks, out_features, in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight [out, in], computed as gguf's reference dequantizers do."""
+        return _dequantize(self.kind, self.blocks)
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 rows [*ids.shape, in] for token ids: only the rows asked for are dequantized."""
+        rows = _dequantize(self.kind, self.blocks[ids.reshape(-1)])
+        return rows.reshape(*ids.shape, self.in_features)
+
+    def linear(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, path: str | None = None
+    ) -> torch.Tensor:
+        """x [..., in] @ weight.T (+ bias) -> [..., out]. `path` (one of PATHS) overrides the
+        choice by batch size; the C kernels serve fp32 CPU tensors when they can be built,
+        anything else takes the torch reference."""
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"input has {x.shape[-1]} features, the weight takes {self.in_features}"
+            )
+        if path is not None and path not in PATHS:
+            raise ValueError(f"path {path!r} is not one of {PATHS}")
+        m = x.numel() // self.in_features
+        if path is None:
+            if INT8_MIN_ROWS is not None and m >= INT8_MIN_ROWS:
+                path = "int8"
+            else:
+                path = "dense" if DENSE_MIN_ROWS is not None and m >= DENSE_MIN_ROWS else "fp32"
+        kernels = _kernels() if path != "torch" and self._native_ok(x, bias) else None
+        if kernels is None or m == 0:
+            return F.linear(x, self.dequantize().to(x.dtype), bias)
+        if path == "dense":
+            w = torch.empty(self.out_features, self.in_features)
+            kernels.dequantize(
+                _KIND_CODE[self.kind], self.blocks.data_ptr(), self.out_features,
+                self.in_features, w.data_ptr(),
+            )
+            if ONEDNN_LINEAR:
+                return onednn_linear(x, w, bias, self.out_features)
+            return F.linear(x, w, bias)
+        rows = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty(m, self.out_features)
+        bias = None if bias is None else bias.contiguous()  # held: the kernel reads it
+        fn = kernels.int8 if path == "int8" else kernels.fp32
+        if fn(
+            _KIND_CODE[self.kind], self.blocks.data_ptr(), self.out_features, self.in_features,
+            rows.data_ptr(), rows.stride(0), m, None if bias is None else bias.data_ptr(),
+            out.data_ptr(), self.out_features,
+        ):
+            raise MemoryError(f"no scratch memory for a {m} x {self.in_features} {path} matmul")
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
+
+    def _native_ok(self, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """What the C kernels take: fp32 on the CPU, blocks contiguous."""
+        return (
+            x.dtype == torch.float32 and x.is_cpu and self.blocks.is_cpu
+            and self.blocks.is_contiguous()
+            and (bias is None or bias.dtype == torch.float32 and bias.is_cpu)
+        )
+
+    def __repr__(self) -> str:
+        return f"QuantizedWeight({self.kind}, {self.out_features}x{self.in_features})"
+
+
+def _inverse(d: torch.Tensor) -> torch.Tensor:
+    """1 / d, and 0 where d is 0 (a block of equal values), as ggml."""
+    return torch.where(d == 0, 0.0, 1.0 / d)
+
+
+def _roundf(x: torch.Tensor) -> torch.Tensor:
+    """C's roundf (halves away from zero), exactly: torch.round rounds halves to even."""
+    a = x.abs()
+    whole = a.floor()
+    return torch.sign(x) * (whole + (2 * (a - whole)).floor())
+
+
+def _fp16_bytes(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float16).view(torch.uint8)
+
+
+def _fp16(b: torch.Tensor) -> torch.Tensor:
+    return b.contiguous().view(torch.float16).to(torch.float32)
+
+
+def _dequantize(kind: str, blocks: torch.Tensor) -> torch.Tensor:
+    rows, nb = blocks.shape[0], blocks.shape[1] // BLOCK_BYTES[kind]
+    b = blocks.reshape(rows, nb, BLOCK_BYTES[kind])  # nb named: rows may be 0 (no token ids)
+    d = _fp16(b[..., 0:2])
+    if kind == "q8_0":
+        w = b[..., 2:].contiguous().view(torch.int8).to(torch.float32) * d
+    else:
+        qs = b[..., 4:]
+        q = torch.cat((qs & 15, qs >> 4), -1).to(torch.float32)
+        w = d * q + _fp16(b[..., 2:4])
+    return w.reshape(rows, nb * QK)
+
+
+# ---- the C kernels ------------------------------------------------------------------------
+
+_KIND_CODE = {"q4_1": 0, "q8_0": 1}
+_INT8_ISAS = ("portable", "avx2", "avx_vnni", "avx512_vnni")  # by the C's INT8_ISA
+
+_SOURCE = r"""#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include <omp.h>
+#if defined(__F16C__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+/* GGUF blocks of 32 values, a weight row = nb consecutive blocks (see BLOCK_BYTES in Python):
+   q4_1: fp16 d, fp16 m, 16 bytes of nibbles (value j < 16 low nibble of byte j, j + 16 high);
+   q8_0: fp16 d, 32 int8. */
+enum { QK = 32, Q4_1 = 0, Q8_0 = 1 };
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef double v8d __attribute__((vector_size(64)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+
+static inline v16 load16(const float *p) { v16 x; memcpy(&x, p, 64); return x; }
+static inline v16i load16i(const void *p) { v16i x; memcpy(&x, p, 64); return x; }
+static inline float hsum16(v16 x) {
+    v16 a = x + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    a += __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    a += __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    return a[0] + a[1];
+}
+
+static inline int64_t block_bytes(int kind) { return kind == Q4_1 ? 20 : 34; }
+
+/* Weights stream from memory once per call; the kernels prefetch this many bytes ahead of
+   each weight row they read: on the 2-core EPYC VM this was written on, the hardware
+   prefetchers alone left a one-row LM head (30 MB of q8_0) waiting on memory most of the
+   time. Threads take weight rows a few tiles at a time (schedule(dynamic, 8)): on a shared
+   machine one thread may lose its core for a while; the other then takes the rest of the
+   rows, and the parallel region ends soon after the first one gets its core back. */
+enum { PREFETCH = 8192 };
+
+/* IEEE half at p (any alignment) as float. */
+static inline float fp16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (e == 0) {  /* zero or subnormal: man * 2^-24, exact in float */
+        float f = (float)man * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    bits = sign | (e == 0x1f ? 0x7f800000u : (e + 112) << 23) | (man << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* ---- fp32 activations: blocks dequantized to fp32, FMA with the activations ------------- */
+
+/* One block's 32 floats. q4_1's d * q + m is one FMA here (gguf rounds the product first:
+   at most 1 ulp apart). Bytes are widened to int32 before float: GCC 12 converts bytes
+   straight to float one at a time, and widens only unsigned bytes in one instruction
+   (vpmovzxbd), so q8_0's signed bytes go through uint8 (q ^ 0x80 = q + 128). */
+static inline __attribute__((always_inline)) void dequant_block(int kind, const uint8_t *p,
+                                                                v16 *lo, v16 *hi) {
+    float d = fp16(p);
+    if (kind == Q4_1) {
+        float m = fp16(p + 2);
+        u8x16 q;
+        memcpy(&q, p + 4, 16);
+        *lo = __builtin_convertvector(__builtin_convertvector(q & 15, v16i), v16) * d + m;
+        *hi = __builtin_convertvector(__builtin_convertvector(q >> 4, v16i), v16) * d + m;
+    } else {
+        u8x16 a, b;
+        memcpy(&a, p + 2, 16);
+        memcpy(&b, p + 18, 16);
+        *lo = __builtin_convertvector(__builtin_convertvector(a ^ 0x80, v16i) - 128, v16) * d;
+        *hi = __builtin_convertvector(__builtin_convertvector(b ^ 0x80, v16i) - 128, v16) * d;
+    }
+}
+
+/* Three tiles, by the number of activation rows M:
+   - M <= DOT_ROWS_MAX, dot products: NR weight rows x up to MR activation rows. Each block
+     of the NR rows is dequantized into registers and meets the activation rows there; each
+     of the NR x MR sums is spread over a vector and reduced at the end.
+   - otherwise outer products: a few weight rows are dequantized once into a scratch buffer
+     `wb` (L1-sized for K up to ~1.5k); the activations, transposed once per call into `xt`,
+     run against it, weight values broadcast, so each loaded vector serves every row of the
+     tile. Up to PAIR_ROWS_MAX rows a vector holds 8 activation rows x 2 consecutive k (a
+     broadcast weight pair serves 16 products; with 16 rows x 1 k, 8 rows would leave half of
+     each vector idle), 12 weight rows per tile; beyond, 16 rows x 1 k, 6 weight rows and up
+     to 64 activation rows per tile.
+   Each way the weight is read and dequantized once per call (for up to 64 rows). */
+enum { NR = 4, MR = 4, DOT_ROWS_MAX = 4, PAIR_ROWS_MAX = 16, NL_PAIRS = 12, NL = 6, MV = 4 };
+
+/* y[m][r] = x[m] . W[r] (+ bias[r]) for r < nr, m < mr; rows past nr repeat the last one. */
+static inline __attribute__((always_inline)) void tile_dot(
+    int kind, const uint8_t *w, int64_t row_bytes, int nr, int64_t nb, const float *x,
+    int64_t ldx, int mr, float *y, int64_t ldy, const float *bias) {
+    const int64_t bytes = block_bytes(kind);
+    const uint8_t *row[NR];
+    for (int r = 0; r < NR; r++) row[r] = w + (r < nr ? r : nr - 1) * row_bytes;
+    v16 acc[NR][MR] = {{{0}}};
+    for (int64_t b = 0; b < nb; b++) {
+        v16 lo[NR], hi[NR];
+        for (int r = 0; r < NR; r++) {
+            __builtin_prefetch(row[r] + b * bytes + PREFETCH);
+            dequant_block(kind, row[r] + b * bytes, &lo[r], &hi[r]);
+        }
+        for (int m = 0; m < mr; m++) {
+            const v16 x0 = load16(x + m * ldx + b * QK), x1 = load16(x + m * ldx + b * QK + 16);
+            for (int r = 0; r < NR; r++) acc[r][m] += lo[r] * x0 + hi[r] * x1;
+        }
+    }
+    for (int m = 0; m < mr; m++)
+        for (int r = 0; r < nr; r++) y[m * ldy + r] = hsum16(acc[r][m]) + (bias ? bias[r] : 0.f);
+}
+
+/* Where x[m][k] goes in xt: lane (m % 16) of vector m / 16 at row k, or with pairs, lane
+   2 (m % 8) + k % 2 of vector m / 8 at row k / 2. */
+static inline int64_t xt_index(int64_t m, int64_t k, int pairs, int64_t ldxt) {
+    return pairs ? k / 2 * ldxt + m / 8 * 16 + m % 8 * 2 + k % 2 : k * ldxt + m;
+}
+
+/* y[m][r] = x[m] . wb[r] (+ bias[r]) for r < nr, m < rows (at most 16 mv, 8 mv with pairs);
+   nl weight rows, mv vectors of activations. */
+static inline __attribute__((always_inline)) void tile_outer(
+    const float *wb, int64_t K, const float *xt, int64_t ldxt, int nl, int mv, int pairs,
+    float *y, int64_t ldy, int nr, int64_t rows, const float *bias) {
+    v16 acc[NL_PAIRS][MV] = {{{0}}};
+    for (int64_t k = 0; k < K; k += 1 + pairs) {
+        v16 xv[MV];
+        for (int v = 0; v < mv; v++) xv[v] = load16(xt + (k >> pairs) * ldxt + 16 * v);
+        for (int r = 0; r < nl; r++) {
+            v16 wk;
+            /* One broadcast load (an element list: `{0} + w` would add -0 + 0). */
+            if (pairs) {  /* wb[r][k], wb[r][k + 1], repeated */
+                double t;
+                memcpy(&t, wb + r * K + k, 8);
+                wk = (v16)(v8d){t, t, t, t, t, t, t, t};
+            } else {
+                const float t = wb[r * K + k];
+                wk = (v16){t, t, t, t, t, t, t, t, t, t, t, t, t, t, t, t};
+            }
+            for (int v = 0; v < mv; v++) acc[r][v] += xv[v] * wk;
+        }
+    }
+    const int per = 16 >> pairs;  /* activation rows per vector */
+    for (int v = 0; v < mv; v++)
+        for (int l = 0; l < per && per * v + l < rows; l++)
+            for (int r = 0; r < nr; r++) {
+                const float sum = pairs ? acc[r][v][2 * l] + acc[r][v][2 * l + 1] : acc[r][v][l];
+                y[(per * v + l) * ldy + r] = sum + (bias ? bias[r] : 0.f);
+            }
+}
+
+/* nl rows from `w` into wb (rows past nr repeat the last one). */
+static inline __attribute__((always_inline)) void dequant_rows(
+    int kind, const uint8_t *w, int64_t row_bytes, int nl, int nr, int64_t K, float *wb) {
+    const int64_t bytes = block_bytes(kind);
+    for (int r = 0; r < nl; r++) {
+        const uint8_t *row = w + (r < nr ? r : nr - 1) * row_bytes;
+        for (int64_t b = 0; b < K / QK; b++) {
+            v16 lo, hi;
+            __builtin_prefetch(row + b * bytes + PREFETCH);
+            dequant_block(kind, row + b * bytes, &lo, &hi);
+            memcpy(wb + r * K + b * QK, &lo, 64);
+            memcpy(wb + r * K + b * QK + 16, &hi, 64);
+        }
+    }
+}
+
+#define TILE_OUTER(NL_, MV_, PAIRS_) \
+    tile_outer(wb, K, xt + m0, ldxt, NL_, MV_, PAIRS_, y + m0 * ldy + n0, ldy, nr, M - m0, bn)
+
+/* y[M, N] = x[M, K] @ W[N, K].T (+ bias), blocks of `kind` (a constant at each call).
+   0, or -1 when scratch memory cannot be had. */
+static inline __attribute__((always_inline)) int32_t linear_f32(
+    int kind, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t ldx, int64_t M,
+    const float *bias, float *y, int64_t ldy) {
+    const int64_t nb = K / QK, row_bytes = nb * block_bytes(kind);
+    if (M <= DOT_ROWS_MAX) {
+        #pragma omp parallel for schedule(dynamic, 8)
+        for (int64_t n0 = 0; n0 < N; n0 += NR) {
+            const int nr = N - n0 < NR ? (int)(N - n0) : NR;
+            const uint8_t *wn = w + n0 * row_bytes;
+            const float *bn = bias ? bias + n0 : NULL;
+            switch (M) {
+                case 1: tile_dot(kind, wn, row_bytes, nr, nb, x, ldx, 1, y + n0, ldy, bn); break;
+                case 2: tile_dot(kind, wn, row_bytes, nr, nb, x, ldx, 2, y + n0, ldy, bn); break;
+                case 3: tile_dot(kind, wn, row_bytes, nr, nb, x, ldx, 3, y + n0, ldy, bn); break;
+                default: tile_dot(kind, wn, row_bytes, nr, nb, x, ldx, 4, y + n0, ldy, bn);
+            }
+        }
+        return 0;
+    }
+    const int pairs = M <= PAIR_ROWS_MAX, nl = pairs ? NL_PAIRS : NL;
+    const int64_t ldxt = pairs ? (M + 7) / 8 * 16 : (M + 15) / 16 * 16;
+    /* xt, then a weight buffer per thread (64-byte aligned: K is a multiple of 32). */
+    const int64_t xt_floats = (pairs ? K / 2 : K) * ldxt, wb_floats = nl * K;
+    float *xt = aligned_alloc(64, (size_t)(xt_floats + omp_get_max_threads() * wb_floats) * 4);
+    if (!xt) return -1;
+    memset(xt, 0, (size_t)xt_floats * sizeof(float));
+    #pragma omp parallel
+    {
+        #pragma omp for schedule(static)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t m = 0; m < M; m++) xt[xt_index(m, k, pairs, ldxt)] = x[m * ldx + k];
+        float *wb = xt + xt_floats + omp_get_thread_num() * wb_floats;
+        #pragma omp for schedule(dynamic, 8)
+        for (int64_t n0 = 0; n0 < N; n0 += nl) {
+            const int nr = N - n0 < nl ? (int)(N - n0) : nl;
+            const float *bn = bias ? bias + n0 : NULL;
+            dequant_rows(kind, w + n0 * row_bytes, row_bytes, nl, nr, K, wb);
+            if (pairs) {
+                const int64_t m0 = 0;
+                if (M > 8) TILE_OUTER(NL_PAIRS, 2, 1);
+                else TILE_OUTER(NL_PAIRS, 1, 1);
+                continue;
+            }
+            for (int64_t m0 = 0; m0 < M; m0 += 16 * MV) {
+                const int64_t rows = M - m0;
+                switch (rows > 48 ? 4 : rows > 32 ? 3 : rows > 16 ? 2 : 1) {
+                    case 1: TILE_OUTER(NL, 1, 0); break;
+                    case 2: TILE_OUTER(NL, 2, 0); break;
+                    case 3: TILE_OUTER(NL, 3, 0); break;
+                    default: TILE_OUTER(NL, 4, 0);
+                }
+            }
+        }
+    }
+    free(xt);
+    return 0;
+}
+
+int32_t v1_q_linear_f32(int32_t kind, const uint8_t *w, int64_t N, int64_t K, const float *x,
+                        int64_t ldx, int64_t M, const float *bias, float *y, int64_t ldy) {
+    return kind == Q4_1 ? linear_f32(Q4_1, w, N, K, x, ldx, M, bias, y, ldy)
+                        : linear_f32(Q8_0, w, N, K, x, ldx, M, bias, y, ldy);
+}
+
+/* ---- int8 activations: integer dot products, as llama.cpp ------------------------------- */
+
+/* Activations are quantized per block of 32 as q8_0 (dx = max|x| / 127, q = round(x / dx))
+   and laid out so that one 64-byte vector holds 4 consecutive values of 16 rows:
+     A[((g * nb + b) * 8 + j) * 16 + l]   int8 x 4: row 16 g + l, values 32 b + 4 j .. + 3
+     D, Q, T[(g * nb + b) * 16 + l]       dx, sum of the q, dx * sum (float)
+   A weight's 4 bytes for the same values, broadcast, then meet 16 rows in one u8 x s8 dot
+   product (vpdpbusd). Weights must be the unsigned side: q4_1's nibbles are; q8_0's bytes
+   are offset by 128 (q ^ 0x80), taken back as 128 * sum(q) per block. Rows past M are 0. */
+enum { LANES = 16, GROUPS = QK / 4 };
+
+/* C's roundf (halves away from zero) on 16 lanes, exactly, for |v| < 2^31. */
+static inline v16i round16(v16 v) {
+    const v16 a = (v16)((v16i)v & 0x7fffffff);
+    const v16i t = __builtin_convertvector(a, v16i);  /* truncated */
+    const v16i r = t - (a - __builtin_convertvector(t, v16) >= 0.5f);  /* true is -1 */
+    const v16i neg = v < 0.f;
+    return (r ^ neg) - neg;
+}
+
+static void quantize_row(const float *x, int64_t nb, int64_t row, int32_t *A, float *D,
+                         int32_t *Q, float *T) {
+    const int64_t g = row / LANES, l = row % LANES;
+    for (int64_t b = 0; b < nb; b++) {
+        const v16 x0 = load16(x + b * QK), x1 = load16(x + b * QK + 16);
+        const v16i a0 = (v16i)x0 & 0x7fffffff, a1 = (v16i)x1 & 0x7fffffff;
+        const v16i gt = a0 > a1, m = (a0 & gt) | (a1 & ~gt);  /* |x| compare as integers */
+        int32_t amax_bits = 0;
+        for (int i = 0; i < 16; i++) amax_bits = m[i] > amax_bits ? m[i] : amax_bits;
+        float amax;
+        memcpy(&amax, &amax_bits, 4);
+        const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+        const v16i q0 = round16(x0 * id), q1 = round16(x1 * id);
+        const v16i s = q0 + q1;
+        int32_t sum = 0;
+        for (int i = 0; i < 16; i++) sum += s[i];
+        uint8_t q[QK];
+        const u8x16 b0 = __builtin_convertvector(q0 & 255, u8x16);
+        const u8x16 b1 = __builtin_convertvector(q1 & 255, u8x16);
+        memcpy(q, &b0, 16);
+        memcpy(q + 16, &b1, 16);
+        const int64_t gb = g * nb + b;
+        for (int j = 0; j < GROUPS; j++) memcpy(A + (gb * GROUPS + j) * LANES + l, q + 4 * j, 4);
+        D[gb * LANES + l] = d;
+        Q[gb * LANES + l] = sum;
+        T[gb * LANES + l] = d * (float)sum;
+    }
+}
+
+/* The integer dot product: vpdpbusd on 16 lanes (AVX-512 VNNI) or on two halves of 8
+   (AVX-VNNI), else AVX2's vpmaddubsw + vpmaddwd, else plain C. vpmaddubsw saturates its pair
+   sums at 32767, which (q8_0 + 128) x 127 x 2 passes: with it, q8_0's bytes stay signed and
+   their signs move onto the activations (|w| x sign(x, w) = w x x), no offset. */
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#define INT8_ISA 3
+#elif defined(__AVXVNNI__)
+#define INT8_ISA 2
+#elif defined(__AVX2__)
+#define INT8_ISA 1
+#else
+#define INT8_ISA 0
+#endif
+enum { Q8_OFFSET = INT8_ISA != 1 };  /* q8_0 bytes go in + 128 (else signed, see above) */
+
+/* acc[l] += sum over t < 4 of byte t of u * byte t of lane l of s (signed): u unsigned, or
+   signed for q8_0 without Q8_OFFSET. */
+static inline v16i dot4(v16i acc, v16i u, const int32_t *s) {
+#if INT8_ISA == 3
+    return (v16i)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)u, _mm512_loadu_si512(s));
+#elif INT8_ISA >= 1
+    __m256i a[2], w[2];
+    memcpy(a, &acc, 64);
+    memcpy(w, &u, 64);
+    for (int h = 0; h < 2; h++) {
+        __m256i x = _mm256_loadu_si256((const __m256i *)(s + 8 * h));
+#if INT8_ISA == 2
+        a[h] = _mm256_dpbusd_avx_epi32(a[h], w[h], x);
+#else
+        x = _mm256_sign_epi8(x, w[h]);  /* no-op for q4_1: its bytes are positive or 0 */
+        const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w[h], w[h]), x);
+        a[h] = _mm256_add_epi32(a[h], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+    }
+    memcpy(&acc, a, 64);
+    return acc;
+#else
+    const v16i sv = load16i(s);
+    for (int t = 0; t < 4; t++)  /* byte t of each lane: sign-extended in s, not in u */
+        acc += ((sv << (24 - 8 * t)) >> 24) * ((u >> (8 * t)) & 255);
+    return acc;
+#endif
+}
+
+/* Tile: NRI weight rows x GM groups of 16 activation rows, NRI <= 8, GM <= 4. kind, NRI
+   and GM are constants at each call (the arrays stay in registers). */
+static inline __attribute__((always_inline)) void tile_i8(
+    int kind, const uint8_t *w, int64_t row_bytes, int nr, int64_t nb, const int32_t *A,
+    const float *D, const int32_t *Q, const float *T, int NRI, int GM, float *y,
+    int64_t ldy, int64_t rows, const float *bias) {
+    const int64_t bytes = block_bytes(kind);
+    v16 acc[8][4];
+    for (int r = 0; r < NRI; r++)
+        for (int g = 0; g < GM; g++) acc[r][g] = (v16){0};
+    const uint8_t *row[8];
+    for (int r = 0; r < NRI; r++) row[r] = w + (r < nr ? r : nr - 1) * row_bytes;
+    for (int64_t b = 0; b < nb; b++) {
+        for (int r = 0; r < NRI; r++) __builtin_prefetch(row[r] + b * bytes + PREFETCH);
+        v16i dot[8][4];
+        for (int r = 0; r < NRI; r++)
+            for (int g = 0; g < GM; g++) dot[r][g] = (v16i){0};
+        #pragma GCC unroll 8
+        for (int j = 0; j < GROUPS; j++)
+            for (int r = 0; r < NRI; r++) {
+                /* The row's 4 bytes for these values, in every lane (a broadcast load);
+                   q4_1's values j and j + 16 share byte j. */
+                const uint8_t *p = row[r] + b * bytes;
+                int32_t bytes4;
+                memcpy(&bytes4, kind == Q4_1 ? p + 4 + 4 * (j & 3) : p + 2 + 4 * j, 4);
+                v16i u = (v16i){0} + bytes4;
+                if (kind == Q4_1)
+                    u = (j < 4 ? u : u >> 4) & 0x0f0f0f0f;
+                else
+                    u ^= Q8_OFFSET ? (int32_t)0x80808080u : 0;
+                for (int g = 0; g < GM; g++)
+                    dot[r][g] = dot4(dot[r][g], u, A + ((g * nb + b) * GROUPS + j) * LANES);
+            }
+        for (int g = 0; g < GM; g++) {
+            const int64_t gb = (g * nb + b) * LANES;
+            const v16 dx = load16(D + gb);
+            if (kind == Q4_1) {
+                const v16 t = load16(T + gb);
+                for (int r = 0; r < NRI; r++) {
+                    const uint8_t *p = row[r] + b * bytes;
+                    acc[r][g] += __builtin_convertvector(dot[r][g], v16) * (dx * fp16(p))
+                                 + t * fp16(p + 2);
+                }
+            } else {
+                const v16i q128 = Q8_OFFSET ? load16i(Q + gb) << 7 : (v16i){0};
+                for (int r = 0; r < NRI; r++)
+                    acc[r][g] += __builtin_convertvector(dot[r][g] - q128, v16)
+                                 * (dx * fp16(row[r] + b * bytes));
+            }
+        }
+    }
+    for (int g = 0; g < GM; g++)
+        for (int l = 0; l < LANES && g * LANES + l < rows; l++)
+            for (int r = 0; r < nr; r++)
+                y[(g * LANES + l) * ldy + r] = acc[r][g][l] + (bias ? bias[r] : 0.f);
+}
+
+#define TILE_I8(KIND_, NRI_, GM_) \
+    tile_i8(KIND_, wn, row_bytes, nr, nb, Am, Dm, Qm, Tm, NRI_, GM_, ym, ldy, M - m0, bn)
+/* Two groups (32 rows) of 6 weight rows use 24 vector registers (12 products in flight, 12
+   sums); with a single group, 8 weight rows keep enough products in flight. Three or four
+   groups at once would run out of registers. */
+#define TILES_I8(KIND_)                                 \
+    if (nri == 8) TILE_I8(KIND_, 8, 1);                 \
+    else if (gm == 2) TILE_I8(KIND_, 6, 2);             \
+    else TILE_I8(KIND_, 6, 1);
+
+/* As v1_q_linear_f32, through int8 activations. 0, or -1 without scratch memory. */
+int32_t v1_q_linear_i8(int32_t kind, const uint8_t *w, int64_t N, int64_t K, const float *x,
+                       int64_t ldx, int64_t M, const float *bias, float *y, int64_t ldy) {
+    const int64_t nb = K / QK, row_bytes = nb * block_bytes(kind);
+    const int64_t G = (M + LANES - 1) / LANES, per_group = nb * LANES;
+    /* A, then D, Q, T (4-byte elements all); rows past M stay 0. */
+    int32_t *A = calloc((size_t)(G * per_group * (GROUPS + 3)), 4);
+    if (!A) return -1;
+    int32_t *Q = A + G * per_group * GROUPS;
+    float *D = (float *)(Q + G * per_group), *T = D + G * per_group;
+    const int nri = G == 1 ? 8 : 6;
+    #pragma omp parallel
+    {
+        #pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) quantize_row(x + m * ldx, nb, m, A, D, Q, T);
+        #pragma omp for schedule(dynamic, 8)
+        for (int64_t n0 = 0; n0 < N; n0 += nri) {
+            const int nr = N - n0 < nri ? (int)(N - n0) : nri;
+            const uint8_t *wn = w + n0 * row_bytes;
+            const float *bn = bias ? bias + n0 : NULL;
+            for (int64_t g0 = 0; g0 < G; g0 += 2) {
+                const int64_t m0 = g0 * LANES, o = g0 * per_group;
+                const int32_t *Am = A + o * GROUPS, *Qm = Q + o;
+                const float *Dm = D + o, *Tm = T + o;
+                float *ym = y + m0 * ldy + n0;
+                const int gm = G - g0 < 2 ? 1 : 2;
+                if (kind == Q4_1) {
+                    TILES_I8(Q4_1)
+                } else {
+                    TILES_I8(Q8_0)
+                }
+            }
+        }
+    }
+    free(A);
+    return 0;
+}
+
+/* The whole weight as fp32 out[N, K], for batches big enough that a dense GEMM pays. */
+void v1_q_dequantize(int32_t kind, const uint8_t *w, int64_t N, int64_t K, float *out) {
+    const int64_t nb = K / QK, bb = block_bytes(kind);
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t b = 0; b < nb; b++) {
+            v16 lo, hi;
+            dequant_block(kind, w + (n * nb + b) * bb, &lo, &hi);
+            memcpy(out + n * K + b * QK, &lo, 64);
+            memcpy(out + n * K + b * QK + 16, &hi, 64);
+        }
+    }
+}
+
+/* Which integer dot product the int8 path compiled to: INT8_ISA. */
+int32_t v1_q_int8_isa(void) { return INT8_ISA; }
+"""
+
+
+class _Kernels:
+    """ctypes bindings of the two paths; both take (kind, blocks, N, K, x, x row stride, M,
+    bias or NULL, out, out row stride), write out[M, N] and return 0 (-1: out of memory)."""
+
+    __slots__ = ("fp32", "int8", "dequantize", "int8_isa")
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+        self.fp32 = lib.v1_q_linear_f32
+        self.int8 = lib.v1_q_linear_i8
+        for fn in (self.fp32, self.int8):
+            fn.argtypes = [i32, p, i64, i64, p, i64, i64, p, p, i64]
+            fn.restype = i32
+        self.dequantize = lib.v1_q_dequantize  # (kind, blocks, N, K, out[N, K])
+        self.dequantize.argtypes = [i32, p, i64, i64, p]
+        self.dequantize.restype = None
+        lib.v1_q_int8_isa.restype = i32
+        self.int8_isa = _INT8_ISAS[lib.v1_q_int8_isa()]
+
+
+def _kernels() -> _Kernels | None:
+    lib = native.load("quant", _SOURCE)
+    return None if lib is None else _bind(lib)
+
+
+@functools.cache
+def _bind(lib: ctypes.CDLL) -> _Kernels:
+    return _Kernels(lib)
