@@ -2,6 +2,9 @@
 in the environment of the process that starts the engine; see v1/engine/core.py)."""
 
 import itertools
+import json
+import os
+import threading
 
 from v1.engine.core import EngineCore
 
@@ -18,3 +21,18 @@ def fail_model_on_third_step(engine_core: EngineCore) -> None:
         return execute_model(scheduler_output)
 
     runner.execute_model = failing
+
+
+def record_threads_per_step(engine_core: EngineCore) -> None:
+    """Before each step, write the names of the engine process's other Python threads than
+    the stepping one (sorted, as JSON) to the file named by V1_TEST_THREADS_FILE."""
+    path = os.environ["V1_TEST_THREADS_FILE"]
+    step = engine_core.step
+
+    def recording():
+        with open(path, "w") as f:
+            current = threading.current_thread()
+            json.dump(sorted(t.name for t in threading.enumerate() if t is not current), f)
+        return step()
+
+    engine_core.step = recording

@@ -248,6 +248,26 @@ def test_exception_in_model_raises_engine_dead(default_model_path, monkeypatch):
     assert_gone(client._res.proc)
 
 
+def test_the_busy_loop_is_the_only_python_thread_at_work(
+    default_model_path, monkeypatch, tmp_path
+):
+    """The engine process steps, reads its input and sends its outputs on one thread: a
+    second thread woken every step would take the GIL from the busy loop between the model's
+    ops (on a loaded 2-core machine, a time slice at each hand-off). Only the parent
+    watcher (two wake-ups a second) runs beside it, even after a step output of a few
+    hundred KB (pyzmq frees a frame sent zero-copy on a thread of its own)."""
+    threads_file = tmp_path / "threads.json"
+    monkeypatch.setenv("V1_ENGINE_CORE_HOOK", "tests.engine.engine_hooks:record_threads_per_step")
+    monkeypatch.setenv("V1_TEST_THREADS_FILE", str(threads_file))
+    with LLM(**SMALL_ENGINE) as llm:
+        large = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=20)
+        (big,) = llm.generate(["word " * 900], large, use_tqdm=False)
+        assert len(big.prompt_logprobs) > 900
+        outputs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) > 0 for o in outputs)
+    assert json.loads(threads_file.read_text()) == ["v1-parent-watch"]
+
+
 def test_tcp_address_and_clean_shutdown(default_model_path):
     address = free_tcp_address()
     client = SyncMPClient(EngineArgs(**SMALL_ENGINE), address=address)

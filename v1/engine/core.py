@@ -6,9 +6,14 @@ runner's thread, with output placeholders standing for the tokens N has not retu
 
 `EngineCoreProc` runs an `EngineCore` in its own process (multiprocessing, 'fork' or 'spawn':
 see `v1.engine.core_client.engine_start_method`), serving any number of frontend processes
-over ZMQ. Three threads: the input thread receives and decodes messages into a queue; the
-busy loop drains that queue, steps the core, and blocks on the queue only when the core is
-idle; the output thread encodes and sends.
+over ZMQ. One thread does it all: the busy loop handles the messages waiting at the input
+socket, steps the core and sends the outputs, and blocks on the socket only when the core is
+idle. (vLLM has an input and an output thread besides. Here the model runs on the CPU and the
+busy loop needs the GIL between every two of its ops: another thread woken every step takes
+it meanwhile, and on a loaded 2-core machine handing it back can wait out a scheduler time
+slice: with those two threads, short runs in the engine process took far longer than
+in-process on a loaded machine for the same CPU time. `bench/bench_throughput.py --short`
+measures both.)
 
 Protocol. An engine core at ADDRESS (`ipc://PATH`, by default in a fresh temp dir, or
 `tcp://HOST:PORT`) binds two sockets:
@@ -59,7 +64,6 @@ import importlib
 import logging
 import multiprocessing
 import os
-import queue
 import signal
 import sys
 import threading
@@ -84,6 +88,11 @@ from v1.worker.model_loader import LoadedModel, load_model
 from v1.worker.model_runner import ModelRunner, attention_impl_for
 
 logger = logging.getLogger("v1")
+
+# A READY our output socket cannot route yet (see `EngineCoreProc._handle_input`) is retried
+# every READY_RETRY_MS for READY_TIMEOUT_S.
+READY_RETRY_MS = 5
+READY_TIMEOUT_S = 5.0
 
 # What clients may call by name (`call_utility`), in process or over ZMQ.
 UTILITY_METHODS = frozenset({"reset_prefix_cache", "get_stats", "check_integrity", "ping"})
@@ -237,8 +246,6 @@ class EngineCoreRequestType(bytes, enum.Enum):
     ADD = b"\x01"
     ABORT = b"\x02"
     UTILITY = b"\x03"
-    # Never on the wire: the output thread posts it when a client cannot be reached.
-    CLIENT_GONE = b"\xff"
 
 
 class EngineCoreOutputType(bytes, enum.Enum):
@@ -314,15 +321,18 @@ class EngineCoreProc:
             engine_core.cache_config.enable_prefix_caching,
         )
         self.clients: set[int] = set()  # said HELLO; they get the death notice
-        self.input_queue: queue.Queue[tuple[EngineCoreRequestType, Any]] = queue.Queue()
-        # (client index, type, message); None tells the output thread to finish.
-        self.output_queue: queue.Queue[tuple[int, EngineCoreOutputType, Any] | None] = (
-            queue.Queue()
-        )
+        # Clients whose READY our output socket could not route yet -> when to give up.
+        self._unready: dict[int, float] = {}
         self._encoder = msgspec.msgpack.Encoder()
-        self._stop_input = threading.Event()
-        # Bound here, so that an address in use fails the startup. From then on each socket
-        # is used by its own thread only (ZMQ sockets are not thread-safe).
+        T = EngineCoreRequestType
+        self._decoders = {
+            T.HELLO: msgspec.msgpack.Decoder(int),
+            T.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
+            T.ABORT: msgspec.msgpack.Decoder(list[str]),
+            T.UTILITY: msgspec.msgpack.Decoder(UtilityRequest),
+        }
+        # Bound here, so that an address in use fails the startup; then used by the busy
+        # loop's thread only.
         self._ctx = zmq.Context()
         self._input_socket = self._ctx.socket(zmq.PULL)
         self._output_socket = self._ctx.socket(zmq.ROUTER)
@@ -337,12 +347,6 @@ class EngineCoreProc:
         except BaseException:
             self._ctx.destroy(linger=0)
             raise
-        self._input_thread = threading.Thread(
-            target=self._process_input_socket, name="v1-core-input", daemon=True
-        )
-        self._output_thread = threading.Thread(
-            target=self._process_output_queue, name="v1-core-output", daemon=True
-        )
 
     # -- the process -------------------------------------------------------------------
 
@@ -382,8 +386,6 @@ class EngineCoreProc:
 
     def run(self) -> int:
         """Serve until terminated (exit status 0) or the busy loop fails (1)."""
-        self._input_thread.start()
-        self._output_thread.start()
         status, reason = 0, "the engine core was shut down"
         try:
             self.run_busy_loop()
@@ -399,15 +401,12 @@ class EngineCoreProc:
         return status
 
     def shutdown(self, reason: str) -> None:
-        """Send every client the death notice, stop the threads, free the sockets."""
+        """Send every client the death notice, free the sockets."""
         for client in sorted(self.clients):
             notice = EngineCoreOutputs(client_index=client, engine_error=reason)
-            self.output_queue.put((client, EngineCoreOutputType.OUTPUTS, notice))
-        self.output_queue.put(None)
-        self._stop_input.set()
-        self._output_thread.join(5)
-        self._input_thread.join(5)
+            self._send(client, EngineCoreOutputType.OUTPUTS, notice)
         self.engine_core.shutdown()
+        self._output_socket.close(linger=1000)  # give the death notices a moment to leave
         self._ctx.destroy(linger=0)
         for addr in (self.address, output_address(self.address)):
             if addr.startswith("ipc://"):  # ZMQ leaves the socket file behind
@@ -421,19 +420,36 @@ class EngineCoreProc:
     def run_busy_loop(self) -> None:
         scheduler = self.engine_core.scheduler
         while True:
-            self._process_input_queue()
+            self._process_input(block=not self.engine_core.has_unfinished_requests())
             step_outputs = self.engine_core.step()
             if step_outputs:  # the load figures, as of this step, go with the outputs
                 stats = scheduler.make_stats()
                 for client, outputs in step_outputs.items():
                     outputs.scheduler_stats = stats
-                    self.output_queue.put((client, EngineCoreOutputType.OUTPUTS, outputs))
+                    self._reply(client, EngineCoreOutputType.OUTPUTS, outputs)
 
-    def _process_input_queue(self) -> None:
-        if not self.engine_core.has_unfinished_requests():
-            self._handle_input(*self.input_queue.get())  # idle: sleep until a message
-        while not self.input_queue.empty():
-            self._handle_input(*self.input_queue.get_nowait())
+    def _process_input(self, block: bool) -> None:
+        """Handle every message waiting at the input socket; with `block` (the core is
+        idle), sleep until one comes first."""
+        sock = self._input_socket
+        if self._unready:
+            self._retry_ready()
+        if block:
+            # Wake now and then while a READY waits for its client's connection.
+            while not sock.poll(READY_RETRY_MS if self._unready else None):
+                self._retry_ready()
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                kind = EngineCoreRequestType(frames[0].bytes)
+                message = self._decoders[kind].decode(frames[1].buffer)
+            except (ValueError, KeyError, IndexError, msgspec.DecodeError) as e:
+                logger.warning("dropped a malformed message from a client: %r", e)
+                continue
+            self._handle_input(kind, message)
 
     def _handle_input(self, kind: EngineCoreRequestType, message: Any) -> None:
         core = self.engine_core
@@ -444,23 +460,52 @@ class EngineCoreProc:
             except ValueError as e:  # an id in use (a frontend's bug): refuse it, serve on
                 rejected = EngineCoreOutput(request.request_id, [], None, "abort", str(e))
                 outputs = EngineCoreOutputs([rejected], client_index=request.client_index)
-                self.output_queue.put(
-                    (request.client_index, EngineCoreOutputType.OUTPUTS, outputs)
-                )
+                self._reply(request.client_index, EngineCoreOutputType.OUTPUTS, outputs)
         elif kind is EngineCoreRequestType.ABORT:
             core.abort_requests(message)
         elif kind is EngineCoreRequestType.UTILITY:
-            self.output_queue.put(
-                (message.client_index, EngineCoreOutputType.UTILITY_RESULT,
-                 self._call_utility(message))
-            )
-        elif kind is EngineCoreRequestType.HELLO:
+            self._reply(message.client_index, EngineCoreOutputType.UTILITY_RESULT,
+                        self._call_utility(message))
+        else:  # HELLO
             self.clients.add(message)
-            self.output_queue.put((message, EngineCoreOutputType.READY, self.ready))
-        else:  # CLIENT_GONE
-            self.clients.discard(message)
-            requests = core.scheduler.requests.values()
-            core.abort_requests([r.request_id for r in requests if r.client_index == message])
+            # The client connects its DEALER before it sends HELLO, yet our end may not have
+            # seen that connection yet: then READY is retried a while.
+            if not self._send(message, EngineCoreOutputType.READY, self.ready):
+                self._unready[message] = time.monotonic() + READY_TIMEOUT_S
+
+    def _retry_ready(self) -> None:
+        now = time.monotonic()
+        for client, deadline in list(self._unready.items()):
+            if self._send(client, EngineCoreOutputType.READY, self.ready):
+                del self._unready[client]
+            elif now >= deadline:
+                del self._unready[client]
+                self._client_gone(client)
+
+    def _reply(self, client: int, kind: EngineCoreOutputType, message: Any) -> None:
+        if not self._send(client, kind, message):
+            self._client_gone(client)
+
+    def _send(self, client: int, kind: EngineCoreOutputType, message: Any) -> bool:
+        """False when the client is not connected (any more)."""
+        frames = (client_routing_id(client), kind.value, self._encoder.encode(message))
+        try:
+            # Copied: pyzmq sends a large frame zero-copy and then wakes its garbage-collector
+            # thread to free it, a second Python thread taking the GIL from the busy loop.
+            self._output_socket.send_multipart(frames)
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            return False
+        return True
+
+    def _client_gone(self, client: int) -> None:
+        """Forget a client that cannot be reached, and abort its requests."""
+        self.clients.discard(client)
+        requests = self.engine_core.scheduler.requests.values()
+        self.engine_core.abort_requests(
+            [r.request_id for r in requests if r.client_index == client]
+        )
 
     def _call_utility(self, call: UtilityRequest) -> UtilityResult:
         try:
@@ -468,50 +513,6 @@ class EngineCoreProc:
         except Exception as e:  # the caller's problem (a bad name, a failed check)
             return UtilityResult(call.call_id, error=(type(e).__name__, str(e)))
         return UtilityResult(call.call_id, msgspec.Raw(self._encoder.encode(result)))
-
-    # -- the socket threads ------------------------------------------------------------
-
-    def _process_input_socket(self) -> None:
-        T = EngineCoreRequestType
-        decoders = {
-            T.HELLO: msgspec.msgpack.Decoder(int),
-            T.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
-            T.ABORT: msgspec.msgpack.Decoder(list[str]),
-            T.UTILITY: msgspec.msgpack.Decoder(UtilityRequest),
-        }
-        sock = self._input_socket
-        while not self._stop_input.is_set():
-            if not sock.poll(100):  # wake up now and then to see if we should stop
-                continue
-            frames = sock.recv_multipart(copy=False)
-            try:
-                kind = T(frames[0].bytes)
-                self.input_queue.put((kind, decoders[kind].decode(frames[1].buffer)))
-            except (ValueError, KeyError, IndexError, msgspec.DecodeError) as e:
-                logger.warning("dropped a malformed message from a client: %r", e)
-        sock.close(linger=0)
-
-    def _process_output_queue(self) -> None:
-        sock = self._output_socket
-        encoder = msgspec.msgpack.Encoder()
-        while (item := self.output_queue.get()) is not None:
-            client, kind, message = item
-            frames = (client_routing_id(client), kind.value, encoder.encode(message))
-            # The client connects its DEALER before it sends HELLO, yet our end may not have
-            # seen that connection yet: retry READY a while before giving the client up.
-            deadline = time.monotonic() + (5.0 if kind is EngineCoreOutputType.READY else 0.0)
-            while True:
-                try:
-                    sock.send_multipart(frames, copy=False)
-                    break
-                except zmq.ZMQError as e:
-                    if e.errno != zmq.EHOSTUNREACH:
-                        raise
-                    if time.monotonic() >= deadline:  # gone: drop, abort its requests
-                        self.input_queue.put((EngineCoreRequestType.CLIENT_GONE, client))
-                        break
-                    time.sleep(0.005)
-        sock.close(linger=1000)  # give the death notices a moment to leave
 
 
 def _exit_on_signal(signum: int, frame: Any) -> None:
