@@ -19,13 +19,11 @@ fp32 copy) to Q8_0 blocks at load. Either keeps no fp32 copy of those matrices
 (`v1.models.layers.linear`).
 
 quantization=None keeps float weights for GGUF files too (vLLM would pick "gguf"), by the
-figures: `bench/bench_quant.py --modes fp32 gguf int8` (two runs, a shared machine) gave gguf
-fp32's perplexity and greedy tokens (agreement 1.000), 1.2-1.8x fp32's decode at 64 requests
-and 2.6-3.1x at batch 1, with 99 MB of weights for 540; but its kernels (fp32 activations,
-what that agreement needs) take 1.7-1.8x fp32's time for a 2048-row prefill and 1.0-1.2x at
-256 rows (`bench/bench_quant_kernels.py --rows 256,2048`, 30 layers + head), and prefill
-dominates the shared-prompt workloads. Worth making the default once the block kernels match
-packed fp32 for prefill-sized batches.
+figures of `bench/bench_quant.py` (README, "Quantized weights"): gguf gives fp32's perplexity and
+greedy tokens with 99 MB of weights for 540 and 2x fp32's batch-1 decode, but 0.94x its decode at
+64 requests, and prefill-sized batches take 1.07x packed fp32's time (`bench/bench_quant_kernels.py
+--rows 2048`); the throughput workloads are those. Worth making the default once the block
+kernels beat packed fp32 from 8 rows up.
 """
 
 import hashlib
