@@ -22,7 +22,7 @@ from tests.engine.mp_utils import (
 )
 from tests.entrypoints.conftest import QUESTIONS, SYSTEM
 from v1 import LLM
-from v1.engine.core import EngineCore
+from v1.engine.core import EngineCore, output_address
 from v1.engine.dp_client import DPSchedulerStats, DPSyncMPClient
 from v1.engine.exceptions import EngineCoreDeadError, EngineDeadError
 
@@ -170,6 +170,14 @@ def test_core_death(default_model_path, dp1_llm):
         assert info.value.engine_index == 1 and len(info.value.request_ids) == 2
         killer.join()
         assert list(client.dead_engines) == [1] and client.dead_error is None
+        # The killed core could not remove its ipc socket files: the client did (core 0's
+        # are still in use).
+        socket_files = [
+            [a[len("ipc://"):] for a in (address, output_address(address))]
+            for address in client.addresses
+        ]
+        assert all(os.path.exists(f) for f in socket_files[0])
+        assert not any(os.path.exists(f) for f in socket_files[1])
         check_idle(llm)  # core 0's requests of the failed batch were aborted
         # Core 0 serves on, and gets everything.
         before_tokens = engine_stats(llm)[0].num_prompt_tokens

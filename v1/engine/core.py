@@ -298,6 +298,18 @@ def output_address(address: str) -> str:
     )
 
 
+def remove_socket_files(address: str) -> None:
+    """Remove an ipc:// engine address's two socket files, which ZMQ leaves behind (an
+    engine that was killed could not remove them itself)."""
+    if not address.startswith("ipc://"):
+        return
+    for addr in (address, output_address(address)):
+        try:
+            os.unlink(addr[len("ipc://"):])
+        except OSError:  # already gone (or not ours): nothing to tidy
+            pass
+
+
 def client_routing_id(client_index: int) -> bytes:
     return b"client-%d" % client_index
 
@@ -408,12 +420,7 @@ class EngineCoreProc:
         self.engine_core.shutdown()
         self._output_socket.close(linger=1000)  # give the death notices a moment to leave
         self._ctx.destroy(linger=0)
-        for addr in (self.address, output_address(self.address)):
-            if addr.startswith("ipc://"):  # ZMQ leaves the socket file behind
-                try:
-                    os.unlink(addr[len("ipc://"):])
-                except FileNotFoundError:
-                    pass
+        remove_socket_files(self.address)
 
     # -- the busy loop -----------------------------------------------------------------
 

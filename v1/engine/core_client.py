@@ -413,7 +413,9 @@ class MPClient(ABC):
         with self._lock:
             if self.dead_error is not None:
                 raise self.dead_error
-            self._input.send_multipart((kind.value, data), copy=False)
+            # Copied, as the engine's sends (see `EngineCoreProc._send`): zero-copy would
+            # wake pyzmq's garbage-collector thread for each frame over 64 KB.
+            self._input.send_multipart((kind.value, data))
 
     def add_request(
         self, request: EngineCoreRequest, data_parallel_rank: int | None = None

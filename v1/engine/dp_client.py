@@ -29,7 +29,6 @@ each core's own), `reset_prefix_cache` is true when every core reset its cache.
 """
 
 import asyncio
-import contextlib
 import logging
 import os
 import shutil
@@ -43,7 +42,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from v1.config import EngineArgs
-from v1.engine.core import output_address
+from v1.engine.core import remove_socket_files
 from v1.engine.core_client import (
     AsyncDelivery,
     EngineCoreClient,
@@ -129,13 +128,6 @@ def _release(engines: list[_CoreConnection], tmp_dir: str, closers: list[Any]) -
     for closer in closers:
         closer.close()
     shutil.rmtree(tmp_dir, ignore_errors=True)
-
-
-def _remove_socket_files(address: str) -> None:
-    if address.startswith("ipc://"):
-        for path in (address, output_address(address)):
-            with contextlib.suppress(OSError):
-                os.unlink(path[len("ipc://"):])
 
 
 def _wait_all(launches: list[EngineLaunch]) -> list[Any]:
@@ -345,14 +337,14 @@ class DPClientBase:
                         f"core {i}: {why}" for i, why in sorted(self.dead_engines.items())
                     )
                 )
-        _remove_socket_files(self.addresses[index])  # a killed core leaves them
+        remove_socket_files(self.addresses[index])  # a killed core leaves them
         logger.error(
             "engine core %d died (%s): %d request(s) on it failed; %s", index, error,
             len(failed), "no core is left" if all_dead else "the others serve on",
         )
         if failed:
             self._deliver(EngineCoreDeadError(f"engine core {index} died: {error}", index, failed))
-        if self.dead_error is not None and all_dead:
+        if all_dead:
             self._deliver(self.dead_error)
 
     # -- utilities -----------------------------------------------------------------------
