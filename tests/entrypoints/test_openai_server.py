@@ -727,6 +727,7 @@ def test_engine_death_answers_500_and_503(monkeypatch: pytest.MonkeyPatch) -> No
 
     class DyingEngine:
         model_name, max_model_len, model_dir = "dying", 64, "/nonexistent"
+        dead_engines: dict[int, str] = {}  # AsyncLLM's: no data parallelism here
         processor = Processor(None, max_model_len, vocab_size=100, eos_token_id=None)
 
         def __init__(self) -> None:

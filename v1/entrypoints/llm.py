@@ -181,7 +181,7 @@ class LLM:
         params: list[SamplingParams],
         priority: Sequence[int] | None,
         use_tqdm: bool,
-        ranks: Sequence[int | None] | None = None,
+        ranks: Sequence[int | None],
     ) -> list[RequestOutput]:
         engine = self.llm_engine
         ids: list[str] = []
@@ -190,7 +190,7 @@ class LLM:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 ids.append(engine.add_request(
                     prompt, p, priority=priority[i] if priority else 0,
-                    data_parallel_rank=ranks[i] if ranks else None,
+                    data_parallel_rank=ranks[i],
                 ))
         except Exception:
             engine.abort_requests(ids)

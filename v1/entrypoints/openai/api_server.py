@@ -111,7 +111,7 @@ async def health(raw: Request) -> Response:
     try:
         await engine.check_health()
     except EngineDeadError as e:
-        dead = getattr(engine, "dead_engines", None)
+        dead = engine.dead_engines
         if not dead:
             return Response(status_code=503)
         # Data parallel: which cores are down, and whether the others still serve.

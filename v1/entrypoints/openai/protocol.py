@@ -474,6 +474,13 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = []
 
 
+def clamp_logprob(logprob: float) -> float:
+    """-inf (a token that structured output or a bias ruled out) as -9999.0, as vLLM's
+    clamp_prompt_logprobs: JSON has no infinity, and null is not a number to OpenAI's
+    clients."""
+    return max(logprob, -9999.0)
+
+
 class PromptLogprob(BaseModel):
     """vLLM's `Logprob`, as its `prompt_logprobs` show it (made from ours, `v1.outputs.Logprob`)."""
 
@@ -486,7 +493,7 @@ class PromptLogprob(BaseModel):
     @field_validator("logprob")
     @classmethod
     def _clamped(cls, logprob: float) -> float:
-        return max(logprob, -9999.0)  # -inf as vLLM's clamp_prompt_logprobs: JSON has no inf
+        return clamp_logprob(logprob)
 
 
 class CompletionChoice(BaseModel):

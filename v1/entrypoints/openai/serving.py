@@ -41,6 +41,7 @@ from v1.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
     UsageInfo,
+    clamp_logprob,
 )
 from v1.entrypoints.openai.tool_calls import (
     ToolCallExtractor,
@@ -67,8 +68,13 @@ class _Echo(NamedTuple):
     def prepend(
         self, c: CompletionOutput
     ) -> tuple[str, list[int], list[dict[int, Logprob] | None]]:
+        if self is _NO_ECHO:  # the common case: no copies per streamed delta
+            return c.text, c.token_ids, c.logprobs or []
         logprobs = [*self.logprobs, *(c.logprobs or [])]
         return self.text + c.text, self.token_ids + c.token_ids, logprobs
+
+
+_NO_ECHO = _Echo("", [], [], "")
 
 
 class ModelNotFoundError(Exception):
@@ -244,7 +250,7 @@ class OpenAIServing:
     ) -> CompletionChoice:
         """A finished choice; with `echo`, its prompt's text (and tokens' logprobs) first."""
         k = request.logprobs
-        echo = _Echo("", [], [], "")
+        echo = _NO_ECHO
         if request.echo:
             echo = self._echo(prompt, prompt_logprobs, k)
         text, token_ids, logprobs = echo.prepend(c)
@@ -296,8 +302,8 @@ class OpenAIServing:
             return _sse(outputs, chunks)
         choices, usage = await _collect(outputs)
         messages = [tool_calls.message(c) for c in choices]
-        for message in messages:
-            if echo:
+        if echo:
+            for message in messages:
                 message.content = echo + (message.content or "")
         return ChatCompletionResponse(
             **head,
@@ -432,7 +438,7 @@ async def _completion_chunks(
     started: set[int] = set()
     deltas = _StreamDeltas(outputs)
     async for delta in deltas:
-        echoed = _Echo("", [], [], "")
+        echoed = _NO_ECHO
         if echo is not None and delta.index not in started:
             echoed = echo(delta.index)
         started.add(delta.index)
@@ -537,12 +543,6 @@ async def _collect(outputs: StartedRequest) -> tuple[list[CompletionOutput], Usa
     return choices, outputs.usage(sum(len(c.token_ids) for c in choices))
 
 
-def _clamped(logprob: float) -> float:
-    """-inf (a token that structured output or a bias ruled out) as -9999.0, as vLLM: JSON has
-    no infinity, and null is not a number to OpenAI's clients."""
-    return max(logprob, -9999.0)
-
-
 def _top(logprobs: dict[int, Logprob], k: int) -> list[Logprob]:
     # The dict holds the sampled token and the top k; the sampled one may rank below k.
     return sorted(logprobs.values(), key=lambda lp: lp.rank or 0)[:k]
@@ -566,9 +566,9 @@ def _completion_logprobs(
         else:
             given = logprobs_at[token_id]
             token = given.decoded_token or ""
-            result.token_logprobs.append(_clamped(given.logprob))
+            result.token_logprobs.append(clamp_logprob(given.logprob))
             result.top_logprobs.append(
-                {lp.decoded_token or "": _clamped(lp.logprob) for lp in _top(logprobs_at, k)}
+                {lp.decoded_token or "": clamp_logprob(lp.logprob) for lp in _top(logprobs_at, k)}
             )
         result.tokens.append(token)
         result.text_offset.append(offset)
@@ -578,7 +578,7 @@ def _completion_logprobs(
 
 def _chat_logprob(lp: Logprob) -> dict[str, Any]:
     token = lp.decoded_token or ""
-    return {"token": token, "logprob": _clamped(lp.logprob), "bytes": list(token.encode())}
+    return {"token": token, "logprob": clamp_logprob(lp.logprob), "bytes": list(token.encode())}
 
 
 def _chat_logprobs(c: CompletionOutput, k: int) -> ChatChoiceLogprobs:
