@@ -414,3 +414,9 @@ def test_sliding_window_must_be_positive():
         TorchAttentionImpl(9, 64, 3, 0.125, sliding_window=0)
     assert TorchAttentionImpl(9, 64, 3, 0.125, sliding_window=4).sliding_window == 4
     assert TorchAttentionImpl(9, 64, 3, 0.125).sliding_window is None
+
+
+def test_heads_must_be_a_multiple_of_kv_heads():
+    # Checked once in AttentionImpl, for every backend.
+    with pytest.raises(ValueError, match="not a multiple"):
+        TorchAttentionImpl(8, 64, 3, 0.125)

@@ -62,6 +62,9 @@ class AttentionImpl(ABC):
         scale: float,
         sliding_window: int | None = None,
     ):
+        # Every backend reads query head h from kv head h // (num_heads // num_kv_heads).
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of {num_kv_heads}")
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be None or at least 1, not {sliding_window}")
         self.num_heads = num_heads

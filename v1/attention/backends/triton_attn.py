@@ -22,18 +22,6 @@ from v1.attention.ops.triton_unified_attention import unified_attention
 
 
 class TritonAttentionImpl(AttentionImpl):
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        num_kv_heads: int,
-        scale: float,
-        sliding_window: int | None = None,
-    ):
-        super().__init__(num_heads, head_size, num_kv_heads, scale, sliding_window)
-        if num_heads % num_kv_heads != 0:
-            raise ValueError(f"num_heads {num_heads} is not a multiple of {num_kv_heads}")
-
     def forward(
         self,
         query: torch.Tensor,

@@ -26,7 +26,6 @@ is still in flight is not scheduled again: its next mask needs that token.
 import bisect
 import time
 from collections.abc import Iterable, Iterator
-from itertools import islice
 from typing import Any, NamedTuple, Protocol
 
 from v1.config import CacheConfig, SchedulerConfig
@@ -342,7 +341,7 @@ class Scheduler:
             for r in scheduled_new
         ]
         cached = self._make_cached_request_data(
-            scheduled_running, running_new_block_ids, scheduled_resumed, num_scheduled_tokens
+            scheduled_running, running_new_block_ids, scheduled_resumed
         )
         preempted_ids = {r.request_id for r in preempted}
         output = SchedulerOutput(
@@ -382,19 +381,17 @@ class Scheduler:
         running: list[Request],
         running_new_block_ids: list[list[int]],
         resumed: list[Request],
-        num_scheduled_tokens: dict[str, int],
     ) -> CachedRequestData:
-        # The running requests lead `num_scheduled_tokens`, in order: a slice of its keys.
         # A resumed request's blocks are all new to the runner.
+        reqs = running + resumed
         num_running = len(running)
         return CachedRequestData(
-            req_ids=list(islice(num_scheduled_tokens, num_running))
-            + [r.request_id for r in resumed],
+            req_ids=[r.request_id for r in reqs],
             resumed_from_preemption=[False] * num_running + [True] * len(resumed),
             resumed_token_ids=[None] * num_running + [r.all_token_ids[:] for r in resumed],
             new_block_ids=running_new_block_ids
             + [self.kv_cache_manager.get_block_ids(r.request_id) for r in resumed],
-            num_computed_tokens=[r.num_computed_tokens for r in running + resumed],
+            num_computed_tokens=[r.num_computed_tokens for r in reqs],
         )
 
     def _grammar_ready(self, request: Request) -> bool:
