@@ -18,19 +18,15 @@ Attention-score soft-capping (`attn_logit_softcapping`, Gemma 2's) is not in our
 a config that sets it is refused, as is `use_bidirectional_attention`.
 """
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata
-from v1.models.decoder import (
-    DecoderForCausalLM,
-    LayerSpec,
-    PreNormDecoderLayer,
-    build_norm,
-    head_dim_of,
-)
+from v1.models.decoder import LayerSpec, PreNormDecoderLayer, build_norm
 from v1.models.layers.rotary import rope_parameters
+from v1.models.llama import LlamaForCausalLM
 from v1.worker.ops import StepOps
 
 SLIDING = "sliding_attention"
@@ -79,7 +75,7 @@ class Gemma3DecoderLayer(PreNormDecoderLayer):
         return self.post_feedforward_layernorm(x, None, ops)[0], residual
 
 
-class Gemma3ForCausalLM(DecoderForCausalLM):
+class Gemma3ForCausalLM(LlamaForCausalLM):
     layer_cls = Gemma3DecoderLayer
 
     def check_config(self, config: Any) -> None:
@@ -93,17 +89,9 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
 
     def layer_spec(self, config: Any, layer_idx: int) -> LayerSpec:
         layer_type = gemma3_layer_types(config)[layer_idx]
-        bias = bool(getattr(config, "attention_bias", False))
-        return LayerSpec(
-            hidden_size=config.hidden_size,
-            num_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads,
-            head_dim=head_dim_of(config),
-            intermediate_size=config.intermediate_size,
+        return replace(
+            super().layer_spec(config, layer_idx),
             hidden_act=getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh",
-            rms_norm_eps=config.rms_norm_eps,
-            qkv_bias=bias,
-            o_bias=bias,
             mlp_bias=False,
             qk_norm=True,
             norm_unit_offset=True,

@@ -9,14 +9,14 @@ from typing import Any
 
 from v1.models.decoder import DecoderForCausalLM
 
-# HF architecture name -> (module under v1.models, class name).
-_MODELS: dict[str, tuple[str, str]] = {
-    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
-    "MistralForCausalLM": ("mistral", "MistralForCausalLM"),
-    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
-    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
-    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
-    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
+# HF architecture name -> the module under v1.models defining the class of that name.
+_MODELS: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
 }
 
 _BY_MODEL_TYPE: dict[str, str] = {
@@ -42,9 +42,8 @@ def get_model_cls(config: Any) -> type[DecoderForCausalLM]:
         architectures = [fallback] if fallback else []
     for arch in architectures:
         if arch in _MODELS:
-            module_name, class_name = _MODELS[arch]
-            module = importlib.import_module(f"v1.models.{module_name}")
-            return getattr(module, class_name)
+            module = importlib.import_module(f"v1.models.{_MODELS[arch]}")
+            return getattr(module, arch)
     raise ValueError(
         f"unsupported model architecture {architectures or getattr(config, 'model_type', None)!r}"
         f"; supported: {', '.join(_MODELS)}"
