@@ -35,7 +35,13 @@ from typing import Any
 import common  # before torch: it sets the OpenMP wait policy, read when torch loads
 import numpy as np
 import torch
-from bench_throughput import decode_engine_kwargs, decode_window, random_prompts, timed_generate
+from bench_throughput import (
+    decode_engine_kwargs,
+    decode_window,
+    paired_ratios,
+    random_prompts,
+    timed_generate,
+)
 
 from v1.attention.backends.abstract import AttentionMetadata, kv_cache_shape
 from v1.attention.backends.torch_attn import AttentionPlan, paged_attention
@@ -46,8 +52,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def paired(times: dict[str, list[float]]) -> dict[str, float]:
     """Per dtype, the median over rounds of its time over fp32's in the same round."""
-    return {name: common.median([a / b for a, b in zip(t, times["fp32"])])
-            for name, t in times.items()}
+    return {name: common.median(paired_ratios(times["fp32"], t)) for name, t in times.items()}
 
 
 def decode_step(seqs: int, context: int, seed: int) -> tuple[AttentionMetadata, torch.Tensor]:

@@ -20,7 +20,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import time_call  # noqa: E402
 from v1.models.layers.linear import PackedWeight  # noqa: E402
 
 # [out, in] of the default model's weights.
@@ -37,13 +37,6 @@ SHAPES = {
     "qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
     "lm_head": (49152, 576),
 }
-
-
-def time_call(fn: Callable[[], torch.Tensor], reps: int) -> float:
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - start) / reps
 
 
 def kernels(weight: torch.Tensor, x: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:

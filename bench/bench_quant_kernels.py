@@ -24,7 +24,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from contextlib import redirect_stdout
 from pathlib import Path
@@ -35,7 +34,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import environment, print_table, write_outputs  # noqa: E402
+from bench.common import environment, print_table, time_call, write_outputs  # noqa: E402
 from v1.models.layers import quant  # noqa: E402
 from v1.models.layers.linear import PackedWeight  # noqa: E402
 
@@ -48,13 +47,6 @@ LAYERS = 30
 QUANT_PATHS = ("fp32", "int8", "dense")
 QUANT_KERNELS = tuple(f"{k}/{p}" for k in ("q4_1", "q8_0") for p in QUANT_PATHS)
 KERNELS = (*QUANT_KERNELS, "onednn", "F.linear")
-
-
-def time_call(fn: Callable[[], object], reps: int) -> float:
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - start) / reps
 
 
 def measure(shape: tuple[int, int, str], rows: int, rounds: int, sample_s: float,

@@ -143,6 +143,14 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def time_call(fn: Callable[[], object], reps: int) -> float:
+    """Mean seconds of one call of `fn` over `reps` back-to-back calls."""
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - start) / reps
+
+
 def print_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     cells = [[str(h) for h in header]] + [
         [f"{c:.3f}" if isinstance(c, float) else str(c) for c in row] for row in rows

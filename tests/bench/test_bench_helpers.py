@@ -151,7 +151,9 @@ def test_serving_summary_in_milliseconds():
 
 @pytest.mark.parametrize("name", ["bench_prefix_cache", "bench_throughput", "bench_serving",
                                   "bench_scheduler", "bench_async", "bench_step_breakdown",
-                                  "bench_grammar", "bench_structured"])
+                                  "bench_grammar", "bench_structured", "bench_dp",
+                                  "bench_kv_cache_dtype", "bench_quant", "bench_quant_kernels",
+                                  "bench_linear"])
 def test_help(name):
     out = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), "--help"],
                          capture_output=True, text=True, timeout=120)
