@@ -21,8 +21,8 @@ fp32 copy) to Q8_0 blocks at load. Either keeps no fp32 copy of those matrices
 quantization=None keeps float weights for GGUF files too (vLLM would pick "gguf"), by the
 figures of `bench/bench_quant.py` (README, "Quantized weights"): gguf gives fp32's perplexity and
 greedy tokens with 99 MB of weights for 540 and 2x fp32's batch-1 decode, but 0.94x its decode at
-64 requests, and prefill-sized batches take 1.07x packed fp32's time (`bench/bench_quant_kernels.py
---rows 2048`); the throughput workloads are those. Worth making the default once the block
+64 requests, and prefill-sized batches take 1.08x packed fp32's time (`bench/bench_quant_kernels.py
+--rows 256,2048`); the throughput workloads are those. Worth making the default once the block
 kernels beat packed fp32 from 8 rows up.
 """
 
