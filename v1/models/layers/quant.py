@@ -8,11 +8,13 @@ reference (`dequantize`, then F.linear) computes what gguf's own dequantizers co
 `linear` on CPU with fp32 tensors runs C kernels (built by `v1.native`; V1_CPU_KERNELS=0, no
 compiler, other devices or dtypes: the torch reference). Two paths:
 - "fp32": each block is dequantized to fp32 in registers and meets the fp32 activations by
-  FMA, so the result is x @ dequantize().T up to fp32 rounding (sums in another order). Up to
-  4 rows, dot products over the blocks of 4 weight rows at a time; from 5 rows, a few weight
-  rows are dequantized into an L1 buffer and the activations, transposed once per call, run
-  against it as outer products (see the C source). Either way each weight byte is read and
-  dequantized once per call (for up to 64 rows).
+  FMA, so the result is x @ dequantize().T up to fp32 rounding (sums in another order). One
+  row: d * (q . x) + m * sum(x) per block of 4 weight rows (fewer operations per block: at
+  batch 1 the arithmetic, not memory, bounds the time); 2-4 rows, dot products of dequantized
+  blocks; from 5 rows, a few weight rows are dequantized into an L1 buffer and the
+  activations, transposed once per call, run against it as outer products (see the C
+  source). Either way each weight byte is read and dequantized once per call (for up to 64
+  rows).
 - "int8", llama.cpp's way: activations quantized per block of 32 to int8 (q8_0 rounding,
   fp32 scale), integer dot products of 4-byte groups against 16 activation rows at once
   (AVX-512 VNNI vpdpbusd, else AVX-VNNI, else AVX2 vpmaddubsw, else plain C: whatever the
@@ -22,6 +24,12 @@ compiler, other devices or dtypes: the torch reference). Two paths:
 The tiles are sized for AVX-512's 32 registers of 16 floats. Builds for other x86 CPUs
 compute the same results (tests/worker/test_quant_kernels.py builds them) but are not tuned:
 their 64-byte vectors lower to pairs or quads of smaller ones and spill.
+
+The kernels split their rows over torch's thread count on the library's own worker threads,
+not OpenMP's (see "threads" in the C source): under OMP_WAIT_POLICY=PASSIVE, the engine's
+setting, waking OpenMP's sleeping threads cost ~40 us per call, more than a batch-1 layer
+matmul takes, 120 calls a step (the figures below are with the pool; with OpenMP, at
+a505452, the fp32 path's row took 0.51-1.28 of oneDNN's time from 1 to 64 rows).
 
 Which path for which batch, by `bench/bench_quant_kernels.py` (2 threads of an AVX-512 VNNI
 EPYC shared with other work, load ~11; time of 30 layers + LM head in the GGUF's kinds, q4_1
@@ -250,7 +258,17 @@ _SOURCE = r"""#include <stdint.h>
 #include <string.h>
 #include <math.h>
 #include <omp.h>
-#if defined(__F16C__) || defined(__AVX2__)
+#include <limits.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <time.h>
+#include <unistd.h>
+#include <linux/futex.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -278,10 +296,143 @@ static inline int64_t block_bytes(int kind) { return kind == Q4_1 ? 20 : 34; }
 /* Weights stream from memory once per call; the kernels prefetch this many bytes ahead of
    each weight row they read: on the 2-core EPYC VM this was written on, the hardware
    prefetchers alone left a one-row LM head (30 MB of q8_0) waiting on memory most of the
-   time. Threads take weight rows a few tiles at a time (schedule(dynamic, 8)): on a shared
-   machine one thread may lose its core for a while; the other then takes the rest of the
-   rows, and the parallel region ends soon after the first one gets its core back. */
+   time. */
 enum { PREFETCH = 8192 };
+
+/* ---- threads ------------------------------------------------------------------------------
+   The kernels' loops run on this library's own workers, not on OpenMP's. OpenMP's threads
+   (torch's libgomp, which this library shares) sleep between parallel regions under
+   OMP_WAIT_POLICY=PASSIVE, the engine's setting, and waking them takes longer than a
+   batch-1 matmul of one layer takes (~40 us against ~25 us here, 120 times a step). A worker
+   here polls for the next job for SPIN_NS after its last one, yielding its CPU between polls
+   (so it keeps no runnable thread off that CPU), then sleeps on a futex: a forward's
+   back-to-back calls find it awake, an idle engine costs nothing. One job at a time: a
+   caller that finds the pool busy (another Python thread in a kernel) runs its job alone.
+   The caller waits only for the workers that joined its job, not for all of them: on a
+   shared machine a worker may be off its CPU (asleep, or behind another process) for a
+   time slice or more, and the caller, which takes whatever items are left, can finish
+   alone meanwhile. */
+enum { MAX_WORKERS = 63 };
+static const int64_t SPIN_NS = 200000;
+
+/* fn(ctx, begin, end, thread): items [begin, end) on thread 0 .. nthreads - 1 (scratch). */
+typedef void (*range_fn)(void *ctx, int64_t begin, int64_t end, int thread);
+
+static struct {
+    pthread_mutex_t lock;       /* held by the caller whose job runs */
+    int nworkers;               /* started (threads 1 .. nworkers) */
+    _Atomic uint32_t gen;       /* bumped per job; workers wait for it to change */
+    _Atomic int32_t sleeping;   /* workers in (or entering) futex wait */
+    /* Threads in the current job, the caller included; 0: closed (none may join). The
+       job's fields stay as they are while it is above 0. */
+    _Atomic int32_t members;
+    _Atomic int64_t next;       /* first unclaimed item of the current job */
+    range_fn fn;
+    void *ctx;
+    int64_t n, chunk;
+    int nthreads;               /* threads taking items in the current job */
+} pool = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static void run_items(int thread) {
+    for (;;) {
+        const int64_t b = atomic_fetch_add(&pool.next, pool.chunk);
+        if (b >= pool.n) return;
+        pool.fn(pool.ctx, b, b + pool.chunk < pool.n ? b + pool.chunk : pool.n, thread);
+    }
+}
+
+/* Count this worker into the open job, if one is: then the job's fields are its to read. */
+static int join(void) {
+    int32_t m = atomic_load(&pool.members);
+    while (m > 0)
+        if (atomic_compare_exchange_weak(&pool.members, &m, m + 1)) return 1;
+    return 0;
+}
+
+static void *worker(void *arg) {
+    const int thread = (int)(intptr_t)arg;
+    sigset_t all;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, NULL);  /* signals go to the interpreter's threads */
+    prctl(PR_SET_NAME, "v1-quant");  /* told apart in top, ps (and the tests) */
+    uint32_t seen = atomic_load(&pool.gen);  /* a job under way is left to the others */
+    for (;;) {
+        const int64_t t0 = now_ns();
+        uint32_t g;
+        while ((g = atomic_load(&pool.gen)) == seen) {
+            if (now_ns() - t0 < SPIN_NS) {
+                sched_yield();
+                continue;
+            }
+            /* A job published after this increment wakes us; one published before it
+               changed gen, and the wait returns at once. */
+            atomic_fetch_add(&pool.sleeping, 1);
+            syscall(SYS_futex, &pool.gen, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+            atomic_fetch_sub(&pool.sleeping, 1);
+        }
+        seen = g;
+        if (!join()) continue;  /* late: the caller finished the job */
+        if (thread < pool.nthreads) run_items(thread);
+        atomic_fetch_sub(&pool.members, 1);
+    }
+    return NULL;
+}
+
+/* A forked child has none of the parent's workers (and maybe a lock some parent thread
+   held): start over. */
+static void pool_after_fork(void) {
+    pthread_mutex_init(&pool.lock, NULL);
+    pool.nworkers = 0;
+    atomic_store(&pool.sleeping, 0);
+}
+
+__attribute__((constructor)) static void pool_init(void) {
+    pthread_atfork(NULL, NULL, pool_after_fork);
+}
+
+/* fn over items [0, n) in chunks of `chunk`, claimed by the caller and the workers as they
+   come free, on up to omp_get_max_threads() threads (torch's thread count); returns when
+   all are done. */
+static void parallel_for(int64_t n, int64_t chunk, range_fn fn, void *ctx) {
+    int want = omp_get_max_threads();
+    want = want < MAX_WORKERS + 1 ? want : MAX_WORKERS + 1;
+    if (n <= chunk || want <= 1 || pthread_mutex_trylock(&pool.lock) != 0) {
+        fn(ctx, 0, n, 0);
+        return;
+    }
+    const uint32_t gen = atomic_load(&pool.gen);
+    while (pool.nworkers < want - 1) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        const int failed = pthread_create(&t, &attr, worker, (void *)(intptr_t)(pool.nworkers + 1));
+        pthread_attr_destroy(&attr);
+        if (failed) break;  /* run on those there are */
+        pool.nworkers++;
+    }
+    pool.fn = fn;
+    pool.ctx = ctx;
+    pool.n = n;
+    pool.chunk = chunk;
+    pool.nthreads = want < pool.nworkers + 1 ? want : pool.nworkers + 1;
+    atomic_store(&pool.next, 0);
+    atomic_store(&pool.members, 1);
+    atomic_store(&pool.gen, gen + 1);
+    if (atomic_load(&pool.sleeping) > 0)
+        syscall(SYS_futex, &pool.gen, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+    run_items(0);
+    /* Every item is taken: close the job to workers yet to join, wait for those in it. */
+    atomic_fetch_sub(&pool.members, 1);
+    while (atomic_load(&pool.members) > 0) sched_yield();
+    pthread_mutex_unlock(&pool.lock);
+}
 
 /* IEEE half at p (any alignment) as float. */
 static inline float fp16(const uint8_t *p) {
@@ -304,25 +455,40 @@ static inline float fp16(const uint8_t *p) {
 
 /* ---- fp32 activations: blocks dequantized to fp32, FMA with the activations ------------- */
 
-/* One block's 32 floats. q4_1's d * q + m is one FMA here (gguf rounds the product first:
-   at most 1 ulp apart). Bytes are widened to int32 before float: GCC 12 converts bytes
-   straight to float one at a time, and widens only unsigned bytes in one instruction
-   (vpmovzxbd), so q8_0's signed bytes go through uint8 (q ^ 0x80 = q + 128). */
-static inline __attribute__((always_inline)) void dequant_block(int kind, const uint8_t *p,
-                                                                v16 *lo, v16 *hi) {
-    float d = fp16(p);
+/* One block's 32 values before scaling, as floats: q4_1's nibbles, q8_0's signed bytes.
+   Bytes are widened to int32 before float: GCC 12 converts bytes straight to float one at
+   a time, and widens only unsigned bytes in one instruction (vpmovzxbd), so q8_0's signed
+   bytes go through uint8 (q ^ 0x80 = q + 128); q4_1's 16 bytes are widened once and split
+   into nibbles as int32. */
+static inline __attribute__((always_inline)) void block_values(int kind, const uint8_t *p,
+                                                               v16 *lo, v16 *hi) {
     if (kind == Q4_1) {
-        float m = fp16(p + 2);
         u8x16 q;
         memcpy(&q, p + 4, 16);
-        *lo = __builtin_convertvector(__builtin_convertvector(q & 15, v16i), v16) * d + m;
-        *hi = __builtin_convertvector(__builtin_convertvector(q >> 4, v16i), v16) * d + m;
+        *lo = __builtin_convertvector(__builtin_convertvector(q & 15, v16i), v16);
+        *hi = __builtin_convertvector(__builtin_convertvector(q >> 4, v16i), v16);
     } else {
         u8x16 a, b;
         memcpy(&a, p + 2, 16);
         memcpy(&b, p + 18, 16);
-        *lo = __builtin_convertvector(__builtin_convertvector(a ^ 0x80, v16i) - 128, v16) * d;
-        *hi = __builtin_convertvector(__builtin_convertvector(b ^ 0x80, v16i) - 128, v16) * d;
+        *lo = __builtin_convertvector(__builtin_convertvector(a ^ 0x80, v16i) - 128, v16);
+        *hi = __builtin_convertvector(__builtin_convertvector(b ^ 0x80, v16i) - 128, v16);
+    }
+}
+
+/* One block's 32 floats. q4_1's d * q + m is one FMA here (gguf rounds the product first:
+   at most 1 ulp apart). */
+static inline __attribute__((always_inline)) void dequant_block(int kind, const uint8_t *p,
+                                                                v16 *lo, v16 *hi) {
+    block_values(kind, p, lo, hi);
+    const float d = fp16(p);
+    if (kind == Q4_1) {
+        const float m = fp16(p + 2);
+        *lo = *lo * d + m;
+        *hi = *hi * d + m;
+    } else {
+        *lo *= d;
+        *hi *= d;
     }
 }
 
@@ -361,6 +527,51 @@ static inline __attribute__((always_inline)) void tile_dot(
     }
     for (int m = 0; m < mr; m++)
         for (int r = 0; r < nr; r++) y[m * ldy + r] = hsum16(acc[r][m]) + (bias ? bias[r] : 0.f);
+}
+
+/* tile_dot for one activation row, with fewer operations per block: d (q . x), plus for
+   q4_1 m sum(x), the block sums of x given in sx (batch 1 is where the kernel's arithmetic,
+   not memory, bounds the time). With AVX-512 the bytes are widened straight from memory and
+   q4_1's nibbles split as int32 (GCC's vector extensions split them as bytes, emulating a
+   byte shift, and convert the scales one at a time). */
+static inline __attribute__((always_inline)) void tile_dot1(
+    int kind, const uint8_t *w, int64_t row_bytes, int nr, int64_t nb, const float *x,
+    const float *sx, float *y, const float *bias) {
+    const int64_t bytes = block_bytes(kind);
+    const uint8_t *row[NR];
+    for (int r = 0; r < NR; r++) row[r] = w + (r < nr ? r : nr - 1) * row_bytes;
+    v16 acc[NR] = {{0}};
+    float offsets[NR] = {0};
+    for (int64_t b = 0; b < nb; b++) {
+        const v16 x0 = load16(x + b * QK), x1 = load16(x + b * QK + 16);
+        for (int r = 0; r < NR; r++) {
+            const uint8_t *p = row[r] + b * bytes;
+            __builtin_prefetch(p + PREFETCH);
+            v16 lo, hi;
+#if defined(__AVX512F__) && defined(__F16C__)
+            if (kind == Q4_1) {
+                const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 4)));
+                lo = (v16)_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15)));
+                hi = (v16)_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+            } else {
+                const __m128i a = _mm_loadu_si128((const __m128i *)(p + 2));
+                const __m128i b = _mm_loadu_si128((const __m128i *)(p + 18));
+                lo = (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(a));
+                hi = (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+            }
+            int32_t dm;
+            memcpy(&dm, p, 4);
+            const __m128 scales = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));  /* d, m */
+            acc[r] += (lo * x0 + hi * x1) * (v16)_mm512_broadcastss_ps(scales);
+            if (kind == Q4_1) offsets[r] += scales[1] * sx[b];
+#else
+            block_values(kind, p, &lo, &hi);
+            acc[r] += (lo * x0 + hi * x1) * fp16(p);
+            if (kind == Q4_1) offsets[r] += fp16(p + 2) * sx[b];
+#endif
+        }
+    }
+    for (int r = 0; r < nr; r++) y[r] = hsum16(acc[r]) + offsets[r] + (bias ? bias[r] : 0.f);
 }
 
 /* Where x[m][k] goes in xt: lane (m % 16) of vector m / 16 at row k, or with pairs, lane
@@ -417,73 +628,123 @@ static inline __attribute__((always_inline)) void dequant_rows(
     }
 }
 
+/* One call's matmul: y[M, N] = x[M, K] @ W[N, K].T (+ bias). */
+struct job {
+    const uint8_t *w;
+    int64_t N, K, nb, row_bytes;
+    const float *x;
+    int64_t ldx, M;
+    const float *bias;
+    float *y;
+    int64_t ldy;
+    const float *sx;          /* one row: x's block sums (q4_1's offsets) */
+    int pairs, nl;            /* outer products: the tile (see above) */
+    float *xt;                /* outer: transposed activations, then a wb per thread */
+    int64_t ldxt, xt_floats;
+};
+
+/* Dot tiles t0 .. t1 - 1 (NR weight rows each). */
+static inline __attribute__((always_inline)) void dot_tiles(int kind, const struct job *j,
+                                                            int64_t t0, int64_t t1) {
+    for (int64_t n0 = t0 * NR; n0 < t1 * NR && n0 < j->N; n0 += NR) {
+        const int nr = j->N - n0 < NR ? (int)(j->N - n0) : NR;
+        const uint8_t *wn = j->w + n0 * j->row_bytes;
+        const float *bn = j->bias ? j->bias + n0 : NULL;
+        float *yn = j->y + n0;
+        const int64_t rb = j->row_bytes, nb = j->nb, ldx = j->ldx, ldy = j->ldy;
+        switch (j->M) {
+            case 1: tile_dot1(kind, wn, rb, nr, nb, j->x, j->sx, yn, bn); break;
+            case 2: tile_dot(kind, wn, rb, nr, nb, j->x, ldx, 2, yn, ldy, bn); break;
+            case 3: tile_dot(kind, wn, rb, nr, nb, j->x, ldx, 3, yn, ldy, bn); break;
+            default: tile_dot(kind, wn, rb, nr, nb, j->x, ldx, 4, yn, ldy, bn);
+        }
+    }
+}
+
+/* Activations k0 .. k1 - 1 of every row into xt. */
+static void transpose_x(void *c, int64_t k0, int64_t k1, int thread) {
+    const struct job *j = c;
+    (void)thread;
+    for (int64_t k = k0; k < k1; k++)
+        for (int64_t m = 0; m < j->M; m++)
+            j->xt[xt_index(m, k, j->pairs, j->ldxt)] = j->x[m * j->ldx + k];
+}
+
 #define TILE_OUTER(NL_, MV_, PAIRS_) \
     tile_outer(wb, K, xt + m0, ldxt, NL_, MV_, PAIRS_, y + m0 * ldy + n0, ldy, nr, M - m0, bn)
 
-/* y[M, N] = x[M, K] @ W[N, K].T (+ bias), blocks of `kind` (a constant at each call).
-   0, or -1 when scratch memory cannot be had. */
-static inline __attribute__((always_inline)) int32_t linear_f32(
-    int kind, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t ldx, int64_t M,
-    const float *bias, float *y, int64_t ldy) {
-    const int64_t nb = K / QK, row_bytes = nb * block_bytes(kind);
-    if (M <= DOT_ROWS_MAX) {
-        #pragma omp parallel for schedule(dynamic, 8)
-        for (int64_t n0 = 0; n0 < N; n0 += NR) {
-            const int nr = N - n0 < NR ? (int)(N - n0) : NR;
-            const uint8_t *wn = w + n0 * row_bytes;
-            const float *bn = bias ? bias + n0 : NULL;
-            switch (M) {
-                case 1: tile_dot(kind, wn, row_bytes, nr, nb, x, ldx, 1, y + n0, ldy, bn); break;
-                case 2: tile_dot(kind, wn, row_bytes, nr, nb, x, ldx, 2, y + n0, ldy, bn); break;
-                case 3: tile_dot(kind, wn, row_bytes, nr, nb, x, ldx, 3, y + n0, ldy, bn); break;
-                default: tile_dot(kind, wn, row_bytes, nr, nb, x, ldx, 4, y + n0, ldy, bn);
-            }
+/* Outer-product tiles t0 .. t1 - 1 (nl weight rows each), with this thread's wb. */
+static inline __attribute__((always_inline)) void outer_tiles(
+    int kind, const struct job *j, int64_t t0, int64_t t1, int thread) {
+    const int64_t K = j->K, M = j->M, ldxt = j->ldxt, ldy = j->ldy;
+    const int nl = j->nl;
+    const float *xt = j->xt;
+    float *wb = j->xt + j->xt_floats + thread * nl * K, *y = j->y;
+    for (int64_t n0 = t0 * nl; n0 < t1 * nl && n0 < j->N; n0 += nl) {
+        const int nr = j->N - n0 < nl ? (int)(j->N - n0) : nl;
+        const float *bn = j->bias ? j->bias + n0 : NULL;
+        dequant_rows(kind, j->w + n0 * j->row_bytes, j->row_bytes, nl, nr, K, wb);
+        if (j->pairs) {
+            const int64_t m0 = 0;
+            if (M > 8) TILE_OUTER(NL_PAIRS, 2, 1);
+            else TILE_OUTER(NL_PAIRS, 1, 1);
+            continue;
         }
-        return 0;
-    }
-    const int pairs = M <= PAIR_ROWS_MAX, nl = pairs ? NL_PAIRS : NL;
-    const int64_t ldxt = pairs ? (M + 7) / 8 * 16 : (M + 15) / 16 * 16;
-    /* xt, then a weight buffer per thread (64-byte aligned: K is a multiple of 32). */
-    const int64_t xt_floats = (pairs ? K / 2 : K) * ldxt, wb_floats = nl * K;
-    float *xt = aligned_alloc(64, (size_t)(xt_floats + omp_get_max_threads() * wb_floats) * 4);
-    if (!xt) return -1;
-    memset(xt, 0, (size_t)xt_floats * sizeof(float));
-    #pragma omp parallel
-    {
-        #pragma omp for schedule(static)
-        for (int64_t k = 0; k < K; k++)
-            for (int64_t m = 0; m < M; m++) xt[xt_index(m, k, pairs, ldxt)] = x[m * ldx + k];
-        float *wb = xt + xt_floats + omp_get_thread_num() * wb_floats;
-        #pragma omp for schedule(dynamic, 8)
-        for (int64_t n0 = 0; n0 < N; n0 += nl) {
-            const int nr = N - n0 < nl ? (int)(N - n0) : nl;
-            const float *bn = bias ? bias + n0 : NULL;
-            dequant_rows(kind, w + n0 * row_bytes, row_bytes, nl, nr, K, wb);
-            if (pairs) {
-                const int64_t m0 = 0;
-                if (M > 8) TILE_OUTER(NL_PAIRS, 2, 1);
-                else TILE_OUTER(NL_PAIRS, 1, 1);
-                continue;
-            }
-            for (int64_t m0 = 0; m0 < M; m0 += 16 * MV) {
-                const int64_t rows = M - m0;
-                switch (rows > 48 ? 4 : rows > 32 ? 3 : rows > 16 ? 2 : 1) {
-                    case 1: TILE_OUTER(NL, 1, 0); break;
-                    case 2: TILE_OUTER(NL, 2, 0); break;
-                    case 3: TILE_OUTER(NL, 3, 0); break;
-                    default: TILE_OUTER(NL, 4, 0);
-                }
+        for (int64_t m0 = 0; m0 < M; m0 += 16 * MV) {
+            const int64_t rows = M - m0;
+            switch (rows > 48 ? 4 : rows > 32 ? 3 : rows > 16 ? 2 : 1) {
+                case 1: TILE_OUTER(NL, 1, 0); break;
+                case 2: TILE_OUTER(NL, 2, 0); break;
+                case 3: TILE_OUTER(NL, 3, 0); break;
+                default: TILE_OUTER(NL, 4, 0);
             }
         }
     }
-    free(xt);
-    return 0;
 }
 
+/* The pool's entry points, one per block kind (the kernels are specialised on it). */
+#define RANGE_FNS(NAME, BODY)                                                              \
+    static void NAME##_q4_1(void *c, int64_t b, int64_t e, int t) { (void)t; BODY(Q4_1); } \
+    static void NAME##_q8_0(void *c, int64_t b, int64_t e, int t) { (void)t; BODY(Q8_0); }
+#define DOT_BODY(KIND) dot_tiles(KIND, c, b, e)
+#define OUTER_BODY(KIND) outer_tiles(KIND, c, b, e, t)
+RANGE_FNS(dot, DOT_BODY)
+RANGE_FNS(outer, OUTER_BODY)
+
+/* Weight rows per item, so items are a few tiles: threads take items as they come free (on
+   a shared machine one may lose its core for a while; the other then takes the rest). */
+enum { TILES_PER_ITEM = 8 };
+
+/* y[M, N] = x[M, K] @ W[N, K].T (+ bias). 0, or -1 when scratch memory cannot be had. */
 int32_t v1_q_linear_f32(int32_t kind, const uint8_t *w, int64_t N, int64_t K, const float *x,
                         int64_t ldx, int64_t M, const float *bias, float *y, int64_t ldy) {
-    return kind == Q4_1 ? linear_f32(Q4_1, w, N, K, x, ldx, M, bias, y, ldy)
-                        : linear_f32(Q8_0, w, N, K, x, ldx, M, bias, y, ldy);
+    struct job j = {.w = w, .N = N, .K = K, .nb = K / QK, .x = x, .ldx = ldx, .M = M,
+                    .bias = bias, .y = y, .ldy = ldy};
+    j.row_bytes = j.nb * block_bytes(kind);
+    if (M <= DOT_ROWS_MAX) {
+        float *sx = NULL;
+        if (M == 1 && kind == Q4_1) {
+            if (!(sx = malloc((size_t)j.nb * sizeof(float)))) return -1;
+            for (int64_t b = 0; b < j.nb; b++)
+                sx[b] = hsum16(load16(x + b * QK) + load16(x + b * QK + 16));
+            j.sx = sx;
+        }
+        parallel_for((N + NR - 1) / NR, TILES_PER_ITEM, kind == Q4_1 ? dot_q4_1 : dot_q8_0, &j);
+        free(sx);
+        return 0;
+    }
+    j.pairs = M <= PAIR_ROWS_MAX;
+    j.nl = j.pairs ? NL_PAIRS : NL;
+    j.ldxt = j.pairs ? (M + 7) / 8 * 16 : (M + 15) / 16 * 16;
+    j.xt_floats = (j.pairs ? K / 2 : K) * j.ldxt;
+    /* xt, then a weight buffer per thread (64-byte aligned: K is a multiple of 32). */
+    j.xt = aligned_alloc(64, (size_t)(j.xt_floats + omp_get_max_threads() * j.nl * K) * 4);
+    if (!j.xt) return -1;
+    memset(j.xt, 0, (size_t)j.xt_floats * sizeof(float));
+    parallel_for(K, 64, transpose_x, &j);
+    parallel_for((N + j.nl - 1) / j.nl, TILES_PER_ITEM, kind == Q4_1 ? outer_q4_1 : outer_q8_0, &j);
+    free(j.xt);
+    return 0;
 }
 
 /* ---- int8 activations: integer dot products, as llama.cpp ------------------------------- */
@@ -646,56 +907,100 @@ static inline __attribute__((always_inline)) void tile_i8(
     else if (gm == 2) TILE_I8(KIND_, 6, 2);             \
     else TILE_I8(KIND_, 6, 1);
 
-/* As v1_q_linear_f32, through int8 activations. 0, or -1 without scratch memory. */
-int32_t v1_q_linear_i8(int32_t kind, const uint8_t *w, int64_t N, int64_t K, const float *x,
-                       int64_t ldx, int64_t M, const float *bias, float *y, int64_t ldy) {
-    const int64_t nb = K / QK, row_bytes = nb * block_bytes(kind);
-    const int64_t G = (M + LANES - 1) / LANES, per_group = nb * LANES;
-    /* A, then D, Q, T (4-byte elements all); rows past M stay 0. */
-    int32_t *A = calloc((size_t)(G * per_group * (GROUPS + 3)), 4);
-    if (!A) return -1;
-    int32_t *Q = A + G * per_group * GROUPS;
-    float *D = (float *)(Q + G * per_group), *T = D + G * per_group;
-    const int nri = G == 1 ? 8 : 6;
-    #pragma omp parallel
-    {
-        #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) quantize_row(x + m * ldx, nb, m, A, D, Q, T);
-        #pragma omp for schedule(dynamic, 8)
-        for (int64_t n0 = 0; n0 < N; n0 += nri) {
-            const int nr = N - n0 < nri ? (int)(N - n0) : nri;
-            const uint8_t *wn = w + n0 * row_bytes;
-            const float *bn = bias ? bias + n0 : NULL;
-            for (int64_t g0 = 0; g0 < G; g0 += 2) {
-                const int64_t m0 = g0 * LANES, o = g0 * per_group;
-                const int32_t *Am = A + o * GROUPS, *Qm = Q + o;
-                const float *Dm = D + o, *Tm = T + o;
-                float *ym = y + m0 * ldy + n0;
-                const int gm = G - g0 < 2 ? 1 : 2;
-                if (kind == Q4_1) {
-                    TILES_I8(Q4_1)
-                } else {
-                    TILES_I8(Q8_0)
-                }
+/* The int8 path's call: the activations quantized (see quantize_row), then tiles. */
+struct job_i8 {
+    const uint8_t *w;
+    int64_t N, nb, row_bytes, M, G, per_group;
+    const float *x;
+    int64_t ldx;
+    const float *bias;
+    float *y;
+    int64_t ldy;
+    int nri;
+    int32_t *A, *Q;
+    float *D, *T;
+};
+
+static void quantize_rows(void *c, int64_t m0, int64_t m1, int thread) {
+    const struct job_i8 *j = c;
+    (void)thread;
+    for (int64_t m = m0; m < m1; m++)
+        quantize_row(j->x + m * j->ldx, j->nb, m, j->A, j->D, j->Q, j->T);
+}
+
+/* Tiles t0 .. t1 - 1 (nri weight rows each), every group of activation rows. */
+static inline __attribute__((always_inline)) void i8_tiles(int kind, const struct job_i8 *j,
+                                                           int64_t t0, int64_t t1) {
+    const int64_t nb = j->nb, row_bytes = j->row_bytes, G = j->G, M = j->M, ldy = j->ldy;
+    const int nri = j->nri;
+    for (int64_t n0 = t0 * nri; n0 < t1 * nri && n0 < j->N; n0 += nri) {
+        const int nr = j->N - n0 < nri ? (int)(j->N - n0) : nri;
+        const uint8_t *wn = j->w + n0 * row_bytes;
+        const float *bn = j->bias ? j->bias + n0 : NULL;
+        for (int64_t g0 = 0; g0 < G; g0 += 2) {
+            const int64_t m0 = g0 * LANES, o = g0 * j->per_group;
+            const int32_t *Am = j->A + o * GROUPS, *Qm = j->Q + o;
+            const float *Dm = j->D + o, *Tm = j->T + o;
+            float *ym = j->y + m0 * ldy + n0;
+            const int gm = G - g0 < 2 ? 1 : 2;
+            if (kind == Q4_1) {
+                TILES_I8(Q4_1)
+            } else {
+                TILES_I8(Q8_0)
             }
         }
     }
-    free(A);
+}
+
+#define I8_BODY(KIND) i8_tiles(KIND, c, b, e)
+RANGE_FNS(i8, I8_BODY)
+
+/* As v1_q_linear_f32, through int8 activations. 0, or -1 without scratch memory. */
+int32_t v1_q_linear_i8(int32_t kind, const uint8_t *w, int64_t N, int64_t K, const float *x,
+                       int64_t ldx, int64_t M, const float *bias, float *y, int64_t ldy) {
+    struct job_i8 j = {.w = w, .N = N, .nb = K / QK, .M = M, .x = x, .ldx = ldx,
+                       .bias = bias, .y = y, .ldy = ldy};
+    j.row_bytes = j.nb * block_bytes(kind);
+    j.G = (M + LANES - 1) / LANES;
+    j.per_group = j.nb * LANES;
+    /* A, then D, Q, T (4-byte elements all); rows past M stay 0. */
+    j.A = calloc((size_t)(j.G * j.per_group * (GROUPS + 3)), 4);
+    if (!j.A) return -1;
+    j.Q = j.A + j.G * j.per_group * GROUPS;
+    j.D = (float *)(j.Q + j.G * j.per_group);
+    j.T = j.D + j.G * j.per_group;
+    j.nri = j.G == 1 ? 8 : 6;
+    parallel_for(M, 4, quantize_rows, &j);
+    parallel_for((N + j.nri - 1) / j.nri, TILES_PER_ITEM, kind == Q4_1 ? i8_q4_1 : i8_q8_0, &j);
+    free(j.A);
     return 0;
 }
 
 /* The whole weight as fp32 out[N, K], for batches big enough that a dense GEMM pays. */
-void v1_q_dequantize(int32_t kind, const uint8_t *w, int64_t N, int64_t K, float *out) {
-    const int64_t nb = K / QK, bb = block_bytes(kind);
-    #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        for (int64_t b = 0; b < nb; b++) {
+struct job_dq {
+    int kind;
+    const uint8_t *w;
+    int64_t nb;
+    float *out;
+};
+
+static void dequantize_rows(void *c, int64_t n0, int64_t n1, int thread) {
+    const struct job_dq *j = c;
+    const int64_t bb = block_bytes(j->kind), K = j->nb * QK;
+    (void)thread;
+    for (int64_t n = n0; n < n1; n++) {
+        for (int64_t b = 0; b < j->nb; b++) {
             v16 lo, hi;
-            dequant_block(kind, w + (n * nb + b) * bb, &lo, &hi);
-            memcpy(out + n * K + b * QK, &lo, 64);
-            memcpy(out + n * K + b * QK + 16, &hi, 64);
+            dequant_block(j->kind, j->w + (n * j->nb + b) * bb, &lo, &hi);
+            memcpy(j->out + n * K + b * QK, &lo, 64);
+            memcpy(j->out + n * K + b * QK + 16, &hi, 64);
         }
     }
+}
+
+void v1_q_dequantize(int32_t kind, const uint8_t *w, int64_t N, int64_t K, float *out) {
+    struct job_dq j = {.kind = kind, .w = w, .nb = K / QK, .out = out};
+    parallel_for(N, 16, dequantize_rows, &j);
 }
 
 /* Which integer dot product the int8 path compiled to: INT8_ISA. */
