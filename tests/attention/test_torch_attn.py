@@ -150,6 +150,8 @@ SCENARIOS = {
     # Prefills with more keys than the native kernel takes (SDPA), beside ones it takes.
     "long-prefills": ([(300, 300, None), (1, 40, None), (5, 400, None), (280, 300, None),
                        (30, 290, 0), (1, 280, 0)], {0: 256}),
+    # Batch-1 generation: the kernel's plan of a lone decode is built apart (no planning).
+    "lone-decode": ([(1, 150, None)], {}),
 }
 GQA = {"gqa1": (2, 2), "gqa3": (9, 3), "gqa4": (8, 2)}
 
@@ -298,6 +300,180 @@ def test_native_kernel_serves_decodes_and_short_prefills(decode_impl, always_cas
         assert [p.q_start for p in plan.prefills] == [0, 301, 306]
     else:
         assert plan.native is None and plan.decodes and len(plan.prefills) == 4
+
+
+def test_lone_decode_plan_is_one_entry(decode_impl):
+    """A step of one decode gets its kernel entry directly: its table row, query row, start
+    and end are views of one 4-element tensor, and there is nothing else in the plan."""
+    batch = Batch(*SCENARIOS["lone-decode"], 9, 3, 64, 16)
+    for window, start in [(None, 0), (20, 130)]:
+        plan = AttentionPlan.for_step(batch.metadata, batch.kv_cache, 9, window)
+        if decode_impl == "sdpa":
+            assert plan.native is None and len(plan.decodes) == 1
+            continue
+        d = plan.native
+        assert not (plan.decodes or plan.prefills or plan.groups)
+        entry = (d.table_rows, d.tokens, d.start, d.end)
+        assert [x.tolist() for x in entry] == [[0], [0], [start], [150]]
+        assert len({x.untyped_storage().data_ptr() for x in entry}) == 1
+
+
+def test_lone_decode_is_one_kernel_call(monkeypatch):
+    """At batch 1 a layer's attention (the cache write included) is one call of the C
+    kernel: the call, not its work, was most of what it cost."""
+    batch = Batch(*SCENARIOS["lone-decode"], 9, 3, 64, 16)
+    if torch_attn.native_decode_kernel(batch.kv_cache, 9) is None:
+        pytest.skip("the native decode kernel is not available (no C compiler?)")
+    calls = []
+    call = torch_attn._NativeDecodeKernel.__call__
+
+    def counted(*args, **kwargs):
+        calls.append(args[1])  # the query (None: only a write)
+        return call(*args, **kwargs)
+
+    monkeypatch.setattr(torch_attn._NativeDecodeKernel, "__call__", counted)
+    monkeypatch.setattr(torch.Tensor, "index_copy_", None)  # the torch write would fail
+    out, cache = batch.run_fast(0.125)
+    assert len(calls) == 1 and calls[0] is batch.query
+    monkeypatch.undo()
+    ref, ref_cache = batch.run_reference(0.125)
+    assert torch.equal(cache.nan_to_num(), ref_cache.nan_to_num())
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
+def test_native_write_stores_what_the_torch_write_stores(dtype, monkeypatch):
+    """With the C kernel, the step's K/V go into the cache in one C call (no index_copy_),
+    rounded to the cache's dtype exactly as torch rounds them (ties to even, subnormals,
+    overflow; fp16 saturating at +-65504), NaN staying NaN, padding slots (-1) skipped; the
+    rows may be strided, as in the fused q | k | v projection."""
+    gen = torch.Generator().manual_seed(5)
+    n, pad, kvh, d = 40, 3, 2, 16
+    kv = torch.randn(2, n + pad, kvh, d, generator=gen)
+    kv *= 10.0 ** torch.randint(-45, 9, kv.shape, generator=gen)  # subnormal .. beyond fp16
+    bits = kv.view(torch.int32)
+    bits[:, :, 0, :4] = (bits[:, :, 0, :4] & ~0xFFFF) | 0x8000  # bf16 ties
+    bits[:, :, 0, 4:6] = (bits[:, :, 0, 4:6] & ~0x1FFF) | 0x1000  # fp16 ties
+    kv[0, 0, 1, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 65519.0])
+    fused = torch.cat([torch.zeros(n + pad, 1, d), kv[0], kv[1]], dim=1)  # strided rows
+    key, value = fused[:, 1 : 1 + kvh], fused[:, 1 + kvh :]
+    slots = torch.randperm(64, generator=gen)[: n + pad]
+    slots[[3, 17, n + 1]] = -1
+    table = torch.arange(4, dtype=torch.int32).view(1, 4)  # one 40-token prefill chunk
+    qsl, seq = np.array([0, n + pad], dtype=np.int32), np.array([n + pad], dtype=np.int32)
+    md = AttentionMetadata(n + pad, n + pad, n + pad, torch.from_numpy(qsl),
+                           torch.from_numpy(seq), table, slots, qsl, seq)
+    cache = torch.zeros(kv_cache_shape(4, 16, kvh, d), dtype=dtype)
+    plan = AttentionPlan.for_step(md, cache, kvh)
+    if plan.native is None:
+        pytest.skip("no C kernel for this cache here (no C compiler, or fp16 without F16C)")
+    expected = cache.clone()
+    write_kv_cache(key, value, expected, slots)
+
+    def no_index_copy(*args, **kwargs):
+        raise AssertionError("the cache write went through torch")
+
+    monkeypatch.setattr(torch.Tensor, "index_copy_", no_index_copy)
+    plan.write_kv_cache(key, value, cache, md.slot_mapping)
+    nan = expected.isnan()
+    assert nan.any() and torch.equal(cache.isnan(), nan)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(cache.view(bits)[~nan], expected.view(bits)[~nan])
+
+
+def test_native_write_checks_its_input():
+    """A slot past the cache, or fewer K/V rows than slots, is a ValueError (the C write
+    would write, or read, out of bounds)."""
+    batch = Batch(*SCENARIOS["decode"], 9, 3, 64, 16)
+    plan = AttentionPlan.for_step(batch.metadata, batch.kv_cache, 9)
+    if plan.native is None:
+        pytest.skip("the native decode kernel is not available (no C compiler?)")
+    md = batch.metadata
+    with pytest.raises(ValueError, match="4 key / 4 value rows for 5 slots"):
+        plan.write_kv_cache(batch.key[:4], batch.value[:4], batch.kv_cache, md.slot_mapping)
+    capacity = batch.kv_cache.shape[1] * 16
+    past = AttentionMetadata(
+        md.num_actual_tokens, md.max_query_len, md.max_seq_len, md.query_start_loc,
+        md.seq_lens, md.block_table, torch.full_like(md.slot_mapping, capacity),
+        md.query_start_loc_cpu, md.seq_lens_cpu,
+    )
+    plan = AttentionPlan.for_step(past, batch.kv_cache, 9)
+    with pytest.raises(ValueError, match=f"slot {capacity} is past the cache's {capacity} "):
+        plan.write_kv_cache(batch.key, batch.value, batch.kv_cache, past.slot_mapping)
+    # Rows of another (kv heads, head size) than the cache's: it would read past the rows.
+    plan = AttentionPlan.for_step(md, batch.kv_cache, 9)
+    key = batch.key[:, :1].contiguous()
+    with pytest.raises(ValueError, match=r"key \(5, 1, 64\) .* head size\) \(3, 64\)"):
+        plan.write_kv_cache(key, key, batch.kv_cache, md.slot_mapping)
+
+
+
+@pytest.mark.parametrize("scenario", ["decode", "lone-decode"])
+def test_native_kernel_checks_the_block_table(scenario):
+    """A block table too narrow for a sequence, or naming a block outside the cache, is a
+    ValueError: the kernel reads blocks through it unchecked, so would read past them."""
+    batch = Batch(*SCENARIOS[scenario], 9, 3, 64, 16)
+    if torch_attn.native_decode_kernel(batch.kv_cache, 9) is None:
+        pytest.skip("the native decode kernel is not available (no C compiler?)")
+    md, num_blocks = batch.metadata, batch.kv_cache.shape[1]
+    longest = int(md.seq_lens_cpu.max())
+    narrow = md.block_table[:, : cdiv(longest, 16) - 1]
+    outside = md.block_table.clone()
+    outside[0, 0] = num_blocks
+    for table, error in [(narrow, f"{longest} keys need more than the block table's "),
+                         (outside, f"block id {num_blocks} is outside the cache's ")]:
+        bad = AttentionMetadata(
+            md.num_actual_tokens, md.max_query_len, md.max_seq_len, md.query_start_loc,
+            md.seq_lens, table, md.slot_mapping, md.query_start_loc_cpu, md.seq_lens_cpu,
+        )
+        with pytest.raises(ValueError, match=error):
+            TorchAttentionImpl(9, 64, 3, 0.125).forward(
+                batch.query, batch.key, batch.value, batch.kv_cache.clone(), bad)
+
+
+def test_strided_cache_gets_its_own_plan():
+    """A layer whose cache is a strided view of the same shape as the previous layer's
+    does not reuse that layer's plan: the C kernel, which would address (and write) it as
+    contiguous, does not serve it."""
+    batch = Batch(*SCENARIOS["decode"], 9, 3, 64, 16)
+    if torch_attn.native_decode_kernel(batch.kv_cache, 9) is None:
+        pytest.skip("the native decode kernel is not available (no C compiler?)")
+    batch.run_fast(0.125)  # a contiguous cache's plan for this metadata
+    wide = torch.zeros(*batch.kv_cache.shape[:-1], 128)
+    strided = wide[..., ::2]
+    strided.copy_(batch.kv_cache)
+    impl = TorchAttentionImpl(9, 64, 3, 0.125)
+    out = impl.forward(batch.query, batch.key, batch.value, strided, batch.metadata)
+    assert not wide[..., 1::2].any()  # nothing written between the view's elements
+    ref, _ = batch.run_reference(0.125)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("window", [None, 1, 7, 100, 1000])
+def test_lone_decode_plan_matches_the_general_plan(window):
+    """The lone decode's directly built entry is the one the general planning gives it
+    (planned there beside a request with nothing scheduled), over random lengths."""
+    kernel = torch_attn.native_decode_kernel(torch.zeros(kv_cache_shape(1, 16, 2, 16)), 4)
+    if kernel is None:
+        pytest.skip("the native decode kernel is not available (no C compiler?)")
+    rng = np.random.default_rng(7)
+    for _ in range(50):
+        seq_len = int(rng.integers(1, 900))
+        table = torch.from_numpy(rng.integers(0, 64, (2, 60)).astype(np.int32))
+        slots = torch.tensor([int(rng.integers(0, 1024))])
+        plans = []
+        for qsl, seq in (([0, 1], [seq_len]), ([0, 1, 1], [seq_len, 0])):
+            qsl, seq = np.array(qsl, dtype=np.int32), np.array(seq, dtype=np.int32)
+            md = AttentionMetadata(1, 1, seq_len, torch.from_numpy(qsl), torch.from_numpy(seq),
+                                   table[: len(seq)], slots, qsl, seq)
+            plans.append(AttentionPlan.build(md, 16, 1, kernel, window))
+        lone, general = plans
+        for f in ("table_rows", "tokens", "start", "end"):
+            assert torch.equal(getattr(lone.native, f), getattr(general.native, f)), f
+        for f in ("num_tokens", "any_padding_slot", "sliding_window", "prefills", "decodes",
+                  "groups"):
+            assert getattr(lone, f) == getattr(general, f), f
 
 
 def test_native_kernel_only_for_what_it_supports():

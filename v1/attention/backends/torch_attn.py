@@ -27,7 +27,10 @@ that reads each request's K/V in place through its block table, with an online s
 request per OpenMP task. SDPA spends most of a decode in per-(request, head) overhead and
 needs the gathered copy; the kernel needs neither and is 3-4x faster at 64 decodes. It is
 built on first use by `v1.native`; without a compiler, for other dtypes or shapes, or with
-V1_CPU_KERNELS=0, the SDPA path above runs instead.
+V1_CPU_KERNELS=0, the SDPA path above runs instead. In a step it serves, the cache write is C
+too (`kv_write`, the same bits as `write_kv_cache`), in the kernel's call, and what every
+layer's call shares (the entries, slots, shapes) is converted for ctypes once per step: at
+batch 1 a layer's attention is a few microseconds of work, and was mostly call overhead.
 
 The cache may hold a narrower dtype than the model computes in (kv_cache_dtype "bfloat16" or
 "float16" under an fp32 model: half the bytes per token, twice the tokens per pool). The
@@ -148,6 +151,10 @@ class TorchAttentionImpl(AttentionImpl):
         plan = AttentionPlan.for_step(
             metadata, kv_cache, self.num_heads, self.sliding_window, query.dtype
         )
+        if plan.native_write(key, value, metadata.slot_mapping) is not None:
+            # The C kernel stores the K/V and attends in one call (it runs before any other
+            # part of the step's attention reads the cache).
+            return paged_attention(query, key, value, kv_cache, plan, self.scale, write=True)
         plan.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         return paged_attention(query, key, value, kv_cache, plan, self.scale)
 
@@ -224,6 +231,37 @@ class _NativeDecodes:
     tokens: torch.Tensor
     start: torch.Tensor
     end: torch.Tensor
+    slot_mapping: torch.Tensor  # the metadata's: the kernel writes the step's K/V too
+    slots: torch.Tensor  # the same as int64, contiguous
+    # The kernel's `_DecodeStep` and its address, set by the step's first call (it needs
+    # the cache's shape, the same for every layer the plan serves); 0: not yet.
+    step: "_DecodeStep | None" = None
+    step_address: int = 0
+
+    def bind(self, kv_cache: torch.Tensor) -> int:
+        """Build the step's `_DecodeStep` for caches shaped as `kv_cache` (its slots and
+        block table checked against that shape); its address."""
+        _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        capacity = num_blocks * block_size
+        if self.slots.numel() and int(self.slots.max()) >= capacity:
+            raise ValueError(f"slot {int(self.slots.max())} is past the cache's {capacity} slots")
+        # The kernel reads blocks through the table unchecked: a row too short for a
+        # sequence, or a block id outside the cache, would read past them.
+        if -(-int(self.end.max()) // block_size) > self.table.shape[1]:
+            raise ValueError(f"{int(self.end.max())} keys need more than the block table's "
+                             f"{self.table.shape[1]} blocks of {block_size}")
+        lo, hi = (int(x) for x in torch.aminmax(self.table))
+        if lo < 0 or hi >= num_blocks:
+            raise ValueError(f"block id {lo if lo < 0 else hi} is outside the cache's "
+                             f"{num_blocks} blocks")
+        self.step = _DecodeStep(
+            self.table.data_ptr(), self.table.stride(0), self.table_rows.data_ptr(),
+            self.tokens.data_ptr(), self.start.data_ptr(), self.end.data_ptr(),
+            self.tokens.shape[0], self.slots.data_ptr(), self.slots.shape[0],
+            num_kv_heads, head_dim, block_size, kv_cache[0].numel(),
+        )
+        self.step_address = ctypes.addressof(self.step)
+        return self.step_address
 
 
 @dataclass(slots=True)
@@ -256,7 +294,10 @@ class AttentionPlan:
         reused by the others (every layer's cache has the same shape): one plan per distinct
         window in the step, where a window longer than every sequence shares the global one.
         `query_dtype`: the activations' (the C kernel serves fp32 ones only)."""
-        key = (kv_cache.shape, kv_cache.dtype, kv_cache.device, num_heads, query_dtype)
+        # Contiguity too: the C kernel (chosen, or not, per key) addresses and writes a
+        # cache by its shape alone, so a same-shaped strided cache needs a plan without it.
+        key = (kv_cache.shape, kv_cache.dtype, kv_cache.device, kv_cache.is_contiguous(),
+               num_heads, query_dtype)
         cached = getattr(cls._local, "cached", None)
         if cached is not None and cached[0] is metadata and cached[1] == key:
             plans = cached[2]
@@ -290,10 +331,6 @@ class AttentionPlan:
         qsl = np.asarray(metadata.query_start_loc_cpu, dtype=np.int64)
         seq_lens = np.asarray(metadata.seq_lens_cpu, dtype=np.int64)
         num_reqs = len(seq_lens)
-        q_lens = qsl[1 : num_reqs + 1] - qsl[:num_reqs]
-        table = metadata.block_table.cpu().numpy()
-        num_blocks = -(-seq_lens // B)
-        ctx_blocks = (seq_lens - q_lens) // B  # full blocks entirely before the queries
         slots = metadata.slot_mapping
         w = _effective_window(sliding_window, seq_lens)
         plan = cls(
@@ -302,6 +339,24 @@ class AttentionPlan:
             any_padding_slot=bool(slots.numel()) and bool((slots < 0).any()),
             sliding_window=w,
         )
+        if kernel is not None and num_reqs == 1 and qsl[1] - qsl[0] == 1:
+            # A lone decode (batch-1 generation, where this runs once per token): one kernel
+            # entry, no cascade. Built directly: the general planning below is ~30 numpy
+            # calls on 1-element arrays, ~40 us a step, as much as a few layers' attention.
+            seq_len = int(seq_lens[0])
+            start = 0 if w is None else seq_len - w
+            # Its table row, query row, start and end, as 1-element views of one tensor.
+            entry = torch.tensor([0, int(qsl[0]), start, seq_len], dtype=torch.int64).to(dev)
+            plan.native = _NativeDecodes(
+                kernel, metadata.block_table.to(torch.int32).contiguous(),
+                *(entry[i : i + 1] for i in range(4)),
+                slots, slots.to(torch.int64).contiguous(),
+            )
+            return plan
+        q_lens = qsl[1 : num_reqs + 1] - qsl[:num_reqs]
+        table = metadata.block_table.cpu().numpy()
+        num_blocks = -(-seq_lens // B)
+        ctx_blocks = (seq_lens - q_lens) // B  # full blocks entirely before the queries
 
         def tensor(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(dev)
@@ -363,6 +418,7 @@ class AttentionPlan:
                 plan.native = _NativeDecodes(
                     kernel, metadata.block_table.to(torch.int32).contiguous(), tensor(owner),
                     tensor(qsl[owner] + i), tensor(start), tensor(end),
+                    slots, slots.to(torch.int64).contiguous(),
                 )
         elif len(dec):
             rest = num_blocks[dec] - first_blk[dec]
@@ -409,6 +465,21 @@ class AttentionPlan:
             ))
         return plan
 
+    def native_write(
+        self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> "_NativeDecodes | None":
+        """The plan's C kernel if it can store this K/V: one C call (per token: two row
+        copies, converted to the cache's dtype) instead of two index_copy_ and, for a 16-bit
+        cache, two conversions; at a few tokens those cost mostly dispatch."""
+        native_step = self.native
+        if (
+            native_step is not None
+            and slot_mapping is native_step.slot_mapping
+            and key.dtype == value.dtype == torch.float32
+        ):
+            return native_step
+        return None
+
     def write_kv_cache(
         self,
         key: torch.Tensor,
@@ -416,6 +487,9 @@ class AttentionPlan:
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
+        if (native_step := self.native_write(key, value, slot_mapping)) is not None:
+            native_step.kernel(None, kv_cache, native_step, None, None, 0.0, key, value)
+            return
         if self.any_padding_slot:
             write_kv_cache(key, value, kv_cache, slot_mapping)
             return
@@ -503,10 +577,12 @@ def paged_attention(
     kv_cache: torch.Tensor,
     plan: AttentionPlan,
     scale: float,
+    write: bool = False,
 ) -> torch.Tensor:
-    """The step's attention for query [T, h, d]; key/value are this step's new K/V (already
-    in the cache). Matches `paged_attention_reference` up to float rounding; like it, it
-    never lets a slot past a sequence's end change the result."""
+    """The step's attention for query [T, h, d]; key/value are this step's new K/V, already
+    in the cache, or with `write` (where `plan.native_write` allows it) stored by the C
+    kernel's call first. Matches `paged_attention_reference` up to float rounding; like it,
+    it never lets a slot past a sequence's end change the result."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     out = torch.empty_like(query)
     lse = None
@@ -515,7 +591,8 @@ def paged_attention(
 
     num_kv_heads = kv_cache.shape[3]
     if (native_decodes := plan.native) is not None:
-        native_decodes.kernel(query, kv_cache, native_decodes, out, lse, scale)
+        native_decodes.kernel(query, kv_cache, native_decodes, out, lse, scale,
+                              *((key, value) if write else ()))
     for bucket in plan.decodes:
         # A decode's query heads that share a kv head are the rows of one [g, d] query of
         # that kv head: SDPA then reads each K/V row once per kv head, not once per head.
@@ -578,9 +655,9 @@ def paged_attention(
 # ---- the native decode kernel -------------------------------------------------------------------
 
 # The kernel reads each K/V row through KV_ROW, which gives its D values as fp32: the row
-# itself in an fp32 cache, else the row widened into a small buffer (once per row, for the G
-# query heads that read it). Its source is compiled once per cache dtype
-# (`_DECODE_VARIANTS`), as v1_paged_decode_f32, _bf16 and _f16.
+# itself in an fp32 cache, else the row widened into a buffer (once per row, for the G query
+# heads that read it); the cache write stores rows through STORE_ROW. Its source is compiled
+# once per cache dtype (`_DECODE_VARIANTS`), as v1_paged_decode_f32, _bf16 and _f16.
 _KV_ROWS = r"""
 #include <float.h>
 #include <math.h>
@@ -616,9 +693,68 @@ static inline const float *row_f16(const uint16_t *p, float *buf, int64_t D) {
     return buf;
 }
 #endif
+
+/* The cache write's STORE_ROW: n (a multiple of 8) fp32 values into the cache's dtype, as
+   torch's .to() rounds them (to nearest, ties to even), so that both writes store the same
+   bits for every finite value; NaN stays NaN. */
+static inline void store_f32(float *dst, const float *src, int64_t n) {
+    __builtin_memcpy(dst, src, n * sizeof(float));
+}
+
+static inline void store_bf16(uint16_t *dst, const float *src, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        __builtin_memcpy(&u, src + i, 4);
+        dst[i] = src[i] != src[i] ? 0x7fc0 : (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+    }
+}
+
+#ifdef __F16C__
+/* fp16 saturates at +-65504 (see _FP16_MAX): clamping first rounds to the same value as
+   torch's cast-then-clamp (everything above 65504 rounds to 65504 or inf); NaN passes. */
+static inline void store_f16(uint16_t *dst, const float *src, int64_t n) {
+    for (int64_t i = 0; i < n; i += 8) {
+        v8 x = load8(src + i);
+        x = select(x > splat(65504.f), splat(65504.f), x);
+        x = select(x < splat(-65504.f), splat(-65504.f), x);
+        v8i16 h = __builtin_ia32_vcvtps2ph256(x, 0);  /* 0: round to nearest even */
+        __builtin_memcpy(dst + i, &h, 16);
+    }
+}
+#endif
+
+/* What the plan fixes for every layer of a step (`_DecodeStep` mirrors it): the kernel's
+   entries, the step's slots, the shapes. */
+struct decode_step {
+    const int32_t *table;       /* [num_reqs, table_row], the step's block table */
+    int64_t table_row;
+    const int64_t *table_rows;  /* per entry: its request's row of the table */
+    const int64_t *tok;         /* per entry: its query row */
+    const int64_t *start;       /* per entry: the key positions [start, end) it attends to */
+    const int64_t *end;
+    int64_t R;                  /* entries */
+    const int64_t *slots;       /* per new token: its flat cache slot; < 0: padding */
+    int64_t num_slots;
+    int64_t KVH, D, B;
+    int64_t half;               /* elements in one cache half: V = K + half */
+};
 """
 
 _PAGED_DECODE_SOURCE = r"""
+/* The cache write: token i's K/V rows (fp32, row i at k + i * k_row: each row's KVH * D
+   values contiguous) into slot step->slots[i] of the cache [2, num_blocks, B, KVH, D],
+   converted once into its dtype. Serial: a step writes a few rows per layer, and parallel
+   regions cost more than that to start. */
+static void kv_write(const struct decode_step *step, const float *k, int64_t k_row,
+                     const float *v, int64_t v_row, KV_T *cache) {
+    const int64_t row = step->KVH * step->D;
+    for (int64_t i = 0; i < step->num_slots; i++) {
+        if (step->slots[i] < 0) continue;  /* padding */
+        STORE_ROW(cache + step->slots[i] * row, k + i * k_row, row);
+        STORE_ROW(cache + step->half + step->slots[i] * row, v + i * v_row, row);
+    }
+}
+
 /* Paged attention for requests with one query token each (decodes), reading K/V in place.
 
    q[tok[r] * q_row + h * D + d]                  query of request r, head h (fp32)
@@ -628,21 +764,30 @@ _PAGED_DECODE_SOURCE = r"""
    out[tok[r] * out_row + h * D + d]              the output (fp32)
    lse[tok[r] * H + h] (if lse is not NULL)       logsumexp of the scaled scores
 
+   (all but q, H, the cache, out and lse from the step's `struct decode_step`; with k_new,
+   kv_write stores the step's K/V first; without q, that is all.)
    Query head h reads kv head h / (H / KVH). One OpenMP task per request: it streams the
    request's blocks once, chunk by chunk (TMAX keys), keeping a running max m, sum l and
    unnormalised output acc per head (the online softmax). Each K/V row of a kv head is
    read as fp32 once (KV_ROW) for the G query heads that use it; all the arithmetic is
-   fp32. D must be a multiple of 8. */
+   fp32. D must be a multiple of 8. A single request runs on the calling thread: starting a
+   parallel region wakes the other OpenMP threads, which sleep between regions
+   (OMP_WAIT_POLICY=PASSIVE) and take longer to wake than one short decode takes. */
 
 enum { TMAX = 32 };
 
-void PAGED_DECODE(const float *q, int64_t q_row, const KV_T *k, const KV_T *v,
-                  const int32_t *table, int64_t table_row, const int64_t *table_rows,
-                  const int64_t *tok, const int64_t *start, const int64_t *end,
-                  int64_t R, int64_t H, int64_t KVH, int64_t D, int64_t B, float scale,
-                  float *out, int64_t out_row, float *lse) {
+void PAGED_DECODE(const struct decode_step *step, const float *q, int64_t q_row, int64_t H,
+                  const float *k_new, int64_t k_row, const float *v_new, int64_t v_row,
+                  KV_T *cache, float scale, float *out, int64_t out_row, float *lse) {
+    if (k_new) kv_write(step, k_new, k_row, v_new, v_row, cache);
+    if (!q) return;
+    const int32_t *table = step->table;
+    const int64_t table_row = step->table_row, *table_rows = step->table_rows, *tok = step->tok;
+    const int64_t *start = step->start, *end = step->end, R = step->R;
+    const int64_t KVH = step->KVH, D = step->D, B = step->B;
+    const KV_T *k = cache, *v = cache + step->half;
     const int64_t G = H / KVH, NV = D / 8, row = KVH * D;
-    #pragma omp parallel for schedule(dynamic, 1)
+    #pragma omp parallel for schedule(dynamic, 1) if (R > 1)
     for (int64_t r = 0; r < R; r++) {
         v8 qv[H][NV], acc[H][NV];
         float m[H], l[H];
@@ -723,20 +868,23 @@ void PAGED_DECODE(const float *q, int64_t q_row, const KV_T *k, const KV_T *v,
 }
 """
 
-# Cache dtype -> (name suffix, C element type, KV_ROW, the macro the variant needs). Each
+# Cache dtype -> (name suffix, C element type, the macro the variant needs). Each
 # variant is a library of its own: in one translation unit, three callers of VECTOR_C's
 # helpers made GCC stop inlining them (the fp32 kernel ran 1.3-3x slower).
 _DECODE_VARIANTS = {
-    torch.float32: ("f32", "float", "row_f32", None),
-    torch.bfloat16: ("bf16", "uint16_t", "row_bf16", None),
-    torch.float16: ("f16", "uint16_t", "row_f16", "__F16C__"),
+    torch.float32: ("f32", "float", None),
+    torch.bfloat16: ("bf16", "uint16_t", None),
+    torch.float16: ("f16", "uint16_t", "__F16C__"),
 }
 
 
+@functools.cache  # it is looked up once per step, and is ~10 kB
 def _native_decode_source(kv_dtype: torch.dtype) -> str:
-    suffix, kv_type, kv_row, needs = _DECODE_VARIANTS[kv_dtype]
-    kernel = (f"#define PAGED_DECODE v1_paged_decode_{suffix}\n#define KV_T {kv_type}\n"
-              f"#define KV_ROW {kv_row}\n{_PAGED_DECODE_SOURCE}")
+    suffix, kv_type, needs = _DECODE_VARIANTS[kv_dtype]
+    kernel = (f"#define PAGED_DECODE v1_paged_decode_{suffix}\n"
+              f"#define KV_T {kv_type}\n"
+              f"#define KV_ROW row_{suffix}\n#define STORE_ROW store_{suffix}\n"
+              f"{_PAGED_DECODE_SOURCE}")
     if needs is not None:  # else an empty library: torch reads such caches
         kernel = f"#ifdef {needs}\n{kernel}#endif\n"
     return native.VECTOR_C + _KV_ROWS + kernel
@@ -746,32 +894,73 @@ def _native_decode_source(kv_dtype: torch.dtype) -> str:
 _NATIVE_MAX_HEAD_FLOATS = 64 * 128
 
 
-class _NativeDecodeKernel:
-    """ctypes binding of one `v1_paged_decode_*`; `__call__` checks nothing the planner
-    checked."""
+class _DecodeStep(ctypes.Structure):
+    """`struct decode_step` (see `_KV_ROWS`): the part of every kernel call that the plan
+    fixes, passed by address: converted once per step rather than as ctypes arguments (and
+    data_ptr() calls) on every layer's call, which were most of what calling it cost."""
 
-    def __init__(self, fn: ctypes._CFuncPtr) -> None:
+    _fields_ = [
+        ("table", ctypes.c_void_p), ("table_row", ctypes.c_int64),
+        ("table_rows", ctypes.c_void_p), ("tok", ctypes.c_void_p),
+        ("start", ctypes.c_void_p), ("end", ctypes.c_void_p), ("R", ctypes.c_int64),
+        ("slots", ctypes.c_void_p), ("num_slots", ctypes.c_int64),
+        ("KVH", ctypes.c_int64), ("D", ctypes.c_int64),
+        ("B", ctypes.c_int64), ("half", ctypes.c_int64),
+    ]
+
+
+class _NativeDecodeKernel:
+    """ctypes binding of one cache dtype's `v1_paged_decode_*` (which also writes the cache).
+    It checks nothing the planner checked (the cache's dtype, shape and contiguity are the
+    plan's key, the queries are fp32)."""
+
+    def __init__(self, decode: ctypes._CFuncPtr) -> None:
         ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr,
-                       i64, i64, i64, i64, i64, f32, ptr, i64, ptr]
-        fn.restype = None
-        self._fn = fn
+        decode.argtypes = [ptr, ptr, i64, i64, ptr, i64, ptr, i64, ptr, f32, ptr, i64, ptr]
+        decode.restype = None
+        self._decode = decode
 
     def __call__(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, d: _NativeDecodes,
-        out: torch.Tensor, lse: torch.Tensor | None, scale: float,
+        self, query: torch.Tensor | None, kv_cache: torch.Tensor, d: _NativeDecodes,
+        out: torch.Tensor | None, lse: torch.Tensor | None, scale: float,
+        key: torch.Tensor | None = None, value: torch.Tensor | None = None,
     ) -> None:
-        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-        num_heads = query.shape[1]
-        if query.stride(2) != 1 or query.stride(1) != head_dim:
-            query = query.contiguous()
-        self._fn(
-            query.data_ptr(), query.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
-            d.table.data_ptr(), d.table.stride(0), d.table_rows.data_ptr(), d.tokens.data_ptr(),
-            d.start.data_ptr(), d.end.data_ptr(), d.tokens.shape[0], num_heads, num_kv_heads,
-            head_dim, block_size, scale, out.data_ptr(), out.stride(0),
-            None if lse is None else lse.data_ptr(),
+        """Attend `d`'s entries (query None: none), after storing key/value (fp32 [n, kvh, d],
+        n >= the step's slots) at the step's slots if given: in one call, as a layer's call
+        costs more than its work at batch 1."""
+        k_row = v_row = 0
+        if key is not None and value is not None:
+            if key.shape[0] < d.slots.shape[0] or value.shape[0] < d.slots.shape[0]:
+                raise ValueError(f"{key.shape[0]} key / {value.shape[0]} value rows for "
+                                 f"{d.slots.shape[0]} slots")
+            # It copies the cache's KVH * D values per row: other rows would be read past.
+            if key.shape[1:] != kv_cache.shape[3:] or value.shape[1:] != kv_cache.shape[3:]:
+                raise ValueError(f"key {tuple(key.shape)} / value {tuple(value.shape)} rows "
+                                 f"are not the cache's (kv heads, head size) "
+                                 f"{tuple(kv_cache.shape[3:])}")
+            key, value = _rows_contiguous(key), _rows_contiguous(value)
+            k_row, v_row = key.stride(0), value.stride(0)
+        num_heads = q_row = 0
+        if query is not None:
+            query = _rows_contiguous(query)
+            num_heads, q_row = query.shape[1], query.stride(0)
+        self._decode(
+            d.step_address or d.bind(kv_cache), _address(query), q_row, num_heads,
+            _address(key), k_row, _address(value), v_row, kv_cache.data_ptr(), scale,
+            _address(out), 0 if out is None else out.stride(0), _address(lse),
         )
+
+
+def _address(x: torch.Tensor | None) -> int | None:
+    return None if x is None else x.data_ptr()
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """`x` [n, heads, d] with each row's heads * d values contiguous (rows may be strided,
+    as the query's and key's are in the fused q | k | v projection)."""
+    if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+        return x.contiguous()
+    return x
 
 
 def native_decode_kernel(
@@ -799,5 +988,5 @@ def native_decode_kernel(
 @functools.cache
 def _bind_decode_kernel(lib: ctypes.CDLL, suffix: str) -> _NativeDecodeKernel | None:
     """None where the library is empty (fp16 without F16C)."""
-    fn = getattr(lib, f"v1_paged_decode_{suffix}", None)
-    return None if fn is None else _NativeDecodeKernel(fn)
+    decode = getattr(lib, f"v1_paged_decode_{suffix}", None)
+    return None if decode is None else _NativeDecodeKernel(decode)
