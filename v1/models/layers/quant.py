@@ -32,32 +32,36 @@ matmul takes, 120 calls a step (the figures below are with the pool; with OpenMP
 a505452, the fp32 path's row took 0.51-1.28 of oneDNN's time from 1 to 64 rows).
 
 Which path for which batch, by `bench/bench_quant_kernels.py` (2 threads of an AVX-512 VNNI
-EPYC shared with other work, load ~11; time of 30 layers + LM head in the GGUF's kinds, q4_1
-layers and q8_0 head, relative to fp32 oneDNN on prepacked weights; range of 3-4 runs):
+EPYC; time of 30 layers + LM head in the GGUF's kinds, q4_1 layers and q8_0 head, relative to
+fp32 oneDNN on prepacked weights; load ~1, `bench/results/quant_kernels.txt`; runs vary by
+~10-20%, more at 8-64 rows):
 
-    rows       1          2          4          8          16         32         64
-    fp32   0.53-0.70  0.42-0.74  0.50-0.94  1.04-1.18  0.90-0.96  0.81-1.38  0.89-1.13
-    int8   0.86-1.07  0.61-0.99  0.76-1.06  0.59-1.01  0.30-0.55  0.36-0.54  0.40-0.52
+    rows       1      2      4      8      16     32     64
+    fp32     0.28   0.33   0.47   0.86   0.90   1.08   1.13
+    int8     0.55   0.45   0.47   0.61   0.74   0.84   1.19
 
 (A layer's weights stay in cache between the benchmark's calls; in the model the fp32
 weights, 540 MB, stream from memory, so the blocks' lead at a few rows is larger there.) fp32
 activations win up to 4 rows (no activation quantization, no idle int8 lanes); int8
-activations from 8 rows, and from 16 on they take about half the fp32 path's time. For
-larger batches the fp32 path can only match fp32 oneDNN: it does the same FMAs and saves
-memory traffic, which matters little there. Still, INT8_MIN_ROWS defaults to None (fp32
-activations at every batch size): `gguf` runs fp32's very weights and must agree with fp32's
-greedy tokens (issue 14: >= 0.97), and int8 activations everywhere gave perplexity +0.3% but
-greedy agreement 0.61 (`V1_QUANT_INT8_MIN_ROWS=1 .venv/bin/python bench/bench_quant.py
---modes fp32 gguf --rounds 1`). V1_QUANT_INT8_MIN_ROWS=8 trades that accuracy for speed.
+activations from 8 rows. For larger batches the fp32 path can only match fp32 oneDNN: it does
+the same FMAs and saves memory traffic, which matters little there. Still, INT8_MIN_ROWS
+defaults to None (fp32 activations at every batch size): `gguf` runs fp32's very weights and
+must agree with fp32's greedy tokens (issue 14: >= 0.97), and int8 activations everywhere gave
+perplexity +0.3% but greedy agreement 0.61 (`V1_QUANT_INT8_MIN_ROWS=1 .venv/bin/python
+bench/bench_quant.py --modes fp32 gguf --rounds 1`). V1_QUANT_INT8_MIN_ROWS=8 trades that
+accuracy for speed.
 
 From DENSE_MIN_ROWS rows (prefill chunks) a third path, "dense": the whole weight dequantized
-by C into fp32 once per call, then oneDNN's GEMM. Same figures' run, extended (`--rows
+by C into fp32 once per call, then oneDNN's GEMM. At a505452 (OpenMP threads; `--rows
 32,64,128,512,2048 --rounds 3`, load ~2; model in the GGUF's kinds vs fp32 oneDNN):
 
     rows      32     64     128    512    2048
     fp32     1.05   1.10   1.13   1.32   1.57
     dense    2.47   1.90   1.44   1.14   1.07
     int8     0.47   0.50   0.51   0.58   0.69
+
+and now (`--rows 256,2048 --rounds 3`, `bench/results/quant_kernels_prefill.txt`): fp32 1.49
+/ 1.65, dense 1.48 / 1.13, int8 1.45 / 1.67.
 """
 
 import ctypes
@@ -661,11 +665,11 @@ static inline __attribute__((always_inline)) void dot_tiles(int kind, const stru
     }
 }
 
-/* Activations k0 .. k1 - 1 of every row into xt. */
-static void transpose_x(void *c, int64_t k0, int64_t k1, int thread) {
-    const struct job *j = c;
-    (void)thread;
-    for (int64_t k = k0; k < k1; k++)
+/* The activations into xt, on the calling thread: O(M K), against the tiles' O(M N K). (As a
+   job of the pool, such a short job right before the tiles' job measured the int8 path at
+   64-2048 rows at one thread's speed; why is not understood.) */
+static void transpose_x(const struct job *j) {
+    for (int64_t k = 0; k < j->K; k++)
         for (int64_t m = 0; m < j->M; m++)
             j->xt[xt_index(m, k, j->pairs, j->ldxt)] = j->x[m * j->ldx + k];
 }
@@ -741,7 +745,7 @@ int32_t v1_q_linear_f32(int32_t kind, const uint8_t *w, int64_t N, int64_t K, co
     j.xt = aligned_alloc(64, (size_t)(j.xt_floats + omp_get_max_threads() * j.nl * K) * 4);
     if (!j.xt) return -1;
     memset(j.xt, 0, (size_t)j.xt_floats * sizeof(float));
-    parallel_for(K, 64, transpose_x, &j);
+    transpose_x(&j);
     parallel_for((N + j.nl - 1) / j.nl, TILES_PER_ITEM, kind == Q4_1 ? outer_q4_1 : outer_q8_0, &j);
     free(j.xt);
     return 0;
@@ -921,10 +925,9 @@ struct job_i8 {
     float *D, *T;
 };
 
-static void quantize_rows(void *c, int64_t m0, int64_t m1, int thread) {
-    const struct job_i8 *j = c;
-    (void)thread;
-    for (int64_t m = m0; m < m1; m++)
+/* The activations quantized, on the calling thread (as transpose_x, and for the same reason). */
+static void quantize_rows(const struct job_i8 *j) {
+    for (int64_t m = 0; m < j->M; m++)
         quantize_row(j->x + m * j->ldx, j->nb, m, j->A, j->D, j->Q, j->T);
 }
 
@@ -970,7 +973,7 @@ int32_t v1_q_linear_i8(int32_t kind, const uint8_t *w, int64_t N, int64_t K, con
     j.D = (float *)(j.Q + j.G * j.per_group);
     j.T = j.D + j.G * j.per_group;
     j.nri = j.G == 1 ? 8 : 6;
-    parallel_for(M, 4, quantize_rows, &j);
+    quantize_rows(&j);
     parallel_for((N + j.nri - 1) / j.nri, TILES_PER_ITEM, kind == Q4_1 ? i8_q4_1 : i8_q8_0, &j);
     free(j.A);
     return 0;
