@@ -37,13 +37,14 @@ fp32 oneDNN on prepacked weights; load ~1, `bench/results/quant_kernels.txt`; ru
 ~10-20%, more at 8-64 rows):
 
     rows       1      2      4      8      16     32     64
-    fp32     0.28   0.33   0.47   0.86   0.90   1.08   1.13
-    int8     0.55   0.45   0.47   0.61   0.74   0.84   1.19
+    fp32     0.30   0.35   0.43   0.62   0.72   0.85   1.00
+    int8     0.59   0.49   0.47   0.43   0.38   0.40   0.47
 
 (A layer's weights stay in cache between the benchmark's calls; in the model the fp32
 weights, 540 MB, stream from memory, so the blocks' lead at a few rows is larger there.) fp32
 activations win up to 4 rows (no activation quantization, no idle int8 lanes); int8
-activations from 8 rows. For larger batches the fp32 path can only match fp32 oneDNN: it does
+activations from 8 rows, and from 16 on they take about half the fp32 path's time. For larger
+batches the fp32 path can only match fp32 oneDNN: it does
 the same FMAs and saves memory traffic, which matters little there. Still, INT8_MIN_ROWS
 defaults to None (fp32 activations at every batch size): `gguf` runs fp32's very weights and
 must agree with fp32's greedy tokens (issue 14: >= 0.97), and int8 activations everywhere gave
@@ -60,8 +61,8 @@ by C into fp32 once per call, then oneDNN's GEMM. At a505452 (OpenMP threads; `-
     dense    2.47   1.90   1.44   1.14   1.07
     int8     0.47   0.50   0.51   0.58   0.69
 
-and now (`--rows 256,2048 --rounds 3`, `bench/results/quant_kernels_prefill.txt`): fp32 1.49
-/ 1.65, dense 1.48 / 1.13, int8 1.45 / 1.67.
+and now (`--rows 256,2048 --rounds 3`, `bench/results/quant_kernels_prefill.txt`): fp32 1.29
+/ 1.95, dense 1.33 / 1.09, int8 0.61 / 0.83.
 """
 
 import ctypes
