@@ -70,15 +70,9 @@ class Batch:
             k_new.append(k[ctx:])
             v_new.append(v[ctx:])
             q.append(torch.randn(q_len, num_heads, head_size, generator=gen))
-        q_lens = np.array([r[0] for r in reqs], dtype=np.int32)
-        seq_lens = np.array([r[1] for r in reqs], dtype=np.int32)
-        qsl = np.zeros(len(reqs) + 1, dtype=np.int32)
-        np.cumsum(q_lens, out=qsl[1:])
-        self.metadata = AttentionMetadata(
-            num_actual_tokens=int(qsl[-1]), max_query_len=int(q_lens.max()),
-            max_seq_len=int(seq_lens.max()), query_start_loc=torch.from_numpy(qsl),
-            seq_lens=torch.from_numpy(seq_lens), block_table=torch.from_numpy(table),
-            slot_mapping=torch.cat(slots), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
+        self.metadata = AttentionMetadata.build(
+            np.array([r[0] for r in reqs]), np.array([r[1] for r in reqs]), table,
+            torch.cat(slots),
         )
         self.query, self.key, self.value = torch.cat(q), torch.cat(k_new), torch.cat(v_new)
 

@@ -111,20 +111,9 @@ def make_batch(
         values.append(v[ctx:])
         queries.append(torch.randn(q_len, num_heads, head_size, generator=gen))
 
-    q_lens = np.array([q for q, _ in reqs], dtype=np.int32)
-    seq_lens = np.array([s for _, s in reqs], dtype=np.int32)
-    query_start_loc = np.zeros(len(reqs) + 1, dtype=np.int32)
-    np.cumsum(q_lens, out=query_start_loc[1:])
-    metadata = AttentionMetadata(
-        num_actual_tokens=int(query_start_loc[-1]),
-        max_query_len=int(q_lens.max()),
-        max_seq_len=int(seq_lens.max()),
-        query_start_loc=torch.from_numpy(query_start_loc).to(device),
-        seq_lens=torch.from_numpy(seq_lens).to(device),
-        block_table=block_table.to(device),
-        slot_mapping=torch.cat(slots).to(device),
-        query_start_loc_cpu=query_start_loc,
-        seq_lens_cpu=seq_lens,
+    metadata = AttentionMetadata.build(
+        np.array([q for q, _ in reqs]), np.array([s for _, s in reqs]), block_table,
+        torch.cat(slots), device,
     )
     return Batch(
         query=torch.cat(queries).to(device, dtype),

@@ -206,20 +206,8 @@ def make_kernel_batch(case: KernelCase, dtype: torch.dtype, device: torch.device
         k, v = (torch.randn(ctx, kv_heads, head, generator=gen) for _ in range(2))
         write_kv_cache(k.to(dtype).float(), v.to(dtype).float(), cache, req_slots[:ctx])
         slots.append(req_slots[ctx:])
-    tokens = int(q_lens.sum())
-    start_loc = np.zeros(len(case.reqs) + 1, dtype=np.int32)
-    np.cumsum(q_lens, out=start_loc[1:])
-    metadata = AttentionMetadata(
-        num_actual_tokens=tokens,
-        max_query_len=int(q_lens.max()),
-        max_seq_len=int(seq_lens.max()),
-        query_start_loc=torch.from_numpy(start_loc).to(device),
-        seq_lens=torch.from_numpy(seq_lens).to(device),
-        block_table=table.to(device),
-        slot_mapping=torch.cat(slots).to(device),
-        query_start_loc_cpu=start_loc,
-        seq_lens_cpu=seq_lens,
-    )
+    metadata = AttentionMetadata.build(q_lens, seq_lens, table, torch.cat(slots), device)
+    tokens = metadata.num_actual_tokens
     # Keys some query of the request can see: all of them, or the window's reach.
     visible = seq_lens if case.sliding_window is None else \
         np.minimum(seq_lens, q_lens + case.sliding_window - 1)

@@ -44,6 +44,35 @@ class AttentionMetadata:
     query_start_loc_cpu: np.ndarray
     seq_lens_cpu: np.ndarray
 
+    @classmethod
+    def build(
+        cls,
+        query_lens: np.ndarray,  # int [num_reqs]: this step's tokens per request
+        seq_lens: np.ndarray,  # int [num_reqs]: their lengths after this step
+        block_table: np.ndarray | torch.Tensor,
+        slot_mapping: np.ndarray | torch.Tensor,
+        device: torch.device | str = "cpu",
+    ) -> "AttentionMetadata":
+        """The metadata of requests in query order, tensors copied to `device`."""
+        query_start_loc = np.zeros(len(query_lens) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        seq_lens = np.asarray(seq_lens, dtype=np.int32)
+
+        def on_device(x: np.ndarray | torch.Tensor) -> torch.Tensor:
+            return torch.as_tensor(x).to(device, non_blocking=True)
+
+        return cls(
+            num_actual_tokens=int(query_start_loc[-1]),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc=on_device(query_start_loc),
+            seq_lens=on_device(seq_lens),
+            block_table=on_device(block_table),
+            slot_mapping=on_device(slot_mapping),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens,
+        )
+
 
 def kv_cache_shape(
     num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
