@@ -76,7 +76,7 @@ class LLM:
             if multiprocess
             else InprocClient(self.engine_args, loaded_model)
         )
-        self.llm_engine = LLMEngine(client)
+        self.llm_engine = LLMEngine(client, self.engine_args.input_limits())
         try:  # generation_config.json's sampling defaults ("auto"), or none ("vllm")
             self.default_sampling_params = self.engine_args.get_diff_sampling_param(
                 client.model_info.model_dir
@@ -169,8 +169,9 @@ class LLM:
         ]
         # The template already holds the special tokens: do not add BOS again.
         token_prompts = [
-            {"prompt": p, "prompt_token_ids": self.get_tokenizer().encode(
-                p, add_special_tokens=False)}
+            {"prompt": p, "prompt_token_ids": processor.encode(
+                p, "the conversation (as the chat template renders it)",
+                add_special_tokens=False)}
             for p in prompts
         ]
         return self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm)
