@@ -103,8 +103,8 @@ def test_text_that_is_not_unicode_is_a_value_error(tokenizer) -> None:
     with pytest.raises(ValueError, match=r"cache_salt is not valid Unicode text"):
         processor.process_inputs("r", "Hi", SamplingParams(), cache_salt="\udfff")
     text = processor.apply_chat_template([{"role": "user", "content": "Hi \ud800"}])
-    with pytest.raises(ValueError, match=r"the conversation is not valid Unicode text"):
-        processor.encode(text, "the conversation", add_special_tokens=False)
+    with pytest.raises(ValueError, match=r"the conversation .* is not valid Unicode text"):
+        processor.encode_conversation(text)
 
 
 @pytest.mark.parametrize(

@@ -72,6 +72,13 @@ class Processor:
             )
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
+    def encode_conversation(self, text: str) -> list[int]:
+        """The token ids of a conversation as `apply_chat_template` rendered it: the template
+        holds the special tokens already, so no second BOS (as vLLM)."""
+        return self.encode(
+            text, "the conversation (as the chat template renders it)", add_special_tokens=False
+        )
+
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:

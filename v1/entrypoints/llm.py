@@ -167,12 +167,8 @@ class LLM:
             )
             for conv in messages
         ]
-        # The template already holds the special tokens: do not add BOS again.
         token_prompts = [
-            {"prompt": p, "prompt_token_ids": processor.encode(
-                p, "the conversation (as the chat template renders it)",
-                add_special_tokens=False)}
-            for p in prompts
+            {"prompt": p, "prompt_token_ids": processor.encode_conversation(p)} for p in prompts
         ]
         return self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm)
 

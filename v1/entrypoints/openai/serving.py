@@ -376,10 +376,7 @@ class OpenAIServing:
             request.chat_template_kwargs,
             request.template_tools(),
         )
-        # The template holds the special tokens already: no second BOS (as LLM.chat).
-        return text, self.engine.processor.encode(
-            text, "the conversation (as the chat template renders it)", add_special_tokens=False
-        )
+        return text, self.engine.processor.encode_conversation(text)
 
     @staticmethod
     def _engine_prompt(
