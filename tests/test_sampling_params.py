@@ -29,6 +29,13 @@ from v1.sampling_params import SamplingParams
         ({"allowed_token_ids": []}, "allowed_token_ids"),
         ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
         ({"bad_words": [" "]}, "bad_words"),
+        # Past int64, what the engine core's messages carry.
+        ({"seed": 2**70}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"top_k": 2**70}, "top_k"),
+        ({"n": 2**63}, "n"),
+        ({"max_tokens": 2**64}, "max_tokens"),
+        ({"logprobs": 2**63}, "logprobs"),
     ],
 )
 def test_invalid_values_name_the_field_and_value(kwargs, field):
@@ -44,3 +51,16 @@ def test_normalization():
     assert p.stop == ["###"] and p.top_k == 0
     assert p.all_stop_token_ids == {5, 7}
     assert SamplingParams(temperature=0).greedy and not SamplingParams().greedy
+
+
+@pytest.mark.parametrize("kwargs", [{"stop": ["ok", "\ud800"]}, {"bad_words": ["x\udfff"]}])
+def test_lone_surrogates_are_refused(kwargs):
+    """Such text has no UTF-8 form: the engine core's message could not carry it."""
+    field = next(iter(kwargs))
+    with pytest.raises(ValueError, match=rf"^{field}\[\d\] is not valid Unicode text"):
+        SamplingParams(**kwargs)
+
+
+def test_int64_bounds_are_accepted():
+    SamplingParams(seed=2**63 - 1, top_k=2**63 - 1)
+    SamplingParams(seed=-(2**63))

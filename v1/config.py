@@ -3,9 +3,11 @@
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
+
+from v1.limits import DEFAULT_LIMITS, InputLimits
 
 logger = logging.getLogger("v1")
 
@@ -168,6 +170,16 @@ class EngineArgs:
     # "mp": this host's cores are local processes (and any others headless); "ray": every
     # core is a Ray actor, placed by Ray on the cluster `ray.init()` finds (v1/engine/dp_ray.py).
     data_parallel_backend: str = "mp"
+    # What one request may ask for (the frontend checks; see `InputLimits` for each).
+    max_logprobs: int = DEFAULT_LIMITS.max_logprobs
+    max_n_sequences: int = DEFAULT_LIMITS.max_n_sequences
+    max_stop_strings: int = DEFAULT_LIMITS.max_stop_strings
+    max_stop_string_len: int = DEFAULT_LIMITS.max_stop_string_len
+    max_num_bad_words: int = DEFAULT_LIMITS.max_num_bad_words
+    max_bad_word_len: int = DEFAULT_LIMITS.max_bad_word_len
+    max_json_schema_depth: int = DEFAULT_LIMITS.max_json_schema_depth
+    max_structured_output_len: int = DEFAULT_LIMITS.max_structured_output_len
+    max_structured_output_choices: int = DEFAULT_LIMITS.max_structured_output_choices
 
     def __post_init__(self) -> None:
         if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
@@ -218,12 +230,16 @@ class EngineArgs:
         utilization = self.gpu_memory_utilization
         if utilization is not None and not 0 < utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+        self.input_limits()  # a bad limit fails here, before anything starts
         gen = self.generation_config
         if gen not in ("auto", "vllm") and not Path(gen).expanduser().is_dir():
             raise ValueError(
                 "generation_config must be 'auto', 'vllm' or a directory holding a "
                 f"generation_config.json, got {gen!r}"
             )
+
+    def input_limits(self) -> InputLimits:
+        return InputLimits(**{f.name: getattr(self, f.name) for f in fields(InputLimits)})
 
     def get_diff_sampling_param(self, model_dir: str | os.PathLike[str]) -> dict[str, Any]:
         """vLLM's: the default sampling parameters the model's creator recommends, for

@@ -3,10 +3,9 @@
 from dataclasses import dataclass, field
 from typing import Any
 
+from v1.limits import INT64_MAX, INT64_MIN, check_text
+
 _GREEDY_EPS = 1e-5
-# As vLLM's default `max_logprobs` (and OpenAI's `top_logprobs` limit): each top-k costs a
-# full-vocabulary sort, per sampled token or per prompt position.
-MAX_LOGPROBS = 20
 _INF = float("inf")
 
 
@@ -113,6 +112,12 @@ class SamplingParams:
         def is_num(v: object) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool)
 
+        # What the engine core's messages carry: an int64 (a larger one fails to serialize).
+        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs",
+                     "prompt_logprobs"):
+            value = getattr(self, name)
+            if is_int(value) and not INT64_MIN <= value <= INT64_MAX:
+                raise bad(name, value, "an int64 (from -2**63 to 2**63 - 1)")
         if not is_int(self.n) or self.n < 1:
             raise bad("n", self.n, "an integer >= 1")
         if not is_num(self.temperature) or not 0.0 <= self.temperature < float("inf"):
@@ -133,6 +138,8 @@ class SamplingParams:
             raise bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", self.stop, "a non-empty string or a list of non-empty strings")
+        for i, s in enumerate(self.stop):
+            check_text(s, f"stop[{i}]")
         if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
         for name in ("logprobs", "prompt_logprobs"):
@@ -162,6 +169,8 @@ class SamplingParams:
             and all(isinstance(w, str) and w.strip() for w in self.bad_words)
         ):
             raise bad("bad_words", self.bad_words, "a list of non-blank strings")
+        for i, word in enumerate(self.bad_words or ()):
+            check_text(word, f"bad_words[{i}]")
 
     @property
     def greedy(self) -> bool:

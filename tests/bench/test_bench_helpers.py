@@ -153,7 +153,7 @@ def test_serving_summary_in_milliseconds():
                                   "bench_scheduler", "bench_async", "bench_step_breakdown",
                                   "bench_grammar", "bench_structured", "bench_dp",
                                   "bench_kv_cache_dtype", "bench_quant", "bench_quant_kernels",
-                                  "bench_linear"])
+                                  "bench_linear", "bench_attacks"])
 def test_help(name):
     out = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), "--help"],
                          capture_output=True, text=True, timeout=120)

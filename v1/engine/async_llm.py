@@ -32,6 +32,7 @@ from v1.engine.dp_router import check_data_parallel_rank
 from v1.engine.exceptions import EngineCoreDeadError, EngineDeadError
 from v1.engine.output_processor import IterationStats, OutputProcessor, RequestOutputKind
 from v1.engine.processor import Processor, PromptType
+from v1.limits import DEFAULT_LIMITS, InputLimits
 from v1.outputs import RequestOutput, SchedulerStats
 from v1.sampling_params import SamplingParams
 
@@ -43,7 +44,10 @@ _QueueItem = RequestOutput | EngineDeadError | None
 
 
 class AsyncLLM:
-    def __init__(self, client: AsyncMPClient | DPAsyncMPClient) -> None:
+    def __init__(
+        self, client: AsyncMPClient | DPAsyncMPClient, limits: InputLimits = DEFAULT_LIMITS
+    ) -> None:
+        """`limits`: what one request may ask for (`EngineArgs.input_limits`)."""
         self.client = client
         info = client.model_info
         self.tokenizer: Any = info.tokenizer
@@ -52,7 +56,7 @@ class AsyncLLM:
         self.max_model_len = info.max_model_len
         self.processor = Processor(
             info.tokenizer, info.max_model_len, info.vocab_size, info.eos_token_id,
-            info.stop_token_ids,
+            info.stop_token_ids, info.scheduling_policy, limits,
         )
         self.output_processor = OutputProcessor(info.tokenizer)
         self._queues: dict[str, asyncio.Queue[_QueueItem]] = {}
@@ -67,8 +71,8 @@ class AsyncLLM:
         """Start an engine core process with `args` (blocks until its model is loaded);
         `data_parallel_size` of them behind one routing client when it is > 1."""
         if args.data_parallel_size > 1:
-            return cls(DPAsyncMPClient(args))
-        return cls(AsyncMPClient(args))
+            return cls(DPAsyncMPClient(args), args.input_limits())
+        return cls(AsyncMPClient(args), args.input_limits())
 
     @property
     def dead_error(self) -> EngineDeadError | None:

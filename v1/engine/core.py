@@ -282,6 +282,8 @@ class EngineCoreReady(msgspec.Struct, array_like=True):
     block_size: int = 16
     num_gpu_blocks: int = 0
     enable_prefix_caching: bool = True
+    # "fcfs" or "priority": a frontend refuses a request's priority under fcfs.
+    scheduling_policy: str = "fcfs"
 
 
 def output_address(address: str) -> str:
@@ -331,6 +333,7 @@ class EngineCoreProc:
             engine_core.cache_config.block_size,
             engine_core.num_blocks,
             engine_core.cache_config.enable_prefix_caching,
+            engine_core.scheduler_config.policy,
         )
         self.clients: set[int] = set()  # said HELLO; they get the death notice
         # Clients whose READY our output socket could not route yet -> when to give up.

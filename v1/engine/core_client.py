@@ -83,6 +83,7 @@ class ModelInfo(NamedTuple):
     # The model's HF-format directory (its generation_config.json gives default sampling
     # parameters: `EngineArgs.get_diff_sampling_param`).
     model_dir: str
+    scheduling_policy: str = "fcfs"  # the engine core's ("priority" lets requests set one)
 
 
 class EngineCoreClient(ABC):
@@ -125,6 +126,7 @@ class InprocClient(EngineCoreClient):
             loaded.eos_token_id,
             loaded.stop_token_ids,
             str(loaded.model_dir),
+            self.engine_core.scheduler_config.policy,
         )
 
     def add_request(
@@ -400,6 +402,7 @@ class MPClient(ABC):
             ready.eos_token_id,
             ready.stop_token_ids,
             ready.model_dir,
+            ready.scheduling_policy,
         )
         self._res.thread = threading.Thread(
             target=self._receive, name="v1-core-client-output", daemon=True

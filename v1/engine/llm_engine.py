@@ -16,12 +16,14 @@ from v1.engine.dp_router import check_data_parallel_rank
 from v1.engine.exceptions import EngineCoreDeadError
 from v1.engine.output_processor import OutputProcessor, RequestOutputKind
 from v1.engine.processor import Processor, PromptType
+from v1.limits import DEFAULT_LIMITS, InputLimits
 from v1.outputs import RequestOutput, SchedulerStats
 from v1.sampling_params import SamplingParams
 
 
 class LLMEngine:
-    def __init__(self, client: EngineCoreClient) -> None:
+    def __init__(self, client: EngineCoreClient, limits: InputLimits = DEFAULT_LIMITS) -> None:
+        """`limits`: what one request may ask for (`EngineArgs.input_limits`)."""
         self.client = client
         info = client.model_info
         self.tokenizer = info.tokenizer
@@ -33,6 +35,8 @@ class LLMEngine:
             info.vocab_size,
             info.eos_token_id,
             info.stop_token_ids,
+            info.scheduling_policy,
+            limits,
         )
         self.output_processor = OutputProcessor(info.tokenizer)
         self._ids = map(str, itertools.count())

@@ -1,8 +1,10 @@
 """Frontend input processing: prompts in, validated `EngineCoreRequest`s out.
 
 Every check that can fail on user input happens here, with a ValueError that names the
-value and the limit, before the engine core sees the request. It also gives each request
-its internal id (see `EngineCoreRequest`).
+value and the limit, before the engine core sees the request: `v1.limits`' among them, each
+before the work it bounds. Text becomes token ids only through `encode`, which refuses text
+that is not valid Unicode and a text too long for max_model_len before tokenizing it. It
+also gives each request its internal id (see `EngineCoreRequest`).
 """
 
 import copy
@@ -14,8 +16,17 @@ from typing import Any
 import jinja2
 
 from v1.engine.structured_output import validate_structured_output_params
+from v1.limits import (
+    DEFAULT_LIMITS,
+    INT64_MAX,
+    INT64_MIN,
+    InputLimits,
+    check_structured_outputs,
+    check_text,
+    max_chars_per_token,
+)
 from v1.request import EngineCoreRequest
-from v1.sampling_params import MAX_LOGPROBS, SamplingParams
+from v1.sampling_params import SamplingParams
 
 # What `generate` accepts per prompt, as vLLM: text, token ids, or a dict with either.
 PromptType = str | Sequence[int] | Mapping[str, Any]
@@ -29,12 +40,44 @@ class Processor:
         vocab_size: int,
         eos_token_id: int | None,
         extra_stop_token_ids: Sequence[int] = (),
+        scheduling_policy: str = "fcfs",
+        limits: InputLimits = DEFAULT_LIMITS,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.extra_stop_token_ids = tuple(extra_stop_token_ids)
+        self.scheduling_policy = scheduling_policy  # the engine core's: priority needs it
+        self.limits = limits
+        # A text longer than max_model_len times this is refused untokenized (None: no bound).
+        self._max_chars_per_token = (
+            None if tokenizer is None else max_chars_per_token(tokenizer)
+        )
+
+    def encode(self, text: str, what: str, add_special_tokens: bool = True) -> list[int]:
+        """`text`'s token ids. `what` names it in the ValueError for text that is not valid
+        Unicode (the tokenizer would raise TypeError) or that has more characters than
+        max_model_len tokens can cover, which is refused without tokenizing it (a prompt of
+        megabytes costs seconds and hundreds of MB to tokenize)."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass token ids")
+        check_text(text, what)
+        per_token = self._max_chars_per_token
+        if per_token is not None and len(text) > self.max_model_len * per_token:
+            raise ValueError(
+                f"{what} has {len(text)} characters, more than max_model_len "
+                f"({self.max_model_len}) tokens can hold: this model's tokens cover at most "
+                f"{per_token} characters each"
+            )
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def encode_conversation(self, text: str) -> list[int]:
+        """The token ids of a conversation as `apply_chat_template` rendered it: the template
+        holds the special tokens already, so no second BOS (as vLLM)."""
+        return self.encode(
+            text, "the conversation (as the chat template renders it)", add_special_tokens=False
+        )
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, Mapping):
@@ -46,9 +89,7 @@ class Processor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass token ids")
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.encode(prompt, "the prompt")
         if isinstance(prompt, Sequence):
             return None, self._check_ids(prompt)
         raise ValueError(f"a prompt must be a string, token ids or a dict, got {type(prompt)}")
@@ -77,7 +118,8 @@ class Processor:
         model's, `continue_final_message` leaves the last message open for the model to
         go on with, and `chat_template_kwargs` reach the template as variables (overriding
         the two flags, as vLLM's do). `tools` (OpenAI's function definitions) reach the
-        template as `tools`; a template that does not use them ignores them."""
+        template as `tools`; a template that does not use them ignores them. Whatever the
+        template raises is the caller's ValueError: what it renders is the request's."""
         if not messages:
             raise ValueError("messages is empty")
         for m in messages:
@@ -107,6 +149,8 @@ class Processor:
             )
         except jinja2.TemplateError as e:  # the template refused the conversation
             raise ValueError(f"the chat template failed: {e}") from e
+        except Exception as e:  # e.g. a kwarg that clashes with the template's own variables
+            raise ValueError(f"the chat template failed: {type(e).__name__}: {e}") from e
 
     def _bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
         """Each word's tokens alone and after a space (as vLLM): a word mid-text usually
@@ -116,10 +160,36 @@ class Processor:
         token_ids: list[list[int]] = []
         for word in bad_words:
             for text in (word.lstrip(), " " + word.lstrip()):
-                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                ids = self.encode(text, "a bad word", add_special_tokens=False)
                 if ids and ids not in token_ids:
                     token_ids.append(ids)
         return token_ids
+
+    def _check_limits(self, params: SamplingParams) -> None:
+        """`InputLimits`' bounds on what one request's parameters may cost, checked before
+        any of that cost (tokenizing, parsing a grammar) is paid."""
+        limits = self.limits
+
+        def refuse(what: str, limit_name: str) -> ValueError:
+            return ValueError(f"{what}, more than {limit_name} ({getattr(limits, limit_name)})")
+
+        if params.n > limits.max_n_sequences:
+            raise refuse(f"n is {params.n}", "max_n_sequences")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > limits.max_logprobs:
+                raise refuse(f"{name} is {value}", "max_logprobs")
+        for name, strings, max_count, max_len in (
+            ("stop", params.stop or [], "max_stop_strings", "max_stop_string_len"),
+            ("bad_words", params.bad_words or [], "max_num_bad_words", "max_bad_word_len"),
+        ):
+            if len(strings) > getattr(limits, max_count):
+                raise refuse(f"{name} has {len(strings)} strings", max_count)
+            longest = max(map(len, strings), default=0)
+            if longest > getattr(limits, max_len):
+                raise refuse(f"{name} has a string of {longest} characters", max_len)
+        if params.structured_outputs is not None:
+            check_structured_outputs(params.structured_outputs, limits)
 
     def process_inputs(
         self,
@@ -132,22 +202,24 @@ class Processor:
     ) -> tuple[EngineCoreRequest, str | None]:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params)}")
-        if not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if not isinstance(priority, int) or not INT64_MIN <= priority <= INT64_MAX:
+            raise ValueError(f"priority must be an int64 (from -2**63 to 2**63 - 1), "
+                             f"got {priority!r}")
+        if priority != 0 and self.scheduling_policy != "priority":
+            # vLLM's words: clients match them to retry without priority.
+            raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled.")
+        self._check_limits(params)
         text, token_ids = self.tokenize_prompt(prompt)
         if isinstance(prompt, Mapping):  # vLLM's prompt dicts carry the salt
             cache_salt = prompt.get("cache_salt", cache_salt)
+        if cache_salt is not None:
+            check_text(cache_salt, "cache_salt")
         if not token_ids:
             raise ValueError("the prompt is empty (0 tokens)")
         if len(token_ids) > self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens, more than max_model_len "
                 f"({self.max_model_len})"
-            )
-        if params.prompt_logprobs is not None and params.prompt_logprobs > MAX_LOGPROBS:
-            raise ValueError(
-                f"prompt_logprobs must be at most {MAX_LOGPROBS}, "
-                f"got {params.prompt_logprobs}"
             )
         params = copy.copy(params)  # the core's copy: the caller may reuse theirs
         room = self.max_model_len - len(token_ids)

@@ -76,7 +76,7 @@ class LLM:
             if multiprocess
             else InprocClient(self.engine_args, loaded_model)
         )
-        self.llm_engine = LLMEngine(client)
+        self.llm_engine = LLMEngine(client, self.engine_args.input_limits())
         try:  # generation_config.json's sampling defaults ("auto"), or none ("vllm")
             self.default_sampling_params = self.engine_args.get_diff_sampling_param(
                 client.model_info.model_dir
@@ -167,11 +167,8 @@ class LLM:
             )
             for conv in messages
         ]
-        # The template already holds the special tokens: do not add BOS again.
         token_prompts = [
-            {"prompt": p, "prompt_token_ids": self.get_tokenizer().encode(
-                p, add_special_tokens=False)}
-            for p in prompts
+            {"prompt": p, "prompt_token_ids": processor.encode_conversation(p)} for p in prompts
         ]
         return self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm)
 

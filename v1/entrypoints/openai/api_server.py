@@ -11,9 +11,10 @@ With --api-key, the /v1 routes need `Authorization: Bearer KEY` (else 401), as i
 Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: invalid requests
 (malformed JSON and wrong types included, which FastAPI would answer with 422) get 400
 BadRequestError, and so do a field this server does not implement set to anything but its
-default, and a prompt whose length plus max_tokens exceeds max_model_len; an unknown model
-name gets 404 NotFoundError, as OpenAI and vLLM answer it; a dead engine gets 500. A client
-that disconnects aborts its request in the engine.
+default, a prompt whose length plus max_tokens exceeds max_model_len, and a request over one
+of the request limits (the "request limits" flags: `InputLimits`, `ServerLimits`); an unknown
+model name gets 404 NotFoundError, as OpenAI and vLLM answer it; a dead engine gets 500. A
+client that disconnects aborts its request in the engine.
 """
 
 import argparse
@@ -54,8 +55,14 @@ from v1.entrypoints.openai.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from v1.entrypoints.openai.serving import ModelNotFoundError, OpenAIServing, error_for
+from v1.entrypoints.openai.serving import (
+    ModelNotFoundError,
+    OpenAIServing,
+    ServerLimits,
+    error_for,
+)
 from v1.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
+from v1.limits import InputLimits
 from v1.worker.model_loader import resolve_model
 
 T = TypeVar("T")
@@ -225,6 +232,52 @@ class _APIKeyCheck:
         await self.app(scope, receive, send)
 
 
+class _BodySizeLimit:
+    """--max-request-body-bytes: a request whose body is larger gets a 400 before more of it
+    is read than the limit (at once when its Content-Length says so, else as a chunked body
+    streams in). The body read is handed on to the app whole, as it would read it anyway."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if not length.isdigit() or len(length) > 19 or int(length) > self.max_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: nobody to answer
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        replayed = False
+
+        async def replay() -> Any:  # the body, then the connection's own messages
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return body
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        message = f"the request body is larger than max_request_body_bytes ({self.max_bytes})"
+        await _error(400, message)(scope, receive, send)
+
+
 def load_chat_template(chat_template: str) -> str:
     """--chat-template, as vLLM takes it: a file's path, or the template itself."""
     if Path(chat_template).is_file():
@@ -240,8 +293,11 @@ def build_app(
     chat_template: str | None = None,
     api_key: str | None = None,
     tool_parser: str | None = None,
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
-    """`tool_parser` (e.g. "hermes") enables tool_choice "auto"."""
+    """`tool_parser` (e.g. "hermes") enables tool_choice "auto"; `limits` bound each HTTP
+    request (None: the defaults; `engine_args` holds the engine's `InputLimits`)."""
+    limits = limits or ServerLimits()
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = AsyncLLM.from_engine_args(engine_args)
@@ -253,7 +309,7 @@ def build_app(
         default_name = engine.model_name if engine_args.model else DEFAULT_SERVED_MODEL_NAME
         app.state.serving = OpenAIServing(
             engine, served_model_names or [default_name], chat_template, tool_parser,
-            default_sampling_params=defaults,
+            default_sampling_params=defaults, limits=limits,
         )
         # Labelled with the name responses report, as vLLM labels its metrics.
         app.state.metrics = PrometheusMetrics(app.state.serving.served_model_names[0])
@@ -270,7 +326,8 @@ def build_app(
     # Exception (anything else: a bug) is handled last, by Starlette, which also logs it.
     for exc_class in (ValueError, ModelNotFoundError, EngineDeadError, Exception):
         app.add_exception_handler(exc_class, _on_error)
-    if api_key is not None:
+    app.add_middleware(_BodySizeLimit, max_bytes=limits.max_request_body_bytes)
+    if api_key is not None:  # added last, so it runs first: no key, no body read
         app.add_middleware(_APIKeyCheck, api_key=api_key)
     return app
 
@@ -320,13 +377,26 @@ def make_parser() -> argparse.ArgumentParser:
         "--uvicorn-log-level", default="info", help="uvicorn's log level",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
-    # The engine options are EngineArgs' fields, spelled as vLLM's flags.
+    # The engine options are EngineArgs' fields, spelled as vLLM's flags; its request limits
+    # (InputLimits' fields) go with the server's own (ServerLimits').
     group = parser.add_argument_group("engine options")
+    limits = parser.add_argument_group(
+        "request limits", "a request over one gets a 400 naming the field and the limit"
+    )
+    for field in dataclasses.fields(ServerLimits):
+        limits.add_argument(
+            "--" + field.name.replace("_", "-"), type=int, default=field.default,
+            help=field.metadata["help"],
+        )
+    limit_help = {f.name: f.metadata["help"] for f in dataclasses.fields(InputLimits)}
     hints = typing.get_type_hints(EngineArgs)
     for field in dataclasses.fields(EngineArgs):
         flag, hint = "--" + field.name.replace("_", "-"), hints[field.name]
         kwargs: dict[str, Any] = {"default": field.default, "help": "default: %(default)s"}
-        if hint is bool:
+        if field.name in limit_help:
+            limits.add_argument(flag, type=int, default=field.default,
+                                help=limit_help[field.name])
+        elif hint is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
         else:  # X or X | None: parse as X
             scalar = next(t for t in typing.get_args(hint) or (hint,) if t is not type(None))
@@ -371,10 +441,16 @@ def main(argv: list[str]) -> None:
         parser.error(str(e))
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice requires --tool-call-parser")
+    try:
+        limits = ServerLimits(
+            **{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)}
+        )
+    except ValueError as e:
+        parser.error(str(e))
     uvicorn.run(
         build_app(
             engine_args, args.served_model_name, chat_template, args.api_key,
-            args.tool_call_parser if args.enable_auto_tool_choice else None,
+            args.tool_call_parser if args.enable_auto_tool_choice else None, limits,
         ),
         host=args.host,
         port=args.port,

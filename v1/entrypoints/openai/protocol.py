@@ -1,8 +1,9 @@
 """Request and response models of the OpenAI API subset this server implements.
 
-Pydantic checks types (strictly: "5" is not an integer, as in OpenAI's API); value ranges are
-checked once, by `SamplingParams` and the engine's processor, whose ValueErrors the server
-answers with 400. A null field means "not given", as many clients send it.
+Pydantic checks types (strictly: "5" is not an integer, as in OpenAI's API) and that every
+integer fits an int64 (what the engine carries); value ranges are checked once, by
+`SamplingParams` and the engine's processor (with its `InputLimits`), whose ValueErrors the
+server answers with 400. A null field means "not given", as many clients send it.
 
 Nothing a request asks for is silently dropped. The models declare the fields of OpenAI's and
 vLLM's APIs that change what is generated; those this server does not implement are marked
@@ -25,9 +26,15 @@ from pydantic import (
     model_validator,
 )
 
-from v1.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from v1.limits import DEFAULT_LIMITS, INT64_MAX, INT64_MIN, InputLimits, check_json_spec
+from v1.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("v1.entrypoints.openai")
+
+# Every integer a request gives: larger ones cannot reach the engine (its messages carry
+# int64), so they are a 400 naming the field, not a failure to serialize.
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+NonNegativeInt64 = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 # The request fields passed to SamplingParams unchanged (same names there).
 _SAMPLING_FIELDS = {
@@ -88,31 +95,32 @@ class SamplingRequest(OpenAIBaseModel):
     included), priority and streaming."""
 
     model: str | None = None  # None: the first served model name
-    n: int = 1
+    n: Int64 = 1
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0
+    top_k: Int64 = 0
     min_p: float = 0.0
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None  # token id (a string, JSON's keys) -> bias
     repetition_penalty: float = 1.0  # vLLM's, as the three below
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[Int64] | None = None
     bad_words: list[str] | None = None
-    priority: int = 0  # lower runs first (with --scheduling-policy priority)
+    # Lower runs first; under --scheduling-policy fcfs (the default) only 0 is accepted.
+    priority: Int64 = 0
     # vLLM's: with --data-parallel-size N, run the request on engine core i (0 <= i < N)
     # instead of routing it.
-    data_parallel_rank: int | None = None
+    data_parallel_rank: Int64 | None = None
     # vLLM's: this many top tokens per prompt position (completions: in each choice; chat:
     # in the response). Not streamed, as in vLLM.
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: NonNegativeInt64 | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM's: requests with different salts never share prefix-cache blocks.
@@ -161,15 +169,18 @@ class SamplingRequest(OpenAIBaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def _sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
+        limits: InputLimits,
     ) -> SamplingParams:
         return SamplingParams(
             **self.model_dump(include=_SAMPLING_FIELDS), max_tokens=max_tokens, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, logit_bias=self._logit_bias(),
-            structured_outputs=self._structured_outputs(),
+            structured_outputs=self._structured_outputs(limits),
         )
 
-    def _structured_outputs(self) -> StructuredOutputsParams | None:
+    def _structured_outputs(self, limits: InputLimits) -> StructuredOutputsParams | None:
+        """`limits` are checked here for a response_format's schema, to name it: the
+        processor checks every spec again, as `structured_outputs` (which is what it is)."""
         if self.response_format is not None and self.structured_outputs is not None:
             raise ValueError("give response_format or structured_outputs, not both")
         if self.structured_outputs is not None:
@@ -184,6 +195,7 @@ class SamplingRequest(OpenAIBaseModel):
             return StructuredOutputsParams(json_object=True)
         schema = (self.response_format or {}).get("json_schema", {}).get("schema")
         if kind == "json_schema" and isinstance(schema, dict):
+            check_json_spec(schema, "response_format.json_schema.schema", limits)
             return StructuredOutputsParams(json=schema)
         raise ValueError(
             f"response_format must be {{'type': 'text' | 'json_object'}} or "
@@ -205,9 +217,9 @@ class SamplingRequest(OpenAIBaseModel):
 
 class CompletionRequest(SamplingRequest):
     # Text, token ids, or a batch of either: each prompt gets n choices, as in vLLM.
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = 16  # OpenAI's default for completions
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt: str | list[str] | list[Int64] | list[list[Int64]]
+    max_tokens: Int64 = 16  # OpenAI's default for completions
+    logprobs: NonNegativeInt64 | None = None
     # The prompt's text before the completion's (and, with logprobs, its tokens' logprobs).
     echo: bool = False
     suffix: Unsupported[str | None] = None
@@ -220,12 +232,12 @@ class CompletionRequest(SamplingRequest):
             return prompt  # type: ignore[return-value]
         return [prompt]  # type: ignore[list-item]
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, limits: InputLimits = DEFAULT_LIMITS) -> SamplingParams:
         # As vLLM: echoed prompt tokens get logprobs like the generated ones.
         prompt_logprobs = self.prompt_logprobs
         if prompt_logprobs is None and self.echo:
             prompt_logprobs = self.logprobs
-        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs, limits)
 
 
 class TextPart(OpenAIBaseModel):
@@ -335,10 +347,10 @@ class ChatTemplateRequest(OpenAIBaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest, ChatTemplateRequest):
-    max_completion_tokens: int | None = None
-    max_tokens: int | None = None  # deprecated by OpenAI for max_completion_tokens
+    max_completion_tokens: Int64 | None = None
+    max_tokens: Int64 | None = None  # deprecated by OpenAI for max_completion_tokens
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: NonNegativeInt64 | None = None
     # Not given: "auto" with tools, else "none" (as OpenAI and vLLM).
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True  # False: at most one call
@@ -382,14 +394,20 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateRequest):
             return "none"
         return "auto" if self.tool_choice is None else self.tool_choice
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, limits: InputLimits = DEFAULT_LIMITS) -> SamplingParams:
+        """`limits` bound the tools' schemas too (all of them, as the template shows them
+        all), checked here to name the one over a limit."""
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        for i, tool in enumerate(self.tools or []):
+            if tool.function.parameters is not None:
+                check_json_spec(tool.function.parameters, f"tools[{i}].function.parameters",
+                                limits)
         max_tokens = self.max_completion_tokens
         if max_tokens is None:
             max_tokens = self.max_tokens  # None: up to max_model_len
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        params = self._sampling_params(max_tokens, logprobs, self.prompt_logprobs)
+        params = self._sampling_params(max_tokens, logprobs, self.prompt_logprobs, limits)
         choice = self.effective_tool_choice
         if choice == "auto":
             params.skip_special_tokens = False  # the tool-call tags may be special tokens
@@ -446,7 +464,7 @@ TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
 
 class DetokenizeRequest(OpenAIBaseModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int64]
 
 
 # ---- responses ---------------------------------------------------------------------------

@@ -50,6 +50,7 @@ from v1.entrypoints.openai.tool_calls import (
     merge_tool_calls,
     tool_call_extractor,
 )
+from v1.limits import check_limit_fields, limit_field
 from v1.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from v1.sampling_params import SamplingParams
 
@@ -192,12 +193,32 @@ class StartedRequest:
             await stream.aclose()
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServerLimits:
+    """What one HTTP request may be, beyond the engine's `InputLimits` (server flags of the
+    same names)."""
+
+    max_request_body_bytes: int = limit_field(
+        16 * 1024 * 1024, "the largest request body, in bytes: a larger one is refused "
+        "before more is read (the body is JSON the server parses whole)",
+    )
+    max_completion_prompts: int = limit_field(
+        1024, "the most prompts one completion request may batch, each n sequences in the "
+        "engine (vLLM's VLLM_MAX_COMPLETION_PROMPTS)",
+    )
+
+    def __post_init__(self) -> None:
+        check_limit_fields(self)
+
+
 class OpenAIServing:
     def __init__(
         self, engine: AsyncLLM, served_model_names: list[str], chat_template: str | None = None,
         tool_parser: str | None = None, default_sampling_params: dict[str, Any] | None = None,
+        limits: ServerLimits = ServerLimits(),
     ) -> None:
         self.engine = engine
+        self.limits = limits
         self.served_model_names = served_model_names
         self.chat_template = chat_template  # None: the model's own
         self.tool_parser = tool_parser  # None: no "auto" tool choice
@@ -217,9 +238,15 @@ class OpenAIServing:
         self, request: CompletionRequest
     ) -> CompletionResponse | AsyncIterator[str]:
         head = self._head(request, "cmpl")
-        params = request.to_sampling_params()
+        params = request.to_sampling_params(self.engine.processor.limits)
+        engine_prompts = request.engine_prompts()
+        if len(engine_prompts) > self.limits.max_completion_prompts:
+            raise ValueError(
+                f"prompt has {len(engine_prompts)} prompts, more than max_completion_prompts "
+                f"({self.limits.max_completion_prompts})"
+            )
         prompts: list[PromptType] = []
-        for engine_prompt in request.engine_prompts():
+        for engine_prompt in engine_prompts:
             text, token_ids = self.engine.processor.tokenize_prompt(engine_prompt)
             self._check_length(len(token_ids), params.max_tokens, "prompt")
             prompts.append(self._engine_prompt(request, text, token_ids))
@@ -287,7 +314,9 @@ class OpenAIServing:
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         head = self._head(request, "chatcmpl")
         tool_calls = _ToolCalls(request, self.tool_parser)
-        params = constrain_auto_tool_calls(request, request.to_sampling_params())
+        params = constrain_auto_tool_calls(
+            request, request.to_sampling_params(self.engine.processor.limits)
+        )
         text, token_ids = self._chat_prompt(request)
         self._check_length(len(token_ids), params.max_tokens, "messages")
         params = self._with_defaults(request, params)
@@ -347,8 +376,7 @@ class OpenAIServing:
             request.chat_template_kwargs,
             request.template_tools(),
         )
-        # The template holds the special tokens already: no second BOS (as LLM.chat).
-        return text, self.engine.tokenizer.encode(text, add_special_tokens=False)
+        return text, self.engine.processor.encode_conversation(text)
 
     @staticmethod
     def _engine_prompt(

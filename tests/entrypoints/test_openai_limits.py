@@ -1,0 +1,195 @@
+"""Requests over a limit, or that the engine cannot carry, get a 400 naming the field and
+the limit (never a 500, never a stall of the server), and every limit is a server flag."""
+
+import asyncio
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from v1.limits import InputLimits
+
+MESSAGES = [{"role": "user", "content": "Hi"}]
+
+
+def nested(depth: int) -> dict[str, Any]:
+    """A JSON schema of objects in objects, nested `depth` schema levels (twice as many JSON
+    levels: each object's `properties`)."""
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+DEEP = nested(300)  # xgrammar took seconds on it, on the event loop
+TOOL = {"type": "function", "function": {"name": "f", "parameters": DEEP}}
+
+# (endpoint, body, what the error message says, its param (None: not checked))
+OVER_LIMITS: dict[str, tuple[str, dict[str, Any], str, str | None]] = {
+    "schema depth": (
+        "v1/completions", {"prompt": "Hi", "structured_outputs": {"json": DEEP}},
+        r"structured_outputs\.json nests more than max_json_schema_depth \(64\)", None),
+    "response_format depth": (
+        "v1/chat/completions",
+        {"messages": MESSAGES,
+         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": DEEP}}},
+        r"response_format\.json_schema\.schema nests more than max_json_schema_depth", None),
+    "tool parameters depth": (
+        "v1/chat/completions", {"messages": MESSAGES, "tools": [TOOL], "tool_choice": "required"},
+        r"tools\[0\]\.function\.parameters nests more than max_json_schema_depth", None),
+    "a 100k enum": (
+        "v1/completions",
+        {"prompt": "Hi",
+         "structured_outputs": {"json": {"enum": [f"item{i}" for i in range(100_000)]}}},
+        r"structured_outputs\.json has \d+ characters .*max_structured_output_len \(262144\)",
+        None),
+    "2000 choices": (
+        "v1/completions",
+        {"prompt": "Hi", "structured_outputs": {"choice": [f"c{i}" for i in range(2000)]}},
+        r"choice has 2000 strings, more than max_structured_output_choices \(1024\)", None),
+    "10000 bad_words": (
+        "v1/completions", {"prompt": "Hi", "bad_words": [f"w{i}" for i in range(10_000)]},
+        r"bad_words has 10000 strings, more than max_num_bad_words \(128\)", None),
+    "a long bad word": (
+        "v1/completions", {"prompt": "Hi", "bad_words": ["w" * 300]},
+        r"bad_words has a string of 300 characters, more than max_bad_word_len \(256\)", None),
+    "100 stop strings": (
+        "v1/completions", {"prompt": "Hi", "stop": [f"s{i}" for i in range(100)]},
+        r"stop has 100 strings, more than max_stop_strings \(64\)", None),
+    "n 10000": (
+        "v1/completions", {"prompt": "Hi", "n": 10_000},
+        r"n is 10000, more than max_n_sequences \(128\)", None),
+    "logprobs 21": (
+        "v1/completions", {"prompt": "Hi", "logprobs": 21},
+        r"logprobs is 21, more than max_logprobs \(20\)", None),
+    "1025 prompts": (
+        "v1/completions", {"prompt": [[1]] * 1025},
+        r"prompt has 1025 prompts, more than max_completion_prompts \(1024\)", None),
+    # Past int64: a 500 (OverflowError serializing to the engine core) before.
+    "seed 2**70": ("v1/completions", {"prompt": "Hi", "seed": 2**70}, "less than or equal", "seed"),
+    "priority 2**80": (
+        "v1/completions", {"prompt": "Hi", "priority": 2**80}, "less than or equal", "priority"),
+    "top_k 2**70": (
+        "v1/completions", {"prompt": "Hi", "top_k": 2**70}, "less than or equal", "top_k"),
+    "max_completion_tokens 2**64": (
+        "v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 2**64},
+        "less than or equal", "max_completion_tokens"),
+    # Lone surrogates: a 500 (TypeError from the tokenizer) before.
+    "surrogate in a prompt": (
+        "v1/completions", {"prompt": "Hi \ud800"},
+        r"the prompt is not valid Unicode text: a lone surrogate \(U\+D800\)", None),
+    "surrogate in a message": (
+        "v1/chat/completions", {"messages": [{"role": "user", "content": "Hi \ud800"}]},
+        r"the conversation .* is not valid Unicode text", None),
+    "surrogate in bad_words": (
+        "v1/completions", {"prompt": "Hi", "bad_words": ["\udfff"]},
+        r"bad_words\[0\] is not valid Unicode text", None),
+    "surrogate in stop": (
+        "v1/completions", {"prompt": "Hi", "stop": ["x\ud800"]},
+        r"stop\[0\] is not valid Unicode text", None),
+    "surrogate to /tokenize": (
+        "tokenize", {"prompt": "\ud800"}, r"the prompt is not valid Unicode text", None),
+    "surrogate to /tokenize, chat": (
+        "tokenize", {"messages": [{"role": "user", "content": "\ud800"}]},
+        r"the conversation .* is not valid Unicode text", None),
+    # A 500 (TypeError from jinja's render()) before.
+    "chat_template_kwargs messages": (
+        "v1/chat/completions", {"messages": MESSAGES, "chat_template_kwargs": {"messages": 5}},
+        r"^the chat template failed: TypeError: .*'messages'", None),
+    # Accepted silently before (the default policy is fcfs); vLLM's words.
+    "priority under fcfs": (
+        "v1/completions", {"prompt": "Hi", "priority": 1},
+        r"^Got priority 1 but Priority scheduling is not enabled\.$", None),
+    # 5 MB: 873k tokens and seconds of tokenizing before; 512 tokens of 81 characters at most.
+    "5 MB to /tokenize": (
+        "tokenize", {"prompt": "hello " * 900_000},
+        r"the prompt has 5400000 characters, more than max_model_len \(512\) tokens can hold",
+        None),
+}
+
+
+@pytest.fixture(scope="module")
+def url(extras_client: openai.OpenAI) -> str:
+    return str(extras_client.base_url).removesuffix("/").removesuffix("/v1")
+
+
+@pytest.mark.model
+@pytest.mark.slow
+@pytest.mark.parametrize("case", OVER_LIMITS.values(), ids=OVER_LIMITS.keys())
+def test_over_a_limit_is_a_400_naming_it(url: str, case: tuple) -> None:
+    endpoint, body, message, param = case
+    # json.dumps writes a lone surrogate as its \ud800 escape, as a client's JSON would.
+    response = httpx.post(
+        f"{url}/{endpoint}", content=json.dumps(body), timeout=60,
+        headers={"content-type": "application/json"},
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "BadRequestError" and error["code"] == 400
+    assert re.search(message, error["message"]), error["message"]
+    if param is not None:
+        assert error["param"] == param
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_every_limit_is_a_flag_with_its_default() -> None:
+    from v1.entrypoints.openai.api_server import make_parser
+    from v1.entrypoints.openai.serving import ServerLimits
+
+    parser = make_parser()
+    help_text = parser.format_help()
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    for limits in (InputLimits(), ServerLimits()):
+        for field in dataclasses.fields(limits):
+            flag = "--" + field.name.replace("_", "-")
+            assert flag in help_text and f"| `{flag}` |" in readme
+            assert parser.get_default(field.name) == getattr(limits, field.name)
+    args = parser.parse_args(["--max-n-sequences", "7", "--max-request-body-bytes", "99"])
+    assert (args.max_n_sequences, args.max_request_body_bytes) == (7, 99)
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read() -> None:
+    """By its Content-Length at once, or as a chunked body streams in: a 400 with OpenAI's
+    error body before more than the limit is read, and the app never sees the request. At
+    the limit, the app gets the body whole, then the connection's own messages."""
+    from v1.entrypoints.openai.api_server import _BodySizeLimit
+
+    seen: list[tuple[bytes, dict]] = []
+
+    async def app(scope, receive, send) -> None:
+        seen.append(((await receive())["body"], await receive()))
+
+    def run(headers: list, chunks: list[bytes]) -> tuple[int, list[dict]]:
+        """How many messages the middleware read, and what it sent."""
+        messages = [{"type": "http.request", "body": c, "more_body": True} for c in chunks]
+        messages[-1]["more_body"] = False
+        read, sent = 0, []
+
+        async def receive() -> dict:
+            nonlocal read
+            read += 1
+            return messages[read - 1] if read <= len(messages) else {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/tokenize", "headers": headers}
+        asyncio.run(_BodySizeLimit(app, max_bytes=100)(scope, receive, send))
+        return read, sent
+
+    for headers, chunks in (([(b"content-length", b"101")], [b"x" * 101]),
+                            ([], [b"x" * 50] * 1000)):  # chunked
+        read, sent = run(headers, chunks)
+        assert read <= 3 and not seen
+        assert sent[0]["status"] == 400
+        assert json.loads(sent[1]["body"])["error"] == {
+            "message": "the request body is larger than max_request_body_bytes (100)",
+            "type": "BadRequestError", "param": None, "code": 400,
+        }
+    read, sent = run([], [b"x" * 50, b"y" * 50])
+    assert seen == [(b"x" * 50 + b"y" * 50, {"type": "http.disconnect"})]

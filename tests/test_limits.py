@@ -1,0 +1,131 @@
+"""`v1.limits`: the cheap checks that run before tokenizing or parsing a grammar."""
+
+import json
+
+import pytest
+from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from v1.config import EngineArgs
+from v1.limits import (
+    InputLimits,
+    check_json_spec,
+    check_structured_outputs,
+    check_text,
+    max_chars_per_token,
+)
+from v1.sampling_params import StructuredOutputsParams
+
+LIMITS = InputLimits(max_json_schema_depth=8, max_structured_output_len=1000,
+                     max_structured_output_choices=4)
+
+
+def nested(depth: int) -> dict:
+    """A schema whose JSON nests `depth` levels (objects in arrays' items)."""
+    schema: dict = {"type": "string"}
+    for _ in range(depth - 1):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+@pytest.mark.parametrize("as_text", [False, True])
+def test_json_schema_depth(as_text: bool) -> None:
+    def check(depth: int) -> None:
+        schema = nested(depth)
+        check_json_spec(json.dumps(schema) if as_text else schema, "tools[0]", LIMITS)
+
+    check(8)
+    with pytest.raises(ValueError, match=r"tools\[0\] nests more than max_json_schema_depth \(8\)"):
+        check(9)
+
+
+def test_json_nested_past_pythons_recursion_limit_is_a_value_error() -> None:
+    """json.dumps / json.loads raise RecursionError there: a 500 unless caught."""
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    limits = InputLimits(max_json_schema_depth=8)
+    for spec in (deep, "[" * 5000 + "]" * 5000):
+        with pytest.raises(ValueError, match="max_json_schema_depth"):
+            check_json_spec(spec, "structured_outputs.json", limits)  # type: ignore[arg-type]
+
+
+def test_json_schema_size() -> None:
+    big = {"enum": [f"item{i}" for i in range(200)]}
+    with pytest.raises(ValueError, match=r"has \d+ characters .*max_structured_output_len"):
+        check_json_spec(big, "response_format.json_schema.schema", LIMITS)
+    check_json_spec({"enum": ["a", "b"]}, "response_format.json_schema.schema", LIMITS)
+    # Not JSON: left to the spec's own parser, which says what is wrong.
+    check_json_spec("{not json", "structured_outputs.json", LIMITS)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"choice": ["a", "b", "c", "d", "e"]}, r"choice has 5 strings, more than max_structured_output_choices \(4\)"),  # noqa: E501
+        ({"choice": ["x" * 600, "y" * 600]}, r"choice has 1200 characters"),
+        ({"regex": "a" * 1001}, r"regex has 1001 characters"),
+        ({"grammar": "root ::= " + '"a" | ' * 200 + '"b"'}, r"grammar has \d+ characters"),
+        ({"json": nested(9)}, r"json nests more than"),
+        ({"structural_tag": json.dumps({"structures": [nested(8)]})}, "structural_tag nests"),
+    ],
+)
+def test_structured_outputs_limits(spec: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_structured_outputs(StructuredOutputsParams(**spec), LIMITS)
+
+
+def test_lone_surrogates_are_refused() -> None:
+    check_text("plain", "the prompt")
+    check_text("émoji 😀 (a pair in JSON: \\ud83d\\ude00)", "the prompt")
+    with pytest.raises(ValueError, match=r"the prompt is not valid Unicode.*U\+DC00.* 3"):
+        check_text("abc\udc00", "the prompt")
+
+
+def test_limits_are_engine_args_and_checked() -> None:
+    args = EngineArgs(max_n_sequences=4, max_json_schema_depth=10)
+    assert args.input_limits() == InputLimits(max_n_sequences=4, max_json_schema_depth=10)
+    with pytest.raises(ValueError, match="max_stop_strings must be an integer >= 1, got 0"):
+        EngineArgs(max_stop_strings=0)
+
+
+def _tokenizer(**parts: object) -> PreTrainedTokenizerFast:
+    vocab = {"a": 0, "b": 1, "ab": 2, "abab": 3, "<unk>": 4}
+    tokenizer = Tokenizer(models.BPE(vocab, [("a", "b"), ("ab", "ab")], unk_token="<unk>"))
+    added = parts.pop("added", None)
+    for name, part in parts.items():
+        setattr(tokenizer, name, part)
+    if added is not None:
+        tokenizer.add_special_tokens([added])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+
+
+def test_max_chars_per_token_bounds_the_text_one_token_covers() -> None:
+    assert max_chars_per_token(_tokenizer()) == 5  # "<unk>", then "abab"
+    assert max_chars_per_token(
+        _tokenizer(added=AddedToken("<|a_long_special|>", special=True))
+    ) == len("<|a_long_special|>")
+    # NFC composes up to 4 characters into one: the bound allows for it.
+    assert max_chars_per_token(_tokenizer(normalizer=normalizers.NFC())) == 4 * 5
+    assert max_chars_per_token(
+        _tokenizer(normalizer=normalizers.Sequence([normalizers.NFD(), normalizers.Lowercase()]))
+    ) == 5
+    assert max_chars_per_token(_tokenizer(pre_tokenizer=pre_tokenizers.ByteLevel())) == 5
+
+
+@pytest.mark.parametrize(
+    "parts",
+    [
+        {"pre_tokenizer": pre_tokenizers.Whitespace()},  # drops whitespace
+        {"normalizer": normalizers.Strip()},
+        {"normalizer": normalizers.Replace("  ", " ")},
+        {"added": AddedToken("<x>", special=True, lstrip=True)},  # swallows the spaces before
+    ],
+)
+def test_max_chars_per_token_is_none_when_characters_may_vanish(parts: dict) -> None:
+    assert max_chars_per_token(_tokenizer(**parts)) is None
+
+
+def test_max_chars_per_token_of_the_default_model(hf_tokenizer) -> None:
+    """Its longest token is a newline and 80 spaces (byte-level: one character a byte)."""
+    assert max_chars_per_token(hf_tokenizer) == 81

@@ -1,0 +1,237 @@
+"""What one request may ask for: the limits that keep a single request from costing the
+engine (or the server) without bound, and the cheap checks against them.
+
+Every check runs before the costly work it guards (tokenizing, parsing a JSON schema with
+xgrammar, compiling a grammar) and raises a ValueError naming the field, the value and the
+limit, which the server answers with a 400. The configurable limits are `InputLimits`, set
+by `EngineArgs` fields (server flags) of the same names; the others follow from the engine:
+integers must fit the int64 the engine core's messages carry, text must be valid Unicode,
+and a prompt longer in characters than `max_model_len` tokens could ever cover is refused
+before it is tokenized (`max_chars_per_token`).
+"""
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:
+    from v1.sampling_params import StructuredOutputsParams
+
+# The range of the integers the engine core's msgpack messages (and torch) carry.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def limit_field(default: int, help: str) -> Any:
+    """A limits dataclass's field: its default and its flag's help."""
+    return field(default=default, metadata={"help": help})
+
+
+def check_limit_fields(limits: Any) -> None:
+    """Every field of a limits dataclass is an integer >= 1."""
+    for f in fields(limits):
+        value = getattr(limits, f.name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{f.name} must be an integer >= 1, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class InputLimits:
+    """Per-request limits; each is an `EngineArgs` field (and server flag) of the same name,
+    whose `help` says what it bounds and why. The defaults refuse nothing ordinary clients
+    send (OpenAI's own limits are tighter)."""
+
+    max_logprobs: int = limit_field(
+        20, "the most logprobs, top_logprobs or prompt_logprobs a request may ask for (each "
+        "costs a sort of the vocabulary per token; vLLM's flag)",
+    )
+    max_n_sequences: int = limit_field(
+        128, "the most choices (n) a request may ask for, each a sequence in the engine "
+        "(OpenAI's cap; vLLM's VLLM_MAX_N_SEQUENCES)",
+    )
+    max_stop_strings: int = limit_field(
+        64, "the most stop strings a request may give (each is looked for in every token's "
+        "text; vLLM's VLLM_MAX_STOP_STRINGS)",
+    )
+    max_stop_string_len: int = limit_field(
+        1024, "the most characters one stop string may have (streaming holds back one less "
+        "than the longest)",
+    )
+    max_num_bad_words: int = limit_field(
+        128, "the most bad_words a request may give (each is matched against the output at "
+        "every step; vLLM's VLLM_MAX_NUM_BAD_WORDS)",
+    )
+    max_bad_word_len: int = limit_field(256, "the most characters one bad word may have")
+    max_json_schema_depth: int = limit_field(
+        64, "the deepest nesting of JSON objects and arrays a JSON schema (structured output, "
+        "response_format, a tool's parameters) or structural tag may have: xgrammar's time "
+        "to parse one grows about cubically with it",
+    )
+    max_structured_output_len: int = limit_field(
+        256 * 1024, "the most characters a structured-output spec may have: a JSON schema's "
+        "text, a regex, a grammar, all `choice` strings together (a grammar's compile time "
+        "and memory grow with it)",
+    )
+    max_structured_output_choices: int = limit_field(
+        1024, "the most strings a structured-output `choice` may list",
+    )
+
+    def __post_init__(self) -> None:
+        check_limit_fields(self)
+
+
+DEFAULT_LIMITS = InputLimits()
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(text: str, what: str) -> None:
+    """Refuse text that is not valid Unicode: a lone surrogate (JSON's "\\ud800" escape
+    decodes to one) has no UTF-8 form, so no tokenizer, template or message can take it."""
+    if text.isascii():  # the common case, O(1)
+        return
+    found = _SURROGATE.search(text)
+    if found is not None:
+        raise ValueError(
+            f"{what} is not valid Unicode text: a lone surrogate (U+{ord(found.group()):04X}) "
+            f"at character {found.start()}"
+        )
+
+
+def check_json_spec(spec: str | Mapping[str, Any], what: str, limits: InputLimits) -> None:
+    """Refuse a JSON schema (or structural tag), as a dict or its text, that nests deeper than
+    `max_json_schema_depth` or whose text is longer than `max_structured_output_len`, before
+    anything parses it. Costs O(its size), and that is bounded by the request's."""
+    if isinstance(spec, str):
+        text = spec
+    else:
+        try:
+            text = json.dumps(spec)
+        except RecursionError:  # deeper than Python's recursion limit (~1000)
+            _too_deep(what, limits)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{what} is not JSON: {e}") from e
+    if len(text) > limits.max_structured_output_len:
+        raise ValueError(
+            f"{what} has {len(text)} characters (as JSON text), more than "
+            f"max_structured_output_len ({limits.max_structured_output_len})"
+        )
+    if isinstance(spec, str):
+        try:
+            value = json.loads(text)
+        except RecursionError:
+            _too_deep(what, limits)
+        except ValueError:
+            return  # not JSON: the spec's own parser says what is wrong with it
+    else:
+        value = spec
+    # Depth-first, without recursion: containers only (a scalar adds no level).
+    stack: list[tuple[Any, int]] = [(value, 1)] if isinstance(value, dict | list) else []
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node
+        if depth > limits.max_json_schema_depth:
+            _too_deep(what, limits)
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+
+
+def _too_deep(what: str, limits: InputLimits) -> NoReturn:
+    raise ValueError(
+        f"{what} nests more than max_json_schema_depth ({limits.max_json_schema_depth}) "
+        "levels of JSON objects and arrays"
+    )
+
+
+def check_structured_outputs(params: "StructuredOutputsParams", limits: InputLimits) -> None:
+    """The size (and, for JSON, the depth) limits of whichever spec `params` holds."""
+    if params.json is not None:
+        check_json_spec(params.json, "structured_outputs.json", limits)
+    elif params.structural_tag is not None:
+        check_json_spec(params.structural_tag, "structured_outputs.structural_tag", limits)
+    elif params.choice is not None:
+        if len(params.choice) > limits.max_structured_output_choices:
+            raise ValueError(
+                f"structured_outputs.choice has {len(params.choice)} strings, more than "
+                f"max_structured_output_choices ({limits.max_structured_output_choices})"
+            )
+        _check_spec_len(sum(map(len, params.choice)), "structured_outputs.choice", limits)
+    else:
+        for name in ("regex", "grammar"):
+            spec = getattr(params, name)
+            if spec is not None:
+                _check_spec_len(len(spec), f"structured_outputs.{name}", limits)
+
+
+def _check_spec_len(length: int, what: str, limits: InputLimits) -> None:
+    if length > limits.max_structured_output_len:
+        raise ValueError(
+            f"{what} has {length} characters, more than max_structured_output_len "
+            f"({limits.max_structured_output_len})"
+        )
+
+
+# The most a normalizer can shrink a text by: NFC and NFKC compose what NFD and NFKD (which
+# never shrink) decompose, and one character decomposes canonically into at most 4, and
+# with compatibility mappings into at most 18 (Unicode 14, as `unicodedata` says).
+_SHRINKS_BY = {"NFC": 4, "NFKC": 18}
+# Normalizers and pre-tokenizers that never drop characters (they may add some).
+_KEEP_EVERY_CHARACTER = {
+    "Prepend", "NFD", "NFKD", "Lowercase",  # normalizers
+    "ByteLevel", "Metaspace", "Split", "Digits", "Punctuation", "UnicodeScripts",
+}
+
+
+def max_chars_per_token(tokenizer: Any) -> int | None:
+    """The most characters of text one token of `tokenizer` (a fast HF tokenizer) can stand
+    for, or None if its vocabulary does not bound that: a normalizer or pre-tokenizer that
+    may drop characters (BERT's whitespace splitting, stripping), a model that makes one
+    token of a run of unknown characters (WordPiece, Unigram, BPE with fused unknowns and no
+    byte fallback), added tokens that swallow the whitespace beside them.
+
+    A BPE token's vocabulary string is at least as long as the text it covers (byte-level
+    vocabularies spell each byte as one character, and a character is one byte or more), so
+    the longest string bounds it, times what the normalizer may shrink a text by. A text of
+    more characters than `max_model_len` times this is then longer than `max_model_len`
+    tokens, which is known without tokenizing it."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    config = json.loads(backend.to_str())
+    shrink = _shrink_factor(config.get("normalizer"))
+    if shrink is None or _shrink_factor(config.get("pre_tokenizer")) != 1:
+        return None
+    model = config.get("model") or {}
+    if model.get("type") != "BPE" or (model.get("fuse_unk") and not model.get("byte_fallback")):
+        return None
+    added = config.get("added_tokens") or []
+    if any(token.get("lstrip") or token.get("rstrip") for token in added):
+        return None
+    longest = max(len(s) for s in [*model.get("vocab", {}), *(t["content"] for t in added)])
+    return longest * shrink
+
+
+def _shrink_factor(component: Mapping[str, Any] | None) -> int | None:
+    """How many times shorter a normalizer or pre-tokenizer (tokenizer.json's form) may make
+    a text; None when unbounded (it may drop characters)."""
+    if component is None:
+        return 1
+    kind = component.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for part in component.get("normalizers") or component.get("pretokenizers") or []:
+            part_factor = _shrink_factor(part)
+            if part_factor is None:
+                return None
+            factor *= part_factor
+        return factor
+    if kind == "Replace":  # a plain string replaced by one at least as long never shrinks
+        pattern = component.get("pattern", {}).get("String")
+        keeps = pattern is not None and len(component.get("content", "")) >= len(pattern)
+        return 1 if keeps else None
+    if kind in _SHRINKS_BY:
+        return _SHRINKS_BY[kind]
+    if kind in _KEEP_EVERY_CHARACTER and component.get("behavior") != "Removed":
+        return 1
+    return None
