@@ -92,12 +92,12 @@ async def show_models(raw: Request) -> ModelList:
 
 @router.post("/tokenize")
 async def tokenize(request: TokenizeRequest, raw: Request) -> TokenizeResponse:
-    return _serving(raw).tokenize(request)
+    return await _serving(raw).tokenize(request)
 
 
 @router.post("/detokenize")
 async def detokenize(request: DetokenizeRequest, raw: Request) -> DetokenizeResponse:
-    return _serving(raw).detokenize(request)
+    return await _serving(raw).detokenize(request)
 
 
 @router.get("/version")
