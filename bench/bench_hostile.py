@@ -17,8 +17,10 @@ time-out), the attack's time, the bystander's longest wait for progress while th
 the slowest `/health` answer of the polls that overlapped it, and the frontend's and the engine
 core's resident memory once it is over. A row's window lasts at least a second, so that an
 attack answered at once still shows the stream's ordinary gaps (the `idle` row: no attack).
-The frontend is the process listening on the server's port and the engine core its largest
-descendant, found in /proc: RSS columns are "-" for a server on another machine.
+The next row starts once the bystander moved on and the frontend is idle again (a request
+whose client timed out may still be at work there). The frontend is the process listening on
+the server's port and the engine core its largest descendant, found in /proc: RSS columns are
+"-" for a server on another machine.
 
 The script starts the server (the branch's `v1`, on a free loopback port, with `--api-key`) and
 stops it at the end; `--base-url` targets a running one instead. It takes a few minutes: every
@@ -32,6 +34,7 @@ the engine core is the slow part, run last.
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 import time
@@ -50,6 +53,8 @@ STREAM_PROMPT = "The capital of France is"
 HEALTH_EVERY_S = 0.1
 MIN_WINDOW_S = 1.0
 SETTLE_S = 120.0  # how long a row waits for the server to recover before the next one
+# The frontend is idle again (no attack's work left in it) below this CPU use, in cores.
+IDLE_CPU = 0.5
 LONE_SURROGATE = "\ud800"
 
 
@@ -74,7 +79,9 @@ class Row:
     health_max_s: float | None = None
     frontend_rss_mb: float | None = None
     engine_rss_mb: float | None = None
-    unsettled: bool = False  # the bystander or /health had not recovered SETTLE_S after it
+    # SETTLE_S after it, the bystander or /health had not recovered, or the frontend was
+    # still busy (a request whose client timed out goes on to the end of its input work).
+    unsettled: bool = False
 
 
 def deep_schema(depth: int) -> dict[str, Any]:
@@ -218,6 +225,24 @@ class Bystander:
         )
 
 
+def cpu_s(pid: int) -> float:
+    """The process's CPU time so far (user + system, all threads), from /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def idle(pid: int | None) -> bool:
+    """Whether the process used less than IDLE_CPU cores over the next half second."""
+    if pid is None:
+        return True
+    before = cpu_s(pid)
+    await asyncio.sleep(0.5)
+    return cpu_s(pid) - before < IDLE_CPU * 0.5
+
+
 def rss_mb(pid: int) -> float | None:
     try:
         status = Path(f"/proc/{pid}/status").read_text()
@@ -301,13 +326,16 @@ async def run_row(client: httpx.AsyncClient, bystander: Bystander, name: str, ca
     row.status = ", ".join(f"{s} x{k}" if k > 1 else s for s, k in statuses.items()) or "-"
     await asyncio.sleep(max(0.0, start + MIN_WINDOW_S - time.monotonic()))
     window_end = max(end, start + MIN_WINDOW_S)
+    frontend, engine = pids()
     deadline = time.monotonic() + SETTLE_S
     while not bystander.recovered(window_end) and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
-    row.unsettled = not bystander.recovered(window_end)
     row.user_max_gap_s = round(bystander.max_gap(start, window_end), 2)
     row.health_max_s = round(bystander.max_health(start, window_end), 2)
-    frontend, engine = pids()
+    settled = bystander.recovered(window_end)
+    while settled and not await idle(frontend):
+        settled = time.monotonic() < deadline
+    row.unsettled = not settled
     row.frontend_rss_mb = None if frontend is None else rss_mb(frontend)
     row.engine_rss_mb = None if engine is None else rss_mb(engine)
     return row
@@ -356,7 +384,7 @@ def main() -> None:
                         help="a running server (http://host:port, started with --api-key "
                         "API_KEY); default: start one here")
     parser.add_argument("--api-key", default=DEFAULT_API_KEY, help="the server's --api-key")
-    parser.add_argument("--timeout", type=float, default=30.0,
+    parser.add_argument("--timeout", type=float, default=20.0,
                         help="client time-out of each attack request, s")
     parser.add_argument("--short-timeout", type=float, default=5.0,
                         help="client time-out of the n=10000 request, s")
