@@ -42,6 +42,7 @@ bench: setup
 	$(PY) bench/bench_structured.py --out $(BENCH_OUT) | tee $(BENCH_OUT)/structured.txt
 	$(PY) bench/bench_serving.py --out $(BENCH_OUT) | tee $(BENCH_OUT)/serving.txt
 	$(PY) bench/bench_dp.py --out $(BENCH_OUT) | tee $(BENCH_OUT)/dp.txt
+	$(PY) bench/bench_hostile.py --out $(BENCH_OUT) | tee $(BENCH_OUT)/hostile.txt
 	$(PY) bench/bench_step_breakdown.py --floors --out $(BENCH_OUT) \
 		| tee $(BENCH_OUT)/step_breakdown.txt
 

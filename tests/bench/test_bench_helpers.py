@@ -3,7 +3,9 @@ paired ratios, FLOP and byte counts) and that each script starts: their figures 
 good as these."""
 
 import argparse
+import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +16,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 
+import bench_hostile  # noqa: E402
 import bench_prefix_cache  # noqa: E402
 import bench_serving  # noqa: E402
 import bench_step_breakdown  # noqa: E402
@@ -149,11 +152,31 @@ def test_serving_summary_in_milliseconds():
         "itl_ms_mean": None, "itl_ms_p50": None, "itl_ms_p99": None}
 
 
+def test_hostile_stalls_are_the_gaps_and_polls_that_overlap_the_window():
+    bystander = bench_hostile.Bystander("http://127.0.0.1:1", {})
+    bystander.progress = [1.0, 1.1, 1.2, 5.0, 5.1]
+    assert bystander.max_gap(1.25, 2.0) == pytest.approx(3.8)  # 1.2 -> 5.0 spans it
+    assert bystander.max_gap(5.02, 5.08) == pytest.approx(0.1)
+    bystander.polls = [[0.0, 0.01], [1.0, 4.0], [4.1, 4.2]]
+    assert bystander.max_health(2.0, 3.0) == pytest.approx(3.0)
+    assert bystander.max_health(4.05, 4.3) == pytest.approx(0.1)
+    assert bystander.recovered(4.5) and not bystander.recovered(5.5)
+    bystander.polls.append([4.3, 0.0])  # still pending: not recovered, and counted until now
+    assert not bystander.recovered(4.5)
+
+
+def test_hostile_finds_the_process_listening_on_a_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        assert bench_hostile.listening_pid(s.getsockname()[1]) == os.getpid()
+
+
 @pytest.mark.parametrize("name", ["bench_prefix_cache", "bench_throughput", "bench_serving",
                                   "bench_scheduler", "bench_async", "bench_step_breakdown",
                                   "bench_grammar", "bench_structured", "bench_dp",
                                   "bench_kv_cache_dtype", "bench_quant", "bench_quant_kernels",
-                                  "bench_linear", "bench_attacks"])
+                                   "bench_linear", "bench_attacks", "bench_hostile"])
 def test_help(name):
     out = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), "--help"],
                          capture_output=True, text=True, timeout=120)

@@ -745,6 +745,9 @@ def test_engine_death_answers_500_and_503(monkeypatch: pytest.MonkeyPatch) -> No
         async def check_health(self) -> None:
             raise EngineDeadError("the engine core process died")
 
+        async def run_in_pool(self, fn, *args, **kwargs):  # AsyncLLM's, here on the loop
+            return fn(*args, **kwargs)
+
         def shutdown(self) -> None:
             pass
 

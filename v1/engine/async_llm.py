@@ -3,7 +3,11 @@
 The engine core runs in its own process (`AsyncMPClient`). One output-handler task, started
 on first use, turns each `EngineCoreOutputs` into `RequestOutput`s (the `OutputProcessor`,
 DELTA kind) and puts each into its request's asyncio queue, from which `generate` yields.
-Everything here runs on the event loop's thread, so nothing needs a lock. Requests go by
+The output side runs on the event loop's thread, so nothing needs a lock. The event loop only
+routes: per-request CPU work on the way in (tokenizing, chat templates, `bad_words`,
+structured-output checks) runs on a small thread pool, `run_in_pool`, so one heavy request
+does not stall every stream and `/health` (the Rust tokenizer and xgrammar release the GIL;
+Jinja templates hold it, but a thread gives it up every switch interval). Requests go by
 the caller's id here; the engine core knows them by internal ids (see `EngineCoreRequest`),
 so an id may be used again as soon as its request is aborted or finished.
 
@@ -21,9 +25,11 @@ requests it held with `EngineCoreDeadError` (an EngineDeadError) and the others 
 """
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncGenerator, Callable
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, ParamSpec, TypeVar
 
 from v1.config import EngineArgs
 from v1.engine.core_client import AsyncMPClient
@@ -42,10 +48,21 @@ logger = logging.getLogger("v1")
 # that ended every request.
 _QueueItem = RequestOutput | EngineDeadError | None
 
+# Threads for the per-request input work. More than one, so that a request that takes seconds
+# to tokenize or validate delays the next ones only by the CPU it shares with them; few, as the
+# work is CPU-bound (and partly GIL-bound): more threads would add no throughput.
+INPUT_WORKERS = 4
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
 
 class AsyncLLM:
     def __init__(
-        self, client: AsyncMPClient | DPAsyncMPClient, limits: InputLimits = DEFAULT_LIMITS
+        self,
+        client: AsyncMPClient | DPAsyncMPClient,
+        limits: InputLimits = DEFAULT_LIMITS,
+        input_workers: int = INPUT_WORKERS,
     ) -> None:
         """`limits`: what one request may ask for (`EngineArgs.input_limits`)."""
         self.client = client
@@ -59,6 +76,7 @@ class AsyncLLM:
             info.stop_token_ids, info.scheduling_policy, limits,
         )
         self.output_processor = OutputProcessor(info.tokenizer)
+        self._input_pool = ThreadPoolExecutor(input_workers, thread_name_prefix="v1-input")
         self._queues: dict[str, asyncio.Queue[_QueueItem]] = {}
         self._output_handler: asyncio.Task[None] | None = None
         self._handler_error: EngineDeadError | None = None
@@ -102,8 +120,8 @@ class AsyncLLM:
         if self.dead_error is not None:
             raise self.dead_error
         check_data_parallel_rank(data_parallel_rank, self.client.data_parallel_size)
-        request, text = self.processor.process_inputs(
-            request_id, prompt, sampling_params, priority=priority
+        request, text = await self.run_in_pool(
+            self.processor.process_inputs, request_id, prompt, sampling_params, priority=priority
         )
         core_requests = self.output_processor.add_request(request, text, RequestOutputKind.DELTA)
         queue: asyncio.Queue[_QueueItem] = asyncio.Queue()
@@ -128,6 +146,13 @@ class AsyncLLM:
                 del self._queues[request_id]
             if not finished:
                 self._abort(request.request_id, internal=True)
+
+    async def run_in_pool(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """`fn(*args, **kwargs)` on the input pool, off the event loop: for per-request CPU
+        work that touches no state of the loop's (the processor's methods, the tokenizer).
+        Cancelling the caller leaves a call that has started to finish, unseen."""
+        call = functools.partial(fn, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self._input_pool, call)
 
     async def abort(self, request_id: str) -> None:
         """Abort the live request with this caller's id (with n > 1, all its children)."""
@@ -208,4 +233,5 @@ class AsyncLLM:
     def shutdown(self) -> None:
         """Terminate the engine core process (if this frontend started it). Requests still
         streaming get EngineDeadError, through the output handler, which then ends."""
+        self._input_pool.shutdown(wait=False, cancel_futures=True)
         self.client.shutdown()

@@ -239,17 +239,7 @@ class OpenAIServing:
     ) -> CompletionResponse | AsyncIterator[str]:
         head = self._head(request, "cmpl")
         params = request.to_sampling_params(self.engine.processor.limits)
-        engine_prompts = request.engine_prompts()
-        if len(engine_prompts) > self.limits.max_completion_prompts:
-            raise ValueError(
-                f"prompt has {len(engine_prompts)} prompts, more than max_completion_prompts "
-                f"({self.limits.max_completion_prompts})"
-            )
-        prompts: list[PromptType] = []
-        for engine_prompt in engine_prompts:
-            text, token_ids = self.engine.processor.tokenize_prompt(engine_prompt)
-            self._check_length(len(token_ids), params.max_tokens, "prompt")
-            prompts.append(self._engine_prompt(request, text, token_ids))
+        prompts = await self.engine.run_in_pool(self._completion_prompts, request, params)
         params = self._with_defaults(request, params)
         outputs = await StartedRequest.start(self.engine, prompts, params, head["id"], request)
         k = request.logprobs
@@ -267,6 +257,24 @@ class OpenAIServing:
             ],
             usage=usage,
         )
+
+    def _completion_prompts(
+        self, request: CompletionRequest, params: SamplingParams
+    ) -> list[PromptType]:
+        """The request's prompts, tokenized once (the engine takes the ids) and each checked
+        to leave room for max_tokens."""
+        engine_prompts = request.engine_prompts()
+        if len(engine_prompts) > self.limits.max_completion_prompts:
+            raise ValueError(
+                f"prompt has {len(engine_prompts)} prompts, more than max_completion_prompts "
+                f"({self.limits.max_completion_prompts})"
+            )
+        prompts: list[PromptType] = []
+        for engine_prompt in engine_prompts:
+            text, token_ids = self.engine.processor.tokenize_prompt(engine_prompt)
+            self._check_length(len(token_ids), params.max_tokens, "prompt")
+            prompts.append(self._engine_prompt(request, text, token_ids))
+        return prompts
 
     def _completion_choice(
         self,
@@ -317,7 +325,7 @@ class OpenAIServing:
         params = constrain_auto_tool_calls(
             request, request.to_sampling_params(self.engine.processor.limits)
         )
-        text, token_ids = self._chat_prompt(request)
+        text, token_ids = await self.engine.run_in_pool(self._chat_prompt, request)
         self._check_length(len(token_ids), params.max_tokens, "messages")
         params = self._with_defaults(request, params)
         outputs = await StartedRequest.start(
@@ -350,24 +358,29 @@ class OpenAIServing:
             prompt_logprobs=outputs.prompt_of(0)[1],
         )
 
-    def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         """A prompt's token ids as a completion would get them, or a conversation's as a chat
         completion would."""
         self._check_model(request.model)
         if isinstance(request, TokenizeChatRequest):
-            _, token_ids = self._chat_prompt(request)
+            _, token_ids = await self.engine.run_in_pool(self._chat_prompt, request)
         else:
-            _, token_ids = self.engine.processor.tokenize_prompt(request.prompt)
+            processor = self.engine.processor
+            _, token_ids = await self.engine.run_in_pool(processor.tokenize_prompt, request.prompt)
         return TokenizeResponse(
             count=len(token_ids), max_model_len=self.engine.max_model_len, tokens=token_ids
         )
 
-    def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+    async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         self._check_model(request.model)
+        return DetokenizeResponse(prompt=await self.engine.run_in_pool(self._decode, request))
+
+    def _decode(self, request: DetokenizeRequest) -> str:
         _, token_ids = self.engine.processor.tokenize_prompt(request.tokens)  # in vocabulary
-        return DetokenizeResponse(prompt=self.engine.tokenizer.decode(token_ids))
+        return self.engine.tokenizer.decode(token_ids)
 
     def _chat_prompt(self, request: ChatTemplateRequest) -> tuple[str, list[int]]:
+        """The conversation rendered and tokenized: CPU work for `AsyncLLM.run_in_pool`."""
         text = self.engine.processor.apply_chat_template(
             [m.to_template_dict() for m in request.messages],
             self.chat_template,

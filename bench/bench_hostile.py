@@ -1,0 +1,440 @@
+"""Hostile and careless inputs against `python -m v1 serve --api-key K`, with a bystander.
+
+Issue 20's table, as a script: beside the attacks, a second user streams 16-token completions
+back to back, and `/health` is polled every 0.1 s. The attacks run one at a time, each a row:
+
+    deep schemas (depth 300) as structured_outputs.json, response_format and a tool's
+    parameters; /tokenize with a 5 MB prompt (no key); 10,000 bad_words; n = 1000, and
+    n = 10000 with a short client time-out; seed 2^70, priority 2^80, top_k 2^70; a lone
+    surrogate in a prompt, a chat message, bad_words and /tokenize; a chat of 30,000 messages
+    (the Jinja template's time); chat_template_kwargs {"messages": 5}; priority under the
+    fcfs policy; then for memory 10 distinct large prompts, 20 distinct large grammars
+    (choice lists) and three distinct 100k-entry choice lists.
+
+Per row: the HTTP status (with the error message's first words; "timeout" past the client
+time-out), the attack's time, the bystander's longest wait for progress while the attack ran
+(the gap between two of its chunks, or between a chunk and the next request's first one),
+the slowest `/health` answer of the polls that overlapped it, and the frontend's and the engine
+core's resident memory once it is over. A row's window lasts at least a second, so that an
+attack answered at once still shows the stream's ordinary gaps (the `idle` row: no attack).
+The next row starts once the bystander moved on and the frontend is idle again (a request
+whose client timed out may still be at work there). The frontend is the process listening on
+the server's port and the engine core its largest descendant, found in /proc: RSS columns are
+"-" for a server on another machine.
+
+The script starts the server (the branch's `v1`, on a free loopback port, with `--api-key`) and
+stops it at the end; `--base-url` targets a running one instead. It takes a few minutes: every
+request has a client time-out (`--timeout`), and the 100k-entry grammars, whose compilation in
+the engine core is the slow part, run last.
+
+    .venv/bin/python bench/bench_hostile.py
+    .venv/bin/python bench/bench_hostile.py --base-url http://127.0.0.1:8000 --only idle,n_1000
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import httpx
+from bench_serving import server
+from common import environment, print_table, write_outputs
+
+DEFAULT_API_KEY = "K"
+STREAM_PROMPT = "The capital of France is"
+HEALTH_EVERY_S = 0.1
+MIN_WINDOW_S = 1.0
+SETTLE_S = 120.0  # how long a row waits for the server to recover before the next one
+# The frontend is idle again (no attack's work left in it) below this CPU use, in cores.
+IDLE_CPU = 0.5
+LONE_SURROGATE = "\ud800"
+
+
+@dataclass
+class Call:
+    """One HTTP request of an attack; `body` is serialized before the row's window opens, so
+    that the client's own JSON encoding of megabytes does not count as the server's stall."""
+
+    path: str
+    body: dict[str, Any]
+    timeout: float | None = None  # None: --timeout
+    auth: bool = True  # /tokenize needs no key (as vLLM's)
+
+
+@dataclass
+class Row:
+    attack: str
+    status: str = ""
+    message: str = ""
+    seconds: float = 0.0
+    user_max_gap_s: float | None = None
+    health_max_s: float | None = None
+    frontend_rss_mb: float | None = None
+    engine_rss_mb: float | None = None
+    # SETTLE_S after it, the bystander or /health had not recovered, or the frontend was
+    # still busy (a request whose client timed out goes on to the end of its input work).
+    unsettled: bool = False
+
+
+def deep_schema(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def big_text(n_bytes: int, tag: str) -> str:
+    """About `n_bytes` of ordinary words, distinct per `tag` (no tokenizer cache helps)."""
+    words = [f"{tag}{i % 997} lorem ipsum dolor sit amet" for i in range(n_bytes // 32 + 1)]
+    return " ".join(words)[:n_bytes]
+
+
+def choices(n: int, tag: str) -> list[str]:
+    return [f"{tag}-option-{i}" for i in range(n)]
+
+
+def completion(**fields: Any) -> dict[str, Any]:
+    return {"prompt": "Hi", "max_tokens": 4, **fields}
+
+
+def chat(content: str = "Hi", **fields: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": 4, **fields}
+
+
+def attacks(args: argparse.Namespace) -> dict[str, list[Call]]:
+    """Each row's requests, in the order they run (sequentially within a row)."""
+    schema = deep_schema(args.depth)
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    return {
+        "idle": [],
+        "json_depth": [Call("/v1/completions", completion(structured_outputs={"json": schema}))],
+        "response_format_depth": [Call("/v1/chat/completions", chat(response_format={
+            "type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}))],
+        "tool_parameters_depth": [Call("/v1/chat/completions", chat(
+            tools=[tool], tool_choice={"type": "function", "function": {"name": "f"}}))],
+        "tokenize_5mb": [Call("/tokenize", {"prompt": big_text(5_000_000, "t")}, auth=False)],
+        "bad_words_10000": [Call("/v1/completions", completion(
+            bad_words=[f"badword{i}" for i in range(10_000)]))],
+        "n_1000": [Call("/v1/completions", completion(n=1000))],
+        "n_10000": [Call("/v1/completions", completion(n=10_000), timeout=args.short_timeout)],
+        "seed_2^70": [Call("/v1/completions", completion(seed=2**70))],
+        "priority_2^80": [Call("/v1/completions", completion(priority=2**80))],
+        "top_k_2^70": [Call("/v1/completions", completion(top_k=2**70))],
+        "surrogate_prompt": [Call("/v1/completions", completion(prompt=f"a{LONE_SURROGATE}b"))],
+        "surrogate_chat": [Call("/v1/chat/completions", chat(f"a{LONE_SURROGATE}b"))],
+        "surrogate_bad_words": [Call("/v1/completions", completion(bad_words=[LONE_SURROGATE]))],
+        "surrogate_tokenize": [Call("/tokenize", {"prompt": LONE_SURROGATE}, auth=False)],
+        # Jinja holds the GIL: is a thread enough to keep it from stalling the loop?
+        "chat_template_30k_messages": [Call("/v1/chat/completions", {
+            "messages": [{"role": "user" if i % 2 else "assistant", "content": f"m{i}"}
+                         for i in range(30_000)], "max_tokens": 4})],
+        "template_kwargs_messages": [Call("/v1/chat/completions", chat(
+            chat_template_kwargs={"messages": 5}))],
+        "priority_under_fcfs": [Call("/v1/completions", completion(priority=1))],
+        # Memory: what the frontend keeps after large prompts, the engine after grammars.
+        "prompts_10x1mb": [
+            Call("/v1/completions", completion(prompt=big_text(1_000_000, f"p{i}")))
+            for i in range(10)
+        ],
+        "grammars_20": [
+            Call("/v1/completions", completion(
+                structured_outputs={"choice": choices(args.grammar_entries, f"g{i}")}))
+            for i in range(20)
+        ],
+        **{
+            f"choice_100k_{i}": [Call("/v1/completions", completion(
+                structured_outputs={"choice": choices(args.choice_entries, f"c{i}")}))]
+            for i in range(1, 4)
+        },
+    }
+
+
+class Bystander:
+    """The second user (streamed completions back to back) and the `/health` poller; both
+    keep timestamps, on the monotonic clock, of the progress they saw."""
+
+    def __init__(self, base: str, headers: dict[str, str]) -> None:
+        self.base, self.headers = base, headers
+        self.progress: list[float] = []  # when a chunk with text arrived
+        self.polls: list[list[float]] = []  # [sent, answered (0 while pending)]
+        self.errors: list[str] = []
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._stream()), asyncio.create_task(self._poll())]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _stream(self) -> None:
+        payload = {"prompt": STREAM_PROMPT, "max_tokens": 16, "temperature": 0,
+                   "ignore_eos": True, "stream": True}
+        async with httpx.AsyncClient(timeout=None, headers=self.headers) as client:
+            while True:
+                try:
+                    async with client.stream("POST", f"{self.base}/v1/completions",
+                                             json=payload) as resp:
+                        async for line in resp.aiter_lines():
+                            if line.startswith("data: {") and '"text":""' not in line:
+                                self.progress.append(time.monotonic())
+                except httpx.HTTPError as e:
+                    self.errors.append(f"stream: {e!r}")
+                    await asyncio.sleep(0.5)
+
+    async def _poll(self) -> None:
+        async with httpx.AsyncClient(timeout=None) as client:
+            while True:
+                poll = [time.monotonic(), 0.0]
+                self.polls.append(poll)
+                try:
+                    await client.get(f"{self.base}/health")
+                except httpx.HTTPError as e:
+                    self.errors.append(f"health: {e!r}")
+                poll[1] = time.monotonic()
+                await asyncio.sleep(max(0.0, poll[0] + HEALTH_EVERY_S - time.monotonic()))
+
+    def recovered(self, end: float) -> bool:
+        """The stream moved on after `end` and no poll sent before it is pending."""
+        pending = any(sent < end and not answered for sent, answered in self.polls)
+        return bool(self.progress) and self.progress[-1] > end and not pending
+
+    def max_gap(self, start: float, end: float) -> float:
+        """The longest wait for stream progress overlapping [start, end] (still open: until
+        now)."""
+        times = [*self.progress, time.monotonic()]
+        return max(
+            (b - a for a, b in zip(times, times[1:]) if b > start and a < end), default=0.0
+        )
+
+    def max_health(self, start: float, end: float) -> float:
+        now = time.monotonic()
+        return max(
+            ((answered or now) - sent for sent, answered in self.polls
+             if sent < end and (answered == 0 or answered > start)),
+            default=0.0,
+        )
+
+
+def cpu_s(pid: int) -> float:
+    """The process's CPU time so far (user + system, all threads), from /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def idle(pid: int | None) -> bool:
+    """Whether the process used less than IDLE_CPU cores over the next half second."""
+    if pid is None:
+        return True
+    before = cpu_s(pid)
+    await asyncio.sleep(0.5)
+    return cpu_s(pid) - before < IDLE_CPU * 0.5
+
+
+def rss_mb(pid: int) -> float | None:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    kb = next((line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+    return round(int(kb) / 1024, 1)
+
+
+def listening_pid(port: int) -> int | None:
+    """The local process listening on TCP `port` (by the socket's inode in /proc)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            for fd in fd_dir.iterdir():
+                if str(fd.readlink()) in inodes:
+                    return int(fd_dir.parent.name)
+        except OSError:  # gone, or not ours to read
+            continue
+    return None
+
+
+def engine_core_pid(frontend: int) -> int | None:
+    """The frontend's descendant with the most resident memory: the engine core (weights)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+    found, frontier = set(), {frontend}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return max(found, key=lambda p: rss_mb(p) or 0.0, default=None)
+
+
+def describe(resp: httpx.Response) -> str:
+    """An error's message (OpenAI's JSON body, or the raw text), or a success's size."""
+    if resp.status_code == 200:
+        return f"{len(resp.content)} bytes"
+    try:
+        message = str(resp.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        message = resp.text
+    return message.replace("\n", " ")[:70]
+
+
+async def run_row(client: httpx.AsyncClient, bystander: Bystander, name: str, calls: list[Call],
+                  args: argparse.Namespace, pids: Callable[[], tuple[int | None, int | None]]
+                  ) -> Row:
+    bodies = [json.dumps(call.body).encode() for call in calls]
+    row = Row(name)
+    statuses: dict[str, int] = {}
+    start = time.monotonic()
+    for call, body in zip(calls, bodies):
+        headers = {"content-type": "application/json"}
+        if call.auth:
+            headers["authorization"] = f"Bearer {args.api_key}"
+        try:
+            resp = await client.post(call.path, content=body, headers=headers,
+                                     timeout=call.timeout or args.timeout)
+            status = str(resp.status_code)
+            row.message = row.message or ("" if status == "200" else describe(resp))
+        except httpx.TimeoutException:
+            status = "timeout"
+        except httpx.HTTPError as e:
+            status, row.message = "error", row.message or repr(e)[:70]
+        statuses[status] = statuses.get(status, 0) + 1
+    end = time.monotonic()
+    row.seconds = round(end - start, 2)
+    row.status = ", ".join(f"{s} x{k}" if k > 1 else s for s, k in statuses.items()) or "-"
+    await asyncio.sleep(max(0.0, start + MIN_WINDOW_S - time.monotonic()))
+    window_end = max(end, start + MIN_WINDOW_S)
+    frontend, engine = pids()
+    deadline = time.monotonic() + SETTLE_S
+    while not bystander.recovered(window_end) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    row.user_max_gap_s = round(bystander.max_gap(start, window_end), 2)
+    row.health_max_s = round(bystander.max_health(start, window_end), 2)
+    settled = bystander.recovered(window_end)
+    while settled and not await idle(frontend):
+        settled = time.monotonic() < deadline
+    row.unsettled = not settled
+    row.frontend_rss_mb = None if frontend is None else rss_mb(frontend)
+    row.engine_rss_mb = None if engine is None else rss_mb(engine)
+    return row
+
+
+async def run(base: str, args: argparse.Namespace) -> list[Row]:
+    port = urlparse(base).port
+    frontend = listening_pid(port) if port and urlparse(base).hostname in (
+        "127.0.0.1", "localhost") else None
+    engine = None if frontend is None else engine_core_pid(frontend)
+
+    def pids() -> tuple[int | None, int | None]:
+        return frontend, engine
+
+    rows_to_run = attacks(args)
+    if args.only:
+        wanted = args.only.split(",")
+        unknown = set(wanted) - rows_to_run.keys()
+        if unknown:
+            raise SystemExit(f"unknown attacks {sorted(unknown)}; known: {list(rows_to_run)}")
+        rows_to_run = {name: rows_to_run[name] for name in wanted}
+    headers = {"authorization": f"Bearer {args.api_key}"}
+    bystander = Bystander(base, headers)
+    bystander.start()
+    rows = []
+    try:
+        async with httpx.AsyncClient(base_url=base) as client:
+            while not bystander.progress:  # the stream has started: the engine is warm
+                await asyncio.sleep(0.1)
+            for name, calls in rows_to_run.items():
+                row = await run_row(client, bystander, name, calls, args, pids)
+                print(f"{row.attack}: {row.status} {row.message[:40]!r} gap "
+                      f"{row.user_max_gap_s}s health {row.health_max_s}s", file=sys.stderr)
+                rows.append(row)
+    finally:
+        await bystander.stop()
+    for error in bystander.errors[:10]:
+        print(f"bystander: {error}", file=sys.stderr)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base-url", "--url", default=None,
+                        help="a running server (http://host:port, started with --api-key "
+                        "API_KEY); default: start one here")
+    parser.add_argument("--api-key", default=DEFAULT_API_KEY, help="the server's --api-key")
+    parser.add_argument("--timeout", type=float, default=20.0,
+                        help="client time-out of each attack request, s")
+    parser.add_argument("--short-timeout", type=float, default=5.0,
+                        help="client time-out of the n=10000 request, s")
+    parser.add_argument("--depth", type=int, default=300, help="the deep schemas' depth")
+    parser.add_argument("--grammar-entries", type=int, default=5000,
+                        help="entries of each of the 20 distinct choice grammars")
+    parser.add_argument("--choice-entries", type=int, default=100_000,
+                        help="entries of each of the three large choice lists")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated attack names to run (default: all, in order)")
+    parser.add_argument("--model", default=None,
+                        help="a .gguf file or HF model directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--server-args", default="",
+                        help='other `python -m v1 serve` options, one string')
+    parser.add_argument("--out", default=None, help="directory for hostile.json and a PNG plot")
+    # bench_serving.server's engine options, at the server's defaults.
+    parser.set_defaults(max_num_seqs=256, max_num_batched_tokens=None, block_size=16,
+                        enable_prefix_caching=True)
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stops the server on the way out
+    args.server_args = f"--api-key {args.api_key} {args.server_args}"
+    with server(args) as base:
+        rows = asyncio.run(run(base, args))
+
+    header = ["attack", "status", "message", "s", "user gap s", "health s", "front MB",
+              "engine MB"]
+    print_table(header, [
+        [r.attack, r.status + (" (unsettled)" if r.unsettled else ""), r.message[:40] or "-",
+         r.seconds, r.user_max_gap_s, r.health_max_s,
+         "-" if r.frontend_rss_mb is None else r.frontend_rss_mb,
+         "-" if r.engine_rss_mb is None else r.engine_rss_mb]
+        for r in rows
+    ])
+    result = {"bench": "hostile", "rows": [asdict(r) for r in rows], **environment()}
+
+    def plot(fig: Any) -> None:
+        ax = fig.add_subplot(1, 1, 1)
+        x = range(len(rows))
+        ax.bar([i - 0.2 for i in x], [r.user_max_gap_s or 0 for r in rows], 0.4,
+               label="bystander's max gap")
+        ax.bar([i + 0.2 for i in x], [r.health_max_s or 0 for r in rows], 0.4,
+               label="max /health latency")
+        ax.set_xticks(list(x), [r.attack for r in rows], rotation=60, ha="right", fontsize=7)
+        ax.set_ylabel("s")
+        ax.set_title("stalls per attack")
+        ax.legend()
+
+    write_outputs(args.out, "hostile", result, plot)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
