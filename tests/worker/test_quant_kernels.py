@@ -50,6 +50,23 @@ def close(a: torch.Tensor, b: torch.Tensor, x: torch.Tensor, w: torch.Tensor) ->
     assert ((a.double() - b.double()).abs() <= 1e-6 * scale + 1e-6).all()
 
 
+@pytest.fixture
+def fp32_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:
+    """(N, K, M) of each call of the C fp32 path from now on: the torch reference gives the
+    same results up to rounding, so only this tells which code ran."""
+    kernels = quant._kernels()
+    assert kernels is not None, "C kernels unavailable (V1_CPU_KERNELS=0?)"
+    calls: list[tuple[int, int, int]] = []
+    fp32 = kernels.fp32
+
+    def counting(kind, blocks, n, k, x, stride, m, *rest):
+        calls.append((n, k, m))
+        return fp32(kind, blocks, n, k, x, stride, m, *rest)
+
+    monkeypatch.setattr(kernels, "fp32", counting)
+    return calls
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_blocks_are_ggml_bit_for_bit(kind: str) -> None:
     w = weight(7, 96)
@@ -133,6 +150,16 @@ def test_path_by_batch_size(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not torch.equal(q.linear(x, path="dense"), q.linear(x, path="fp32"))
     assert torch.equal(q.linear(x[:3]), q.linear(x[:3], path="fp32"))
     assert torch.equal(q.linear(x), q.linear(x, path="dense"))
+
+
+@needs_cc
+def test_small_batches_run_the_c_fp32_kernel(fp32_kernel_calls: list) -> None:
+    """Decode-sized batches (the default path below DENSE_MIN_ROWS rows) are the C kernel's."""
+    q = QuantizedWeight.quantize(weight(37, 96), "q4_1")
+    for m in (1, 3, 17):
+        q.linear(torch.randn(m, 96))
+    q.linear(torch.randn(2, 96), path="torch")
+    assert fp32_kernel_calls == [(37, 96, 1), (37, 96, 3), (37, 96, 17)]
 
 
 @needs_cc
