@@ -45,6 +45,6 @@ def test_ray_actors_serve_fail_alone_and_leave_nothing(ray_cluster, default_mode
         core_one_dies_alone(llm, lambda: cores.kill(1), dp1_llm)  # Ray restarts nothing
     finally:
         llm.shutdown()
-    wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in pids), 10)
+    wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in pids))
     # The placement group is gone: the cluster has its CPUs back.
-    wait_until(lambda: ray.available_resources().get("CPU") == 2, 10)
+    wait_until(lambda: ray.available_resources().get("CPU") == 2)

@@ -305,10 +305,11 @@ torch.set_num_threads(2)
 q = QuantizedWeight.quantize(torch.randn(1536, 576), "q4_1")
 x = torch.randn(1, 576)
 expected = q.linear(x, path="fp32")  # starts the worker
-for _ in range(500):  # it names itself once it runs
+deadline = time.monotonic() + 60
+while True:  # it names itself once it runs
     workers = [int(t) for t in os.listdir("/proc/self/task")
                if open(f"/proc/self/task/{t}/comm").read().strip() == "v1-quant"]
-    if workers:
+    if workers or time.monotonic() > deadline:
         break
     time.sleep(0.01)
 assert len(workers) == 1, workers
@@ -335,12 +336,15 @@ def test_pool_does_not_wait_for_a_late_worker() -> None:
     """A call whose worker cannot get a CPU (SCHED_IDLE, beside a busy process: on a shared
     machine, a worker behind the frontend process or asleep) finishes on the caller's thread
     without waiting for it. (Waiting for every worker to acknowledge each job took a time
-    slice of the busy process per call, milliseconds, here far more.)"""
+    slice of the busy process per call, milliseconds; here, with the worker starved, a caller
+    that waited for it to join had not ended the 30 calls after 5 minutes. They take a few
+    ms, 0.1 s at a load of 11 on 2 cores: the bound tells a wait apart, it is no speed
+    target, which belongs in bench/.)"""
     run = subprocess.run([sys.executable, "-c", _LATE_WORKER], capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 0, run.stderr
     seconds = float(run.stdout.split()[-1])
-    assert seconds < 0.03, f"30 batch-1 calls took {seconds * 1e3:.0f} ms"
+    assert seconds < 10, f"30 batch-1 calls took {seconds:.1f} s"
 
 
 def test_torch_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
