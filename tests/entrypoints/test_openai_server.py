@@ -677,7 +677,8 @@ def test_priority_reaches_the_scheduler(one_at_a_time: Server) -> None:
     with ThreadPoolExecutor(2) as pool, httpx.Client(base_url=server.url, timeout=120) as http:
         # Runs until its stream is left (far longer than the others take to queue).
         with http.stream("POST", "/v1/completions", json={**body(0, 400), "stream": True}) as r:
-            assert next(r.iter_lines()).startswith("data: ")
+            events = r.iter_lines()  # held: a dropped iterator closes the connection
+            assert next(events).startswith("data: ")
             worse = pool.submit(complete, 10)
             _wait_for(server, lambda m: m["vllm:num_requests_waiting"] == 1)
             better = pool.submit(complete, 1)
