@@ -17,6 +17,7 @@ from tests.engine.mp_utils import (
     GREEDY,
     PROMPTS,
     SMALL_ENGINE,
+    alive,
     child_pids,
     core_one_dies_alone,
     wait_until,
@@ -28,13 +29,6 @@ pytestmark = pytest.mark.model
 
 ENGINE_FLAGS = ["--num-gpu-blocks", str(SMALL_ENGINE["num_gpu_blocks"]),
                 "--max-model-len", str(SMALL_ENGINE["max_model_len"])]
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @contextlib.contextmanager
@@ -90,7 +84,7 @@ def test_headless_core_death(default_model_path, dp1_llm, tmp_path):
             pid for pid in _descendants(headless.pid)
             if Path(f"/proc/{pid}/comm").read_text().strip() == "v1-engine-dp1"
         ]
-        core_one_dies_alone(llm, lambda: os.kill(core, signal.SIGKILL), dp1_llm)
+        core_one_dies_alone(llm, lambda: os.kill(core, signal.SIGKILL), core, dp1_llm)
         # Core 0 served on; the headless process, its only core gone, exits.
         assert headless.wait(120) == 0
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.engine.mp_utils import PROMPTLY_S, wait_until
+from tests.engine.mp_utils import PROMPTLY_S, alive, wait_until
 from tests.entrypoints.conftest import PLAIN_PROMPTS
 from tests.entrypoints.test_openai_server import Server, _descendants, serve
 from v1 import LLM, SamplingParams
@@ -158,9 +158,3 @@ def test_core_death_then_no_orphans(server: Server):
     server.proc.wait()
     wait_until(lambda: not any(map(alive, pids.values())))
 
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
