@@ -424,3 +424,16 @@ def test_async_scheduling_runs_one_step_ahead_with_placeholders():
     s.update_from_output(out3, ModelRunnerOutput([a.request_id], [[13]]))
     assert a.output_token_ids == [11, 12, 13] and a.is_finished()
     s.check_integrity()
+
+
+def test_empty_prompt_is_refused_not_queued():
+    """A request with no prompt token (the processor refuses one; here it is bypassed) is a
+    ValueError: queued, it would have nothing to compute and hold the FCFS queue's head
+    forever."""
+    s = make_scheduler()
+    with pytest.raises(ValueError, match="'empty'.*no prompt tokens"):
+        s.add_request(make_request([], request_id="empty"))
+    assert not s.has_requests()
+    ok = make_request(5, max_tokens=2)
+    s.add_request(ok)
+    assert drain(s)[ok.request_id].finish_reason == "length"

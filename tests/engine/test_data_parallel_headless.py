@@ -17,6 +17,7 @@ from tests.engine.mp_utils import (
     GREEDY,
     PROMPTS,
     SMALL_ENGINE,
+    alive,
     child_pids,
     core_one_dies_alone,
     wait_until,
@@ -28,13 +29,6 @@ pytestmark = pytest.mark.model
 
 ENGINE_FLAGS = ["--num-gpu-blocks", str(SMALL_ENGINE["num_gpu_blocks"]),
                 "--max-model-len", str(SMALL_ENGINE["max_model_len"])]
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @contextlib.contextmanager
@@ -57,7 +51,7 @@ def headless_pair(model_path: Path, log: Path) -> Iterator[tuple[LLM, subprocess
         finally:
             llm.shutdown()
         # The frontend gone, the headless process stops its core and exits by itself.
-        assert headless.wait(10) == 0, log.read_text()
+        assert headless.wait(120) == 0, log.read_text()  # seconds; a time-out for a hang
     finally:
         if headless.poll() is None:
             headless.kill()
@@ -90,8 +84,8 @@ def test_headless_core_death(default_model_path, dp1_llm, tmp_path):
             pid for pid in _descendants(headless.pid)
             if Path(f"/proc/{pid}/comm").read_text().strip() == "v1-engine-dp1"
         ]
-        core_one_dies_alone(llm, lambda: os.kill(core, signal.SIGKILL), dp1_llm)
+        core_one_dies_alone(llm, lambda: os.kill(core, signal.SIGKILL), core, dp1_llm)
         # Core 0 served on; the headless process, its only core gone, exits.
-        assert headless.wait(10) == 0
+        assert headless.wait(120) == 0
 
 

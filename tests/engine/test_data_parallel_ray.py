@@ -42,9 +42,9 @@ def test_ray_actors_serve_fail_alone_and_leave_nothing(ray_cluster, default_mode
         assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in theirs]
         assert all(s.num_prompt_tokens for s in llm.get_stats().engines)
 
-        core_one_dies_alone(llm, lambda: cores.kill(1), dp1_llm)  # Ray restarts nothing
+        core_one_dies_alone(llm, lambda: cores.kill(1), pids[1], dp1_llm)  # no restart
     finally:
         llm.shutdown()
-    wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in pids), 10)
+    wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in pids))
     # The placement group is gone: the cluster has its CPUs back.
-    wait_until(lambda: ray.available_resources().get("CPU") == 2, 10)
+    wait_until(lambda: ray.available_resources().get("CPU") == 2)

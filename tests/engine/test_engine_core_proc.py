@@ -14,6 +14,7 @@ import time
 import pytest
 
 from tests.engine.mp_utils import (
+    PROMPTLY_S,
     PROMPTS,
     SMALL_ENGINE,
     assert_greedy_match,
@@ -213,7 +214,7 @@ def test_sigkill_mid_generation_raises_engine_dead(default_model_path):
     timer.start()
     with pytest.raises(EngineDeadError, match="killed by signal 9"):
         llm.generate(["Once upon a time"], LONG, use_tqdm=False)
-    assert time.monotonic() - killed_at[0] < 3.0
+    assert time.monotonic() - killed_at[0] < PROMPTLY_S
     for later in (
         lambda: llm.generate(["hi"], GREEDY, use_tqdm=False),
         llm.get_stats,
@@ -222,7 +223,7 @@ def test_sigkill_mid_generation_raises_engine_dead(default_model_path):
         start = time.monotonic()
         with pytest.raises(EngineDeadError):
             later()
-        assert time.monotonic() - start < 0.1
+        assert time.monotonic() - start < PROMPTLY_S  # at once: nothing is sent or awaited
     llm.shutdown()
     assert_gone(proc)
     assert not os.path.exists(tmp_dir)
@@ -239,7 +240,7 @@ def test_exception_in_model_raises_engine_dead(default_model_path, monkeypatch):
     with pytest.raises(EngineDeadError, match="RuntimeError: injected model failure"):
         while engine.has_unfinished_requests():
             engine.step()
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < PROMPTLY_S
     with pytest.raises(EngineDeadError, match="injected model failure"):
         engine.add_request("hi", GREEDY)
     wait_until(lambda: not client._res.proc.is_alive())

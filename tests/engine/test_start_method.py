@@ -15,7 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.mp_utils import PROMPTS, SMALL_ENGINE, marked_processes, wait_until
+from tests.engine.mp_utils import (
+    PROMPTLY_S,
+    PROMPTS,
+    SMALL_ENGINE,
+    marked_processes,
+    wait_until,
+)
 from v1 import LLM, SamplingParams
 from v1.config import EngineArgs
 from v1.engine import core_client
@@ -102,7 +108,7 @@ def end_engine_script(proc: subprocess.Popen, mark: str, end: str) -> dict:
     assert line, err
     assert children
     assert proc.returncode == (-signal.SIGKILL if end == "kill" else 0), err
-    wait_until(lambda: not marked_processes(mark), timeout_s=5)
+    wait_until(lambda: not marked_processes(mark))
     return json.loads(line)
 
 
@@ -150,14 +156,20 @@ def test_forked_engine_leaves_the_parents_signal_handlers_alone(default_model_pa
 
     async def main() -> list[str]:
         loop, received = asyncio.get_running_loop(), []
+        ours = loop.create_future()
         loop.add_signal_handler(signal.SIGTERM, received.append, "SIGTERM")
+        loop.add_signal_handler(signal.SIGUSR1, ours.set_result, None)
         try:
             client = AsyncMPClient(EngineArgs(**SMALL_ENGINE))
             assert client._res.proc._start_method == "fork"
-            client.shutdown()
-            await asyncio.sleep(0.2)  # a wakeup byte would be handled by now
+            client.shutdown()  # the engine has exited: any byte it wrote is in the wakeup fd
+            # Our own signal's byte comes after it there: once its handler has run, so has
+            # the one any earlier byte would call.
+            os.kill(os.getpid(), signal.SIGUSR1)
+            await asyncio.wait_for(ours, PROMPTLY_S)
         finally:
             loop.remove_signal_handler(signal.SIGTERM)
+            loop.remove_signal_handler(signal.SIGUSR1)
         return received
 
     assert asyncio.run(main()) == []

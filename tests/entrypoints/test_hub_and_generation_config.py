@@ -237,7 +237,10 @@ def test_generation_config_defaults_for_llm(
 def test_served_hub_id_with_generation_defaults(models: Models, tmp_path: Path) -> None:
     """`python -m v1 serve org/name`: served under its id; a request that leaves out
     max_tokens and temperature gets generation_config's (5 greedy tokens), one that sets
-    max_tokens gets its own, for completions and chat alike."""
+    max_tokens gets its own, for completions and chat alike. The defaults merge field by
+    field: one that sets only max_tokens keeps the file's temperature (greedy; a sample at
+    temperature 1 would be transformers' greedy tokens with odds of ~1e-17), one that sets
+    only temperature keeps its max_tokens."""
     from tests.entrypoints.test_openai_server import free_port, wait_healthy
 
     port = free_port()
@@ -260,13 +263,18 @@ def test_served_hub_id_with_generation_defaults(models: Models, tmp_path: Path) 
             assert response.status_code == 200, response.text
             return response.json()
 
+        def greedy_words(n: int) -> list[str]:
+            return [f"w{t}" for t in models.greedy_main[:n]]
+
         default = complete()
         assert default["usage"]["completion_tokens"] == 5
         # Greedy (temperature 0 from generation_config): transformers' tokens.
-        words = " ".join(f"w{t}" for t in models.greedy_main[:5])
-        assert default["choices"][0]["text"].split() == words.split()
-        assert complete(max_tokens=8)["usage"]["completion_tokens"] == 8
+        assert default["choices"][0]["text"].split() == greedy_words(5)
+        longer = complete(max_tokens=8)
+        assert longer["usage"]["completion_tokens"] == 8
+        assert longer["choices"][0]["text"].split() == greedy_words(8)
         assert complete(max_tokens=2)["usage"]["completion_tokens"] == 2
+        assert complete(temperature=0.0)["usage"]["completion_tokens"] == 5
 
         chat = httpx.post(
             f"{url}/v1/chat/completions", timeout=60,

@@ -1,6 +1,6 @@
 """`python -m v1 serve --data-parallel-size 2` end to end: greedy outputs equal to one engine
 core's, /metrics per core (label `engine`), and the death of a core (its requests get a 500
-within a second, the other core serves on, /health is degraded naming it, /metrics drops
+promptly, the other core serves on, /health is degraded naming it, /metrics drops
 it), then no engine process outlives the server, even one killed with SIGKILL."""
 
 import json
@@ -15,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.engine.mp_utils import wait_until
+from tests.engine.mp_utils import PROMPTLY_S, alive, wait_until
 from tests.entrypoints.conftest import PLAIN_PROMPTS
 from tests.entrypoints.test_openai_server import Server, _descendants, serve
 from v1 import LLM, SamplingParams
@@ -124,7 +124,7 @@ def test_core_death_then_no_orphans(server: Server):
     for t in threads:
         t.start()
     # Both cores run some of them (the router spread the prompts), then core 1 dies.
-    wait_until(lambda: all(v > 0 for v in running_per_core(server).values()), 60)
+    wait_until(lambda: all(v > 0 for v in running_per_core(server).values()))
     killed_at = time.monotonic()
     os.kill(pids[1], signal.SIGKILL)
     failed = []
@@ -137,9 +137,9 @@ def test_core_death_then_no_orphans(server: Server):
             assert status[i] == 200 and lines[-1][1] == "[DONE]"
             when, line = lines[-2]
         last = json.loads(line)
-        if "error" in last:  # core 1's: within a second of the kill
+        if "error" in last:  # core 1's: promptly after the kill
             assert last["error"]["code"] == 500 and "engine core 1 died" in last["error"]["message"]
-            assert when - killed_at < 1.0
+            assert when - killed_at < PROMPTLY_S
             failed.append(i)
         else:
             assert status[i] == 200 and last["choices"][0]["finish_reason"] == "length"
@@ -156,11 +156,5 @@ def test_core_death_then_no_orphans(server: Server):
     # The frontend killed outright: its remaining core notices and exits.
     server.proc.send_signal(signal.SIGKILL)
     server.proc.wait()
-    wait_until(lambda: not any(map(alive, pids.values())), 10)
+    wait_until(lambda: not any(map(alive, pids.values())))
 
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

@@ -409,3 +409,27 @@ def test_strict_auto_is_constrained_by_the_server(client: openai.OpenAI) -> None
         chat(client, tools=strict, extra_body={"structured_outputs": {"regex": "a+"}})
     assert chat(client, tools=TOOLS, max_tokens=2,
                 extra_body={"structured_outputs": {"regex": "a+"}}).choices[0].message.content
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_strict_auto_calls_are_held_to_the_schema_by_the_engine(client: openai.OpenAI) -> None:
+    """Shown calls whose `unit` is outside the schema's enum, the model copies one (greedy);
+    with the tools strict, the engine holds the call it writes to the schema."""
+
+    def shot(city: str) -> list[dict[str, str]]:
+        call = {"name": "get_weather", "arguments": {"city": city, "unit": "kelvin"}}
+        return [{"role": "user", "content": f"What is the weather like in {city}?"},
+                {"role": "assistant", "content": f"<tool_call>\n{json.dumps(call)}\n</tool_call>"}]
+
+    messages = [*shot("Rome"), *shot("Oslo"), *shot("Lima"), *MESSAGES]
+    strict = [{**tool, "function": {**tool["function"], "strict": True}} for tool in TOOLS]
+    calls = {}
+    for name, tools in (("loose", TOOLS), ("strict", strict)):
+        choice = chat(client, messages=messages, tools=tools, temperature=0).choices[0]
+        assert choice.finish_reason == "tool_calls", choice.message
+        [call] = choice.message.tool_calls
+        assert call.function.name == "get_weather"
+        calls[name] = json.loads(call.function.arguments)
+    assert calls["loose"]["unit"] == "kelvin"  # what the model writes unconstrained
+    jsonschema.validate(calls["strict"], WEATHER)

@@ -1,11 +1,13 @@
 """Structured output end to end with the real default model: every output obeys its spec."""
 
+import dataclasses
 import json
 import re
 
 import jsonschema
 import pytest
 
+from tests.entrypoints.conftest import SYSTEM
 from tests.entrypoints.test_llm import check_idle, make_llm  # noqa: F401 (fixture)
 from v1 import LLM, SamplingParams, StructuredOutputsParams
 
@@ -115,6 +117,51 @@ def test_bad_spec_raises_before_scheduling(make_llm, spec, match):  # noqa: F811
     with pytest.raises(ValueError, match=match):
         llm.generate("Hi", params, use_tqdm=False)
     assert not llm.llm_engine.client.engine_core.scheduler.has_requests()
+
+
+def test_plain_and_structured_requests_in_one_step(make_llm, monkeypatch):  # noqa: F811
+    """Plain requests ahead of structured ones in the batch, one of them mid chunked prefill
+    (in the batch, not sampling): each grammar's bitmask row must reach its own request's
+    logits row. Every structured output obeys its spec; every plain one is its solo run's."""
+    llm = make_llm(max_num_batched_tokens=32, long_prefill_token_threshold=8)
+    json_spec, phone = json_params(), SamplingParams(
+        temperature=0.0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex=PHONE)
+    )
+    # Compiled (and cached) beforehand, so the structured requests run from the first step.
+    llm.generate(["Hi", "Hi"], [dataclasses.replace(p, max_tokens=1) for p in (json_spec, phone)],
+                 use_tqdm=False)
+    plain = [
+        ("The capital of France is", SamplingParams(temperature=0.0, max_tokens=16)),
+        (f"{SYSTEM}Question: Where can I print?", SamplingParams(temperature=0.0, max_tokens=8)),
+    ]
+    runner = llm.llm_engine.client.engine_core.model_runner
+    execute, steps = runner.execute_model, []
+
+    def record(scheduler_output):
+        out = execute(scheduler_output)
+        samples = [r for r, s in zip(out.req_ids, out.sampled_token_ids) if s]
+        waits = [i for i, s in enumerate(out.sampled_token_ids) if not s]
+        structured = scheduler_output.structured_output_request_ids
+        if structured:
+            steps.append(([samples.index(r) for r in structured],
+                          bool(waits) and waits[0] < out.req_ids.index(structured[0])))
+        return out
+
+    monkeypatch.setattr(runner, "execute_model", record)
+    *ours, person, number = llm.generate(
+        [p for p, _ in plain] + [PROMPTS[0], "Call us at"],
+        [s for _, s in plain] + [json_spec, phone], use_tqdm=False,
+    )
+    # The case at stake happened: a prefilling request before the structured rows, which are
+    # not the first rows that sample.
+    assert any(prefilling and rows != list(range(len(rows))) for rows, prefilling in steps)
+    assert_valid([person])
+    assert re.fullmatch(PHONE, number.outputs[0].text)
+    solo = make_llm()
+    for out, (prompt, params) in zip(ours, plain, strict=True):
+        (alone,) = solo.generate(prompt, params, use_tqdm=False)
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+    check_idle(llm)
 
 
 def test_non_ascii_choices(make_llm):  # noqa: F811

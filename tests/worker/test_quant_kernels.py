@@ -50,6 +50,23 @@ def close(a: torch.Tensor, b: torch.Tensor, x: torch.Tensor, w: torch.Tensor) ->
     assert ((a.double() - b.double()).abs() <= 1e-6 * scale + 1e-6).all()
 
 
+@pytest.fixture
+def fp32_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:
+    """(N, K, M) of each call of the C fp32 path from now on: the torch reference gives the
+    same results up to rounding, so only this tells which code ran."""
+    kernels = quant._kernels()
+    assert kernels is not None, "C kernels unavailable (V1_CPU_KERNELS=0?)"
+    calls: list[tuple[int, int, int]] = []
+    fp32 = kernels.fp32
+
+    def counting(kind, blocks, n, k, x, stride, m, *rest):
+        calls.append((n, k, m))
+        return fp32(kind, blocks, n, k, x, stride, m, *rest)
+
+    monkeypatch.setattr(kernels, "fp32", counting)
+    return calls
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_blocks_are_ggml_bit_for_bit(kind: str) -> None:
     w = weight(7, 96)
@@ -133,6 +150,16 @@ def test_path_by_batch_size(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not torch.equal(q.linear(x, path="dense"), q.linear(x, path="fp32"))
     assert torch.equal(q.linear(x[:3]), q.linear(x[:3], path="fp32"))
     assert torch.equal(q.linear(x), q.linear(x, path="dense"))
+
+
+@needs_cc
+def test_small_batches_run_the_c_fp32_kernel(fp32_kernel_calls: list) -> None:
+    """Decode-sized batches (the default path below DENSE_MIN_ROWS rows) are the C kernel's."""
+    q = QuantizedWeight.quantize(weight(37, 96), "q4_1")
+    for m in (1, 3, 17):
+        q.linear(torch.randn(m, 96))
+    q.linear(torch.randn(2, 96), path="torch")
+    assert fp32_kernel_calls == [(37, 96, 1), (37, 96, 3), (37, 96, 17)]
 
 
 @needs_cc
@@ -278,10 +305,11 @@ torch.set_num_threads(2)
 q = QuantizedWeight.quantize(torch.randn(1536, 576), "q4_1")
 x = torch.randn(1, 576)
 expected = q.linear(x, path="fp32")  # starts the worker
-for _ in range(500):  # it names itself once it runs
+deadline = time.monotonic() + 60
+while True:  # it names itself once it runs
     workers = [int(t) for t in os.listdir("/proc/self/task")
                if open(f"/proc/self/task/{t}/comm").read().strip() == "v1-quant"]
-    if workers:
+    if workers or time.monotonic() > deadline:
         break
     time.sleep(0.01)
 assert len(workers) == 1, workers
@@ -308,12 +336,15 @@ def test_pool_does_not_wait_for_a_late_worker() -> None:
     """A call whose worker cannot get a CPU (SCHED_IDLE, beside a busy process: on a shared
     machine, a worker behind the frontend process or asleep) finishes on the caller's thread
     without waiting for it. (Waiting for every worker to acknowledge each job took a time
-    slice of the busy process per call, milliseconds, here far more.)"""
+    slice of the busy process per call, milliseconds; here, with the worker starved, a caller
+    that waited for it to join had not ended the 30 calls after 5 minutes. They take a few
+    ms, 0.1 s at a load of 11 on 2 cores: the bound tells a wait apart, it is no speed
+    target, which belongs in bench/.)"""
     run = subprocess.run([sys.executable, "-c", _LATE_WORKER], capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 0, run.stderr
     seconds = float(run.stdout.split()[-1])
-    assert seconds < 0.03, f"30 batch-1 calls took {seconds * 1e3:.0f} ms"
+    assert seconds < 10, f"30 batch-1 calls took {seconds:.1f} s"
 
 
 def test_torch_fallback(monkeypatch: pytest.MonkeyPatch) -> None:

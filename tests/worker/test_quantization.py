@@ -25,6 +25,7 @@ from tests.worker.test_model_archs import (
     prompts,
     write_gguf,
 )
+from tests.worker.test_quant_kernels import fp32_kernel_calls  # noqa: F401 (fixture)
 from v1 import LLM, SamplingParams
 from v1.attention.backends.torch_attn import TorchAttentionImpl
 from v1.config import EngineArgs
@@ -117,21 +118,27 @@ def test_gguf_mode_runs_the_files_blocks(tied_gguf):
     assert_close(logits_of(ours), logits_of(fp32), rel=1e-4)
 
 
-def test_gguf_mode_greedy_equals_fp32(tied_gguf):
+def test_gguf_mode_greedy_equals_fp32(tied_gguf, fp32_kernel_calls):  # noqa: F811
+    """gguf mode's greedy tokens are fp32's, and every block matrix ran the C fp32 kernel
+    (decode steps take that path; the torch reference would give the same tokens)."""
     params = SamplingParams(temperature=0.0, max_tokens=16)
     outputs = {}
     for quantization in (None, "gguf"):
         llm = LLM(str(tied_gguf), quantization=quantization, multiprocess=False,
                   num_gpu_blocks=64)
-        model = llm.llm_engine.client.engine_core.loaded.model
-        assert model.model.layers[0].mlp.down_proj.weight_form == (
+        loaded = llm.llm_engine.client.engine_core.loaded
+        assert loaded.model.model.layers[0].mlp.down_proj.weight_form == (
             "q4_1" if quantization else "packed"
         )
+        fp32_kernel_calls.clear()
         outputs[quantization] = [
             o.outputs[0].token_ids for o in llm.generate(
                 [{"prompt_token_ids": p} for p in prompts()], params
             )
         ]
+        shapes = {(m.kernel.out_features, m.kernel.in_features)
+                  for m in matrices(loaded).values() if quantization}
+        assert {(n, k) for n, k, _ in fp32_kernel_calls} == shapes
         llm.shutdown()
     assert outputs["gguf"] == outputs[None]
 

@@ -467,7 +467,7 @@ class EngineCoreProc:
             request = message
             try:
                 core.add_request(request)
-            except ValueError as e:  # an id in use (a frontend's bug): refuse it, serve on
+            except ValueError as e:  # an id in use, no prompt (a frontend's bug): refuse it
                 rejected = EngineCoreOutput(request.request_id, [], None, "abort", str(e))
                 outputs = EngineCoreOutputs([rejected], client_index=request.client_index)
                 self._reply(request.client_index, EngineCoreOutputType.OUTPUTS, outputs)

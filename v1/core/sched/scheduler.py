@@ -126,6 +126,9 @@ class Scheduler:
             request = Request.from_engine_core_request(request, self.block_hasher)
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        if request.num_prompt_tokens == 0:
+            # Nothing to compute: queued, it would stay at the head of the queue forever.
+            raise ValueError(f"request {request.request_id!r} has no prompt tokens")
         num_blocks_needed = -(-request.num_tokens // self.block_size)
         if (
             request.num_tokens > self.max_model_len
