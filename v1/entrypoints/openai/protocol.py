@@ -79,8 +79,9 @@ class OpenAIBaseModel(BaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
-    include_usage: bool = False
-    continuous_usage_stats: Unsupported[bool] = False  # vLLM's
+    include_usage: bool = False  # a last chunk with the whole request's usage
+    # vLLM's: with include_usage, every chunk carries its choice's usage so far too.
+    continuous_usage_stats: bool = False
 
 
 class SamplingRequest(OpenAIBaseModel):
@@ -159,6 +160,12 @@ class SamplingRequest(OpenAIBaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """As vLLM: continuous_usage_stats counts only with include_usage."""
+        options = self.stream_options
+        return options is not None and options.include_usage and options.continuous_usage_stats
 
     def _sampling_params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
