@@ -500,9 +500,6 @@ BAD_REQUESTS = {
         "chat/completions",
         {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]},
         400, None),
-    "unsupported message name": (
-        "chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "Al"}]},
-        400, "messages.0.name"),
 }
 
 

@@ -254,7 +254,9 @@ class ToolCall(OpenAIBaseModel):
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[TextPart] = ""  # null (an assistant's tool calls only) is ""
-    name: Unsupported[str | None] = None
+    # The participant's name (LangChain, AutoGen send it): the chat template gets it, as in
+    # vLLM, and decides what it means (most ignore it).
+    name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool's result: the call it answers
 
@@ -273,6 +275,8 @@ class ChatMessage(OpenAIBaseModel):
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         message: dict[str, Any] = {"role": self.role, "content": content}
+        if self.name is not None:
+            message["name"] = self.name
         if self.tool_calls is not None:
             message["tool_calls"] = [
                 {"id": call.id, "type": call.type, "function": {
