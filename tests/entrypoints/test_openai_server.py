@@ -567,6 +567,15 @@ def test_unsupported_field_is_refused(
     assert error.value.param == field and field in error.value.message
 
 
+def test_best_of_equal_to_n_is_accepted(client: openai.OpenAI) -> None:
+    """vLLM's benchmark clients send best_of=1 on every completion: no different output."""
+    for n in (1, 2):
+        completion = client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=2, n=n, best_of=n
+        )
+        assert len(completion.choices) == n
+
+
 PERSON = {
     "type": "object",
     "properties": {

@@ -123,8 +123,10 @@ class SamplingRequest(OpenAIBaseModel):
     # "json_schema"}) or vLLM's `structured_outputs` (StructuredOutputsParams' fields).
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    # Only best_of == n (which changes nothing), as vLLM's own benchmark clients send it: the
+    # best of more candidates is not implemented.
+    best_of: int | None = None
     # vLLM's sampling and structured-output extras we do not implement.
-    best_of: Unsupported[int | None] = None
     use_beam_search: Unsupported[bool] = False
     length_penalty: Unsupported[float] = 1.0
     spaces_between_special_tokens: Unsupported[bool] = True
@@ -147,6 +149,14 @@ class SamplingRequest(OpenAIBaseModel):
     def _cache_salt_not_empty(cls, value: str) -> str:
         if not value:
             raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int, info: ValidationInfo) -> int:
+        n = info.data.get("n", 1)  # validated before (declared first)
+        if value != n:
+            raise ValueError(f"not supported by this server: leave it out or set it to n ({n})")
         return value
 
     @model_validator(mode="after")
