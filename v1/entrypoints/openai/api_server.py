@@ -230,10 +230,10 @@ class _TrimWhenIdle:
     """Whenever the last request in flight ends, `heap.trim` gives what the requests freed back
     to the OS (a 5 MB /tokenize left ~400 MB in malloc's arenas). On a worker thread, as a
     trim after a large request takes ~0.1 s; one at a time, and once more after one that was
-    running when the server went idle again. Unlike the engine core (`heap.IdleTrim`), the
-    frontend trims at every idle moment: its requests' own allocations are small, so a trim
-    costs ~0.1 ms there, and a trim run while a next request had already arrived must not
-    make the last idle moment skip it."""
+    still running when the server went idle again. Unlike the engine core (`heap.IdleTrim`,
+    which waits for growth past a slack), the frontend trims at every idle moment: its
+    ordinary requests free little, so a trim costs ~0.1 ms; and a trim that ran while the
+    next request was already at work must not make the next idle moment skip its own."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
