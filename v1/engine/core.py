@@ -78,6 +78,7 @@ import msgspec
 import torch
 import zmq
 
+from v1 import heap
 from v1.config import EngineArgs
 from v1.core.sched.output import SchedulerOutput
 from v1.core.sched.scheduler import Scheduler
@@ -336,6 +337,9 @@ class EngineCoreProc:
             engine_core.scheduler_config.policy,
         )
         self.clients: set[int] = set()  # said HELLO; they get the death notice
+        # Whenever the core goes idle: what large requests freed (their grammars, prompts'
+        # activations) goes back to the OS, rather than stay in malloc's arenas for good.
+        self._idle_trim = heap.IdleTrim()
         # Clients whose READY our output socket could not route yet -> when to give up.
         self._unready: dict[int, float] = {}
         self._encoder = msgspec.msgpack.Encoder()
@@ -430,7 +434,10 @@ class EngineCoreProc:
     def run_busy_loop(self) -> None:
         scheduler = self.engine_core.scheduler
         while True:
-            self._process_input(block=not self.engine_core.has_unfinished_requests())
+            idle = not self.engine_core.has_unfinished_requests()
+            if idle:
+                self._idle_trim.on_idle()
+            self._process_input(block=idle)
             step_outputs = self.engine_core.step()
             if step_outputs:  # the load figures, as of this step, go with the outputs
                 stats = scheduler.make_stats()

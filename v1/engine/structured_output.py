@@ -8,9 +8,17 @@ for every structured request, so it is what counts.
 The scheduler sees this manager through `StructuredOutputManagerProtocol` (torch-free): it
 calls `grammar_init` when a request arrives (the request waits in WAITING_FOR_FSM until its
 `grammar_future` is done) and `grammar_bitmask` for the step's structured rows.
+
+Compiled grammars are kept for reuse in an LRU bounded by bytes, as vLLM's: 512 MiB by default,
+`VLLM_XGRAMMAR_CACHE_MB` in the environment (vLLM's variable) sets another size. Not
+xgrammar's own cache (`GrammarCompiler(cache_limit_bytes=...)`): it can only be asked by
+compiling, on the grammar thread, so a request whose grammar is cached would wait there
+behind another request's long compilation; ours answers on the scheduler's thread.
 """
 
 import json
+import os
+import sys
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
@@ -24,7 +32,16 @@ from v1.sampling_params import StructuredOutputsParams
 
 # (kind, spec text): what a compiled grammar is cached by.
 GrammarKey = tuple[str, str]
-GRAMMAR_CACHE_SIZE = 128
+CACHE_MB_ENV = "VLLM_XGRAMMAR_CACHE_MB"
+DEFAULT_CACHE_MB = 512  # vLLM's
+
+
+def cache_limit_bytes_from_env() -> int:
+    """`VLLM_XGRAMMAR_CACHE_MB` (MiB, 0: keep nothing) in bytes; the default when unset."""
+    value = os.environ.get(CACHE_MB_ENV, "").strip() or str(DEFAULT_CACHE_MB)
+    if not value.isdigit():
+        raise ValueError(f"{CACHE_MB_ENV} must be a whole number of MiB (>= 0), got {value!r}")
+    return int(value) << 20
 
 
 def _choice_ebnf(choices: list[str]) -> str:
@@ -86,16 +103,83 @@ class XgrammarGrammar:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
 
+class GrammarCache:
+    """Compilations by key, least recently used first, bounded by bytes (a 20,000-entry enum
+    compiles to ~50 MB). A finished one weighs its compiled grammar (xgrammar's
+    `memory_size_bytes`) plus its key's text; one still compiling weighs nothing yet and is
+    never evicted (requests wait on it). When one finishes, the oldest finished ones go until
+    the total is within `limit_bytes`, the new one too if it alone exceeds it: evicting only
+    drops the cache's reference, the requests using a grammar keep theirs.
+
+    Used from one thread (the scheduler's), so it needs no lock: a compilation that finished
+    on the grammar thread is weighed at the next call."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit_bytes = limit_bytes
+        self._entries: OrderedDict[GrammarKey, Future[xgr.CompiledGrammar]] = OrderedDict()
+        self._pending: dict[GrammarKey, Future[xgr.CompiledGrammar]] = {}  # not weighed yet
+        self._sizes: dict[GrammarKey, int] = {}  # the weighed (finished) entries' weights
+        self._size_bytes = 0
+
+    def __len__(self) -> int:
+        self._weigh_finished()
+        return len(self._entries)
+
+    @property
+    def size_bytes(self) -> int:
+        """The finished entries' total weight (always within `limit_bytes`)."""
+        self._weigh_finished()
+        return self._size_bytes
+
+    def get(self, key: GrammarKey) -> Future[xgr.CompiledGrammar] | None:
+        self._weigh_finished()
+        compiled = self._entries.get(key)
+        if compiled is not None:
+            self._entries.move_to_end(key)
+        return compiled
+
+    def put(self, key: GrammarKey, compiled: Future[xgr.CompiledGrammar]) -> None:
+        assert key not in self._entries
+        self._entries[key] = self._pending[key] = compiled
+        self._weigh_finished()
+
+    def pending(self) -> list[Future[xgr.CompiledGrammar]]:
+        self._weigh_finished()
+        return list(self._pending.values())
+
+    def _weigh_finished(self) -> None:
+        finished = [key for key, compiled in self._pending.items() if compiled.done()]
+        if not finished:
+            return
+        for key in finished:
+            compiled = self._pending.pop(key)
+            failed = compiled.cancelled() or compiled.exception() is not None
+            size = sys.getsizeof(key[1]) + (0 if failed else compiled.result().memory_size_bytes)
+            self._sizes[key] = size
+            self._size_bytes += size
+        weighed = (key for key in list(self._entries) if key in self._sizes)  # oldest first
+        while self._size_bytes > self.limit_bytes:
+            key = next(weighed)
+            del self._entries[key]
+            self._size_bytes -= self._sizes.pop(key)
+
+
 class StructuredOutputManager:
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
+        cache_limit_bytes: int | None = None,
+    ) -> None:
+        """`cache_limit_bytes`: the compiled grammars kept for reuse, in bytes (None: from
+        `VLLM_XGRAMMAR_CACHE_MB`)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
         # One thread: compilations queue behind each other, never behind the step loop.
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="v1-grammar")
         self._compiler: xgr.GrammarCompiler | None = None
-        # LRU: a large schema compiles to megabytes.
-        self._cache: OrderedDict[GrammarKey, Future[xgr.CompiledGrammar]] = OrderedDict()
+        if cache_limit_bytes is None:
+            cache_limit_bytes = cache_limit_bytes_from_env()
+        self.cache = GrammarCache(cache_limit_bytes)
 
     def _compile(self, key: GrammarKey) -> xgr.CompiledGrammar:
         if self._compiler is None:  # built on first use: costs ~0.1 s, off the step loop
@@ -120,14 +204,10 @@ class StructuredOutputManager:
         params = request.sampling_params.structured_outputs
         assert params is not None
         key = grammar_key(params)
-        # Called from the scheduler's thread only: the cache needs no lock.
-        compiled = self._cache.get(key)
+        compiled = self.cache.get(key)
         if compiled is None:
-            compiled = self._cache[key] = self.executor.submit(self._compile, key)
-            if len(self._cache) > GRAMMAR_CACHE_SIZE:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(key)
+            compiled = self.executor.submit(self._compile, key)
+            self.cache.put(key, compiled)
         future: Future[StructuredOutputGrammar] = Future()
 
         def make_matcher(done: Future[xgr.CompiledGrammar]) -> None:
@@ -152,7 +232,7 @@ class StructuredOutputManager:
     def wait_for_compilation(self, timeout: float) -> None:
         """Block until a compilation in flight ends, or `timeout` seconds: when nothing else
         can run, the engine waits here instead of stepping empty batches."""
-        pending = [f for f in self._cache.values() if not f.done()]
+        pending = self.cache.pending()
         if pending:
             wait(pending, timeout, FIRST_COMPLETED)
 

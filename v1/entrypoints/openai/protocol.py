@@ -86,8 +86,9 @@ class OpenAIBaseModel(BaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
-    include_usage: bool = False
-    continuous_usage_stats: Unsupported[bool] = False  # vLLM's
+    include_usage: bool = False  # a last chunk with the whole request's usage
+    # vLLM's: with include_usage, every chunk carries its choice's usage so far too.
+    continuous_usage_stats: bool = False
 
 
 class SamplingRequest(OpenAIBaseModel):
@@ -130,8 +131,10 @@ class SamplingRequest(OpenAIBaseModel):
     # "json_schema"}) or vLLM's `structured_outputs` (StructuredOutputsParams' fields).
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    # Only best_of == n (which changes nothing), as vLLM's own benchmark clients send it: the
+    # best of more candidates is not implemented.
+    best_of: int | None = None
     # vLLM's sampling and structured-output extras we do not implement.
-    best_of: Unsupported[int | None] = None
     use_beam_search: Unsupported[bool] = False
     length_penalty: Unsupported[float] = 1.0
     spaces_between_special_tokens: Unsupported[bool] = True
@@ -156,6 +159,14 @@ class SamplingRequest(OpenAIBaseModel):
             raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
         return value
 
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int, info: ValidationInfo) -> int:
+        n = info.data.get("n", 1)  # validated before (declared first)
+        if value != n:
+            raise ValueError(f"not supported by this server: leave it out or set it to n ({n})")
+        return value
+
     @model_validator(mode="after")
     def _stream_fields(self) -> "SamplingRequest":
         if self.stream_options is not None and not self.stream:
@@ -167,6 +178,12 @@ class SamplingRequest(OpenAIBaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """As vLLM: continuous_usage_stats counts only with include_usage."""
+        options = self.stream_options
+        return options is not None and options.include_usage and options.continuous_usage_stats
 
     def _sampling_params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
@@ -259,7 +276,9 @@ class ToolCall(OpenAIBaseModel):
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[TextPart] = ""  # null (an assistant's tool calls only) is ""
-    name: Unsupported[str | None] = None
+    # The participant's name (LangChain, AutoGen send it): the chat template gets it, as in
+    # vLLM, and decides what it means (most ignore it).
+    name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool's result: the call it answers
 
@@ -278,6 +297,8 @@ class ChatMessage(OpenAIBaseModel):
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         message: dict[str, Any] = {"role": self.role, "content": content}
+        if self.name is not None:
+            message["name"] = self.name
         if self.tool_calls is not None:
             message["tool_calls"] = [
                 {"id": call.id, "type": call.type, "function": {

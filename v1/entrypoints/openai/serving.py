@@ -171,14 +171,17 @@ class StartedRequest:
         i = choice_index // self._n
         return self._last[i], self._prompt_logprobs[i]
 
-    def usage(self, num_generated: int) -> UsageInfo:
-        num_prompt = sum(len(output.prompt_token_ids) for output in self._last)
+    def usage(self, num_generated: int, choice_index: int | None = None) -> UsageInfo:
+        """The usage of every prompt, or of `choice_index`'s alone (a streamed chunk's
+        continuous usage), with `num_generated` completion tokens."""
+        prompts = self._last if choice_index is None else [self.prompt_of(choice_index)[0]]
+        num_prompt = sum(len(output.prompt_token_ids) for output in prompts)
         return UsageInfo(
             prompt_tokens=num_prompt,
             completion_tokens=num_generated,
             total_tokens=num_prompt + num_generated,
             prompt_tokens_details=PromptTokensDetails(
-                cached_tokens=sum(output.num_cached_tokens for output in self._last)
+                cached_tokens=sum(output.num_cached_tokens for output in prompts)
             ),
         )
 
@@ -248,7 +251,8 @@ class OpenAIServing:
             if request.echo:
                 def echo(i: int) -> _Echo:
                     return self._echo(*outputs.prompt_of(i), k)
-            return _sse(outputs, _completion_chunks(outputs, head, k, request.include_usage, echo))
+            chunks = _completion_chunks(outputs, head, k, _StreamUsage.of(request), echo)
+            return _sse(outputs, chunks)
         choices, usage = await _collect(outputs)
         return CompletionResponse(
             **head,
@@ -335,7 +339,7 @@ class OpenAIServing:
         k = params.logprobs
         echo = request.echoed_content()
         if request.stream:
-            chunks = _chat_chunks(outputs, head, k, request.include_usage, tool_calls, echo)
+            chunks = _chat_chunks(outputs, head, k, _StreamUsage.of(request), tool_calls, echo)
             return _sse(outputs, chunks)
         choices, usage = await _collect(outputs)
         messages = [tool_calls.message(c) for c in choices]
@@ -451,33 +455,57 @@ def _has_news(delta: CompletionOutput) -> bool:
     return bool(delta.text or delta.logprobs or delta.finish_reason)
 
 
+class _StreamUsage(NamedTuple):
+    """What a stream reports of its usage (`stream_options`): a last chunk with the whole
+    request's, and with `continuous` also each chunk its choice's so far (vLLM's)."""
+
+    final: bool
+    continuous: bool
+
+    @classmethod
+    def of(cls, request: SamplingRequest) -> "_StreamUsage":
+        return cls(request.include_usage, request.continuous_usage)
+
+
 class _StreamDeltas:
     """A streamed request's deltas worth a chunk (`_has_news`), counting every generated
-    token on the way for the usage block."""
+    token on the way (per choice) for the usage blocks."""
 
-    def __init__(self, outputs: StartedRequest) -> None:
+    def __init__(self, outputs: StartedRequest, usage: _StreamUsage) -> None:
         self._outputs = outputs
-        self._num_generated = 0
+        self._usage = usage
+        self._num_generated: dict[int, int] = {}  # per choice index
 
     async def __aiter__(self) -> AsyncIterator[CompletionOutput]:
         async for output in self._outputs:
             for delta in output.outputs:
-                self._num_generated += len(delta.token_ids)
+                num = self._num_generated.get(delta.index, 0) + len(delta.token_ids)
+                self._num_generated[delta.index] = num
                 if _has_news(delta):
                     yield delta
 
-    def usage(self) -> UsageInfo:
-        return self._outputs.usage(self._num_generated)
+    def chunk_usage(self, choice_index: int) -> UsageInfo | None:
+        """A chunk's usage: its choice's so far when continuous (as vLLM: before the choice's
+        first token, 0 completion tokens), else none."""
+        if not self._usage.continuous:
+            return None
+        return self._outputs.usage(self._num_generated.get(choice_index, 0), choice_index)
+
+    def final_usage(self) -> UsageInfo | None:
+        """The last chunk's usage, the whole request's, if asked for."""
+        if not self._usage.final:
+            return None
+        return self._outputs.usage(sum(self._num_generated.values()))
 
 
 async def _completion_chunks(
-    outputs: StartedRequest, head: dict[str, Any], k: int | None, include_usage: bool,
+    outputs: StartedRequest, head: dict[str, Any], k: int | None, usage: _StreamUsage,
     echo: Callable[[int], _Echo] | None,
 ) -> AsyncIterator[CompletionResponse]:
     """With `echo` (choice index -> its prompt), each choice's first chunk starts with it."""
     offsets: dict[int, int] = {}  # per choice, its tokens' text length so far (text_offset)
     started: set[int] = set()
-    deltas = _StreamDeltas(outputs)
+    deltas = _StreamDeltas(outputs, usage)
     async for delta in deltas:
         echoed = _NO_ECHO
         if echo is not None and delta.index not in started:
@@ -496,9 +524,10 @@ async def _completion_chunks(
             finish_reason=delta.finish_reason,
             stop_reason=delta.stop_reason,
         )
-        yield CompletionResponse(**head, choices=[choice])
-    if include_usage:
-        yield CompletionResponse(**head, choices=[], usage=deltas.usage())
+        yield CompletionResponse(**head, choices=[choice], usage=deltas.chunk_usage(delta.index))
+    final_usage = deltas.final_usage()
+    if final_usage is not None:
+        yield CompletionResponse(**head, choices=[], usage=final_usage)
 
 
 class _ToolCalls:
@@ -543,31 +572,35 @@ class _ToolCalls:
 
 
 async def _chat_chunks(
-    outputs: StartedRequest, head: dict[str, Any], k: int | None, include_usage: bool,
+    outputs: StartedRequest, head: dict[str, Any], k: int | None, usage: _StreamUsage,
     tool_calls: _ToolCalls, echo: str,
 ) -> AsyncIterator[ChatCompletionChunk]:
+    deltas = _StreamDeltas(outputs, usage)
+
+    def chunk(choice: ChatStreamChoice) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            **head, choices=[choice], usage=deltas.chunk_usage(choice.index)
+        )
+
     # As OpenAI, each choice's first chunk gives the role alone; then the echo (vLLM's).
     for i in range(outputs.num_choices):
-        role = DeltaMessage(role="assistant", content="")
-        yield ChatCompletionChunk(**head, choices=[ChatStreamChoice(index=i, delta=role)])
+        yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
     for i in range(outputs.num_choices if echo else 0):
-        text = DeltaMessage(content=echo)
-        yield ChatCompletionChunk(**head, choices=[ChatStreamChoice(index=i, delta=text)])
-    deltas = _StreamDeltas(outputs)
+        yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=echo)))
     async for delta in deltas:
         message = tool_calls.delta(delta)
         if not (message.content or message.tool_calls or delta.logprobs or delta.finish_reason):
             continue  # all held back (a possible start of a tool call)
-        choice = ChatStreamChoice(
+        yield chunk(ChatStreamChoice(
             index=delta.index,
             delta=message,
             logprobs=None if k is None else _chat_logprobs(delta, k),
             finish_reason=tool_calls.finish_reason(delta),
             stop_reason=delta.stop_reason,
-        )
-        yield ChatCompletionChunk(**head, choices=[choice])
-    if include_usage:
-        yield ChatCompletionChunk(**head, choices=[], usage=deltas.usage())
+        ))
+    final_usage = deltas.final_usage()
+    if final_usage is not None:
+        yield ChatCompletionChunk(**head, choices=[], usage=final_usage)
 
 
 async def _collect(outputs: StartedRequest) -> tuple[list[CompletionOutput], UsageInfo]:
