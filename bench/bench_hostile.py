@@ -46,7 +46,7 @@ from urllib.parse import urlparse
 
 import httpx
 from bench_serving import server
-from common import environment, print_table, write_outputs
+from common import engine_core_pid, environment, print_table, rss_mb, write_outputs
 
 DEFAULT_API_KEY = "K"
 STREAM_PROMPT = "The capital of France is"
@@ -243,15 +243,6 @@ async def idle(pid: int | None) -> bool:
     return cpu_s(pid) - before < IDLE_CPU * 0.5
 
 
-def rss_mb(pid: int) -> float | None:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return None
-    kb = next((line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")), 0)
-    return round(int(kb) / 1024, 1)
-
-
 def listening_pid(port: int) -> int | None:
     """The local process listening on TCP `port` (by the socket's inode in /proc)."""
     inodes = set()
@@ -272,21 +263,6 @@ def listening_pid(port: int) -> int | None:
         except OSError:  # gone, or not ours to read
             continue
     return None
-
-
-def engine_core_pid(frontend: int) -> int | None:
-    """The frontend's descendant with the most resident memory: the engine core (weights)."""
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except OSError:
-            continue
-    found, frontier = set(), {frontend}
-    while frontier:
-        frontier = {p for p, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return max(found, key=lambda p: rss_mb(p) or 0.0, default=None)
 
 
 def describe(resp: httpx.Response) -> str:

@@ -26,53 +26,39 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import httpx
 from bench_serving import server
-from common import environment, print_table
+from common import engine_core_pid, environment, print_table, process_parents, rss_mb
 
 
-def rss_mb(pid: int) -> float:
+def anon_mb(pid: int) -> float:
     """Resident anonymous memory (the heap's; file-backed pages come and go with the
     machine's memory pressure)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
+    return rss_mb(pid, "RssAnon") or 0.0
 
 
 def server_pids() -> tuple[int, int]:
     """The frontend (the server this script started: its only child) and the engine core (the
-    frontend's largest child)."""
-    [frontend] = children(os.getpid())
-    return frontend, max(children(frontend), key=rss_mb)
+    frontend's largest descendant, as bench_hostile finds it)."""
+    [frontend] = [p for p, parent in process_parents().items() if parent == os.getpid()]
+    engine = engine_core_pid(frontend)
+    assert engine is not None, "the server has no engine core process"
+    return frontend, engine
 
 
 class Peak:
     """The highest RSS of `pids` while the `with` block runs, sampled every 50 ms."""
 
     def __init__(self, pids: tuple[int, int]) -> None:
-        self.pids, self.peak = pids, [rss_mb(p) for p in pids]
+        self.pids, self.peak = pids, [anon_mb(p) for p in pids]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
     def _sample(self) -> None:
         while not self._stop.wait(0.05):
-            self.peak = [max(m, rss_mb(p)) for m, p in zip(self.peak, self.pids)]
+            self.peak = [max(m, anon_mb(p)) for m, p in zip(self.peak, self.pids)]
 
     def __enter__(self) -> "Peak":
         self._thread.start()
@@ -130,7 +116,7 @@ def main() -> None:
                                  "structured_outputs": {"choice": ["yes", "no"]}})
         post("/tokenize", {"prompt": text(10_000, 1)})
         time.sleep(args.settle)
-        baseline = [rss_mb(p) for p in pids]
+        baseline = [anon_mb(p) for p in pids]
         phases: list[tuple[str, Callable[[int], None]]] = [
             ("grammars", lambda i: post("/v1/completions", grammar(i))),
             ("prompts", lambda i: post("/v1/completions", long_prompt(i))),
@@ -141,14 +127,14 @@ def main() -> None:
         rows: list[list[Any]] = []
         result: dict[str, Any] = {"baseline_mb": [round(m) for m in baseline]}
         for name, send in phases:
-            before = [rss_mb(p) for p in pids]
+            before = [anon_mb(p) for p in pids]
             start = time.perf_counter()
             with Peak(pids) as peak:
                 for i in range(counts[name]):
                     send(i)
             seconds = time.perf_counter() - start
             time.sleep(args.settle)
-            after = [rss_mb(p) for p in pids]
+            after = [anon_mb(p) for p in pids]
             figures = {process: [round(before[i]), round(peak.peak[i]), round(after[i])]
                        for i, process in enumerate(("frontend_mb", "engine_mb"))}
             rows.append([name, round(seconds, 1), *figures["frontend_mb"], *figures["engine_mb"]])

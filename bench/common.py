@@ -234,3 +234,35 @@ class CallClock:
             finally:
                 self._spent[name] += time.perf_counter() - t0
         return timed
+
+
+def rss_mb(pid: int, kind: str = "VmRSS") -> float | None:
+    """A process's resident memory in MB from /proc (`kind` "RssAnon": its heap's alone), or
+    None once it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    kb = next((line.split()[1] for line in status.splitlines() if line.startswith(kind + ":")), 0)
+    return round(int(kb) / 1024, 1)
+
+
+def process_parents() -> dict[int, int]:
+    """Every live process's parent, from /proc."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+    return parents
+
+
+def engine_core_pid(frontend: int) -> int | None:
+    """The frontend's descendant with the most resident memory: the engine core (weights)."""
+    parents = process_parents()
+    found, frontier = set(), {frontend}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return max(found, key=lambda p: rss_mb(p) or 0.0, default=None)
