@@ -88,9 +88,8 @@ class AsyncLLM:
     def from_engine_args(cls, args: EngineArgs) -> "AsyncLLM":
         """Start an engine core process with `args` (blocks until its model is loaded);
         `data_parallel_size` of them behind one routing client when it is > 1."""
-        if args.data_parallel_size > 1:
-            return cls(DPAsyncMPClient(args), args.input_limits())
-        return cls(AsyncMPClient(args), args.input_limits())
+        client = DPAsyncMPClient(args) if args.data_parallel_size > 1 else AsyncMPClient(args)
+        return cls(client, args.input_limits())
 
     @property
     def dead_error(self) -> EngineDeadError | None:
