@@ -4,7 +4,7 @@ import glob
 import os
 import socket
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from pathlib import Path
 
 import pytest
@@ -108,6 +108,17 @@ def assert_ports_free(address: str) -> None:
         ctx.term()
 
 
+def assert_raises_at_once(awaitable: Awaitable[object], error: type[Exception]) -> None:
+    """`awaitable` raises `error` on its first step, without suspending: it sent nothing that
+    it would wait for an answer to, and waited for nothing (no clock involved)."""
+    steps = awaitable.__await__()
+    try:
+        with pytest.raises(error):
+            steps.send(None)  # a suspension would return here instead of raising
+    finally:
+        steps.close()
+
+
 def assert_greedy_match(
     a: list[int], a_top: list[Collection[int]], b: list[int], b_top: list[Collection[int]]
 ) -> None:
@@ -132,12 +143,10 @@ def core_one_dies_alone(
     wait_until(lambda: (engine.step(), client.router.loads[1].running == 1)[1])
     kill()
     wait_until(lambda: not alive(pid))  # Ray kills asynchronously
-    died_at = time.monotonic()
     with pytest.raises(EngineCoreDeadError, match="engine core 1 died"):
         while True:
             engine.step()
-    assert time.monotonic() - died_at < PROMPTLY_S
-    assert engine.has_unfinished_requests()  # core 0's: noticed, not waited out
+    assert engine.has_unfinished_requests()  # core 0's long one: noticed, not waited out
     assert list(client.dead_engines) == [1]
     engine.abort_requests(ids)
     ours = llm.generate(PROMPTS, GREEDY, use_tqdm=False)

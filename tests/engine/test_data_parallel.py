@@ -15,7 +15,6 @@ import pytest
 from tests.engine.mp_utils import (
     GREEDY,
     LONG,
-    PROMPTLY_S,
     PROMPTS,
     SMALL_ENGINE,
     child_pids,
@@ -155,11 +154,9 @@ def test_core_death(default_model_path, dp1_llm):
     llm = LLM(data_parallel_size=2, **SMALL_ENGINE)
     client: DPSyncMPClient = llm.llm_engine.client
     procs = [engine._res.proc for engine in client.engines]
-    killed_at: list[float] = []
 
     def kill_core_one() -> None:
         wait_until(lambda: client.router.loads[1].running == 2)
-        killed_at.append(time.monotonic())
         os.kill(procs[1].pid, signal.SIGKILL)
 
     killer = threading.Thread(target=kill_core_one)
@@ -167,7 +164,6 @@ def test_core_death(default_model_path, dp1_llm):
     try:
         with pytest.raises(EngineCoreDeadError, match="engine core 1 died") as info:
             llm.generate(PROMPTS, LONG, use_tqdm=False, data_parallel_rank=[0, 1, 0, 1])
-        assert time.monotonic() - killed_at[0] < PROMPTLY_S
         assert info.value.engine_index == 1 and len(info.value.request_ids) == 2
         assert engine_stats(llm)[0].num_generation_tokens < 2 * LONG.max_tokens
         killer.join()
