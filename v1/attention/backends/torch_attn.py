@@ -22,15 +22,16 @@ SDPA gets 4-D [batch, heads, len, dim] tensors: on CPU that selects the flash ke
 GQA aware, strided inputs), which is several times faster than the math fallback that 3-D
 inputs get.
 
-Decodes have a faster option still: a small C kernel (`_PAGED_DECODE_SOURCE`, ~100 lines)
-that reads each request's K/V in place through its block table, with an online softmax, one
-request per OpenMP task. SDPA spends most of a decode in per-(request, head) overhead and
-needs the gathered copy; the kernel needs neither and is 3-4x faster at 64 decodes. It is
-built on first use by `v1.native`; without a compiler, for other dtypes or shapes, or with
-V1_CPU_KERNELS=0, the SDPA path above runs instead. In a step it serves, the cache write is C
-too (`kv_write`, the same bits as `write_kv_cache`), in the kernel's call, and what every
-layer's call shares (the entries, slots, shapes) is converted for ctypes once per step: at
-batch 1 a layer's attention is a few microseconds of work, and was mostly call overhead.
+Decodes have a faster option still: a small C kernel (`v1/kernels/csrc/paged_decode.h`,
+~150 lines; bindings in `v1.kernels.attention`) that reads each request's K/V in place
+through its block table, with an online softmax, one request per task of the kernels'
+worker pool. SDPA spends most of a decode in per-(request, head) overhead and needs the
+gathered copy; the kernel needs neither and is 3-4x faster at 64 decodes. Without the
+kernels (V1_CPU_KERNELS=0), for other dtypes or shapes, the SDPA path above runs instead.
+In a step it serves, the cache write is C too (`kv_write`, the same bits as
+`write_kv_cache`), in the kernel's call, and what every layer's call shares (the entries,
+slots, shapes) is checked and converted for ctypes once per step: at batch 1 a layer's
+attention is a few microseconds of work, and was mostly call overhead.
 
 The cache may hold a narrower dtype than the model computes in (kv_cache_dtype "bfloat16" or
 "float16" under an fp32 model: half the bytes per token, twice the tokens per pool). The
@@ -56,8 +57,6 @@ of the step is longer than is no window at all and shares the global plan. Other
     different queries would need different parts of it).
 """
 
-import ctypes
-import functools
 import threading
 from dataclasses import dataclass, field
 
@@ -65,8 +64,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from v1 import native
 from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata
+from v1.kernels.attention import BoundStep, PagedDecodeKernel, paged_decode_kernel
 
 # fp16's largest finite value. K/V beyond it are stored saturated, as vLLM's fp8 cache writes
 # saturate: an inf key or value would make the softmax, and every later output, NaN.
@@ -225,7 +224,7 @@ class _NativeDecodes:
     """The queries the C kernel serves this step: per entry (int64 each) its request's
     block-table row, its query row, and the key positions [start, end) it attends to."""
 
-    kernel: "_NativeDecodeKernel"  # the one the plan was made for
+    kernel: PagedDecodeKernel  # the one the plan was made for
     table: torch.Tensor  # int32 [num_reqs, max_blocks], contiguous: the step's block table
     table_rows: torch.Tensor
     tokens: torch.Tensor
@@ -233,35 +232,15 @@ class _NativeDecodes:
     end: torch.Tensor
     slot_mapping: torch.Tensor  # the metadata's: the kernel writes the step's K/V too
     slots: torch.Tensor  # the same as int64, contiguous
-    # The kernel's `_DecodeStep` and its address, set by the step's first call (it needs
-    # the cache's shape, the same for every layer the plan serves); 0: not yet.
-    step: "_DecodeStep | None" = None
-    step_address: int = 0
+    # The entries checked and bound for the step's caches by its first call (every layer's
+    # cache has the same shape).
+    step: BoundStep | None = None
 
-    def bind(self, kv_cache: torch.Tensor) -> int:
-        """Build the step's `_DecodeStep` for caches shaped as `kv_cache` (its slots and
-        block table checked against that shape); its address."""
-        _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-        capacity = num_blocks * block_size
-        if self.slots.numel() and int(self.slots.max()) >= capacity:
-            raise ValueError(f"slot {int(self.slots.max())} is past the cache's {capacity} slots")
-        # The kernel reads blocks through the table unchecked: a row too short for a
-        # sequence, or a block id outside the cache, would read past them.
-        if -(-int(self.end.max()) // block_size) > self.table.shape[1]:
-            raise ValueError(f"{int(self.end.max())} keys need more than the block table's "
-                             f"{self.table.shape[1]} blocks of {block_size}")
-        lo, hi = (int(x) for x in torch.aminmax(self.table))
-        if lo < 0 or hi >= num_blocks:
-            raise ValueError(f"block id {lo if lo < 0 else hi} is outside the cache's "
-                             f"{num_blocks} blocks")
-        self.step = _DecodeStep(
-            self.table.data_ptr(), self.table.stride(0), self.table_rows.data_ptr(),
-            self.tokens.data_ptr(), self.start.data_ptr(), self.end.data_ptr(),
-            self.tokens.shape[0], self.slots.data_ptr(), self.slots.shape[0],
-            num_kv_heads, head_dim, block_size, kv_cache[0].numel(),
-        )
-        self.step_address = ctypes.addressof(self.step)
-        return self.step_address
+    def bound(self, kv_cache: torch.Tensor) -> BoundStep:
+        if self.step is None:
+            self.step = self.kernel.bind(self.table, self.table_rows, self.tokens, self.start,
+                                         self.end, self.slots, kv_cache)
+        return self.step
 
 
 @dataclass(slots=True)
@@ -313,7 +292,7 @@ class AttentionPlan:
             # Gathers are sized by what SDPA reads: the blocks widened to the query's dtype.
             block_bytes = kv_cache[:, 0].numel() * query_dtype.itemsize
             plan = cls.build(metadata, kv_cache.shape[2], block_bytes,
-                             native_decode_kernel(kv_cache, num_heads, query_dtype), window)
+                             paged_decode_kernel(kv_cache, num_heads, query_dtype), window)
             plans[window] = plan
         plans[sliding_window] = plan
         return plan
@@ -321,7 +300,7 @@ class AttentionPlan:
     @classmethod
     def build(
         cls, metadata: AttentionMetadata, block_size: int, block_bytes: int = 1,
-        kernel: "_NativeDecodeKernel | None" = None, sliding_window: int | None = None,
+        kernel: PagedDecodeKernel | None = None, sliding_window: int | None = None,
     ) -> "AttentionPlan":
         """`block_bytes`: one block's K and V together, to size the decode gathers;
         `kernel`: plan the decodes for this C kernel instead; `sliding_window`: hide keys
@@ -488,7 +467,8 @@ class AttentionPlan:
         slot_mapping: torch.Tensor,
     ) -> None:
         if (native_step := self.native_write(key, value, slot_mapping)) is not None:
-            native_step.kernel(None, kv_cache, native_step, None, None, 0.0, key, value)
+            native_step.kernel(native_step.bound(kv_cache), None, kv_cache, None, None, 0.0,
+                               key, value)
             return
         if self.any_padding_slot:
             write_kv_cache(key, value, kv_cache, slot_mapping)
@@ -584,14 +564,15 @@ def paged_attention(
     kernel's call first. Matches `paged_attention_reference` up to float rounding; like it,
     it never lets a slot past a sequence's end change the result."""
     num_heads, head_dim = query.shape[1], query.shape[2]
-    out = torch.empty_like(query)
+    # Contiguous whatever the query's strides (empty_like would keep a permuted query's).
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     lse = None
     if plan.groups:
         lse = torch.empty(query.shape[0], num_heads, dtype=torch.float32, device=query.device)
 
     num_kv_heads = kv_cache.shape[3]
     if (native_decodes := plan.native) is not None:
-        native_decodes.kernel(query, kv_cache, native_decodes, out, lse, scale,
+        native_decodes.kernel(native_decodes.bound(kv_cache), query, kv_cache, out, lse, scale,
                               *((key, value) if write else ()))
     for bucket in plan.decodes:
         # A decode's query heads that share a kv head are the rows of one [g, d] query of
@@ -650,343 +631,3 @@ def paged_attention(
         o_r, l_r = g.rows.take(out), g.rows.take(lse)
         g.rows.put(out, torch.lerp(o_r, o_p, torch.sigmoid(l_p - l_r).unsqueeze(-1)))
     return out
-
-
-# ---- the native decode kernel -------------------------------------------------------------------
-
-# The kernel reads each K/V row through KV_ROW, which gives its D values as fp32: the row
-# itself in an fp32 cache, else the row widened into a buffer (once per row, for the G query
-# heads that read it); the cache write stores rows through STORE_ROW. Its source is compiled
-# once per cache dtype (`_DECODE_VARIANTS`), as v1_paged_decode_f32, _bf16 and _f16.
-_KV_ROWS = r"""
-#include <float.h>
-#include <math.h>
-
-typedef uint16_t v8u16 __attribute__((vector_size(16)));
-
-static inline const float *row_f32(const float *p, float *buf, int64_t D) {
-    (void)buf, (void)D;
-    return p;
-}
-
-/* bf16 is the high half of an fp32: widen each value to 32 bits and shift it up. */
-static inline const float *row_bf16(const uint16_t *p, float *buf, int64_t D) {
-    for (int64_t i = 0; i < D; i += 8) {
-        v8u16 h;
-        __builtin_memcpy(&h, p + i, 16);
-        store8(buf + i, (v8)(__builtin_convertvector(h, v8i) << 16));
-    }
-    return buf;
-}
-
-#ifdef __F16C__
-/* fp16: vcvtph2ps (F16C; the compiler's builtin, as <immintrin.h> would clash with
-   VECTOR_C's select). Without F16C there is no fp16 variant: torch reads such caches. */
-typedef int16_t v8i16 __attribute__((vector_size(16)));
-
-static inline const float *row_f16(const uint16_t *p, float *buf, int64_t D) {
-    for (int64_t i = 0; i < D; i += 8) {
-        v8i16 h;
-        __builtin_memcpy(&h, p + i, 16);
-        store8(buf + i, __builtin_ia32_vcvtph2ps256(h));
-    }
-    return buf;
-}
-#endif
-
-/* The cache write's STORE_ROW: n (a multiple of 8) fp32 values into the cache's dtype, as
-   torch's .to() rounds them (to nearest, ties to even), so that both writes store the same
-   bits for every finite value; NaN stays NaN. */
-static inline void store_f32(float *dst, const float *src, int64_t n) {
-    __builtin_memcpy(dst, src, n * sizeof(float));
-}
-
-static inline void store_bf16(uint16_t *dst, const float *src, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t u;
-        __builtin_memcpy(&u, src + i, 4);
-        dst[i] = src[i] != src[i] ? 0x7fc0 : (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
-    }
-}
-
-#ifdef __F16C__
-/* fp16 saturates at +-65504 (see _FP16_MAX): clamping first rounds to the same value as
-   torch's cast-then-clamp (everything above 65504 rounds to 65504 or inf); NaN passes. */
-static inline void store_f16(uint16_t *dst, const float *src, int64_t n) {
-    for (int64_t i = 0; i < n; i += 8) {
-        v8 x = load8(src + i);
-        x = select(x > splat(65504.f), splat(65504.f), x);
-        x = select(x < splat(-65504.f), splat(-65504.f), x);
-        v8i16 h = __builtin_ia32_vcvtps2ph256(x, 0);  /* 0: round to nearest even */
-        __builtin_memcpy(dst + i, &h, 16);
-    }
-}
-#endif
-
-/* What the plan fixes for every layer of a step (`_DecodeStep` mirrors it): the kernel's
-   entries, the step's slots, the shapes. */
-struct decode_step {
-    const int32_t *table;       /* [num_reqs, table_row], the step's block table */
-    int64_t table_row;
-    const int64_t *table_rows;  /* per entry: its request's row of the table */
-    const int64_t *tok;         /* per entry: its query row */
-    const int64_t *start;       /* per entry: the key positions [start, end) it attends to */
-    const int64_t *end;
-    int64_t R;                  /* entries */
-    const int64_t *slots;       /* per new token: its flat cache slot; < 0: padding */
-    int64_t num_slots;
-    int64_t KVH, D, B;
-    int64_t half;               /* elements in one cache half: V = K + half */
-};
-"""
-
-_PAGED_DECODE_SOURCE = r"""
-/* The cache write: token i's K/V rows (fp32, row i at k + i * k_row: each row's KVH * D
-   values contiguous) into slot step->slots[i] of the cache [2, num_blocks, B, KVH, D],
-   converted once into its dtype. Serial: a step writes a few rows per layer, and parallel
-   regions cost more than that to start. */
-static void kv_write(const struct decode_step *step, const float *k, int64_t k_row,
-                     const float *v, int64_t v_row, KV_T *cache) {
-    const int64_t row = step->KVH * step->D;
-    for (int64_t i = 0; i < step->num_slots; i++) {
-        if (step->slots[i] < 0) continue;  /* padding */
-        STORE_ROW(cache + step->slots[i] * row, k + i * k_row, row);
-        STORE_ROW(cache + step->half + step->slots[i] * row, v + i * v_row, row);
-    }
-}
-
-/* Paged attention for requests with one query token each (decodes), reading K/V in place.
-
-   q[tok[r] * q_row + h * D + d]                  query of request r, head h (fp32)
-   k, v: [num_blocks, B, KVH, D], contiguous      the layer's cache halves (KV_T each)
-   table[table_rows[r] * table_row + i]           block of positions [i * B, (i + 1) * B)
-   [start[r], end[r])                             the key positions request r attends to
-   out[tok[r] * out_row + h * D + d]              the output (fp32)
-   lse[tok[r] * H + h] (if lse is not NULL)       logsumexp of the scaled scores
-
-   (all but q, H, the cache, out and lse from the step's `struct decode_step`; with k_new,
-   kv_write stores the step's K/V first; without q, that is all.)
-   Query head h reads kv head h / (H / KVH). One OpenMP task per request: it streams the
-   request's blocks once, chunk by chunk (TMAX keys), keeping a running max m, sum l and
-   unnormalised output acc per head (the online softmax). Each K/V row of a kv head is
-   read as fp32 once (KV_ROW) for the G query heads that use it; all the arithmetic is
-   fp32. D must be a multiple of 8. A single request runs on the calling thread: starting a
-   parallel region wakes the other OpenMP threads, which sleep between regions
-   (OMP_WAIT_POLICY=PASSIVE) and take longer to wake than one short decode takes. */
-
-enum { TMAX = 32 };
-
-void PAGED_DECODE(const struct decode_step *step, const float *q, int64_t q_row, int64_t H,
-                  const float *k_new, int64_t k_row, const float *v_new, int64_t v_row,
-                  KV_T *cache, float scale, float *out, int64_t out_row, float *lse) {
-    if (k_new) kv_write(step, k_new, k_row, v_new, v_row, cache);
-    if (!q) return;
-    const int32_t *table = step->table;
-    const int64_t table_row = step->table_row, *table_rows = step->table_rows, *tok = step->tok;
-    const int64_t *start = step->start, *end = step->end, R = step->R;
-    const int64_t KVH = step->KVH, D = step->D, B = step->B;
-    const KV_T *k = cache, *v = cache + step->half;
-    const int64_t G = H / KVH, NV = D / 8, row = KVH * D;
-    #pragma omp parallel for schedule(dynamic, 1) if (R > 1)
-    for (int64_t r = 0; r < R; r++) {
-        v8 qv[H][NV], acc[H][NV];
-        float m[H], l[H];
-        float s[H][TMAX + 8] __attribute__((aligned(32)));
-        float wide[D] __attribute__((aligned(32)));  /* a widened K/V row (16-bit caches) */
-        const int32_t *blocks = table + table_rows[r] * table_row;
-        for (int64_t h = 0; h < H; h++) {
-            const float *qp = q + tok[r] * q_row + h * D;
-            for (int64_t i = 0; i < NV; i++) {
-                qv[h][i] = load8(qp + 8 * i) * scale;
-                acc[h][i] = (v8){0};
-            }
-            m[h] = -FLT_MAX;
-            l[h] = 0.f;
-        }
-        for (int64_t t0 = start[r]; t0 < end[r];) {
-            /* The next chunk: row pointers of up to TMAX keys, across block boundaries. */
-            const KV_T *kr[TMAX], *vr[TMAX];
-            int64_t n = 0;
-            while (n < TMAX && t0 + n < end[r]) {
-                int64_t t = t0 + n, first = (int64_t)blocks[t / B] * B + t % B;
-                int64_t count = B - t % B;
-                if (count > end[r] - t) count = end[r] - t;
-                if (count > TMAX - n) count = TMAX - n;
-                for (int64_t c = 0; c < count; c++) {
-                    kr[n + c] = k + (first + c) * row;
-                    vr[n + c] = v + (first + c) * row;
-                }
-                n += count;
-            }
-            /* Scores s[h][t] = scale * q_h . k_t, each key row loaded once for its heads. */
-            for (int64_t t = 0; t < n; t++)
-                for (int64_t j = 0; j < KVH; j++) {
-                    const float *kp = KV_ROW(kr[t] + j * D, wide, D);
-                    for (int64_t h = j * G; h < (j + 1) * G; h++) {
-                        v8 a = load8(kp) * qv[h][0];
-                        for (int64_t i = 1; i < NV; i++) a += load8(kp + 8 * i) * qv[h][i];
-                        s[h][t] = hsum(a);
-                    }
-                }
-            /* Online softmax: new running max, rescale what came before, p = e^(s - m). */
-            for (int64_t h = 0; h < H; h++) {
-                float mx = m[h];
-                for (int64_t t = 0; t < n; t++) mx = s[h][t] > mx ? s[h][t] : mx;
-                float correction = expf(m[h] - mx);
-                v8 sum = {0};
-                for (int64_t t = 0; t < n; t += 8) {
-                    v8 p = exp8(load8(&s[h][t]) - mx);
-                    store8(&s[h][t], p);
-                    if (t + 8 <= n)
-                        sum += p;
-                    else
-                        for (int64_t u = t; u < n; u++) sum[0] += s[h][u];
-                }
-                l[h] = l[h] * correction + hsum(sum);
-                for (int64_t i = 0; i < NV; i++) acc[h][i] *= correction;
-                m[h] = mx;
-            }
-            /* acc_h += p_h[t] * v_t */
-            for (int64_t t = 0; t < n; t++)
-                for (int64_t j = 0; j < KVH; j++) {
-                    const float *vp = KV_ROW(vr[t] + j * D, wide, D);
-                    for (int64_t h = j * G; h < (j + 1) * G; h++) {
-                        v8 p = {0};
-                        p += s[h][t];
-                        for (int64_t i = 0; i < NV; i++) acc[h][i] += load8(vp + 8 * i) * p;
-                    }
-                }
-            t0 += n;
-        }
-        for (int64_t h = 0; h < H; h++) {
-            float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
-            float *op = out + tok[r] * out_row + h * D;
-            for (int64_t i = 0; i < NV; i++) store8(op + 8 * i, acc[h][i] * inv);
-            if (lse) lse[tok[r] * H + h] = l[h] > 0.f ? m[h] + logf(l[h]) : -INFINITY;
-        }
-    }
-}
-"""
-
-# Cache dtype -> (name suffix, C element type, the macro the variant needs). Each
-# variant is a library of its own: in one translation unit, three callers of VECTOR_C's
-# helpers made GCC stop inlining them (the fp32 kernel ran 1.3-3x slower).
-_DECODE_VARIANTS = {
-    torch.float32: ("f32", "float", None),
-    torch.bfloat16: ("bf16", "uint16_t", None),
-    torch.float16: ("f16", "uint16_t", "__F16C__"),
-}
-
-
-@functools.cache  # it is looked up once per step, and is ~10 kB
-def _native_decode_source(kv_dtype: torch.dtype) -> str:
-    suffix, kv_type, needs = _DECODE_VARIANTS[kv_dtype]
-    kernel = (f"#define PAGED_DECODE v1_paged_decode_{suffix}\n"
-              f"#define KV_T {kv_type}\n"
-              f"#define KV_ROW row_{suffix}\n#define STORE_ROW store_{suffix}\n"
-              f"{_PAGED_DECODE_SOURCE}")
-    if needs is not None:  # else an empty library: torch reads such caches
-        kernel = f"#ifdef {needs}\n{kernel}#endif\n"
-    return native.VECTOR_C + _KV_ROWS + kernel
-
-
-# Per-thread stack use of the kernel grows with heads * head_size; stay well inside it.
-_NATIVE_MAX_HEAD_FLOATS = 64 * 128
-
-
-class _DecodeStep(ctypes.Structure):
-    """`struct decode_step` (see `_KV_ROWS`): the part of every kernel call that the plan
-    fixes, passed by address: converted once per step rather than as ctypes arguments (and
-    data_ptr() calls) on every layer's call, which were most of what calling it cost."""
-
-    _fields_ = [
-        ("table", ctypes.c_void_p), ("table_row", ctypes.c_int64),
-        ("table_rows", ctypes.c_void_p), ("tok", ctypes.c_void_p),
-        ("start", ctypes.c_void_p), ("end", ctypes.c_void_p), ("R", ctypes.c_int64),
-        ("slots", ctypes.c_void_p), ("num_slots", ctypes.c_int64),
-        ("KVH", ctypes.c_int64), ("D", ctypes.c_int64),
-        ("B", ctypes.c_int64), ("half", ctypes.c_int64),
-    ]
-
-
-class _NativeDecodeKernel:
-    """ctypes binding of one cache dtype's `v1_paged_decode_*` (which also writes the cache).
-    It checks nothing the planner checked (the cache's dtype, shape and contiguity are the
-    plan's key, the queries are fp32)."""
-
-    def __init__(self, decode: ctypes._CFuncPtr) -> None:
-        ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        decode.argtypes = [ptr, ptr, i64, i64, ptr, i64, ptr, i64, ptr, f32, ptr, i64, ptr]
-        decode.restype = None
-        self._decode = decode
-
-    def __call__(
-        self, query: torch.Tensor | None, kv_cache: torch.Tensor, d: _NativeDecodes,
-        out: torch.Tensor | None, lse: torch.Tensor | None, scale: float,
-        key: torch.Tensor | None = None, value: torch.Tensor | None = None,
-    ) -> None:
-        """Attend `d`'s entries (query None: none), after storing key/value (fp32 [n, kvh, d],
-        n >= the step's slots) at the step's slots if given: in one call, as a layer's call
-        costs more than its work at batch 1."""
-        k_row = v_row = 0
-        if key is not None and value is not None:
-            if key.shape[0] < d.slots.shape[0] or value.shape[0] < d.slots.shape[0]:
-                raise ValueError(f"{key.shape[0]} key / {value.shape[0]} value rows for "
-                                 f"{d.slots.shape[0]} slots")
-            # It copies the cache's KVH * D values per row: other rows would be read past.
-            if key.shape[1:] != kv_cache.shape[3:] or value.shape[1:] != kv_cache.shape[3:]:
-                raise ValueError(f"key {tuple(key.shape)} / value {tuple(value.shape)} rows "
-                                 f"are not the cache's (kv heads, head size) "
-                                 f"{tuple(kv_cache.shape[3:])}")
-            key, value = _rows_contiguous(key), _rows_contiguous(value)
-            k_row, v_row = key.stride(0), value.stride(0)
-        num_heads = q_row = 0
-        if query is not None:
-            query = _rows_contiguous(query)
-            num_heads, q_row = query.shape[1], query.stride(0)
-        self._decode(
-            d.step_address or d.bind(kv_cache), _address(query), q_row, num_heads,
-            _address(key), k_row, _address(value), v_row, kv_cache.data_ptr(), scale,
-            _address(out), 0 if out is None else out.stride(0), _address(lse),
-        )
-
-
-def _address(x: torch.Tensor | None) -> int | None:
-    return None if x is None else x.data_ptr()
-
-
-def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
-    """`x` [n, heads, d] with each row's heads * d values contiguous (rows may be strided,
-    as the query's and key's are in the fused q | k | v projection)."""
-    if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
-        return x.contiguous()
-    return x
-
-
-def native_decode_kernel(
-    kv_cache: torch.Tensor, num_heads: int, query_dtype: torch.dtype = torch.float32
-) -> _NativeDecodeKernel | None:
-    """The C decode kernel if it can serve this cache (CPU, fp32 / bf16 / fp16 with F16C,
-    contiguous, head size a multiple of 8, not too many heads) for fp32 queries, and C
-    kernels are on (`v1.native`); else None."""
-    _, _, _, num_kv_heads, head_dim = kv_cache.shape
-    if (
-        kv_cache.device.type != "cpu"
-        or kv_cache.dtype not in _DECODE_VARIANTS
-        or query_dtype != torch.float32
-        or not kv_cache.is_contiguous()
-        or head_dim % 8
-        or num_heads % num_kv_heads
-        or num_heads * head_dim > _NATIVE_MAX_HEAD_FLOATS
-    ):
-        return None
-    suffix = _DECODE_VARIANTS[kv_cache.dtype][0]
-    lib = native.load(f"paged_decode_{suffix}", _native_decode_source(kv_cache.dtype))
-    return None if lib is None else _bind_decode_kernel(lib, suffix)
-
-
-@functools.cache
-def _bind_decode_kernel(lib: ctypes.CDLL, suffix: str) -> _NativeDecodeKernel | None:
-    """None where the library is empty (fp16 without F16C)."""
-    decode = getattr(lib, f"v1_paged_decode_{suffix}", None)
-    return None if decode is None else _NativeDecodeKernel(decode)
