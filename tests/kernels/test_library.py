@@ -27,30 +27,41 @@ print(lib._name if lib is not None else None)
 q = QuantizedWeight.quantize(torch.randn(256, 512), "q4_1")
 x = torch.randn(1, 512)
 print(not torch.equal(q.linear(x), q.linear(x, path="torch")))
+cache = sys.argv[1]
+print(sum(cache in line for line in open("/proc/self/maps")))  # files mapped from the cache
 """
 
 
 @needs_kernels
-def test_no_compiler_and_a_poisoned_cache_at_run_time(tmp_path: Path) -> None:
-    """No C compiler (CC=/bin/false, none on PATH) and an empty cache directory, or one
-    holding truncated and 0-byte libraries where v1 once cached its builds: the kernels load
-    from the package all the same, and say nothing. (v1 used to compile them on first use
-    into that cache: without a compiler every kernel fell back to torch, at INFO, and a
-    truncated library there crashed every start with SIGBUS.)"""
+@pytest.mark.parametrize("poisoned", [False, True])
+def test_no_compiler_and_a_poisoned_cache_at_run_time(tmp_path: Path, poisoned: bool) -> None:
+    """No C compiler (CC=/bin/false, none on PATH) and an empty cache directory, or a
+    shared (world-writable) one holding truncated, empty and planted libraries where v1 once
+    cached its builds: the kernels load from the package all the same, nothing is mapped
+    from the cache, and nothing is said. (v1 used to compile them on first use into that
+    cache: without a compiler every kernel fell back to torch, 12x slower, at INFO; a
+    truncated library there crashed every start with SIGBUS; a planted one was run.)"""
     cache = tmp_path / "cache"
     (cache / "kernels").mkdir(parents=True)
-    lib_file = Path(library.library()._name)
-    (cache / "kernels" / "quant_0123456789abcdef.so").write_bytes(lib_file.read_bytes()[:4096])
-    (cache / "kernels" / "elementwise_0123456789abcdef.so").write_bytes(b"")
+    if poisoned:
+        lib_file = Path(library.library()._name)
+        for name in ("quant", "paged_decode_f32", "elementwise"):
+            (cache / "kernels" / f"{name}_0123456789abcdef.so").write_bytes(
+                lib_file.read_bytes())
+        (cache / "kernels" / "quant_1123456789abcdef.so").write_bytes(
+            lib_file.read_bytes()[:4096])
+        (cache / "kernels" / "elementwise_1123456789abcdef.so").write_bytes(b"")
+        cache.chmod(0o777)
+        (cache / "kernels").chmod(0o777)
     bin_dir = tmp_path / "bin"  # PATH: no cc, gcc or clang
     bin_dir.mkdir()
     env = {**os.environ, "CC": "/bin/false", "PATH": str(bin_dir), "V1_CACHE_DIR": str(cache)}
     env.pop("V1_CPU_KERNELS", None)
-    run = subprocess.run([sys.executable, "-c", _RUN_TIME], env=env, capture_output=True,
-                         text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-c", _RUN_TIME, str(cache)], env=env,
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    name, native = run.stdout.split()
-    assert Path(name).parent == library.KERNELS_DIR and native == "True"
+    name, native, mapped = run.stdout.split()
+    assert Path(name).parent == library.KERNELS_DIR and native == "True" and mapped == "0"
     assert "WARNING" not in run.stderr, run.stderr
 
 

@@ -93,7 +93,7 @@ def _check_blocks(kind: str, blocks: torch.Tensor) -> tuple[int, int]:
         or not blocks.is_contiguous() or blocks.shape[1] % bytes_per_block
         or blocks.shape[1] == 0
     ):
-        raise ValueError(f"{kind} blocks must be contiguous uint8 [N, K / {QK} * "
+        raise ValueError(f"blocks ({kind}) must be contiguous uint8 [N, K / {QK} * "
                          f"{bytes_per_block}] on the CPU, got {blocks.dtype} "
                          f"{list(blocks.shape)} on {blocks.device}")
     return blocks.shape[0], blocks.shape[1] // bytes_per_block * QK
