@@ -153,3 +153,11 @@ def _is_whole_elf(path: Path) -> bool:
     end = int.from_bytes(shoff, order) + int.from_bytes(shentsize, order) * int.from_bytes(
         shnum, order)
     return end <= size
+
+
+if __name__ == "__main__":
+    # The variants a V1_CPU_KERNELS value would try on this machine (make sanitize's list).
+    import sys
+
+    print(" ".join(candidates(sys.argv[1] if len(sys.argv) > 1 else "", platform.machine(),
+                              cpu_flags())))
