@@ -7,7 +7,7 @@ import torch
 from v1.kernels.attention import paged_decode_kernel
 from v1.kernels.elementwise import native_ops
 from v1.kernels.library import library
-from v1.kernels.quant import kernels
+from v1.kernels.quant import QuantBlocks, kernels
 from v1.models.layers.quant import QuantizedWeight
 
 pytestmark = pytest.mark.skipif(library() is None, reason="no C kernels")
@@ -16,28 +16,41 @@ pytestmark = pytest.mark.skipif(library() is None, reason="no C kernels")
 def test_quant_linear_checks() -> None:
     q = kernels()
     blocks = QuantizedWeight.quantize(torch.randn(24, 64), "q4_1").blocks  # 24 x 40 bytes
+    w = QuantBlocks("q4_1", blocks)
     x, bias = torch.randn(3, 64), torch.randn(24)
-    assert q.linear("q4_1", blocks, x, bias).shape == (3, 24)
-    assert q.linear("q4_1", blocks, x.expand(3, 64).clone()[:, :64], None).shape == (3, 24)
+    assert q.linear(w, x, bias).shape == (3, 24)
+    assert q.linear(w, torch.randn(3, 71)[:, :64], None).shape == (3, 24)  # rows 71 apart
+
+    def with_blocks(kind: str, b: torch.Tensor):
+        return lambda: q.linear(QuantBlocks(kind, b), x, bias)
+
     bad = {
-        "kind": lambda: q.linear("q5_k", blocks, x, bias),
-        "blocks": lambda: q.linear("q4_1", blocks.view(torch.int8), x, bias),
-        "blocks ": lambda: q.linear("q4_1", blocks.t().contiguous().t(), x, bias),
-        "blocks  ": lambda: q.linear("q4_1", blocks[:, :30], x, bias),
-        "blocks   ": lambda: q.linear("q8_0", blocks, x, bias),  # 40 bytes: no q8_0 row
-        "x": lambda: q.linear("q4_1", blocks, x.double(), bias),
-        "x ": lambda: q.linear("q4_1", blocks, torch.randn(3, 32), bias),
-        "x  ": lambda: q.linear("q4_1", blocks, torch.randn(3, 64, 1), bias),
-        "x's rows": lambda: q.linear("q4_1", blocks, torch.randn(64, 3).t(), bias),
-        "bias": lambda: q.linear("q4_1", blocks, x, bias.double()),
-        "bias ": lambda: q.linear("q4_1", blocks, x, bias[:12]),
-        "bias  ": lambda: q.linear("q4_1", blocks, x, torch.randn(48)[::2]),
+        "kind": with_blocks("q5_k", blocks),
+        "blocks": with_blocks("q4_1", blocks.view(torch.int8)),
+        "blocks ": with_blocks("q4_1", blocks.t().contiguous().t()),
+        "blocks  ": with_blocks("q4_1", blocks[:, :30]),
+        "blocks   ": with_blocks("q8_0", blocks),  # 40 bytes: no whole q8_0 block
+        "x": lambda: q.linear(w, x.double(), bias),
+        "x ": lambda: q.linear(w, torch.randn(3, 32), bias),
+        "x  ": lambda: q.linear(w, torch.randn(3, 64, 1), bias),
+        "x   ": lambda: q.linear(w, torch.randn(64, 3).t(), bias),  # columns strided
+        "bias": lambda: q.linear(w, x, bias.double()),
+        "bias ": lambda: q.linear(w, x, bias[:12]),
+        "bias  ": lambda: q.linear(w, x, torch.randn(48)[::2]),
     }
     for name, call in bad.items():
         with pytest.raises(ValueError, match=f"^{name.strip()}"):
             call()
     with pytest.raises(ValueError, match="^blocks"):
-        q.dequantize("q4_1", blocks[:, :30])
+        q.dequantize(QuantBlocks("q4_1", blocks[:, :30]))
+    # Checked once, and again after a change in place.
+    w = QuantBlocks("q4_1", blocks.clone())
+    q.linear(w, x, None)
+    w.tensor.resize_(12, 40)
+    assert q.linear(w, x, None).shape == (3, 12)
+    w.tensor.set_(torch.zeros(6, 3, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="^blocks"):
+        q.linear(w, x, None)
 
 
 def test_quantized_weight_takes_strided_input_and_bias() -> None:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from v1.kernels import library
-from v1.kernels.quant import QuantKernels, kernels
+from v1.kernels.quant import QuantBlocks, QuantKernels, kernels
 from v1.models.layers import quant
 from v1.models.layers.quant import QuantizedWeight
 
@@ -140,7 +140,7 @@ def test_dense_path_dequantizes_in_c(kind: str) -> None:
     q = QuantizedWeight.quantize(weight(40, 96), kind)
     x, bias = torch.randn(130, 96), torch.randn(40)
     close(q.linear(x, bias, path="dense"), x @ q.dequantize().T + bias, x, q.dequantize())
-    w = kernels().dequantize(kind, q.blocks)
+    w = kernels().dequantize(QuantBlocks(kind, q.blocks))
     torch.testing.assert_close(w, q.dequantize(), rtol=1e-6, atol=1e-6)
 
 
@@ -185,7 +185,7 @@ def test_each_variant(variant: str) -> None:
         for m in (1, 3, 19):
             x = torch.randn(m, 96)
             for int8, path in ((False, "fp32"), (True, "int8")):
-                y = q_kernels.linear(kind, q.blocks, x, None, int8=int8)
+                y = q_kernels.linear(QuantBlocks(kind, q.blocks), x, None, int8=int8)
                 close(y, q.linear(x, path=path), x, q.dequantize())
 
 

@@ -15,9 +15,12 @@ import ctypes
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from v1.kernels.library import library
+
+_F32 = torch.float32
 
 # Cache dtype -> the entry point's suffix. fp16 needs F16C: the portable library has none,
 # and torch reads such caches.
@@ -51,6 +54,7 @@ class BoundStep:
     cache_shape: torch.Size
     tensors: tuple[torch.Tensor, ...]
     max_token: int  # the highest query row an entry reads (-1: none)
+    num_slots: int
 
 
 class PagedDecodeKernel:
@@ -71,34 +75,39 @@ class PagedDecodeKernel:
         """The step for caches shaped as `kv_cache` [2, num_blocks, B, KVH, D]: entry i reads
         query row tokens[i] and key positions [start[i], end[i]) through block-table row
         table_rows[i] of `table` (int32 [num_reqs, width]); new K/V row j goes to flat slot
-        slots[j] (negative: padding). Every index is checked against what it indexes."""
-        self._check_cache(kv_cache)
+        slots[j] (negative: padding). Every index is checked against what it indexes (in
+        numpy: on these few-element arrays, a torch reduction costs several times more)."""
+        self._check_cache(kv_cache, kv_cache.shape)
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-        if table.dtype != torch.int32 or table.dim() != 2 or not table.is_contiguous():
-            raise ValueError(f"table must be contiguous int32 [num_reqs, width], got "
+        if (
+            table.dtype is not torch.int32 or table.dim() != 2 or not table.is_contiguous()
+            or not table.is_cpu
+        ):
+            raise ValueError(f"table must be contiguous int32 [num_reqs, width] on the CPU, got "
                              f"{table.dtype} {list(table.shape)}")
         entries = (table_rows, tokens, start, end)
         n = table_rows.shape[0] if table_rows.dim() == 1 else -1
         for name, t in (*zip(("table_rows", "tokens", "start", "end"), entries),
                         ("slots", slots)):
-            if t.dtype != torch.int64 or t.dim() != 1 or t.stride(0) != 1 or not t.is_cpu or (
+            if t.dtype is not torch.int64 or t.dim() != 1 or t.stride(0) != 1 or not t.is_cpu or (
                 name != "slots" and t.shape[0] != n
             ):
                 raise ValueError(f"{name} must be contiguous int64 [{n if n >= 0 else 'R'}] "
                                  f"on the CPU, got {t.dtype} {list(t.shape)}")
         capacity = num_blocks * block_size
-        if slots.numel() and int(slots.max()) >= capacity:
-            raise ValueError(f"slot {int(slots.max())} is past the cache's {capacity} slots")
+        if slots.shape[0] and int(slots.numpy().max()) >= capacity:
+            raise ValueError(f"slot {int(slots.numpy().max())} is past the cache's {capacity} "
+                             f"slots")
         max_token = -1
         if n > 0:
-            lo, hi = (torch.stack([t.min() for t in entries]).tolist(),
-                      torch.stack([t.max() for t in entries]).tolist())
+            e = np.stack([t.numpy() for t in entries])
+            lo, hi = e.min(axis=1).tolist(), e.max(axis=1).tolist()
             if lo[0] < 0 or hi[0] >= table.shape[0]:
                 raise ValueError(f"table row {lo[0] if lo[0] < 0 else hi[0]} is outside the "
                                  f"block table's {table.shape[0]} rows")
             if lo[1] < 0:
                 raise ValueError(f"query row {lo[1]} is negative")
-            if lo[2] < 0 or bool((start > end).any()):
+            if lo[2] < 0 or (e[3] < e[2]).any():
                 raise ValueError("key positions must satisfy 0 <= start <= end")
             # The kernel reads blocks through the table unchecked: a row too short for a
             # sequence, or a block id outside the cache, would read past them.
@@ -106,7 +115,8 @@ class PagedDecodeKernel:
                 raise ValueError(f"{hi[3]} keys need more than the block table's "
                                  f"{table.shape[1]} blocks of {block_size}")
             if table.numel():
-                t_lo, t_hi = (int(x) for x in torch.aminmax(table))
+                ids = table.numpy()
+                t_lo, t_hi = int(ids.min()), int(ids.max())
                 if t_lo < 0 or t_hi >= num_blocks:
                     raise ValueError(f"block id {t_lo if t_lo < 0 else t_hi} is outside the "
                                      f"cache's {num_blocks} blocks")
@@ -117,7 +127,7 @@ class PagedDecodeKernel:
             num_kv_heads, head_dim, block_size, kv_cache[0].numel(), torch.get_num_threads(),
         )
         return BoundStep(struct, ctypes.addressof(struct), kv_cache.shape,
-                         (table, *entries, slots), max_token)
+                         (table, *entries, slots), max_token, slots.shape[0])
 
     def __call__(
         self, step: BoundStep, query: torch.Tensor | None, kv_cache: torch.Tensor,
@@ -127,50 +137,49 @@ class PagedDecodeKernel:
         """Attend the step's entries (query [T, H, D] fp32 into out, same shape, and lse
         [T, H] if given; query None: none), after storing key / value (fp32 [n, KVH, D],
         n >= the step's slots) at the step's slots if given: in one call, as a layer's call
-        costs more than its work at batch 1."""
-        if kv_cache.shape != step.cache_shape:
-            raise ValueError(f"kv_cache {list(kv_cache.shape)} is not the shape the step was "
-                             f"bound for, {list(step.cache_shape)}")
-        self._check_cache(kv_cache)
-        kv_row_shape = kv_cache.shape[3:]
+        costs more than its work at batch 1. (Each shape is read once: on a loaded machine
+        one `t.shape` costs ~0.2 us, and a batch-1 layer's attention ~10.)"""
+        self._check_cache(kv_cache, step.cache_shape)
+        _, _, _, num_kv_heads, head_dim = step.cache_shape
         k_row = v_row = 0
         if key is not None or value is not None:
             if key is None or value is None:
                 raise ValueError("key and value go together")
             for name, t in (("key", key), ("value", value)):
                 # It copies the cache's KVH * D values per row: other rows would be read past.
-                if t.dtype != torch.float32 or t.dim() != 3 or t.shape[1:] != kv_row_shape or (
-                    t.shape[0] < step.struct.num_slots
+                shape = t.shape
+                if t.dtype is not _F32 or not t.is_cpu or len(shape) != 3 or (
+                    shape[1] != num_kv_heads or shape[2] != head_dim
+                    or shape[0] < step.num_slots
                 ):
-                    raise ValueError(f"{name} must be fp32 [>= {step.struct.num_slots}, "
-                                     f"{', '.join(map(str, kv_row_shape))}], got {t.dtype} "
-                                     f"{list(t.shape)}")
-            key, value = rows_contiguous(key), rows_contiguous(value)
+                    raise ValueError(f"{name} must be fp32 [>= {step.num_slots}, "
+                                     f"{num_kv_heads}, {head_dim}], got {t.dtype} {list(shape)}")
+            key, value = rows_contiguous(key, head_dim), rows_contiguous(value, head_dim)
             k_row, v_row = key.stride(0), value.stride(0)
         num_heads = q_row = out_row = 0
         if query is not None:
-            num_kv_heads, head_dim = kv_row_shape
-            if (
-                query.dtype != torch.float32 or query.dim() != 3 or query.shape[2] != head_dim
-                or query.shape[1] % num_kv_heads or query.shape[1] * head_dim > MAX_HEAD_FLOATS
-                or query.shape[0] <= step.max_token
+            shape = query.shape
+            if query.dtype is not _F32 or not query.is_cpu or len(shape) != 3 or (
+                shape[2] != head_dim or shape[1] % num_kv_heads
+                or shape[1] * head_dim > MAX_HEAD_FLOATS or shape[0] <= step.max_token
             ):
                 raise ValueError(f"query must be fp32 [> {step.max_token}, a multiple of "
                                  f"{num_kv_heads} heads, {head_dim}], got {query.dtype} "
-                                 f"{list(query.shape)}")
-            if out is None or out.dtype != torch.float32 or out.shape != query.shape or (
-                out.stride(2) != 1 or out.stride(1) != head_dim
-            ):
-                raise ValueError(f"out must be fp32 {list(query.shape)} with contiguous rows, "
-                                 f"got {None if out is None else (out.dtype, out.stride())}")
+                                 f"{list(shape)}")
+            if out is None or out.dtype is not _F32 or not out.is_cpu or out.shape != shape:
+                raise ValueError(f"out must be fp32 {list(shape)} on the CPU, got "
+                                 f"{None if out is None else (out.dtype, list(out.shape))}")
+            out_strides = out.stride()
+            if out_strides[2] != 1 or out_strides[1] != head_dim:
+                raise ValueError(f"out must have contiguous rows, got strides {out_strides}")
             if lse is not None and (
-                lse.dtype != torch.float32 or lse.shape != query.shape[:2]
+                lse.dtype is not _F32 or not lse.is_cpu or lse.shape != shape[:2]
                 or not lse.is_contiguous()
             ):
-                raise ValueError(f"lse must be contiguous fp32 {list(query.shape[:2])}, got "
+                raise ValueError(f"lse must be contiguous fp32 {list(shape[:2])}, got "
                                  f"{lse.dtype} {list(lse.shape)}")
-            query = rows_contiguous(query)
-            num_heads, q_row, out_row = query.shape[1], query.stride(0), out.stride(0)
+            query = rows_contiguous(query, head_dim)
+            num_heads, q_row, out_row = shape[1], query.stride(0), out_strides[0]
         self._decode(
             step.address, _address(query), q_row, num_heads, _address(key), k_row,
             _address(value), v_row, kv_cache.data_ptr(), scale,
@@ -178,21 +187,25 @@ class PagedDecodeKernel:
             _address(lse) if query is not None else None,
         )
 
-    def _check_cache(self, kv_cache: torch.Tensor) -> None:
+    def _check_cache(self, kv_cache: torch.Tensor, shape: torch.Size) -> None:
+        """`kv_cache` contiguous, of this kernel's dtype and of `shape` [2, num_blocks,
+        block_size, kv_heads, head_size % 8 == 0], on the CPU."""
         if (
-            kv_cache.dtype != self.kv_dtype or kv_cache.dim() != 5 or kv_cache.shape[0] != 2
-            or not kv_cache.is_contiguous() or not kv_cache.is_cpu or kv_cache.shape[4] % 8
+            kv_cache.dtype is not self.kv_dtype or not kv_cache.is_cpu
+            or not kv_cache.is_contiguous() or kv_cache.shape != shape
+            or len(shape) != 5 or shape[0] != 2 or shape[4] % 8
         ):
-            raise ValueError(f"kv_cache must be contiguous {self.kv_dtype} [2, num_blocks, "
-                             f"block_size, kv_heads, head_size % 8 == 0] on the CPU, got "
-                             f"{kv_cache.dtype} {list(kv_cache.shape)}")
+            raise ValueError(f"kv_cache must be contiguous {self.kv_dtype} {list(shape)} "
+                             f"[2, num_blocks, block_size, kv_heads, head_size % 8 == 0] on "
+                             f"the CPU, got {kv_cache.dtype} {list(kv_cache.shape)}")
 
 
-def rows_contiguous(x: torch.Tensor) -> torch.Tensor:
-    """`x` [n, heads, d] with each row's heads * d values contiguous (rows may be strided,
-    as the query's and key's are in the fused q | k | v projection), copied if they are
-    not."""
-    if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+def rows_contiguous(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """`x` [n, heads, head_dim] with each row's heads * head_dim values contiguous (rows may
+    be strided, as the query's and key's are in the fused q | k | v projection), copied if
+    they are not."""
+    strides = x.stride()
+    if strides[2] != 1 or strides[1] != head_dim:
         return x.contiguous()
     return x
 

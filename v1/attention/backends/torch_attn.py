@@ -565,7 +565,7 @@ def paged_attention(
     it never lets a slot past a sequence's end change the result."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     # Contiguous whatever the query's strides (empty_like would keep a permuted query's).
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    out = query.new_empty(*query.shape)
     lse = None
     if plan.groups:
         lse = torch.empty(query.shape[0], num_heads, dtype=torch.float32, device=query.device)

@@ -71,7 +71,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from v1.kernels.quant import BLOCK_BYTES, QK, kernels
+from v1.kernels.quant import BLOCK_BYTES, QK, QuantBlocks, kernels
 from v1.models.layers.onednn import ONEDNN_LINEAR, onednn_linear
 
 # How `linear` multiplies on CPU: "fp32" (blocks dequantized in registers, fp32 activations),
@@ -101,7 +101,7 @@ DENSE_MIN_ROWS: int | None = 256
 class QuantizedWeight:
     """A [out_features, in_features] weight as GGUF blocks (uint8 [out, in / 32 * bytes])."""
 
-    __slots__ = ("kind", "out_features", "in_features", "blocks")
+    __slots__ = ("kind", "out_features", "in_features", "blocks", "_kernel_blocks")
 
     def __init__(self, kind: str, blocks: torch.Tensor, out_features: int, in_features: int):
         if kind not in BLOCK_BYTES:
@@ -120,6 +120,7 @@ class QuantizedWeight:
         self.out_features = out_features
         self.in_features = in_features
         self.blocks = blocks.contiguous()
+        self._kernel_blocks: QuantBlocks | None = None  # `blocks`, as the kernels take them
 
     @classmethod
     def quantize(cls, w: torch.Tensor, kind: str = "q8_0") -> "QuantizedWeight":
@@ -186,15 +187,18 @@ class QuantizedWeight:
             return F.linear(x, self.dequantize().to(x.dtype), bias)
         if bias is not None:
             bias = bias.contiguous()
+        kb = self._kernel_blocks
+        if kb is None or kb.tensor is not self.blocks:  # `blocks` may have been replaced
+            kb = self._kernel_blocks = QuantBlocks(self.kind, self.blocks)
         if path == "dense":
-            w = q.dequantize(self.kind, self.blocks)
+            w = q.dequantize(kb)
             if ONEDNN_LINEAR:
                 return onednn_linear(x, w, bias, self.out_features)
             return F.linear(x, w, bias)
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        out = q.linear(self.kind, self.blocks, rows, bias, int8=path == "int8")
+        out = q.linear(kb, rows, bias, int8=path == "int8")
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
 
     def __repr__(self) -> str:
