@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from tests.attention.test_torch_attn import GQA, SCENARIOS, Batch
-from v1.attention.backends import torch_attn
+from v1.attention.backends import torch_plan
 from v1.attention.backends.abstract import kv_cache_shape
 from v1.attention.backends.torch_attn import (
-    AttentionPlan,
     paged_attention_reference,
     write_kv_cache,
 )
+from v1.attention.backends.torch_plan import AttentionPlan
 from v1.config import KV_CACHE_DTYPES, CacheConfig, EngineArgs, SchedulerConfig
 from v1.entrypoints.llm import LLM
 from v1.kernels.attention import paged_decode_kernel
@@ -39,7 +39,7 @@ def path(request, monkeypatch):
     """Decodes and short prefills through the C kernel, or everything through torch."""
     if request.param == "sdpa":
         monkeypatch.setenv("V1_CPU_KERNELS", "0")
-    monkeypatch.setattr(torch_attn, "MIN_CASCADE_SAVING", 0)  # cascade the short prefixes
+    monkeypatch.setattr(torch_plan, "MIN_CASCADE_SAVING", 0)  # cascade the short prefixes
     return request.param
 
 

@@ -7,14 +7,15 @@ import numpy as np
 import pytest
 import torch
 
-from v1.attention.backends import torch_attn
+from v1.attention.backends import torch_attn, torch_plan
 from v1.attention.backends.abstract import AttentionMetadata, kv_cache_shape
 from v1.attention.backends.torch_attn import (
-    AttentionPlan,
     TorchAttentionImpl,
     paged_attention_reference,
     write_kv_cache,
+    write_step_kv,
 )
+from v1.attention.backends.torch_plan import AttentionPlan
 from v1.kernels.attention import PagedDecodeKernel, paged_decode_kernel
 
 ATOL, RTOL = 2e-5, 1e-5
@@ -172,7 +173,7 @@ def decode_impl(request, monkeypatch):
 @pytest.fixture
 def always_cascade(monkeypatch):
     """Cascade any shared prefix, however small the saving (the tests' prefixes are short)."""
-    monkeypatch.setattr(torch_attn, "MIN_CASCADE_SAVING", 0)
+    monkeypatch.setattr(torch_plan, "MIN_CASCADE_SAVING", 0)
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
@@ -229,7 +230,7 @@ def test_big_decode_gathers_are_split(monkeypatch):
     monkeypatch.setenv("V1_CPU_KERNELS", "0")  # the SDPA path
     batch = Batch(*SCENARIOS["decode"], 9, 3, 64, 16)
     block_bytes = batch.kv_cache[:, 0].nbytes
-    monkeypatch.setattr(torch_attn, "MAX_GATHER_BYTES", 3 * block_bytes * 3)
+    monkeypatch.setattr(torch_plan, "MAX_GATHER_BYTES", 3 * block_bytes * 3)
     calls = AttentionPlan.build(batch.metadata, 16, block_bytes).decodes
     assert [(c.rows.start, c.rows.stop) for c in calls] == [(0, 3), (3, 5)]  # 3 blocks each
     out, _ = batch.run_fast(0.125)
@@ -370,7 +371,7 @@ def test_native_write_stores_what_the_torch_write_stores(dtype, monkeypatch):
         raise AssertionError("the cache write went through torch")
 
     monkeypatch.setattr(torch.Tensor, "index_copy_", no_index_copy)
-    plan.write_kv_cache(key, value, cache, md.slot_mapping)
+    write_step_kv(plan, key, value, cache, md.slot_mapping)
     nan = expected.isnan()
     assert nan.any() and torch.equal(cache.isnan(), nan)
     bits = torch.int32 if dtype == torch.float32 else torch.int16
@@ -386,7 +387,7 @@ def test_native_write_checks_its_input():
         pytest.skip("the native decode kernel is not available (no C compiler?)")
     md = batch.metadata
     with pytest.raises(ValueError, match=r"key must be fp32 \[>= 5, 3, 64\], got .* \[4, 3, 64\]"):
-        plan.write_kv_cache(batch.key[:4], batch.value[:4], batch.kv_cache, md.slot_mapping)
+        write_step_kv(plan, batch.key[:4], batch.value[:4], batch.kv_cache, md.slot_mapping)
     capacity = batch.kv_cache.shape[1] * 16
     past = AttentionMetadata(
         md.num_actual_tokens, md.max_query_len, md.max_seq_len, md.query_start_loc,
@@ -395,12 +396,12 @@ def test_native_write_checks_its_input():
     )
     plan = AttentionPlan.for_step(past, batch.kv_cache, 9)
     with pytest.raises(ValueError, match=f"slot {capacity} is past the cache's {capacity} "):
-        plan.write_kv_cache(batch.key, batch.value, batch.kv_cache, past.slot_mapping)
+        write_step_kv(plan, batch.key, batch.value, batch.kv_cache, past.slot_mapping)
     # Rows of another (kv heads, head size) than the cache's: it would read past the rows.
     plan = AttentionPlan.for_step(md, batch.kv_cache, 9)
     key = batch.key[:, :1].contiguous()
     with pytest.raises(ValueError, match=r"key must be fp32 \[>= 5, 3, 64\], got .* \[5, 1, 64\]"):
-        plan.write_kv_cache(key, key, batch.kv_cache, md.slot_mapping)
+        write_step_kv(plan, key, key, batch.kv_cache, md.slot_mapping)
 
 
 

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.attention.test_torch_attn import ATOL, RTOL, SCENARIOS, Batch
-from v1.attention.backends.torch_attn import AttentionPlan, TorchAttentionImpl
+from v1.attention.backends.torch_attn import TorchAttentionImpl
+from v1.attention.backends.torch_plan import AttentionPlan
 from v1.kernels.elementwise import native_ops
 from v1.kernels.library import library
 from v1.models.layers.quant import QuantizedWeight

@@ -12,11 +12,11 @@ from tests.attention.test_torch_attn import ATOL, RTOL, Batch
 from tests.worker.test_quant_kernels import int8_activations
 from v1.attention.backends.abstract import AttentionMetadata
 from v1.attention.backends.torch_attn import (
-    AttentionPlan,
     TorchAttentionImpl,
     paged_attention_reference,
     write_kv_cache,
 )
+from v1.attention.backends.torch_plan import AttentionPlan
 from v1.kernels.elementwise import native_ops
 from v1.kernels.library import library
 from v1.models.layers.ops import TorchOps

@@ -64,9 +64,9 @@ from v1.engine.exceptions import (  # noqa: E402
     EngineDeadError,
     error_from_remote,
 )
+from v1.models.loader import LoadedModel, load_tokenizer  # noqa: E402
 from v1.outputs import EngineCoreOutputs, SchedulerStats  # noqa: E402
 from v1.request import EngineCoreRequest  # noqa: E402
-from v1.worker.model_loader import LoadedModel, load_tokenizer  # noqa: E402
 
 logger = logging.getLogger("v1")
 

@@ -56,7 +56,7 @@ from v1.entrypoints.openai.protocol import (
 )
 from v1.entrypoints.openai.serving import ModelNotFoundError, OpenAIServing, error_for
 from v1.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
-from v1.worker.model_loader import resolve_model
+from v1.models.loader import resolve_model
 
 T = TypeVar("T")
 
