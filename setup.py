@@ -107,7 +107,14 @@ class BuildKernels(build_ext):
 
     def _run(self, cmd: list[str]) -> None:
         self.announce(" ".join(cmd), level=2)  # shown unless -q
-        subprocess.run(cmd, check=True)
+        try:
+            subprocess.run(cmd, check=True)
+        except FileNotFoundError as e:
+            raise SystemExit(
+                f"no C compiler ({e.filename}): v1's kernels are compiled when it is "
+                "installed; set CC, or V1_KERNELS_BUILD=none to install without them "
+                "(every kernel then runs in torch, several times slower)"
+            ) from e
 
 
 setup(
