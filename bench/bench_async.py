@@ -22,8 +22,8 @@ import torch
 
 from v1.engine.core import resolve_device_and_dtype
 from v1.entrypoints.llm import LLM
+from v1.models.loader import load_model
 from v1.sampling_params import SamplingParams
-from v1.worker.model_loader import load_model
 from v1.worker.model_runner import attention_impl_for
 
 

@@ -135,8 +135,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from v1.entrypoints.llm import LLM
+    from v1.models.loader import hf_dir_of, load_tokenizer, resolve_model
     from v1.sampling_params import SamplingParams
-    from v1.worker.model_loader import hf_dir_of, load_tokenizer, resolve_model
 
     model_path = resolve_model(args.model)
     tokenizer = load_tokenizer(hf_dir_of(model_path))

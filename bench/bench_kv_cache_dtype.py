@@ -44,7 +44,8 @@ from bench_throughput import (
 )
 
 from v1.attention.backends.abstract import AttentionMetadata, kv_cache_shape
-from v1.attention.backends.torch_attn import AttentionPlan, paged_attention
+from v1.attention.backends.torch_attn import paged_attention
+from v1.attention.backends.torch_plan import AttentionPlan
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -186,7 +186,7 @@ def run_llamacpp(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[fl
     prompt shares with what it evaluated last (reset=True does that, despite the name)."""
     from llama_cpp import Llama
 
-    from v1.worker.model_loader import resolve_model
+    from v1.models.loader import resolve_model
 
     path = resolve_model(args.model)
     if path.suffix != ".gguf":

@@ -35,6 +35,7 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import environment, print_table, time_call, write_outputs  # noqa: E402
+from v1.kernels.quant import kernels  # noqa: E402
 from v1.models.layers import quant  # noqa: E402
 from v1.models.layers.linear import PackedWeight  # noqa: E402
 
@@ -103,8 +104,8 @@ def main() -> None:
     parser.add_argument("--sample-ms", type=float, default=15.0, help="time per sample")
     parser.add_argument("--out", default=None, help="directory for quant_kernels.json/.txt/.png")
     args = parser.parse_args()
-    if quant._kernels() is None:
-        raise SystemExit("the C kernels are unavailable (no compiler, or V1_CPU_KERNELS=0)")
+    if kernels() is None:
+        raise SystemExit("the C kernels are unavailable (not built, or V1_CPU_KERNELS=0)")
     torch.manual_seed(0)
     rows_list = [int(r) for r in args.rows.split(",")]
     results = []
@@ -138,7 +139,7 @@ def main() -> None:
     with redirect_stdout(text):
         print("ms per call (median of paired rounds) and ratio to fp32 oneDNN prepacked; "
               f"threads {torch.get_num_threads()}, int8 dot products: "
-              f"{quant._kernels().int8_isa}")
+              f"{kernels().int8_isa}")
         print_table(["shape", "M", *(f"{k} ms" for k in KERNELS),
                      *(f"{k}/onednn" for k in QUANT_KERNELS)], table)
         print("\nmodel in the GGUF's kinds (q4_1 layers, q8_0 head), ms per step / vs oneDNN:")
@@ -146,7 +147,7 @@ def main() -> None:
             if r["shape"] == "model_gguf":
                 print(f"  M={r['rows']:3d} {r['path']:5s} {r['ms']:9.3f} ms  {r['vs_onednn']:.3f}")
     print(text.getvalue(), end="")
-    summary = {"bench": "quant_kernels", "int8_isa": quant._kernels().int8_isa,
+    summary = {"bench": "quant_kernels", "int8_isa": kernels().int8_isa,
                "int8_min_rows": quant.INT8_MIN_ROWS, **environment(), "results": results}
     print(json.dumps(summary))
     if args.out:

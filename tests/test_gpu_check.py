@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
+from v1.models import loader as model_loader
 from v1.tools import gpu_check, wheels
-from v1.worker import model_loader
 
 # As tests/attention/conftest.py: Triton decides when the ops are first imported.
 if not torch.cuda.is_available():

@@ -10,7 +10,6 @@ from v1.config import EngineArgs
 from v1.limits import (
     InputLimits,
     check_json_spec,
-    check_structured_outputs,
     check_text,
     max_chars_per_token,
 )
@@ -72,7 +71,7 @@ def test_json_schema_size() -> None:
 )
 def test_structured_outputs_limits(spec: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        check_structured_outputs(StructuredOutputsParams(**spec), LIMITS)
+        StructuredOutputsParams(**spec).check_limits(LIMITS)
 
 
 def test_lone_surrogates_are_refused() -> None:

@@ -27,7 +27,7 @@ GENERATION_CONFIG_DEFAULTS = {
 # data_parallel_routing; v1.engine.dp_router).
 DP_ROUTING_POLICIES = ("affinity", "round_robin", "least_loaded")
 
-# quantization's choices (EngineArgs; v1.worker.model_loader): "gguf" runs a GGUF file's Q4_1 /
+# quantization's choices (EngineArgs; v1.models.loader): "gguf" runs a GGUF file's Q4_1 /
 # Q8_0 blocks as stored, "int8" quantizes a float checkpoint's weight matrices to Q8_0 at load.
 QUANTIZATION_METHODS = ("gguf", "int8")
 
@@ -140,7 +140,7 @@ class EngineArgs:
     # the tokens in the same kv_cache_memory); attention reads it back into fp32.
     kv_cache_dtype: str = "auto"
     # Quantized weights (vLLM's option), CPU only: None (float weights, a GGUF's dequantized:
-    # v1/worker/model_loader.py says why that is still the default), or one of
+    # v1/models/loader.py says why that is still the default), or one of
     # QUANTIZATION_METHODS.
     quantization: str | None = None
     seed: int = 0

@@ -14,10 +14,7 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, NoReturn
-
-if TYPE_CHECKING:
-    from v1.sampling_params import StructuredOutputsParams
+from typing import Any, NoReturn
 
 # The range of the integers the engine core's msgpack messages (and torch) carry.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -142,34 +139,6 @@ def _too_deep(what: str, limits: InputLimits) -> NoReturn:
         f"{what} nests more than max_json_schema_depth ({limits.max_json_schema_depth}) "
         "levels of JSON objects and arrays"
     )
-
-
-def check_structured_outputs(params: "StructuredOutputsParams", limits: InputLimits) -> None:
-    """The size (and, for JSON, the depth) limits of whichever spec `params` holds."""
-    if params.json is not None:
-        check_json_spec(params.json, "structured_outputs.json", limits)
-    elif params.structural_tag is not None:
-        check_json_spec(params.structural_tag, "structured_outputs.structural_tag", limits)
-    elif params.choice is not None:
-        if len(params.choice) > limits.max_structured_output_choices:
-            raise ValueError(
-                f"structured_outputs.choice has {len(params.choice)} strings, more than "
-                f"max_structured_output_choices ({limits.max_structured_output_choices})"
-            )
-        _check_spec_len(sum(map(len, params.choice)), "structured_outputs.choice", limits)
-    else:
-        for name in ("regex", "grammar"):
-            spec = getattr(params, name)
-            if spec is not None:
-                _check_spec_len(len(spec), f"structured_outputs.{name}", limits)
-
-
-def _check_spec_len(length: int, what: str, limits: InputLimits) -> None:
-    if length > limits.max_structured_output_len:
-        raise ValueError(
-            f"{what} has {length} characters, more than max_structured_output_len "
-            f"({limits.max_structured_output_len})"
-        )
 
 
 # The most a normalizer can shrink a text by: NFC and NFKC compose what NFD and NFKD (which

@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 from typing import Any
 
-from v1.limits import INT64_MAX, INT64_MIN, check_text
+from v1.limits import INT64_MAX, INT64_MIN, InputLimits, check_json_spec, check_text
 
 _GREEDY_EPS = 1e-5
 _INF = float("inf")
@@ -40,6 +40,33 @@ class StructuredOutputsParams:
             and all(isinstance(c, str) and c for c in self.choice)
         ):
             raise ValueError(f"choice must be a list of non-empty strings, got {self.choice!r}")
+
+    def check_limits(self, limits: InputLimits) -> None:
+        """The size (and, for JSON, the depth) limits of whichever spec this holds."""
+        if self.json is not None:
+            check_json_spec(self.json, "structured_outputs.json", limits)
+        elif self.structural_tag is not None:
+            check_json_spec(self.structural_tag, "structured_outputs.structural_tag", limits)
+        elif self.choice is not None:
+            if len(self.choice) > limits.max_structured_output_choices:
+                raise ValueError(
+                    f"structured_outputs.choice has {len(self.choice)} strings, more than "
+                    f"max_structured_output_choices ({limits.max_structured_output_choices})"
+                )
+            _check_spec_len(sum(map(len, self.choice)), "structured_outputs.choice", limits)
+        else:
+            for name in ("regex", "grammar"):
+                spec = getattr(self, name)
+                if spec is not None:
+                    _check_spec_len(len(spec), f"structured_outputs.{name}", limits)
+
+
+def _check_spec_len(length: int, what: str, limits: InputLimits) -> None:
+    if length > limits.max_structured_output_len:
+        raise ValueError(
+            f"{what} has {length} characters, more than max_structured_output_len "
+            f"({limits.max_structured_output_len})"
+        )
 
 
 @dataclass(slots=True)

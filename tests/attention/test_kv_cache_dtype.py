@@ -10,21 +10,21 @@ a greedy run of the real model, and the Triton kernels (16-bit cache, fp32 queri
 backends' writes into fp16 saturate at +-65504 (an inf key would make attention NaN).
 """
 
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.attention.test_torch_attn import GQA, SCENARIOS, Batch
-from v1.attention.backends import torch_attn
+from v1.attention.backends import torch_plan
 from v1.attention.backends.abstract import kv_cache_shape
 from v1.attention.backends.torch_attn import (
-    AttentionPlan,
     paged_attention_reference,
     write_kv_cache,
 )
+from v1.attention.backends.torch_plan import AttentionPlan
 from v1.config import KV_CACHE_DTYPES, CacheConfig, EngineArgs, SchedulerConfig
 from v1.entrypoints.llm import LLM
+from v1.kernels.attention import paged_decode_kernel
 from v1.sampling_params import SamplingParams
 from v1.worker.model_runner import _DEFAULT_CPU_KV_CACHE_BYTES, ModelRunner
 
@@ -39,7 +39,7 @@ def path(request, monkeypatch):
     """Decodes and short prefills through the C kernel, or everything through torch."""
     if request.param == "sdpa":
         monkeypatch.setenv("V1_CPU_KERNELS", "0")
-    monkeypatch.setattr(torch_attn, "MIN_CASCADE_SAVING", 0)  # cascade the short prefixes
+    monkeypatch.setattr(torch_plan, "MIN_CASCADE_SAVING", 0)  # cascade the short prefixes
     return request.param
 
 
@@ -53,24 +53,18 @@ def round_kv(batch: Batch, dtype: torch.dtype) -> None:
     batch.full_v = [r(v) for v in batch.full_v]
 
 
-def cpu_has_f16c() -> bool:
-    try:
-        return " f16c" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
 def check_kernel_serves(batch: Batch, cache: torch.Tensor, path: str, window: int | None):
     """Under "native", the step's decodes go to the C kernel for this 16-bit cache (where
-    the machine can build it); under "sdpa", to torch."""
+    the library has one); under "sdpa", to torch."""
     plan = AttentionPlan.for_step(batch.metadata, cache, batch.query.shape[1], window)
     if path == "sdpa":
         assert plan.native is None
         return
-    if torch_attn.native_decode_kernel(torch.zeros(kv_cache_shape(1, 16, 1, 64)), 1) is None:
-        pytest.skip("no C kernels here (no C compiler?)")
-    if cache.dtype == torch.float16 and not cpu_has_f16c():
-        pytest.skip("this CPU has no F16C: fp16 caches are read by torch")
+    if paged_decode_kernel(torch.zeros(kv_cache_shape(1, 16, 1, 64)), 1) is None:
+        pytest.skip("no C kernels here (V1_CPU_KERNELS=0?)")
+    if paged_decode_kernel(torch.zeros(kv_cache_shape(1, 16, 1, 64), dtype=cache.dtype),
+                           1) is None:
+        pytest.skip("no kernel for this cache dtype in this library (fp16 needs F16C)")
     assert plan.native is not None or not any(q == 1 for q, _, _ in batch.reqs)
 
 

@@ -7,14 +7,16 @@ import numpy as np
 import pytest
 import torch
 
-from v1.attention.backends import torch_attn
+from v1.attention.backends import torch_attn, torch_plan
 from v1.attention.backends.abstract import AttentionMetadata, kv_cache_shape
 from v1.attention.backends.torch_attn import (
-    AttentionPlan,
     TorchAttentionImpl,
     paged_attention_reference,
     write_kv_cache,
+    write_step_kv,
 )
+from v1.attention.backends.torch_plan import AttentionPlan
+from v1.kernels.attention import PagedDecodeKernel, paged_decode_kernel
 
 ATOL, RTOL = 2e-5, 1e-5
 
@@ -161,7 +163,7 @@ def lse_impl(request, monkeypatch):
 def decode_impl(request, monkeypatch):
     """Decodes through the C kernel (skipped without a C compiler) or through SDPA."""
     if request.param == "native":
-        if torch_attn.native_decode_kernel(torch.zeros(kv_cache_shape(1, 16, 3, 64)), 9) is None:
+        if paged_decode_kernel(torch.zeros(kv_cache_shape(1, 16, 3, 64)), 9) is None:
             pytest.skip("the native decode kernel is not available (no C compiler?)")
     else:
         monkeypatch.setenv("V1_CPU_KERNELS", "0")
@@ -171,7 +173,7 @@ def decode_impl(request, monkeypatch):
 @pytest.fixture
 def always_cascade(monkeypatch):
     """Cascade any shared prefix, however small the saving (the tests' prefixes are short)."""
-    monkeypatch.setattr(torch_attn, "MIN_CASCADE_SAVING", 0)
+    monkeypatch.setattr(torch_plan, "MIN_CASCADE_SAVING", 0)
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
@@ -228,7 +230,7 @@ def test_big_decode_gathers_are_split(monkeypatch):
     monkeypatch.setenv("V1_CPU_KERNELS", "0")  # the SDPA path
     batch = Batch(*SCENARIOS["decode"], 9, 3, 64, 16)
     block_bytes = batch.kv_cache[:, 0].nbytes
-    monkeypatch.setattr(torch_attn, "MAX_GATHER_BYTES", 3 * block_bytes * 3)
+    monkeypatch.setattr(torch_plan, "MAX_GATHER_BYTES", 3 * block_bytes * 3)
     calls = AttentionPlan.build(batch.metadata, 16, block_bytes).decodes
     assert [(c.rows.start, c.rows.stop) for c in calls] == [(0, 3), (3, 5)]  # 3 blocks each
     out, _ = batch.run_fast(0.125)
@@ -316,16 +318,16 @@ def test_lone_decode_is_one_kernel_call(monkeypatch):
     """At batch 1 a layer's attention (the cache write included) is one call of the C
     kernel: the call, not its work, was most of what it cost."""
     batch = Batch(*SCENARIOS["lone-decode"], 9, 3, 64, 16)
-    if torch_attn.native_decode_kernel(batch.kv_cache, 9) is None:
+    if paged_decode_kernel(batch.kv_cache, 9) is None:
         pytest.skip("the native decode kernel is not available (no C compiler?)")
     calls = []
-    call = torch_attn._NativeDecodeKernel.__call__
+    call = PagedDecodeKernel.__call__
 
     def counted(*args, **kwargs):
-        calls.append(args[1])  # the query (None: only a write)
+        calls.append(args[2])  # the query (None: only a write)
         return call(*args, **kwargs)
 
-    monkeypatch.setattr(torch_attn._NativeDecodeKernel, "__call__", counted)
+    monkeypatch.setattr(PagedDecodeKernel, "__call__", counted)
     monkeypatch.setattr(torch.Tensor, "index_copy_", None)  # the torch write would fail
     out, cache = batch.run_fast(0.125)
     assert len(calls) == 1 and calls[0] is batch.query
@@ -369,7 +371,7 @@ def test_native_write_stores_what_the_torch_write_stores(dtype, monkeypatch):
         raise AssertionError("the cache write went through torch")
 
     monkeypatch.setattr(torch.Tensor, "index_copy_", no_index_copy)
-    plan.write_kv_cache(key, value, cache, md.slot_mapping)
+    write_step_kv(plan, key, value, cache, md.slot_mapping)
     nan = expected.isnan()
     assert nan.any() and torch.equal(cache.isnan(), nan)
     bits = torch.int32 if dtype == torch.float32 else torch.int16
@@ -384,8 +386,8 @@ def test_native_write_checks_its_input():
     if plan.native is None:
         pytest.skip("the native decode kernel is not available (no C compiler?)")
     md = batch.metadata
-    with pytest.raises(ValueError, match="4 key / 4 value rows for 5 slots"):
-        plan.write_kv_cache(batch.key[:4], batch.value[:4], batch.kv_cache, md.slot_mapping)
+    with pytest.raises(ValueError, match=r"key must be fp32 \[>= 5, 3, 64\], got .* \[4, 3, 64\]"):
+        write_step_kv(plan, batch.key[:4], batch.value[:4], batch.kv_cache, md.slot_mapping)
     capacity = batch.kv_cache.shape[1] * 16
     past = AttentionMetadata(
         md.num_actual_tokens, md.max_query_len, md.max_seq_len, md.query_start_loc,
@@ -394,12 +396,12 @@ def test_native_write_checks_its_input():
     )
     plan = AttentionPlan.for_step(past, batch.kv_cache, 9)
     with pytest.raises(ValueError, match=f"slot {capacity} is past the cache's {capacity} "):
-        plan.write_kv_cache(batch.key, batch.value, batch.kv_cache, past.slot_mapping)
+        write_step_kv(plan, batch.key, batch.value, batch.kv_cache, past.slot_mapping)
     # Rows of another (kv heads, head size) than the cache's: it would read past the rows.
     plan = AttentionPlan.for_step(md, batch.kv_cache, 9)
     key = batch.key[:, :1].contiguous()
-    with pytest.raises(ValueError, match=r"key \(5, 1, 64\) .* head size\) \(3, 64\)"):
-        plan.write_kv_cache(key, key, batch.kv_cache, md.slot_mapping)
+    with pytest.raises(ValueError, match=r"key must be fp32 \[>= 5, 3, 64\], got .* \[5, 1, 64\]"):
+        write_step_kv(plan, key, key, batch.kv_cache, md.slot_mapping)
 
 
 
@@ -408,7 +410,7 @@ def test_native_kernel_checks_the_block_table(scenario):
     """A block table too narrow for a sequence, or naming a block outside the cache, is a
     ValueError: the kernel reads blocks through it unchecked, so would read past them."""
     batch = Batch(*SCENARIOS[scenario], 9, 3, 64, 16)
-    if torch_attn.native_decode_kernel(batch.kv_cache, 9) is None:
+    if paged_decode_kernel(batch.kv_cache, 9) is None:
         pytest.skip("the native decode kernel is not available (no C compiler?)")
     md, num_blocks = batch.metadata, batch.kv_cache.shape[1]
     longest = int(md.seq_lens_cpu.max())
@@ -431,7 +433,7 @@ def test_strided_cache_gets_its_own_plan():
     does not reuse that layer's plan: the C kernel, which would address (and write) it as
     contiguous, does not serve it."""
     batch = Batch(*SCENARIOS["decode"], 9, 3, 64, 16)
-    if torch_attn.native_decode_kernel(batch.kv_cache, 9) is None:
+    if paged_decode_kernel(batch.kv_cache, 9) is None:
         pytest.skip("the native decode kernel is not available (no C compiler?)")
     batch.run_fast(0.125)  # a contiguous cache's plan for this metadata
     wide = torch.zeros(*batch.kv_cache.shape[:-1], 128)
@@ -448,7 +450,7 @@ def test_strided_cache_gets_its_own_plan():
 def test_lone_decode_plan_matches_the_general_plan(window):
     """The lone decode's directly built entry is the one the general planning gives it
     (planned there beside a request with nothing scheduled), over random lengths."""
-    kernel = torch_attn.native_decode_kernel(torch.zeros(kv_cache_shape(1, 16, 2, 16)), 4)
+    kernel = paged_decode_kernel(torch.zeros(kv_cache_shape(1, 16, 2, 16)), 4)
     if kernel is None:
         pytest.skip("the native decode kernel is not available (no C compiler?)")
     rng = np.random.default_rng(7)
@@ -471,7 +473,7 @@ def test_lone_decode_plan_matches_the_general_plan(window):
 
 
 def test_native_kernel_only_for_what_it_supports():
-    kernel = torch_attn.native_decode_kernel
+    kernel = paged_decode_kernel
     if kernel(torch.zeros(kv_cache_shape(1, 16, 3, 64)), 9) is None:
         pytest.skip("the native decode kernel is not available (no C compiler?)")
     assert kernel(torch.zeros(kv_cache_shape(1, 16, 3, 64), dtype=torch.float64), 9) is None
@@ -483,7 +485,7 @@ def test_native_kernel_only_for_what_it_supports():
 
 def test_native_kernel_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("V1_CPU_KERNELS", "0")
-    assert torch_attn.native_decode_kernel(torch.zeros(kv_cache_shape(1, 16, 3, 64)), 9) is None
+    assert paged_decode_kernel(torch.zeros(kv_cache_shape(1, 16, 3, 64)), 9) is None
 
 
 # ---- sliding window ----------------------------------------------------------------------------
@@ -572,7 +574,7 @@ def test_sliding_window_plans(always_cascade):
     plan = AttentionPlan.build(md, 16, sliding_window=20)
     assert sum(b.blocks.numel() for b in plan.decodes) <= 3 * len(reqs)
     # C kernel entries: [max(0, seq_len - w), seq_len).
-    kernel = torch_attn.native_decode_kernel(cache, 9)
+    kernel = paged_decode_kernel(cache, 9)
     if kernel is not None:
         plan = AttentionPlan.build(md, 16, kernel=kernel, sliding_window=20)
         assert plan.native.end.tolist() == seq_lens.tolist()

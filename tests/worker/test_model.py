@@ -11,9 +11,9 @@ import torch
 from v1.attention.backends.abstract import AttentionMetadata, kv_cache_shape
 from v1.attention.backends.torch_attn import TorchAttentionImpl
 from v1.models import DecoderForCausalLM, head_dim_of
+from v1.models import loader as model_loader
 from v1.models.layers.rotary import rope_inv_freq, rope_parameters
-from v1.worker import model_loader
-from v1.worker.model_loader import load_model, resolve_model
+from v1.models.loader import load_model, resolve_model
 
 BLOCK_SIZE = 16
 

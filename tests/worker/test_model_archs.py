@@ -36,7 +36,7 @@ from tests.worker.test_model import (
 from v1 import LLM, SamplingParams
 from v1.attention.backends.torch_attn import TorchAttentionImpl
 from v1.models import supported_architectures
-from v1.worker.model_loader import LoadedModel, load_model
+from v1.models.loader import LoadedModel, load_model
 
 VOCAB = 384
 WINDOW = 12  # every windowed layer's window: well under the prompts' 40-70 tokens

@@ -4,9 +4,9 @@ import torch
 
 from v1.config import CacheConfig, SchedulerConfig
 from v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from v1.models.loader import LoadedModel
 from v1.outputs import ModelRunnerOutput, TokenLogprobs
 from v1.sampling_params import SamplingParams
-from v1.worker.model_loader import LoadedModel
 from v1.worker.model_runner import ModelRunner
 
 BLOCK_SIZE = 16

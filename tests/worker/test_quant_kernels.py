@@ -3,7 +3,7 @@ rounding, and each multiplication path against the torch reference."""
 
 import multiprocessing
 import os
-import shutil
+import platform
 import subprocess
 import sys
 import threading
@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-from v1 import native
+from v1.kernels import library
+from v1.kernels.quant import QuantBlocks, QuantKernels, kernels
 from v1.models.layers import quant
 from v1.models.layers.quant import QuantizedWeight
 
 KINDS = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
 
-needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                              reason="no C compiler")
+needs_kernels = pytest.mark.skipif(kernels() is None, reason="no C kernels (V1_CPU_KERNELS=0?)")
 
 
 def weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
@@ -54,16 +54,16 @@ def close(a: torch.Tensor, b: torch.Tensor, x: torch.Tensor, w: torch.Tensor) ->
 def fp32_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:
     """(N, K, M) of each call of the C fp32 path from now on: the torch reference gives the
     same results up to rounding, so only this tells which code ran."""
-    kernels = quant._kernels()
-    assert kernels is not None, "C kernels unavailable (V1_CPU_KERNELS=0?)"
     calls: list[tuple[int, int, int]] = []
-    fp32 = kernels.fp32
+    linear = QuantKernels.linear
 
-    def counting(kind, blocks, n, k, x, stride, m, *rest):
-        calls.append((n, k, m))
-        return fp32(kind, blocks, n, k, x, stride, m, *rest)
+    def counting(self, w, x, bias, int8=False):
+        out = linear(self, w, x, bias, int8)
+        if not int8:
+            calls.append((w.N, w.K, x.shape[0]))
+        return out
 
-    monkeypatch.setattr(kernels, "fp32", counting)
+    monkeypatch.setattr(QuantKernels, "linear", counting)
     return calls
 
 
@@ -106,11 +106,10 @@ def test_rows_concatenate() -> None:
     assert torch.equal(fused, QuantizedWeight.quantize(torch.cat([a, b]), "q4_1").blocks)
 
 
-@needs_cc
+@needs_kernels
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("shape", [(37, 96), (1, 32), (67, 160)])
 def test_fp32_path_matches_reference(kind: str, shape: tuple[int, int]) -> None:
-    assert quant._kernels() is not None, "C kernels unavailable (V1_CPU_KERNELS=0?)"
     q = QuantizedWeight.quantize(weight(*shape), kind)
     w = q.dequantize()
     bias = torch.randn(shape[0])
@@ -121,10 +120,9 @@ def test_fp32_path_matches_reference(kind: str, shape: tuple[int, int]) -> None:
         assert q.linear(x, path="fp32").shape == (m, shape[0])
 
 
-@needs_cc
+@needs_kernels
 @pytest.mark.parametrize("kind", KINDS)
 def test_int8_path_matches_quantized_activations(kind: str) -> None:
-    assert quant._kernels() is not None, "C kernels unavailable (V1_CPU_KERNELS=0?)"
     q = QuantizedWeight.quantize(weight(41, 128), kind)
     w = q.dequantize()
     for m in (1, 3, 16, 17, 40, 70):  # 16 rows per vector, 64 per tile: cover the edges
@@ -136,7 +134,7 @@ def test_int8_path_matches_quantized_activations(kind: str) -> None:
         assert (got - q.linear(x, path="fp32")).abs().max() > 1e-4
 
 
-@needs_cc
+@needs_kernels
 def test_path_by_batch_size(monkeypatch: pytest.MonkeyPatch) -> None:
     q = QuantizedWeight.quantize(weight(16, 64), "q8_0")
     x = torch.randn(8, 64)
@@ -152,7 +150,7 @@ def test_path_by_batch_size(monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch.equal(q.linear(x), q.linear(x, path="dense"))
 
 
-@needs_cc
+@needs_kernels
 def test_small_batches_run_the_c_fp32_kernel(fp32_kernel_calls: list) -> None:
     """Decode-sized batches (the default path below DENSE_MIN_ROWS rows) are the C kernel's."""
     q = QuantizedWeight.quantize(weight(37, 96), "q4_1")
@@ -162,16 +160,14 @@ def test_small_batches_run_the_c_fp32_kernel(fp32_kernel_calls: list) -> None:
     assert fp32_kernel_calls == [(37, 96, 1), (37, 96, 3), (37, 96, 17)]
 
 
-@needs_cc
+@needs_kernels
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_dense_path_dequantizes_in_c(kind: str) -> None:
     """Big batches: the C dequantizer feeds a dense GEMM; the result is the reference's."""
-    assert quant._kernels() is not None, "C kernels unavailable (V1_CPU_KERNELS=0?)"
     q = QuantizedWeight.quantize(weight(40, 96), kind)
     x, bias = torch.randn(130, 96), torch.randn(40)
     close(q.linear(x, bias, path="dense"), x @ q.dequantize().T + bias, x, q.dequantize())
-    w = torch.empty(40, 96)
-    quant._kernels().dequantize(quant._KIND_CODE[kind], q.blocks.data_ptr(), 40, 96, w.data_ptr())
+    w = kernels().dequantize(QuantBlocks(kind, q.blocks))
     torch.testing.assert_close(w, q.dequantize(), rtol=1e-6, atol=1e-6)
 
 
@@ -183,9 +179,8 @@ def test_int8_min_rows_from_environment() -> None:
             quant._int8_min_rows(bad)
 
 
-@needs_cc
+@needs_kernels
 def test_strided_and_batched_input() -> None:
-    assert quant._kernels() is not None, "C kernels unavailable (V1_CPU_KERNELS=0?)"
     q = QuantizedWeight.quantize(weight(24, 64), "q4_1")
     x = torch.randn(64, 6).T.reshape(2, 3, 64)  # not contiguous
     ref = x.reshape(6, 64) @ q.dequantize().T
@@ -198,34 +193,26 @@ def test_strided_and_batched_input() -> None:
     close(q.linear(ld, path="fp32"), ld @ q.dequantize().T, ld, q.dequantize())
 
 
-# Builds without AVX-512 (flags after -march=native switch features off): the int8 path's
-# dot product then takes its other forms; the fp32 path's vectors lower to AVX2 or SSE. Each
-# with the int8 ISA it gets at most. "no_f16c": AVX-512 without F16C (-march=x86-64
-# -mavx512f, say), which must still build (fp16 scales then converted in C).
-BUILDS = {"avx_vnni": ("avx_vnni", ("-mno-avx512f",)),
-          "avx2": ("avx2", ("-mno-avx512f", "-mno-avxvnni")),
-          "portable": ("portable", ("-mno-avx",)),
-          "no_f16c": ("avx512_vnni", ("-mno-f16c",))}
+# The integer dot product each variant's int8 path compiles to (see quant.c's INT8_ISA).
+VARIANT_INT8_ISA = {"x86_64_v4": "avx512_vnni", "x86_64_v3": "avx2", "portable": "portable"}
 
 
-@needs_cc
-@pytest.mark.parametrize("build", BUILDS)
-def test_other_builds(build: str) -> None:
-    """Each build computes what the native one does (O1: quicker to build)."""
-    isa, flags = BUILDS[build]
-    lib = native.load(f"quant_{build}", quant._SOURCE, (*flags, "-O1"))
-    assert lib is not None
-    kernels = quant._Kernels(lib)
-    # This ISA, or a lesser one on a CPU without it.
-    assert quant._INT8_ISAS.index(kernels.int8_isa) <= quant._INT8_ISAS.index(isa)
+@pytest.mark.parametrize("variant", VARIANT_INT8_ISA)
+def test_each_variant(variant: str) -> None:
+    """Each variant of the library that this CPU runs computes what the chosen one does,
+    with the int8 dot product it was built for."""
+    if variant not in library.candidates("", platform.machine(), library.cpu_flags()):
+        pytest.skip(f"this CPU does not run {variant}")
+    lib = library.load_variant(variant)
+    assert not isinstance(lib, str), lib
+    q_kernels = QuantKernels(lib)
+    assert q_kernels.int8_isa == VARIANT_INT8_ISA[variant]
     for kind in KINDS:
         q = QuantizedWeight.quantize(weight(21, 96), kind)
         for m in (1, 3, 19):
             x = torch.randn(m, 96)
-            for fn, path in ((kernels.fp32, "fp32"), (kernels.int8, "int8")):
-                y = torch.empty(m, 21)
-                fn(quant._KIND_CODE[kind], q.blocks.data_ptr(), 21, 96, x.data_ptr(), 96, m,
-                   None, y.data_ptr(), 21)
+            for int8, path in ((False, "fp32"), (True, "int8")):
+                y = q_kernels.linear(QuantBlocks(kind, q.blocks), x, None, int8=int8)
                 close(y, q.linear(x, path=path), x, q.dequantize())
 
 
@@ -250,7 +237,7 @@ def pool_calls() -> list[tuple[QuantizedWeight, torch.Tensor, str]]:
     return calls
 
 
-@needs_cc
+@needs_kernels
 def test_pool_concurrent_callers(two_threads: None) -> None:
     """Python threads calling kernels at once (the pool runs one job; the others run alone on
     their own thread) all get what a lone caller gets, bit for bit."""
@@ -278,7 +265,7 @@ def _child_linear(conn, q: QuantizedWeight, x: torch.Tensor) -> None:
     conn.send(q.linear(x, path="fp32").tolist())  # plain floats: no shared-memory handoff
 
 
-@needs_cc
+@needs_kernels
 def test_pool_after_fork(two_threads: None) -> None:
     """A forked child has none of its parent's workers: its kernels start their own (without
     that, the first split call waits forever for a worker that does not exist)."""
@@ -308,7 +295,7 @@ expected = q.linear(x, path="fp32")  # starts the worker
 deadline = time.monotonic() + 60
 while True:  # it names itself once it runs
     workers = [int(t) for t in os.listdir("/proc/self/task")
-               if open(f"/proc/self/task/{t}/comm").read().strip() == "v1-quant"]
+               if open(f"/proc/self/task/{t}/comm").read().strip() == "v1-pool"]
     if workers or time.monotonic() > deadline:
         break
     time.sleep(0.01)
@@ -330,7 +317,7 @@ finally:
 """
 
 
-@needs_cc
+@needs_kernels
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
 def test_pool_does_not_wait_for_a_late_worker() -> None:
     """A call whose worker cannot get a CPU (SCHED_IDLE, beside a busy process: on a shared
@@ -354,7 +341,7 @@ def test_torch_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     ref = torch.nn.functional.linear(x, q.dequantize())
     assert torch.equal(q.linear(x, path="torch"), ref)
     monkeypatch.setenv("V1_CPU_KERNELS", "0")
-    assert quant._kernels() is None
+    assert kernels() is None
     for path in (None, "fp32", "int8"):
         assert torch.equal(q.linear(x, path=path), ref)
     x16 = x.bfloat16()  # the weight follows the activations' dtype

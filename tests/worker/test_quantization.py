@@ -31,7 +31,7 @@ from v1.attention.backends.torch_attn import TorchAttentionImpl
 from v1.config import EngineArgs
 from v1.models.layers.linear import Linear
 from v1.models.layers.quant import QuantizedWeight
-from v1.worker.model_loader import LoadedModel, load_model
+from v1.models.loader import LoadedModel, load_model
 
 CPU = torch.device("cpu")
 BLOCK = [3, 1, 0, 2, 5, 4]  # enough 16-token blocks for the longest prompt (66 tokens)

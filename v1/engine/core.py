@@ -83,9 +83,9 @@ from v1.config import EngineArgs
 from v1.core.sched.output import SchedulerOutput
 from v1.core.sched.scheduler import Scheduler
 from v1.engine.structured_output import StructuredOutputManager
+from v1.models.loader import LoadedModel, load_model
 from v1.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerStats
 from v1.request import EngineCoreRequest
-from v1.worker.model_loader import LoadedModel, load_model
 from v1.worker.model_runner import ModelRunner, attention_impl_for
 
 logger = logging.getLogger("v1")

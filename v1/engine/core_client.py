@@ -20,28 +20,39 @@ and every later call raises it at once.
 """
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import multiprocessing
 import os
 import queue
 import shutil
+import sys
 import tempfile
 import threading
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from typing import Any, NamedTuple
 
-# An engine process inherits OpenMP's wait policy from the process that loaded torch: forked
-# from this one, or spawned with its environment. Unless passive, its OpenMP threads spin
-# between ops and take the CPU from this process while it tokenizes and detokenizes (on 2
-# cores, generation up to 5x slower); sleeping costs an uncontended engine ~10% of a decode
-# step. libgomp reads the policy once, as torch loads: hence here, before it does.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP's wait policy, for this process and the engine processes it starts. Unless passive,
+# OpenMP's threads spin after each parallel region (libgomp's default: ~ms) and take the CPU
+# from the frontend while it tokenizes and detokenizes, and from the kernels' worker pool
+# (on 2 cores, generation up to 5x slower). libgomp reads the policy once, as torch loads:
+# so it is set for that moment and taken out of os.environ again, where a user's own
+# subprocesses (a torch job, llama.cpp) would inherit it and run up to 3x slower. A forked
+# engine keeps the policy torch loaded with here; a spawned one gets it in its environment
+# (`_engine_environment`). A policy the user set, or a torch already loaded, is left alone.
+_OPENMP_POLICY: str | None = None  # the policy set here for torch's load, if one was
+if "torch" not in sys.modules and "OMP_WAIT_POLICY" not in os.environ:
+    _OPENMP_POLICY = os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        import torch
+    finally:
+        del os.environ["OMP_WAIT_POLICY"]
 
 import msgspec  # noqa: E402
 import torch  # noqa: E402
@@ -64,9 +75,9 @@ from v1.engine.exceptions import (  # noqa: E402
     EngineDeadError,
     error_from_remote,
 )
+from v1.models.loader import LoadedModel, load_tokenizer  # noqa: E402
 from v1.outputs import EngineCoreOutputs, SchedulerStats  # noqa: E402
 from v1.request import EngineCoreRequest  # noqa: E402
-from v1.worker.model_loader import LoadedModel, load_tokenizer  # noqa: E402
 
 logger = logging.getLogger("v1")
 
@@ -227,7 +238,8 @@ class EngineLaunch:
             if method.name == "fork":
                 _fork_from_fresh_thread(proc)
             else:
-                proc.start()
+                with _engine_environment():
+                    proc.start()
         except BaseException:
             self.reader.close()
             raise
@@ -268,6 +280,21 @@ class EngineLaunch:
         raise RuntimeError(
             f"the engine core process exited during startup ({_exit_status(proc)}).{hint}"
         )
+
+
+@contextlib.contextmanager
+def _engine_environment() -> Iterator[None]:
+    """os.environ as a spawned engine process should start with: the OpenMP policy this
+    process loaded torch with, if it chose one (see `_OPENMP_POLICY`), for the moment the
+    child is started."""
+    if _OPENMP_POLICY is None or "OMP_WAIT_POLICY" in os.environ:
+        yield
+        return
+    os.environ["OMP_WAIT_POLICY"] = _OPENMP_POLICY
+    try:
+        yield
+    finally:
+        os.environ.pop("OMP_WAIT_POLICY", None)
 
 
 def _fork_from_fresh_thread(proc: BaseProcess) -> None:

@@ -30,7 +30,6 @@ each core's own), `reset_prefix_cache` is true when every core reset its cache.
 
 import asyncio
 import logging
-import os
 import shutil
 import tempfile
 import threading
@@ -38,7 +37,6 @@ import weakref
 from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import Future
-from multiprocessing.connection import wait
 from typing import Any
 
 from v1.config import EngineArgs
@@ -52,6 +50,7 @@ from v1.engine.core_client import (
     SyncDelivery,
 )
 from v1.engine.dp_headless import RegistrationServer
+from v1.engine.dp_launch import cores_for, wait_all
 from v1.engine.dp_router import DPRouter, LoadGuard
 from v1.engine.exceptions import EngineCoreDeadError, EngineDeadError
 from v1.outputs import EngineCoreOutputs, SchedulerStats
@@ -88,15 +87,6 @@ def combine_stats(per_engine: Sequence[SchedulerStats | None]) -> DPSchedulerSta
     return total
 
 
-def cores_for(num_engines: int) -> int:
-    """Each core's torch threads: its share of the CPU cores this process may use."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cpus = os.cpu_count() or 1
-    return max(1, cpus // num_engines)
-
-
 class _CoreConnection(MPClient):
     """The connection to one core of several: its deliveries go to the DP client."""
 
@@ -128,23 +118,6 @@ def _release(engines: list[_CoreConnection], tmp_dir: str, closers: list[Any]) -
     for closer in closers:
         closer.close()
     shutil.rmtree(tmp_dir, ignore_errors=True)
-
-
-def _wait_all(launches: list[EngineLaunch]) -> list[Any]:
-    """Each launch's process once all are ready; the first failure is raised at once (the
-    caller stops the others rather than wait for their models to load)."""
-    procs: dict[int, Any] = {}
-    while len(procs) < len(launches):
-        pending = {i: launch for i, launch in enumerate(launches) if i not in procs}
-        handles = {}
-        for i, launch in pending.items():
-            handles[launch.reader] = i
-            handles[launch.proc.sentinel] = i
-        for handle in wait(list(handles)):
-            i = handles[handle]
-            if i not in procs:
-                procs[i] = launches[i].wait()  # ready (or raises) without waiting
-    return [procs[i] for i in range(len(launches))]
 
 
 class DPClientBase:
@@ -187,7 +160,7 @@ class DPClientBase:
                         args, address, self.threads_per_engine, name=f"v1-engine-dp{i}"
                     ))
                 remote = registration[0].wait_for(range(local, n)) if registration else {}
-                procs = _wait_all(launches)  # they load their models at the same time
+                procs = wait_all(launches)  # they load their models at the same time
             except BaseException:
                 for launch in launches:
                     launch.cancel()

@@ -23,7 +23,6 @@ frontend sees a headless core that dies as a disconnection: that core's requests
 
 import logging
 import signal
-import socket
 import threading
 from collections.abc import Iterable
 
@@ -32,36 +31,13 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from v1.config import EngineArgs
+from v1.engine.dp_launch import cores_for, free_port_pair, local_ip_towards, wait_all
 
 logger = logging.getLogger("v1")
 
 REGISTER = b"REGISTER"
 # How long a frontend waits for the remote cores to register (they load their models first).
 REGISTRATION_TIMEOUT_S = 600.0
-
-
-def local_ip_towards(host: str) -> str:
-    """This host's address on the route to `host` (no packet is sent)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((host, 9))
-            return s.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
-
-
-def free_port_pair(ip: str) -> int:
-    """A port P such that P and P + 1 (an engine core's input and output sockets) are free."""
-    for _ in range(100):
-        with socket.socket() as a, socket.socket() as b:
-            a.bind((ip, 0))
-            port = a.getsockname()[1]
-            try:
-                b.bind((ip, port + 1))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no two consecutive free ports on {ip}")
 
 
 class RegistrationServer:
@@ -123,7 +99,6 @@ def run_headless(args: EngineArgs) -> None:
     """`python -m v1 serve --headless`: start this host's cores, register them with the
     frontend, serve until the frontend goes away or a signal comes."""
     from v1.engine.core_client import EngineLaunch, _stop_process
-    from v1.engine.dp_client import _wait_all, cores_for
 
     local = args.data_parallel_size_local
     if local is None or local < 1:
@@ -140,7 +115,7 @@ def run_headless(args: EngineArgs) -> None:
     ]
     addresses = [launch.address for launch in launches]
     try:
-        procs = _wait_all(launches)
+        procs = wait_all(launches)
     except BaseException:
         for launch in launches:
             launch.cancel()

@@ -36,7 +36,7 @@ class EngineCoreActor:
         import torch
 
         from v1.engine.core import EngineCore, EngineCoreProc
-        from v1.engine.dp_headless import free_port_pair
+        from v1.engine.dp_launch import free_port_pair
 
         torch.set_num_threads(num_threads)
         core = EngineCore(args)

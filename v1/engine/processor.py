@@ -21,7 +21,6 @@ from v1.limits import (
     INT64_MAX,
     INT64_MIN,
     InputLimits,
-    check_structured_outputs,
     check_text,
     max_chars_per_token,
 )
@@ -189,7 +188,7 @@ class Processor:
             if longest > getattr(limits, max_len):
                 raise refuse(f"{name} has a string of {longest} characters", max_len)
         if params.structured_outputs is not None:
-            check_structured_outputs(params.structured_outputs, limits)
+            params.structured_outputs.check_limits(limits)
 
     def process_inputs(
         self,

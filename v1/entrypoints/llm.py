@@ -11,9 +11,9 @@ from v1.engine.core_client import EngineCoreClient, InprocClient, SyncMPClient
 from v1.engine.dp_client import DPSyncMPClient
 from v1.engine.llm_engine import LLMEngine
 from v1.engine.processor import PromptType
+from v1.models.loader import LoadedModel, resolve_model
 from v1.outputs import RequestOutput, SchedulerStats
 from v1.sampling_params import SamplingParams
-from v1.worker.model_loader import LoadedModel, resolve_model
 
 Messages = Sequence[Mapping[str, Any]]
 

@@ -34,9 +34,9 @@ from v1.models.layers.attention import Attention
 from v1.models.layers.linear import Linear, VocabEmbedding
 from v1.models.layers.mlp import GatedMLP
 from v1.models.layers.norm import RMSNorm
+from v1.models.layers.ops import StepOps, ops_for_step
 from v1.models.layers.quant import QuantizedWeight
 from v1.models.layers.rotary import RotaryEmbedding, rope_parameters
-from v1.worker.ops import StepOps, ops_for_step
 
 DEFAULT_ROPE = "default"
 

@@ -25,9 +25,9 @@ import torch
 
 from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata
 from v1.models.decoder import LayerSpec, PreNormDecoderLayer, build_norm
+from v1.models.layers.ops import StepOps
 from v1.models.layers.rotary import rope_parameters
 from v1.models.llama import LlamaForCausalLM
-from v1.worker.ops import StepOps
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"

@@ -335,7 +335,7 @@ def make_llm(model_dir: Path, device: torch.device, dtype: torch.dtype,
     the workload (each request may leave one block part-filled) and for one request of
     `max_model_len`, which the engine insists on."""
     from v1 import LLM
-    from v1.worker.model_loader import load_model
+    from v1.models.loader import load_model
 
     loaded = load_model(str(model_dir), dtype, device, attn_impl_cls)
     blocks = max(max_tokens_in_flight // BLOCK_SIZE + max_num_seqs, max_model_len // BLOCK_SIZE)

@@ -29,10 +29,10 @@ from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata, kv_
 from v1.config import CacheConfig, SchedulerConfig
 from v1.core.sched.output import SchedulerOutput
 from v1.models import head_dim_of
+from v1.models.loader import LoadedModel
 from v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, TokenLogprobs
 from v1.sampling_params import SamplingParams
 from v1.worker.input_batch import InputBatch
-from v1.worker.model_loader import LoadedModel
 from v1.worker.sampler import BadWords, Sampler, SamplingMetadata, TokenCounts, gather_logprobs
 
 logger = logging.getLogger("v1")

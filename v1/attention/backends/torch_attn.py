@@ -5,7 +5,7 @@ Two implementations of the same contract (see `abstract.py`):
 - `paged_attention_reference`: per request, gather its context K/V out of the blocks and run
   causal SDPA. Short and obviously right; the Triton tests compare against it.
 - `paged_attention`: what `TorchAttentionImpl` runs. Same results up to float rounding, planned
-  once per step (`AttentionPlan`) and shared by every layer:
+  once per step (`torch_plan.AttentionPlan`) and shared by every layer:
   * decodes (one query each) are batched: their K/V blocks are gathered into one padded
     [R, kv_heads, S, D] view and attended in one SDPA call, in buckets of similar length so
     that padding stays small;
@@ -22,15 +22,16 @@ SDPA gets 4-D [batch, heads, len, dim] tensors: on CPU that selects the flash ke
 GQA aware, strided inputs), which is several times faster than the math fallback that 3-D
 inputs get.
 
-Decodes have a faster option still: a small C kernel (`_PAGED_DECODE_SOURCE`, ~100 lines)
-that reads each request's K/V in place through its block table, with an online softmax, one
-request per OpenMP task. SDPA spends most of a decode in per-(request, head) overhead and
-needs the gathered copy; the kernel needs neither and is 3-4x faster at 64 decodes. It is
-built on first use by `v1.native`; without a compiler, for other dtypes or shapes, or with
-V1_CPU_KERNELS=0, the SDPA path above runs instead. In a step it serves, the cache write is C
-too (`kv_write`, the same bits as `write_kv_cache`), in the kernel's call, and what every
-layer's call shares (the entries, slots, shapes) is converted for ctypes once per step: at
-batch 1 a layer's attention is a few microseconds of work, and was mostly call overhead.
+Decodes have a faster option still: a small C kernel (`v1/kernels/csrc/paged_decode.h`,
+~150 lines; bindings in `v1.kernels.attention`) that reads each request's K/V in place
+through its block table, with an online softmax, one request per task of the kernels'
+worker pool. SDPA spends most of a decode in per-(request, head) overhead and needs the
+gathered copy; the kernel needs neither and is 3-4x faster at 64 decodes. Without the
+kernels (V1_CPU_KERNELS=0), for other dtypes or shapes, the SDPA path above runs instead.
+In a step it serves, the cache write is C too (`kv_write`, the same bits as
+`write_kv_cache`), in the kernel's call, and what every layer's call shares (the entries,
+slots, shapes) is checked and converted for ctypes once per step: at batch 1 a layer's
+attention is a few microseconds of work, and was mostly call overhead.
 
 The cache may hold a narrower dtype than the model computes in (kv_cache_dtype "bfloat16" or
 "float16" under an fp32 model: half the bytes per token, twice the tokens per pool). The
@@ -43,30 +44,15 @@ that were 16-bit values to begin with. A prefill without context that SDPA runs 
 its fresh, unrounded K/V (it reads no cache); one the C kernel takes (a short prompt) reads
 them back from the cache, rounded, as every later step does.
 
-Sliding-window layers (`sliding_window=w`, see `abstract.py`: query i sees keys j with
-i - w < j <= i) get a plan of their own, built once per step and window. A window no sequence
-of the step is longer than is no window at all and shares the global plan. Otherwise:
-  * every path starts reading at the block of the first key its queries can see, so whole
-    blocks before the window are never read (a decode reads at most ceil(w / B) + 1 blocks);
-  * the C kernel needs no change: its entries attend to [start, end), and start becomes
-    max(0, end - w);
-  * SDPA decodes and prefill chunks mask the keys before each query's window in the first
-    block they gather (those rows are zeroed too, like padding);
-  * there is no cascade (a shared prefix is mostly out of the window, and where it is not,
-    different queries would need different parts of it).
+Sliding-window layers (`sliding_window=w`) get a plan of their own (`torch_plan`): every
+path reads from the first block a query can see, and masks what comes before its window.
 """
 
-import ctypes
-import functools
-import threading
-from dataclasses import dataclass, field
-
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from v1 import native
 from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata
+from v1.attention.backends.torch_plan import AttentionPlan
 
 # fp16's largest finite value. K/V beyond it are stored saturated, as vLLM's fp8 cache writes
 # saturate: an inf key or value would make the softmax, and every later output, NaN.
@@ -155,379 +141,27 @@ class TorchAttentionImpl(AttentionImpl):
             # The C kernel stores the K/V and attends in one call (it runs before any other
             # part of the step's attention reads the cache).
             return paged_attention(query, key, value, kv_cache, plan, self.scale, write=True)
-        plan.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        write_step_kv(plan, key, value, kv_cache, metadata.slot_mapping)
         return paged_attention(query, key, value, kv_cache, plan, self.scale)
 
 
-# ---- the fast path ------------------------------------------------------------------------------
-
-# Share a prefix only when it saves at least this many token reads in total.
-MIN_CASCADE_SAVING = 256
-# Decodes are padded to the longest of their bucket. A decode starts a new bucket (one more
-# SDPA call) only when the bucket's shortest member would be padded by more than this many
-# tokens and by more than BUCKET_RATIO times its own length.
-BUCKET_MIN_PAD = 256
-BUCKET_RATIO = 1.5
-# The most K/V bytes one decode call gathers (a bucket is split into calls of this size).
-MAX_GATHER_BYTES = 16 << 20
-# With the C kernel, prefill chunks attending to at most this many keys after their shared
-# prefix are run by the kernel too (one entry per query token).
-NATIVE_PREFILL_MAX_KEYS = 256
-
-
-class _Rows:
-    """A set of query rows: a slice when they are contiguous (views, no copies), else an
-    index tensor."""
-
-    __slots__ = ("index", "start", "stop")
-
-    def __init__(self, rows: np.ndarray, device: torch.device) -> None:
-        rows = np.asarray(rows, dtype=np.int64)
-        self.start, self.stop = int(rows[0]), int(rows[-1]) + 1
-        contiguous = self.stop - self.start == len(rows) and bool(np.all(np.diff(rows) == 1))
-        self.index = None if contiguous else torch.from_numpy(rows).to(device)
-
-    def take(self, x: torch.Tensor) -> torch.Tensor:
-        return x[self.start : self.stop] if self.index is None else x.index_select(0, self.index)
-
-    def put(self, out: torch.Tensor, value: torch.Tensor) -> None:
-        if self.index is None:
-            out[self.start : self.stop] = value
-        else:
-            out.index_copy_(0, self.index, value)
-
-
-@dataclass(slots=True)
-class _Prefill:
-    q_start: int
-    q_end: int
-    seq_len: int
-    start: int  # first key position read here (after the group's prefix, or the first
-    # block of the window, or 0)
-    blocks: torch.Tensor | None  # int64 block ids covering [start, seq_len); None: fresh K/V
-    mask: torch.Tensor | None  # float [q_len, seq_len - start], -inf: hidden; None: causal
-    need_lse: bool
-
-
-@dataclass(slots=True)
-class _DecodeBucket:
-    rows: _Rows  # the query rows of these decodes
-    blocks: torch.Tensor  # int64 [R * nb]: their blocks after their group's prefix, padded
-    mask: torch.Tensor | None  # float [R, 1, 1, nb * B], -inf on padding; None: no padding
-    # Rows (of R * nb * B) of the gathered K/V past each sequence's end (or before its
-    # window): zeroed after the gather, because such a slot may hold anything (NaN included)
-    # and NaN * 0 is NaN.
-    pad_rows: torch.Tensor | None
-
-
-@dataclass(slots=True)
-class _NativeDecodes:
-    """The queries the C kernel serves this step: per entry (int64 each) its request's
-    block-table row, its query row, and the key positions [start, end) it attends to."""
-
-    kernel: "_NativeDecodeKernel"  # the one the plan was made for
-    table: torch.Tensor  # int32 [num_reqs, max_blocks], contiguous: the step's block table
-    table_rows: torch.Tensor
-    tokens: torch.Tensor
-    start: torch.Tensor
-    end: torch.Tensor
-    slot_mapping: torch.Tensor  # the metadata's: the kernel writes the step's K/V too
-    slots: torch.Tensor  # the same as int64, contiguous
-    # The kernel's `_DecodeStep` and its address, set by the step's first call (it needs
-    # the cache's shape, the same for every layer the plan serves); 0: not yet.
-    step: "_DecodeStep | None" = None
-    step_address: int = 0
-
-    def bind(self, kv_cache: torch.Tensor) -> int:
-        """Build the step's `_DecodeStep` for caches shaped as `kv_cache` (its slots and
-        block table checked against that shape); its address."""
-        _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-        capacity = num_blocks * block_size
-        if self.slots.numel() and int(self.slots.max()) >= capacity:
-            raise ValueError(f"slot {int(self.slots.max())} is past the cache's {capacity} slots")
-        # The kernel reads blocks through the table unchecked: a row too short for a
-        # sequence, or a block id outside the cache, would read past them.
-        if -(-int(self.end.max()) // block_size) > self.table.shape[1]:
-            raise ValueError(f"{int(self.end.max())} keys need more than the block table's "
-                             f"{self.table.shape[1]} blocks of {block_size}")
-        lo, hi = (int(x) for x in torch.aminmax(self.table))
-        if lo < 0 or hi >= num_blocks:
-            raise ValueError(f"block id {lo if lo < 0 else hi} is outside the cache's "
-                             f"{num_blocks} blocks")
-        self.step = _DecodeStep(
-            self.table.data_ptr(), self.table.stride(0), self.table_rows.data_ptr(),
-            self.tokens.data_ptr(), self.start.data_ptr(), self.end.data_ptr(),
-            self.tokens.shape[0], self.slots.data_ptr(), self.slots.shape[0],
-            num_kv_heads, head_dim, block_size, kv_cache[0].numel(),
-        )
-        self.step_address = ctypes.addressof(self.step)
-        return self.step_address
-
-
-@dataclass(slots=True)
-class _Group:
-    rows: _Rows  # the query rows of all members
-    blocks: torch.Tensor  # int64 [k]: the shared prefix blocks
-
-
-@dataclass(slots=True)
-class AttentionPlan:
-    """What every layer of one step needs, derived once from the step's metadata (host side)."""
-
-    num_tokens: int
-    block_size: int
-    any_padding_slot: bool
-    prefills: list[_Prefill] = field(default_factory=list)
-    decodes: list[_DecodeBucket] = field(default_factory=list)  # SDPA path
-    native: _NativeDecodes | None = None  # C kernel path (then `decodes` is empty)
-    groups: list[_Group] = field(default_factory=list)
-    sliding_window: int | None = None  # the window this plan masks by (None: global)
-
-    _local = threading.local()
-
-    @classmethod
-    def for_step(
-        cls, metadata: AttentionMetadata, kv_cache: torch.Tensor, num_heads: int,
-        sliding_window: int | None = None, query_dtype: torch.dtype = torch.float32,
-    ) -> "AttentionPlan":
-        """The plan of this metadata and window, built by the first layer that needs it and
-        reused by the others (every layer's cache has the same shape): one plan per distinct
-        window in the step, where a window longer than every sequence shares the global one.
-        `query_dtype`: the activations' (the C kernel serves fp32 ones only)."""
-        # Contiguity too: the C kernel (chosen, or not, per key) addresses and writes a
-        # cache by its shape alone, so a same-shaped strided cache needs a plan without it.
-        key = (kv_cache.shape, kv_cache.dtype, kv_cache.device, kv_cache.is_contiguous(),
-               num_heads, query_dtype)
-        cached = getattr(cls._local, "cached", None)
-        if cached is not None and cached[0] is metadata and cached[1] == key:
-            plans = cached[2]
-            plan = plans.get(sliding_window)
-            if plan is not None:
-                return plan
-        else:
-            plans = {}
-            cls._local.cached = (metadata, key, plans)
-        window = _effective_window(sliding_window, metadata.seq_lens_cpu)
-        plan = plans.get(window)
-        if plan is None:
-            # Gathers are sized by what SDPA reads: the blocks widened to the query's dtype.
-            block_bytes = kv_cache[:, 0].numel() * query_dtype.itemsize
-            plan = cls.build(metadata, kv_cache.shape[2], block_bytes,
-                             native_decode_kernel(kv_cache, num_heads, query_dtype), window)
-            plans[window] = plan
-        plans[sliding_window] = plan
-        return plan
-
-    @classmethod
-    def build(
-        cls, metadata: AttentionMetadata, block_size: int, block_bytes: int = 1,
-        kernel: "_NativeDecodeKernel | None" = None, sliding_window: int | None = None,
-    ) -> "AttentionPlan":
-        """`block_bytes`: one block's K and V together, to size the decode gathers;
-        `kernel`: plan the decodes for this C kernel instead; `sliding_window`: hide keys
-        that many positions back or further."""
-        dev = metadata.slot_mapping.device
-        B = block_size
-        qsl = np.asarray(metadata.query_start_loc_cpu, dtype=np.int64)
-        seq_lens = np.asarray(metadata.seq_lens_cpu, dtype=np.int64)
-        num_reqs = len(seq_lens)
-        slots = metadata.slot_mapping
-        w = _effective_window(sliding_window, seq_lens)
-        plan = cls(
-            num_tokens=int(qsl[num_reqs]),
-            block_size=B,
-            any_padding_slot=bool(slots.numel()) and bool((slots < 0).any()),
-            sliding_window=w,
-        )
-        if kernel is not None and num_reqs == 1 and qsl[1] - qsl[0] == 1:
-            # A lone decode (batch-1 generation, where this runs once per token): one kernel
-            # entry, no cascade. Built directly: the general planning below is ~30 numpy
-            # calls on 1-element arrays, ~40 us a step, as much as a few layers' attention.
-            seq_len = int(seq_lens[0])
-            start = 0 if w is None else seq_len - w
-            # Its table row, query row, start and end, as 1-element views of one tensor.
-            entry = torch.tensor([0, int(qsl[0]), start, seq_len], dtype=torch.int64).to(dev)
-            plan.native = _NativeDecodes(
-                kernel, metadata.block_table.to(torch.int32).contiguous(),
-                *(entry[i : i + 1] for i in range(4)),
-                slots, slots.to(torch.int64).contiguous(),
-            )
-            return plan
-        q_lens = qsl[1 : num_reqs + 1] - qsl[:num_reqs]
-        table = metadata.block_table.cpu().numpy()
-        num_blocks = -(-seq_lens // B)
-        ctx_blocks = (seq_lens - q_lens) // B  # full blocks entirely before the queries
-
-        def tensor(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(dev)
-
-        # Cascade groups: requests whose leading blocks are the same physical blocks (not
-        # with a window).
-        prefix = np.zeros(num_reqs, dtype=np.int64)  # shared prefix blocks per request
-        active = np.flatnonzero((q_lens > 0) & (ctx_blocks > 0))
-        if len(active) > 1 and w is None:
-            first = table[active, 0]
-            for b in np.unique(first):
-                members = active[first == b]
-                if len(members) < 2:
-                    continue
-                ref = members[np.argmax(ctx_blocks[members])]
-                width = int(ctx_blocks[members].max())
-                same = table[members, :width] == table[ref, :width]
-                same &= np.arange(width)[None, :] < ctx_blocks[members][:, None]
-                # lcp[i]: leading blocks member i shares with the reference row.
-                lcp = np.where(same.all(1), width, np.argmin(same, axis=1))
-                # Keep the members and prefix length that save the most reads.
-                order = np.argsort(-lcp, kind="stable")
-                saving = lcp[order] * np.arange(len(order))  # (n - 1) * k for the top n
-                best = int(np.argmax(saving))
-                if saving[best] * B < MIN_CASCADE_SAVING:
-                    continue
-                k = int(lcp[order[best]])
-                chosen = np.sort(members[order[: best + 1]])
-                prefix[chosen] = k
-                tokens = np.concatenate([np.arange(qsl[r], qsl[r + 1]) for r in chosen])
-                plan.groups.append(_Group(_Rows(tokens, dev), tensor(table[ref, :k])))
-
-        # The first key each request reads itself: after its shared prefix; with a window,
-        # the first key its first query sees (in blocks: the block holding that key).
-        if w is None:
-            key_lo = prefix * B
-        else:
-            key_lo = np.maximum(seq_lens - q_lens - w + 1, 0)
-        first_blk = key_lo // B
-
-        # Decodes: batched, bucketed by the number of blocks left after their prefix.
-        dec = np.flatnonzero(q_lens == 1)
-        short = np.zeros(num_reqs, dtype=bool)
-        if kernel is not None:
-            # The kernel attends one query at a time, so a prefill chunk with few keys
-            # left after its prefix (a prompt that hit the cache) goes there too, as one
-            # decode-like entry per query token: token i of the chunk sees [start, its own
-            # position]. Long ones stay with SDPA (per-token entries would reread keys).
-            # (An entry reads at most `w` keys with a window.)
-            keys = seq_lens - prefix * B if w is None else np.minimum(seq_lens, w)
-            short = (q_lens > 1) & (keys <= NATIVE_PREFILL_MAX_KEYS)
-            rows = np.flatnonzero((q_lens == 1) | short)
-            if len(rows):
-                n = q_lens[rows]
-                owner = np.repeat(rows, n)  # request of each entry
-                i = np.arange(len(owner)) - np.repeat(np.cumsum(n) - n, n)  # index in chunk
-                end = seq_lens[owner] - q_lens[owner] + i + 1
-                start = prefix[owner] * B if w is None else np.maximum(end - w, 0)
-                plan.native = _NativeDecodes(
-                    kernel, metadata.block_table.to(torch.int32).contiguous(), tensor(owner),
-                    tensor(qsl[owner] + i), tensor(start), tensor(end),
-                    slots, slots.to(torch.int64).contiguous(),
-                )
-        elif len(dec):
-            rest = num_blocks[dec] - first_blk[dec]
-            order = np.argsort(rest, kind="stable")
-            dec, rest = dec[order], rest[order]
-            cut = [0]
-            for i in range(1, len(dec)):
-                pad = rest[i] - rest[cut[-1]]
-                if pad * B > BUCKET_MIN_PAD and rest[i] > BUCKET_RATIO * rest[cut[-1]]:
-                    cut.append(i)
-            cut.append(len(dec))
-            for lo, hi in zip(cut[:-1], cut[1:]):
-                nb = int(rest[hi - 1])
-                keep = np.argsort(dec[lo:hi])  # back in query order: rows may be a slice
-                bucket_rows, bucket_n = dec[lo:hi][keep], rest[lo:hi][keep]
-                # Gather at most MAX_GATHER_BYTES per call: the copy stays in the last-level
-                # cache for SDPA to read, and comes from the heap, not fresh (faulted) pages.
-                per_call = max(1, MAX_GATHER_BYTES // (nb * block_bytes))
-                for c in range(0, len(bucket_rows), per_call):
-                    rows, n = bucket_rows[c : c + per_call], bucket_n[c : c + per_call]
-                    plan.decodes.append(_decode_call(rows, n, nb, key_lo, table, seq_lens,
-                                                     qsl, B, dev, w is not None))
-
-        # Prefill chunks (and anything with more than one query): one call each.
-        for r in np.flatnonzero((q_lens > 1) & ~short).tolist():
-            seq_len, q_len = int(seq_lens[r]), int(q_lens[r])
-            start = int(first_blk[r]) * B
-            blocks = hidden = None
-            if seq_len > q_len:
-                blocks = tensor(table[r, start // B : num_blocks[r]])
-                pos_q = np.arange(seq_len - q_len, seq_len)[:, None]
-                pos_k = np.arange(start, seq_len)[None, :]
-                hidden = pos_k > pos_q
-                if w is not None:
-                    hidden |= pos_q - pos_k >= w
-            elif w is not None and q_len > w:  # no context: the fresh K/V, windowed
-                pos = np.arange(q_len)
-                hidden = (pos[None, :] > pos[:, None]) | (pos[:, None] - pos[None, :] >= w)
-            mask = None
-            if hidden is not None:
-                mask = torch.from_numpy(np.where(hidden, -np.inf, 0).astype(np.float32)).to(dev)
-            plan.prefills.append(_Prefill(
-                int(qsl[r]), int(qsl[r + 1]), seq_len, start, blocks, mask, bool(prefix[r])
-            ))
-        return plan
-
-    def native_write(
-        self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
-    ) -> "_NativeDecodes | None":
-        """The plan's C kernel if it can store this K/V: one C call (per token: two row
-        copies, converted to the cache's dtype) instead of two index_copy_ and, for a 16-bit
-        cache, two conversions; at a few tokens those cost mostly dispatch."""
-        native_step = self.native
-        if (
-            native_step is not None
-            and slot_mapping is native_step.slot_mapping
-            and key.dtype == value.dtype == torch.float32
-        ):
-            return native_step
-        return None
-
-    def write_kv_cache(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        if (native_step := self.native_write(key, value, slot_mapping)) is not None:
-            native_step.kernel(None, kv_cache, native_step, None, None, 0.0, key, value)
-            return
-        if self.any_padding_slot:
-            write_kv_cache(key, value, kv_cache, slot_mapping)
-            return
-        n = slot_mapping.shape[0]
-        flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
-        flat[0].index_copy_(0, slot_mapping, _to_cache_dtype(key[:n], kv_cache.dtype))
-        flat[1].index_copy_(0, slot_mapping, _to_cache_dtype(value[:n], kv_cache.dtype))
-
-
-def _decode_call(
-    rows: np.ndarray, n: np.ndarray, nb: int, first: np.ndarray, table: np.ndarray,
-    seq_lens: np.ndarray, qsl: np.ndarray, B: int, dev: torch.device, windowed: bool = False,
-) -> _DecodeBucket:
-    """One SDPA call for decode requests `rows`: each attends to its `n` blocks from the one
-    holding key position `first[r]` (after its prefix), padded to `nb` blocks. `windowed`:
-    also hide the keys before `first[r]` in that block (else `first` is a block start)."""
-    j = np.arange(nb)[None, :]
-    first_blk = first[rows, None] // B
-    cols = first_blk + np.where(j < n[:, None], j, 0)
-    blocks = table[rows[:, None], cols]
-    pos = first_blk * B + np.arange(nb * B)[None, :]
-    pad = pos >= seq_lens[rows, None]
-    if windowed:
-        pad |= pos < first[rows, None]
-    mask = pad_rows = None
-    if pad.any():
-        m = np.where(pad, -np.inf, 0.0).astype(np.float32)[:, None, None, :]
-        mask = torch.from_numpy(m).to(dev)
-        pad_rows = torch.from_numpy(np.flatnonzero(pad)).to(dev)
-    block_ids = torch.from_numpy(np.ascontiguousarray(blocks.reshape(-1), dtype=np.int64))
-    return _DecodeBucket(_Rows(qsl[rows], dev), block_ids.to(dev), mask, pad_rows)
-
-
-def _effective_window(sliding_window: int | None, seq_lens: np.ndarray) -> int | None:
-    """The window, or None where it hides nothing: no sequence of the step is longer."""
-    if sliding_window is None or len(seq_lens) == 0 or sliding_window >= int(seq_lens.max()):
-        return None
-    return int(sliding_window)
+def write_step_kv(
+    plan: AttentionPlan, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store the step's K/V: by the plan's C kernel if it can (`plan.native_write`), else
+    as `write_kv_cache` (without its padding filter when no slot is padding)."""
+    if (native_step := plan.native_write(key, value, slot_mapping)) is not None:
+        native_step.kernel(native_step.bound(kv_cache), None, kv_cache, None, None, 0.0,
+                           key, value)
+        return
+    if plan.any_padding_slot:
+        write_kv_cache(key, value, kv_cache, slot_mapping)
+        return
+    n = slot_mapping.shape[0]
+    flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
+    flat[0].index_copy_(0, slot_mapping, _to_cache_dtype(key[:n], kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, _to_cache_dtype(value[:n], kv_cache.dtype))
 
 
 def _sdpa_lse(
@@ -584,14 +218,15 @@ def paged_attention(
     kernel's call first. Matches `paged_attention_reference` up to float rounding; like it,
     it never lets a slot past a sequence's end change the result."""
     num_heads, head_dim = query.shape[1], query.shape[2]
-    out = torch.empty_like(query)
+    # Contiguous whatever the query's strides (empty_like would keep a permuted query's).
+    out = query.new_empty(*query.shape)
     lse = None
     if plan.groups:
         lse = torch.empty(query.shape[0], num_heads, dtype=torch.float32, device=query.device)
 
     num_kv_heads = kv_cache.shape[3]
     if (native_decodes := plan.native) is not None:
-        native_decodes.kernel(query, kv_cache, native_decodes, out, lse, scale,
+        native_decodes.kernel(native_decodes.bound(kv_cache), query, kv_cache, out, lse, scale,
                               *((key, value) if write else ()))
     for bucket in plan.decodes:
         # A decode's query heads that share a kv head are the rows of one [g, d] query of
@@ -650,343 +285,3 @@ def paged_attention(
         o_r, l_r = g.rows.take(out), g.rows.take(lse)
         g.rows.put(out, torch.lerp(o_r, o_p, torch.sigmoid(l_p - l_r).unsqueeze(-1)))
     return out
-
-
-# ---- the native decode kernel -------------------------------------------------------------------
-
-# The kernel reads each K/V row through KV_ROW, which gives its D values as fp32: the row
-# itself in an fp32 cache, else the row widened into a buffer (once per row, for the G query
-# heads that read it); the cache write stores rows through STORE_ROW. Its source is compiled
-# once per cache dtype (`_DECODE_VARIANTS`), as v1_paged_decode_f32, _bf16 and _f16.
-_KV_ROWS = r"""
-#include <float.h>
-#include <math.h>
-
-typedef uint16_t v8u16 __attribute__((vector_size(16)));
-
-static inline const float *row_f32(const float *p, float *buf, int64_t D) {
-    (void)buf, (void)D;
-    return p;
-}
-
-/* bf16 is the high half of an fp32: widen each value to 32 bits and shift it up. */
-static inline const float *row_bf16(const uint16_t *p, float *buf, int64_t D) {
-    for (int64_t i = 0; i < D; i += 8) {
-        v8u16 h;
-        __builtin_memcpy(&h, p + i, 16);
-        store8(buf + i, (v8)(__builtin_convertvector(h, v8i) << 16));
-    }
-    return buf;
-}
-
-#ifdef __F16C__
-/* fp16: vcvtph2ps (F16C; the compiler's builtin, as <immintrin.h> would clash with
-   VECTOR_C's select). Without F16C there is no fp16 variant: torch reads such caches. */
-typedef int16_t v8i16 __attribute__((vector_size(16)));
-
-static inline const float *row_f16(const uint16_t *p, float *buf, int64_t D) {
-    for (int64_t i = 0; i < D; i += 8) {
-        v8i16 h;
-        __builtin_memcpy(&h, p + i, 16);
-        store8(buf + i, __builtin_ia32_vcvtph2ps256(h));
-    }
-    return buf;
-}
-#endif
-
-/* The cache write's STORE_ROW: n (a multiple of 8) fp32 values into the cache's dtype, as
-   torch's .to() rounds them (to nearest, ties to even), so that both writes store the same
-   bits for every finite value; NaN stays NaN. */
-static inline void store_f32(float *dst, const float *src, int64_t n) {
-    __builtin_memcpy(dst, src, n * sizeof(float));
-}
-
-static inline void store_bf16(uint16_t *dst, const float *src, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t u;
-        __builtin_memcpy(&u, src + i, 4);
-        dst[i] = src[i] != src[i] ? 0x7fc0 : (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
-    }
-}
-
-#ifdef __F16C__
-/* fp16 saturates at +-65504 (see _FP16_MAX): clamping first rounds to the same value as
-   torch's cast-then-clamp (everything above 65504 rounds to 65504 or inf); NaN passes. */
-static inline void store_f16(uint16_t *dst, const float *src, int64_t n) {
-    for (int64_t i = 0; i < n; i += 8) {
-        v8 x = load8(src + i);
-        x = select(x > splat(65504.f), splat(65504.f), x);
-        x = select(x < splat(-65504.f), splat(-65504.f), x);
-        v8i16 h = __builtin_ia32_vcvtps2ph256(x, 0);  /* 0: round to nearest even */
-        __builtin_memcpy(dst + i, &h, 16);
-    }
-}
-#endif
-
-/* What the plan fixes for every layer of a step (`_DecodeStep` mirrors it): the kernel's
-   entries, the step's slots, the shapes. */
-struct decode_step {
-    const int32_t *table;       /* [num_reqs, table_row], the step's block table */
-    int64_t table_row;
-    const int64_t *table_rows;  /* per entry: its request's row of the table */
-    const int64_t *tok;         /* per entry: its query row */
-    const int64_t *start;       /* per entry: the key positions [start, end) it attends to */
-    const int64_t *end;
-    int64_t R;                  /* entries */
-    const int64_t *slots;       /* per new token: its flat cache slot; < 0: padding */
-    int64_t num_slots;
-    int64_t KVH, D, B;
-    int64_t half;               /* elements in one cache half: V = K + half */
-};
-"""
-
-_PAGED_DECODE_SOURCE = r"""
-/* The cache write: token i's K/V rows (fp32, row i at k + i * k_row: each row's KVH * D
-   values contiguous) into slot step->slots[i] of the cache [2, num_blocks, B, KVH, D],
-   converted once into its dtype. Serial: a step writes a few rows per layer, and parallel
-   regions cost more than that to start. */
-static void kv_write(const struct decode_step *step, const float *k, int64_t k_row,
-                     const float *v, int64_t v_row, KV_T *cache) {
-    const int64_t row = step->KVH * step->D;
-    for (int64_t i = 0; i < step->num_slots; i++) {
-        if (step->slots[i] < 0) continue;  /* padding */
-        STORE_ROW(cache + step->slots[i] * row, k + i * k_row, row);
-        STORE_ROW(cache + step->half + step->slots[i] * row, v + i * v_row, row);
-    }
-}
-
-/* Paged attention for requests with one query token each (decodes), reading K/V in place.
-
-   q[tok[r] * q_row + h * D + d]                  query of request r, head h (fp32)
-   k, v: [num_blocks, B, KVH, D], contiguous      the layer's cache halves (KV_T each)
-   table[table_rows[r] * table_row + i]           block of positions [i * B, (i + 1) * B)
-   [start[r], end[r])                             the key positions request r attends to
-   out[tok[r] * out_row + h * D + d]              the output (fp32)
-   lse[tok[r] * H + h] (if lse is not NULL)       logsumexp of the scaled scores
-
-   (all but q, H, the cache, out and lse from the step's `struct decode_step`; with k_new,
-   kv_write stores the step's K/V first; without q, that is all.)
-   Query head h reads kv head h / (H / KVH). One OpenMP task per request: it streams the
-   request's blocks once, chunk by chunk (TMAX keys), keeping a running max m, sum l and
-   unnormalised output acc per head (the online softmax). Each K/V row of a kv head is
-   read as fp32 once (KV_ROW) for the G query heads that use it; all the arithmetic is
-   fp32. D must be a multiple of 8. A single request runs on the calling thread: starting a
-   parallel region wakes the other OpenMP threads, which sleep between regions
-   (OMP_WAIT_POLICY=PASSIVE) and take longer to wake than one short decode takes. */
-
-enum { TMAX = 32 };
-
-void PAGED_DECODE(const struct decode_step *step, const float *q, int64_t q_row, int64_t H,
-                  const float *k_new, int64_t k_row, const float *v_new, int64_t v_row,
-                  KV_T *cache, float scale, float *out, int64_t out_row, float *lse) {
-    if (k_new) kv_write(step, k_new, k_row, v_new, v_row, cache);
-    if (!q) return;
-    const int32_t *table = step->table;
-    const int64_t table_row = step->table_row, *table_rows = step->table_rows, *tok = step->tok;
-    const int64_t *start = step->start, *end = step->end, R = step->R;
-    const int64_t KVH = step->KVH, D = step->D, B = step->B;
-    const KV_T *k = cache, *v = cache + step->half;
-    const int64_t G = H / KVH, NV = D / 8, row = KVH * D;
-    #pragma omp parallel for schedule(dynamic, 1) if (R > 1)
-    for (int64_t r = 0; r < R; r++) {
-        v8 qv[H][NV], acc[H][NV];
-        float m[H], l[H];
-        float s[H][TMAX + 8] __attribute__((aligned(32)));
-        float wide[D] __attribute__((aligned(32)));  /* a widened K/V row (16-bit caches) */
-        const int32_t *blocks = table + table_rows[r] * table_row;
-        for (int64_t h = 0; h < H; h++) {
-            const float *qp = q + tok[r] * q_row + h * D;
-            for (int64_t i = 0; i < NV; i++) {
-                qv[h][i] = load8(qp + 8 * i) * scale;
-                acc[h][i] = (v8){0};
-            }
-            m[h] = -FLT_MAX;
-            l[h] = 0.f;
-        }
-        for (int64_t t0 = start[r]; t0 < end[r];) {
-            /* The next chunk: row pointers of up to TMAX keys, across block boundaries. */
-            const KV_T *kr[TMAX], *vr[TMAX];
-            int64_t n = 0;
-            while (n < TMAX && t0 + n < end[r]) {
-                int64_t t = t0 + n, first = (int64_t)blocks[t / B] * B + t % B;
-                int64_t count = B - t % B;
-                if (count > end[r] - t) count = end[r] - t;
-                if (count > TMAX - n) count = TMAX - n;
-                for (int64_t c = 0; c < count; c++) {
-                    kr[n + c] = k + (first + c) * row;
-                    vr[n + c] = v + (first + c) * row;
-                }
-                n += count;
-            }
-            /* Scores s[h][t] = scale * q_h . k_t, each key row loaded once for its heads. */
-            for (int64_t t = 0; t < n; t++)
-                for (int64_t j = 0; j < KVH; j++) {
-                    const float *kp = KV_ROW(kr[t] + j * D, wide, D);
-                    for (int64_t h = j * G; h < (j + 1) * G; h++) {
-                        v8 a = load8(kp) * qv[h][0];
-                        for (int64_t i = 1; i < NV; i++) a += load8(kp + 8 * i) * qv[h][i];
-                        s[h][t] = hsum(a);
-                    }
-                }
-            /* Online softmax: new running max, rescale what came before, p = e^(s - m). */
-            for (int64_t h = 0; h < H; h++) {
-                float mx = m[h];
-                for (int64_t t = 0; t < n; t++) mx = s[h][t] > mx ? s[h][t] : mx;
-                float correction = expf(m[h] - mx);
-                v8 sum = {0};
-                for (int64_t t = 0; t < n; t += 8) {
-                    v8 p = exp8(load8(&s[h][t]) - mx);
-                    store8(&s[h][t], p);
-                    if (t + 8 <= n)
-                        sum += p;
-                    else
-                        for (int64_t u = t; u < n; u++) sum[0] += s[h][u];
-                }
-                l[h] = l[h] * correction + hsum(sum);
-                for (int64_t i = 0; i < NV; i++) acc[h][i] *= correction;
-                m[h] = mx;
-            }
-            /* acc_h += p_h[t] * v_t */
-            for (int64_t t = 0; t < n; t++)
-                for (int64_t j = 0; j < KVH; j++) {
-                    const float *vp = KV_ROW(vr[t] + j * D, wide, D);
-                    for (int64_t h = j * G; h < (j + 1) * G; h++) {
-                        v8 p = {0};
-                        p += s[h][t];
-                        for (int64_t i = 0; i < NV; i++) acc[h][i] += load8(vp + 8 * i) * p;
-                    }
-                }
-            t0 += n;
-        }
-        for (int64_t h = 0; h < H; h++) {
-            float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
-            float *op = out + tok[r] * out_row + h * D;
-            for (int64_t i = 0; i < NV; i++) store8(op + 8 * i, acc[h][i] * inv);
-            if (lse) lse[tok[r] * H + h] = l[h] > 0.f ? m[h] + logf(l[h]) : -INFINITY;
-        }
-    }
-}
-"""
-
-# Cache dtype -> (name suffix, C element type, the macro the variant needs). Each
-# variant is a library of its own: in one translation unit, three callers of VECTOR_C's
-# helpers made GCC stop inlining them (the fp32 kernel ran 1.3-3x slower).
-_DECODE_VARIANTS = {
-    torch.float32: ("f32", "float", None),
-    torch.bfloat16: ("bf16", "uint16_t", None),
-    torch.float16: ("f16", "uint16_t", "__F16C__"),
-}
-
-
-@functools.cache  # it is looked up once per step, and is ~10 kB
-def _native_decode_source(kv_dtype: torch.dtype) -> str:
-    suffix, kv_type, needs = _DECODE_VARIANTS[kv_dtype]
-    kernel = (f"#define PAGED_DECODE v1_paged_decode_{suffix}\n"
-              f"#define KV_T {kv_type}\n"
-              f"#define KV_ROW row_{suffix}\n#define STORE_ROW store_{suffix}\n"
-              f"{_PAGED_DECODE_SOURCE}")
-    if needs is not None:  # else an empty library: torch reads such caches
-        kernel = f"#ifdef {needs}\n{kernel}#endif\n"
-    return native.VECTOR_C + _KV_ROWS + kernel
-
-
-# Per-thread stack use of the kernel grows with heads * head_size; stay well inside it.
-_NATIVE_MAX_HEAD_FLOATS = 64 * 128
-
-
-class _DecodeStep(ctypes.Structure):
-    """`struct decode_step` (see `_KV_ROWS`): the part of every kernel call that the plan
-    fixes, passed by address: converted once per step rather than as ctypes arguments (and
-    data_ptr() calls) on every layer's call, which were most of what calling it cost."""
-
-    _fields_ = [
-        ("table", ctypes.c_void_p), ("table_row", ctypes.c_int64),
-        ("table_rows", ctypes.c_void_p), ("tok", ctypes.c_void_p),
-        ("start", ctypes.c_void_p), ("end", ctypes.c_void_p), ("R", ctypes.c_int64),
-        ("slots", ctypes.c_void_p), ("num_slots", ctypes.c_int64),
-        ("KVH", ctypes.c_int64), ("D", ctypes.c_int64),
-        ("B", ctypes.c_int64), ("half", ctypes.c_int64),
-    ]
-
-
-class _NativeDecodeKernel:
-    """ctypes binding of one cache dtype's `v1_paged_decode_*` (which also writes the cache).
-    It checks nothing the planner checked (the cache's dtype, shape and contiguity are the
-    plan's key, the queries are fp32)."""
-
-    def __init__(self, decode: ctypes._CFuncPtr) -> None:
-        ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        decode.argtypes = [ptr, ptr, i64, i64, ptr, i64, ptr, i64, ptr, f32, ptr, i64, ptr]
-        decode.restype = None
-        self._decode = decode
-
-    def __call__(
-        self, query: torch.Tensor | None, kv_cache: torch.Tensor, d: _NativeDecodes,
-        out: torch.Tensor | None, lse: torch.Tensor | None, scale: float,
-        key: torch.Tensor | None = None, value: torch.Tensor | None = None,
-    ) -> None:
-        """Attend `d`'s entries (query None: none), after storing key/value (fp32 [n, kvh, d],
-        n >= the step's slots) at the step's slots if given: in one call, as a layer's call
-        costs more than its work at batch 1."""
-        k_row = v_row = 0
-        if key is not None and value is not None:
-            if key.shape[0] < d.slots.shape[0] or value.shape[0] < d.slots.shape[0]:
-                raise ValueError(f"{key.shape[0]} key / {value.shape[0]} value rows for "
-                                 f"{d.slots.shape[0]} slots")
-            # It copies the cache's KVH * D values per row: other rows would be read past.
-            if key.shape[1:] != kv_cache.shape[3:] or value.shape[1:] != kv_cache.shape[3:]:
-                raise ValueError(f"key {tuple(key.shape)} / value {tuple(value.shape)} rows "
-                                 f"are not the cache's (kv heads, head size) "
-                                 f"{tuple(kv_cache.shape[3:])}")
-            key, value = _rows_contiguous(key), _rows_contiguous(value)
-            k_row, v_row = key.stride(0), value.stride(0)
-        num_heads = q_row = 0
-        if query is not None:
-            query = _rows_contiguous(query)
-            num_heads, q_row = query.shape[1], query.stride(0)
-        self._decode(
-            d.step_address or d.bind(kv_cache), _address(query), q_row, num_heads,
-            _address(key), k_row, _address(value), v_row, kv_cache.data_ptr(), scale,
-            _address(out), 0 if out is None else out.stride(0), _address(lse),
-        )
-
-
-def _address(x: torch.Tensor | None) -> int | None:
-    return None if x is None else x.data_ptr()
-
-
-def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
-    """`x` [n, heads, d] with each row's heads * d values contiguous (rows may be strided,
-    as the query's and key's are in the fused q | k | v projection)."""
-    if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
-        return x.contiguous()
-    return x
-
-
-def native_decode_kernel(
-    kv_cache: torch.Tensor, num_heads: int, query_dtype: torch.dtype = torch.float32
-) -> _NativeDecodeKernel | None:
-    """The C decode kernel if it can serve this cache (CPU, fp32 / bf16 / fp16 with F16C,
-    contiguous, head size a multiple of 8, not too many heads) for fp32 queries, and C
-    kernels are on (`v1.native`); else None."""
-    _, _, _, num_kv_heads, head_dim = kv_cache.shape
-    if (
-        kv_cache.device.type != "cpu"
-        or kv_cache.dtype not in _DECODE_VARIANTS
-        or query_dtype != torch.float32
-        or not kv_cache.is_contiguous()
-        or head_dim % 8
-        or num_heads % num_kv_heads
-        or num_heads * head_dim > _NATIVE_MAX_HEAD_FLOATS
-    ):
-        return None
-    suffix = _DECODE_VARIANTS[kv_cache.dtype][0]
-    lib = native.load(f"paged_decode_{suffix}", _native_decode_source(kv_cache.dtype))
-    return None if lib is None else _bind_decode_kernel(lib, suffix)
-
-
-@functools.cache
-def _bind_decode_kernel(lib: ctypes.CDLL, suffix: str) -> _NativeDecodeKernel | None:
-    """None where the library is empty (fp16 without F16C)."""
-    decode = getattr(lib, f"v1_paged_decode_{suffix}", None)
-    return None if decode is None else _NativeDecodeKernel(decode)

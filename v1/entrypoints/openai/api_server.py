@@ -65,7 +65,7 @@ from v1.entrypoints.openai.serving import (
 )
 from v1.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from v1.limits import InputLimits
-from v1.worker.model_loader import resolve_model
+from v1.models.loader import resolve_model
 
 T = TypeVar("T")
 

@@ -13,7 +13,7 @@ from torch.nn.utils import skip_init
 from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata
 from v1.models.layers.linear import Linear
 from v1.models.layers.norm import RMSNorm
-from v1.worker.ops import StepOps
+from v1.models.layers.ops import StepOps
 
 
 class Attention(nn.Module):

@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.utils import skip_init
 
 from v1.models.layers.linear import Linear
-from v1.worker.ops import StepOps
+from v1.models.layers.ops import StepOps
 
 # transformers' activation names -> whether we have them (the gelu is tanh-approximated).
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")

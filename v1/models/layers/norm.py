@@ -11,7 +11,7 @@ Both take the residual stream too: `norm(residual + x)` with the add fused into 
 import torch
 from torch import nn
 
-from v1.worker.ops import StepOps
+from v1.models.layers.ops import StepOps
 
 
 class RMSNorm(nn.Module):

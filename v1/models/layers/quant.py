@@ -5,28 +5,29 @@ blocks per output row, so rows can be reordered or concatenated (fused q/k/v, ga
 plain tensor indexing and `torch.cat` on `blocks`. `quantize` rounds as ggml does; the torch
 reference (`dequantize`, then F.linear) computes what gguf's own dequantizers compute.
 
-`linear` on CPU with fp32 tensors runs C kernels (built by `v1.native`; V1_CPU_KERNELS=0, no
-compiler, other devices or dtypes: the torch reference). Two paths:
+`linear` on CPU with fp32 activations runs C kernels (`v1.kernels.quant`, built with the
+package; V1_CPU_KERNELS=0, other devices or dtypes: the torch reference). Two paths:
 - "fp32": each block is dequantized to fp32 in registers and meets the fp32 activations by
   FMA, so the result is x @ dequantize().T up to fp32 rounding (sums in another order). One
   row: d * (q . x) + m * sum(x) per block of 4 weight rows (fewer operations per block: at
   batch 1 the arithmetic, not memory, bounds the time); 2-4 rows, dot products of dequantized
   blocks; from 5 rows, a few weight rows are dequantized into an L1 buffer and the
-  activations, transposed once per call, run against it as outer products (see the C
-  source). Either way each weight byte is read and dequantized once per call (for up to 64
-  rows).
+  activations, transposed once per call, run against it as outer products (see
+  v1/kernels/csrc/quant.c). Either way each weight byte is read and dequantized once per
+  call (for up to 64 rows).
 - "int8", llama.cpp's way: activations quantized per block of 32 to int8 (q8_0 rounding,
   fp32 scale), integer dot products of 4-byte groups against 16 activation rows at once
   (AVX-512 VNNI vpdpbusd, else AVX-VNNI, else AVX2 vpmaddubsw, else plain C: whatever the
   compiler targets), block scales applied in fp32 and q4_1's offsets through the activation
   block sums. The results change: each activation is rounded to 1/254 of its block's
   largest magnitude.
-The tiles are sized for AVX-512's 32 registers of 16 floats. Builds for other x86 CPUs
-compute the same results (tests/worker/test_quant_kernels.py builds them) but are not tuned:
-their 64-byte vectors lower to pairs or quads of smaller ones and spill.
+The tiles are sized for AVX-512's 32 registers of 16 floats. The library's other variants
+(x86-64-v3, portable; `v1/kernels/variants.py`) compute the same results
+(tests/worker/test_quant_kernels.py runs each) but are not tuned: their 64-byte vectors lower
+to pairs or quads of smaller ones and spill.
 
 The kernels split their rows over torch's thread count on the library's own worker threads,
-not OpenMP's (see "threads" in the C source): under OMP_WAIT_POLICY=PASSIVE, the engine's
+not OpenMP's (v1/kernels/csrc/pool.c): under OMP_WAIT_POLICY=PASSIVE, the engine's
 setting, waking OpenMP's sleeping threads cost ~40 us per call, more than a batch-1 layer
 matmul takes, 120 calls a step (the figures below are with the pool; with OpenMP, at
 a505452, the fp32 path's row took 0.51-1.28 of oneDNN's time from 1 to 64 rows).
@@ -65,20 +66,13 @@ and now (`--rows 256,2048 --rounds 3`, `bench/results/quant_kernels_prefill.txt`
 / 1.95, dense 1.33 / 1.09, int8 0.61 / 0.83.
 """
 
-import ctypes
-import functools
 import os
 
 import torch
 import torch.nn.functional as F
 
-from v1 import native
+from v1.kernels.quant import BLOCK_BYTES, QK, QuantBlocks, kernels
 from v1.models.layers.onednn import ONEDNN_LINEAR, onednn_linear
-
-QK = 32  # values per block
-# Bytes per block. q8_0: fp16 d, int8 qs[32]; x = d * q. q4_1: fp16 d, fp16 m, uint8 qs[16];
-# x = d * nibble + m, element j < 16 the low nibble of qs[j], element j + 16 its high nibble.
-BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
 
 # How `linear` multiplies on CPU: "fp32" (blocks dequantized in registers, fp32 activations),
 # "int8" (activations quantized per block to int8, integer dot products), or "torch" (the
@@ -107,7 +101,7 @@ DENSE_MIN_ROWS: int | None = 256
 class QuantizedWeight:
     """A [out_features, in_features] weight as GGUF blocks (uint8 [out, in / 32 * bytes])."""
 
-    __slots__ = ("kind", "out_features", "in_features", "blocks")
+    __slots__ = ("kind", "out_features", "in_features", "blocks", "_kernel_blocks")
 
     def __init__(self, kind: str, blocks: torch.Tensor, out_features: int, in_features: int):
         if kind not in BLOCK_BYTES:
@@ -126,6 +120,7 @@ class QuantizedWeight:
         self.out_features = out_features
         self.in_features = in_features
         self.blocks = blocks.contiguous()
+        self._kernel_blocks: QuantBlocks | None = None  # `blocks`, as the kernels take them
 
     @classmethod
     def quantize(cls, w: torch.Tensor, kind: str = "q8_0") -> "QuantizedWeight":
@@ -167,13 +162,16 @@ class QuantizedWeight:
     def linear(
         self, x: torch.Tensor, bias: torch.Tensor | None = None, path: str | None = None
     ) -> torch.Tensor:
-        """x [..., in] @ weight.T (+ bias) -> [..., out]. `path` (one of PATHS) overrides the
-        choice by batch size; the C kernels serve fp32 CPU tensors when they can be built,
-        anything else takes the torch reference."""
+        """x [..., in] @ weight.T (+ bias [out]) -> [..., out]. `path` (one of PATHS)
+        overrides the choice by batch size; the C kernels serve fp32 CPU activations when
+        there are kernels, anything else takes the torch reference."""
         if x.shape[-1] != self.in_features:
             raise ValueError(
                 f"input has {x.shape[-1]} features, the weight takes {self.in_features}"
             )
+        # Exactly [out] on every path: the kernels read out_features values.
+        if bias is not None and bias.shape != (self.out_features,):
+            raise ValueError(f"bias has shape {list(bias.shape)}, expected [{self.out_features}]")
         if path is not None and path not in PATHS:
             raise ValueError(f"path {path!r} is not one of {PATHS}")
         m = x.numel() // self.in_features
@@ -182,39 +180,26 @@ class QuantizedWeight:
                 path = "int8"
             else:
                 path = "dense" if DENSE_MIN_ROWS is not None and m >= DENSE_MIN_ROWS else "fp32"
-        kernels = _kernels() if path != "torch" and self._native_ok(x, bias) else None
-        if kernels is None or m == 0:
+        native = (path != "torch" and m > 0 and x.dtype == torch.float32 and x.is_cpu
+                  and self.blocks.is_cpu)
+        q = kernels() if native else None
+        if q is None:
             return F.linear(x, self.dequantize().to(x.dtype), bias)
+        if bias is not None:
+            bias = bias.contiguous()
+        kb = self._kernel_blocks
+        if kb is None or kb.tensor is not self.blocks:  # `blocks` may have been replaced
+            kb = self._kernel_blocks = QuantBlocks(self.kind, self.blocks)
         if path == "dense":
-            w = torch.empty(self.out_features, self.in_features)
-            kernels.dequantize(
-                _KIND_CODE[self.kind], self.blocks.data_ptr(), self.out_features,
-                self.in_features, w.data_ptr(),
-            )
+            w = q.dequantize(kb)
             if ONEDNN_LINEAR:
                 return onednn_linear(x, w, bias, self.out_features)
             return F.linear(x, w, bias)
-        rows = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, self.in_features)
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        out = torch.empty(m, self.out_features)
-        bias = None if bias is None else bias.contiguous()  # held: the kernel reads it
-        fn = kernels.int8 if path == "int8" else kernels.fp32
-        if fn(
-            _KIND_CODE[self.kind], self.blocks.data_ptr(), self.out_features, self.in_features,
-            rows.data_ptr(), rows.stride(0), m, None if bias is None else bias.data_ptr(),
-            out.data_ptr(), self.out_features,
-        ):
-            raise MemoryError(f"no scratch memory for a {m} x {self.in_features} {path} matmul")
+        out = q.linear(kb, rows, bias, int8=path == "int8")
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
-
-    def _native_ok(self, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """What the C kernels take: fp32 on the CPU, blocks contiguous."""
-        return (
-            x.dtype == torch.float32 and x.is_cpu and self.blocks.is_cpu
-            and self.blocks.is_contiguous()
-            and (bias is None or bias.dtype == torch.float32 and bias.is_cpu)
-        )
 
     def __repr__(self) -> str:
         return f"QuantizedWeight({self.kind}, {self.out_features}x{self.in_features})"
@@ -251,792 +236,3 @@ def _dequantize(kind: str, blocks: torch.Tensor) -> torch.Tensor:
         q = torch.cat((qs & 15, qs >> 4), -1).to(torch.float32)
         w = d * q + _fp16(b[..., 2:4])
     return w.reshape(rows, nb * QK)
-
-
-# ---- the C kernels ------------------------------------------------------------------------
-
-_KIND_CODE = {"q4_1": 0, "q8_0": 1}
-_INT8_ISAS = ("portable", "avx2", "avx_vnni", "avx512_vnni")  # by the C's INT8_ISA
-
-_SOURCE = r"""#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <math.h>
-#include <omp.h>
-#include <limits.h>
-#include <pthread.h>
-#include <sched.h>
-#include <signal.h>
-#include <stdatomic.h>
-#include <time.h>
-#include <unistd.h>
-#include <linux/futex.h>
-#include <sys/prctl.h>
-#include <sys/syscall.h>
-#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
-/* GGUF blocks of 32 values, a weight row = nb consecutive blocks (see BLOCK_BYTES in Python):
-   q4_1: fp16 d, fp16 m, 16 bytes of nibbles (value j < 16 low nibble of byte j, j + 16 high);
-   q8_0: fp16 d, 32 int8. */
-enum { QK = 32, Q4_1 = 0, Q8_0 = 1 };
-
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef double v8d __attribute__((vector_size(64)));
-typedef uint8_t u8x16 __attribute__((vector_size(16)));
-
-static inline v16 load16(const float *p) { v16 x; memcpy(&x, p, 64); return x; }
-static inline v16i load16i(const void *p) { v16i x; memcpy(&x, p, 64); return x; }
-static inline float hsum16(v16 x) {
-    v16 a = x + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    a += __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    a += __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    return a[0] + a[1];
-}
-
-static inline int64_t block_bytes(int kind) { return kind == Q4_1 ? 20 : 34; }
-
-/* Weights stream from memory once per call; the kernels prefetch this many bytes ahead of
-   each weight row they read: on the 2-core EPYC VM this was written on, the hardware
-   prefetchers alone left a one-row LM head (30 MB of q8_0) waiting on memory most of the
-   time. */
-enum { PREFETCH = 8192 };
-
-/* ---- threads ------------------------------------------------------------------------------
-   The kernels' loops run on this library's own workers, not on OpenMP's. OpenMP's threads
-   (torch's libgomp, which this library shares) sleep between parallel regions under
-   OMP_WAIT_POLICY=PASSIVE, the engine's setting, and waking them takes longer than a
-   batch-1 matmul of one layer takes (~40 us against ~25 us here, 120 times a step). A worker
-   here polls for the next job for SPIN_NS after its last one, yielding its CPU between polls
-   (so it keeps no runnable thread off that CPU), then sleeps on a futex: a forward's
-   back-to-back calls find it awake, an idle engine costs nothing. One job at a time: a
-   caller that finds the pool busy (another Python thread in a kernel) runs its job alone.
-   The caller waits only for the workers that joined its job, not for all of them: on a
-   shared machine a worker may be off its CPU (asleep, or behind another process) for a
-   time slice or more, and the caller, which takes whatever items are left, can finish
-   alone meanwhile. */
-enum { MAX_WORKERS = 63 };
-static const int64_t SPIN_NS = 200000;
-
-/* fn(ctx, begin, end, thread): items [begin, end) on thread 0 .. nthreads - 1 (scratch). */
-typedef void (*range_fn)(void *ctx, int64_t begin, int64_t end, int thread);
-
-static struct {
-    pthread_mutex_t lock;       /* held by the caller whose job runs */
-    int nworkers;               /* started (threads 1 .. nworkers) */
-    _Atomic uint32_t gen;       /* bumped per job; workers wait for it to change */
-    _Atomic int32_t sleeping;   /* workers in (or entering) futex wait */
-    /* Threads in the current job, the caller included; 0: closed (none may join). The
-       job's fields stay as they are while it is above 0. */
-    _Atomic int32_t members;
-    _Atomic int64_t next;       /* first unclaimed item of the current job */
-    range_fn fn;
-    void *ctx;
-    int64_t n, chunk;
-    int nthreads;               /* threads taking items in the current job */
-} pool = {.lock = PTHREAD_MUTEX_INITIALIZER};
-
-static int64_t now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
-}
-
-static void run_items(int thread) {
-    for (;;) {
-        const int64_t b = atomic_fetch_add(&pool.next, pool.chunk);
-        if (b >= pool.n) return;
-        pool.fn(pool.ctx, b, b + pool.chunk < pool.n ? b + pool.chunk : pool.n, thread);
-    }
-}
-
-/* Count this worker into the open job, if one is: then the job's fields are its to read. */
-static int join(void) {
-    int32_t m = atomic_load(&pool.members);
-    while (m > 0)
-        if (atomic_compare_exchange_weak(&pool.members, &m, m + 1)) return 1;
-    return 0;
-}
-
-static void *worker(void *arg) {
-    const int thread = (int)(intptr_t)arg;
-    sigset_t all;
-    sigfillset(&all);
-    pthread_sigmask(SIG_BLOCK, &all, NULL);  /* signals go to the interpreter's threads */
-    prctl(PR_SET_NAME, "v1-quant");  /* told apart in top, ps (and the tests) */
-    uint32_t seen = atomic_load(&pool.gen);  /* a job under way is left to the others */
-    for (;;) {
-        const int64_t t0 = now_ns();
-        uint32_t g;
-        while ((g = atomic_load(&pool.gen)) == seen) {
-            if (now_ns() - t0 < SPIN_NS) {
-                sched_yield();
-                continue;
-            }
-            /* A job published after this increment wakes us; one published before it
-               changed gen, and the wait returns at once. */
-            atomic_fetch_add(&pool.sleeping, 1);
-            syscall(SYS_futex, &pool.gen, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
-            atomic_fetch_sub(&pool.sleeping, 1);
-        }
-        seen = g;
-        if (!join()) continue;  /* late: the caller finished the job */
-        if (thread < pool.nthreads) run_items(thread);
-        atomic_fetch_sub(&pool.members, 1);
-    }
-    return NULL;
-}
-
-/* A forked child has none of the parent's workers (and maybe a lock some parent thread
-   held): start over. */
-static void pool_after_fork(void) {
-    pthread_mutex_init(&pool.lock, NULL);
-    pool.nworkers = 0;
-    atomic_store(&pool.sleeping, 0);
-}
-
-__attribute__((constructor)) static void pool_init(void) {
-    pthread_atfork(NULL, NULL, pool_after_fork);
-}
-
-/* fn over items [0, n) in chunks of `chunk`, claimed by the caller and the workers as they
-   come free, on up to omp_get_max_threads() threads (torch's thread count); returns when
-   all are done. */
-static void parallel_for(int64_t n, int64_t chunk, range_fn fn, void *ctx) {
-    int want = omp_get_max_threads();
-    want = want < MAX_WORKERS + 1 ? want : MAX_WORKERS + 1;
-    if (n <= chunk || want <= 1 || pthread_mutex_trylock(&pool.lock) != 0) {
-        fn(ctx, 0, n, 0);
-        return;
-    }
-    const uint32_t gen = atomic_load(&pool.gen);
-    while (pool.nworkers < want - 1) {
-        pthread_t t;
-        pthread_attr_t attr;
-        pthread_attr_init(&attr);
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        const int failed = pthread_create(&t, &attr, worker, (void *)(intptr_t)(pool.nworkers + 1));
-        pthread_attr_destroy(&attr);
-        if (failed) break;  /* run on those there are */
-        pool.nworkers++;
-    }
-    pool.fn = fn;
-    pool.ctx = ctx;
-    pool.n = n;
-    pool.chunk = chunk;
-    pool.nthreads = want < pool.nworkers + 1 ? want : pool.nworkers + 1;
-    atomic_store(&pool.next, 0);
-    atomic_store(&pool.members, 1);
-    atomic_store(&pool.gen, gen + 1);
-    if (atomic_load(&pool.sleeping) > 0)
-        syscall(SYS_futex, &pool.gen, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
-    run_items(0);
-    /* Every item is taken: close the job to workers yet to join, wait for those in it. */
-    atomic_fetch_sub(&pool.members, 1);
-    while (atomic_load(&pool.members) > 0) sched_yield();
-    pthread_mutex_unlock(&pool.lock);
-}
-
-/* IEEE half at p (any alignment) as float. */
-static inline float fp16(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-#ifdef __F16C__
-    return _cvtsh_ss(h);
-#else
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (e == 0) {  /* zero or subnormal: man * 2^-24, exact in float */
-        float f = (float)man * 5.9604644775390625e-8f;
-        return sign ? -f : f;
-    }
-    bits = sign | (e == 0x1f ? 0x7f800000u : (e + 112) << 23) | (man << 13);
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
-
-/* ---- fp32 activations: blocks dequantized to fp32, FMA with the activations ------------- */
-
-/* One block's 32 values before scaling, as floats: q4_1's nibbles, q8_0's signed bytes.
-   Bytes are widened to int32 before float: GCC 12 converts bytes straight to float one at
-   a time, and widens only unsigned bytes in one instruction (vpmovzxbd), so q8_0's signed
-   bytes go through uint8 (q ^ 0x80 = q + 128); q4_1's 16 bytes are widened once and split
-   into nibbles as int32. */
-static inline __attribute__((always_inline)) void block_values(int kind, const uint8_t *p,
-                                                               v16 *lo, v16 *hi) {
-    if (kind == Q4_1) {
-        u8x16 q;
-        memcpy(&q, p + 4, 16);
-        *lo = __builtin_convertvector(__builtin_convertvector(q & 15, v16i), v16);
-        *hi = __builtin_convertvector(__builtin_convertvector(q >> 4, v16i), v16);
-    } else {
-        u8x16 a, b;
-        memcpy(&a, p + 2, 16);
-        memcpy(&b, p + 18, 16);
-        *lo = __builtin_convertvector(__builtin_convertvector(a ^ 0x80, v16i) - 128, v16);
-        *hi = __builtin_convertvector(__builtin_convertvector(b ^ 0x80, v16i) - 128, v16);
-    }
-}
-
-/* One block's 32 floats. q4_1's d * q + m is one FMA here (gguf rounds the product first:
-   at most 1 ulp apart). */
-static inline __attribute__((always_inline)) void dequant_block(int kind, const uint8_t *p,
-                                                                v16 *lo, v16 *hi) {
-    block_values(kind, p, lo, hi);
-    const float d = fp16(p);
-    if (kind == Q4_1) {
-        const float m = fp16(p + 2);
-        *lo = *lo * d + m;
-        *hi = *hi * d + m;
-    } else {
-        *lo *= d;
-        *hi *= d;
-    }
-}
-
-/* Three tiles, by the number of activation rows M:
-   - M <= DOT_ROWS_MAX, dot products: NR weight rows x up to MR activation rows. Each block
-     of the NR rows is dequantized into registers and meets the activation rows there; each
-     of the NR x MR sums is spread over a vector and reduced at the end.
-   - otherwise outer products: a few weight rows are dequantized once into a scratch buffer
-     `wb` (L1-sized for K up to ~1.5k); the activations, transposed once per call into `xt`,
-     run against it, weight values broadcast, so each loaded vector serves every row of the
-     tile. Up to PAIR_ROWS_MAX rows a vector holds 8 activation rows x 2 consecutive k (a
-     broadcast weight pair serves 16 products; with 16 rows x 1 k, 8 rows would leave half of
-     each vector idle), 12 weight rows per tile; beyond, 16 rows x 1 k, 6 weight rows and up
-     to 64 activation rows per tile.
-   Each way the weight is read and dequantized once per call (for up to 64 rows). */
-enum { NR = 4, MR = 4, DOT_ROWS_MAX = 4, PAIR_ROWS_MAX = 16, NL_PAIRS = 12, NL = 6, MV = 4 };
-
-/* y[m][r] = x[m] . W[r] (+ bias[r]) for r < nr, m < mr; rows past nr repeat the last one. */
-static inline __attribute__((always_inline)) void tile_dot(
-    int kind, const uint8_t *w, int64_t row_bytes, int nr, int64_t nb, const float *x,
-    int64_t ldx, int mr, float *y, int64_t ldy, const float *bias) {
-    const int64_t bytes = block_bytes(kind);
-    const uint8_t *row[NR];
-    for (int r = 0; r < NR; r++) row[r] = w + (r < nr ? r : nr - 1) * row_bytes;
-    v16 acc[NR][MR] = {{{0}}};
-    for (int64_t b = 0; b < nb; b++) {
-        v16 lo[NR], hi[NR];
-        for (int r = 0; r < NR; r++) {
-            __builtin_prefetch(row[r] + b * bytes + PREFETCH);
-            dequant_block(kind, row[r] + b * bytes, &lo[r], &hi[r]);
-        }
-        for (int m = 0; m < mr; m++) {
-            const v16 x0 = load16(x + m * ldx + b * QK), x1 = load16(x + m * ldx + b * QK + 16);
-            for (int r = 0; r < NR; r++) acc[r][m] += lo[r] * x0 + hi[r] * x1;
-        }
-    }
-    for (int m = 0; m < mr; m++)
-        for (int r = 0; r < nr; r++) y[m * ldy + r] = hsum16(acc[r][m]) + (bias ? bias[r] : 0.f);
-}
-
-/* tile_dot for one activation row, with fewer operations per block: d (q . x), plus for
-   q4_1 m sum(x), the block sums of x given in sx (batch 1 is where the kernel's arithmetic,
-   not memory, bounds the time). With AVX-512 the bytes are widened straight from memory and
-   q4_1's nibbles split as int32 (GCC's vector extensions split them as bytes, emulating a
-   byte shift, and convert the scales one at a time). */
-static inline __attribute__((always_inline)) void tile_dot1(
-    int kind, const uint8_t *w, int64_t row_bytes, int nr, int64_t nb, const float *x,
-    const float *sx, float *y, const float *bias) {
-    const int64_t bytes = block_bytes(kind);
-    const uint8_t *row[NR];
-    for (int r = 0; r < NR; r++) row[r] = w + (r < nr ? r : nr - 1) * row_bytes;
-    v16 acc[NR] = {{0}};
-    float offsets[NR] = {0};
-    for (int64_t b = 0; b < nb; b++) {
-        const v16 x0 = load16(x + b * QK), x1 = load16(x + b * QK + 16);
-        for (int r = 0; r < NR; r++) {
-            const uint8_t *p = row[r] + b * bytes;
-            __builtin_prefetch(p + PREFETCH);
-            v16 lo, hi;
-#if defined(__AVX512F__) && defined(__F16C__)
-            if (kind == Q4_1) {
-                const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 4)));
-                lo = (v16)_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15)));
-                hi = (v16)_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
-            } else {
-                const __m128i a = _mm_loadu_si128((const __m128i *)(p + 2));
-                const __m128i b = _mm_loadu_si128((const __m128i *)(p + 18));
-                lo = (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(a));
-                hi = (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-            }
-            int32_t dm;
-            memcpy(&dm, p, 4);
-            const __m128 scales = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));  /* d, m */
-            acc[r] += (lo * x0 + hi * x1) * (v16)_mm512_broadcastss_ps(scales);
-            if (kind == Q4_1) offsets[r] += scales[1] * sx[b];
-#else
-            block_values(kind, p, &lo, &hi);
-            acc[r] += (lo * x0 + hi * x1) * fp16(p);
-            if (kind == Q4_1) offsets[r] += fp16(p + 2) * sx[b];
-#endif
-        }
-    }
-    for (int r = 0; r < nr; r++) y[r] = hsum16(acc[r]) + offsets[r] + (bias ? bias[r] : 0.f);
-}
-
-/* Where x[m][k] goes in xt: lane (m % 16) of vector m / 16 at row k, or with pairs, lane
-   2 (m % 8) + k % 2 of vector m / 8 at row k / 2. */
-static inline int64_t xt_index(int64_t m, int64_t k, int pairs, int64_t ldxt) {
-    return pairs ? k / 2 * ldxt + m / 8 * 16 + m % 8 * 2 + k % 2 : k * ldxt + m;
-}
-
-/* y[m][r] = x[m] . wb[r] (+ bias[r]) for r < nr, m < rows (at most 16 mv, 8 mv with pairs);
-   nl weight rows, mv vectors of activations. */
-static inline __attribute__((always_inline)) void tile_outer(
-    const float *wb, int64_t K, const float *xt, int64_t ldxt, int nl, int mv, int pairs,
-    float *y, int64_t ldy, int nr, int64_t rows, const float *bias) {
-    v16 acc[NL_PAIRS][MV] = {{{0}}};
-    for (int64_t k = 0; k < K; k += 1 + pairs) {
-        v16 xv[MV];
-        for (int v = 0; v < mv; v++) xv[v] = load16(xt + (k >> pairs) * ldxt + 16 * v);
-        for (int r = 0; r < nl; r++) {
-            v16 wk;
-            /* One broadcast load (an element list: `{0} + w` would add -0 + 0). */
-            if (pairs) {  /* wb[r][k], wb[r][k + 1], repeated */
-                double t;
-                memcpy(&t, wb + r * K + k, 8);
-                wk = (v16)(v8d){t, t, t, t, t, t, t, t};
-            } else {
-                const float t = wb[r * K + k];
-                wk = (v16){t, t, t, t, t, t, t, t, t, t, t, t, t, t, t, t};
-            }
-            for (int v = 0; v < mv; v++) acc[r][v] += xv[v] * wk;
-        }
-    }
-    const int per = 16 >> pairs;  /* activation rows per vector */
-    for (int v = 0; v < mv; v++)
-        for (int l = 0; l < per && per * v + l < rows; l++)
-            for (int r = 0; r < nr; r++) {
-                const float sum = pairs ? acc[r][v][2 * l] + acc[r][v][2 * l + 1] : acc[r][v][l];
-                y[(per * v + l) * ldy + r] = sum + (bias ? bias[r] : 0.f);
-            }
-}
-
-/* nl rows from `w` into wb (rows past nr repeat the last one). */
-static inline __attribute__((always_inline)) void dequant_rows(
-    int kind, const uint8_t *w, int64_t row_bytes, int nl, int nr, int64_t K, float *wb) {
-    const int64_t bytes = block_bytes(kind);
-    for (int r = 0; r < nl; r++) {
-        const uint8_t *row = w + (r < nr ? r : nr - 1) * row_bytes;
-        for (int64_t b = 0; b < K / QK; b++) {
-            v16 lo, hi;
-            __builtin_prefetch(row + b * bytes + PREFETCH);
-            dequant_block(kind, row + b * bytes, &lo, &hi);
-            memcpy(wb + r * K + b * QK, &lo, 64);
-            memcpy(wb + r * K + b * QK + 16, &hi, 64);
-        }
-    }
-}
-
-/* One call's matmul: y[M, N] = x[M, K] @ W[N, K].T (+ bias). */
-struct job {
-    const uint8_t *w;
-    int64_t N, K, nb, row_bytes;
-    const float *x;
-    int64_t ldx, M;
-    const float *bias;
-    float *y;
-    int64_t ldy;
-    const float *sx;          /* one row: x's block sums (q4_1's offsets) */
-    int pairs, nl;            /* outer products: the tile (see above) */
-    float *xt;                /* outer: transposed activations, then a wb per thread */
-    int64_t ldxt, xt_floats;
-};
-
-/* Dot tiles t0 .. t1 - 1 (NR weight rows each). */
-static inline __attribute__((always_inline)) void dot_tiles(int kind, const struct job *j,
-                                                            int64_t t0, int64_t t1) {
-    for (int64_t n0 = t0 * NR; n0 < t1 * NR && n0 < j->N; n0 += NR) {
-        const int nr = j->N - n0 < NR ? (int)(j->N - n0) : NR;
-        const uint8_t *wn = j->w + n0 * j->row_bytes;
-        const float *bn = j->bias ? j->bias + n0 : NULL;
-        float *yn = j->y + n0;
-        const int64_t rb = j->row_bytes, nb = j->nb, ldx = j->ldx, ldy = j->ldy;
-        switch (j->M) {
-            case 1: tile_dot1(kind, wn, rb, nr, nb, j->x, j->sx, yn, bn); break;
-            case 2: tile_dot(kind, wn, rb, nr, nb, j->x, ldx, 2, yn, ldy, bn); break;
-            case 3: tile_dot(kind, wn, rb, nr, nb, j->x, ldx, 3, yn, ldy, bn); break;
-            default: tile_dot(kind, wn, rb, nr, nb, j->x, ldx, 4, yn, ldy, bn);
-        }
-    }
-}
-
-/* The activations into xt, on the calling thread: O(M K), against the tiles' O(M N K). (As a
-   job of the pool, such a short job right before the tiles' job measured the int8 path at
-   64-2048 rows at one thread's speed; why is not understood.) */
-static void transpose_x(const struct job *j) {
-    for (int64_t k = 0; k < j->K; k++)
-        for (int64_t m = 0; m < j->M; m++)
-            j->xt[xt_index(m, k, j->pairs, j->ldxt)] = j->x[m * j->ldx + k];
-}
-
-#define TILE_OUTER(NL_, MV_, PAIRS_) \
-    tile_outer(wb, K, xt + m0, ldxt, NL_, MV_, PAIRS_, y + m0 * ldy + n0, ldy, nr, M - m0, bn)
-
-/* Outer-product tiles t0 .. t1 - 1 (nl weight rows each), with this thread's wb. */
-static inline __attribute__((always_inline)) void outer_tiles(
-    int kind, const struct job *j, int64_t t0, int64_t t1, int thread) {
-    const int64_t K = j->K, M = j->M, ldxt = j->ldxt, ldy = j->ldy;
-    const int nl = j->nl;
-    const float *xt = j->xt;
-    float *wb = j->xt + j->xt_floats + thread * nl * K, *y = j->y;
-    for (int64_t n0 = t0 * nl; n0 < t1 * nl && n0 < j->N; n0 += nl) {
-        const int nr = j->N - n0 < nl ? (int)(j->N - n0) : nl;
-        const float *bn = j->bias ? j->bias + n0 : NULL;
-        dequant_rows(kind, j->w + n0 * j->row_bytes, j->row_bytes, nl, nr, K, wb);
-        if (j->pairs) {
-            const int64_t m0 = 0;
-            if (M > 8) TILE_OUTER(NL_PAIRS, 2, 1);
-            else TILE_OUTER(NL_PAIRS, 1, 1);
-            continue;
-        }
-        for (int64_t m0 = 0; m0 < M; m0 += 16 * MV) {
-            const int64_t rows = M - m0;
-            switch (rows > 48 ? 4 : rows > 32 ? 3 : rows > 16 ? 2 : 1) {
-                case 1: TILE_OUTER(NL, 1, 0); break;
-                case 2: TILE_OUTER(NL, 2, 0); break;
-                case 3: TILE_OUTER(NL, 3, 0); break;
-                default: TILE_OUTER(NL, 4, 0);
-            }
-        }
-    }
-}
-
-/* The pool's entry points, one per block kind (the kernels are specialised on it). */
-#define RANGE_FNS(NAME, BODY)                                                              \
-    static void NAME##_q4_1(void *c, int64_t b, int64_t e, int t) { (void)t; BODY(Q4_1); } \
-    static void NAME##_q8_0(void *c, int64_t b, int64_t e, int t) { (void)t; BODY(Q8_0); }
-#define DOT_BODY(KIND) dot_tiles(KIND, c, b, e)
-#define OUTER_BODY(KIND) outer_tiles(KIND, c, b, e, t)
-RANGE_FNS(dot, DOT_BODY)
-RANGE_FNS(outer, OUTER_BODY)
-
-/* Weight rows per item, so items are a few tiles: threads take items as they come free (on
-   a shared machine one may lose its core for a while; the other then takes the rest). */
-enum { TILES_PER_ITEM = 8 };
-
-/* y[M, N] = x[M, K] @ W[N, K].T (+ bias). 0, or -1 when scratch memory cannot be had. */
-int32_t v1_q_linear_f32(int32_t kind, const uint8_t *w, int64_t N, int64_t K, const float *x,
-                        int64_t ldx, int64_t M, const float *bias, float *y, int64_t ldy) {
-    struct job j = {.w = w, .N = N, .K = K, .nb = K / QK, .x = x, .ldx = ldx, .M = M,
-                    .bias = bias, .y = y, .ldy = ldy};
-    j.row_bytes = j.nb * block_bytes(kind);
-    if (M <= DOT_ROWS_MAX) {
-        float *sx = NULL;
-        if (M == 1 && kind == Q4_1) {
-            if (!(sx = malloc((size_t)j.nb * sizeof(float)))) return -1;
-            for (int64_t b = 0; b < j.nb; b++)
-                sx[b] = hsum16(load16(x + b * QK) + load16(x + b * QK + 16));
-            j.sx = sx;
-        }
-        parallel_for((N + NR - 1) / NR, TILES_PER_ITEM, kind == Q4_1 ? dot_q4_1 : dot_q8_0, &j);
-        free(sx);
-        return 0;
-    }
-    j.pairs = M <= PAIR_ROWS_MAX;
-    j.nl = j.pairs ? NL_PAIRS : NL;
-    j.ldxt = j.pairs ? (M + 7) / 8 * 16 : (M + 15) / 16 * 16;
-    j.xt_floats = (j.pairs ? K / 2 : K) * j.ldxt;
-    /* xt, then a weight buffer per thread (64-byte aligned: K is a multiple of 32). */
-    j.xt = aligned_alloc(64, (size_t)(j.xt_floats + omp_get_max_threads() * j.nl * K) * 4);
-    if (!j.xt) return -1;
-    memset(j.xt, 0, (size_t)j.xt_floats * sizeof(float));
-    transpose_x(&j);
-    parallel_for((N + j.nl - 1) / j.nl, TILES_PER_ITEM, kind == Q4_1 ? outer_q4_1 : outer_q8_0, &j);
-    free(j.xt);
-    return 0;
-}
-
-/* ---- int8 activations: integer dot products, as llama.cpp ------------------------------- */
-
-/* Activations are quantized per block of 32 as q8_0 (dx = max|x| / 127, q = round(x / dx))
-   and laid out so that one 64-byte vector holds 4 consecutive values of 16 rows:
-     A[((g * nb + b) * 8 + j) * 16 + l]   int8 x 4: row 16 g + l, values 32 b + 4 j .. + 3
-     D, Q, T[(g * nb + b) * 16 + l]       dx, sum of the q, dx * sum (float)
-   A weight's 4 bytes for the same values, broadcast, then meet 16 rows in one u8 x s8 dot
-   product (vpdpbusd). Weights must be the unsigned side: q4_1's nibbles are; q8_0's bytes
-   are offset by 128 (q ^ 0x80), taken back as 128 * sum(q) per block. Rows past M are 0. */
-enum { LANES = 16, GROUPS = QK / 4 };
-
-/* C's roundf (halves away from zero) on 16 lanes, exactly, for |v| < 2^31. */
-static inline v16i round16(v16 v) {
-    const v16 a = (v16)((v16i)v & 0x7fffffff);
-    const v16i t = __builtin_convertvector(a, v16i);  /* truncated */
-    const v16i r = t - (a - __builtin_convertvector(t, v16) >= 0.5f);  /* true is -1 */
-    const v16i neg = v < 0.f;
-    return (r ^ neg) - neg;
-}
-
-static void quantize_row(const float *x, int64_t nb, int64_t row, int32_t *A, float *D,
-                         int32_t *Q, float *T) {
-    const int64_t g = row / LANES, l = row % LANES;
-    for (int64_t b = 0; b < nb; b++) {
-        const v16 x0 = load16(x + b * QK), x1 = load16(x + b * QK + 16);
-        const v16i a0 = (v16i)x0 & 0x7fffffff, a1 = (v16i)x1 & 0x7fffffff;
-        const v16i gt = a0 > a1, m = (a0 & gt) | (a1 & ~gt);  /* |x| compare as integers */
-        int32_t amax_bits = 0;
-        for (int i = 0; i < 16; i++) amax_bits = m[i] > amax_bits ? m[i] : amax_bits;
-        float amax;
-        memcpy(&amax, &amax_bits, 4);
-        const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-        const v16i q0 = round16(x0 * id), q1 = round16(x1 * id);
-        const v16i s = q0 + q1;
-        int32_t sum = 0;
-        for (int i = 0; i < 16; i++) sum += s[i];
-        uint8_t q[QK];
-        const u8x16 b0 = __builtin_convertvector(q0 & 255, u8x16);
-        const u8x16 b1 = __builtin_convertvector(q1 & 255, u8x16);
-        memcpy(q, &b0, 16);
-        memcpy(q + 16, &b1, 16);
-        const int64_t gb = g * nb + b;
-        for (int j = 0; j < GROUPS; j++) memcpy(A + (gb * GROUPS + j) * LANES + l, q + 4 * j, 4);
-        D[gb * LANES + l] = d;
-        Q[gb * LANES + l] = sum;
-        T[gb * LANES + l] = d * (float)sum;
-    }
-}
-
-/* The integer dot product: vpdpbusd on 16 lanes (AVX-512 VNNI) or on two halves of 8
-   (AVX-VNNI), else AVX2's vpmaddubsw + vpmaddwd, else plain C. vpmaddubsw saturates its pair
-   sums at 32767, which (q8_0 + 128) x 127 x 2 passes: with it, q8_0's bytes stay signed and
-   their signs move onto the activations (|w| x sign(x, w) = w x x), no offset. */
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
-#define INT8_ISA 3
-#elif defined(__AVXVNNI__)
-#define INT8_ISA 2
-#elif defined(__AVX2__)
-#define INT8_ISA 1
-#else
-#define INT8_ISA 0
-#endif
-enum { Q8_OFFSET = INT8_ISA != 1 };  /* q8_0 bytes go in + 128 (else signed, see above) */
-
-/* acc[l] += sum over t < 4 of byte t of u * byte t of lane l of s (signed): u unsigned, or
-   signed for q8_0 without Q8_OFFSET. */
-static inline v16i dot4(v16i acc, v16i u, const int32_t *s) {
-#if INT8_ISA == 3
-    return (v16i)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)u, _mm512_loadu_si512(s));
-#elif INT8_ISA >= 1
-    __m256i a[2], w[2];
-    memcpy(a, &acc, 64);
-    memcpy(w, &u, 64);
-    for (int h = 0; h < 2; h++) {
-        __m256i x = _mm256_loadu_si256((const __m256i *)(s + 8 * h));
-#if INT8_ISA == 2
-        a[h] = _mm256_dpbusd_avx_epi32(a[h], w[h], x);
-#else
-        x = _mm256_sign_epi8(x, w[h]);  /* no-op for q4_1: its bytes are positive or 0 */
-        const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w[h], w[h]), x);
-        a[h] = _mm256_add_epi32(a[h], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-#endif
-    }
-    memcpy(&acc, a, 64);
-    return acc;
-#else
-    const v16i sv = load16i(s);
-    for (int t = 0; t < 4; t++)  /* byte t of each lane: sign-extended in s, not in u */
-        acc += ((sv << (24 - 8 * t)) >> 24) * ((u >> (8 * t)) & 255);
-    return acc;
-#endif
-}
-
-/* Tile: NRI weight rows x GM groups of 16 activation rows, NRI <= 8, GM <= 4. kind, NRI
-   and GM are constants at each call (the arrays stay in registers). */
-static inline __attribute__((always_inline)) void tile_i8(
-    int kind, const uint8_t *w, int64_t row_bytes, int nr, int64_t nb, const int32_t *A,
-    const float *D, const int32_t *Q, const float *T, int NRI, int GM, float *y,
-    int64_t ldy, int64_t rows, const float *bias) {
-    const int64_t bytes = block_bytes(kind);
-    v16 acc[8][4];
-    for (int r = 0; r < NRI; r++)
-        for (int g = 0; g < GM; g++) acc[r][g] = (v16){0};
-    const uint8_t *row[8];
-    for (int r = 0; r < NRI; r++) row[r] = w + (r < nr ? r : nr - 1) * row_bytes;
-    for (int64_t b = 0; b < nb; b++) {
-        for (int r = 0; r < NRI; r++) __builtin_prefetch(row[r] + b * bytes + PREFETCH);
-        v16i dot[8][4];
-        for (int r = 0; r < NRI; r++)
-            for (int g = 0; g < GM; g++) dot[r][g] = (v16i){0};
-        #pragma GCC unroll 8
-        for (int j = 0; j < GROUPS; j++)
-            for (int r = 0; r < NRI; r++) {
-                /* The row's 4 bytes for these values, in every lane (a broadcast load);
-                   q4_1's values j and j + 16 share byte j. */
-                const uint8_t *p = row[r] + b * bytes;
-                int32_t bytes4;
-                memcpy(&bytes4, kind == Q4_1 ? p + 4 + 4 * (j & 3) : p + 2 + 4 * j, 4);
-                v16i u = (v16i){0} + bytes4;
-                if (kind == Q4_1)
-                    u = (j < 4 ? u : u >> 4) & 0x0f0f0f0f;
-                else
-                    u ^= Q8_OFFSET ? (int32_t)0x80808080u : 0;
-                for (int g = 0; g < GM; g++)
-                    dot[r][g] = dot4(dot[r][g], u, A + ((g * nb + b) * GROUPS + j) * LANES);
-            }
-        for (int g = 0; g < GM; g++) {
-            const int64_t gb = (g * nb + b) * LANES;
-            const v16 dx = load16(D + gb);
-            if (kind == Q4_1) {
-                const v16 t = load16(T + gb);
-                for (int r = 0; r < NRI; r++) {
-                    const uint8_t *p = row[r] + b * bytes;
-                    acc[r][g] += __builtin_convertvector(dot[r][g], v16) * (dx * fp16(p))
-                                 + t * fp16(p + 2);
-                }
-            } else {
-                const v16i q128 = Q8_OFFSET ? load16i(Q + gb) << 7 : (v16i){0};
-                for (int r = 0; r < NRI; r++)
-                    acc[r][g] += __builtin_convertvector(dot[r][g] - q128, v16)
-                                 * (dx * fp16(row[r] + b * bytes));
-            }
-        }
-    }
-    for (int g = 0; g < GM; g++)
-        for (int l = 0; l < LANES && g * LANES + l < rows; l++)
-            for (int r = 0; r < nr; r++)
-                y[(g * LANES + l) * ldy + r] = acc[r][g][l] + (bias ? bias[r] : 0.f);
-}
-
-#define TILE_I8(KIND_, NRI_, GM_) \
-    tile_i8(KIND_, wn, row_bytes, nr, nb, Am, Dm, Qm, Tm, NRI_, GM_, ym, ldy, M - m0, bn)
-/* Two groups (32 rows) of 6 weight rows use 24 vector registers (12 products in flight, 12
-   sums); with a single group, 8 weight rows keep enough products in flight. Three or four
-   groups at once would run out of registers. */
-#define TILES_I8(KIND_)                                 \
-    if (nri == 8) TILE_I8(KIND_, 8, 1);                 \
-    else if (gm == 2) TILE_I8(KIND_, 6, 2);             \
-    else TILE_I8(KIND_, 6, 1);
-
-/* The int8 path's call: the activations quantized (see quantize_row), then tiles. */
-struct job_i8 {
-    const uint8_t *w;
-    int64_t N, nb, row_bytes, M, G, per_group;
-    const float *x;
-    int64_t ldx;
-    const float *bias;
-    float *y;
-    int64_t ldy;
-    int nri;
-    int32_t *A, *Q;
-    float *D, *T;
-};
-
-/* The activations quantized, on the calling thread (as transpose_x, and for the same reason). */
-static void quantize_rows(const struct job_i8 *j) {
-    for (int64_t m = 0; m < j->M; m++)
-        quantize_row(j->x + m * j->ldx, j->nb, m, j->A, j->D, j->Q, j->T);
-}
-
-/* Tiles t0 .. t1 - 1 (nri weight rows each), every group of activation rows. */
-static inline __attribute__((always_inline)) void i8_tiles(int kind, const struct job_i8 *j,
-                                                           int64_t t0, int64_t t1) {
-    const int64_t nb = j->nb, row_bytes = j->row_bytes, G = j->G, M = j->M, ldy = j->ldy;
-    const int nri = j->nri;
-    for (int64_t n0 = t0 * nri; n0 < t1 * nri && n0 < j->N; n0 += nri) {
-        const int nr = j->N - n0 < nri ? (int)(j->N - n0) : nri;
-        const uint8_t *wn = j->w + n0 * row_bytes;
-        const float *bn = j->bias ? j->bias + n0 : NULL;
-        for (int64_t g0 = 0; g0 < G; g0 += 2) {
-            const int64_t m0 = g0 * LANES, o = g0 * j->per_group;
-            const int32_t *Am = j->A + o * GROUPS, *Qm = j->Q + o;
-            const float *Dm = j->D + o, *Tm = j->T + o;
-            float *ym = j->y + m0 * ldy + n0;
-            const int gm = G - g0 < 2 ? 1 : 2;
-            if (kind == Q4_1) {
-                TILES_I8(Q4_1)
-            } else {
-                TILES_I8(Q8_0)
-            }
-        }
-    }
-}
-
-#define I8_BODY(KIND) i8_tiles(KIND, c, b, e)
-RANGE_FNS(i8, I8_BODY)
-
-/* As v1_q_linear_f32, through int8 activations. 0, or -1 without scratch memory. */
-int32_t v1_q_linear_i8(int32_t kind, const uint8_t *w, int64_t N, int64_t K, const float *x,
-                       int64_t ldx, int64_t M, const float *bias, float *y, int64_t ldy) {
-    struct job_i8 j = {.w = w, .N = N, .nb = K / QK, .M = M, .x = x, .ldx = ldx,
-                       .bias = bias, .y = y, .ldy = ldy};
-    j.row_bytes = j.nb * block_bytes(kind);
-    j.G = (M + LANES - 1) / LANES;
-    j.per_group = j.nb * LANES;
-    /* A, then D, Q, T (4-byte elements all); rows past M stay 0. */
-    j.A = calloc((size_t)(j.G * j.per_group * (GROUPS + 3)), 4);
-    if (!j.A) return -1;
-    j.Q = j.A + j.G * j.per_group * GROUPS;
-    j.D = (float *)(j.Q + j.G * j.per_group);
-    j.T = j.D + j.G * j.per_group;
-    j.nri = j.G == 1 ? 8 : 6;
-    quantize_rows(&j);
-    parallel_for((N + j.nri - 1) / j.nri, TILES_PER_ITEM, kind == Q4_1 ? i8_q4_1 : i8_q8_0, &j);
-    free(j.A);
-    return 0;
-}
-
-/* The whole weight as fp32 out[N, K], for batches big enough that a dense GEMM pays. */
-struct job_dq {
-    int kind;
-    const uint8_t *w;
-    int64_t nb;
-    float *out;
-};
-
-static void dequantize_rows(void *c, int64_t n0, int64_t n1, int thread) {
-    const struct job_dq *j = c;
-    const int64_t bb = block_bytes(j->kind), K = j->nb * QK;
-    (void)thread;
-    for (int64_t n = n0; n < n1; n++) {
-        for (int64_t b = 0; b < j->nb; b++) {
-            v16 lo, hi;
-            dequant_block(j->kind, j->w + (n * j->nb + b) * bb, &lo, &hi);
-            memcpy(j->out + n * K + b * QK, &lo, 64);
-            memcpy(j->out + n * K + b * QK + 16, &hi, 64);
-        }
-    }
-}
-
-void v1_q_dequantize(int32_t kind, const uint8_t *w, int64_t N, int64_t K, float *out) {
-    struct job_dq j = {.kind = kind, .w = w, .nb = K / QK, .out = out};
-    parallel_for(N, 16, dequantize_rows, &j);
-}
-
-/* Which integer dot product the int8 path compiled to: INT8_ISA. */
-int32_t v1_q_int8_isa(void) { return INT8_ISA; }
-"""
-
-
-class _Kernels:
-    """ctypes bindings of the two paths; both take (kind, blocks, N, K, x, x row stride, M,
-    bias or NULL, out, out row stride), write out[M, N] and return 0 (-1: out of memory)."""
-
-    __slots__ = ("fp32", "int8", "dequantize", "int8_isa")
-
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
-        self.fp32 = lib.v1_q_linear_f32
-        self.int8 = lib.v1_q_linear_i8
-        for fn in (self.fp32, self.int8):
-            fn.argtypes = [i32, p, i64, i64, p, i64, i64, p, p, i64]
-            fn.restype = i32
-        self.dequantize = lib.v1_q_dequantize  # (kind, blocks, N, K, out[N, K])
-        self.dequantize.argtypes = [i32, p, i64, i64, p]
-        self.dequantize.restype = None
-        lib.v1_q_int8_isa.restype = i32
-        self.int8_isa = _INT8_ISAS[lib.v1_q_int8_isa()]
-
-
-def _kernels() -> _Kernels | None:
-    lib = native.load("quant", _SOURCE)
-    return None if lib is None else _bind(lib)
-
-
-@functools.cache
-def _bind(lib: ctypes.CDLL) -> _Kernels:
-    return _Kernels(lib)

@@ -1,0 +1,127 @@
+"""The package build's one extra step: the C kernels in v1/kernels/csrc/, compiled into plain
+shared libraries (no Python or torch ABI: v1.kernels loads them with ctypes), one per ISA
+variant of v1/kernels/variants.py, beside their bindings in v1/kernels/. Everything else about
+the package is in pyproject.toml.
+
+Runs at `pip install .` and `pip install -e .` (`make setup`; an editable install puts the
+libraries into the source tree) and by `python setup.py build_ext --inplace` (`make kernels`,
+after editing the C). V1_KERNELS_BUILD picks what is built:
+  unset     the ISA variants (x86-64: x86_64_v4, x86_64_v3, portable)
+  native    one more, for this CPU only (-march=native; used with V1_CPU_KERNELS=native)
+  asan      the ISA variants with AddressSanitizer and UBSan, as <variant>_asan (make sanitize)
+  none      nothing: v1 then runs every kernel's torch fallback, and says so once
+The compiler is $CC (arguments allowed, e.g. "ccache gcc"), else Python's, else cc. A failed
+compilation fails the build: a v1 without its kernels is several times slower.
+"""
+
+import importlib.util
+import os
+import platform
+import shlex
+import subprocess
+import sysconfig
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+CSRC = ROOT / "v1" / "kernels" / "csrc"
+
+
+def _variants_module():
+    # By path: importing the package would import torch, which a build environment lacks.
+    spec = importlib.util.spec_from_file_location("v1_kernel_variants",
+                                                  ROOT / "v1" / "kernels" / "variants.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+V = _variants_module()
+
+
+def _wanted() -> dict[str, tuple[str, ...]]:
+    """Variant name -> its compiler flags, for V1_KERNELS_BUILD."""
+    what = os.environ.get("V1_KERNELS_BUILD", "").strip().lower()
+    isa = {name: flags for name, (flags, _) in V.variants_for(platform.machine()).items()}
+    if what in ("", "default"):
+        return isa
+    if what == "native":
+        return {"native": V.NATIVE_FLAGS}
+    if what == "asan":
+        # The ISA flags without their -O level: the sanitizers' own comes last.
+        return {name + V.ASAN_SUFFIX: (*(f for f in flags if not f.startswith("-O")),
+                                       *V.ASAN_FLAGS) for name, flags in isa.items()}
+    if what == "none":
+        return {}
+    raise SystemExit(f"V1_KERNELS_BUILD={what!r}: expected native, asan, none or nothing")
+
+
+def _compiler() -> list[str]:
+    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    return shlex.split(cc)
+
+
+class BuildKernels(build_ext):
+    """build_ext for the kernel libraries: each source compiled with the variant's flags and
+    its own (variants.SOURCES), then linked as a plain .so; variants in parallel."""
+
+    def get_ext_filename(self, fullname: str) -> str:
+        # Called with the full dotted name and with its last part alone.
+        if fullname.rpartition(".")[2].startswith("_v1_"):
+            return os.path.join(*fullname.split(".")) + ".so"  # no Python ABI tag
+        return super().get_ext_filename(fullname)
+
+    def build_extensions(self) -> None:
+        self.check_extensions_list(self.extensions)
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            list(pool.map(self.build_extension, self.extensions))  # raises the first failure
+
+    def build_extension(self, ext: Extension) -> None:
+        variant = ext.name.rpartition("._v1_")[2]
+        flags = _wanted()[variant]
+        out = Path(self.get_ext_fullpath(ext.name))
+        deps = [CSRC / n for n in (*V.SOURCES, *V.HEADERS)]
+        deps += [Path(__file__), ROOT / "v1" / "kernels" / "variants.py"]
+        if not self.force and out.exists() and all(
+            out.stat().st_mtime >= d.stat().st_mtime for d in deps
+        ):
+            return
+        tmp = Path(self.build_temp) / variant
+        tmp.mkdir(parents=True, exist_ok=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        cc = _compiler()
+        define = f'-DV1_SOURCES_HASH="{V.sources_hash(CSRC)}"'
+        objects = []
+        for source, own in V.SOURCES.items():
+            obj = tmp / (source[:-2] + ".o")
+            self._run([*cc, *V.COMMON_FLAGS, *flags, *own, define, "-c", str(CSRC / source),
+                       "-o", str(obj)])
+            objects.append(str(obj))
+        # Linked under a temporary name and renamed: a reader never sees half a library.
+        partial = out.with_name(out.name + ".partial")
+        self._run([*cc, *flags, *V.LINK_FLAGS, "-o", str(partial), *objects])
+        os.replace(partial, out)
+
+    def _run(self, cmd: list[str]) -> None:
+        self.announce(" ".join(cmd), level=2)  # shown unless -q
+        try:
+            subprocess.run(cmd, check=True)
+        except FileNotFoundError as e:
+            raise SystemExit(
+                f"no C compiler ({e.filename}): v1's kernels are compiled when it is "
+                "installed; set CC, or V1_KERNELS_BUILD=none to install without them "
+                "(every kernel then runs in torch, several times slower)"
+            ) from e
+
+
+setup(
+    ext_modules=[
+        Extension(f"v1.kernels._v1_{variant}",
+                  sources=[f"v1/kernels/csrc/{name}" for name in V.SOURCES])
+        for variant in _wanted()
+    ],
+    cmdclass={"build_ext": BuildKernels},
+)

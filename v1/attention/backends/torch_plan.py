@@ -1,0 +1,367 @@
+"""The torch backend's plan of a step: what every layer's attention in one step needs,
+derived once from the step's metadata (host side) and shared by the layers (`AttentionPlan`;
+`torch_attn.paged_attention` runs it).
+
+- Decodes (one query each) are batched: their K/V blocks are gathered into one padded
+  [R, kv_heads, S, D] view per call, in buckets of similar length so that padding stays
+  small, at most MAX_GATHER_BYTES per call.
+- Prefills attend to their fresh K/V directly when they have no context (no cache read),
+  else to their gathered context, one SDPA call each.
+- Cascade: requests whose leading blocks are the same physical blocks (a shared system prompt
+  hit in the prefix cache) form a group that attends to that prefix together
+  (MIN_CASCADE_SAVING).
+- With the C kernel (`v1.kernels.attention`), decodes and short prefill chunks (at most
+  NATIVE_PREFILL_MAX_KEYS keys after their prefix) become its entries instead: per entry
+  its block-table row, query row and the key positions [start, end) it attends to; a lone
+  decode (batch 1) gets its entry built directly.
+
+Sliding-window layers (`sliding_window=w`, see `abstract.py`: query i sees keys j with
+i - w < j <= i) get a plan of their own, built once per step and window. A window no sequence
+of the step is longer than is no window at all and shares the global plan. Otherwise:
+  * every path starts reading at the block of the first key its queries can see, so whole
+    blocks before the window are never read (a decode reads at most ceil(w / B) + 1 blocks);
+  * the C kernel's entries attend to [start, end) with start = max(0, end - w);
+  * SDPA decodes and prefill chunks mask the keys before each query's window in the first
+    block they gather (those rows are zeroed too, like padding);
+  * there is no cascade (a shared prefix is mostly out of the window, and where it is not,
+    different queries would need different parts of it).
+"""
+
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from v1.attention.backends.abstract import AttentionMetadata
+from v1.kernels.attention import BoundStep, PagedDecodeKernel, paged_decode_kernel
+
+# Share a prefix only when it saves at least this many token reads in total.
+MIN_CASCADE_SAVING = 256
+# Decodes are padded to the longest of their bucket. A decode starts a new bucket (one more
+# SDPA call) only when the bucket's shortest member would be padded by more than this many
+# tokens and by more than BUCKET_RATIO times its own length.
+BUCKET_MIN_PAD = 256
+BUCKET_RATIO = 1.5
+# The most K/V bytes one decode call gathers (a bucket is split into calls of this size).
+MAX_GATHER_BYTES = 16 << 20
+# With the C kernel, prefill chunks attending to at most this many keys after their shared
+# prefix are run by the kernel too (one entry per query token).
+NATIVE_PREFILL_MAX_KEYS = 256
+
+
+class _Rows:
+    """A set of query rows: a slice when they are contiguous (views, no copies), else an
+    index tensor."""
+
+    __slots__ = ("index", "start", "stop")
+
+    def __init__(self, rows: np.ndarray, device: torch.device) -> None:
+        rows = np.asarray(rows, dtype=np.int64)
+        self.start, self.stop = int(rows[0]), int(rows[-1]) + 1
+        contiguous = self.stop - self.start == len(rows) and bool(np.all(np.diff(rows) == 1))
+        self.index = None if contiguous else torch.from_numpy(rows).to(device)
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        return x[self.start : self.stop] if self.index is None else x.index_select(0, self.index)
+
+    def put(self, out: torch.Tensor, value: torch.Tensor) -> None:
+        if self.index is None:
+            out[self.start : self.stop] = value
+        else:
+            out.index_copy_(0, self.index, value)
+
+
+@dataclass(slots=True)
+class _Prefill:
+    q_start: int
+    q_end: int
+    seq_len: int
+    start: int  # first key position read here (after the group's prefix, or the first
+    # block of the window, or 0)
+    blocks: torch.Tensor | None  # int64 block ids covering [start, seq_len); None: fresh K/V
+    mask: torch.Tensor | None  # float [q_len, seq_len - start], -inf: hidden; None: causal
+    need_lse: bool
+
+
+@dataclass(slots=True)
+class _DecodeBucket:
+    rows: _Rows  # the query rows of these decodes
+    blocks: torch.Tensor  # int64 [R * nb]: their blocks after their group's prefix, padded
+    mask: torch.Tensor | None  # float [R, 1, 1, nb * B], -inf on padding; None: no padding
+    # Rows (of R * nb * B) of the gathered K/V past each sequence's end (or before its
+    # window): zeroed after the gather, because such a slot may hold anything (NaN included)
+    # and NaN * 0 is NaN.
+    pad_rows: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class _NativeDecodes:
+    """The queries the C kernel serves this step: per entry (int64 each) its request's
+    block-table row, its query row, and the key positions [start, end) it attends to."""
+
+    kernel: PagedDecodeKernel  # the one the plan was made for
+    table: torch.Tensor  # int32 [num_reqs, max_blocks], contiguous: the step's block table
+    table_rows: torch.Tensor
+    tokens: torch.Tensor
+    start: torch.Tensor
+    end: torch.Tensor
+    slot_mapping: torch.Tensor  # the metadata's: the kernel writes the step's K/V too
+    slots: torch.Tensor  # the same as int64, contiguous
+    # The entries checked and bound for the step's caches by its first call (every layer's
+    # cache has the same shape).
+    step: BoundStep | None = None
+
+    def bound(self, kv_cache: torch.Tensor) -> BoundStep:
+        if self.step is None:
+            self.step = self.kernel.bind(self.table, self.table_rows, self.tokens, self.start,
+                                         self.end, self.slots, kv_cache)
+        return self.step
+
+
+@dataclass(slots=True)
+class _Group:
+    rows: _Rows  # the query rows of all members
+    blocks: torch.Tensor  # int64 [k]: the shared prefix blocks
+
+
+@dataclass(slots=True)
+class AttentionPlan:
+    """What every layer of one step needs, derived once from the step's metadata (host side)."""
+
+    num_tokens: int
+    block_size: int
+    any_padding_slot: bool
+    prefills: list[_Prefill] = field(default_factory=list)
+    decodes: list[_DecodeBucket] = field(default_factory=list)  # SDPA path
+    native: _NativeDecodes | None = None  # C kernel path (then `decodes` is empty)
+    groups: list[_Group] = field(default_factory=list)
+    sliding_window: int | None = None  # the window this plan masks by (None: global)
+
+    _local = threading.local()
+
+    @classmethod
+    def for_step(
+        cls, metadata: AttentionMetadata, kv_cache: torch.Tensor, num_heads: int,
+        sliding_window: int | None = None, query_dtype: torch.dtype = torch.float32,
+    ) -> "AttentionPlan":
+        """The plan of this metadata and window, built by the first layer that needs it and
+        reused by the others (every layer's cache has the same shape): one plan per distinct
+        window in the step, where a window longer than every sequence shares the global one.
+        `query_dtype`: the activations' (the C kernel serves fp32 ones only)."""
+        # Contiguity too: the C kernel (chosen, or not, per key) addresses and writes a
+        # cache by its shape alone, so a same-shaped strided cache needs a plan without it.
+        key = (kv_cache.shape, kv_cache.dtype, kv_cache.device, kv_cache.is_contiguous(),
+               num_heads, query_dtype)
+        cached = getattr(cls._local, "cached", None)
+        if cached is not None and cached[0] is metadata and cached[1] == key:
+            plans = cached[2]
+            plan = plans.get(sliding_window)
+            if plan is not None:
+                return plan
+        else:
+            plans = {}
+            cls._local.cached = (metadata, key, plans)
+        window = _effective_window(sliding_window, metadata.seq_lens_cpu)
+        plan = plans.get(window)
+        if plan is None:
+            # Gathers are sized by what SDPA reads: the blocks widened to the query's dtype.
+            block_bytes = kv_cache[:, 0].numel() * query_dtype.itemsize
+            plan = cls.build(metadata, kv_cache.shape[2], block_bytes,
+                             paged_decode_kernel(kv_cache, num_heads, query_dtype), window)
+            plans[window] = plan
+        plans[sliding_window] = plan
+        return plan
+
+    @classmethod
+    def build(
+        cls, metadata: AttentionMetadata, block_size: int, block_bytes: int = 1,
+        kernel: PagedDecodeKernel | None = None, sliding_window: int | None = None,
+    ) -> "AttentionPlan":
+        """`block_bytes`: one block's K and V together, to size the decode gathers;
+        `kernel`: plan the decodes for this C kernel instead; `sliding_window`: hide keys
+        that many positions back or further."""
+        dev = metadata.slot_mapping.device
+        B = block_size
+        qsl = np.asarray(metadata.query_start_loc_cpu, dtype=np.int64)
+        seq_lens = np.asarray(metadata.seq_lens_cpu, dtype=np.int64)
+        num_reqs = len(seq_lens)
+        slots = metadata.slot_mapping
+        w = _effective_window(sliding_window, seq_lens)
+        plan = cls(
+            num_tokens=int(qsl[num_reqs]),
+            block_size=B,
+            any_padding_slot=bool(slots.numel()) and bool((slots < 0).any()),
+            sliding_window=w,
+        )
+        if kernel is not None and num_reqs == 1 and qsl[1] - qsl[0] == 1:
+            # A lone decode (batch-1 generation, where this runs once per token): one kernel
+            # entry, no cascade. Built directly: the general planning below is ~30 numpy
+            # calls on 1-element arrays, ~40 us a step, as much as a few layers' attention.
+            seq_len = int(seq_lens[0])
+            start = 0 if w is None else seq_len - w
+            # Its table row, query row, start and end, as 1-element views of one tensor.
+            entry = torch.tensor([0, int(qsl[0]), start, seq_len], dtype=torch.int64).to(dev)
+            plan.native = _NativeDecodes(
+                kernel, metadata.block_table.to(torch.int32).contiguous(),
+                *(entry[i : i + 1] for i in range(4)),
+                slots, slots.to(torch.int64).contiguous(),
+            )
+            return plan
+        q_lens = qsl[1 : num_reqs + 1] - qsl[:num_reqs]
+        table = metadata.block_table.cpu().numpy()
+        num_blocks = -(-seq_lens // B)
+        ctx_blocks = (seq_lens - q_lens) // B  # full blocks entirely before the queries
+
+        def tensor(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(dev)
+
+        # Cascade groups: requests whose leading blocks are the same physical blocks (not
+        # with a window).
+        prefix = np.zeros(num_reqs, dtype=np.int64)  # shared prefix blocks per request
+        active = np.flatnonzero((q_lens > 0) & (ctx_blocks > 0))
+        if len(active) > 1 and w is None:
+            first = table[active, 0]
+            for b in np.unique(first):
+                members = active[first == b]
+                if len(members) < 2:
+                    continue
+                ref = members[np.argmax(ctx_blocks[members])]
+                width = int(ctx_blocks[members].max())
+                same = table[members, :width] == table[ref, :width]
+                same &= np.arange(width)[None, :] < ctx_blocks[members][:, None]
+                # lcp[i]: leading blocks member i shares with the reference row.
+                lcp = np.where(same.all(1), width, np.argmin(same, axis=1))
+                # Keep the members and prefix length that save the most reads.
+                order = np.argsort(-lcp, kind="stable")
+                saving = lcp[order] * np.arange(len(order))  # (n - 1) * k for the top n
+                best = int(np.argmax(saving))
+                if saving[best] * B < MIN_CASCADE_SAVING:
+                    continue
+                k = int(lcp[order[best]])
+                chosen = np.sort(members[order[: best + 1]])
+                prefix[chosen] = k
+                tokens = np.concatenate([np.arange(qsl[r], qsl[r + 1]) for r in chosen])
+                plan.groups.append(_Group(_Rows(tokens, dev), tensor(table[ref, :k])))
+
+        # The first key each request reads itself: after its shared prefix; with a window,
+        # the first key its first query sees (in blocks: the block holding that key).
+        if w is None:
+            key_lo = prefix * B
+        else:
+            key_lo = np.maximum(seq_lens - q_lens - w + 1, 0)
+        first_blk = key_lo // B
+
+        # Decodes: batched, bucketed by the number of blocks left after their prefix.
+        dec = np.flatnonzero(q_lens == 1)
+        short = np.zeros(num_reqs, dtype=bool)
+        if kernel is not None:
+            # The kernel attends one query at a time, so a prefill chunk with few keys
+            # left after its prefix (a prompt that hit the cache) goes there too, as one
+            # decode-like entry per query token: token i of the chunk sees [start, its own
+            # position]. Long ones stay with SDPA (per-token entries would reread keys).
+            # (An entry reads at most `w` keys with a window.)
+            keys = seq_lens - prefix * B if w is None else np.minimum(seq_lens, w)
+            short = (q_lens > 1) & (keys <= NATIVE_PREFILL_MAX_KEYS)
+            rows = np.flatnonzero((q_lens == 1) | short)
+            if len(rows):
+                n = q_lens[rows]
+                owner = np.repeat(rows, n)  # request of each entry
+                i = np.arange(len(owner)) - np.repeat(np.cumsum(n) - n, n)  # index in chunk
+                end = seq_lens[owner] - q_lens[owner] + i + 1
+                start = prefix[owner] * B if w is None else np.maximum(end - w, 0)
+                plan.native = _NativeDecodes(
+                    kernel, metadata.block_table.to(torch.int32).contiguous(), tensor(owner),
+                    tensor(qsl[owner] + i), tensor(start), tensor(end),
+                    slots, slots.to(torch.int64).contiguous(),
+                )
+        elif len(dec):
+            rest = num_blocks[dec] - first_blk[dec]
+            order = np.argsort(rest, kind="stable")
+            dec, rest = dec[order], rest[order]
+            cut = [0]
+            for i in range(1, len(dec)):
+                pad = rest[i] - rest[cut[-1]]
+                if pad * B > BUCKET_MIN_PAD and rest[i] > BUCKET_RATIO * rest[cut[-1]]:
+                    cut.append(i)
+            cut.append(len(dec))
+            for lo, hi in zip(cut[:-1], cut[1:]):
+                nb = int(rest[hi - 1])
+                keep = np.argsort(dec[lo:hi])  # back in query order: rows may be a slice
+                bucket_rows, bucket_n = dec[lo:hi][keep], rest[lo:hi][keep]
+                # Gather at most MAX_GATHER_BYTES per call: the copy stays in the last-level
+                # cache for SDPA to read, and comes from the heap, not fresh (faulted) pages.
+                per_call = max(1, MAX_GATHER_BYTES // (nb * block_bytes))
+                for c in range(0, len(bucket_rows), per_call):
+                    rows, n = bucket_rows[c : c + per_call], bucket_n[c : c + per_call]
+                    plan.decodes.append(_decode_call(rows, n, nb, key_lo, table, seq_lens,
+                                                     qsl, B, dev, w is not None))
+
+        # Prefill chunks (and anything with more than one query): one call each.
+        for r in np.flatnonzero((q_lens > 1) & ~short).tolist():
+            seq_len, q_len = int(seq_lens[r]), int(q_lens[r])
+            start = int(first_blk[r]) * B
+            blocks = hidden = None
+            if seq_len > q_len:
+                blocks = tensor(table[r, start // B : num_blocks[r]])
+                pos_q = np.arange(seq_len - q_len, seq_len)[:, None]
+                pos_k = np.arange(start, seq_len)[None, :]
+                hidden = pos_k > pos_q
+                if w is not None:
+                    hidden |= pos_q - pos_k >= w
+            elif w is not None and q_len > w:  # no context: the fresh K/V, windowed
+                pos = np.arange(q_len)
+                hidden = (pos[None, :] > pos[:, None]) | (pos[:, None] - pos[None, :] >= w)
+            mask = None
+            if hidden is not None:
+                mask = torch.from_numpy(np.where(hidden, -np.inf, 0).astype(np.float32)).to(dev)
+            plan.prefills.append(_Prefill(
+                int(qsl[r]), int(qsl[r + 1]), seq_len, start, blocks, mask, bool(prefix[r])
+            ))
+        return plan
+
+    def native_write(
+        self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> "_NativeDecodes | None":
+        """The plan's C kernel if it can store this K/V: one C call (per token: two row
+        copies, converted to the cache's dtype) instead of two index_copy_ and, for a 16-bit
+        cache, two conversions; at a few tokens those cost mostly dispatch."""
+        native_step = self.native
+        if (
+            native_step is not None
+            and slot_mapping is native_step.slot_mapping
+            and key.dtype == value.dtype == torch.float32
+        ):
+            return native_step
+        return None
+
+
+def _decode_call(
+    rows: np.ndarray, n: np.ndarray, nb: int, first: np.ndarray, table: np.ndarray,
+    seq_lens: np.ndarray, qsl: np.ndarray, B: int, dev: torch.device, windowed: bool = False,
+) -> _DecodeBucket:
+    """One SDPA call for decode requests `rows`: each attends to its `n` blocks from the one
+    holding key position `first[r]` (after its prefix), padded to `nb` blocks. `windowed`:
+    also hide the keys before `first[r]` in that block (else `first` is a block start)."""
+    j = np.arange(nb)[None, :]
+    first_blk = first[rows, None] // B
+    cols = first_blk + np.where(j < n[:, None], j, 0)
+    blocks = table[rows[:, None], cols]
+    pos = first_blk * B + np.arange(nb * B)[None, :]
+    pad = pos >= seq_lens[rows, None]
+    if windowed:
+        pad |= pos < first[rows, None]
+    mask = pad_rows = None
+    if pad.any():
+        m = np.where(pad, -np.inf, 0.0).astype(np.float32)[:, None, None, :]
+        mask = torch.from_numpy(m).to(dev)
+        pad_rows = torch.from_numpy(np.flatnonzero(pad)).to(dev)
+    block_ids = torch.from_numpy(np.ascontiguousarray(blocks.reshape(-1), dtype=np.int64))
+    return _DecodeBucket(_Rows(qsl[rows], dev), block_ids.to(dev), mask, pad_rows)
+
+
+def _effective_window(sliding_window: int | None, seq_lens: np.ndarray) -> int | None:
+    """The window, or None where it hides nothing: no sequence of the step is longer."""
+    if sliding_window is None or len(seq_lens) == 0 or sliding_window >= int(seq_lens.max()):
+        return None
+    return int(sliding_window)

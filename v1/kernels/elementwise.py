@@ -1,0 +1,123 @@
+"""Bindings of the elementwise ops (csrc/elementwise.c): RMSNorm fused with the residual add,
+RoPE in place, SiLU-and-mul, for `v1.models.layers.ops`, whose `TorchOps` is the reference
+they match (RoPE and the add bit for bit; the norm's sum and SiLU's exp within ~1 ulp).
+
+Each op takes fp32 CPU tensors whose rows are each contiguous (rows any distance apart, as
+in views of a fused projection); anything else raises ValueError naming the argument.
+Outputs are allocated here: fp32 and contiguous, whatever the inputs' strides or torch's
+default dtype.
+"""
+
+import ctypes
+import functools
+
+import torch
+
+from v1.kernels.library import library
+from v1.kernels.tensors import stamp
+
+_F32 = torch.float32
+
+
+class NativeOps:
+    """The ops of `v1.models.layers.ops.TorchOps`, each one C call on the calling thread."""
+
+    __slots__ = ("_norm", "_rope", "_silu_and_mul", "_tables")
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+        self._norm = lib.v1_rms_norm
+        self._norm.argtypes = [p, i64, p, i64, p, f32, p, i64, i64, i64]
+        self._rope = lib.v1_rope
+        self._rope.argtypes = [p, i64, i64, i64, p, p, i64]
+        self._silu_and_mul = lib.v1_silu_and_mul
+        self._silu_and_mul.argtypes = [p, i64, p, i64, i64, i64]
+        for fn in (self._norm, self._rope, self._silu_and_mul):
+            fn.restype = None
+        # The last rope tables checked: (cos, sin, (their stamps, the qk shape)), held.
+        self._tables: tuple | None = None
+
+    def rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x), the sum written into `residual` in place; with
+        no residual, (norm(x), x). x, residual [rows, n]; weight [n]."""
+        shape = x.shape
+        x_strides = _check_rows("x", x, 2)
+        rows, n = shape
+        if residual is not None:
+            res_strides = _check_rows("residual", residual, 2)
+            if residual.shape != shape:
+                raise ValueError(f"residual {list(residual.shape)} is not x's {list(shape)}")
+        if (
+            weight.dtype is not _F32 or not weight.is_cpu or not weight.is_contiguous()
+            or weight.shape != (n,)
+        ):
+            raise ValueError(f"weight must be contiguous fp32 [{n}] on the CPU, got "
+                             f"{weight.dtype} {list(weight.shape)} on {weight.device}")
+        out = x.new_empty(rows, n)  # x's dtype, fp32, whatever torch's default
+        if residual is None:
+            residual, x_ptr, x_row, res_strides = x, None, 0, x_strides
+        else:
+            x_ptr, x_row = x.data_ptr(), x_strides[0]
+        self._norm(x_ptr, x_row, residual.data_ptr(), res_strides[0], weight.data_ptr(), eps,
+                   out.data_ptr(), n, rows, n)
+        return out, residual
+
+    def rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """qk [T, heads, D] rotated in place (see TorchOps.rope); cos, sin [T, 1, D]. The
+        tables, the same for every layer of a forward, are checked once per forward (see
+        `tensors.stamp`)."""
+        strides = _check_rows("qk", qk, 3)
+        rows, heads, head_dim = qk.shape
+        if strides[1] != head_dim or head_dim % 2:
+            raise ValueError(f"qk's heads must be contiguous and of even size, got shape "
+                             f"{[rows, heads, head_dim]} strides {strides}")
+        tables = self._tables
+        stamps = (stamp(cos), stamp(sin), qk.shape)
+        if tables is None or cos is not tables[0] or sin is not tables[1] or (
+            stamps != tables[2]
+        ):
+            for name, table in (("cos", cos), ("sin", sin)):
+                if (
+                    table.dtype is not _F32 or not table.is_cpu or not table.is_contiguous()
+                    or table.shape != (rows, 1, head_dim)
+                ):
+                    raise ValueError(f"{name} must be contiguous fp32 [{rows}, 1, {head_dim}] "
+                                     f"on the CPU, got {table.dtype} {list(table.shape)}")
+            self._tables = (cos, sin, stamps)
+        self._rope(qk.data_ptr(), strides[0], heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+                   rows)
+        return qk
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for gate_up [rows, 2n] = [gate | up]: a new [rows, n]."""
+        strides = _check_rows("gate_up", gate_up, 2)
+        rows, n2 = gate_up.shape
+        if n2 % 2:
+            raise ValueError(f"gate_up has {n2} columns: expected gate and up, n each")
+        out = gate_up.new_empty(rows, n2 // 2)
+        self._silu_and_mul(gate_up.data_ptr(), strides[0], out.data_ptr(), n2 // 2, rows,
+                           n2 // 2)
+        return out
+
+
+def _check_rows(name: str, t: torch.Tensor, dim: int) -> tuple[int, ...]:
+    """`t`'s strides, once checked: fp32, `dim`-dimensional, on the CPU, its last dimension
+    contiguous."""
+    strides = t.stride()
+    if t.dtype is not _F32 or not t.is_cpu or len(strides) != dim or strides[-1] != 1:
+        raise ValueError(f"{name} must be fp32, {dim}-D, on the CPU, with contiguous rows; got "
+                         f"{t.dtype} {list(t.shape)} strides {strides} on {t.device}")
+    return strides
+
+
+def native_ops(lib: ctypes.CDLL | None = None) -> NativeOps | None:
+    """The ops of `lib` (default: this process's library), or None without one."""
+    lib = library() if lib is None else lib
+    return None if lib is None else _bind(lib)
+
+
+@functools.cache
+def _bind(lib: ctypes.CDLL) -> NativeOps:
+    return NativeOps(lib)

@@ -1,0 +1,163 @@
+"""The kernel library of this process: the best variant for this CPU, checked, loaded once.
+
+The libraries are built with the package (setup.py, variants in `variants.py`) and sit beside
+this file; nothing is compiled at run time. Before a library is loaded with ctypes it must be
+a whole ELF file (a truncated one would fault at load); after, it must say it was built from
+the C sources beside it (`v1_sources_hash`: an editable install whose C changed since gets a
+warning to rebuild, not a library whose functions take other arguments).
+
+V1_CPU_KERNELS, read on every call (tests switch it):
+  unset, 1, on     the best variant this CPU runs (variants.py), the next one if it is missing
+  0, off           none: every caller takes its torch path
+  native, asan     the -march=native build, or the best sanitizer build (see setup.py)
+  a variant name   that one (x86_64_v3, portable_asan, ...)
+Without a library the callers run torch, several times slower: one WARNING says so, once.
+"""
+
+import ctypes
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+
+from v1.kernels import variants
+
+logger = logging.getLogger("v1")
+
+KERNELS_DIR = Path(__file__).resolve().parent
+CSRC_DIR = KERNELS_DIR / "csrc"
+
+_OFF = ("0", "false", "no", "off")
+_DEFAULT = ("", "1", "true", "yes", "on")
+
+_lock = threading.Lock()
+_loaded: dict[str, ctypes.CDLL | None] = {}  # by setting
+_sources_hash: str | None = None
+
+
+def library() -> ctypes.CDLL | None:
+    """The kernels for V1_CPU_KERNELS (see the module docstring), or None: switched off, or
+    no variant could be loaded (then one WARNING, once per setting, says why and what it
+    costs)."""
+    setting = os.environ.get("V1_CPU_KERNELS", "").strip().lower()
+    if setting in _OFF:
+        return None
+    lib = _loaded.get(setting, False)
+    if lib is not False:
+        return lib
+    with _lock:
+        if setting not in _loaded:
+            _loaded[setting] = _load(setting)
+        return _loaded[setting]
+
+
+def candidates(setting: str, machine: str, cpu_flags: set[str]) -> list[str]:
+    """The variants to try for a V1_CPU_KERNELS value, best first: those whose CPU flags
+    this machine has (all of them for an explicit name: the user asked for it)."""
+    table = variants.variants_for(machine)
+    runnable = [name for name, (_, needs) in table.items() if cpu_flags.issuperset(needs)]
+    if setting in _DEFAULT:
+        return runnable
+    if setting == "asan":
+        return [name + variants.ASAN_SUFFIX for name in runnable]
+    base = setting.removesuffix(variants.ASAN_SUFFIX)
+    if setting == "native" or base in table:
+        return [setting]
+    raise ValueError(f"V1_CPU_KERNELS={setting!r}: expected 0, 1, native, asan or one of "
+                     f"{sorted(table)} (with or without {variants.ASAN_SUFFIX!r})")
+
+
+def load_variant(variant: str, directory: Path | None = None) -> ctypes.CDLL | str:
+    """The library of `variant` from `directory` (default KERNELS_DIR), or why it cannot
+    be used."""
+    path = (KERNELS_DIR if directory is None else directory) / variants.library_name(variant)
+    try:
+        whole = _is_whole_elf(path)
+    except OSError as e:
+        return f"not built ({e.strerror}: {path})"
+    if not whole:
+        return f"{path} is damaged (truncated or not a shared library): reinstall v1"
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        return f"{path} does not load: {e}"
+    get_hash = getattr(lib, "v1_sources_hash", None)
+    if get_hash is None:
+        return f"{path} is not a v1 kernel library"
+    get_hash.restype = ctypes.c_char_p
+    built, expected = get_hash().decode(), _expected_hash()
+    if expected is not None and built != expected:
+        return (f"{path} was built from other C sources than those in {CSRC_DIR} (edited "
+                f"since?): rebuild with `make kernels` or `pip install -e .`")
+    return lib
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's flags as Linux reports them (only those the OS supports), or none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _load(setting: str) -> ctypes.CDLL | None:
+    failed = []
+    for variant in candidates(setting, platform.machine(), cpu_flags()):
+        lib = load_variant(variant)
+        if isinstance(lib, str):
+            failed.append(f"{variant}: {lib}")
+            continue
+        if failed:
+            logger.warning("C kernels: using %s, not the better %s", variant, "; ".join(failed))
+        logger.debug("C kernels: %s", variant)
+        return lib
+    logger.warning(
+        "C kernels unavailable (%s): GGUF matmuls, paged-attention decodes and the elementwise "
+        "ops run in torch instead, several times slower (a GGUF model decodes ~12x slower). "
+        "They are built when v1 is installed (`make setup`, `pip install -e .`; a C compiler "
+        "is needed then, not at run time).", "; ".join(failed) or "none for this CPU")
+    return None
+
+
+def _expected_hash() -> str | None:
+    """The digest of the sources beside the libraries; None where they were not shipped."""
+    global _sources_hash
+    if _sources_hash is None:
+        try:
+            _sources_hash = variants.sources_hash(CSRC_DIR)
+        except OSError:
+            return None
+    return _sources_hash
+
+
+def _is_whole_elf(path: Path) -> bool:
+    """Whether `path` is an ELF file at least as long as its header says: the section header
+    table, which the linker writes last, ends within the file."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+        size = os.fstat(f.fileno()).st_size
+    if len(head) < 52 or head[:4] != b"\x7fELF" or head[4] not in (1, 2):
+        return False
+    order = "little" if head[5] == 1 else "big"
+    if head[4] == 2:  # 64-bit
+        if len(head) < 64:
+            return False
+        shoff, shentsize, shnum = head[40:48], head[58:60], head[60:62]
+    else:
+        shoff, shentsize, shnum = head[32:36], head[46:48], head[48:50]
+    end = int.from_bytes(shoff, order) + int.from_bytes(shentsize, order) * int.from_bytes(
+        shnum, order)
+    return end <= size
+
+
+if __name__ == "__main__":
+    # The variants a V1_CPU_KERNELS value would try on this machine (make sanitize's list).
+    import sys
+
+    print(" ".join(candidates(sys.argv[1] if len(sys.argv) > 1 else "", platform.machine(),
+                              cpu_flags())))

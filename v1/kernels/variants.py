@@ -1,0 +1,81 @@
+"""What the kernel libraries are built from and for which CPUs: read by `setup.py` (the build)
+and by `v1.kernels.library` (the choice at import), so it imports nothing of v1's.
+
+Every variant is one shared library, `v1/kernels/_v1_<variant>.so`, holding every kernel
+(one worker pool for all of them). On x86-64 the build makes three, the way llama.cpp's
+GGML_CPU_ALL_VARIANTS does, and the loader takes the best one whose CPU flags
+(`/proc/cpuinfo`) this machine has:
+- x86_64_v4: AVX-512 (F, BW, CD, DQ, VL) and AVX-512 VNNI: the quant kernels' tiles are sized
+  for its 32 registers of 16 floats and the int8 path's dot product is vpdpbusd;
+- x86_64_v3: AVX2, FMA, F16C (Haswell and Zen 1 on; also AVX-512 CPUs without VNNI);
+- portable: the architecture's baseline (x86-64: SSE2; no fp16 KV-cache kernel), -O2: at -O3
+  GCC spends minutes on the quant kernels' 64-byte vectors split into SSE registers.
+Elsewhere only "portable" is built. Two more are built on request, never chosen by
+themselves: "native" (`-march=native`, for development: `make kernels-native`, then
+V1_CPU_KERNELS=native) and the sanitizer builds `<variant>_asan` (AddressSanitizer +
+UBSan: `make sanitize`).
+"""
+
+import hashlib
+from pathlib import Path
+
+# Source files of csrc/ compiled into every library, with flags of their own.
+SOURCES: dict[str, tuple[str, ...]] = {
+    "pool.c": (),
+    "quant.c": (),
+    # a * b + c rounded twice, as the torch ops it must match bit for bit do.
+    "elementwise.c": ("-ffp-contract=off",),
+    "paged_decode_f32.c": (),
+    "paged_decode_bf16.c": (),
+    "paged_decode_f16.c": (),
+}
+HEADERS = ("kv_rows.h", "paged_decode.h", "pool.h", "v1.h", "vec8.h")
+
+COMMON_FLAGS = ("-std=gnu11", "-fPIC", "-fvisibility=hidden", "-pthread", "-Wall", "-Wextra",
+                "-Wno-psabi")  # psabi: GCC notes that 64-byte vectors pass differently
+LINK_FLAGS = ("-shared", "-pthread", "-lm")
+
+_V3 = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave",
+       "cx16", "lahf_lm", "popcnt", "pni", "sse4_1", "sse4_2", "ssse3")
+_V4 = (*_V3, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni")
+
+# Tuning (not the instruction set): the machines the kernels were written on are AMD Zen 3
+# and 4, where they used to be built with -march=native. With GCC's generic (or haswell)
+# tuning the int8 path ran 1.4-1.5x slower on a Zen 3, the fp32 path up to 1.2x; znver3 or
+# skylake tuning matched the native build (bench/bench_kernel_variants.py).
+_TUNE = "-mtune=znver3"
+
+# name -> (compiler flags, CPU flags required), best first, per architecture.
+VARIANTS: dict[str, dict[str, tuple[tuple[str, ...], tuple[str, ...]]]] = {
+    "x86_64": {
+        "x86_64_v4": (("-O3", "-march=x86-64-v4", "-mavx512vnni", _TUNE), _V4),
+        "x86_64_v3": (("-O3", "-march=x86-64-v3", _TUNE), _V3),
+        "portable": (("-O2", "-march=x86-64"), ()),
+    },
+    "": {"portable": (("-O2",), ())},  # any other architecture
+}
+NATIVE_FLAGS = ("-O3", "-march=native")
+# Sanitizer builds: every check, none recovered (the first report aborts the process).
+ASAN_FLAGS = ("-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
+              "-fno-sanitize-recover=all")
+ASAN_SUFFIX = "_asan"
+
+
+def variants_for(machine: str) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+    """The variants of an architecture (`platform.machine()`), best first."""
+    return VARIANTS["x86_64" if machine in ("x86_64", "AMD64") else ""]
+
+
+def library_name(variant: str) -> str:
+    """The file name of a variant's library in v1/kernels/."""
+    return f"_v1_{variant}.so"
+
+
+def sources_hash(csrc: Path) -> str:
+    """A digest of the C sources, compiled into each library (`v1_sources_hash()`): the
+    loader compares it with the sources beside it, so that a library built from other
+    sources (an editable install whose C changed since) is not used."""
+    h = hashlib.sha256()
+    for name in sorted((*SOURCES, *HEADERS)):
+        h.update(name.encode() + b"\0" + (csrc / name).read_bytes() + b"\0")
+    return h.hexdigest()[:16]
