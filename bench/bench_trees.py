@@ -3,7 +3,7 @@ in each source tree in turn (a `git worktree` of the old commit, say, and this o
 times, alternating which goes first (paired and interleaved: both see the same moments of a
 shared machine), and reads the JSON line each run prints last. For every numeric field the
 two have in common it prints each tree's median and the median over rounds of the round's
-ratio B / A.
+ratio B / A (each round's ratio in the JSON line).
 
 Each tree's own `v1` is imported (PYTHONPATH=TREE, run from TREE/bench): its kernels are
 whatever that tree builds (the library in place, or, before issue 21, its first-use cache).
@@ -83,7 +83,7 @@ def main() -> None:
         b = statistics.median(rd["b"][key] for rd in rounds)
         pairs = [rd["b"][key] / rd["a"][key] for rd in rounds if rd["a"][key]]
         ratio = statistics.median(pairs) if pairs else float("nan")
-        summary[key] = {"a": a, "b": b, "ratio": ratio}
+        summary[key] = {"a": a, "b": b, "ratio": ratio, "pairs": pairs}
         print(f"{key:48s} {a:12.4g} {b:12.4g} {ratio:13.3f}")
     print(json.dumps({"bench": bench, "rounds": args.rounds, "fields": summary}))
 
