@@ -18,6 +18,7 @@ indexing walks only as deep as the text repeats itself (a few ms for 1500 tokens
 
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 # A leaf: the window seq[start : start + depth] (or to the end of seq), alone on its path.
 _Leaf = tuple[list[int], int]
@@ -71,6 +72,7 @@ class _SuffixTree:
     def __init__(self, depth: int) -> None:
         self.depth = depth
         self.root = _Node(0)
+        self._orders: dict[tuple[int, float], list[tuple[int, int]]] = {}
 
     def _ended(self, node: _Node, window: _Leaf) -> None:
         """`window` now ends at explicit `node` (its whole path is shared)."""
@@ -106,51 +108,58 @@ class _SuffixTree:
         return node
 
     def speculate(
-        self, pattern: list[int], k: int, factor: float, min_prob: float, own: list[int] | None
+        self, matches: list["_Node | _Leaf"], k: int, factor: float, min_prob: float
     ) -> tuple[float, list[int]]:
-        """(score, draft): the best draft over every match length, as Arctic's path mode.
+        """(score, draft): Arctic's path mode, the best draft over every match length.
 
-        For match length m = 1, 2, ... (the last m tokens of `pattern`, m < len(pattern)),
-        draft up to min(k, int(m * factor)) tokens from the matched node; the score is the sum
-        of the drafted tokens' running probabilities; the highest score wins, ties to the
-        longer match. `own` is the sequence whose live tail `pattern` is (the request's own
-        tree): the pattern's own occurrence there has no continuation, and once it is the only
-        one left no longer match can exist, so the search stops.
+        `matches[m - 1]` is where the context's last m tokens lead (`_Match`), for m = 1 up to
+        the longest match. A match of length m drafts up to min(k, int(m * factor)) tokens;
+        its score is the sum of the drafted tokens' running probabilities; the highest score
+        wins, ties to the longer match. Arctic drafts from every m; here the lengths go in
+        order of the most their draft could score (`_by_bound`, then the first step's
+        probability times the length), and stop once none can win: the same draft, fewer
+        walks.
         """
-        best_score, best_draft = 0.0, []
-        n = len(pattern)
-        for m in range(1, n):
+        best_score, best_m, best_draft = 0.0, 0, []
+        longest = len(matches)
+        for m, bound in self._by_bound(k, factor):
+            if bound < best_score:
+                break
+            if m > longest or (bound == best_score and m < best_m):
+                continue
+            found = matches[m - 1]
             budget = min(k, int(m * factor + 1e-6))
-            if budget <= 0 or budget < best_score:
-                continue  # cannot win; a longer match may (the budget grows with m)
-            p = n - m
-            node = self.root
-            d = 0
-            leaf = None
-            while d < m:
-                child = node.children.get(pattern[p + d])
-                if child is None:
-                    return best_score, best_draft
-                if type(child) is tuple:
-                    leaf = child
-                    break
-                node = child
-                d += 1
-            if leaf is not None:
-                seq, start = leaf
-                end = min(start + self.depth, len(seq))
-                if end - start < m or seq[start + d + 1 : start + m] != pattern[p + d + 1 :]:
-                    return best_score, best_draft
-                if seq is own and start == len(seq) - m:  # only the pattern itself: nothing longer
-                    return best_score, best_draft
-                # One window: its continuation is certain (probability 1 all along).
-                draft = seq[start + m : min(end, start + m + budget)]
+            if type(found) is tuple:
+                # Inside one window's leaf: its continuation is certain (probability 1).
+                seq, start = found
+                draft = seq[start + m : min(start + self.depth, len(seq), start + m + budget)]
                 score = float(len(draft))
             else:
-                score, draft = self._follow(node, m, budget, min_prob)
-            if score >= best_score and draft:
-                best_score, best_draft = score, draft
+                best = _best(found)
+                if best is None:
+                    continue
+                # Running probabilities never grow: the first one bounds them all (with a
+                # margin for rounding, so the winner is exactly Arctic's).
+                first = _count(found.children[best]) / found.count
+                if first * bound < best_score - 1e-9:
+                    continue
+                score, draft = self._follow(found, m, budget, min_prob)
+            if draft and (score > best_score or (score == best_score and m > best_m)):
+                best_score, best_m, best_draft = score, m, draft
         return best_score, best_draft
+
+    def _by_bound(self, k: int, factor: float) -> list[tuple[int, int]]:
+        """(m, the most a match of length m can score) for every m, highest bound first, then
+        longest: a draft has at most min(k, int(m * factor)) tokens, and at most depth - m
+        (windows are depth long), each scoring at most 1. Cached per (k, factor)."""
+        key = (k, factor)
+        order = self._orders.get(key)
+        if order is None:
+            bounds = [
+                (m, min(k, int(m * factor + 1e-6), self.depth - m)) for m in range(1, self.depth)
+            ]
+            order = self._orders[key] = sorted(bounds, key=lambda mb: (-mb[1], -mb[0]))
+        return order
 
     def _follow(self, node: _Node, d: int, budget: int, min_prob: float) -> tuple[float, list[int]]:
         """Draft from explicit `node` at depth `d` along the most frequent children."""
@@ -213,15 +222,47 @@ class _RequestTree(_SuffixTree):
             seq.append(t)
             n = len(seq)
             for start, node in list(tails.items()):
-                length = n - start
-                end = self._insert(seq, start, node, length - 1)
-                if end is None or length >= depth:
+                child = node.children.get(t)
+                if type(child) is _Node:  # the shared path goes on: `_insert`'s common case
+                    child.count += 1
+                    if node.best != t:
+                        _counted(node, t, child.count)
+                    if n - start < depth:
+                        tails[start] = child
+                    else:
+                        del tails[start]
+                    continue
+                end = self._insert(seq, start, node, n - start - 1)
+                if end is None or n - start >= depth:
                     del tails[start]
             self._insert(seq, n - 1, self.root, 0)
 
+    def matches(self) -> list[_Node]:
+        """Where the last m tokens lead for m = 1, 2, ... (see `speculate`), for free: the
+        window that starts m tokens from the end is exactly those tokens, and it ends at an
+        explicit node iff they also occur elsewhere (a leaf would be its own end, no
+        continuation). Contiguous: if m tokens occur elsewhere, so do their last m - 1."""
+        n, tails = len(self.seq), self.tails
+        found = []
+        for m in range(1, min(n, self.depth)):
+            node = tails.get(n - m)
+            if node is None:
+                break
+            found.append(node)
+        return found
+
 
 class _GlobalTree(_SuffixTree):
-    """Finished requests' sequences; each can be removed again exactly (eviction)."""
+    """Finished requests' sequences; each can be removed again exactly (eviction).
+
+    A running request follows where its last tokens lead here (`follow`) one token at a time,
+    rather than walking from the root for every match length each step; `version` counts the
+    changes that make such positions stale.
+    """
+
+    def __init__(self, depth: int) -> None:
+        super().__init__(depth)
+        self.version = 0
 
     def _ended(self, node: _Node, window: _Leaf) -> None:
         if node.ends is None:
@@ -229,12 +270,34 @@ class _GlobalTree(_SuffixTree):
         node.ends.append(window)
 
     def add(self, seq: list[int]) -> None:
+        self.version += 1
         for start in range(len(seq)):
             self._insert(seq, start, self.root, 0)
 
     def remove(self, seq: list[int]) -> None:
+        self.version += 1
         for start in range(len(seq)):
             self._remove(seq, start)
+
+    def follow(self, matches: list["_Node | _Leaf"], t: int) -> list["_Node | _Leaf"]:
+        """The matches (see `speculate`) after token `t` is appended to the context: the
+        match of m + 1 tokens is the match of m tokens followed by `t`. Match lengths stay
+        below `depth` (a full-depth match has nothing after it)."""
+        child = self.root.children.get(t)
+        if child is None:
+            return []
+        out = [child]
+        for m, found in enumerate(matches[: self.depth - 2], 1):
+            if type(found) is _Node:
+                found = found.children.get(t)
+                if found is None:
+                    break
+            else:  # inside a leaf: its next token must be t
+                seq, start = found
+                if min(self.depth, len(seq) - start) <= m or seq[start + m] != t:
+                    break
+            out.append(found)
+        return out
 
     def _remove(self, seq: list[int], start: int) -> None:
         """Uncount window `(seq, start)`, leaving the trie as if it had never been added:
@@ -270,6 +333,14 @@ class _GlobalTree(_SuffixTree):
                 parent.children[t] = last
             else:
                 break
+
+
+@dataclass(slots=True)
+class _Request:
+    tree: _RequestTree  # its own tokens
+    first_len: int  # its token count at its first `propose` call
+    version: int = -1  # the shared trie's version that `matches` are for
+    matches: list["_Node | _Leaf"] = field(default_factory=list)  # in the shared trie
 
 
 class SuffixProposer:
@@ -326,39 +397,49 @@ class SuffixProposer:
         self.max_cached_requests = max_cached_requests
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
-        # req_id -> (its trie, its token count at the first call)
-        self._requests: dict[str, tuple[_RequestTree, int]] = {}
+        self._requests: dict[str, _Request] = {}
         self._global = _GlobalTree(max_tree_depth)
         self._cached: deque[list[int]] = deque()  # the shared trie's sequences, oldest first
 
     def propose(self, req_id: str, token_ids: Sequence[int], k: int) -> list[int]:
-        entry = self._requests.get(req_id)
-        if entry is None or len(token_ids) < len(entry[0].seq):
+        req = self._requests.get(req_id)
+        if req is None or len(token_ids) < len(req.tree.seq):
             # New, or its tokens were replaced by fewer (not a continuation): start over.
-            entry = self._requests[req_id] = (_RequestTree(self.max_tree_depth), len(token_ids))
-        tree = entry[0]
+            req = self._requests[req_id] = _Request(
+                _RequestTree(self.max_tree_depth), len(token_ids)
+            )
+        tree = req.tree
         # int(): the runner passes numpy arrays, whose scalars hash and compare slower.
-        tree.extend([int(t) for t in token_ids[len(tree.seq) :]])
+        new = [int(t) for t in token_ids[len(tree.seq) :]]
+        tree.extend(new)
+        if self.max_cached_requests:
+            shared = self._global
+            if req.version != shared.version or len(new) >= self.max_tree_depth:
+                req.version, req.matches, new = (
+                    shared.version,
+                    [],
+                    tree.seq[1 - self.max_tree_depth :],
+                )
+            for t in new:
+                req.matches = shared.follow(req.matches, t)
         if k <= 0:
             return []
-        pattern = tree.seq[-self.max_tree_depth :]
-        score, draft = tree.speculate(
-            pattern, k, self.max_spec_factor, self.min_token_prob, tree.seq
-        )
+        score, draft = tree.speculate(tree.matches(), k, self.max_spec_factor, self.min_token_prob)
         if self.max_cached_requests:
-            global_score, global_draft = self._global.speculate(
-                pattern, k, self.max_spec_factor, self.min_token_prob, None
+            # A match must leave a token of the context before it (as Arctic's).
+            matches = req.matches[: len(tree.seq) - 1]
+            shared_score, shared_draft = self._global.speculate(
+                matches, k, self.max_spec_factor, self.min_token_prob
             )
-            if global_score > score:
-                draft = global_draft
+            if shared_score > score:
+                draft = shared_draft
         return draft
 
     def finish(self, req_id: str) -> None:
-        entry = self._requests.pop(req_id, None)
-        if entry is None or not self.max_cached_requests:
+        req = self._requests.pop(req_id, None)
+        if req is None or not self.max_cached_requests:
             return
-        tree, first_len = entry
-        seq = tree.seq[max(0, first_len - self.max_tree_depth) :]
+        seq = req.tree.seq[max(0, req.first_len - self.max_tree_depth) :]
         self._global.add(seq)
         self._cached.append(seq)
         if len(self._cached) > self.max_cached_requests:
