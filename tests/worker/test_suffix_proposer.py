@@ -89,15 +89,59 @@ def test_finish_drops_the_requests_state() -> None:
 
 
 def dump(node: _Node, depth: int, d: int = 0) -> dict:
-    """The trie as plain data, leaves spelled out: two tries are the same index iff equal."""
+    """The tree as plain data, by content: two trees are the same index iff equal."""
     out = {}
     for t, child in node.children.items():
         if type(child) is tuple:
             seq, start = child
-            out[t] = ("leaf", tuple(seq[start + d + 1 : min(start + depth, len(seq))]))
+            out[t] = ("leaf", tuple(seq[start + d : min(start + depth, len(seq))]))
         else:
-            out[t] = (child.count, len(child.ends or ()), dump(child, depth, d + 1))
+            chain = tuple(child.seq[child.lo : child.hi])
+            below = dump(child, depth, d + len(chain))
+            out[t] = (chain, child.count, len(child.ends or ()), below)
     return out
+
+
+def check_tree(root: _Node, depth: int, exact_ends: bool) -> None:
+    """The tree's invariants: every node spells its path from its own `seq`, counts add up
+    (exactly where windows ending at a node are listed), and no node could merge."""
+    stack = [(root, ())]
+    while stack:
+        node, path = stack.pop()
+        below = 0
+        for t, child in node.children.items():
+            if type(child) is tuple:
+                seq, start = child
+                assert tuple(seq[start : start + len(path) + 1]) == path + (t,)
+                assert min(depth, len(seq) - start) > len(path)
+                below += 1
+                continue
+            chain = tuple(child.seq[child.lo : child.hi])
+            assert chain and chain[0] == t and child.parent is node and child.count >= 2
+            assert tuple(child.seq[child.lo - len(path) : child.lo]) == path
+            assert len(path) + len(chain) <= depth
+            below += child.count
+            stack.append((child, path + chain))
+        if node is root:
+            continue
+        ends = node.count - below
+        assert ends >= 0
+        if exact_ends:
+            assert ends == len(node.ends or ())
+        assert len(node.children) >= 2 or ends > 0, "a node that should be merged"
+
+
+def referenced(root: _Node) -> set[int]:
+    """The ids of the sequences the tree's nodes and leaves read their tokens from."""
+    ids, stack = set(), [root]
+    while stack:
+        for child in stack.pop().children.values():
+            if type(child) is tuple:
+                ids.add(id(child[0]))
+            else:
+                ids.add(id(child.seq))
+                stack.append(child)
+    return ids
 
 
 def random_answers(rng: random.Random, n: int, vocab: int, length: int) -> list[list[int]]:
@@ -116,10 +160,10 @@ def test_eviction_is_exact() -> None:
     for i, answer in enumerate(answers):
         run_request(p, f"r{i}", prompt, answer)
         rebuilt = SuffixProposer(max_tree_depth=depth, max_cached_requests=keep)
-        rebuilt._cached.extend(list(seq) for seq in p._cached)
-        for seq in rebuilt._cached:
-            rebuilt._global.add(seq)
+        rebuilt._cached.extend(rebuilt._global.add(seq) for seq in p._cached)
         assert dump(p._global.root, depth) == dump(rebuilt._global.root, depth)
+        check_tree(p._global.root, depth, exact_ends=True)
+        assert referenced(p._global.root) <= {id(seq) for seq in p._cached}  # evicted: gone
         for j in range(5):
             ctx = [rng.randrange(4) for _ in range(rng.randrange(1, 12))]
             assert p.propose(f"q{i}.{j}", ctx, 5) == rebuilt.propose(f"q{i}.{j}", ctx, 5)
@@ -172,8 +216,9 @@ class PlainTrie:
                 draft.append(t)
                 score += prob
                 node = child
-            if score >= best_score and draft:
-                best_score, best = score, draft
+            # Scores compared to 9 decimals (as SuffixProposer), ties to the longer match.
+            if draft and round(score, 9) >= best_score:
+                best_score, best = round(score, 9), draft
         return best_score, best
 
 
@@ -209,6 +254,8 @@ def test_drafts_match_a_plain_trie(seed: int) -> None:
             shared = PlainTrie(depth, cached).speculate(pattern, k, factor, min_prob)
             expected = shared[1] if shared[0] > own[0] else own[1]
             assert p.propose(req_id, ctx, k) == expected, (req_id, n)
+            check_tree(p._requests[req_id].tree.root, depth, exact_ends=False)
+            check_tree(p._global.root, depth, exact_ends=True)
             running[req_id] = (tokens, first, n + 1)
 
 
