@@ -63,10 +63,13 @@ def test_max_spec_factor_caps_the_draft_by_the_match_length() -> None:
 
 
 def test_k_is_respected() -> None:
-    p = SuffixProposer()
+    # A deep tree, so that the depth left after the match does not cap the draft by itself.
+    p = SuffixProposer(max_tree_depth=64)
     run_request(p, "a", PROMPT, ANSWER)
     for k in range(0, 12):
-        assert p.propose("b", PROMPT + ANSWER[:5], k) == ANSWER[5 : 5 + k]
+        assert p.propose(f"b{k}", PROMPT + ANSWER[:5], k) == ANSWER[5 : 5 + k]  # shared tree
+        own = PROMPT + ANSWER + PROMPT[:30]
+        assert p.propose(f"c{k}", own, k) == (PROMPT + ANSWER)[30 : 30 + k]  # both trees
 
 
 def test_empty_and_tiny_contexts() -> None:
