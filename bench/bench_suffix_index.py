@@ -18,11 +18,13 @@ and, as the baseline that decided the structure, indexing the same prompt into a
 (uncompressed) trie of depth 24. Then the shared tree's size: nodes and bytes (tracemalloc)
 per cached token.
 
-Prints a table, then one JSON line of the figures.
+Prints a table, then one JSON line of the figures. Run:
+`PYTHONPATH=. python bench/bench_suffix_index.py [--clock thread] [--cached N]`.
 """
 
 import argparse
 import json
+import os
 import re
 import statistics
 import time
@@ -51,6 +53,16 @@ def plain_trie_index(tokens: list[int], depth: int) -> None:
         node = root
         for t in tokens[i : i + depth]:
             node = node.setdefault(t, {})
+
+
+def dict_get_ns() -> float:
+    """A yardstick for this machine's speed right now: one `dict.get` in a Python loop."""
+    table = {i: i for i in range(1000)}
+    t0 = CLOCK()
+    for _ in range(20):
+        for i in range(10000):
+            table.get(i)
+    return (CLOCK() - t0) / 200000 * 1e9
 
 
 def fill(p: SuffixProposer, words: list[int], n: int, seed: int) -> None:
@@ -98,7 +110,11 @@ def main() -> None:
     p = SuffixProposer(max_cached_requests=args.cached)
     fill(p, words, args.cached, seed=0)
 
-    rows, result = [], {"cached": args.cached, "steps": STEPS, "clock": args.clock}
+    rows, result = [], {"cached": args.cached, "steps": STEPS, "clock": args.clock,
+                        "loadavg_1m": round(os.getloadavg()[0], 2),
+                        "dict_get_ns": round(dict_get_ns(), 1)}
+    print(f"calibration: {result['dict_get_ns']} ns per dict.get in a Python loop "
+          "(~30-40 on an idle core; scale the figures below by it)")
     # "repeat" answers from the text's end, which no prompt here reaches (prompts are its
     # first words); "novel" outputs are its words shuffled afresh for each run (each run's
     # output enters the shared tree when it finishes, so a later run would repeat it).

@@ -485,8 +485,13 @@ class SuffixProposer:
       min_token_prob: a drafted token's estimated probability (the product of
         child.count / parent.count along the draft) must be at least this. 0.1.
 
-    Memory: about one leaf and at most one node per indexed token; the shared tree holds at
-    most `max_cached_requests` sequences.
+    Memory: about one leaf and at most one node per indexed token, ~185 bytes per token of
+    the shared tree (so ~280 MB at the default 10000 requests of ~150 tokens); it holds at
+    most `max_cached_requests` sequences. Cost (bench/bench_suffix_index.py, CPU time on the
+    loaded 2-core dev machine): ~3 ms to index a 1500-token prompt at its first call; per
+    decode step ~20-25 us, ~60 us while the output copies its own prompt (every growing
+    window then advances through shared text); ~1-4 ms per `finish` (the answer added, the
+    oldest evicted).
     """
 
     def __init__(
