@@ -230,7 +230,7 @@ def test_drafts_match_a_plain_trie(seed: int) -> None:
     """Every step's draft, own and shared tries, equals the uncompressed reference's, with
     requests running side by side, finishing and being evicted."""
     rng = random.Random(seed)
-    depth = rng.choice([3, 5, 8])
+    depth = rng.choice([1, 2, 3, 5, 8])
     factor = rng.choice([0.5, 1.0, 2.0])
     min_prob = rng.choice([0.0, 0.1, 0.4])
     keep = 4

@@ -430,7 +430,7 @@ class _GlobalTree(_SuffixTree):
         if child is None:
             return out
         out.append(child if type(child) is tuple else (child, 1))
-        for m, (where, offset) in enumerate(matches[: self.depth - 2], 1):
+        for m, (where, offset) in enumerate(matches[: max(0, self.depth - 2)], 1):
             if type(where) is _Node:
                 if offset < where.hi - where.lo:
                     if where.seq[where.lo + offset] != t:
@@ -534,7 +534,7 @@ class SuffixProposer:
             shared = self._global
             if req.version != shared.version or len(new) >= self.max_tree_depth:
                 req.version, req.matches = shared.version, []
-                new = tree.seq[1 - self.max_tree_depth :]
+                new = tree.seq[max(0, len(tree.seq) + 1 - self.max_tree_depth) :]
             for t in new:
                 req.matches = shared.follow(req.matches, t)
         if k <= 0:
