@@ -176,7 +176,7 @@ def test_hostile_finds_the_process_listening_on_a_port():
                                   "bench_scheduler", "bench_async", "bench_step_breakdown",
                                   "bench_grammar", "bench_structured", "bench_dp",
                                   "bench_kv_cache_dtype", "bench_quant", "bench_quant_kernels",
-                                   "bench_linear", "bench_hostile"])
+                                   "bench_linear", "bench_hostile", "bench_suffix_index"])
 def test_help(name):
     out = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), "--help"],
                          capture_output=True, text=True, timeout=120)
