@@ -1,0 +1,105 @@
+"""Speculative decoding end to end on the real default model: greedy outputs (tokens and
+logprobs) equal those without it, in every configuration that changes what a step holds."""
+
+import pytest
+
+from tests.entrypoints.conftest import PLAIN_PROMPTS
+from v1 import LLM, SamplingParams
+
+MAX_TOKENS = 24
+# Prompts a model tends to continue by quoting them (drafts get accepted), and plain ones.
+REPETITIVE = [
+    "Repeat exactly: red, green, blue, red, green, blue, red, green, blue, red,",
+    "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return",
+    "A B C D E F G H A B C D E F G H A B C D",
+    "one two three four one two three four one two three",
+]
+PROMPTS = REPETITIVE + PLAIN_PROMPTS[:4]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2)
+NGRAM = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def generate(llm: LLM, params: SamplingParams = GREEDY) -> list[tuple[list[int], list]]:
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return [(c.token_ids, c.logprobs) for o in outs for c in o.outputs]
+
+
+def assert_same(spec, ref) -> None:
+    assert [t for t, _ in spec] == [t for t, _ in ref]
+    for (_, lps), (_, ref_lps) in zip(spec, ref, strict=True):
+        if ref_lps is None:
+            assert lps is None
+            continue
+        for got, want in zip(lps, ref_lps, strict=True):
+            assert got.keys() == want.keys()
+            for t in want:
+                assert got[t].logprob == pytest.approx(want[t].logprob, abs=1e-4)
+
+
+def assert_drafts_accepted(llm: LLM) -> None:
+    stats = llm.get_stats()
+    assert stats.spec_decode_num_accepted_tokens > 0
+    assert 0 < stats.spec_decode_acceptance_rate <= 1
+    assert sum(stats.spec_decode_num_accepted_tokens_per_pos) == (
+        stats.spec_decode_num_accepted_tokens
+    )
+    llm.llm_engine.client.call_utility("check_integrity")
+
+
+@pytest.fixture(scope="module")
+def reference(default_model):
+    with LLM(loaded_model=default_model, num_gpu_blocks=64, max_model_len=512) as llm:
+        return generate(llm)
+
+
+@pytest.mark.parametrize(
+    "k, options",
+    [
+        (1, {}),
+        (4, {"max_num_seqs": 3}),  # batches of up to 3
+        (3, {"max_num_batched_tokens": 16, "long_prefill_token_threshold": 8}),  # chunked
+        (5, {"num_gpu_blocks": 8, "max_model_len": 128}),  # preemption
+        (4, {"async_scheduling": True}),
+        (2, {"async_scheduling": True, "num_gpu_blocks": 8, "max_model_len": 128}),
+    ],
+    ids=["k1", "k4-batch3", "chunked", "preempt", "async", "async-preempt"],
+)
+def test_greedy_outputs_equal_without_speculation(default_model, reference, k, options):
+    options = {"num_gpu_blocks": 64, "max_model_len": 512, **options}
+    spec = {**NGRAM, "num_speculative_tokens": k}
+    with LLM(loaded_model=default_model, speculative_config=spec, **options) as llm:
+        assert_same(generate(llm), reference)
+        assert_drafts_accepted(llm)
+        if options["num_gpu_blocks"] < 64:
+            assert llm.get_stats().num_preemptions > 0
+
+
+def test_n_children_and_stop_conditions_with_drafts(default_model, reference):
+    spec = {**NGRAM, "num_speculative_tokens": 3}
+    with LLM(loaded_model=default_model, num_gpu_blocks=64, max_model_len=512,
+             speculative_config=spec) as llm:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, n=2)
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        for out, (ref_tokens, _) in zip(outs, reference, strict=True):
+            assert [c.token_ids for c in out.outputs] == [ref_tokens, ref_tokens]
+        # max_tokens and a stop string cut a verified step's tokens where they fall.
+        short = SamplingParams(temperature=0.0, max_tokens=7)
+        for out, (ref_tokens, _) in zip(
+            llm.generate(PROMPTS, short, use_tqdm=False), reference, strict=True
+        ):
+            assert out.outputs[0].token_ids == ref_tokens[:7]
+        text = llm.generate(REPETITIVE[0], SamplingParams(temperature=0.0, max_tokens=24),
+                            use_tqdm=False)[0].outputs[0].text
+        stop = text.split(",")[2][:3]  # a string met a few tokens in
+        cut = llm.generate(REPETITIVE[0], SamplingParams(temperature=0.0, max_tokens=24,
+                                                         stop=[stop]), use_tqdm=False)
+        assert cut[0].outputs[0].text == text[: text.index(stop)]
+        assert_drafts_accepted(llm)
+
+
+def test_engine_process_with_async_scheduling(reference):
+    spec = {**NGRAM, "num_speculative_tokens": 4}
+    with LLM(num_gpu_blocks=64, max_model_len=512, async_scheduling=True,
+             speculative_config=spec) as llm:
+        assert_same(generate(llm), reference)
+        assert_drafts_accepted(llm)
