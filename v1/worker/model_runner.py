@@ -39,7 +39,6 @@ from v1.models.loader import LoadedModel
 from v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, TokenLogprobs
 from v1.sampling_params import SamplingParams
 from v1.worker.input_batch import InputBatch
-from v1.worker.rejection_sampler import accept_drafts
 from v1.worker.sampler import BadWords, Sampler, SamplingMetadata, TokenCounts, gather_logprobs
 from v1.worker.spec_decode.drafter import Drafter
 
@@ -262,8 +261,10 @@ class ModelRunner:
         num_drafts = np.zeros(len(req_ids), dtype=np.int32)
         drafts_by_index: dict[int, list[int]] = {}
         if out.scheduled_spec_decode_tokens:
-            self._write_drafts(out.scheduled_spec_decode_tokens, req_ids, num_drafts,
-                               drafts_by_index)
+            assert self.drafter is not None
+            self.drafter.write_drafts(
+                batch, out.scheduled_spec_decode_tokens, req_ids, num_drafts, drafts_by_index
+            )
 
         query_start_loc = np.zeros(len(req_ids) + 1, dtype=np.int32)
         np.cumsum(num_scheduled, out=query_start_loc[1:])
@@ -356,92 +357,18 @@ class ModelRunner:
                     for i, lp in zip(sample_idx.tolist(), token_logprobs):
                         logprobs_rows[i] = None if lp is None else [lp]
             else:
-                self._accept(
-                    req_ids, sample_idx, first_logit_row, rows, token_ids, token_logprobs,
+                assert self.drafter is not None
+                self.drafter.accept(
+                    batch, req_ids, sample_idx, first_logit_row, rows, token_ids, token_logprobs,
                     drafts_by_index, sampled_rows, logprobs_rows, num_rejected,
                 )
         batch.num_computed_tokens[rows] = seq_lens - num_rejected
         spec_token_ids = None
         if self.drafter is not None:
-            spec_token_ids = self._propose(req_ids, rows, sample_idx)
+            spec_token_ids = self.drafter.propose_all(batch, req_ids, rows, sample_idx)
         return ModelRunnerOutput(
             req_ids, sampled_rows, logprobs_rows, prompt_logprobs_dict, spec_token_ids
         )
-
-    def _write_drafts(
-        self,
-        spec: dict[str, list[int]],
-        req_ids: list[str],
-        num_drafts: np.ndarray,
-        drafts_by_index: dict[int, list[int]],
-    ) -> None:
-        """Writes each scheduled request's drafts after its known tokens (the step's inputs
-        are read from there) and records them by batch index."""
-        assert self.drafter is not None
-        batch = self.input_batch
-        index = {req_id: i for i, req_id in enumerate(req_ids)}
-        for req_id, scheduled in spec.items():
-            drafts = self.drafter.drafts_for_step(req_id, scheduled)
-            i = index[req_id]
-            row = batch.req_id_to_index[req_id]
-            start = int(batch.num_tokens[row])
-            # A -1 (no draft for a placeholder) computes token 0 and is never accepted.
-            batch.token_ids[row, start : start + len(drafts)] = [max(d, 0) for d in drafts]
-            num_drafts[i] = len(drafts)
-            drafts_by_index[i] = drafts
-
-    def _accept(
-        self,
-        req_ids: list[str],
-        sample_idx: np.ndarray,
-        first_logit_row: np.ndarray,
-        rows: np.ndarray,
-        token_ids: list[int],
-        token_logprobs: "list[TokenLogprobs | None] | None",
-        drafts_by_index: dict[int, list[int]],
-        sampled_rows: list[list[int]],
-        logprobs_rows: "list[list[TokenLogprobs] | None] | None",
-        num_rejected: np.ndarray,
-    ) -> None:
-        """Checks each sampling request's rows against its drafts and stores what it
-        accepted (its sampled token alone when it had no drafts)."""
-        assert self.drafter is not None
-        batch = self.input_batch
-        for n, i in enumerate(sample_idx.tolist()):
-            first, end = int(first_logit_row[n]), int(first_logit_row[n + 1])
-            tokens = token_ids[first:end]
-            drafts = drafts_by_index.get(i)
-            if drafts:
-                tokens = accept_drafts(tokens, drafts)
-                num_rejected[i] = len(drafts) + 1 - len(tokens)
-                self.drafter.observe(req_ids[i], drafts, len(tokens) - 1)
-            row = rows[i]
-            start = int(batch.num_tokens[row])
-            batch.token_ids[row, start : start + len(tokens)] = tokens
-            batch.num_tokens[row] += len(tokens)
-            sampled_rows[i] = tokens
-            if token_logprobs is not None and logprobs_rows is not None:
-                lps = token_logprobs[first : first + len(tokens)]
-                logprobs_rows[i] = None if lps[0] is None else cast(list[TokenLogprobs], lps)
-
-    def _propose(
-        self, req_ids: list[str], rows: np.ndarray, sample_idx: np.ndarray
-    ) -> list[list[int]]:
-        """The drafts of every request that sampled this step, for its next step."""
-        assert self.drafter is not None
-        batch = self.input_batch
-        proposals: list[list[int]] = [[] for _ in req_ids]
-        for i in sample_idx.tolist():
-            row = rows[i]
-            num_tokens = int(batch.num_tokens[row])
-            params = batch.sampling_params[row]
-            assert params is not None
-            proposals[i] = self.drafter.propose(
-                req_ids[i], batch.token_ids[row, :num_tokens], params,
-                num_tokens - int(batch.num_prompt_tokens[row]),
-            )
-        return proposals
-
 
     def _get_prompt_logprobs_dict(
         self,

@@ -20,11 +20,15 @@ costs little more than the proposer's lookup.
 """
 
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
 from v1.config import SpeculativeConfig
+from v1.outputs import TokenLogprobs
 from v1.sampling_params import SamplingParams
+from v1.worker.input_batch import InputBatch
+from v1.worker.rejection_sampler import accept_drafts
 from v1.worker.spec_decode.proposer import DraftProposer, make_proposer
 
 MAX_SKIP = 16
@@ -92,6 +96,80 @@ class Drafter:
             state.failures = 0
             grown = 2 * state.k if num_accepted == num_drafts else num_accepted + 1
             state.k = min(self.max_k, grown)
+
+    # -- the runner's step ----------------------------------------------------------------
+
+    def write_drafts(
+        self,
+        batch: InputBatch,
+        spec: dict[str, list[int]],
+        req_ids: list[str],
+        num_drafts: np.ndarray,
+        drafts_by_index: dict[int, list[int]],
+    ) -> None:
+        """Writes each scheduled request's drafts after its known tokens (the step's inputs
+        are read from there); records their count and them by batch index."""
+        index = {req_id: i for i, req_id in enumerate(req_ids)}
+        for req_id, scheduled in spec.items():
+            drafts = self.drafts_for_step(req_id, scheduled)
+            i = index[req_id]
+            row = batch.req_id_to_index[req_id]
+            start = int(batch.num_tokens[row])
+            # A -1 (no draft for a placeholder) computes token 0 and is never accepted.
+            batch.token_ids[row, start : start + len(drafts)] = [max(d, 0) for d in drafts]
+            num_drafts[i] = len(drafts)
+            drafts_by_index[i] = drafts
+
+    def accept(
+        self,
+        batch: InputBatch,
+        req_ids: list[str],
+        sample_idx: np.ndarray,
+        first_logit_row: np.ndarray,
+        rows: np.ndarray,
+        token_ids: list[int],
+        token_logprobs: list[TokenLogprobs | None] | None,
+        drafts_by_index: dict[int, list[int]],
+        sampled_rows: list[list[int]],
+        logprobs_rows: list[list[TokenLogprobs] | None] | None,
+        num_rejected: np.ndarray,
+    ) -> None:
+        """Checks each sampling request's rows (`first_logit_row[n]` on, for the n-th) against
+        its drafts and stores what it accepted in the batch and the output rows (its one
+        sampled token when it had no drafts); `num_rejected[i]`: its rejected drafts."""
+        for n, i in enumerate(sample_idx.tolist()):
+            first, end = int(first_logit_row[n]), int(first_logit_row[n + 1])
+            tokens = token_ids[first:end]
+            drafts = drafts_by_index.get(i)
+            if drafts:
+                tokens = accept_drafts(tokens, drafts)
+                num_rejected[i] = len(drafts) + 1 - len(tokens)
+                self.observe(req_ids[i], drafts, len(tokens) - 1)
+            row = rows[i]
+            start = int(batch.num_tokens[row])
+            batch.token_ids[row, start : start + len(tokens)] = tokens
+            batch.num_tokens[row] += len(tokens)
+            sampled_rows[i] = tokens
+            if token_logprobs is not None and logprobs_rows is not None:
+                lps = token_logprobs[first : first + len(tokens)]
+                logprobs_rows[i] = None if lps[0] is None else cast(list[TokenLogprobs], lps)
+
+    def propose_all(
+        self, batch: InputBatch, req_ids: list[str], rows: np.ndarray, sample_idx: np.ndarray
+    ) -> list[list[int]]:
+        """The drafts of every request that sampled this step, for its next step ([] for the
+        others), one list per `req_ids` entry."""
+        proposals: list[list[int]] = [[] for _ in req_ids]
+        for i in sample_idx.tolist():
+            row = rows[i]
+            num_tokens = int(batch.num_tokens[row])
+            params = batch.sampling_params[row]
+            assert params is not None
+            proposals[i] = self.propose(
+                req_ids[i], batch.token_ids[row, :num_tokens], params,
+                num_tokens - int(batch.num_prompt_tokens[row]),
+            )
+        return proposals
 
     def finish(self, req_id: str) -> None:
         """The request left the runner's batch (finished or preempted)."""
