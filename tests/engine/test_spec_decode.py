@@ -94,6 +94,10 @@ def test_n_children_and_stop_conditions_with_drafts(default_model, reference):
         cut = llm.generate(REPETITIVE[0], SamplingParams(temperature=0.0, max_tokens=24,
                                                          stop=[stop]), use_tqdm=False)
         assert cut[0].outputs[0].text == text[: text.index(stop)]
+        # Sampling with top_k=1 is greedy through the random path: still exact.
+        top1 = SamplingParams(temperature=0.8, top_k=1, max_tokens=MAX_TOKENS, seed=3)
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, top1, use_tqdm=False)] \
+            == [t for t, _ in reference]
         assert_drafts_accepted(llm)
 
 

@@ -47,7 +47,7 @@ class Fixed:
 def test_drafts_that_keep_failing_back_off():
     config = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 8})
     drafter = Drafter(config, Fixed())
-    tokens, params = np.arange(4), SamplingParams()
+    tokens, params = [0, 1, 2, 3], SamplingParams()
     assert len(drafter.propose("r", tokens, params, 1)) == 8
     skipped = []
     for _ in range(6):  # every draft rejected

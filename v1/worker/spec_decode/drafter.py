@@ -59,7 +59,7 @@ class Drafter:
         self.pending: dict[str, list[int]] = {}  # req_id -> its last proposal
 
     def propose(
-        self, req_id: str, token_ids: np.ndarray, params: SamplingParams, num_output: int
+        self, req_id: str, token_ids: list[int], params: SamplingParams, num_output: int
     ) -> list[int]:
         """The drafts for the request's next step (also kept in `pending`)."""
         state = self._adaptive.get(req_id)
@@ -166,7 +166,7 @@ class Drafter:
             params = batch.sampling_params[row]
             assert params is not None
             proposals[i] = self.propose(
-                req_ids[i], batch.token_ids[row, :num_tokens], params,
+                req_ids[i], batch.token_ids[row, :num_tokens].tolist(), params,
                 num_tokens - int(batch.num_prompt_tokens[row]),
             )
         return proposals
