@@ -108,3 +108,28 @@ def test_engine_process_with_async_scheduling(reference):
              speculative_config=spec) as llm:
         assert_same(generate(llm), reference)
         assert_drafts_accepted(llm)
+
+
+def test_mixed_batch_of_drafted_and_undrafted_requests(default_model):
+    """Penalised, min_tokens, bad-words, biased and sampled requests in one batch with drafted
+    ones: the sampling rows of a verified step stay each request's own."""
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, repetition_penalty=1.2,
+                       frequency_penalty=0.5),
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=12),
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, bad_words=[" blue"]),
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logit_bias={28: -3.0}),
+        SamplingParams(temperature=0.9, top_k=1, max_tokens=MAX_TOKENS, seed=1),
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1),
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, presence_penalty=1.0),
+    ]
+    results = []
+    for spec in (None, {**NGRAM, "num_speculative_tokens": 3}):
+        with LLM(loaded_model=default_model, num_gpu_blocks=64, max_model_len=512,
+                 speculative_config=spec) as llm:
+            outs = llm.generate(PROMPTS, params, use_tqdm=False)
+            results.append([o.outputs[0].token_ids for o in outs])
+            if spec is not None:
+                assert_drafts_accepted(llm)
+    assert results[0] == results[1]
