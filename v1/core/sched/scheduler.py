@@ -39,7 +39,11 @@ from v1.core.kv_cache_manager import FreedBlocks, KVCacheManager
 from v1.core.kv_cache_utils import make_block_hasher
 from v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from v1.core.sched.request_queue import create_request_queue
-from v1.core.sched.spec_decode import SpecDecodingStats, num_drafts_to_schedule
+from v1.core.sched.spec_decode import (
+    SpecDecodingStats,
+    append_until_stop,
+    num_drafts_to_schedule,
+)
 from v1.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerStats
 from v1.request import EngineCoreRequest, Request, RequestStatus
 
@@ -546,7 +550,9 @@ class Scheduler:
                 request.append_output_token_ids(new_token_ids)
                 stop = check_stop(request, max_model_len)
             else:  # verified drafts: tokens after one that stops the request are dropped
-                new_token_ids, stop = self._append_until_stop(request, new_token_ids)
+                new_token_ids, stop = append_until_stop(
+                    request, new_token_ids, check_stop, max_model_len
+                )
                 if logprobs is not None:
                     logprobs = logprobs[: len(new_token_ids)]
             num_generated += len(new_token_ids)
@@ -586,17 +592,6 @@ class Scheduler:
             client: EngineCoreOutputs(outs, timestamp=now, client_index=client)
             for client, outs in outputs.items()
         }
-
-    def _append_until_stop(
-        self, request: Request, token_ids: list[int]
-    ) -> tuple[list[int], bool]:
-        """Append a verified step's tokens one by one, up to the first that finishes the
-        request; returns the tokens appended and whether it finished."""
-        for n, token_id in enumerate(token_ids, 1):
-            request.append_output_token_ids([token_id])
-            if self._check_stop(request, self.max_model_len):
-                return token_ids[:n], True
-        return token_ids, False
 
     @staticmethod
     def _check_stop(request: Request, max_model_len: int) -> bool:

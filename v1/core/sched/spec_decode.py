@@ -10,6 +10,8 @@ hashed from `all_token_ids` only, which never holds a draft, so a block enters t
 cache only once all its tokens are accepted.
 """
 
+from collections.abc import Callable
+
 from v1.request import Request
 
 
@@ -27,6 +29,21 @@ def num_drafts_to_schedule(
         - (request.num_output_placeholders if async_scheduling else 0),
     )
     return max(limit, 0)
+
+
+def append_until_stop(
+    request: Request,
+    token_ids: list[int],
+    check_stop: Callable[[Request, int], bool],
+    max_model_len: int,
+) -> tuple[list[int], bool]:
+    """Append a verified step's tokens one by one, up to the first that finishes the request
+    (`check_stop`, the scheduler's); returns the tokens appended and whether it finished."""
+    for n, token_id in enumerate(token_ids, 1):
+        request.append_output_token_ids([token_id])
+        if check_stop(request, max_model_len):
+            return token_ids[:n], True
+    return token_ids, False
 
 
 class SpecDecodingStats:
