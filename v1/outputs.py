@@ -28,6 +28,9 @@ class ModelRunnerOutput:
     # Request id -> the logprobs of its prompt tokens 1.., for requests asking for them whose
     # prompt this step finished (the runner keeps earlier chunks' until then).
     prompt_logprobs_dict: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Speculative decoding: per request, the drafts the runner proposes for its next step
+    # (empty: none); None when no request has any.
+    spec_token_ids: list[list[int]] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput([], [])
@@ -61,6 +64,20 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_preemptions: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    # Speculative decoding, since start (vLLM's SpecDecodingStats): steps that verified
+    # drafts for a request, draft tokens verified, of which accepted, and accepted per
+    # draft position (index 0: first drafts).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = []
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        """Accepted draft tokens / draft tokens (0 when none was verified)."""
+        if not self.spec_decode_num_draft_tokens:
+            return 0.0
+        return self.spec_decode_num_accepted_tokens / self.spec_decode_num_draft_tokens
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

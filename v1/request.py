@@ -97,6 +97,10 @@ class Request:
     `num_computed_tokens` of them have K/V in the cache. Under async scheduling the scheduler
     runs ahead of the model: `num_output_placeholders` counts tokens already scheduled whose
     ids are not known yet, so `num_computed_tokens` may exceed `num_tokens` by that many.
+
+    Speculative decoding: `spec_token_ids` are the draft tokens the runner proposed to follow
+    the request's tokens (never part of `all_token_ids`); a decode step computes them with its
+    last token. Under async scheduling each such step adds `1 + len(drafts)` placeholders.
     """
 
     __slots__ = (
@@ -105,7 +109,7 @@ class Request:
         "status", "num_computed_tokens", "num_cached_tokens", "num_preemptions",
         "num_output_placeholders", "block_hashes", "cache_salt", "stop_reason",
         "queued_time", "scheduled_time", "_block_hasher", "_next_hash_len", "grammar_future",
-        "grammar",
+        "grammar", "spec_token_ids",
     )
 
     def __init__(
@@ -143,6 +147,7 @@ class Request:
         # Structured output: the compilation in flight, then the matcher once it is done.
         self.grammar_future: Future[StructuredOutputGrammar] | None = None
         self.grammar: StructuredOutputGrammar | None = None
+        self.spec_token_ids: list[int] = []
         self.block_hashes: list[BlockHash] = []
         self._block_hasher = block_hasher
         # The length at which the next block to hash is full: appends below it skip the

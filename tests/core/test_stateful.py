@@ -2,7 +2,9 @@
 knows what is in the KV cache; accounting and content are checked after every step.
 
 Preemption happens by itself: the pool is small enough that running requests outgrow it.
-Async scheduling keeps one step in flight, as the engine's batch queue does.
+Async scheduling keeps one step in flight, as the engine's batch queue does. With speculative
+decoding the shadow runner drafts (some drafts right, some wrong) and verifies them: rejected
+drafts' slots must never be found through the prefix cache before they are rewritten.
 """
 
 from collections import deque
@@ -27,15 +29,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         policy=st.sampled_from(["priority", "priority", "fcfs"]),
         async_scheduling=st.booleans(),
         caching=st.sampled_from([True, True, False]),
+        spec_k=st.sampled_from([0, 0, 1, 3]),
+        seed=st.integers(0, 2**16),
     )
-    def setup(self, num_blocks, budget, threshold, policy, async_scheduling, caching):
+    def setup(
+        self, num_blocks, budget, threshold, policy, async_scheduling, caching, spec_k, seed
+    ):
         self.s = make_scheduler(
             num_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=6,
             max_model_len=MAX_MODEL_LEN, policy=policy, long_prefill_token_threshold=threshold,
             async_scheduling=async_scheduling, enable_prefix_caching=caching,
         )
         self.budget = budget
-        self.runner = ShadowRunner(BLOCK_SIZE)
+        self.runner = ShadowRunner(BLOCK_SIZE, spec_k, seed)
         self.in_flight: deque = deque()
         self.finished: set[str] = set()
         self.added: dict[str, tuple[int, int]] = {}  # id -> (prompt length, max_tokens)
@@ -68,6 +74,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             event("prefix hit")
         if any(out.scheduled_cached_reqs.resumed_from_preemption):
             event("resumed")
+        if out.scheduled_spec_decode_tokens:
+            event("drafts")
         self.in_flight.append((out, self.runner.execute(out, eos_row)))
         if not s.async_scheduling or len(self.in_flight) == 2:
             self._finish_oldest()

@@ -1,6 +1,7 @@
 """Helpers for core tests: hand-made requests and model outputs, as vLLM's tests do."""
 
 import itertools
+import random
 from dataclasses import dataclass
 
 from v1.config import CacheConfig, SchedulerConfig
@@ -97,13 +98,36 @@ class ShadowRunner:
 
     It samples `EOS` for the batch row `eos_row`, else a token that depends on the prefix (as
     greedy decoding would), so that equal prefixes continue equally and share blocks.
+
+    With `spec_k` > 0 it drafts too, as the real runner: up to `spec_k` tokens per request
+    that sampled, each the right one (what it will sample there) or a wrong one at random
+    (`seed`), verified in the request's next step: the drafts' slots are written like any
+    computed position, the accepted prefix plus one token is returned, and only the accepted
+    positions stay computed. Under async scheduling it fills the -1 placeholders with its
+    last drafts (the scheduler's computed count may then run ahead of its own).
     """
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, spec_k: int = 0, seed: int = 0) -> None:
         self.block_size = block_size
         self.slots: dict[tuple[int, int], tuple[int, ...]] = {}
         self.requests: dict[str, _RunnerRequest] = {}
         self.sampled: dict[str, list[int]] = {}
+        self.spec_k = spec_k
+        self.rng = random.Random(seed)
+        self.drafts: dict[str, list[int]] = {}  # the last proposal per request
+        self.num_accepted = 0
+
+    @staticmethod
+    def _next_token(token_ids: list[int]) -> int:
+        return 40 + sum(token_ids) % 7
+
+    def _propose(self, req_id: str, token_ids: list[int]) -> list[int]:
+        drafts: list[int] = []
+        for _ in range(self.rng.randint(0, self.spec_k)):
+            right = self._next_token(token_ids + drafts)
+            drafts.append(right if self.rng.random() < 0.7 else 99)
+        self.drafts[req_id] = drafts
+        return drafts
 
     def _slot(self, req: _RunnerRequest, pos: int) -> tuple[int, int]:
         return req.block_ids[pos // self.block_size], pos % self.block_size
@@ -125,9 +149,23 @@ class ShadowRunner:
                 )
             else:
                 req = self.requests[req_id]
-                assert req.num_computed_tokens == cached.num_computed_tokens[i], req_id
+                if self.spec_k:  # (async) the scheduler counts drafts in flight as accepted
+                    assert req.num_computed_tokens <= cached.num_computed_tokens[i], req_id
+                else:
+                    assert req.num_computed_tokens == cached.num_computed_tokens[i], req_id
                 req.block_ids.extend(cached.new_block_ids[i])
         scheduled = [(self.requests[r], n) for r, n in out.num_scheduled_tokens.items()]
+        step_drafts: dict[str, list[int]] = {}
+        for req_id, scheduled_drafts in out.scheduled_spec_decode_tokens.items():
+            req = self.requests[req_id]
+            assert self.spec_k, "drafts scheduled that nobody proposed"
+            assert req.num_computed_tokens == len(req.token_ids) - 1, "drafted mid-prefill"
+            drafts = scheduled_drafts
+            if drafts[0] == -1:  # async placeholders
+                last = self.drafts.get(req_id, [])[: len(drafts)]
+                drafts = last + [-1] * (len(drafts) - len(last))
+            step_drafts[req_id] = drafts
+            req.token_ids.extend(max(d, 0) for d in drafts)
         for req, n in scheduled:
             end = req.num_computed_tokens + n
             assert end <= len(req.token_ids), "scheduled a token the runner does not know"
@@ -135,6 +173,7 @@ class ShadowRunner:
             for pos in range(req.num_computed_tokens, end):
                 self.slots[self._slot(req, pos)] = tuple(req.token_ids[: pos + 1])
         sampled: list[list[int]] = []
+        proposals: list[list[int]] = []
         for row, (req_id, (req, n)) in enumerate(zip(out.num_scheduled_tokens, scheduled)):
             end = req.num_computed_tokens + n
             for pos in range(end):
@@ -143,12 +182,27 @@ class ShadowRunner:
                     f"{req_id} attends to position {pos} in block {self._slot(req, pos)}, "
                     f"which holds {held}, not its own prefix {req.token_ids[: pos + 1]}"
                 )
-            req.num_computed_tokens = end
-            if end < len(req.token_ids):
+            drafts = step_drafts.get(req_id, [])
+            if drafts:
+                del req.token_ids[-len(drafts):]
+            req.num_computed_tokens = end - len(drafts)
+            if req.num_computed_tokens < len(req.token_ids):
                 sampled.append([])  # a prefill chunk short of the end
+                proposals.append([])
                 continue
-            token = EOS if row == eos_row else 40 + sum(req.token_ids) % 7
-            req.token_ids.append(token)
-            self.sampled.setdefault(req_id, []).append(token)
-            sampled.append([token])
-        return ModelRunnerOutput(list(out.num_scheduled_tokens), sampled)
+            tokens: list[int] = []
+            for draft in [*drafts, None]:  # verify: the accepted drafts, then one token
+                token = EOS if row == eos_row else self._next_token(req.token_ids + tokens)
+                tokens.append(token)
+                if token != draft:
+                    break
+            self.num_accepted += len(tokens) - 1
+            req.num_computed_tokens += len(tokens) - 1
+            req.token_ids.extend(tokens)
+            self.sampled.setdefault(req_id, []).extend(tokens)
+            sampled.append(tokens)
+            proposals.append(self._propose(req_id, req.token_ids) if self.spec_k else [])
+        return ModelRunnerOutput(
+            list(out.num_scheduled_tokens), sampled,
+            spec_token_ids=proposals if self.spec_k else None,
+        )

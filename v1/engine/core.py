@@ -128,7 +128,9 @@ class EngineCore:
         scheduler_config, cache_config = args.create_configs(
             loaded.max_model_len, device.type == "cuda"
         )
-        self.model_runner = ModelRunner(loaded, scheduler_config, cache_config, device, dtype)
+        self.model_runner = ModelRunner(
+            loaded, scheduler_config, cache_config, device, dtype, args.speculative()
+        )
         num_blocks = self.model_runner.determine_num_blocks(cache_config)
         capacity = num_blocks * cache_config.block_size
         if capacity < scheduler_config.max_model_len:

@@ -74,8 +74,15 @@ def combine_stats(per_engine: Sequence[SchedulerStats | None]) -> DPSchedulerSta
     for field in (
         "num_running_reqs", "num_waiting_reqs", "prefix_cache_queries", "prefix_cache_hits",
         "num_preemptions", "num_prompt_tokens", "num_generation_tokens",
+        "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+        "spec_decode_num_accepted_tokens",
     ):
         setattr(total, field, sum(getattr(s, field) for s in alive))
+    per_pos = [s.spec_decode_num_accepted_tokens_per_pos for s in alive]
+    total.spec_decode_num_accepted_tokens_per_pos = [
+        sum(counts[i] for counts in per_pos if i < len(counts))
+        for i in range(max(map(len, per_pos)))
+    ]
     total.kv_cache_usage = sum(s.kv_cache_usage for s in alive) / len(alive)
     if total.prefix_cache_queries:
         total.prefix_cache_hit_rate = total.prefix_cache_hits / total.prefix_cache_queries

@@ -14,6 +14,12 @@ A request with `prompt_logprobs` also gets logits at every prompt position of it
 scheduler gives it no prefix-cache hits, so every position is computed here): each chunk's
 logprobs of the next prompt tokens are kept until the step that finishes the prompt, which
 returns them all.
+
+Speculative decoding (`v1.worker.spec_decode`): a request scheduled with k drafts has them
+written after its last token and computed in the same forward pass as every other request's;
+its last k + 1 rows are sampled and checked (`v1.worker.rejection_sampler`), its accepted
+tokens stored, and `num_computed_tokens` kept past the accepted ones only. Then the proposer
+drafts for every request that sampled, for the next step.
 """
 
 import ctypes
@@ -26,7 +32,7 @@ import numpy as np
 import torch
 
 from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata, kv_cache_shape
-from v1.config import CacheConfig, SchedulerConfig
+from v1.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from v1.core.sched.output import SchedulerOutput
 from v1.models import head_dim_of
 from v1.models.loader import LoadedModel
@@ -34,6 +40,7 @@ from v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, TokenLogpro
 from v1.sampling_params import SamplingParams
 from v1.worker.input_batch import InputBatch
 from v1.worker.sampler import BadWords, Sampler, SamplingMetadata, TokenCounts, gather_logprobs
+from v1.worker.spec_decode.drafter import Drafter
 
 logger = logging.getLogger("v1")
 
@@ -112,8 +119,10 @@ class ModelRunner:
         cache_config: CacheConfig,
         device: torch.device,
         dtype: torch.dtype,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.device = device
+        self.drafter = Drafter(speculative_config) if speculative_config is not None else None
         self.dtype = dtype
         if device.type == "cpu":
             tune_cpu_malloc()
@@ -188,7 +197,10 @@ class ModelRunner:
     def _update_states(self, out: SchedulerOutput) -> None:
         batch = self.input_batch
         in_progress = self.in_progress_prompt_logprobs
+        drafter = self.drafter
         for req_id in out.finished_req_ids:
+            if drafter is not None and req_id in batch.req_id_to_index:
+                drafter.finish(req_id)
             batch.remove_request(req_id)
             self._preempted.pop(req_id, None)
             in_progress.pop(req_id, None)
@@ -201,6 +213,8 @@ class ModelRunner:
                 params, int(batch.num_prompt_tokens[row]), batch.generators.get(req_id)
             )
             batch.remove_request(req_id)
+            if drafter is not None:
+                drafter.finish(req_id)
             if req_id in in_progress:  # it resumes from its first token: collect anew
                 in_progress[req_id] = []
         batch.condense()
@@ -229,7 +243,10 @@ class ModelRunner:
             else:
                 row = batch.req_id_to_index[req_id]
                 batch.block_table.append_row(row, cached.new_block_ids[i])
-                batch.num_computed_tokens[row] = cached.num_computed_tokens[i]
+                if drafter is None:
+                    batch.num_computed_tokens[row] = cached.num_computed_tokens[i]
+                # else ours is right: under async the scheduler's counts drafts still in
+                # flight as accepted (it rolls them back when their output comes)
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -241,6 +258,13 @@ class ModelRunner:
         rows = np.fromiter((batch.req_id_to_index[r] for r in req_ids), np.int64, len(req_ids))
         num_scheduled = np.fromiter(out.num_scheduled_tokens.values(), np.int32, len(req_ids))
         num_computed = batch.num_computed_tokens[rows]
+        num_drafts = np.zeros(len(req_ids), dtype=np.int32)
+        drafts_by_index: dict[int, list[int]] = {}
+        if out.scheduled_spec_decode_tokens:
+            assert self.drafter is not None
+            self.drafter.write_drafts(
+                batch, out.scheduled_spec_decode_tokens, req_ids, num_drafts, drafts_by_index
+            )
 
         query_start_loc = np.zeros(len(req_ids) + 1, dtype=np.int32)
         np.cumsum(num_scheduled, out=query_start_loc[1:])
@@ -282,22 +306,33 @@ class ModelRunner:
             else {}
         )
 
-        # Rows that sample: every known token is computed after this step.
-        samples = seq_lens >= batch.num_tokens[rows]
+        # Requests that sample: every known token is computed after this step; each samples
+        # its last 1 + k rows (k drafts).
+        samples = seq_lens - num_drafts >= batch.num_tokens[rows]
         sample_idx = np.flatnonzero(samples)
         sampled_rows: list[list[int]] = [[] for _ in req_ids]
         logprobs_rows = None
+        num_rejected = np.zeros(len(req_ids), dtype=np.int32)
         if len(sample_idx):
-            logits_idx = torch.from_numpy(query_start_loc[1:][sample_idx] - 1).to(dev)
-            logits = self.model.compute_logits(hidden[logits_idx])
-            sample_rows = rows[sample_idx]
+            num_logit_rows = 1 + num_drafts[sample_idx]
+            logit_req = np.repeat(sample_idx, num_logit_rows)  # request index per logits row
+            first_logit_row = np.zeros(len(sample_idx) + 1, dtype=np.int64)
+            np.cumsum(num_logit_rows, out=first_logit_row[1:])
+            # Logits row j of request i reads query row end_i - (1 + k_i) + j.
+            logits_idx = np.repeat(
+                query_start_loc[1:][sample_idx] - num_logit_rows - first_logit_row[:-1],
+                num_logit_rows,
+            ) + np.arange(len(logit_req))
+            logits = self.model.compute_logits(hidden[torch.from_numpy(logits_idx).to(dev)])
+            sample_rows = rows[logit_req]
             if out.grammar_bitmask is not None:
-                sample_pos = {req_ids[j]: i for i, j in enumerate(sample_idx.tolist())}
+                # Structured requests are never drafted: one logits row each.
+                sample_pos = {req_ids[j]: i for i, j in enumerate(logit_req.tolist())}
                 apply_grammar_bitmask(
                     logits, out.grammar_bitmask,
                     [sample_pos[r] for r in out.structured_output_request_ids],
                 )
-            metadata_s = self._get_sampling_metadata(req_ids, rows, sample_idx)
+            metadata_s = self._get_sampling_metadata(req_ids, rows, logit_req)
             banned = self._min_tokens_stop_ids(sample_rows)
             if metadata_s.bad_words is not None:
                 self._add_bad_word_bans(banned, metadata_s.bad_words, sample_rows)
@@ -306,20 +341,34 @@ class ModelRunner:
                 sampled = sampler_out.sampled_token_ids[penalties.sample_idx]
                 batch.count_sampled(penalties.counts.rows, sampled)
             token_ids = sampler_out.sampled_token_ids.tolist()
-            # Store the sampled tokens now: the next step's inputs come from here.
-            batch.token_ids[sample_rows, batch.num_tokens[sample_rows]] = token_ids
-            batch.num_tokens[sample_rows] += 1
-            for i, tok in zip(sample_idx.tolist(), token_ids):
-                sampled_rows[i] = [tok]
+            token_logprobs = None
             if sampler_out.logprobs_tensors is not None:
                 logprobs_rows = [None] * len(req_ids)
                 num_lp = [batch.sampling_params[r].logprobs for r in sample_rows.tolist()]
-                for i, lp in zip(
-                    sample_idx.tolist(), sampler_out.logprobs_tensors.to_token_logprobs(num_lp)
-                ):
-                    logprobs_rows[i] = None if lp is None else [lp]
-        batch.num_computed_tokens[rows] = seq_lens
-        return ModelRunnerOutput(req_ids, sampled_rows, logprobs_rows, prompt_logprobs_dict)
+                token_logprobs = sampler_out.logprobs_tensors.to_token_logprobs(num_lp)
+            if not drafts_by_index:
+                # Store the sampled tokens now: the next step's inputs come from here.
+                sample_rows = rows[sample_idx]
+                batch.token_ids[sample_rows, batch.num_tokens[sample_rows]] = token_ids
+                batch.num_tokens[sample_rows] += 1
+                for i, tok in zip(sample_idx.tolist(), token_ids):
+                    sampled_rows[i] = [tok]
+                if token_logprobs is not None and logprobs_rows is not None:
+                    for i, lp in zip(sample_idx.tolist(), token_logprobs):
+                        logprobs_rows[i] = None if lp is None else [lp]
+            else:
+                assert self.drafter is not None
+                self.drafter.accept(
+                    batch, req_ids, sample_idx, first_logit_row, rows, token_ids, token_logprobs,
+                    drafts_by_index, sampled_rows, logprobs_rows, num_rejected,
+                )
+        batch.num_computed_tokens[rows] = seq_lens - num_rejected
+        spec_token_ids = None
+        if self.drafter is not None:
+            spec_token_ids = self.drafter.propose_all(batch, req_ids, rows, sample_idx)
+        return ModelRunnerOutput(
+            req_ids, sampled_rows, logprobs_rows, prompt_logprobs_dict, spec_token_ids
+        )
 
     def _get_prompt_logprobs_dict(
         self,

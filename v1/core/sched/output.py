@@ -48,6 +48,10 @@ class SchedulerOutput:
     # Requests that left the batch since the last step: the runner drops their state.
     finished_req_ids: set[str]
     preempted_req_ids: set[str]
+    # Speculative decoding: req_id -> the draft tokens scheduled after its last token (they are
+    # the last of its `num_scheduled_tokens`); under async scheduling -1 placeholders, which
+    # the runner fills with the drafts it proposed last (it runs ahead of the scheduler).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # Structured output: the requests that sample this step under a grammar, in the order of
     # `grammar_bitmask`'s rows (int32, 32 tokens per word, bit set: allowed).
     structured_output_request_ids: list[str] = field(default_factory=list)

@@ -21,6 +21,11 @@ grammar is compiled (by the manager, off the step loop); the waiting loop sets i
 meanwhile, so it blocks nobody. Each step asks the manager for the token bitmask of the
 structured requests that sample. Under async scheduling a structured request whose token
 is still in flight is not scheduled again: its next mask needs that token.
+
+Speculative decoding (`v1.core.sched.spec_decode`): a decode step of a request with drafts
+(`Request.spec_token_ids`, proposed by the runner) also computes them, within the same budget
+and KV allocation (`SchedulerOutput.scheduled_spec_decode_tokens`); the output rolls
+`num_computed_tokens` back past the rejected ones. A request mid-prefill is never drafted.
 """
 
 import bisect
@@ -34,6 +39,11 @@ from v1.core.kv_cache_manager import FreedBlocks, KVCacheManager
 from v1.core.kv_cache_utils import make_block_hasher
 from v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from v1.core.sched.request_queue import create_request_queue
+from v1.core.sched.spec_decode import (
+    SpecDecodingStats,
+    append_until_stop,
+    num_drafts_to_schedule,
+)
 from v1.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerStats
 from v1.request import EngineCoreRequest, Request, RequestStatus
 
@@ -118,6 +128,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.spec_stats = SpecDecodingStats()
 
     # -- requests in and out -------------------------------------------------------------
 
@@ -209,6 +220,7 @@ class Scheduler:
         scheduled_new: list[Request] = []
         scheduled_resumed: list[Request] = []
         preempted: list[Request] = []
+        spec_tokens: dict[str, list[int]] = {}
 
         def preempt(victim: Request) -> None:
             """Evict a running request; undo its scheduling if it had been scheduled."""
@@ -224,6 +236,8 @@ class Scheduler:
                     if victim in group:
                         group.remove(victim)
             kv.free(victim)
+            spec_tokens.pop(victim.request_id, None)
+            victim.spec_token_ids = []  # it resumes with a prefill, which is not drafted
             victim.status = PREEMPTED
             victim.num_computed_tokens = 0
             victim.num_preemptions += 1
@@ -246,6 +260,13 @@ class Scheduler:
             num_new_tokens = (
                 len(request.all_token_ids) + request.num_output_placeholders - num_computed
             )
+            num_drafts = 0
+            if request.spec_token_ids and num_new_tokens == 1:
+                # A decode with drafts: they are verified in the same step.
+                num_drafts = num_drafts_to_schedule(
+                    request, token_budget, max_model_len, async_scheduling
+                )
+                num_new_tokens += num_drafts
             # A synchronous decode's one token is within every limit below (the budget is
             # positive, and a running request's tokens never exceed max_model_len).
             if num_new_tokens != 1 or async_scheduling:
@@ -264,6 +285,8 @@ class Scheduler:
                     request.grammar is not None and request.num_output_placeholders
                 ):
                     continue  # nothing to do; or (async) its mask awaits its token
+                if num_drafts >= num_new_tokens:  # a cap cut into the drafts
+                    num_drafts = num_new_tokens - 1
             req_id = request.request_id
             if num_computed + num_new_tokens <= num_quiet_tokens.get(req_id, -1):
                 new_block_ids = _NO_BLOCK_IDS  # no block to add, none full to index
@@ -281,6 +304,11 @@ class Scheduler:
                 new_block_ids = [b.block_id for b in new_blocks]
             scheduled_running.append(request)
             running_new_block_ids.append(new_block_ids)
+            if num_drafts:
+                spec_tokens[req_id] = (
+                    [-1] * num_drafts if async_scheduling
+                    else request.spec_token_ids[:num_drafts]
+                )
             num_scheduled_tokens[req_id] = num_new_tokens
             token_budget -= num_new_tokens
 
@@ -350,6 +378,7 @@ class Scheduler:
         output = SchedulerOutput(
             new_reqs_data, cached, num_scheduled_tokens,
             self.max_num_batched_tokens - token_budget, self.finished_req_ids, preempted_ids,
+            spec_tokens,
         )
         self.finished_req_ids = set()
         requests = self.requests
@@ -368,7 +397,8 @@ class Scheduler:
 
         # Advance the computed counts now, so the next schedule() can run before this
         # step's output is back (async scheduling). A step that completes a request's known
-        # tokens samples one: under async its id is a placeholder until the output arrives.
+        # tokens samples one: under async its id is a placeholder until the output arrives,
+        # as are its drafts (1 + k placeholders: the step computes them as if accepted).
         for request, num in zip(
             scheduled_running + scheduled_admitted, num_scheduled_tokens.values(), strict=True
         ):
@@ -376,7 +406,9 @@ class Scheduler:
             if async_scheduling and request.num_computed_tokens >= (
                 request.num_tokens + request.num_output_placeholders
             ):
-                request.num_output_placeholders += 1
+                request.num_output_placeholders = (
+                    request.num_computed_tokens - request.num_tokens + 1
+                )
         return output
 
     def _make_cached_request_data(
@@ -486,6 +518,8 @@ class Scheduler:
         async_scheduling = self.async_scheduling
         req_ids = model_output.req_ids
         logprobs_rows = model_output.logprobs or [None] * len(req_ids)
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        spec_rows = model_output.spec_token_ids
         prompt_logprobs_dict = model_output.prompt_logprobs_dict
         check_stop = self._check_stop
         stopped = False
@@ -493,23 +527,37 @@ class Scheduler:
         # The outputs of the last request's client: consecutive requests mostly share one.
         client_index, client_outputs = -1, []
         # Once per scheduled request per step: kept to plain attribute work.
-        for req_id, new_token_ids, logprobs in zip(
+        for i, (req_id, new_token_ids, logprobs) in enumerate(zip(
             req_ids, model_output.sampled_token_ids, logprobs_rows, strict=True
-        ):
+        )):
             if not new_token_ids:
                 continue  # a prefill chunk that did not reach the end of the prompt
             request = requests.get(req_id)
             if request is None:
                 continue  # finished or aborted while this step ran (async)
-            if async_scheduling:
-                request.num_output_placeholders -= len(new_token_ids)
             status = request.status
+            num_rejected = 0
+            if spec_tokens and (drafts := spec_tokens.get(req_id)):
+                num_rejected = len(drafts) + 1 - len(new_token_ids)
+                self.spec_stats.observe(len(drafts), len(drafts) - num_rejected)
+                if status != PREEMPTED:  # (a preempted one computes everything anew)
+                    request.num_computed_tokens -= num_rejected
+            if async_scheduling:
+                request.num_output_placeholders -= len(new_token_ids) + num_rejected
             # The first output with tokens (all of them this step's) carries the queue time.
             first_output = not request.output_token_ids
-            request.append_output_token_ids(new_token_ids)
+            if len(new_token_ids) == 1:
+                request.append_output_token_ids(new_token_ids)
+                stop = check_stop(request, max_model_len)
+            else:  # verified drafts: tokens after one that stops the request are dropped
+                new_token_ids, stop = append_until_stop(
+                    request, new_token_ids, check_stop, max_model_len
+                )
+                if logprobs is not None:
+                    logprobs = logprobs[: len(new_token_ids)]
             num_generated += len(new_token_ids)
             finish_reason = None
-            if check_stop(request, max_model_len) or (
+            if stop or (
                 request.grammar is not None and self._advance_grammar(request, new_token_ids)
             ):
                 stopped = True
@@ -517,6 +565,8 @@ class Scheduler:
                     self.waiting.remove_request(request)
                 self._free_request(request)
                 finish_reason = request.get_finished_reason()
+            elif spec_rows is not None and status == RUNNING:
+                request.spec_token_ids = spec_rows[i]
             out = EngineCoreOutput(
                 req_id, new_token_ids, logprobs, finish_reason, request.stop_reason,
                 request.num_cached_tokens, _queue_time(request) if first_output else None,
@@ -596,6 +646,10 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
+            spec_decode_num_drafts=self.spec_stats.num_drafts,
+            spec_decode_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(self.spec_stats.accepted_per_pos),
         )
 
     def check_integrity(self) -> None:

@@ -455,10 +455,23 @@ def make_parser() -> argparse.ArgumentParser:
                                 help=limit_help[field.name])
         elif hint is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
-        else:  # X or X | None: parse as X
+        else:  # X or X | None: parse as X (a dict as JSON, as vLLM's --speculative-config)
             scalar = next(t for t in typing.get_args(hint) or (hint,) if t is not type(None))
+            if typing.get_origin(scalar) is dict:
+                scalar = _json_object
             group.add_argument(flag, type=scalar, **kwargs)
     return parser
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A JSON object option (argparse reports the ValueError as a usage error)."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+_json_object.__name__ = "JSON object"  # what argparse names in its error
 
 
 def engine_args_from(parser: argparse.ArgumentParser, args: argparse.Namespace) -> EngineArgs:

@@ -45,7 +45,19 @@ _SCHEDULER_METRICS = [
      "num_prompt_tokens"),
     ("vllm:generation_tokens", "counter", "Tokens generated.",
      "num_generation_tokens"),
+    ("vllm:spec_decode_num_drafts", "counter",
+     "Request steps that verified draft tokens (speculative decoding).",
+     "spec_decode_num_drafts"),
+    ("vllm:spec_decode_num_draft_tokens", "counter", "Draft tokens verified.",
+     "spec_decode_num_draft_tokens"),
+    ("vllm:spec_decode_num_accepted_tokens", "counter", "Draft tokens accepted.",
+     "spec_decode_num_accepted_tokens"),
 ]
+# Labelled by draft position too (0: the first draft of a step), as vLLM's.
+_ACCEPTED_PER_POS = (
+    "vllm:spec_decode_num_accepted_tokens_per_pos",
+    "Draft tokens accepted, by their position in the draft.",
+)
 
 # vLLM's bucket boundaries, so that quantiles compare with a vLLM server's.
 _TTFT_BUCKETS = [
@@ -87,6 +99,22 @@ class _SchedulerStatsCollector(Collector):
                     if engine_stats is not None:
                         family.add_metric([self.model_name, str(i)], getattr(engine_stats, field))
             yield family
+        name, help_text = _ACCEPTED_PER_POS
+        if per_engine is None:
+            family = CounterMetricFamily(name, help_text, labels=["model_name", "position"])
+            for pos, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+                family.add_metric([self.model_name, str(pos)], count)
+        else:
+            family = CounterMetricFamily(
+                name, help_text, labels=["model_name", "engine", "position"]
+            )
+            for i, engine_stats in enumerate(per_engine):
+                if engine_stats is not None:
+                    for pos, count in enumerate(
+                        engine_stats.spec_decode_num_accepted_tokens_per_pos
+                    ):
+                        family.add_metric([self.model_name, str(i), str(pos)], count)
+        yield family
 
 
 class PrometheusMetrics:

@@ -1,0 +1,135 @@
+"""Speculative decoding end to end on the real default model: greedy outputs (tokens and
+logprobs) equal those without it, in every configuration that changes what a step holds."""
+
+import pytest
+
+from tests.entrypoints.conftest import PLAIN_PROMPTS
+from v1 import LLM, SamplingParams
+
+MAX_TOKENS = 24
+# Prompts a model tends to continue by quoting them (drafts get accepted), and plain ones.
+REPETITIVE = [
+    "Repeat exactly: red, green, blue, red, green, blue, red, green, blue, red,",
+    "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return",
+    "A B C D E F G H A B C D E F G H A B C D",
+    "one two three four one two three four one two three",
+]
+PROMPTS = REPETITIVE + PLAIN_PROMPTS[:4]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2)
+NGRAM = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def generate(llm: LLM, params: SamplingParams = GREEDY) -> list[tuple[list[int], list]]:
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return [(c.token_ids, c.logprobs) for o in outs for c in o.outputs]
+
+
+def assert_same(spec, ref) -> None:
+    assert [t for t, _ in spec] == [t for t, _ in ref]
+    for (_, lps), (_, ref_lps) in zip(spec, ref, strict=True):
+        if ref_lps is None:
+            assert lps is None
+            continue
+        for got, want in zip(lps, ref_lps, strict=True):
+            assert got.keys() == want.keys()
+            for t in want:
+                assert got[t].logprob == pytest.approx(want[t].logprob, abs=1e-4)
+
+
+def assert_drafts_accepted(llm: LLM) -> None:
+    stats = llm.get_stats()
+    assert stats.spec_decode_num_accepted_tokens > 0
+    assert 0 < stats.spec_decode_acceptance_rate <= 1
+    assert sum(stats.spec_decode_num_accepted_tokens_per_pos) == (
+        stats.spec_decode_num_accepted_tokens
+    )
+    llm.llm_engine.client.call_utility("check_integrity")
+
+
+@pytest.fixture(scope="module")
+def reference(default_model):
+    with LLM(loaded_model=default_model, num_gpu_blocks=64, max_model_len=512) as llm:
+        return generate(llm)
+
+
+@pytest.mark.parametrize(
+    "k, options",
+    [
+        (1, {}),
+        (4, {"max_num_seqs": 3}),  # batches of up to 3
+        (3, {"max_num_batched_tokens": 16, "long_prefill_token_threshold": 8}),  # chunked
+        (5, {"num_gpu_blocks": 8, "max_model_len": 128}),  # preemption
+        (4, {"async_scheduling": True}),
+        (2, {"async_scheduling": True, "num_gpu_blocks": 8, "max_model_len": 128}),
+    ],
+    ids=["k1", "k4-batch3", "chunked", "preempt", "async", "async-preempt"],
+)
+def test_greedy_outputs_equal_without_speculation(default_model, reference, k, options):
+    options = {"num_gpu_blocks": 64, "max_model_len": 512, **options}
+    spec = {**NGRAM, "num_speculative_tokens": k}
+    with LLM(loaded_model=default_model, speculative_config=spec, **options) as llm:
+        assert_same(generate(llm), reference)
+        assert_drafts_accepted(llm)
+        if options["num_gpu_blocks"] < 64:
+            assert llm.get_stats().num_preemptions > 0
+
+
+def test_n_children_and_stop_conditions_with_drafts(default_model, reference):
+    spec = {**NGRAM, "num_speculative_tokens": 3}
+    with LLM(loaded_model=default_model, num_gpu_blocks=64, max_model_len=512,
+             speculative_config=spec) as llm:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, n=2)
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        for out, (ref_tokens, _) in zip(outs, reference, strict=True):
+            assert [c.token_ids for c in out.outputs] == [ref_tokens, ref_tokens]
+        # max_tokens and a stop string cut a verified step's tokens where they fall.
+        short = SamplingParams(temperature=0.0, max_tokens=7)
+        for out, (ref_tokens, _) in zip(
+            llm.generate(PROMPTS, short, use_tqdm=False), reference, strict=True
+        ):
+            assert out.outputs[0].token_ids == ref_tokens[:7]
+        text = llm.generate(REPETITIVE[0], SamplingParams(temperature=0.0, max_tokens=24),
+                            use_tqdm=False)[0].outputs[0].text
+        stop = text.split(",")[2][:3]  # a string met a few tokens in
+        cut = llm.generate(REPETITIVE[0], SamplingParams(temperature=0.0, max_tokens=24,
+                                                         stop=[stop]), use_tqdm=False)
+        assert cut[0].outputs[0].text == text[: text.index(stop)]
+        # Sampling with top_k=1 is greedy through the random path: still exact.
+        top1 = SamplingParams(temperature=0.8, top_k=1, max_tokens=MAX_TOKENS, seed=3)
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, top1, use_tqdm=False)] \
+            == [t for t, _ in reference]
+        assert_drafts_accepted(llm)
+
+
+def test_engine_process_with_async_scheduling(reference):
+    spec = {**NGRAM, "num_speculative_tokens": 4}
+    # fp32, as the in-process reference (`default_model`) computes.
+    with LLM(num_gpu_blocks=64, max_model_len=512, async_scheduling=True, dtype="float32",
+             speculative_config=spec) as llm:
+        assert_same(generate(llm), reference)
+        assert_drafts_accepted(llm)
+
+
+def test_mixed_batch_of_drafted_and_undrafted_requests(default_model):
+    """Penalised, min_tokens, bad-words, biased and sampled requests in one batch with drafted
+    ones: the sampling rows of a verified step stay each request's own."""
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, repetition_penalty=1.2,
+                       frequency_penalty=0.5),
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=12),
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, bad_words=[" blue"]),
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logit_bias={28: -3.0}),
+        SamplingParams(temperature=0.9, top_k=1, max_tokens=MAX_TOKENS, seed=1),
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1),
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, presence_penalty=1.0),
+    ]
+    results = []
+    for spec in (None, {**NGRAM, "num_speculative_tokens": 3}):
+        with LLM(loaded_model=default_model, num_gpu_blocks=64, max_model_len=512,
+                 speculative_config=spec) as llm:
+            outs = llm.generate(PROMPTS, params, use_tqdm=False)
+            results.append([o.outputs[0].token_ids for o in outs])
+            if spec is not None:
+                assert_drafts_accepted(llm)
+    assert results[0] == results[1]

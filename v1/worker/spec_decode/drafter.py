@@ -1,0 +1,178 @@
+"""The model runner's side of speculative decoding: which requests draft, how many tokens
+each, and the drafts it proposed last.
+
+After sampling, the runner asks the proposer for every request that sampled (so an index
+such as the suffix one sees every request's tokens); the drafts go back to the scheduler,
+which schedules them with the request's next decode step, and are kept here: under async
+scheduling the scheduler sends -1 placeholders, which `drafts_for_step` fills.
+
+Not drafted (the proposal is dropped): requests whose sampling depends on the tokens before it
+in ways one step's rows would not see: penalties and bad words (counts and tails of the
+output so far), `min_tokens` not yet reached (a row would ban stop tokens another may not),
+and structured output (the grammar's bitmask covers one token: the simplest correct choice
+is not drafting those requests). Logprobs, logit bias, allowed token ids, temperature and
+the top-k/top-p/min-p filters are the same on every row, so those requests draft.
+
+Adaptive: a request whose drafts were all rejected halves its draft length and skips the next
+1, 2, 4, ... steps (up to `MAX_SKIP`); an accepted draft resets the back-off and grows the
+length again (to the accepted count + 1, or double when all were accepted). Random text thus
+costs little more than the proposer's lookup.
+"""
+
+from dataclasses import dataclass
+from typing import cast
+
+import numpy as np
+
+from v1.config import SpeculativeConfig
+from v1.outputs import TokenLogprobs
+from v1.sampling_params import SamplingParams
+from v1.worker.input_batch import InputBatch
+from v1.worker.rejection_sampler import accept_drafts
+from v1.worker.spec_decode.proposer import DraftProposer, make_proposer
+
+MAX_SKIP = 16
+
+
+@dataclass(slots=True)
+class _Adaptive:
+    k: int  # the next draft's length
+    skip: int = 0  # steps left without drafting
+    failures: int = 0  # consecutive fully rejected drafts
+
+
+def can_draft(params: SamplingParams, num_output: int) -> bool:
+    """Whether a request's next step may verify drafts (see the module docstring)."""
+    return (
+        params.structured_outputs is None
+        and not params.has_penalties
+        and not params.bad_words_token_ids
+        and num_output >= params.min_tokens
+    )
+
+
+class Drafter:
+    def __init__(self, config: SpeculativeConfig, proposer: DraftProposer | None = None) -> None:
+        self.max_k = config.num_speculative_tokens
+        self.proposer = proposer if proposer is not None else make_proposer(config)
+        self._adaptive: dict[str, _Adaptive] = {}
+        self.pending: dict[str, list[int]] = {}  # req_id -> its last proposal
+
+    def propose(
+        self, req_id: str, token_ids: list[int], params: SamplingParams, num_output: int
+    ) -> list[int]:
+        """The drafts for the request's next step (also kept in `pending`)."""
+        state = self._adaptive.get(req_id)
+        if state is None:
+            state = self._adaptive[req_id] = _Adaptive(self.max_k)
+        drafts = self.proposer.propose(req_id, token_ids, state.k)
+        if state.skip:
+            state.skip -= 1
+            drafts = []
+        elif not can_draft(params, num_output):
+            drafts = []
+        self.pending[req_id] = drafts
+        return drafts
+
+    def drafts_for_step(self, req_id: str, scheduled: list[int]) -> list[int]:
+        """The drafts to verify: the scheduled ones, with -1 placeholders (async) replaced by
+        the last proposal's, or left -1 (never accepted) where it had fewer."""
+        if not scheduled or scheduled[0] != -1:
+            return scheduled
+        pending = self.pending.get(req_id, [])[: len(scheduled)]
+        return pending + [-1] * (len(scheduled) - len(pending))
+
+    def observe(self, req_id: str, drafts: list[int], num_accepted: int) -> None:
+        """Adapt to a verified step's outcome."""
+        state = self._adaptive.get(req_id)
+        num_drafts = len(drafts) - drafts.count(-1)
+        if state is None or not num_drafts:
+            return
+        if num_accepted == 0:
+            state.failures += 1
+            state.skip = min(1 << (state.failures - 1), MAX_SKIP)
+            state.k = max(1, state.k // 2)
+        else:
+            state.failures = 0
+            grown = 2 * state.k if num_accepted == num_drafts else num_accepted + 1
+            state.k = min(self.max_k, grown)
+
+    # -- the runner's step ----------------------------------------------------------------
+
+    def write_drafts(
+        self,
+        batch: InputBatch,
+        spec: dict[str, list[int]],
+        req_ids: list[str],
+        num_drafts: np.ndarray,
+        drafts_by_index: dict[int, list[int]],
+    ) -> None:
+        """Writes each scheduled request's drafts after its known tokens (the step's inputs
+        are read from there); records their count and them by batch index."""
+        index = {req_id: i for i, req_id in enumerate(req_ids)}
+        for req_id, scheduled in spec.items():
+            drafts = self.drafts_for_step(req_id, scheduled)
+            i = index[req_id]
+            row = batch.req_id_to_index[req_id]
+            start = int(batch.num_tokens[row])
+            # A -1 (no draft for a placeholder) computes token 0 and is never accepted.
+            batch.token_ids[row, start : start + len(drafts)] = [max(d, 0) for d in drafts]
+            num_drafts[i] = len(drafts)
+            drafts_by_index[i] = drafts
+
+    def accept(
+        self,
+        batch: InputBatch,
+        req_ids: list[str],
+        sample_idx: np.ndarray,
+        first_logit_row: np.ndarray,
+        rows: np.ndarray,
+        token_ids: list[int],
+        token_logprobs: list[TokenLogprobs | None] | None,
+        drafts_by_index: dict[int, list[int]],
+        sampled_rows: list[list[int]],
+        logprobs_rows: list[list[TokenLogprobs] | None] | None,
+        num_rejected: np.ndarray,
+    ) -> None:
+        """Checks each sampling request's rows (`first_logit_row[n]` on, for the n-th) against
+        its drafts and stores what it accepted in the batch and the output rows (its one
+        sampled token when it had no drafts); `num_rejected[i]`: its rejected drafts."""
+        for n, i in enumerate(sample_idx.tolist()):
+            first, end = int(first_logit_row[n]), int(first_logit_row[n + 1])
+            tokens = token_ids[first:end]
+            drafts = drafts_by_index.get(i)
+            if drafts:
+                tokens = accept_drafts(tokens, drafts)
+                num_rejected[i] = len(drafts) + 1 - len(tokens)
+                self.observe(req_ids[i], drafts, len(tokens) - 1)
+            row = rows[i]
+            start = int(batch.num_tokens[row])
+            batch.token_ids[row, start : start + len(tokens)] = tokens
+            batch.num_tokens[row] += len(tokens)
+            sampled_rows[i] = tokens
+            if token_logprobs is not None and logprobs_rows is not None:
+                lps = token_logprobs[first : first + len(tokens)]
+                logprobs_rows[i] = None if lps[0] is None else cast(list[TokenLogprobs], lps)
+
+    def propose_all(
+        self, batch: InputBatch, req_ids: list[str], rows: np.ndarray, sample_idx: np.ndarray
+    ) -> list[list[int]]:
+        """The drafts of every request that sampled this step, for its next step ([] for the
+        others), one list per `req_ids` entry."""
+        proposals: list[list[int]] = [[] for _ in req_ids]
+        for i in sample_idx.tolist():
+            row = rows[i]
+            num_tokens = int(batch.num_tokens[row])
+            params = batch.sampling_params[row]
+            assert params is not None
+            proposals[i] = self.propose(
+                req_ids[i], batch.token_ids[row, :num_tokens].tolist(), params,
+                num_tokens - int(batch.num_prompt_tokens[row]),
+            )
+        return proposals
+
+    def finish(self, req_id: str) -> None:
+        """The request left the runner's batch (finished or preempted)."""
+        self._adaptive.pop(req_id, None)
+        self.pending.pop(req_id, None)
+        self.proposer.finish(req_id)
