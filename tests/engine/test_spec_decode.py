@@ -133,3 +133,24 @@ def test_mixed_batch_of_drafted_and_undrafted_requests(default_model):
             if spec is not None:
                 assert_drafts_accepted(llm)
     assert results[0] == results[1]
+
+
+def test_suffix_drafts_an_earlier_answer(default_model, reference):
+    """method "suffix": a question asked again gets the earlier answer as its draft (the
+    shared tree), so nearly every draft of the second round is accepted; tokens equal."""
+    spec = {"method": "suffix", "num_speculative_tokens": 4}
+    with LLM(loaded_model=default_model, num_gpu_blocks=64, max_model_len=512,
+             speculative_config=spec) as llm:
+        first = generate(llm)
+        before = llm.get_stats()
+        again = generate(llm)
+        after = llm.get_stats()
+        assert_same(first, reference)
+        assert_same(again, reference)
+        drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+        accepted = (after.spec_decode_num_accepted_tokens
+                    - before.spec_decode_num_accepted_tokens)
+        # Each repeated answer is drafted from its first decode step (MAX_TOKENS - 1 tokens
+        # after the first); only the plain prompts' first rounds drafted without it.
+        assert accepted >= 0.9 * drafted and accepted >= len(PROMPTS) * (MAX_TOKENS // 2)
+        assert_drafts_accepted(llm)
