@@ -38,6 +38,11 @@ def test_ngram_defaults_as_vllm():
           "prompt_lookup_max": 2}, r"prompt_lookup_min \(4\) must be <= prompt_lookup_max"),
         ({"method": "suffix", "suffix_decoding_min_token_prob": 2}, "min_token_prob"),
         ({"method": "suffix", "suffix_decoding_max_spec_factor": 0}, "max_spec_factor"),
+        ({"method": "suffix", "suffix_decoding_max_spec_factor": float("inf")}, "finite"),
+        ({"method": "suffix", "suffix_decoding_max_spec_factor": float("nan")}, "finite"),
+        ({"method": "suffix", "suffix_decoding_min_token_prob": float("nan")}, "min_token_prob"),
+        ({"method": "suffix", "num_speculative_tokens": 4,
+          "suffix_decoding_max_tree_depth": 3_000_000}, r"\[1, 256\]"),
         ("ngram", "must be a dict"),
     ],
 )

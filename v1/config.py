@@ -2,6 +2,7 @@
 
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -111,6 +112,7 @@ class CacheConfig:
 SPECULATIVE_METHODS = ("ngram", "suffix")
 # The most drafts one step verifies per request: each costs a query row of every layer.
 MAX_SPECULATIVE_TOKENS = 64
+MAX_SUFFIX_TREE_DEPTH = 256  # vLLM's default is 24
 
 
 @dataclass(slots=True)
@@ -195,12 +197,13 @@ class SpeculativeConfig:
                     f"<= prompt_lookup_max ({self.prompt_lookup_max})"
                 )
         else:
-            check_int("suffix_decoding_max_tree_depth", 1)
+            # A draft's cost grows with the depth (candidates per match length).
+            check_int("suffix_decoding_max_tree_depth", 1, MAX_SUFFIX_TREE_DEPTH)
             check_int("suffix_decoding_max_cached_requests", 0)
             factor, prob = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
-            if not isinstance(factor, int | float) or factor <= 0:
+            if not isinstance(factor, int | float) or not 0 < factor < math.inf:
                 raise ValueError(
-                    "speculative_config suffix_decoding_max_spec_factor must be > 0, "
+                    "speculative_config suffix_decoding_max_spec_factor must be finite and > 0, "
                     f"got {factor!r}"
                 )
             if not isinstance(prob, int | float) or not 0 <= prob <= 1:

@@ -94,6 +94,17 @@ def test_n_children_and_stop_conditions_with_drafts(default_model, reference):
         cut = llm.generate(REPETITIVE[0], SamplingParams(temperature=0.0, max_tokens=24,
                                                          stop=[stop]), use_tqdm=False)
         assert cut[0].outputs[0].text == text[: text.index(stop)]
+        # Tokens and logprobs too: up to the one that completed the stop string, as without
+        # drafts, also when it is met inside what one verified step accepts.
+        decode = llm.get_tokenizer().decode
+        for i, string in ((0, stop), (3, "four one")):
+            ref_tokens = reference[i][0]
+            end = next(j for j in range(1, len(ref_tokens) + 1)
+                       if string in decode(ref_tokens[:j]))
+            cut = llm.generate(PROMPTS[i], SamplingParams(temperature=0.0, max_tokens=24,
+                                                          stop=[string], logprobs=1),
+                               use_tqdm=False)[0].outputs[0]
+            assert (cut.token_ids, len(cut.logprobs)) == (ref_tokens[:end], end)
         # Sampling with top_k=1 is greedy through the random path: still exact.
         top1 = SamplingParams(temperature=0.8, top_k=1, max_tokens=MAX_TOKENS, seed=3)
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, top1, use_tqdm=False)] \

@@ -28,6 +28,7 @@ def test_requests_whose_rows_differ_are_not_drafted():
     assert can_draft(SamplingParams(temperature=0.8, logprobs=2), num_output=0)
     assert not can_draft(SamplingParams(repetition_penalty=1.2), num_output=0)
     assert not can_draft(SamplingParams(min_tokens=4), num_output=3)
+    assert not can_draft(SamplingParams(stop=["four one"]), num_output=0)
     assert can_draft(SamplingParams(min_tokens=4), num_output=4)
 
 
@@ -42,6 +43,9 @@ class Fixed:
 
     def finish(self, req_id):
         self.finished.append(req_id)
+
+    def drop(self, req_id):
+        self.finished.append(f"dropped {req_id}")
 
 
 def test_drafts_that_keep_failing_back_off():
@@ -65,8 +69,9 @@ def test_drafts_that_keep_failing_back_off():
     assert len(drafter.propose("r", tokens, params, 1)) == 2  # all accepted: doubled
     # Async placeholders are filled from the last proposal; the rest stay -1.
     assert drafter.drafts_for_step("r", [-1, -1, -1]) == [0, 1, -1]
+    drafter.finish("q", preempted=True)
     drafter.finish("r")
-    assert drafter.proposer.finished == ["r"]
+    assert drafter.proposer.finished == ["dropped q", "r"]
     assert drafter.drafts_for_step("r", [-1]) == [-1]
 
 

@@ -81,6 +81,18 @@ def test_empty_and_tiny_contexts() -> None:
     p.finish("never-seen")
 
 
+def test_a_preempted_request_is_dropped_not_published() -> None:
+    """drop (preemption): its state goes and nothing enters the shared tree; it comes back
+    with the same tokens and is published once, when it finishes."""
+    p = SuffixProposer()
+    p.propose("a", PROMPT + ANSWER[:10], 8)
+    p.drop("a")
+    assert p._requests == {} and not p._cached
+    run_request(p, "a", PROMPT, ANSWER)
+    assert len(p._cached) == 1
+    assert p.propose("b", PROMPT + ANSWER[:5], 4) == ANSWER[5:9]
+
+
 def test_finish_drops_the_requests_state() -> None:
     p = SuffixProposer(max_cached_requests=0)
     looped = [1, 2, 3, 4, 1, 2]

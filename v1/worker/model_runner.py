@@ -214,7 +214,7 @@ class ModelRunner:
             )
             batch.remove_request(req_id)
             if drafter is not None:
-                drafter.finish(req_id)
+                drafter.finish(req_id, preempted=True)
             if req_id in in_progress:  # it resumes from its first token: collect anew
                 in_progress[req_id] = []
         batch.condense()

@@ -9,9 +9,11 @@ scheduling the scheduler sends -1 placeholders, which `drafts_for_step` fills.
 Not drafted (the proposal is dropped): requests whose sampling depends on the tokens before it
 in ways one step's rows would not see: penalties and bad words (counts and tails of the
 output so far), `min_tokens` not yet reached (a row would ban stop tokens another may not),
-and structured output (the grammar's bitmask covers one token: the simplest correct choice
-is not drafting those requests). Logprobs, logit bias, allowed token ids, temperature and
-the top-k/top-p/min-p filters are the same on every row, so those requests draft.
+structured output (the grammar's bitmask covers one token: the simplest correct choice
+is not drafting those requests), and stop strings (the frontend cuts the text where one ends,
+but not yet the tokens and logprobs of a verified step that run past it). Logprobs, logit
+bias, allowed token ids, temperature and the top-k/top-p/min-p filters are the same on every
+row, so those requests draft.
 
 Adaptive: a request whose drafts were all rejected halves its draft length and skips the next
 1, 2, 4, ... steps (up to `MAX_SKIP`); an accepted draft resets the back-off and grows the
@@ -47,6 +49,7 @@ def can_draft(params: SamplingParams, num_output: int) -> bool:
         params.structured_outputs is None
         and not params.has_penalties
         and not params.bad_words_token_ids
+        and not params.stop
         and num_output >= params.min_tokens
     )
 
@@ -171,8 +174,12 @@ class Drafter:
             )
         return proposals
 
-    def finish(self, req_id: str) -> None:
-        """The request left the runner's batch (finished or preempted)."""
+    def finish(self, req_id: str, preempted: bool = False) -> None:
+        """The request left the runner's batch: finished (the proposer may keep its tokens for
+        others) or `preempted` (it comes back with the same tokens: only its state goes)."""
         self._adaptive.pop(req_id, None)
         self.pending.pop(req_id, None)
-        self.proposer.finish(req_id)
+        if preempted:
+            self.proposer.drop(req_id)
+        else:
+            self.proposer.finish(req_id)

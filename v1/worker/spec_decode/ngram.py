@@ -36,3 +36,6 @@ class NgramProposer:
 
     def finish(self, req_id: str) -> None:
         pass
+
+    def drop(self, req_id: str) -> None:
+        pass

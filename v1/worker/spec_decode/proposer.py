@@ -19,7 +19,13 @@ class DraftProposer(Protocol):
         ...
 
     def finish(self, req_id: str) -> None:
-        """The request left (finished, aborted, or its state dropped): forget per-request state."""
+        """The request left (finished or aborted): forget per-request state (an index over
+        recent requests may keep its tokens)."""
+        ...
+
+    def drop(self, req_id: str) -> None:
+        """The request was preempted: forget per-request state, keep nothing of it (it comes
+        back later with the same tokens)."""
         ...
 
 

@@ -550,6 +550,9 @@ class SuffixProposer:
                 draft = shared_draft
         return draft
 
+    def drop(self, req_id: str) -> None:
+        self._requests.pop(req_id, None)
+
     def finish(self, req_id: str) -> None:
         req = self._requests.pop(req_id, None)
         if req is None or not self.max_cached_requests:
