@@ -30,7 +30,7 @@ ratio is the median over rounds of that round's ratio.
   and against `llama-server -np --parallel` (continuous batching; bench_serving's
   `--base-url`), each started fresh per round.
 
-Prints each part's table, then one JSON line; `--out DIR` writes llamacpp.json/.png.
+Prints each part's table, then one JSON line; `--out DIR` writes llamacpp.json/.png (`--name`).
 
     make bench-llamacpp
     .venv/bin/python bench/bench_llamacpp.py --out bench/results | tee bench/results/llamacpp.txt
@@ -292,7 +292,8 @@ def main() -> None:
                         help='other llama-server options, one string: "--spec-type ngram-mod"')
     parser.add_argument("--v1-server-args", default="",
                         help="other `python -m v1 serve` options, one string")
-    parser.add_argument("--out", default=None, help="directory for llamacpp.json and .png")
+    parser.add_argument("--out", default=None, help="directory for NAME.json and NAME.png")
+    parser.add_argument("--name", default="llamacpp", help="the output files' name")
     args = parser.parse_args()
     args.speculative_config = args.speculative_config or list(DEFAULT_SPEC_CONFIGS)
     for config in args.speculative_config:
@@ -359,7 +360,7 @@ def main() -> None:
             ax.set_xlabel("tok/s (median of rounds)")
             ax.set_title(part)
 
-    write_outputs(args.out, "llamacpp", result, plot)
+    write_outputs(args.out, args.name, result, plot)
     print(json.dumps(result))
 
 
