@@ -41,6 +41,7 @@ import argparse
 import json
 import random
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -295,6 +296,8 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="directory for NAME.json and NAME.png")
     parser.add_argument("--name", default="llamacpp", help="the output files' name")
     args = parser.parse_args()
+    # SIGTERM as an exception too, so the worker, engines and servers are stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.speculative_config = args.speculative_config or list(DEFAULT_SPEC_CONFIGS)
     for config in args.speculative_config:
         if not isinstance(json.loads(config), dict):
