@@ -169,8 +169,12 @@ def _worker_main(model: str, n_ctx: int, threads: int) -> None:
         key = json.dumps(request["lookup"], sort_keys=True)
         if key not in contexts:
             draft = LlamaPromptLookupDecoding(**request["lookup"]) if request["lookup"] else None
+            # logits_all with a draft model: llama-cpp-python 0.3.36 forces it on, but sizes
+            # its logits buffer from the argument (n_batch rows), which a prompt longer than
+            # n_batch then overruns.
             contexts[key] = Llama(model_path=model, n_ctx=n_ctx, n_batch=512, n_threads=threads,
-                                  n_threads_batch=threads, draft_model=draft, verbose=False)
+                                  n_threads_batch=threads, draft_model=draft,
+                                  logits_all=draft is not None, verbose=False)
         llm = contexts[key]
         llm.reset()  # a cold start: nothing of the previous run is reused
         max_tokens = request["max_tokens"]
