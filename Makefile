@@ -97,3 +97,37 @@ gpu-wheels:
 
 gpu-check:
 	PYTHON=$(GPU_PYTHON) V1_GPU_SITE=$(GPU_SITE) bash v1/tools/gpu_check.sh $(GPU_CHECK_ARGS)
+
+# llama.cpp for bench/bench_llamacpp.py; not part of `setup` (it compiles for minutes). Only
+# package registries are reachable: llama-cpp-python's sdist vendors llama.cpp's source, and one
+# CPU build of that tree (Release, -march=native, shared libraries) gives both `llama-server` and
+# the libraries that llama-cpp-python, installed into its own venv without building them again
+# (LLAMA_BUILD=OFF), loads through LLAMA_CPP_LIB_PATH. Everything lands in .llamacpp/
+# (git-ignored); each step is a file target, so a second `make bench-llamacpp` does nothing.
+LLAMACPP_VERSION := 0.3.36
+LLAMACPP := .llamacpp
+LLAMACPP_SRC := $(LLAMACPP)/llama_cpp_python-$(LLAMACPP_VERSION)
+LLAMACPP_JOBS ?= 2
+.PHONY: bench-llamacpp
+bench-llamacpp: $(LLAMACPP)/build/bin/llama-server $(LLAMACPP)/venv/.installed
+
+$(LLAMACPP_SRC)/.unpacked:
+	mkdir -p $(LLAMACPP)
+	python3 -m pip download -q --no-binary :all: --no-deps -d $(LLAMACPP) \
+		llama-cpp-python==$(LLAMACPP_VERSION)
+	tar xzf $(LLAMACPP)/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz -C $(LLAMACPP)
+	touch $@
+
+# No curl/OpenSSL (local models only) and no web UI download.
+$(LLAMACPP)/build/bin/llama-server: $(LLAMACPP_SRC)/.unpacked
+	cmake -S $(LLAMACPP_SRC)/vendor/llama.cpp -B $(LLAMACPP)/build -DCMAKE_BUILD_TYPE=Release \
+		-DBUILD_SHARED_LIBS=ON -DGGML_NATIVE=ON -DLLAMA_BUILD_SERVER=ON \
+		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF \
+		-DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
+	nice cmake --build $(LLAMACPP)/build --target llama-server -j$(LLAMACPP_JOBS)
+
+$(LLAMACPP)/venv/.installed: $(LLAMACPP_SRC)/.unpacked
+	test -x $(LLAMACPP)/venv/bin/python || python3 -m venv $(LLAMACPP)/venv
+	CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" $(LLAMACPP)/venv/bin/pip install -q \
+		./$(LLAMACPP_SRC)
+	touch $@

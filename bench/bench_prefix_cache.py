@@ -18,11 +18,12 @@ engine built before its run and shut down after it, so one extra KV pool at a ti
 mode: engine_s, speedup_vs_hf, time_vs_fp32 (median of the rounds' mode/fp32 times) and its
 greedy agreement with fp32's tokens; a mode the engine refuses is reported unavailable.
 
-`--llamacpp`: the same token ids through llama-cpp-python on the same GGUF file, one request
-after another, each reusing the KV of the previous prompt's longest common prefix (its
-`generate` does so; its fastest mode for this workload), greedy, exactly --output-len tokens
-each: llamacpp_s and speedup_vs_llamacpp (llamacpp_s / engine_s) for fp32 and every mode.
-Without `llama_cpp` installed it says so and goes on (exit 0); it is outside `make setup`.
+`--llamacpp`: the same token ids through llama-cpp-python on the same GGUF file (as
+`make bench-llamacpp` builds it, in its own process with a clean environment: bench/llamacpp.py),
+one request after another, each reusing the KV of the previous prompt's longest common prefix
+(its `generate` does so; its fastest mode for this workload), greedy, exactly --output-len
+tokens each: llamacpp_s and speedup_vs_llamacpp (llamacpp_s / engine_s) for fp32 and every
+mode. Without that build it says so and goes on (exit 0); it is outside `make setup`.
 
 Prints a table, then one JSON line with engine_s, engine_no_cache_s, hf_s, speedup_vs_hf,
 cache_speedup, hit_rate (the engine's prefix-cache hit rate in tokens, cached run),
@@ -35,13 +36,13 @@ out_tok_s, modes and more. `--out DIR` also writes prefix_cache.json and prefix_
 """
 
 import argparse
-import importlib.util
 import json
 import random
 import sys
 import time
 from typing import Any
 
+import llamacpp
 import quant_eval
 from common import (
     add_common_args,
@@ -181,29 +182,16 @@ def run_mode(mode: Mode, args: argparse.Namespace, loaded: Any, engine_kwargs: d
 
 
 def run_llamacpp(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[float, list]:
-    """llama-cpp-python on the same GGUF: one request after another, greedy, exactly
-    --output-len tokens each; its `generate` keeps the KV of the longest prefix the new
-    prompt shares with what it evaluated last (reset=True does that, despite the name)."""
-    from llama_cpp import Llama
-
+    """llama.cpp on the same GGUF (bench/llamacpp.py's worker: one request after another,
+    greedy, exactly --output-len tokens each, reusing the previous prompt's common prefix)."""
     from v1.models.loader import resolve_model
 
     path = resolve_model(args.model)
     if path.suffix != ".gguf":
         raise ValueError(f"--llamacpp needs a .gguf model, got {path}")
     n_ctx = max(len(p) for p in prompts) + args.output_len + 16
-    llm = Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512,
-                n_threads=args.threads or None, verbose=False)
-    outputs: list[list[int]] = []
-    t0 = time.perf_counter()
-    for prompt in prompts:
-        tokens: list[int] = []
-        for token in llm.generate(prompt, temp=0.0, repeat_penalty=1.0, reset=True):
-            tokens.append(token)  # EOS too: as ignore_eos, every request gets its length
-            if len(tokens) == args.output_len:
-                break
-        outputs.append(tokens)
-    return time.perf_counter() - t0, outputs
+    with llamacpp.Worker(path, n_ctx, args.threads or None) as worker:
+        return worker.run(prompts, args.output_len)
 
 
 def main() -> None:
@@ -218,7 +206,8 @@ def main() -> None:
                         help="numerics modes to run besides fp32: fp32|gguf|int8, optionally "
                              "+bf16|+fp16 (the KV cache)")
     parser.add_argument("--llamacpp", action="store_true",
-                        help="also run llama-cpp-python on the same GGUF (when importable)")
+                        help="also run llama-cpp-python on the same GGUF "
+                             "(when built: make bench-llamacpp)")
     add_common_args(parser)
     args = parser.parse_args()
     setup_threads(args)
@@ -281,15 +270,13 @@ def main() -> None:
     if plain_llm is not None:
         plain_llm.shutdown()
 
-    llamacpp: tuple[float, list] | None = None
+    llama_run: tuple[float, list] | None = None
     if args.llamacpp:
-        if importlib.util.find_spec("llama_cpp") is None:
-            print("--llamacpp skipped: llama_cpp (llama-cpp-python) is not importable; it is "
-                  "optional and outside `make setup` (pip install llama-cpp-python compiles "
-                  "llama.cpp, ~10 minutes)", file=sys.stderr)
+        if reason := llamacpp.missing():
+            print(f"--llamacpp skipped: {reason}", file=sys.stderr)
         else:
-            llamacpp = run_llamacpp(args, prompts)
-            print(f"llama.cpp {llamacpp[0]:.2f} s", file=sys.stderr)
+            llama_run = run_llamacpp(args, prompts)
+            print(f"llama.cpp {llama_run[0]:.2f} s", file=sys.stderr)
 
     hf_times: list[float] = []
     hf_tokens = None
@@ -336,14 +323,14 @@ def main() -> None:
     if hf_tokens is not None:
         result["hf_agreement"] = {k: round(v, 4) for k, v in
                                   agreement(engine_tokens, hf_tokens).items()}
-    llama_s = llamacpp[0] if llamacpp else None
+    llama_s = llama_run[0] if llama_run else None
     if args.llamacpp:
         result.update(
             llamacpp_s=round(llama_s, 3) if llama_s else None,
             speedup_vs_llamacpp=round(llama_s / engine_s, 2) if llama_s else None,
-            llamacpp_agreement=round(quant_eval.agreement(llamacpp[1], engine_tokens), 4)
-            if llamacpp else None,
-            llamacpp_skipped=None if llamacpp else "llama_cpp is not importable",
+            llamacpp_agreement=round(quant_eval.agreement(llama_run[1], engine_tokens), 4)
+            if llama_run else None,
+            llamacpp_skipped=None if llama_run else llamacpp.missing(),
         )
 
     rows = [["engine, prefix cache", engine_s, num_out / engine_s,
@@ -384,7 +371,7 @@ def main() -> None:
           f"cache speedup {result['cache_speedup']}"
           + (f"; speedup vs llama.cpp {result['speedup_vs_llamacpp']}" if llama_s else ""))
     if args.llamacpp and not llama_s:
-        print("--llamacpp: skipped (llama_cpp is not importable)")
+        print(f"--llamacpp: skipped ({llamacpp.missing()})")
 
     def plot(fig: Any) -> None:
         labels = [r[0].replace(", ", "\n") for r in rows]

@@ -10,8 +10,10 @@ One short, untimed request warms the server up first.
 
 The script starts the server itself on a free port (the engine options below pass through,
 `--server-args="..."` passes any other) and stops it at the end, even on Ctrl-C or SIGTERM.
-`--base-url` targets a running server instead (`--model` must then name its model, for the
-tokenizer); its prefix cache may still hold an earlier run's prompts.
+`--base-url` targets a running server instead, any OpenAI-compatible one that takes token ids
+as the prompt and `ignore_eos` (bench_llamacpp.py points it at `llama-server`); `--model` must
+then name its model, for the tokenizer; its prefix cache may still hold an earlier run's
+prompts; missing cached-token counts or /metrics read as none.
 
 Per request, on the client's clock (send: just before the POST; chunk: an SSE event with text):
 
@@ -100,7 +102,8 @@ async def send(client: httpx.AsyncClient, url: str, prompt: list[int] | str, out
                 if usage := chunk.get("usage"):
                     req.prompt_tokens = usage["prompt_tokens"]
                     req.output_tokens = usage["completion_tokens"]
-                    req.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
+                    details = usage.get("prompt_tokens_details") or {}  # optional in OpenAI's
+                    req.cached_tokens = details.get("cached_tokens", 0)
     except (httpx.HTTPError, ValueError) as e:  # ValueError: JSON too
         req.error = f"{type(e).__name__}: {e}"
     req.end = time.perf_counter()
@@ -111,11 +114,13 @@ async def send(client: httpx.AsyncClient, url: str, prompt: list[int] | str, out
 
 async def get_metrics(client: httpx.AsyncClient, base: str) -> dict[str, float]:
     try:
-        text = (await client.get(f"{base}/metrics")).text
+        resp = await client.get(f"{base}/metrics")
     except httpx.HTTPError:  # the server died: no /metrics figures
         return {}
+    if resp.status_code != 200:  # another server (--base-url) without a /metrics endpoint
+        return {}
     # One model per server, so a sample's name (labels aside) is enough for the counters here.
-    families = text_string_to_metric_families(text)
+    families = text_string_to_metric_families(resp.text)
     return {sample.name: sample.value for family in families for sample in family.samples}
 
 

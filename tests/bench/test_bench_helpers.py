@@ -3,6 +3,8 @@ paired ratios, FLOP and byte counts) and that each script starts: their figures 
 good as these."""
 
 import argparse
+import asyncio
+import json
 import os
 import re
 import socket
@@ -11,17 +13,20 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import httpx
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 
 import bench_hostile  # noqa: E402
+import bench_llamacpp  # noqa: E402
 import bench_prefix_cache  # noqa: E402
 import bench_serving  # noqa: E402
 import bench_step_breakdown  # noqa: E402
 import bench_structured  # noqa: E402
 import bench_throughput  # noqa: E402
+import llamacpp  # noqa: E402
 
 # SmolLM2-135M's shapes (the default model), no weights needed.
 SMOLLM2_135M = SimpleNamespace(
@@ -176,9 +181,69 @@ def test_hostile_finds_the_process_listening_on_a_port():
                                   "bench_scheduler", "bench_async", "bench_step_breakdown",
                                   "bench_grammar", "bench_structured", "bench_dp",
                                   "bench_kv_cache_dtype", "bench_quant", "bench_quant_kernels",
-                                   "bench_linear", "bench_hostile", "bench_suffix_index"])
+                                   "bench_linear", "bench_hostile", "bench_suffix_index",
+                                   "bench_llamacpp", "bench_spec", "bench_trees",
+                                   "bench_kernel_variants"])
 def test_help(name):
     out = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), "--help"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage:")
+
+
+def test_helpdesk_questions_repeat_earlier_ones_verbatim():
+    pool = [f"question {i}?" for i in range(5)]
+    asked = bench_llamacpp.helpdesk_questions(pool, 20, 0.4, seed=0)
+    assert asked == bench_llamacpp.helpdesk_questions(pool, 20, 0.4, seed=0)  # fixed seed
+    assert len(asked) == 20 and asked[0] == pool[0]
+    firsts = list(dict.fromkeys(asked))
+    assert firsts == pool[: len(firsts)]  # new questions come in the pool's order
+    assert 3 <= len(asked) - len(firsts) <= 17  # some repeats, not only repeats
+    assert bench_llamacpp.helpdesk_questions(pool, 7, 0.0, seed=0) == pool + pool[:2]
+    with pytest.raises(ValueError, match="repeat_fraction"):
+        bench_llamacpp.helpdesk_questions(pool, 5, 1.0, seed=0)
+
+
+def test_llamacpp_starts_without_this_process_openmp_settings(monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # what `import v1` sets
+    monkeypatch.setenv("GOMP_SPINCOUNT", "0")
+    env = llamacpp.clean_env()
+    assert not [k for k in env if k.startswith(("OMP_", "GOMP_"))]
+    assert env["PATH"] == os.environ["PATH"]
+    assert env["LLAMA_CPP_LIB_PATH"] == str(llamacpp.BIN)
+
+
+def test_serving_client_reads_a_server_without_cached_counts_or_metrics():
+    """--base-url at another OpenAI-compatible server (llama-server): a usage block without
+    prompt_tokens_details and a /metrics that answers 501 read as none, not as a failure."""
+    chunks = [{"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]},
+              {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 2}}]
+    body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            return httpx.Response(501, json={"error": {"message": "start it with --metrics"}})
+        return httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            req = bench_serving.Request()
+            await bench_serving.send(client, "http://x/v1/completions", [1, 2], 2, req)
+            return req, await bench_serving.get_metrics(client, "http://x")
+
+    req, metrics = asyncio.run(go())
+    assert req.error is None and len(req.chunks) == 2
+    assert (req.prompt_tokens, req.output_tokens, req.cached_tokens) == (7, 2, 0)
+    assert metrics == {}
+
+
+@pytest.mark.model
+def test_llamacpp_bench_without_llamacpp_says_so_and_exits_0(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(llamacpp, "ROOT", tmp_path)
+    for name in ("SERVER", "PYTHON", "BIN"):
+        monkeypatch.setattr(llamacpp, name, tmp_path / "absent")
+    monkeypatch.setattr(sys, "argv", ["bench_llamacpp.py"])
+    bench_llamacpp.main()  # returns: exit status 0
+    out = capsys.readouterr().out
+    for part in bench_llamacpp.PARTS:
+        assert f"{part}: skipped: llama.cpp is not built" in out

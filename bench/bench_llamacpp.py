@@ -1,0 +1,371 @@
+"""v1 against llama.cpp on the same GGUF file, alternating in one run.
+
+llama.cpp comes from `make bench-llamacpp` (bench/llamacpp.py: llama-cpp-python in its own
+venv, and `llama-server`, one build of the llama.cpp source llama-cpp-python vendors). Without
+it the script says so and exits 0. llama.cpp processes start with a clean environment: without
+the OMP_WAIT_POLICY=PASSIVE that `import v1` and bench/common.py put in os.environ (under it
+llama.cpp ran ~3x slower here); both sides use all cores.
+
+Each part runs `--rounds` rounds; in a round every contender runs once, right after one
+another (the order reversed every other round), so a round's runs saw the same machine. A
+ratio is the median over rounds of that round's ratio.
+
+- decode: one request, a short chat prompt, `--decode-tokens` greedy tokens (EOS ignored):
+  tok/s of v1 with `LLM()`'s defaults, v1 with quantization="gguf" (explicit, so it stays the
+  GGUF fast path whatever the default), and llama-cpp-python. Prefix caches are emptied
+  before each run.
+- helpdesk: one user at a time (batch 1): a shared system prompt (bench/data/helpdesk.json,
+  ~470 tokens) and `--helpdesk-requests` questions in a seeded order where about
+  `--repeat-fraction` of them repeat an earlier question verbatim; `--helpdesk-tokens` greedy
+  tokens each (EOS ignored). Contenders: v1 gguf without speculation, v1 gguf with each
+  `--speculative-config` (vLLM's JSON, passed through to `LLM(speculative_config=...)`; an
+  engine without the option, or refusing the value, is reported unavailable), llama.cpp plain
+  and llama.cpp with its prompt-lookup drafting (LlamaPromptLookupDecoding: it drafts from
+  the request's own tokens only). Each v1 run is a fresh engine (a suffix index must not
+  remember the previous round); llama.cpp starts each run from an empty context. Reports
+  tok/s and, per speculative configuration, whether its tokens equal those without it.
+- serving: bench_serving.py's shared-prompt workload (`--serving-prompts` requests, one
+  system prompt of `--serving-system-len` tokens, all at once unless `--serving-args` says
+  otherwise) against `python -m v1 serve --quantization gguf` (which bench_serving starts)
+  and against `llama-server -np --parallel` (continuous batching; bench_serving's
+  `--base-url`), each started fresh per round.
+
+Prints each part's table, then one JSON line; `--out DIR` writes llamacpp.json/.png (`--name`).
+
+    make bench-llamacpp
+    .venv/bin/python bench/bench_llamacpp.py --out bench/results | tee bench/results/llamacpp.txt
+    .venv/bin/python bench/bench_llamacpp.py --parts decode --rounds 5
+"""
+
+import argparse
+import json
+import random
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import llamacpp
+from common import agreement, environment, median, print_table, write_outputs
+
+BENCH = Path(__file__).resolve().parent
+HELPDESK = BENCH / "data" / "helpdesk.json"
+DECODE_QUESTION = "Explain in two sentences why the sky is blue."
+DEFAULT_SPEC_CONFIGS = (
+    '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+    '"prompt_lookup_max": 4}',
+    '{"method": "suffix"}',
+)
+PARTS = ("decode", "helpdesk", "serving")
+
+
+def chat_prompt(tokenizer: Any, question: str, system: str | None = None) -> list[int]:
+    """Token ids of a one-turn chat through the model's template (which holds the special
+    tokens: no BOS added again, as LLM.chat does)."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": question}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def helpdesk_questions(questions: list[str], num_requests: int, repeat_fraction: float,
+                       seed: int) -> list[str]:
+    """`num_requests` questions: each, with probability `repeat_fraction` (and once one was
+    asked), a verbatim repeat of an earlier one, else the next new one of `questions` (which
+    then start over, as repeats). Deterministic for a seed."""
+    if not 0.0 <= repeat_fraction < 1.0:
+        raise ValueError(f"repeat_fraction must be in [0, 1), got {repeat_fraction}")
+    rng = random.Random(seed)
+    asked: list[str] = []
+    fresh = iter(questions * (num_requests // max(1, len(questions)) + 1))
+    for _ in range(num_requests):
+        asked.append(rng.choice(asked) if asked and rng.random() < repeat_fraction
+                     else next(fresh))
+    return asked
+
+
+def make_engine(path: Path, **kwargs: Any) -> Any:
+    """A default (engine process) `LLM` on `path`, warmed up by a tiny untimed request."""
+    from v1.entrypoints.llm import LLM
+    from v1.sampling_params import SamplingParams
+
+    llm = LLM(model=str(path), **kwargs)
+    llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}],
+                 SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    return llm
+
+
+def engine_run(llm: Any, prompts: list[list[int]], max_tokens: int
+               ) -> tuple[float, list[list[int]]]:
+    """Seconds and outputs of `prompts` one after another (batch 1), from an empty prefix
+    cache, greedy, exactly `max_tokens` tokens each."""
+    from v1.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    assert llm.reset_prefix_cache(), "the prefix cache could not be reset (blocks in use)"
+    outputs = []
+    t0 = time.perf_counter()
+    for prompt in prompts:
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        outputs.append(list(out[0].outputs[0].token_ids))
+    return time.perf_counter() - t0, outputs
+
+
+def rounds_order(names: list[str], r: int) -> list[str]:
+    return names if r % 2 == 0 else names[::-1]
+
+
+def summarize(seconds: dict[str, list[float]], tokens: int, baselines: list[str]
+              ) -> dict[str, dict[str, Any]]:
+    """Per contender that ran: its runs' tok/s, their median, and per baseline
+    (`vs_<baseline>`) the median over rounds of its tok/s over the baseline's that round."""
+    rows: dict[str, dict[str, Any]] = {}
+    for name, runs in seconds.items():
+        if not runs:
+            continue
+        rows[name] = {"tok_s": [round(tokens / s, 1) for s in runs],
+                      "tok_s_median": round(tokens / median(runs), 1)}
+        for base in baselines:
+            ratios = [b / s for s, b in zip(runs, seconds.get(base, []))]
+            rows[name][f"vs_{base.replace(' ', '_')}"] = (
+                round(median(ratios), 3) if ratios else None)
+    return rows
+
+
+def part_decode(args: argparse.Namespace, path: Path, tokenizer: Any,
+                worker: llamacpp.Worker) -> dict[str, Any]:
+    prompt = chat_prompt(tokenizer, DECODE_QUESTION)
+    engines = {"v1 defaults": make_engine(path), "v1 gguf": make_engine(path, quantization="gguf")}
+    worker.run([prompt[:4]], 2)  # warm-up, untimed
+    names = [*engines, "llama.cpp"]
+    seconds: dict[str, list[float]] = {n: [] for n in names}
+    outputs: dict[str, list[list[int]]] = {}
+    try:
+        for r in range(args.rounds):
+            for name in rounds_order(names, r):
+                if name == "llama.cpp":
+                    t, outputs[name] = worker.run([prompt], args.decode_tokens)
+                else:
+                    t, outputs[name] = engine_run(engines[name], [prompt], args.decode_tokens)
+                seconds[name].append(t)
+                print(f"decode round {r}: {name} {args.decode_tokens / t:.1f} tok/s",
+                      file=sys.stderr)
+    finally:
+        for llm in engines.values():
+            llm.shutdown()
+    rows = summarize(seconds, args.decode_tokens, ["llama.cpp"])
+    for name in engines:
+        rows[name]["llamacpp_agreement"] = agreement(outputs[name], outputs["llama.cpp"])
+    return {"prompt_tokens": len(prompt), "tokens": args.decode_tokens, "rows": rows}
+
+
+def part_helpdesk(args: argparse.Namespace, path: Path, tokenizer: Any,
+                  worker: llamacpp.Worker) -> dict[str, Any]:
+    data = json.loads(HELPDESK.read_text())
+    questions = helpdesk_questions(data["questions"], args.helpdesk_requests,
+                                   args.repeat_fraction, args.seed)
+    prompts = [chat_prompt(tokenizer, q, data["system"]) for q in questions]
+    lookup = {"max_ngram_size": args.lookup_ngram, "num_pred_tokens": args.lookup_tokens}
+    specs = {f"v1 gguf spec {json.loads(c).get('method', '?')}": json.loads(c)
+             for c in args.speculative_config}
+    llama_runs = {"llama.cpp": None, "llama.cpp lookup": lookup}
+    names = ["v1 gguf", *specs, *llama_runs]
+    for config in llama_runs.values():
+        worker.run([prompts[0][:4]], 2, config)  # warm-up, untimed
+    seconds: dict[str, list[float]] = {n: [] for n in names}
+    outputs: dict[str, list[list[int]]] = {}
+    unavailable: dict[str, str] = {}
+    for r in range(args.rounds):
+        for name in rounds_order(names, r):
+            if name in unavailable:
+                continue
+            if name in llama_runs:
+                t, outputs[name] = worker.run(prompts, args.helpdesk_tokens, llama_runs[name])
+            else:
+                kwargs = {"speculative_config": specs[name]} if name in specs else {}
+                try:
+                    llm = make_engine(path, quantization="gguf", **kwargs)
+                except ValueError as e:  # no such option yet, or a value it refuses
+                    unavailable[name] = str(e)
+                    print(f"{name}: unavailable ({e})", file=sys.stderr)
+                    continue
+                try:
+                    t, outputs[name] = engine_run(llm, prompts, args.helpdesk_tokens)
+                finally:
+                    llm.shutdown()
+            seconds[name].append(t)
+            print(f"helpdesk round {r}: {name} {len(prompts) * args.helpdesk_tokens / t:.1f} "
+                  "tok/s", file=sys.stderr)
+    tokens = len(prompts) * args.helpdesk_tokens
+    rows = summarize(seconds, tokens, ["llama.cpp", "llama.cpp lookup", "v1 gguf"])
+    for name in specs:
+        if name in outputs:
+            rows[name]["tokens_equal_spec_off"] = outputs[name] == outputs["v1 gguf"]
+            rows[name]["agreement_spec_off"] = agreement(outputs[name], outputs["v1 gguf"])
+    # llama.cpp verifies drafts in batched evaluations whose rounding differs from one-token
+    # steps: its greedy tokens with lookup may differ from its plain ones.
+    rows["llama.cpp lookup"]["tokens_equal_plain"] = (
+        outputs["llama.cpp lookup"] == outputs["llama.cpp"])
+    rows["llama.cpp lookup"]["agreement_plain"] = agreement(outputs["llama.cpp lookup"],
+                                                            outputs["llama.cpp"])
+    return {"requests": len(prompts), "repeats": len(questions) - len(set(questions)),
+            "system_tokens": len(tokenizer.encode(data["system"], add_special_tokens=False)),
+            "tokens_per_request": args.helpdesk_tokens, "lookup": lookup,
+            "speculative_configs": specs, "unavailable": unavailable, "rows": rows}
+
+
+def serving_run(args: argparse.Namespace, path: Path, extra: list[str]) -> dict[str, Any]:
+    """One bench_serving.py run (its JSON line) with the serving part's workload."""
+    cmd = [sys.executable, str(BENCH / "bench_serving.py"), "--model", str(path),
+           "--num-prompts", str(args.serving_prompts), "--groups", "1",
+           "--system-len", str(args.serving_system_len),
+           "--output-len", str(args.serving_tokens), "--request-rate", "inf",
+           *shlex.split(args.serving_args), *extra]
+    print("running:", shlex.join(cmd), file=sys.stderr)
+    out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def part_serving(args: argparse.Namespace, path: Path) -> dict[str, Any]:
+    names = ["v1 serve gguf", "llama-server"]
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    for r in range(args.rounds):
+        for name in rounds_order(names, r):
+            if name == "llama-server":
+                with llamacpp.server(path, args.parallel, args.ctx_per_slot,
+                                     extra_args=shlex.split(args.llama_server_args)) as base:
+                    runs[name].append(serving_run(args, path, ["--base-url", base]))
+            else:
+                runs[name].append(serving_run(
+                    args, path, ["--server-args=--quantization gguf " + args.v1_server_args]))
+            res = runs[name][-1]
+            print(f"serving round {r}: {name} {res['duration_s']} s, {res['out_tok_s']} out "
+                  f"tok/s, TTFT p50 {res['ttft_ms_p50']} ms", file=sys.stderr)
+    keys = ("duration_s", "out_tok_s", "ttft_ms_p50", "tpot_ms_p50", "hit_rate", "failed")
+    rows = {n: {k: median([run[k] for run in runs[n]]) for k in keys} for n in names}
+    rows["v1 serve gguf"]["speedup_vs_llama_server"] = round(median(
+        [b["duration_s"] / a["duration_s"] for a, b in zip(runs[names[0]], runs[names[1]])]), 3)
+    return {"parallel": args.parallel, "requests": args.serving_prompts,
+            "system_len": args.serving_system_len, "tokens_per_request": args.serving_tokens,
+            "rows": rows, "runs": runs}
+
+
+def print_part(title: str, rows: dict[str, dict[str, Any]], columns: list[str]) -> None:
+    print(f"\n== {title}")
+    print_table(["", *columns], [[n, *(row.get(c, "") for c in columns)]
+                                 for n, row in rows.items()])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None,
+                        help="a .gguf file (default: SmolLM2-135M-Instruct's)")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0, help="the help-desk question order")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="llama.cpp threads (default: all cores, as v1's torch)")
+    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--helpdesk-requests", type=int, default=24)
+    parser.add_argument("--repeat-fraction", type=float, default=0.35)
+    parser.add_argument("--helpdesk-tokens", type=int, default=128)
+    parser.add_argument("--speculative-config", action="append", default=None,
+                        help="v1's speculative_config as vLLM's JSON, repeatable "
+                             f"(default: {' and '.join(DEFAULT_SPEC_CONFIGS)})")
+    # llama-cpp-python documents num_pred_tokens=2 as the better choice on CPU (10 on GPU).
+    parser.add_argument("--lookup-ngram", type=int, default=2,
+                        help="LlamaPromptLookupDecoding max_ngram_size")
+    parser.add_argument("--lookup-tokens", type=int, default=2,
+                        help="LlamaPromptLookupDecoding num_pred_tokens")
+    parser.add_argument("--serving-prompts", type=int, default=32)
+    parser.add_argument("--serving-system-len", type=int, default=400)
+    parser.add_argument("--serving-tokens", type=int, default=32)
+    parser.add_argument("--serving-args", default="",
+                        help="other bench_serving.py options for both servers, one string")
+    parser.add_argument("--parallel", type=int, default=8, help="llama-server slots (-np)")
+    parser.add_argument("--ctx-per-slot", type=int, default=1024,
+                        help="llama-server context per slot (its -c is parallel times this)")
+    parser.add_argument("--llama-server-args", default="",
+                        help='other llama-server options, one string: "--spec-type ngram-mod"')
+    parser.add_argument("--v1-server-args", default="",
+                        help="other `python -m v1 serve` options, one string")
+    parser.add_argument("--out", default=None, help="directory for NAME.json and NAME.png")
+    parser.add_argument("--name", default="llamacpp", help="the output files' name")
+    args = parser.parse_args()
+    # SIGTERM as an exception too, so the worker, engines and servers are stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    args.speculative_config = args.speculative_config or list(DEFAULT_SPEC_CONFIGS)
+    for config in args.speculative_config:
+        if not isinstance(json.loads(config), dict):
+            raise ValueError(f"--speculative-config must be a JSON object, got {config!r}")
+
+    from v1.models.loader import hf_dir_of, load_tokenizer, resolve_model
+
+    path = resolve_model(args.model)
+    if path.suffix != ".gguf":
+        raise ValueError(f"bench_llamacpp needs a .gguf model, got {path}")
+    for part in list(args.parts):
+        if reason := llamacpp.missing(server=part == "serving"):
+            print(f"{part}: skipped: {reason}")
+            args.parts.remove(part)
+    if not args.parts:
+        return
+    tokenizer = load_tokenizer(hf_dir_of(path))
+    result: dict[str, Any] = {"bench": "llamacpp", "model": path.name, "rounds": args.rounds,
+                              "llamacpp_threads": llamacpp.default_threads(args.threads),
+                              "llamacpp_version": llamacpp.version(), **environment()}
+    needs_worker = {"decode", "helpdesk"} & set(args.parts)
+    worker = llamacpp.Worker(path, 2048, args.threads) if needs_worker else None
+    try:
+        if "decode" in args.parts:
+            assert worker is not None
+            result["decode"] = part_decode(args, path, tokenizer, worker)
+        if "helpdesk" in args.parts:
+            assert worker is not None
+            result["helpdesk"] = part_helpdesk(args, path, tokenizer, worker)
+    finally:
+        if worker is not None:
+            worker.close()
+    if "serving" in args.parts:
+        result["serving"] = part_serving(args, path)
+
+    if "decode" in result:
+        print_part(f"decode: one request, {result['decode']['prompt_tokens']}-token prompt, "
+                   f"{args.decode_tokens} greedy tokens (tok/s)", result["decode"]["rows"],
+                   ["tok_s_median", "vs_llama.cpp"])
+    if "helpdesk" in result:
+        h = result["helpdesk"]
+        print_part(f"helpdesk: batch 1, {h['requests']} requests ({h['repeats']} repeats), "
+                   f"{h['system_tokens']}-token system prompt, {args.helpdesk_tokens} tokens "
+                   "each (tok/s)", h["rows"],
+                   ["tok_s_median", "vs_llama.cpp", "vs_llama.cpp_lookup", "vs_v1_gguf",
+                    "tokens_equal_spec_off"])
+        for name, why in h["unavailable"].items():
+            print(f"{name}: unavailable ({why})")
+    if "serving" in result:
+        s = result["serving"]
+        print_part(f"serving: {s['requests']} requests at once, {s['system_len']}-token shared "
+                   f"system prompt, {s['tokens_per_request']} tokens each, llama-server "
+                   f"-np {s['parallel']}", s["rows"],
+                   ["duration_s", "out_tok_s", "ttft_ms_p50", "tpot_ms_p50", "hit_rate",
+                    "speedup_vs_llama_server"])
+
+    def plot(fig: Any) -> None:
+        parts = [p for p in ("decode", "helpdesk") if p in result]
+        for i, part in enumerate(parts):
+            ax = fig.add_subplot(1, len(parts), i + 1)
+            rows = result[part]["rows"]
+            ax.barh(list(rows), [row["tok_s_median"] for row in rows.values()])
+            ax.set_xlabel("tok/s (median of rounds)")
+            ax.set_title(part)
+
+    write_outputs(args.out, args.name, result, plot)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
