@@ -46,12 +46,10 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import random
 import shlex
 import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -65,6 +63,7 @@ import numpy as np
 from bench_prefix_cache import add_workload_args, ideal_hit_tokens, make_workload
 from common import environment, print_table, write_outputs
 from prometheus_client.parser import text_string_to_metric_families
+from served import served
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -169,33 +168,9 @@ def server(args: argparse.Namespace) -> Iterator[str]:
     if args.max_num_batched_tokens:
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     cmd += shlex.split(args.server_args)
-    print("starting:", shlex.join(cmd), file=sys.stderr)
-    # Its own session: Ctrl-C reaches this script alone, which then stops the server in order.
-    # Its stdout goes to stderr: the last line of stdout is the JSON result.
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=sys.stderr, start_new_session=True)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"the server exited with code {proc.returncode}")
-            try:
-                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit("the server did not become healthy in 300 s")
-            time.sleep(0.5)
+    # SIGINT: uvicorn's graceful shutdown, the engine's too.
+    with served(cmd, port, 300, stop_signal=signal.SIGINT, cwd=ROOT) as base:
         yield base
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)  # uvicorn's graceful shutdown, the engine's too
-            try:
-                proc.wait(timeout=30)
-            except (subprocess.TimeoutExpired, KeyboardInterrupt):
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
 
 
 def summary(name: str, seconds: list[float]) -> dict[str, float | None]:

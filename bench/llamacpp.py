@@ -24,17 +24,16 @@ repository: that venv has neither torch nor v1.
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from served import served
 
 ROOT = Path(__file__).resolve().parent.parent
 HOME = ROOT / ".llamacpp"
@@ -129,33 +128,8 @@ def server(model: Path, parallel: int, ctx_per_slot: int, threads: int | None = 
     cmd = [str(SERVER), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
            "-t", str(threads), "-tb", str(threads), "-np", str(parallel),
            "-c", str(parallel * ctx_per_slot), "--metrics", *extra_args]
-    print("starting:", " ".join(cmd), file=sys.stderr)
-    proc = subprocess.Popen(cmd, env=clean_env(), stdout=sys.stderr, stderr=sys.stderr,
-                            start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with code {proc.returncode}")
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):  # not listening yet, or 503: loading
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("llama-server did not become healthy in 120 s")
-            time.sleep(0.2)
+    with served(cmd, port, 120, env=clean_env(), stderr=sys.stderr) as base:
         yield base
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
 
 
 def _worker_main(model: str, n_ctx: int, threads: int) -> None:
