@@ -37,8 +37,10 @@ class Fixed:
 
     def __init__(self) -> None:
         self.finished: list[str] = []
+        self.calls = 0
 
     def propose(self, req_id, token_ids, k):
+        self.calls += 1
         return list(range(k))
 
     def finish(self, req_id):
@@ -58,11 +60,14 @@ def test_drafts_that_keep_failing_back_off():
         drafts = drafter.propose("r", tokens, params, 1)
         assert drafts
         drafter.observe("r", drafts, 0)
-        n = 0
+        n, calls = 0, drafter.proposer.calls
         while not drafter.propose("r", tokens, params, 1):
             n += 1
         skipped.append(n)
+        assert drafter.proposer.calls == calls + 1  # not asked while skipping
     assert skipped == [1, 2, 4, 8, MAX_SKIP, MAX_SKIP]
+    assert drafter.propose("s", tokens, SamplingParams(stop=["x"]), 1) == []
+    assert "s" in drafter.pending and drafter.proposer.calls == calls + 1  # nor when it can't
     drafts = drafter.propose("r", tokens, params, 1)
     assert len(drafts) == 1  # halved each time, down to one
     drafter.observe("r", drafts, 1)

@@ -62,18 +62,24 @@ class Drafter:
         self.pending: dict[str, list[int]] = {}  # req_id -> its last proposal
 
     def propose(
-        self, req_id: str, token_ids: list[int], params: SamplingParams, num_output: int
+        self, req_id: str, token_ids: "list[int] | np.ndarray", params: SamplingParams,
+        num_output: int,
     ) -> list[int]:
-        """The drafts for the request's next step (also kept in `pending`)."""
+        """The drafts for the request's next step (also kept in `pending`). The proposer is
+        asked only when the request drafts this step (an index catches up on the tokens it
+        missed the next time): no lookup, and no copy of the history, for the others."""
         state = self._adaptive.get(req_id)
         if state is None:
             state = self._adaptive[req_id] = _Adaptive(self.max_k)
-        drafts = self.proposer.propose(req_id, token_ids, state.k)
         if state.skip:
             state.skip -= 1
-            drafts = []
+            drafts: list[int] = []
         elif not can_draft(params, num_output):
             drafts = []
+        else:
+            if isinstance(token_ids, np.ndarray):
+                token_ids = token_ids.tolist()
+            drafts = self.proposer.propose(req_id, token_ids, state.k)
         self.pending[req_id] = drafts
         return drafts
 
@@ -169,7 +175,7 @@ class Drafter:
             params = batch.sampling_params[row]
             assert params is not None
             proposals[i] = self.propose(
-                req_ids[i], batch.token_ids[row, :num_tokens].tolist(), params,
+                req_ids[i], batch.token_ids[row, :num_tokens], params,
                 num_tokens - int(batch.num_prompt_tokens[row]),
             )
         return proposals
