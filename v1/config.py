@@ -67,6 +67,16 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"  # "fcfs" | "priority"
     async_scheduling: bool = False
+    # Prefix-aware admission (v1/core/sched/prefix_aware.py; SGLang's cache-aware policy,
+    # bounded): among the first `prefix_aware_window` waiting requests, those with the
+    # longest prefix cached or being computed go first, and one whose next uncached block a
+    # running request is computing waits for it. A request passed over (or deferred) in
+    # `prefix_aware_max_skips` steps makes admission FCFS until it is admitted. Under the
+    # priority policy only requests tied with the head's priority are reordered. Needs
+    # prefix caching (a no-op without it).
+    enable_prefix_aware_scheduling: bool = True
+    prefix_aware_window: int = 32
+    prefix_aware_max_skips: int = 16
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -78,6 +88,10 @@ class SchedulerConfig:
                 "long_prefill_token_threshold must be >= 0, "
                 f"got {self.long_prefill_token_threshold}"
             )
+        for name in ("prefix_aware_window", "prefix_aware_max_skips"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
@@ -232,6 +246,9 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
+    # Waiting requests whose prefix is cached or being computed go first (bounded: see
+    # SchedulerConfig.enable_prefix_aware_scheduling); --no-enable-prefix-aware-scheduling: FCFS.
+    enable_prefix_aware_scheduling: bool = True
     async_scheduling: bool = False
     num_gpu_blocks: int | None = None
     kv_cache_memory: int | None = None  # bytes
@@ -416,6 +433,7 @@ class EngineArgs:
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             policy=self.scheduling_policy,
             async_scheduling=self.async_scheduling,
+            enable_prefix_aware_scheduling=self.enable_prefix_aware_scheduling,
         )
         kv_cache_memory = self._either("kv_cache_memory", "kv_cache_memory_bytes")
         if kv_cache_memory is None and on_gpu and self.gpu_memory_utilization is not None:

@@ -38,6 +38,7 @@ from v1.core.block_pool import KVCacheBlock
 from v1.core.kv_cache_manager import FreedBlocks, KVCacheManager
 from v1.core.kv_cache_utils import make_block_hasher
 from v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from v1.core.sched.prefix_aware import PrefillIndex, WindowOrder
 from v1.core.sched.request_queue import create_request_queue
 from v1.core.sched.spec_decode import (
     SpecDecodingStats,
@@ -107,6 +108,12 @@ class Scheduler:
         self.chunked_prefill = scheduler_config.enable_chunked_prefill
         self.priority_policy = scheduler_config.policy == "priority"
         self.async_scheduling = scheduler_config.async_scheduling
+        # Prefix-aware admission (v1.core.sched.prefix_aware) needs the prefix cache.
+        self.prefix_aware = (
+            scheduler_config.enable_prefix_aware_scheduling
+            and cache_config.enable_prefix_caching
+        )
+        self.window_size = scheduler_config.prefix_aware_window if self.prefix_aware else 1
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
@@ -312,55 +319,98 @@ class Scheduler:
             num_scheduled_tokens[req_id] = num_new_tokens
             token_budget -= num_new_tokens
 
-        # 2. Waiting requests, unless this step had to preempt.
-        if not preempted:
-            # Structured requests whose grammar is still compiling: set aside, put back after.
-            skipped: list[Request] = []
-            while self.waiting and token_budget > 0:
-                request = self.waiting.peek_request()
-                if request.status == WAITING_FOR_FSM and not self._grammar_ready(request):
-                    self.waiting.pop_request()
-                    if not request.is_finished():
-                        skipped.append(request)
-                    continue
-                if request.num_output_placeholders or request in preempted:
-                    break  # (async) its last step's output is not back yet; or just evicted
-                victims: list[Request] = []
-                freed = FreedBlocks()
-                candidates = self._victim_candidates(request)
-                while (plan := self._plan_admission(
-                    request, token_budget, len(victims), freed
-                )) is None:
-                    victim = next(candidates, None)
-                    if victim is None:
-                        break
-                    victims.append(victim)
-                    kv.add_to_freed(freed, victim)
-                if plan is None or not plan.num_new_tokens:
-                    break
-                for victim in victims:
-                    preempt(victim)
-                hit_blocks, num_hit_tokens, num_new_tokens = plan
-                new_blocks = kv.allocate_slots(
-                    request, num_new_tokens, hit_blocks, num_hit_tokens
+        # 2. Waiting requests, unless this step had to preempt. They leave the queue a
+        # window at a time (one at a time without prefix-aware admission), are tried in
+        # the window's order (`WindowOrder`), and those not admitted go back in queue order.
+        # A request that does not fit stops admission.
+        if not preempted and self.waiting and token_budget > 0:
+            aware = self.prefix_aware
+            prefill = PrefillIndex(self.running, kv.num_cached_block) if aware else None
+            taken: list[Request] = []  # left the queue in this step, in queue order
+            admitted: set[int] = set()  # their positions in `taken`
+            deferred: set[int] = set()
+            stop = False
+            while not stop and self.waiting:
+                window = self.waiting.pop_window(self.window_size)
+                base = len(taken)
+                taken += window
+                order = (
+                    WindowOrder(
+                        window, kv.block_pool.cached_block_hash_to_block, prefill,
+                        self.block_size, self.config.prefix_aware_max_skips,
+                    )
+                    if aware else WindowOrder(window)
                 )
-                assert new_blocks is not None, "an admission plan did not fit"
-                kv.record_prefix_hit(request, num_hit_tokens)
-                self.waiting.pop_request()
-                self._add_running(request)
-                scheduled_admitted.append(request)
-                if request.status == WAITING:
-                    scheduled_new.append(request)
-                else:
-                    scheduled_resumed.append(request)
-                request.status = RUNNING
-                request.num_computed_tokens = num_hit_tokens
-                if request.scheduled_time is None:  # first admission
-                    request.num_cached_tokens = num_hit_tokens
-                    request.scheduled_time = time.monotonic()
-                num_scheduled_tokens[request.request_id] = num_new_tokens
-                token_budget -= num_new_tokens
-            for request in reversed(skipped):
+                while order.remaining:
+                    if token_budget <= 0:
+                        stop = True
+                        break
+                    i = order.pop()
+                    request = window[i]
+                    if request.status == WAITING_FOR_FSM and not self._grammar_ready(request):
+                        continue  # set aside while its grammar compiles (or finished)
+                    if request.num_output_placeholders or request in preempted:
+                        stop = True  # (async) its last step's output is not back; or evicted
+                        break
+                    if order.defers(request):
+                        deferred.add(base + i)
+                        continue
+                    victims: list[Request] = []
+                    freed = FreedBlocks()
+                    candidates = self._victim_candidates(request)
+                    while (plan := self._plan_admission(
+                        request, token_budget, len(victims), freed
+                    )) is None:
+                        victim = next(candidates, None)
+                        if victim is None:
+                            break
+                        victims.append(victim)
+                        kv.add_to_freed(freed, victim)
+                    if plan is None or not plan.num_new_tokens:
+                        stop = True
+                        break
+                    for victim in victims:
+                        preempt(victim)
+                    hit_blocks, num_hit_tokens, num_new_tokens = plan
+                    new_blocks = kv.allocate_slots(
+                        request, num_new_tokens, hit_blocks, num_hit_tokens
+                    )
+                    assert new_blocks is not None, "an admission plan did not fit"
+                    kv.record_prefix_hit(request, num_hit_tokens)
+                    admitted.add(base + i)
+                    self._add_running(request)
+                    scheduled_admitted.append(request)
+                    if request.status == WAITING:
+                        scheduled_new.append(request)
+                    else:
+                        scheduled_resumed.append(request)
+                    request.status = RUNNING
+                    request.num_computed_tokens = num_hit_tokens
+                    request.num_passed_over = 0
+                    if request.scheduled_time is None:  # first admission
+                        request.num_cached_tokens = num_hit_tokens
+                        request.scheduled_time = time.monotonic()
+                    num_scheduled_tokens[request.request_id] = num_new_tokens
+                    token_budget -= num_new_tokens
+                    if prefill is not None:
+                        # Its blocks past this step's are others' prefixes now, as are those
+                        # of the step (in the prefix cache already).
+                        prefill.add(request, kv.num_cached_block[request.request_id])
+                        order.refresh()
+                        # A victim may rank before the rest of the window (priority ties):
+                        # admit nobody else rather than pass it over.
+                        stop = bool(victims)
+                        if stop:
+                            break
+            last_admitted = max(admitted, default=-1)
+            for pos in range(len(taken) - 1, -1, -1):
+                request = taken[pos]
+                if pos in admitted or request.is_finished():
+                    continue
+                if aware and request.status != WAITING_FOR_FSM and (
+                    pos in deferred or pos < last_admitted
+                ):
+                    request.num_passed_over += 1
                 self.waiting.prepend_request(request)
 
         # 3. The step's description for the runner.
