@@ -31,14 +31,20 @@ class SchedulerMachine(RuleBasedStateMachine):
         caching=st.sampled_from([True, True, False]),
         spec_k=st.sampled_from([0, 0, 1, 3]),
         seed=st.integers(0, 2**16),
+        # Prefix-aware admission: off (None), or on with this bound on skips; its window.
+        max_skips=st.sampled_from([None, 1, 3, 16]),
+        window=st.sampled_from([2, 32]),
     )
     def setup(
-        self, num_blocks, budget, threshold, policy, async_scheduling, caching, spec_k, seed
+        self, num_blocks, budget, threshold, policy, async_scheduling, caching, spec_k, seed,
+        max_skips, window,
     ):
         self.s = make_scheduler(
             num_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=6,
             max_model_len=MAX_MODEL_LEN, policy=policy, long_prefill_token_threshold=threshold,
             async_scheduling=async_scheduling, enable_prefix_caching=caching,
+            enable_prefix_aware_scheduling=max_skips is not None,
+            prefix_aware_max_skips=max_skips or 1, prefix_aware_window=window,
         )
         self.budget = budget
         self.runner = ShadowRunner(BLOCK_SIZE, spec_k, seed)
