@@ -108,6 +108,8 @@ class CacheConfig:
     num_gpu_blocks: int | None = None  # None: derive from kv_cache_memory
     kv_cache_memory: int | None = None  # bytes; None: the device's default budget
     enable_prefix_caching: bool = True
+    # Declared prefixes (`--preload-prompts`) may pin at most this fraction of the blocks.
+    preload_max_fraction: float = 0.5
     # What the KV cache stores (vLLM's name): "auto" (the model's dtype), "bfloat16",
     # "float16" or "float32"; any spelling of KV_CACHE_DTYPES, kept canonical.
     cache_dtype: str = "auto"
@@ -116,6 +118,10 @@ class CacheConfig:
         self.cache_dtype = kv_cache_dtype_name(self.cache_dtype)
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {self.block_size!r}")
+        if not 0 < self.preload_max_fraction <= 1:
+            raise ValueError(
+                f"preload_max_fraction must be in (0, 1], got {self.preload_max_fraction}"
+            )
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
             raise ValueError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
 
@@ -249,6 +255,12 @@ class EngineArgs:
     # Waiting requests whose prefix is cached or being computed go first (bounded: see
     # SchedulerConfig.enable_prefix_aware_scheduling); --no-enable-prefix-aware-scheduling: FCFS.
     enable_prefix_aware_scheduling: bool = True
+    # Declared prefixes (v1/engine/preload.py): prompts computed at start-up whose full
+    # blocks are pinned in the prefix cache, never evicted: a list of prompts (text, a
+    # conversation as a list of messages, or token ids), or the path of a JSON file holding
+    # one (--preload-prompts FILE). They may pin at most preload_max_fraction of the blocks.
+    preload_prompts: str | list[Any] | None = None
+    preload_max_fraction: float = 0.5
     async_scheduling: bool = False
     num_gpu_blocks: int | None = None
     kv_cache_memory: int | None = None  # bytes
@@ -443,6 +455,7 @@ class EngineArgs:
             num_gpu_blocks=self._either("num_gpu_blocks", "num_gpu_blocks_override"),
             kv_cache_memory=kv_cache_memory,
             enable_prefix_caching=self.enable_prefix_caching,
+            preload_max_fraction=self.preload_max_fraction,
             cache_dtype=self.kv_cache_dtype,
         )
         return scheduler_config, cache_config

@@ -271,6 +271,8 @@ class KVCacheManager:
         for blocks in self.req_to_blocks.values():
             for block in blocks:
                 refs[block.block_id] = refs.get(block.block_id, 0) + 1
+        for block in self.block_pool.pinned.values():  # the pin's own reference
+            refs[block.block_id] = refs.get(block.block_id, 0) + 1
         for block in self.block_pool.blocks:
             assert block.ref_cnt == refs.get(block.block_id, 0), (
                 f"{block}: {refs.get(block.block_id, 0)} references held"
@@ -283,4 +285,5 @@ class KVCacheManager:
             )
             assert limit == expected, f"{req_id}: quiet limit {limit}, should be {expected}"
         if not self.req_to_blocks:
-            assert self.block_pool.get_num_free_blocks() == self.num_blocks
+            pool = self.block_pool
+            assert pool.get_num_free_blocks() + len(pool.pinned) == self.num_blocks

@@ -46,7 +46,8 @@ from v1.core.sched.spec_decode import (
     num_drafts_to_schedule,
 )
 from v1.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerStats
-from v1.request import EngineCoreRequest, Request, RequestStatus
+from v1.request import BlockHash, EngineCoreRequest, Request, RequestStatus
+from v1.sampling_params import SamplingParams
 
 RUNNING = RequestStatus.RUNNING
 WAITING = RequestStatus.WAITING
@@ -122,6 +123,7 @@ class Scheduler:
             make_block_hasher(cache_config.block_size)
             if cache_config.enable_prefix_caching else None
         )
+        self.max_pinned_blocks = int(cache_config.preload_max_fraction * num_blocks)
         self.structured_output_manager = structured_output_manager
         self.requests: dict[str, Request] = {}
         # How many of `requests` are structured: no per-step scan for them when none is.
@@ -148,9 +150,10 @@ class Scheduler:
             # Nothing to compute: queued, it would stay at the head of the queue forever.
             raise ValueError(f"request {request.request_id!r} has no prompt tokens")
         num_blocks_needed = -(-request.num_tokens // self.block_size)
+        pool = self.kv_cache_manager.block_pool
         if (
             request.num_tokens > self.max_model_len
-            or num_blocks_needed > self.kv_cache_manager.num_blocks
+            or num_blocks_needed > pool.num_blocks - len(pool.pinned)
         ):
             # It can never run: finish it now rather than let it wedge the queue.
             request.status = RequestStatus.FINISHED_IGNORED
@@ -680,7 +683,59 @@ class Scheduler:
     # -- utilities ----------------------------------------------------------------------
 
     def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache but the pinned (declared) prefixes; False while any
+        request holds blocks."""
         return self.kv_cache_manager.reset_prefix_cache()
+
+    # -- declared prefixes (v1/engine/preload.py) ----------------------------------------
+
+    def _full_block_hashes(self, prompt_token_ids: list[int]) -> list[BlockHash]:
+        assert self.block_hasher is not None
+        return Request(
+            "preload", prompt_token_ids, SamplingParams(max_tokens=1),
+            block_hasher=self.block_hasher,
+        ).block_hashes
+
+    def check_preload(self, prompts: list[list[int]]) -> None:
+        """Refuse declared prefixes that cannot be pinned (ValueError): prefix caching off,
+        a prompt empty or not shorter than max_model_len, or more full blocks to pin than
+        `preload_max_fraction` of the pool."""
+        if self.block_hasher is None:
+            raise ValueError("preload_prompts need enable_prefix_caching")
+        pool = self.kv_cache_manager.block_pool
+        hashes: set[BlockHash] = set()
+        for ids in prompts:
+            if not 0 < len(ids) < self.max_model_len:
+                raise ValueError(
+                    f"a preload prompt of {len(ids)} tokens: it must have 1 to "
+                    f"max_model_len - 1 = {self.max_model_len - 1}"
+                )
+            hashes.update(self._full_block_hashes(ids))
+        num_pinned = len(pool.pinned) + len(hashes - pool.pinned.keys())
+        if num_pinned > self.max_pinned_blocks:
+            raise ValueError(
+                f"preload_prompts would pin {num_pinned} blocks of {self.block_size} tokens, "
+                f"over the limit of {self.max_pinned_blocks} (preload_max_fraction "
+                f"{self.max_pinned_blocks / pool.num_blocks:.3g} of {pool.num_blocks} blocks)"
+            )
+
+    def pin_prefix(self, prompt_token_ids: list[int]) -> int:
+        """Pin the full blocks of a prompt a request has just computed (so they are cached);
+        returns how many. The preload's lookups leave the hit-rate metrics: they are not
+        traffic."""
+        pool = self.kv_cache_manager.block_pool
+        blocks = []
+        for block_hash in self._full_block_hashes(prompt_token_ids):
+            block = pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        if len(pool.pinned.keys() | {b.block_hash for b in blocks}) > self.max_pinned_blocks:
+            raise ValueError(f"pinning {len(blocks)} more blocks exceeds the limit "
+                             f"of {self.max_pinned_blocks}")
+        pool.pin(blocks)
+        self.kv_cache_manager.prefix_cache_metrics.reset()
+        return len(blocks)
 
     def make_stats(self) -> SchedulerStats:
         metrics = self.kv_cache_manager.prefix_cache_metrics
