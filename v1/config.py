@@ -233,6 +233,25 @@ class SpeculativeConfig:
                 )
 
 
+def load_preload_prompts(spec: str | list[Any]) -> list[Any]:
+    """The prompts of `preload_prompts` (v1/engine/preload.py): a list, or the path of a JSON
+    file holding one, read here so that a bad one fails before the model loads."""
+    if isinstance(spec, str):
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            raise ValueError(
+                f"preload_prompts: {spec!r} is not a file (give the path of a JSON list of "
+                "prompts, or a list of prompts)"
+            )
+        try:
+            spec = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"preload_prompts: cannot read {spec}: {e}") from e
+    if not isinstance(spec, list):
+        raise ValueError(f"preload_prompts must be a list of prompts, got {type(spec).__name__}")
+    return spec
+
+
 @dataclass(slots=True)
 class EngineArgs:
     """The user-facing engine options, named as vLLM names them."""
@@ -372,6 +391,8 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
         self.input_limits()  # a bad limit fails here, before anything starts
         self.speculative()  # likewise a bad speculative_config
+        if self.preload_prompts is not None:
+            self.preload_prompts = load_preload_prompts(self.preload_prompts)
         gen = self.generation_config
         if gen not in ("auto", "vllm") and not Path(gen).expanduser().is_dir():
             raise ValueError(

@@ -33,13 +33,14 @@ def drain_counting(s, max_steps: int = 1000) -> int:
     return total
 
 
-@pytest.mark.parametrize("aware", [True, False])
-def test_cold_burst_computes_the_shared_prefix_once(aware):
+@pytest.mark.parametrize("aware,max_skips", [(True, 16), (True, 2), (False, 16)])
+def test_cold_burst_computes_the_shared_prefix_once(aware, max_skips):
     # 4 requests arrive at once on a 32-token prefix nobody has computed; with a long-prefill
     # cap each is admitted with a chunk that (under FCFS) overlaps the others' later chunks.
+    # The owner needs 4 steps for it, more than max_skips 2: the waiters wait it out anyway.
     s = make_scheduler(
         num_blocks=64, max_num_batched_tokens=64, long_prefill_token_threshold=8,
-        enable_prefix_aware_scheduling=aware,
+        enable_prefix_aware_scheduling=aware, prefix_aware_max_skips=max_skips,
     )
     prefix = list(range(100, 132))
     for i in range(4):
@@ -189,13 +190,83 @@ def test_no_wait_for_a_preempted_owner():
     assert waiter.scheduled_time is not None
 
 
-def test_deferral_is_bounded_by_max_skips():
+def test_a_waiter_whose_owner_progresses_is_not_passed_over():
+    # The owner needs 7 more steps for the shared prefix, more than max_skips: the waiter is
+    # being served (its owner is scheduled every step), so it still waits and hits it all.
     s, owner, waiter = deferral_setup(prefix_aware_max_skips=2)
     waited = 0
     while waiter.request_id not in run_step(s)[0].num_scheduled_tokens:
+        assert waiter.num_passed_over == 0
         waited += 1
-    assert waited == 2
-    assert owner.num_computed_tokens < owner.num_prompt_tokens  # it did not wait it out
+    assert waited == 6
+    assert waiter.num_cached_tokens == 32
+
+
+def head_wait(aware: bool, chunked: bool, max_skips: int = 1) -> int:
+    """The step in which the queue head H is admitted, when a request R behind it ranks first
+    (a cached prefix) but does not fit: the budget (chunking off) or the blocks (on)."""
+    s = make_scheduler(
+        num_blocks=400 if not chunked else 40, max_num_seqs=32, max_num_batched_tokens=64,
+        max_model_len=64 if not chunked else 128, enable_chunked_prefill=chunked,
+        enable_prefix_aware_scheduling=aware, prefix_aware_max_skips=max_skips,
+    )
+    prefix = list(range(100, 116))  # 4 blocks, cached by the running requests below
+    if chunked:
+        s.add_request(make_request(prefix + [1], max_tokens=20, ignore_eos=True))
+        s.add_request(make_request(80, max_tokens=20, ignore_eos=True))  # 21 blocks
+        r_prompt = prefix + list(range(500, 560))  # its 60-token chunk needs 15 blocks
+    else:
+        for i in range(18):  # decodes: 46 tokens of budget left for waiting requests
+            s.add_request(make_request(prefix + [i], max_tokens=40, ignore_eos=True))
+        r_prompt = prefix + list(range(500, 547))  # 47 tokens to compute: over 46
+    run_step(s)
+    run_step(s)
+    head = make_request(6, max_tokens=1)  # cold: 6 tokens, 2 blocks, fits
+    s.add_request(head)
+    s.add_request(make_request(r_prompt, max_tokens=1))
+    for step in range(100):
+        out, _ = run_step(s)
+        s.check_integrity()
+        if head.request_id in out.num_scheduled_tokens:
+            return step
+    return -1
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("max_skips", [1, 16])
+def test_the_head_is_admitted_when_a_request_ranked_first_does_not_fit(chunked, max_skips):
+    assert head_wait(False, chunked) == 0  # FCFS
+    assert head_wait(True, chunked, max_skips) == 0
+
+
+def test_admission_re_ranks_by_the_blocks_an_admission_caches():
+    # A (cold, first in the queue) computes P; then B, which starts with P, ranks before D
+    # (cold, ahead of B): B costs 2 tokens, D gets what the budget leaves.
+    s = make_scheduler(num_blocks=64, max_num_batched_tokens=32, max_model_len=64)
+    prefix = list(range(100, 108))
+    a, d, b = (make_request(prefix + [1]), make_request(30), make_request(prefix + [2, 3]))
+    for r in (a, d, b):
+        s.add_request(r)
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {a.request_id: 9, b.request_id: 2, d.request_id: 21}
+
+
+def test_no_admission_after_one_that_preempted_under_priority():
+    # W1 (earliest arrival) preempts V (same priority, later arrival); V then ranks before
+    # W2, which arrived after it: W2 must not be admitted in that step.
+    s = make_scheduler(num_blocks=10, max_num_batched_tokens=64, policy="priority")
+    v = make_request(20, max_tokens=8, arrival_time=1.0)
+    s.add_request(v)
+    run_step(s)
+    w1 = make_request(24, max_tokens=1, arrival_time=0.0)
+    w2 = make_request(4, max_tokens=1, arrival_time=2.0)
+    s.add_request(w1)
+    s.add_request(w2)
+    out, _ = run_step(s)
+    assert out.preempted_req_ids == {v.request_id}
+    assert w1.request_id in out.num_scheduled_tokens
+    assert w2.request_id not in out.num_scheduled_tokens
+    drain_counting(s)
 
 
 @pytest.mark.parametrize("tie", [True, False])
@@ -223,3 +294,18 @@ def test_config_bounds():
         SchedulerConfig(prefix_aware_window=0)
     with pytest.raises(ValueError, match="prefix_aware_max_skips"):
         SchedulerConfig(prefix_aware_max_skips=0)
+
+
+def test_a_step_defers_at_most_a_window_of_requests():
+    # Waiters on the owner's prefix fill the first window (2): the step stops there, so its
+    # cost does not grow with the queue; the cold request behind them is not even tried.
+    s, owner, waiter = deferral_setup(prefix_aware_window=2)
+    others = [make_request(list(range(100, 132)) + [5, 6 + i], max_tokens=2) for i in range(2)]
+    cold = make_request(4, max_tokens=1)
+    for r in [*others, cold]:
+        s.add_request(r)
+    out, _ = run_step(s)
+    assert list(out.num_scheduled_tokens) == [owner.request_id]
+    assert [r.num_passed_over for r in (waiter, *others, cold)] == [0, 0, 0, 0]
+    drain_counting(s)
+    assert all(r.num_cached_tokens == 32 for r in (waiter, *others))

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from tests.core.utils import make_request, make_scheduler, run_step
+from v1.config import EngineArgs, load_preload_prompts
 from v1.engine.preload import preload_token_ids
 
 SYSTEM = list(range(100, 116))  # 4 blocks of 4
@@ -12,13 +13,14 @@ SYSTEM = list(range(100, 116))  # 4 blocks of 4
 
 def preload(s, prompts: list[list[int]], pin: bool = True) -> None:
     """What EngineCore.preload does, with the fake runner."""
-    s.check_preload(prompts)
+    kv = s.kv_cache_manager
+    kv.check_preload(prompts)
     for prompt in prompts:
         s.add_request(make_request(prompt, max_tokens=1))
         while s.has_requests():
             run_step(s)
         if pin:
-            assert s.pin_prefix(prompt) == len(prompt) // 4
+            assert kv.pin_prefix(prompt) == len(prompt) // 4
 
 
 def traffic(s, n: int = 4) -> None:
@@ -69,25 +71,75 @@ def test_pinned_accounting_and_reset():
 
 def test_the_cap_holds():
     s = make_scheduler(num_blocks=16, max_model_len=40, preload_max_fraction=0.25)
+    kv = s.kv_cache_manager
     with pytest.raises(ValueError, match=r"pin 5 blocks .* over the limit of 4"):
-        s.check_preload([SYSTEM + [1, 2, 3, 4]])
+        kv.check_preload([SYSTEM + [1, 2, 3, 4]])
     assert not s.has_requests()  # refused before anything ran
     preload(s, [SYSTEM])  # 4 blocks: exactly the cap
     with pytest.raises(ValueError, match="limit of 4"):
-        s.check_preload([list(range(300, 304))])
-    s.check_preload([SYSTEM])  # already pinned: nothing more
-    # With 4 of 16 blocks pinned, a request needing all 16 can never run: refused at once.
-    big = make_request(40, max_tokens=24)
-    s.add_request(big)
+        kv.check_preload([list(range(300, 304))])
+    kv.check_preload([SYSTEM])  # already pinned: nothing more
+    s.add_request(make_request(list(range(300, 305)), max_tokens=1))
+    while s.has_requests():
+        run_step(s)
+    with pytest.raises(ValueError, match="limit of 4"):
+        kv.pin_prefix(list(range(300, 304)))  # the same check when pinning
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_pins_leave_room_for_a_request_of_max_model_len(fraction):
+    # 16 blocks of 4; max_model_len 40 needs 10 blocks: at most 6 may be pinned.
+    s = make_scheduler(num_blocks=16, max_model_len=40, preload_max_fraction=fraction)
+    with pytest.raises(ValueError, match=r"pin 7 of 16 blocks .* leaving 9: a request of "
+                                         r"max_model_len 40 tokens needs 10"):
+        s.kv_cache_manager.check_preload([list(range(100, 128))])
+    preload(s, [list(range(100, 124))])  # 6 blocks
+    # A cold request that grows to max_model_len runs to the end (no livelock).
+    r = make_request(10, max_tokens=30, ignore_eos=True)
+    s.add_request(r)
+    for _ in range(200):
+        if not s.has_requests():
+            break
+        run_step(s)
+    assert r.num_tokens == 40 and r.get_finished_reason() == "length"
+    assert s.make_stats().num_preemptions == 0
+    s.check_integrity()
+
+
+def test_add_request_counts_a_pinned_prefix_as_free_for_the_request():
+    # Pinned straight in the pool (past the cap, which preload would refuse): 8 of 16 blocks.
+    s = make_scheduler(num_blocks=16, max_model_len=64)
+    kv = s.kv_cache_manager
+    system = list(range(100, 132))
+    s.add_request(make_request(system, max_tokens=1))
+    while s.has_requests():
+        run_step(s)
+    kv.block_pool.pin(kv.get_computed_blocks(make_request(system + [0]))[0])
+    # 42 tokens: 11 blocks, 8 of them pinned hits: 3 new of the 8 unpinned.
+    question = make_request(system + list(range(10)), max_tokens=1)
+    s.add_request(question)
+    cold = make_request(33, max_tokens=1)  # 9 blocks, no pinned prefix: never fits
+    s.add_request(cold)
     _, outs = run_step(s)
-    assert [o.finish_reason for c in outs.values() for o in c.outputs] == ["length"]
+    assert question.num_cached_tokens == 32
+    [ignored] = [o for c in outs.values() for o in c.outputs if o.request_id == cold.request_id]
+    assert ignored.stop_reason == (
+        "prompt of 33 tokens needs 9 blocks of 4 besides its pinned prefix, which exceeds the "
+        "KV cache's 8 unpinned blocks (of 16)"
+    )
+
+
+def test_a_preload_prompt_that_did_not_run_is_not_pinned():
+    s = make_scheduler(num_blocks=16, max_model_len=40)
+    with pytest.raises(ValueError, match="was not computed: 2 of its 2 full blocks"):
+        s.kv_cache_manager.pin_prefix(list(range(8)))
 
 
 def test_preload_needs_prefix_caching_and_a_short_enough_prompt():
     with pytest.raises(ValueError, match="enable_prefix_caching"):
-        make_scheduler(enable_prefix_caching=False).check_preload([SYSTEM])
+        make_scheduler(enable_prefix_caching=False).kv_cache_manager.check_preload([SYSTEM])
     with pytest.raises(ValueError, match="max_model_len - 1 = 39"):
-        make_scheduler(max_model_len=40).check_preload([list(range(40))])
+        make_scheduler(max_model_len=40).kv_cache_manager.check_preload([list(range(40))])
 
 
 class FakeTokenizer:
@@ -102,13 +154,29 @@ class FakeTokenizer:
 def test_preload_prompt_forms(tmp_path):
     prompts = ["ab", [{"role": "system", "content": "c"}], [5, 6]]
     expected = [[1, 97, 98], [ord(c) for c in "<system>c"], [5, 6]]
-    assert preload_token_ids(prompts, FakeTokenizer()) == expected
+    assert preload_token_ids(prompts, FakeTokenizer(), 100) == expected
+    with pytest.raises(ValueError, match=r"preload_prompts\[0\]"):
+        preload_token_ids([3.5], FakeTokenizer(), 100)
+    with pytest.raises(ValueError, match="without a tokenizer"):
+        preload_token_ids(["ab"], None, 100)
+    # Token ids are checked against the vocabulary, as the processor checks them.
+    for bad in ([5, 100], [-1], [True, False]):
+        with pytest.raises(ValueError, match=r"preload_prompts\[0\]: token id .* out of voc"):
+            preload_token_ids([bad], FakeTokenizer(), 100)
+
+
+def test_preload_prompts_are_read_with_the_engine_arguments(tmp_path):
+    prompts = ["ab", [5, 6]]
     file = tmp_path / "prompts.json"
     file.write_text(json.dumps(prompts))
-    assert preload_token_ids(str(file), FakeTokenizer()) == expected
+    assert EngineArgs(preload_prompts=str(file)).preload_prompts == prompts  # read at once
+    assert EngineArgs(preload_prompts=prompts).preload_prompts == prompts
+    # A plain string is not a prompt: a file that is not there fails before anything loads.
+    with pytest.raises(ValueError, match="'You are a helpful assistant.' is not a file"):
+        EngineArgs(preload_prompts="You are a helpful assistant.")
+    file.write_text("{not json")
     with pytest.raises(ValueError, match="cannot read"):
-        preload_token_ids(str(tmp_path / "missing.json"), FakeTokenizer())
-    with pytest.raises(ValueError, match=r"preload_prompts\[0\]"):
-        preload_token_ids([3.5], FakeTokenizer())
-    with pytest.raises(ValueError, match="without a tokenizer"):
-        preload_token_ids(["ab"], None)
+        load_preload_prompts(str(file))
+    file.write_text('{"a": 1}')
+    with pytest.raises(ValueError, match="must be a list of prompts"):
+        load_preload_prompts(str(file))

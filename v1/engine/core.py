@@ -164,7 +164,9 @@ class EngineCore:
         )
         if args.preload_prompts is not None:
             try:
-                self.preload(preload_token_ids(args.preload_prompts, loaded.tokenizer))
+                self.preload(preload_token_ids(
+                    args.preload_prompts, loaded.tokenizer, int(loaded.hf_config.vocab_size)
+                ))
             except BaseException:
                 self.shutdown()
                 raise
@@ -172,14 +174,15 @@ class EngineCore:
     def preload(self, prompts: list[list[int]]) -> None:
         """Compute declared prefixes one at a time and pin each one's full blocks
         (v1/engine/preload.py); a ValueError before any is computed if they cannot be."""
-        self.scheduler.check_preload(prompts)
+        kv = self.scheduler.kv_cache_manager
+        kv.check_preload(prompts)
         for i, prompt in enumerate(prompts):
             self.add_request(EngineCoreRequest(
                 f"preload-{i}", prompt, SamplingParams(max_tokens=1, ignore_eos=True)
             ))
             while self.has_unfinished_requests():
                 self.step()
-            num_pinned = self.scheduler.pin_prefix(prompt)
+            num_pinned = kv.pin_prefix(prompt)
             logger.info("preloaded prompt %d: %d tokens, %d blocks pinned",
                         i, len(prompt), num_pinned)
 

@@ -7,49 +7,44 @@ Each prompt is one of:
 - a list of chat messages (`{"role": ..., "content": ...}`): rendered by the model's chat
   template without a generation prompt and tokenized as a conversation is, so a system
   message declared alone is the prefix of every conversation that starts with it;
-- a list of token ids, as is.
+- a list of token ids, as is (each checked against the vocabulary, as the processor does).
 
-The file is a JSON list of such prompts. Only full blocks are pinned (a partial last block
-is never cached); `EngineCore.preload` computes the prompts one at a time, pinning each
-before the next, so a later one never evicts an earlier one.
+The file is a JSON list of such prompts, read when the engine arguments are made
+(`v1.config.load_preload_prompts`), before the model loads. Only full blocks are pinned (a
+partial last block is never cached); `EngineCore.preload` computes the prompts one at a
+time, pinning each before the next, so a later one never evicts an earlier one.
 """
 
-import json
-from pathlib import Path
 from typing import Any
 
-
-def load_preload_prompts(spec: str | list[Any]) -> list[Any]:
-    """The prompts of `preload_prompts`: a list, or the path of a JSON file holding one."""
-    if isinstance(spec, str):
-        try:
-            spec = json.loads(Path(spec).expanduser().read_text())
-        except (OSError, ValueError) as e:
-            raise ValueError(f"preload_prompts: cannot read {spec}: {e}") from e
-    if not isinstance(spec, list):
-        raise ValueError(f"preload_prompts must be a list of prompts, got {type(spec).__name__}")
-    return spec
+from v1.engine.processor import check_token_ids
 
 
-def preload_token_ids(spec: str | list[Any], tokenizer: Any) -> list[list[int]]:
-    """Each declared prompt's token ids (see the module docstring for the forms)."""
-    prompts = []
-    for i, prompt in enumerate(load_preload_prompts(spec)):
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            prompts.append(list(prompt))
+def preload_token_ids(
+    prompts: list[Any], tokenizer: Any, vocab_size: int
+) -> list[list[int]]:
+    """Each declared prompt's token ids (see the module docstring for the forms; the file is
+    read by `EngineArgs`, see `load_preload_prompts`)."""
+    token_ids = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, list) and not all(isinstance(m, dict) for m in prompt):
+            try:
+                token_ids.append(check_token_ids(prompt, vocab_size))
+            except ValueError as e:
+                raise ValueError(f"preload_prompts[{i}]: {e}") from e
             continue
         if tokenizer is None:
             raise ValueError("preload_prompts: without a tokenizer, give token ids")
         if isinstance(prompt, str):
-            prompts.append(tokenizer.encode(prompt, add_special_tokens=True))
-        elif isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
+            token_ids.append(tokenizer.encode(prompt, add_special_tokens=True))
+        elif isinstance(prompt, list):
             text = tokenizer.apply_chat_template(
                 prompt, tokenize=False, add_generation_prompt=False
             )
-            prompts.append(tokenizer.encode(text, add_special_tokens=False))
+            token_ids.append(tokenizer.encode(text, add_special_tokens=False))
         else:
             raise ValueError(
                 f"preload_prompts[{i}] must be a string, a list of chat messages or a list "
                 f"of token ids, got {prompt!r:.80}"
             )
-    return prompts
+    return token_ids

@@ -1,32 +1,41 @@
 """Prefix-aware admission: the order in which the scheduler tries a window of waiting requests.
 
 SGLang's cache-aware ("longest prefix match") policy, bounded so that nobody starves
-(`SchedulerConfig.enable_prefix_aware_scheduling`):
+(`SchedulerConfig.enable_prefix_aware_scheduling`; the loop is `Scheduler._schedule_waiting`):
 
-- Ranking. A waiting request's *found* prefix is the run of its leading full blocks that are
-  in the prefix cache (computed, or scheduled earlier in this step) or that a running request
-  will compute in a later step (`PrefillIndex`). The scheduler takes the first
-  `prefix_aware_window` waiting requests and tries the longest found prefix first, queue
-  order among equals; it re-ranks after each admission, as an admitted request's blocks
-  become others' prefixes. A request that does not fit stops admission, as under FCFS.
+- Ranking. A waiting request's cached prefix is the run of its leading full blocks in the
+  prefix cache (computed, or scheduled earlier in this step). The scheduler takes the first
+  `prefix_aware_window` waiting requests and tries the longest cached prefix first, queue
+  order among equals; it re-ranks after each admission, whose scheduled blocks become others'
+  prefixes. (Blocks a running request will compute later do not rank: a request whose next
+  block is one of them is deferred wherever it ranks, so its rank would change nothing.)
 - Deferral. A request whose first block missing from the prefix cache is one a running
-  request will compute waits for it, set aside without blocking anyone, instead of computing
-  it a second time in parallel; once the owner has scheduled that block, it hits it.
-- The bound. Each step in which a request is deferred, or a request behind it in the queue is
-  admitted while it is not, counts in its `num_passed_over` (reset on admission). A window
+  request will compute (`PrefillIndex`) waits for it, set aside without blocking anyone,
+  instead of computing it a second time in parallel; once the owner has scheduled that
+  block, it hits it.
+- Fit. A request that does not fit (seats, blocks, or the budget with chunking off) stops
+  admission if it is the earliest one left in queue order, as under FCFS. If it was tried out
+  of queue order, the rest of the window is tried in queue order: the head is admitted
+  whenever it fits, as FCFS would admit it.
+- The bound. A step counts in a request's `num_passed_over` (reset on admission) if a
+  request behind it in the queue is admitted while it is not, or if it is deferred for a
+  block whose owner was not scheduled in that step (a waiter whose owner advances is being
+  served: it waits at most as long as the owner takes to compute what it waits for). A window
   holding a request with `prefix_aware_max_skips` or more is tried in plain queue order with
-  no deferral, so nobody behind that request is admitted before it: it waits at most
-  `max_skips` such steps more than FCFS would make it wait.
+  no deferral, so nobody behind that request is admitted before it.
+- Cost. Admission stops once a window's worth of requests has been deferred in a step, so a
+  step examines O(window + admitted) requests whatever the queue's length; a request's cached
+  prefix is walked once per step (re-ranking resumes where the walk stopped).
 - No deadlock. Only running requests own awaited blocks and the index is rebuilt every
-  step, so a preempted or aborted owner is not waited for; and a deferral is a skip, so even a
-  live owner is waited for at most `max_skips` steps.
+  step, so a preempted or aborted owner is not waited for.
 """
 
+from v1.core.kv_cache_utils import max_hit_blocks
 from v1.request import BlockHash, Request
 
 
 class PrefillIndex:
-    """Block hash -> a running request that will compute that block in a later step: the
+    """Block hash -> the running request that will compute that block in a later step: the
     full blocks of running requests past those already indexed in the prefix cache (a
     decoding request has none). Built once per step, only when waiting requests are tried."""
 
@@ -47,73 +56,97 @@ class PrefillIndex:
 
 
 class WindowOrder:
-    """The order in which to try one window of waiting requests (positions in the window).
+    """The order in which to try one window of waiting requests (positions in the window):
+    `fcfs` (queue order, no deferral) or `ranked` (see the module docstring)."""
 
-    With `cached` None, or when a request in the window has been passed over `max_skips`
-    times: queue order, no deferral (FCFS). Otherwise longest found prefix first."""
-
-    __slots__ = ("window", "cached", "prefill", "block_size", "fcfs", "remaining", "found")
+    __slots__ = ("window", "remaining", "cached", "prefill", "block_size", "ranking",
+                 "num_cached")
 
     def __init__(
         self,
         window: list[Request],
-        cached: dict[BlockHash, object] | None = None,
-        prefill: PrefillIndex | None = None,
-        block_size: int = 0,
-        max_skips: int = 0,
+        cached: dict[BlockHash, object] | None,
+        prefill: PrefillIndex | None,
+        block_size: int,
     ) -> None:
         self.window = window
-        self.cached = cached
+        self.remaining = list(range(len(window)))  # in queue order
+        self.cached = cached  # None: queue order, no deferral
         self.prefill = prefill
         self.block_size = block_size
-        self.fcfs = cached is None or any(r.num_passed_over >= max_skips for r in window)
-        self.remaining = list(range(len(window)))
-        self.found = [0] * len(window)
-        if not self.fcfs:
+        self.ranking = cached is not None
+        self.num_cached = [0] * len(window)  # each one's cached prefix as far as walked
+        if self.ranking:
             self.refresh()
 
-    def _max_blocks(self, request: Request) -> int:
-        # As `get_computed_blocks`: the last token is always computed.
-        return min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
+    @classmethod
+    def fcfs(cls, window: list[Request]) -> "WindowOrder":
+        return cls(window, None, None, 0)
+
+    @classmethod
+    def ranked(
+        cls,
+        window: list[Request],
+        cached: dict[BlockHash, object],
+        prefill: PrefillIndex,
+        block_size: int,
+        max_skips: int,
+    ) -> "WindowOrder":
+        """Longest cached prefix first, with deferral; queue order with no deferral once
+        one of the window has been passed over `max_skips` times (the bound)."""
+        if any(r.num_passed_over >= max_skips for r in window):
+            return cls.fcfs(window)
+        return cls(window, cached, prefill, block_size)
+
+    def _walk(self, i: int) -> int:
+        """Extend request i's cached prefix from where its last walk stopped. Within a step
+        it mostly grows (admissions index blocks); an admission's allocation may also evict
+        a free cached block, which leaves it stale-high: that affects the ranking only, as
+        the admission plan reads the cache again."""
+        cached = self.cached
+        assert cached is not None
+        request = self.window[i]
+        hashes = request.block_hashes
+        n, limit = self.num_cached[i], max_hit_blocks(request, self.block_size)
+        while n < limit and hashes[n] in cached:
+            n += 1
+        self.num_cached[i] = n
+        return n
 
     def refresh(self) -> None:
-        """Extend the found prefixes (after an admission added blocks to both indexes).
-        Found prefixes only grow within a step, so each resumes where it stopped."""
-        if self.fcfs:
-            return
-        cached = self.cached
-        owner = self.prefill.owner if self.prefill is not None else {}
-        found, window = self.found, self.window
-        for i in self.remaining:
-            request = window[i]
-            hashes = request.block_hashes
-            n, limit = found[i], self._max_blocks(request)
-            while n < limit and (hashes[n] in cached or hashes[n] in owner):
-                n += 1
-            found[i] = n
+        """Re-rank (after an admission added blocks to the prefix cache)."""
+        if self.ranking:
+            for i in self.remaining:
+                self._walk(i)
 
-    def pop(self) -> int:
-        """The position of the next request to try (there must be one left)."""
+    def to_queue_order(self) -> None:
+        """Try the rest in queue order (deferral stays): a request tried out of order did
+        not fit, and nobody ahead of it may wait behind it."""
+        self.ranking = False
+
+    def pop(self) -> tuple[int, bool]:
+        """The position of the next request to try (there must be one left), and whether it
+        is the earliest one left in queue order."""
         remaining = self.remaining
-        if self.fcfs:
-            return remaining.pop(0)
-        found = self.found
+        if not self.ranking:
+            return remaining.pop(0), True
+        num_cached = self.num_cached
         best = 0
         for k in range(1, len(remaining)):
-            if found[remaining[k]] > found[remaining[best]]:
+            if num_cached[remaining[k]] > num_cached[remaining[best]]:
                 best = k
-        return remaining.pop(best)
+        return remaining.pop(best), best == 0
 
-    def defers(self, request: Request) -> bool:
-        """Whether `request` should wait for blocks a running request is computing: its
-        first block not in the prefix cache is one (see the module docstring)."""
-        if self.fcfs or self.prefill is None or not self.prefill.owner:
-            return False
+    def awaited_owner(self, i: int) -> Request | None:
+        """The running request that computes request i's first block missing from the
+        prefix cache, when it should wait for it; None when it should not wait."""
+        prefill = self.prefill
+        if self.cached is None or prefill is None or not prefill.owner:
+            return None
+        request = self.window[i]
         if request.sampling_params.prompt_logprobs is not None:
-            return False  # it uses no cache hits: waiting would gain nothing
-        cached, hashes = self.cached, request.block_hashes
-        assert cached is not None
-        for i in range(self._max_blocks(request)):
-            if hashes[i] not in cached:
-                return hashes[i] in self.prefill.owner
-        return False
+            return None  # it uses no cache hits: waiting would gain nothing
+        n = self._walk(i)
+        if n >= max_hit_blocks(request, self.block_size):
+            return None
+        return prefill.owner.get(request.block_hashes[n])
