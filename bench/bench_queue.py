@@ -86,7 +86,9 @@ def burst(args: argparse.Namespace) -> list[dict[str, Any]]:
                for _ in range(args.burst)]
     ideal = args.prefix_len + args.burst * args.suffix_len
     rows = []
-    for budget, threshold in ((2048, 0), (2048, 256), (512, 0), (8192, 512), (1024, 128)):
+    for budget, threshold in (
+        (2048, 0), (2048, 256), (512, 0), (8192, 512), (1024, 128), (1024, 64), (2048, 32),
+    ):
         for aware in (False, True):
             s = make_scheduler(4096, budget, threshold, aware)
             result = run(s, prompts, args.output_len)
