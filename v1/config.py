@@ -67,6 +67,16 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"  # "fcfs" | "priority"
     async_scheduling: bool = False
+    # Prefix-aware admission (v1/core/sched/prefix_aware.py; SGLang's cache-aware policy,
+    # bounded): among the first `prefix_aware_window` waiting requests, those with the
+    # longest prefix cached or being computed go first, and one whose next uncached block a
+    # running request is computing waits for it. A request passed over (or deferred) in
+    # `prefix_aware_max_skips` steps makes admission FCFS until it is admitted. Under the
+    # priority policy only requests tied with the head's priority are reordered. Needs
+    # prefix caching (a no-op without it).
+    enable_prefix_aware_scheduling: bool = True
+    prefix_aware_window: int = 32
+    prefix_aware_max_skips: int = 16
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -78,6 +88,10 @@ class SchedulerConfig:
                 "long_prefill_token_threshold must be >= 0, "
                 f"got {self.long_prefill_token_threshold}"
             )
+        for name in ("prefix_aware_window", "prefix_aware_max_skips"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
@@ -94,6 +108,8 @@ class CacheConfig:
     num_gpu_blocks: int | None = None  # None: derive from kv_cache_memory
     kv_cache_memory: int | None = None  # bytes; None: the device's default budget
     enable_prefix_caching: bool = True
+    # Declared prefixes (`--preload-prompts`) may pin at most this fraction of the blocks.
+    preload_max_fraction: float = 0.5
     # What the KV cache stores (vLLM's name): "auto" (the model's dtype), "bfloat16",
     # "float16" or "float32"; any spelling of KV_CACHE_DTYPES, kept canonical.
     cache_dtype: str = "auto"
@@ -102,6 +118,10 @@ class CacheConfig:
         self.cache_dtype = kv_cache_dtype_name(self.cache_dtype)
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {self.block_size!r}")
+        if not 0 < self.preload_max_fraction <= 1:
+            raise ValueError(
+                f"preload_max_fraction must be in (0, 1], got {self.preload_max_fraction}"
+            )
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
             raise ValueError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
 
@@ -213,6 +233,25 @@ class SpeculativeConfig:
                 )
 
 
+def load_preload_prompts(spec: str | list[Any]) -> list[Any]:
+    """The prompts of `preload_prompts` (v1/engine/preload.py): a list, or the path of a JSON
+    file holding one, read here so that a bad one fails before the model loads."""
+    if isinstance(spec, str):
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            raise ValueError(
+                f"preload_prompts: {spec!r} is not a file (give the path of a JSON list of "
+                "prompts, or a list of prompts)"
+            )
+        try:
+            spec = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"preload_prompts: cannot read {spec}: {e}") from e
+    if not isinstance(spec, list):
+        raise ValueError(f"preload_prompts must be a list of prompts, got {type(spec).__name__}")
+    return spec
+
+
 @dataclass(slots=True)
 class EngineArgs:
     """The user-facing engine options, named as vLLM names them."""
@@ -232,6 +271,15 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
+    # Waiting requests whose prefix is cached or being computed go first (bounded: see
+    # SchedulerConfig.enable_prefix_aware_scheduling); --no-enable-prefix-aware-scheduling: FCFS.
+    enable_prefix_aware_scheduling: bool = True
+    # Declared prefixes (v1/engine/preload.py): prompts computed at start-up whose full
+    # blocks are pinned in the prefix cache, never evicted: a list of prompts (text, a
+    # conversation as a list of messages, or token ids), or the path of a JSON file holding
+    # one (--preload-prompts FILE). They may pin at most preload_max_fraction of the blocks.
+    preload_prompts: str | list[Any] | None = None
+    preload_max_fraction: float = 0.5
     async_scheduling: bool = False
     num_gpu_blocks: int | None = None
     kv_cache_memory: int | None = None  # bytes
@@ -343,6 +391,8 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
         self.input_limits()  # a bad limit fails here, before anything starts
         self.speculative()  # likewise a bad speculative_config
+        if self.preload_prompts is not None:
+            self.preload_prompts = load_preload_prompts(self.preload_prompts)
         gen = self.generation_config
         if gen not in ("auto", "vllm") and not Path(gen).expanduser().is_dir():
             raise ValueError(
@@ -416,6 +466,7 @@ class EngineArgs:
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             policy=self.scheduling_policy,
             async_scheduling=self.async_scheduling,
+            enable_prefix_aware_scheduling=self.enable_prefix_aware_scheduling,
         )
         kv_cache_memory = self._either("kv_cache_memory", "kv_cache_memory_bytes")
         if kv_cache_memory is None and on_gpu and self.gpu_memory_utilization is not None:
@@ -425,6 +476,7 @@ class EngineArgs:
             num_gpu_blocks=self._either("num_gpu_blocks", "num_gpu_blocks_override"),
             kv_cache_memory=kv_cache_memory,
             enable_prefix_caching=self.enable_prefix_caching,
+            preload_max_fraction=self.preload_max_fraction,
             cache_dtype=self.kv_cache_dtype,
         )
         return scheduler_config, cache_config

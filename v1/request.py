@@ -109,7 +109,7 @@ class Request:
         "status", "num_computed_tokens", "num_cached_tokens", "num_preemptions",
         "num_output_placeholders", "block_hashes", "cache_salt", "stop_reason",
         "queued_time", "scheduled_time", "_block_hasher", "_next_hash_len", "grammar_future",
-        "grammar", "spec_token_ids",
+        "grammar", "spec_token_ids", "num_passed_over",
     )
 
     def __init__(
@@ -148,6 +148,9 @@ class Request:
         self.grammar_future: Future[StructuredOutputGrammar] | None = None
         self.grammar: StructuredOutputGrammar | None = None
         self.spec_token_ids: list[int] = []
+        # Steps it waited while a request behind it was admitted, or deferred for blocks
+        # another request computes (prefix-aware admission); 0 again once admitted.
+        self.num_passed_over = 0
         self.block_hashes: list[BlockHash] = []
         self._block_hasher = block_hasher
         # The length at which the next block to hash is full: appends below it skip the

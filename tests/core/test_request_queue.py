@@ -49,3 +49,22 @@ def test_priority_ties_on_equal_keys_do_not_crash():
 def test_unknown_policy():
     with pytest.raises(ValueError, match="'lifo'"):
         create_request_queue("lifo")
+
+
+def test_pop_window_fcfs_and_priority_ties():
+    q = FCFSRequestQueue()
+    reqs = [make_request(4) for _ in range(5)]
+    for r in reqs:
+        q.add_request(r)
+    assert q.pop_window(3) == reqs[:3] and list(q) == reqs[3:]
+    assert q.pop_window(9) == reqs[3:] and not q
+    p = PriorityRequestQueue()
+    a = make_request(4, priority=0, arrival_time=3.0)
+    b = make_request(4, priority=0, arrival_time=1.0)
+    c = make_request(4, priority=1, arrival_time=0.0)
+    for r in (a, b, c):
+        p.add_request(r)
+    assert p.pop_window(9) == [b, a]  # the head's priority only, in order
+    assert list(p) == [c]
+    p.prepend_request(a)
+    assert p.pop_window(1) == [a]

@@ -5,6 +5,10 @@ Preemption happens by itself: the pool is small enough that running requests out
 Async scheduling keeps one step in flight, as the engine's batch queue does. With speculative
 decoding the shadow runner drafts (some drafts right, some wrong) and verifies them: rejected
 drafts' slots must never be found through the prefix cache before they are rewritten.
+
+Starvation: the queue head that fits is admitted at once under FCFS, and with prefix-aware
+admission waits at most `max_skips` such steps (not counting those in which a request it
+shares blocks with, which it may be waiting for, is scheduled).
 """
 
 from collections import deque
@@ -14,6 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from tests.core.utils import EOS, ShadowRunner, make_request, make_scheduler
+from v1.core.kv_cache_manager import FreedBlocks
 
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 32
@@ -31,16 +36,24 @@ class SchedulerMachine(RuleBasedStateMachine):
         caching=st.sampled_from([True, True, False]),
         spec_k=st.sampled_from([0, 0, 1, 3]),
         seed=st.integers(0, 2**16),
+        # Prefix-aware admission: off (None), or on with this bound on skips; its window.
+        max_skips=st.sampled_from([None, 1, 3, 16]),
+        window=st.sampled_from([2, 32]),
     )
     def setup(
-        self, num_blocks, budget, threshold, policy, async_scheduling, caching, spec_k, seed
+        self, num_blocks, budget, threshold, policy, async_scheduling, caching, spec_k, seed,
+        max_skips, window,
     ):
         self.s = make_scheduler(
             num_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=6,
             max_model_len=MAX_MODEL_LEN, policy=policy, long_prefill_token_threshold=threshold,
             async_scheduling=async_scheduling, enable_prefix_caching=caching,
+            enable_prefix_aware_scheduling=max_skips is not None,
+            prefix_aware_max_skips=max_skips or 1, prefix_aware_window=window,
         )
         self.budget = budget
+        self.max_skips = max_skips or 0
+        self.starved: dict[str, int] = {}  # queue heads: steps they fit and were not admitted
         self.runner = ShadowRunner(BLOCK_SIZE, spec_k, seed)
         self.in_flight: deque = deque()
         self.finished: set[str] = set()
@@ -76,9 +89,36 @@ class SchedulerMachine(RuleBasedStateMachine):
             event("resumed")
         if out.scheduled_spec_decode_tokens:
             event("drafts")
+        self._check_starvation(out)
         self.in_flight.append((out, self.runner.execute(out, eos_row)))
         if not s.async_scheduling or len(self.in_flight) == 2:
             self._finish_oldest()
+
+    def _check_starvation(self, out):
+        s = self.s
+        for r in out.scheduled_new_reqs:
+            self.starved.pop(r.req_id, None)
+        for req_id in out.scheduled_cached_reqs.req_ids:
+            self.starved.pop(req_id, None)
+        budget = self.budget - out.total_num_scheduled_tokens
+        if out.preempted_req_ids or not s.waiting or budget <= 0:
+            return
+        head = s.waiting.peek_request()
+        if head.num_output_placeholders:
+            return  # (async) it cannot be admitted before its output is back
+        # Nothing was admitted after it was tried: does it fit in what the step left?
+        plan = s._plan_admission(head, budget, 0, FreedBlocks())
+        if plan is None or not plan.num_new_tokens:
+            return
+        hashes = set(head.block_hashes)
+        if any(
+            hashes.intersection(s.requests[r].block_hashes)
+            for r in out.num_scheduled_tokens if r in s.requests
+        ):
+            return  # it may be waiting for blocks a scheduled request is computing
+        n = self.starved[head.request_id] = self.starved.get(head.request_id, 0) + 1
+        event("head fits, not admitted")
+        assert n <= self.max_skips, f"{head} fit and waited {n} steps (max_skips {self.max_skips})"
 
     def _finish_oldest(self):
         out, model_out = self.in_flight.popleft()

@@ -51,12 +51,14 @@ def make_scheduler(
     **kwargs,
 ) -> Scheduler:
     caching = kwargs.pop("enable_prefix_caching", True)
+    preload_max_fraction = kwargs.pop("preload_max_fraction", 0.5)
     return Scheduler(
         SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, policy=policy, **kwargs,
         ),
-        CacheConfig(block_size=block_size, enable_prefix_caching=caching),
+        CacheConfig(block_size=block_size, enable_prefix_caching=caching,
+                    preload_max_fraction=preload_max_fraction),
         num_blocks,
     )
 

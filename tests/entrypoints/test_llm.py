@@ -1,5 +1,7 @@
 """`LLM` end to end on the real default model, checked token for token against HF."""
 
+import json
+
 import pytest
 import torch
 
@@ -379,3 +381,32 @@ def test_multiprocess_option(monkeypatch, default_model):
     monkeypatch.setenv("V1_ENABLE_MULTIPROCESSING", "0")
     with pytest.raises(Chosen):
         LLM()
+
+
+def test_preload_prompts_pin_a_system_prompt(make_llm, hf_greedy, hf_tokenizer, tmp_path):
+    """A declared system prompt (a JSON file, as --preload-prompts reads it) is computed at
+    start-up and stays cached through traffic that fills the pool many times over; the
+    outputs stay HF's. Over the cap, the engine refuses to start, naming both numbers."""
+    file = tmp_path / "prompts.json"
+    file.write_text(json.dumps([[{"role": "system", "content": SYSTEM}]]))
+    llm = make_llm(num_gpu_blocks=48, max_model_len=256, preload_prompts=str(file))
+    stats = llm.get_stats()
+    assert stats.prefix_cache_queries == 0  # the preload is not traffic
+    filler = [" ".join(["word"] * 150) + f" {i}" for i in range(8)]  # ~10 blocks each
+    llm.generate(filler, SamplingParams(max_tokens=4), use_tqdm=False)
+    prompt = hf_tokenizer.apply_chat_template(
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}],
+        add_generation_prompt=True, tokenize=False,
+    )
+    outputs = llm.generate([prompt], GREEDY, use_tqdm=False)
+    system = hf_tokenizer.apply_chat_template(
+        [{"role": "system", "content": SYSTEM}], tokenize=False, add_generation_prompt=False
+    )
+    num_system_tokens = len(hf_tokenizer.encode(system, add_special_tokens=False))
+    # The system prompt's full blocks (the filler evicted everything else).
+    assert outputs[0].num_cached_tokens == num_system_tokens // 16 * 16 > 0
+    assert_matches_hf(llm, outputs, hf_greedy)
+    check_idle(llm)
+    with pytest.raises(ValueError, match=r"over the limit of 2 \(preload_max_fraction"):
+        make_llm(num_gpu_blocks=48, max_model_len=256, preload_prompts=str(file),
+                 preload_max_fraction=0.05)

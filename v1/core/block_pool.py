@@ -10,8 +10,15 @@ The free list is a doubly linked list of `KVCacheBlock`s in eviction order:
   `get_new_blocks` hands it out (lazy eviction).
 - A cache hit on a free block ("touch") unlinks it from the middle of the list in O(1).
 
+Pinned blocks (declared prefixes, `--preload-prompts`): a pinned block holds one extra
+reference for as long as the pool lives, so it is never in the free list and never evicted;
+requests hit it like any cached block. `reset_prefix_cache` forgets every other block and
+keeps the pinned ones (they are declared, not learned), so it succeeds once no request holds
+a block: free + pinned == all.
+
 Invariants (checked by `check_integrity`): a block is in the free list iff `ref_cnt == 0`;
-every hashed block is in the index under its hash and vice versa.
+every hashed block is in the index under its hash and vice versa; a pinned block is hashed
+and referenced.
 """
 
 from collections.abc import Iterable
@@ -107,6 +114,7 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        self.pinned: dict[BlockHash, KVCacheBlock] = {}
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
@@ -176,13 +184,24 @@ class BlockPool:
                 else:
                     queue.append(block)
 
+    def pin(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Keep these cached blocks out of eviction for good (one extra reference each)."""
+        for block in blocks:
+            block_hash = block.block_hash
+            assert block_hash is not None, f"{block} is not cached: it cannot be pinned"
+            if block_hash not in self.pinned:
+                self.pinned[block_hash] = block
+                self.touch((block,))
+
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block; refused (False) while any block is in use."""
-        if self.get_num_free_blocks() != self.num_blocks:
+        """Forget every cached block but the pinned ones; refused (False) while a request
+        holds any block."""
+        if self.get_num_free_blocks() + len(self.pinned) != self.num_blocks:
             return False
         for block in self.blocks:
-            block.block_hash = None
-        self.cached_block_hash_to_block.clear()
+            if block.ref_cnt == 0:
+                block.block_hash = None
+        self.cached_block_hash_to_block = dict(self.pinned)
         return True
 
     def check_integrity(self) -> None:
@@ -197,3 +216,6 @@ class BlockPool:
             assert block.block_hash == block_hash, f"index points at {block} with another hash"
         num_hashed = sum(1 for b in self.blocks if b.block_hash is not None)
         assert num_hashed == len(self.cached_block_hash_to_block), "hashed block not indexed"
+        for block_hash, block in self.pinned.items():
+            assert self.cached_block_hash_to_block.get(block_hash) is block, f"{block} unpinned"
+            assert block.ref_cnt >= 1, f"pinned {block} has no reference"

@@ -21,12 +21,19 @@ preempt a request it scheduled earlier in the same call. Hence:
   write, so nobody finds K/V that is never written.
 - The scheduler never preempts a request whose unwritten blocks another request already
   shares (`has_shared_unwritten_blocks`): that sharer would attend to them.
+
+Declared prefixes (`--preload-prompts`, v1/engine/preload.py): `check_preload` refuses them
+before any is computed, `pin_prefix` pins one's blocks in the pool once computed. The cap on
+pinned blocks: at most `preload_max_fraction` of the pool, and never so many that the other
+blocks cannot hold one request of `max_model_len` tokens (it could never run: it would
+preempt itself for ever).
 """
 
 from collections import deque
 from typing import NamedTuple
 
 from v1.core.block_pool import BlockPool, KVCacheBlock
+from v1.core.kv_cache_utils import hash_token_blocks, max_hit_blocks
 from v1.request import Request
 
 _NO_BLOCKS: list[KVCacheBlock] = []
@@ -90,9 +97,18 @@ _NOTHING_FREED = FreedBlocks()
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        preload_max_fraction: float = 0.5,
+        max_model_len: int = 1,
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.preload_max_fraction = preload_max_fraction
+        self.max_model_len = max_model_len
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
@@ -108,6 +124,8 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
+        """The fraction of blocks not free: held by requests, or pinned (as vLLM's usage,
+        which counts every block that cannot be handed out; cached free blocks are free)."""
         return self.block_pool.get_usage()
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
@@ -116,10 +134,9 @@ class KVCacheManager:
         its logits are needed."""
         if not self.enable_caching:
             return _NO_BLOCKS, 0
-        max_blocks = (request.num_tokens - 1) // self.block_size
         get_cached = self.block_pool.get_cached_block
         blocks: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_blocks]:
+        for block_hash in request.block_hashes[:max_hit_blocks(request, self.block_size)]:
             block = get_cached(block_hash)
             if block is None:
                 break
@@ -257,6 +274,69 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, _NO_BLOCKS)]
 
+    # -- declared prefixes ------------------------------------------------------------
+
+    def check_preload(self, prompts: list[list[int]]) -> None:
+        """Refuse declared prefixes (ValueError) before any is computed: prefix caching off,
+        a prompt empty or not shorter than max_model_len, or pins over the cap."""
+        if not self.enable_caching:
+            raise ValueError("preload_prompts need enable_prefix_caching")
+        hashes = set(self.block_pool.pinned)
+        for ids in prompts:
+            if not 0 < len(ids) < self.max_model_len:
+                raise ValueError(
+                    f"a preload prompt of {len(ids)} tokens: it must have 1 to "
+                    f"max_model_len - 1 = {self.max_model_len - 1}"
+                )
+            hashes.update(hash_token_blocks(ids, self.block_size))
+        self._check_pins(len(hashes))
+
+    def _check_pins(self, num_pinned: int) -> None:
+        """ValueError unless `num_pinned` pinned blocks are within the cap (module docstring)."""
+        num_blocks, block_size = self.num_blocks, self.block_size
+        limit = int(self.preload_max_fraction * num_blocks)
+        if num_pinned > limit:
+            raise ValueError(
+                f"preload_prompts would pin {num_pinned} blocks of {block_size} tokens, over "
+                f"the limit of {limit} (preload_max_fraction {self.preload_max_fraction:.3g} "
+                f"of {num_blocks} blocks)"
+            )
+        num_needed = -(-self.max_model_len // block_size)
+        if num_blocks - num_pinned < num_needed:
+            raise ValueError(
+                f"preload_prompts would pin {num_pinned} of {num_blocks} blocks of "
+                f"{block_size} tokens, leaving {num_blocks - num_pinned}: a request of "
+                f"max_model_len {self.max_model_len} tokens needs {num_needed} (pin less, "
+                "lower max_model_len, or give the KV cache more blocks)"
+            )
+
+    def pin_prefix(self, prompt_token_ids: list[int]) -> int:
+        """Pin the full blocks of a prompt its request has just computed; returns how many.
+        ValueError if one is not cached (its request did not run) or over the cap. The
+        preload's lookups leave the hit-rate metrics: they are not traffic."""
+        hashes = hash_token_blocks(prompt_token_ids, self.block_size)
+        pool = self.block_pool
+        blocks = [pool.get_cached_block(h) for h in hashes]
+        missing = sum(b is None for b in blocks)
+        if missing:
+            raise ValueError(
+                f"a preload prompt of {len(prompt_token_ids)} tokens was not computed: "
+                f"{missing} of its {len(hashes)} full blocks are not cached"
+            )
+        self._check_pins(len(pool.pinned.keys() | set(hashes)))
+        pool.pin(b for b in blocks if b is not None)
+        self.prefix_cache_metrics.reset()
+        return len(blocks)
+
+    def num_pinned_prefix_blocks(self, request: Request) -> int:
+        """How many of the request's leading blocks are pinned: hits it never allocates."""
+        pinned = self.block_pool.pinned
+        hashes = request.block_hashes
+        n, limit = 0, (max_hit_blocks(request, self.block_size) if pinned else 0)
+        while n < limit and hashes[n] in pinned:
+            n += 1
+        return n
+
     def reset_prefix_cache(self) -> bool:
         if not self.block_pool.reset_prefix_cache():
             return False
@@ -271,6 +351,8 @@ class KVCacheManager:
         for blocks in self.req_to_blocks.values():
             for block in blocks:
                 refs[block.block_id] = refs.get(block.block_id, 0) + 1
+        for block in self.block_pool.pinned.values():  # the pin's own reference
+            refs[block.block_id] = refs.get(block.block_id, 0) + 1
         for block in self.block_pool.blocks:
             assert block.ref_cnt == refs.get(block.block_id, 0), (
                 f"{block}: {refs.get(block.block_id, 0)} references held"
@@ -282,5 +364,8 @@ class KVCacheManager:
                 len(self.req_to_blocks[req_id]), self.num_cached_block[req_id]
             )
             assert limit == expected, f"{req_id}: quiet limit {limit}, should be {expected}"
+        pool = self.block_pool
+        if pool.pinned:
+            self._check_pins(len(pool.pinned))
         if not self.req_to_blocks:
-            assert self.block_pool.get_num_free_blocks() == self.num_blocks
+            assert pool.get_num_free_blocks() + len(pool.pinned) == self.num_blocks

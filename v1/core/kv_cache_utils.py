@@ -61,6 +61,23 @@ class _FullBlockHasher:
         return new_hashes
 
 
+def hash_token_blocks(token_ids: list[int], block_size: int) -> list[BlockHash]:
+    """The chained hashes of the full blocks of unsalted token ids (a declared prefix):
+    those of a request with this prompt."""
+    hashes: list[BlockHash] = []
+    parent = NONE_HASH
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
+def max_hit_blocks(request: Request, block_size: int) -> int:
+    """How many leading full blocks a prefix-cache hit may cover: never the last token,
+    which is always computed (its logits are needed)."""
+    return min(len(request.block_hashes), (request.num_tokens - 1) // block_size)
+
+
 def make_block_hasher(block_size: int) -> BlockHasher:
     """A hasher for `Request`s' blocks of `block_size` tokens."""
     if block_size < 1:

@@ -82,10 +82,12 @@ from v1 import heap
 from v1.config import EngineArgs
 from v1.core.sched.output import SchedulerOutput
 from v1.core.sched.scheduler import Scheduler
+from v1.engine.preload import preload_token_ids
 from v1.engine.structured_output import StructuredOutputManager
 from v1.models.loader import LoadedModel, load_model
 from v1.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerStats
 from v1.request import EngineCoreRequest
+from v1.sampling_params import SamplingParams
 from v1.worker.model_runner import ModelRunner, attention_impl_for
 
 logger = logging.getLogger("v1")
@@ -160,6 +162,29 @@ class EngineCore:
             if scheduler_config.async_scheduling
             else None
         )
+        if args.preload_prompts is not None:
+            try:
+                self.preload(preload_token_ids(
+                    args.preload_prompts, loaded.tokenizer, int(loaded.hf_config.vocab_size)
+                ))
+            except BaseException:
+                self.shutdown()
+                raise
+
+    def preload(self, prompts: list[list[int]]) -> None:
+        """Compute declared prefixes one at a time and pin each one's full blocks
+        (v1/engine/preload.py); a ValueError before any is computed if they cannot be."""
+        kv = self.scheduler.kv_cache_manager
+        kv.check_preload(prompts)
+        for i, prompt in enumerate(prompts):
+            self.add_request(EngineCoreRequest(
+                f"preload-{i}", prompt, SamplingParams(max_tokens=1, ignore_eos=True)
+            ))
+            while self.has_unfinished_requests():
+                self.step()
+            num_pinned = kv.pin_prefix(prompt)
+            logger.info("preloaded prompt %d: %d tokens, %d blocks pinned",
+                        i, len(prompt), num_pinned)
 
     # -- requests ---------------------------------------------------------------------
 

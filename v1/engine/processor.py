@@ -31,6 +31,19 @@ from v1.sampling_params import SamplingParams
 PromptType = str | Sequence[int] | Mapping[str, Any]
 
 
+def check_token_ids(token_ids: Any, vocab_size: int) -> list[int]:
+    """Token ids as a list, each an int (not a bool) in the vocabulary; ValueError if not."""
+    if not isinstance(token_ids, Sequence) or isinstance(token_ids, str):
+        raise ValueError(f"prompt_token_ids must be a list of ints, got {token_ids!r}")
+    ids = list(token_ids)
+    for t in ids:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+            raise ValueError(
+                f"token id {t!r} is out of vocabulary (valid: 0 to {vocab_size - 1})"
+            )
+    return ids
+
+
 class Processor:
     def __init__(
         self,
@@ -94,15 +107,7 @@ class Processor:
         raise ValueError(f"a prompt must be a string, token ids or a dict, got {type(prompt)}")
 
     def _check_ids(self, token_ids: Any) -> list[int]:
-        if not isinstance(token_ids, Sequence) or isinstance(token_ids, str):
-            raise ValueError(f"prompt_token_ids must be a list of ints, got {token_ids!r}")
-        ids = list(token_ids)
-        for t in ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                raise ValueError(
-                    f"token id {t!r} is out of vocabulary (valid: 0 to {self.vocab_size - 1})"
-                )
-        return ids
+        return check_token_ids(token_ids, self.vocab_size)
 
     def apply_chat_template(
         self,

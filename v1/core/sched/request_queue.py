@@ -19,6 +19,11 @@ class RequestQueue(ABC):
     def peek_request(self) -> Request: ...
 
     @abstractmethod
+    def pop_window(self, max_len: int) -> list[Request]:
+        """Pop up to `max_len` requests from the head, in order, that the policy does not
+        order among themselves (under priority: those tied with the head's priority)."""
+
+    @abstractmethod
     def prepend_request(self, request: Request) -> None:
         """Put a preempted request back where it is served first among its peers."""
 
@@ -51,6 +56,10 @@ class FCFSRequestQueue(RequestQueue):
     def peek_request(self) -> Request:
         return self._queue[0]
 
+    def pop_window(self, max_len: int) -> list[Request]:
+        queue = self._queue
+        return [queue.popleft() for _ in range(min(max_len, len(queue)))]
+
     def prepend_request(self, request: Request) -> None:
         self._queue.appendleft(request)
 
@@ -79,6 +88,15 @@ class PriorityRequestQueue(RequestQueue):
 
     def peek_request(self) -> Request:
         return self._heap[0][2]
+
+    def pop_window(self, max_len: int) -> list[Request]:
+        heap = self._heap
+        window: list[Request] = []
+        while heap and len(window) < max_len and (
+            not window or heap[0][0] == window[0].priority
+        ):
+            window.append(heapq.heappop(heap)[2])
+        return window
 
     def prepend_request(self, request: Request) -> None:
         # The heap orders by (priority, arrival_time) alone; a preempted request keeps its

@@ -16,6 +16,9 @@ Invariants, every step:
   it (only a waiting request's admission may do that, see `_plan_admission`);
 - a request is preempted for a waiting one only if that one is then admitted.
 
+Waiting requests are admitted by `WaitingAdmission` (v1.core.sched.admission), in queue
+order or, with prefix-aware admission, grouped by cached prefix (v1.core.sched.prefix_aware).
+
 Structured output: a request with `structured_outputs` waits in WAITING_FOR_FSM until its
 grammar is compiled (by the manager, off the step loop); the waiting loop sets it aside
 meanwhile, so it blocks nobody. Each step asks the manager for the token bitmask of the
@@ -28,15 +31,14 @@ and KV allocation (`SchedulerOutput.scheduled_spec_decode_tokens`); the output r
 `num_computed_tokens` back past the rejected ones. A request mid-prefill is never drafted.
 """
 
-import bisect
 import time
-from collections.abc import Iterable, Iterator
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 from v1.config import CacheConfig, SchedulerConfig
-from v1.core.block_pool import KVCacheBlock
-from v1.core.kv_cache_manager import FreedBlocks, KVCacheManager
+from v1.core.kv_cache_manager import KVCacheManager
 from v1.core.kv_cache_utils import make_block_hasher
+from v1.core.sched.admission import StepState, WaitingAdmission
 from v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from v1.core.sched.request_queue import create_request_queue
 from v1.core.sched.spec_decode import (
@@ -78,20 +80,7 @@ def _queue_time(request: Request) -> float | None:
     return request.scheduled_time - request.queued_time
 
 
-class Admission(NamedTuple):
-    """How a waiting request is admitted: its prefix-cache hits and the tokens to compute."""
-
-    hit_blocks: list[KVCacheBlock]
-    num_hit_tokens: int
-    num_new_tokens: int
-
-
-def _rank(request: Request) -> tuple[int, float]:
-    """Priority order: lower is better."""
-    return request.priority, request.arrival_time
-
-
-class Scheduler:
+class Scheduler(WaitingAdmission):
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -107,9 +96,16 @@ class Scheduler:
         self.chunked_prefill = scheduler_config.enable_chunked_prefill
         self.priority_policy = scheduler_config.policy == "priority"
         self.async_scheduling = scheduler_config.async_scheduling
+        # Prefix-aware admission (v1.core.sched.prefix_aware) needs the prefix cache.
+        self.prefix_aware = (
+            scheduler_config.enable_prefix_aware_scheduling
+            and cache_config.enable_prefix_caching
+        )
+        self.window_size = scheduler_config.prefix_aware_window if self.prefix_aware else 1
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+            cache_config.preload_max_fraction, self.max_model_len,
         )
         self.block_hasher = (
             make_block_hasher(cache_config.block_size)
@@ -140,17 +136,21 @@ class Scheduler:
         if request.num_prompt_tokens == 0:
             # Nothing to compute: queued, it would stay at the head of the queue forever.
             raise ValueError(f"request {request.request_id!r} has no prompt tokens")
-        num_blocks_needed = -(-request.num_tokens // self.block_size)
-        if (
-            request.num_tokens > self.max_model_len
-            or num_blocks_needed > self.kv_cache_manager.num_blocks
-        ):
+        # Blocks it needs besides the pinned ones its prompt starts with, which it only hits.
+        kv = self.kv_cache_manager
+        num_blocks_needed = (
+            -(-request.num_tokens // self.block_size) - kv.num_pinned_prefix_blocks(request)
+        )
+        num_unpinned = kv.num_blocks - len(kv.block_pool.pinned)
+        if request.num_tokens > self.max_model_len or num_blocks_needed > num_unpinned:
             # It can never run: finish it now rather than let it wedge the queue.
             request.status = RequestStatus.FINISHED_IGNORED
             request.stop_reason = (
                 f"prompt of {request.num_tokens} tokens exceeds max_model_len "
-                f"{self.max_model_len} or the KV cache "
-                f"({self.kv_cache_manager.num_blocks} blocks of {self.block_size})"
+                f"{self.max_model_len}" if request.num_tokens > self.max_model_len else
+                f"prompt of {request.num_tokens} tokens needs {num_blocks_needed} blocks of "
+                f"{self.block_size} besides its pinned prefix, which exceeds the KV cache's "
+                f"{num_unpinned} unpinned blocks (of {kv.num_blocks})"
             )
             self._ignored.append(request)
             return
@@ -209,41 +209,12 @@ class Scheduler:
         kv = self.kv_cache_manager
         threshold = self.long_prefill_token_threshold
         max_model_len = self.max_model_len
-        token_budget = self.max_num_batched_tokens
-        # Batch order: the running requests scheduled, then the waiting ones admitted.
-        # `scheduled_running` and `scheduled_admitted` follow `num_scheduled_tokens`'s
-        # order: each phase adds at the end, and removals keep the order.
-        num_scheduled_tokens: dict[str, int] = {}
-        scheduled_running: list[Request] = []
-        running_new_block_ids: list[list[int]] = []  # one row per `scheduled_running`
-        scheduled_admitted: list[Request] = []
-        scheduled_new: list[Request] = []
-        scheduled_resumed: list[Request] = []
-        preempted: list[Request] = []
-        spec_tokens: dict[str, list[int]] = {}
-
-        def preempt(victim: Request) -> None:
-            """Evict a running request; undo its scheduling if it had been scheduled."""
-            nonlocal token_budget
-            self.running.remove(victim)
-            num = num_scheduled_tokens.pop(victim.request_id, 0)
-            if num:
-                token_budget += num
-                if victim in scheduled_running:
-                    i = scheduled_running.index(victim)
-                    del scheduled_running[i], running_new_block_ids[i]
-                for group in (scheduled_admitted, scheduled_new, scheduled_resumed):
-                    if victim in group:
-                        group.remove(victim)
-            kv.free(victim)
-            spec_tokens.pop(victim.request_id, None)
-            victim.spec_token_ids = []  # it resumes with a prefill, which is not drafted
-            victim.status = PREEMPTED
-            victim.num_computed_tokens = 0
-            victim.num_preemptions += 1
-            self.num_preemptions += 1
-            self.waiting.prepend_request(victim)
-            preempted.append(victim)
+        st = StepState(self.max_num_batched_tokens)
+        token_budget = st.token_budget
+        num_scheduled_tokens = st.num_scheduled_tokens
+        scheduled_running = st.scheduled_running
+        running_new_block_ids = st.running_new_block_ids
+        spec_tokens = st.spec_tokens
 
         # 1. Running requests, in order (by priority under the priority policy). This runs
         # for every running request every step: plain arithmetic, and no `allocate_slots`
@@ -295,7 +266,7 @@ class Scheduler:
                 while new_blocks is None:
                     # The last running request: not scheduled yet in this step (or `request`).
                     victim = running[-1]
-                    preempt(victim)
+                    self._preempt(st, victim)  # (no budget to return: not scheduled)
                     if victim is request:
                         break
                     new_blocks = kv.allocate_slots(request, num_new_tokens)
@@ -312,56 +283,12 @@ class Scheduler:
             num_scheduled_tokens[req_id] = num_new_tokens
             token_budget -= num_new_tokens
 
-        # 2. Waiting requests, unless this step had to preempt.
-        if not preempted:
-            # Structured requests whose grammar is still compiling: set aside, put back after.
-            skipped: list[Request] = []
-            while self.waiting and token_budget > 0:
-                request = self.waiting.peek_request()
-                if request.status == WAITING_FOR_FSM and not self._grammar_ready(request):
-                    self.waiting.pop_request()
-                    if not request.is_finished():
-                        skipped.append(request)
-                    continue
-                if request.num_output_placeholders or request in preempted:
-                    break  # (async) its last step's output is not back yet; or just evicted
-                victims: list[Request] = []
-                freed = FreedBlocks()
-                candidates = self._victim_candidates(request)
-                while (plan := self._plan_admission(
-                    request, token_budget, len(victims), freed
-                )) is None:
-                    victim = next(candidates, None)
-                    if victim is None:
-                        break
-                    victims.append(victim)
-                    kv.add_to_freed(freed, victim)
-                if plan is None or not plan.num_new_tokens:
-                    break
-                for victim in victims:
-                    preempt(victim)
-                hit_blocks, num_hit_tokens, num_new_tokens = plan
-                new_blocks = kv.allocate_slots(
-                    request, num_new_tokens, hit_blocks, num_hit_tokens
-                )
-                assert new_blocks is not None, "an admission plan did not fit"
-                kv.record_prefix_hit(request, num_hit_tokens)
-                self.waiting.pop_request()
-                self._add_running(request)
-                scheduled_admitted.append(request)
-                if request.status == WAITING:
-                    scheduled_new.append(request)
-                else:
-                    scheduled_resumed.append(request)
-                request.status = RUNNING
-                request.num_computed_tokens = num_hit_tokens
-                if request.scheduled_time is None:  # first admission
-                    request.num_cached_tokens = num_hit_tokens
-                    request.scheduled_time = time.monotonic()
-                num_scheduled_tokens[request.request_id] = num_new_tokens
-                token_budget -= num_new_tokens
-            for request in reversed(skipped):
-                self.waiting.prepend_request(request)
+        # 2. Waiting requests, unless this step had to preempt (v1.core.sched.admission).
+        st.token_budget = token_budget
+        if not st.preempted and self.waiting and token_budget > 0:
+            self._schedule_waiting(st)
+        token_budget = st.token_budget
+        scheduled_admitted = st.scheduled_admitted
 
         # 3. The step's description for the runner.
         new_reqs_data = [
@@ -369,12 +296,12 @@ class Scheduler:
                 r.request_id, r.all_token_ids[:] if r.output_token_ids else r.prompt_token_ids,
                 r.sampling_params, kv.get_block_ids(r.request_id), r.num_computed_tokens,
             )
-            for r in scheduled_new
+            for r in st.scheduled_new
         ]
         cached = self._make_cached_request_data(
-            scheduled_running, running_new_block_ids, scheduled_resumed
+            scheduled_running, running_new_block_ids, st.scheduled_resumed
         )
-        preempted_ids = {r.request_id for r in preempted}
+        preempted_ids = {r.request_id for r in st.preempted}
         output = SchedulerOutput(
             new_reqs_data, cached, num_scheduled_tokens,
             self.max_num_batched_tokens - token_budget, self.finished_req_ids, preempted_ids,
@@ -411,6 +338,28 @@ class Scheduler:
                 )
         return output
 
+    def _preempt(self, st: StepState, victim: Request) -> None:
+        """Evict a running request; undo its scheduling if it had been scheduled."""
+        self.running.remove(victim)
+        num = st.num_scheduled_tokens.pop(victim.request_id, 0)
+        if num:
+            st.token_budget += num
+            if victim in st.scheduled_running:
+                i = st.scheduled_running.index(victim)
+                del st.scheduled_running[i], st.running_new_block_ids[i]
+            for group in (st.scheduled_admitted, st.scheduled_new, st.scheduled_resumed):
+                if victim in group:
+                    group.remove(victim)
+        self.kv_cache_manager.free(victim)
+        st.spec_tokens.pop(victim.request_id, None)
+        victim.spec_token_ids = []  # it resumes with a prefill, which is not drafted
+        victim.status = PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend_request(victim)
+        st.preempted.append(victim)
+
     def _make_cached_request_data(
         self,
         running: list[Request],
@@ -428,82 +377,6 @@ class Scheduler:
             + [self.kv_cache_manager.get_block_ids(r.request_id) for r in resumed],
             num_computed_tokens=[r.num_computed_tokens for r in reqs],
         )
-
-    def _grammar_ready(self, request: Request) -> bool:
-        """Whether a WAITING_FOR_FSM request's grammar is compiled (it becomes WAITING); a
-        failed compilation finishes it, reported with the next outputs."""
-        future = request.grammar_future
-        assert future is not None
-        if not future.done():
-            return False
-        exc = future.exception()
-        if exc is not None:
-            request.status = FINISHED_ABORTED
-            request.stop_reason = f"structured output grammar failed to compile: {exc}"
-            self._free_request(request)
-            self._ignored.append(request)
-            return False
-        request.grammar = future.result()
-        request.grammar_future = None
-        request.status = WAITING
-        return True
-
-    def _add_running(self, request: Request) -> None:
-        if self.priority_policy:
-            bisect.insort(self.running, request, key=_rank)
-        else:
-            self.running.append(request)
-
-    def _plan_admission(
-        self, request: Request, token_budget: int, num_victims: int, freed: FreedBlocks
-    ) -> Admission | None:
-        """What admitting a waiting request takes once the `freed` victims are preempted;
-        None if it has no seat or not enough blocks then. `num_new_tokens` 0: it does not
-        fit the token budget (chunked prefill off), which no preemption changes (victims'
-        budget is not counted, so nobody is preempted for budget). Changes nothing."""
-        if len(self.running) - num_victims >= self.max_num_seqs:
-            return None
-        kv = self.kv_cache_manager
-        if request.sampling_params.prompt_logprobs is None:
-            hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
-        else:
-            # As vLLM: cached positions' logits are never computed, and their logprobs are
-            # asked for.
-            hit_blocks, num_hit_tokens = [], 0
-        if freed.unwritten:
-            # Victims this step scheduled un-hash the blocks that step was to write: hits
-            # end before the first of those.
-            for i, block in enumerate(hit_blocks):
-                if block in freed.unwritten:
-                    hit_blocks = hit_blocks[:i]
-                    num_hit_tokens = i * self.block_size
-                    break
-        num_new_tokens = request.num_tokens - num_hit_tokens
-        threshold = self.long_prefill_token_threshold
-        if 0 < threshold < num_new_tokens:
-            num_new_tokens = threshold
-        if num_new_tokens > token_budget:
-            if not self.chunked_prefill:
-                # Do not skip a long prompt in favour of shorter ones.
-                return Admission(hit_blocks, num_hit_tokens, 0)
-            num_new_tokens = token_budget
-        if not kv.can_allocate(request, num_new_tokens, hit_blocks, num_hit_tokens, freed):
-            return None
-        return Admission(hit_blocks, num_hit_tokens, num_new_tokens)
-
-    def _victim_candidates(self, request: Request) -> Iterator[Request]:
-        """Priority policy: the running requests that rank below the waiting `request`,
-        worst first, that may be preempted now (not one whose unwritten blocks another
-        request already shares in this step: that request will read them)."""
-        if not self.priority_policy:
-            return
-        rank = _rank(request)
-        kv = self.kv_cache_manager
-        for candidate in reversed(self.running):
-            if _rank(candidate) <= rank:
-                return
-            if not kv.has_shared_unwritten_blocks(candidate):
-                yield candidate
 
     # -- results ------------------------------------------------------------------------
 
@@ -630,6 +503,8 @@ class Scheduler:
     # -- utilities ----------------------------------------------------------------------
 
     def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache but the pinned (declared) prefixes; False while any
+        request holds blocks."""
         return self.kv_cache_manager.reset_prefix_cache()
 
     def make_stats(self) -> SchedulerStats:
