@@ -12,8 +12,9 @@ ratio is the median over rounds of that round's ratio.
 
 - decode: one request, a short chat prompt, `--decode-tokens` greedy tokens (EOS ignored):
   tok/s of v1 with `LLM()`'s defaults (a .gguf file's blocks), v1 with float weights
-  (quantization="none", for reference), and llama-cpp-python. Prefix caches are emptied
-  before each run.
+  (quantization="none", for reference), and llama-cpp-python; and each one's fraction of the
+  physical limit: the weights' bytes read per token at this machine's streaming read rate.
+  Prefix caches are emptied before each run.
 - helpdesk: one user at a time (batch 1): a shared system prompt (bench/data/helpdesk.json,
   ~470 tokens) and `--helpdesk-requests` questions in a seeded order where about
   `--repeat-fraction` of them repeat an earlier question verbatim; `--helpdesk-tokens` greedy
@@ -135,6 +136,32 @@ def summarize(seconds: dict[str, list[float]], tokens: int, baselines: list[str]
     return rows
 
 
+def weights_read_per_token(path: Path) -> int:
+    """Bytes a batch-1 decode step reads from the GGUF's weights: every tensor but the token
+    embedding (one row of it is read), whose bytes count once more when the LM head is tied to
+    it (no `output.weight`), as in the default model."""
+    import gguf
+
+    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors}
+    embedding = tensors.pop("token_embd.weight", 0)
+    return sum(tensors.values()) + (0 if "output.weight" in tensors else embedding)
+
+
+def read_bandwidth(nbytes: int, repeat: int = 21) -> float:
+    """This machine's rate of reading `nbytes` again and again (as decode reads the weights
+    each token: from the caches where they fit, as a 300 MiB L3 holds 97 MB), bytes/s: the
+    median of `repeat` sums of an fp32 buffer that size on torch's threads, all cores."""
+    import torch
+
+    buf = torch.ones(nbytes // 4)
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - t)
+    return buf.nbytes / median(times)
+
+
 def part_decode(args: argparse.Namespace, path: Path, tokenizer: Any,
                 worker: llamacpp.Worker) -> dict[str, Any]:
     prompt = chat_prompt(tokenizer, DECODE_QUESTION)
@@ -159,7 +186,15 @@ def part_decode(args: argparse.Namespace, path: Path, tokenizer: Any,
     rows = summarize(seconds, args.decode_tokens, ["llama.cpp"])
     for name in engines:
         rows[name]["llamacpp_agreement"] = agreement(outputs[name], outputs["llama.cpp"])
-    return {"prompt_tokens": len(prompt), "tokens": args.decode_tokens, "rows": rows}
+    # The physical limit: the quantized weights' bytes per token at the read rate.
+    per_token = weights_read_per_token(path)
+    bandwidth = read_bandwidth(per_token)
+    limit = bandwidth / per_token
+    for name in ("v1 defaults", "llama.cpp"):
+        rows[name]["fraction_of_limit"] = round(rows[name]["tok_s_median"] / limit, 3)
+    return {"prompt_tokens": len(prompt), "tokens": args.decode_tokens, "rows": rows,
+            "weights_mb_per_token": round(per_token / 1e6, 1),
+            "read_gb_s": round(bandwidth / 1e9, 1), "limit_tok_s": round(limit, 1)}
 
 
 def part_helpdesk(args: argparse.Namespace, path: Path, tokenizer: Any,
@@ -336,7 +371,10 @@ def main() -> None:
     if "decode" in result:
         print_part(f"decode: one request, {result['decode']['prompt_tokens']}-token prompt, "
                    f"{args.decode_tokens} greedy tokens (tok/s)", result["decode"]["rows"],
-                   ["tok_s_median", "vs_llama.cpp"])
+                   ["tok_s_median", "vs_llama.cpp", "fraction_of_limit"])
+        d = result["decode"]
+        print(f"limit: {d['weights_mb_per_token']} MB of weights per token at {d['read_gb_s']} "
+              f"GB/s (reading that many bytes again and again) = {d['limit_tok_s']} tok/s")
     if "helpdesk" in result:
         h = result["helpdesk"]
         print_part(f"helpdesk: batch 1, {h['requests']} requests ({h['repeats']} repeats), "
