@@ -374,8 +374,10 @@ class ModelRunner:
         spec_token_ids = None
         if self.drafter is not None:
             spec_token_ids = self.drafter.propose_all(batch, req_ids, rows, sample_idx)
+        unfilled = {req_ids[i]: n for i, drafts in drafts_by_index.items()
+                    if (n := drafts.count(-1))}
         return ModelRunnerOutput(
-            req_ids, sampled_rows, logprobs_rows, prompt_logprobs_dict, spec_token_ids
+            req_ids, sampled_rows, logprobs_rows, prompt_logprobs_dict, spec_token_ids, unfilled
         )
 
     def _get_prompt_logprobs_dict(
