@@ -169,7 +169,7 @@ def test_gguf_without_prompt_int8_is_fp32_exactly(tied_gguf, fp32_kernel_calls, 
 def test_prompt_rows_take_int8_whatever_the_batch(tied_gguf, monkeypatch):
     """Prompt tokens' rows run int8 activations, generated tokens' the fp32 path; since int8's
     rows do not depend on each other, a prompt's greedy tokens are the same alone, in a
-    batch, in 7-token chunks, after a prefix-cache hit and with speculative drafts."""
+    batch, in 7-token chunks and after a prefix-cache hit on its own prompt."""
     calls: list[tuple[bool, int]] = []
     linear = QuantKernels.linear
 
@@ -187,9 +187,6 @@ def test_prompt_rows_take_int8_whatever_the_batch(tied_gguf, monkeypatch):
     chunked, _, _ = greedy_runs(tied_gguf, None, [batch, batch], max_num_batched_tokens=7,
                                 long_prefill_token_threshold=7)
     assert chunked == [reference, reference]  # chunks, then every prompt a prefix-cache hit
-    spec, _, _ = greedy_runs(tied_gguf, None, [batch], speculative_config={
-        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
-    assert spec == [reference]
 
 
 def test_unset_quantization_resolves_as_vllm(tmp_path, tied_gguf, monkeypatch):

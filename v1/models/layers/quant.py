@@ -71,7 +71,9 @@ and now (`--rows 256,2048 --rounds 3`, `bench/results/quant_kernels_prefill.txt`
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -113,42 +115,49 @@ def _prompt_int8(value: str | None) -> bool:
 
 # Prompt tokens' rows take "int8" whatever the batch (`prompt_rows`): prefill is most of a
 # shared-prompt workload's matmul rows, where int8 takes 0.6-0.8 of packed fp32's time and
-# "dense" 1.1-1.3, at perplexity +0.3% (module docstring). The path is per row, not per batch,
-# because int8's results are: a row's output does not depend on the other rows of its call
-# (the fp32 path's sums change order with the batch size), so a prompt's KV is the same at
-# any chunk size, batch composition or prefix-cache hit, and generated tokens' rows (decode,
-# speculative drafts, a preempted request's recomputed output) keep the fp32 path's exact
-# weights: drafts never change greedy tokens. V1_QUANT_PROMPT_INT8=0 turns it off.
+# "dense" 1.1-1.3, at perplexity +0.4% (module docstring). The path is per row, not per batch,
+# because int8's results are: a row's output does not depend on the other rows of its call, so
+# a prompt's KV is the same at any chunk size or batch composition. Generated tokens' rows
+# (decode, drafts, a preempted request's recomputed output) take the fp32 path, fp32's exact
+# weights; but its sums change order with the row count (1, 2-4, 5+ rows: see quant.c), so
+# unlike oneDNN's fp32 a decode row's last bits depend on its step's other rows, drafts
+# included: greedy tokens agree with and without drafts until a near-tie (issue 22's note).
+# Blocks computed as generated tokens and reused by a later prompt (multi-turn chat) hold
+# fp32-path K/V where a cold prompt would have int8's: outputs may then differ with what is
+# cached, within the lossy modes' rule (DESIGN.md). V1_QUANT_PROMPT_INT8=0 turns it off.
 PROMPT_INT8: bool = _prompt_int8(os.environ.get("V1_QUANT_PROMPT_INT8"))
 
 
+@dataclass(slots=True)
 class _PromptRows:
-    """This forward's split of activation rows (set by the model runner around a forward,
-    one forward at a time per process): which rows are prompt tokens'."""
+    """One forward's split of its activation rows: which are prompt tokens'."""
 
-    __slots__ = ("num_rows", "prompt", "other")
+    num_rows: int
+    prompt: torch.Tensor  # row indices
+    other: torch.Tensor
 
-    def __init__(self, is_prompt: np.ndarray) -> None:
-        self.num_rows = len(is_prompt)
-        self.prompt = torch.from_numpy(np.flatnonzero(is_prompt))
-        self.other = torch.from_numpy(np.flatnonzero(~is_prompt))
+    @classmethod
+    def of(cls, is_prompt: np.ndarray) -> "_PromptRows":
+        return cls(len(is_prompt), torch.from_numpy(np.flatnonzero(is_prompt)),
+                   torch.from_numpy(np.flatnonzero(~is_prompt)))
 
 
-_prompt_rows: _PromptRows | None = None
+# Per thread: two in-process engines may run forwards on two threads at once.
+_forward = threading.local()
 
 
 @contextlib.contextmanager
 def prompt_rows(is_prompt: np.ndarray | None) -> Iterator[None]:
-    """Within: every `linear` call on a quantized weight whose input has len(is_prompt)
-    rows runs the rows where is_prompt holds through "int8" and the others by their count
-    (the LM head's fewer rows, by their count alone). None, or PROMPT_INT8 off: no split."""
-    global _prompt_rows
-    saved = _prompt_rows
-    _prompt_rows = _PromptRows(is_prompt) if is_prompt is not None and PROMPT_INT8 else None
+    """Within (on this thread): every `linear` call on a quantized weight whose input has
+    len(is_prompt) rows runs the rows where is_prompt holds through "int8" and the others by
+    their count (the LM head's fewer rows, by their count alone). None, or PROMPT_INT8 off:
+    no split."""
+    saved = getattr(_forward, "rows", None)
+    _forward.rows = _PromptRows.of(is_prompt) if is_prompt is not None and PROMPT_INT8 else None
     try:
         yield
     finally:
-        _prompt_rows = saved
+        _forward.rows = saved
 
 
 def _path_for(m: int) -> str:
@@ -235,15 +244,17 @@ class QuantizedWeight:
         if path is not None and path not in PATHS:
             raise ValueError(f"path {path!r} is not one of {PATHS}")
         m = x.numel() // self.in_features
-        split = _prompt_rows
-        if path is None and split is not None and split.num_rows == m and x.dim() == 2:
+        split = getattr(_forward, "rows", None) if path is None else None
+        if split is not None and split.num_rows == m:
             if not len(split.other):
                 path = "int8"
             elif len(split.prompt):
+                rows = x.reshape(m, self.in_features)
                 out = x.new_empty(m, self.out_features)
-                out[split.prompt] = self.linear(x[split.prompt], bias, "int8")
-                out[split.other] = self.linear(x[split.other], bias, _path_for(len(split.other)))
-                return out
+                out[split.prompt] = self.linear(rows[split.prompt], bias, "int8")
+                out[split.other] = self.linear(rows[split.other], bias,
+                                               _path_for(len(split.other)))
+                return out.reshape(*x.shape[:-1], self.out_features)
         if path is None:
             path = _path_for(m)
         native = (path != "torch" and m > 0 and x.dtype == torch.float32 and x.is_cpu
