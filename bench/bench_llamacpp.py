@@ -11,13 +11,14 @@ another (the order reversed every other round), so a round's runs saw the same m
 ratio is the median over rounds of that round's ratio.
 
 - decode: one request, a short chat prompt, `--decode-tokens` greedy tokens (EOS ignored):
-  tok/s of v1 with `LLM()`'s defaults, v1 with quantization="gguf" (explicit, so it stays the
-  GGUF fast path whatever the default), and llama-cpp-python. Prefix caches are emptied
-  before each run.
+  tok/s of v1 with `LLM()`'s defaults (a .gguf file's blocks), v1 with float weights
+  (quantization="none", for reference), and llama-cpp-python; and each one's fraction of the
+  physical limit: the weights' bytes read per token at this machine's streaming read rate.
+  Prefix caches are emptied before each run.
 - helpdesk: one user at a time (batch 1): a shared system prompt (bench/data/helpdesk.json,
   ~470 tokens) and `--helpdesk-requests` questions in a seeded order where about
   `--repeat-fraction` of them repeat an earlier question verbatim; `--helpdesk-tokens` greedy
-  tokens each (EOS ignored). Contenders: v1 gguf without speculation, v1 gguf with each
+  tokens each (EOS ignored). Contenders: v1 (defaults) without speculation, v1 with each
   `--speculative-config` (vLLM's JSON, passed through to `LLM(speculative_config=...)`; an
   engine without the option, or refusing the value, is reported unavailable), llama.cpp plain
   and llama.cpp with its prompt-lookup drafting (LlamaPromptLookupDecoding: it drafts from
@@ -26,7 +27,7 @@ ratio is the median over rounds of that round's ratio.
   tok/s and, per speculative configuration, whether its tokens equal those without it.
 - serving: bench_serving.py's shared-prompt workload (`--serving-prompts` requests, one
   system prompt of `--serving-system-len` tokens, all at once unless `--serving-args` says
-  otherwise) against `python -m v1 serve --quantization gguf` (which bench_serving starts)
+  otherwise) against `python -m v1 serve` (defaults; bench_serving starts it)
   and against `llama-server -np --parallel` (continuous batching; bench_serving's
   `--base-url`), each started fresh per round.
 
@@ -135,10 +136,36 @@ def summarize(seconds: dict[str, list[float]], tokens: int, baselines: list[str]
     return rows
 
 
+def weights_read_per_token(path: Path) -> int:
+    """Bytes a batch-1 decode step reads from the GGUF's weights: every tensor but the token
+    embedding (one row of it is read), whose bytes count once more when the LM head is tied to
+    it (no `output.weight`), as in the default model."""
+    import gguf
+
+    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors}
+    embedding = tensors.pop("token_embd.weight", 0)
+    return sum(tensors.values()) + (0 if "output.weight" in tensors else embedding)
+
+
+def read_bandwidth(nbytes: int, repeat: int = 21) -> float:
+    """This machine's rate of reading `nbytes` again and again (as decode reads the weights
+    each token: from the caches where they fit, as a 300 MiB L3 holds 97 MB), bytes/s: the
+    median of `repeat` sums of an fp32 buffer that size on torch's threads, all cores."""
+    import torch
+
+    buf = torch.ones(nbytes // 4)
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - t)
+    return buf.nbytes / median(times)
+
+
 def part_decode(args: argparse.Namespace, path: Path, tokenizer: Any,
                 worker: llamacpp.Worker) -> dict[str, Any]:
     prompt = chat_prompt(tokenizer, DECODE_QUESTION)
-    engines = {"v1 defaults": make_engine(path), "v1 gguf": make_engine(path, quantization="gguf")}
+    engines = {"v1 defaults": make_engine(path), "v1 fp32": make_engine(path, quantization="none")}
     worker.run([prompt[:4]], 2)  # warm-up, untimed
     names = [*engines, "llama.cpp"]
     seconds: dict[str, list[float]] = {n: [] for n in names}
@@ -159,7 +186,15 @@ def part_decode(args: argparse.Namespace, path: Path, tokenizer: Any,
     rows = summarize(seconds, args.decode_tokens, ["llama.cpp"])
     for name in engines:
         rows[name]["llamacpp_agreement"] = agreement(outputs[name], outputs["llama.cpp"])
-    return {"prompt_tokens": len(prompt), "tokens": args.decode_tokens, "rows": rows}
+    # The physical limit: the quantized weights' bytes per token at the read rate.
+    per_token = weights_read_per_token(path)
+    bandwidth = read_bandwidth(per_token)
+    limit = bandwidth / per_token
+    for name in ("v1 defaults", "llama.cpp"):
+        rows[name]["fraction_of_limit"] = round(rows[name]["tok_s_median"] / limit, 3)
+    return {"prompt_tokens": len(prompt), "tokens": args.decode_tokens, "rows": rows,
+            "weights_mb_per_token": round(per_token / 1e6, 1),
+            "read_gb_s": round(bandwidth / 1e9, 1), "limit_tok_s": round(limit, 1)}
 
 
 def part_helpdesk(args: argparse.Namespace, path: Path, tokenizer: Any,
@@ -169,10 +204,10 @@ def part_helpdesk(args: argparse.Namespace, path: Path, tokenizer: Any,
                                    args.repeat_fraction, args.seed)
     prompts = [chat_prompt(tokenizer, q, data["system"]) for q in questions]
     lookup = {"max_ngram_size": args.lookup_ngram, "num_pred_tokens": args.lookup_tokens}
-    specs = {f"v1 gguf spec {json.loads(c).get('method', '?')}": json.loads(c)
+    specs = {f"v1 spec {json.loads(c).get('method', '?')}": json.loads(c)
              for c in args.speculative_config}
     llama_runs = {"llama.cpp": None, "llama.cpp lookup": lookup}
-    names = ["v1 gguf", *specs, *llama_runs]
+    names = ["v1", *specs, *llama_runs]
     for config in llama_runs.values():
         worker.run([prompts[0][:4]], 2, config)  # warm-up, untimed
     seconds: dict[str, list[float]] = {n: [] for n in names}
@@ -187,7 +222,7 @@ def part_helpdesk(args: argparse.Namespace, path: Path, tokenizer: Any,
             else:
                 kwargs = {"speculative_config": specs[name]} if name in specs else {}
                 try:
-                    llm = make_engine(path, quantization="gguf", **kwargs)
+                    llm = make_engine(path, **kwargs)
                 except ValueError as e:  # no such option yet, or a value it refuses
                     unavailable[name] = str(e)
                     print(f"{name}: unavailable ({e})", file=sys.stderr)
@@ -200,11 +235,11 @@ def part_helpdesk(args: argparse.Namespace, path: Path, tokenizer: Any,
             print(f"helpdesk round {r}: {name} {len(prompts) * args.helpdesk_tokens / t:.1f} "
                   "tok/s", file=sys.stderr)
     tokens = len(prompts) * args.helpdesk_tokens
-    rows = summarize(seconds, tokens, ["llama.cpp", "llama.cpp lookup", "v1 gguf"])
+    rows = summarize(seconds, tokens, ["llama.cpp", "llama.cpp lookup", "v1"])
     for name in specs:
         if name in outputs:
-            rows[name]["tokens_equal_spec_off"] = outputs[name] == outputs["v1 gguf"]
-            rows[name]["agreement_spec_off"] = agreement(outputs[name], outputs["v1 gguf"])
+            rows[name]["tokens_equal_spec_off"] = outputs[name] == outputs["v1"]
+            rows[name]["agreement_spec_off"] = agreement(outputs[name], outputs["v1"])
     # llama.cpp verifies drafts in batched evaluations whose rounding differs from one-token
     # steps: its greedy tokens with lookup may differ from its plain ones.
     rows["llama.cpp lookup"]["tokens_equal_plain"] = (
@@ -230,7 +265,7 @@ def serving_run(args: argparse.Namespace, path: Path, extra: list[str]) -> dict[
 
 
 def part_serving(args: argparse.Namespace, path: Path) -> dict[str, Any]:
-    names = ["v1 serve gguf", "llama-server"]
+    names = ["v1 serve", "llama-server"]
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     for r in range(args.rounds):
         for name in rounds_order(names, r):
@@ -240,13 +275,13 @@ def part_serving(args: argparse.Namespace, path: Path) -> dict[str, Any]:
                     runs[name].append(serving_run(args, path, ["--base-url", base]))
             else:
                 runs[name].append(serving_run(
-                    args, path, ["--server-args=--quantization gguf " + args.v1_server_args]))
+                    args, path, ["--server-args=" + args.v1_server_args]))
             res = runs[name][-1]
             print(f"serving round {r}: {name} {res['duration_s']} s, {res['out_tok_s']} out "
                   f"tok/s, TTFT p50 {res['ttft_ms_p50']} ms", file=sys.stderr)
     keys = ("duration_s", "out_tok_s", "ttft_ms_p50", "tpot_ms_p50", "hit_rate", "failed")
     rows = {n: {k: median([run[k] for run in runs[n]]) for k in keys} for n in names}
-    rows["v1 serve gguf"]["speedup_vs_llama_server"] = round(median(
+    rows["v1 serve"]["speedup_vs_llama_server"] = round(median(
         [b["duration_s"] / a["duration_s"] for a, b in zip(runs[names[0]], runs[names[1]])]), 3)
     return {"parallel": args.parallel, "requests": args.serving_prompts,
             "system_len": args.serving_system_len, "tokens_per_request": args.serving_tokens,
@@ -336,13 +371,16 @@ def main() -> None:
     if "decode" in result:
         print_part(f"decode: one request, {result['decode']['prompt_tokens']}-token prompt, "
                    f"{args.decode_tokens} greedy tokens (tok/s)", result["decode"]["rows"],
-                   ["tok_s_median", "vs_llama.cpp"])
+                   ["tok_s_median", "vs_llama.cpp", "fraction_of_limit"])
+        d = result["decode"]
+        print(f"limit: {d['weights_mb_per_token']} MB of weights per token at {d['read_gb_s']} "
+              f"GB/s (reading that many bytes again and again) = {d['limit_tok_s']} tok/s")
     if "helpdesk" in result:
         h = result["helpdesk"]
         print_part(f"helpdesk: batch 1, {h['requests']} requests ({h['repeats']} repeats), "
                    f"{h['system_tokens']}-token system prompt, {args.helpdesk_tokens} tokens "
                    "each (tok/s)", h["rows"],
-                   ["tok_s_median", "vs_llama.cpp", "vs_llama.cpp_lookup", "vs_v1_gguf",
+                   ["tok_s_median", "vs_llama.cpp", "vs_llama.cpp_lookup", "vs_v1",
                     "tokens_equal_spec_off"])
         for name, why in h["unavailable"].items():
             print(f"{name}: unavailable ({why})")

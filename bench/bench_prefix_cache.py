@@ -215,7 +215,8 @@ def main() -> None:
 
     from v1.sampling_params import SamplingParams
 
-    loaded = load(args.model)
+    # Float weights: the modes (--modes gguf ...) are measured against fp32's.
+    loaded = load(args.model, "none")
     tokenizer = loaded.tokenizer
     prompts = make_workload(args, tokenizer)
     num_prompt_tokens = sum(len(p) for p in prompts)

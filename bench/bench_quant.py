@@ -10,7 +10,7 @@ Per mode:
   (windows of --ppl-window tokens, prefilled in 32-token chunks so that attention reads the
   KV cache) and its ratio to fp32's (target <= 1.01); greedy agreement
   with fp32 over the first 32 tokens of 12 chat prompts, positionwise (the share of the 12 x 32
-  positions whose token equals fp32's; target >= 0.97 for gguf) and before the first
+  positions whose token equals fp32's; stated, not gated) and before the first
   divergence (`prefix_agreement`);
 - speed (--rounds children per mode, rounds interleaved: round r runs every mode once, in
   reversed order on odd rounds): decode tok/s at --decode-seqs concurrent and at batch 1, as
@@ -21,7 +21,7 @@ Per mode:
   and the speed children's peak RSS (median over rounds).
 
 Targets printed beside the figures: decode at 64 >= 350 tok/s with quantized weights and a
-16-bit KV cache; batch-1 decode >= 3x fp32's; perplexity <= +1%; gguf agreement >= 0.97.
+16-bit KV cache; batch-1 decode >= 3x fp32's; perplexity <= +1%.
 Prints a table, then one JSON line; `--out DIR` writes quant.json and quant.png.
 
     .venv/bin/python bench/bench_quant.py
@@ -185,7 +185,7 @@ def main() -> None:
         runs = {k: [s[k] for s in speed[m]] for k in base_runs}
         ppl_ratio = acc["ppl"] / base_ppl
         agree = quant_eval.agreement(acc["tokens"], base_tokens)
-        failures += quant_eval.gate_failures(m, ppl_ratio, agree)
+        failures += quant_eval.gate_failures(m, ppl_ratio)
         results[m.name] = {
             "ppl": round(acc["ppl"], 4),
             "ppl_ratio": round(ppl_ratio, 4),
@@ -219,7 +219,6 @@ def main() -> None:
         "modes": results,
         "targets": {
             "ppl_ratio_max": quant_eval.MAX_PPL_RATIO,
-            "gguf_agreement_min": quant_eval.MIN_GGUF_AGREEMENT,
             "decode_tok_s_min (quantized + 16-bit KV)": DECODE_TARGET_TOK_S,
             "batch1_ratio_min (quantized)": BATCH1_TARGET_RATIO,
         },
@@ -239,8 +238,8 @@ def main() -> None:
     for k, v in results.items():
         if "unavailable" in v:
             print(f"{k}: unavailable ({v['unavailable']})")
-    print(f"targets: ppl/fp32 <= {quant_eval.MAX_PPL_RATIO}; gguf agreement >= "
-          f"{quant_eval.MIN_GGUF_AGREEMENT}; decode@64 >= {DECODE_TARGET_TOK_S:.0f} tok/s with "
+    print(f"targets: ppl/fp32 <= {quant_eval.MAX_PPL_RATIO}; "
+          f"decode@64 >= {DECODE_TARGET_TOK_S:.0f} tok/s with "
           f"quantized weights + 16-bit KV (met: {result['decode_target_met']}); batch 1 >= "
           f"{BATCH1_TARGET_RATIO:.0f}x fp32 with quantized weights "
           f"(met: {result['batch1_target_met']})")

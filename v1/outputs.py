@@ -31,6 +31,10 @@ class ModelRunnerOutput:
     # Speculative decoding: per request, the drafts the runner proposes for its next step
     # (empty: none); None when no request has any.
     spec_token_ids: list[list[int]] | None = None
+    # Async speculative decoding: request id -> how many of its scheduled drafts had no
+    # proposal to fill them (the scheduler sized the step by an older proposal): computed,
+    # never accepted, and not counted as drafts in the metrics.
+    num_unfilled_drafts: dict[str, int] = field(default_factory=dict)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput([], [])

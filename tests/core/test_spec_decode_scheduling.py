@@ -112,3 +112,23 @@ def test_preemption_drops_the_drafts():
     assert b.spec_token_ids == []
     assert out.scheduled_spec_decode_tokens == {a.request_id: [50, 51]}
     s.check_integrity()
+
+
+def test_unfilled_async_drafts_are_not_counted_as_drafts():
+    """Under async a step is sized by an older proposal; drafts the runner had no proposal
+    for (-1, never accepted) are not drafts in the metrics: acceptance is of real ones."""
+    s = make_scheduler(async_scheduling=True)
+    r = make_request(6)
+    s.add_request(r)
+    out1 = s.schedule()
+    s.update_from_output(out1, ModelRunnerOutput([r.request_id], [[7]],
+                                                 spec_token_ids=[[50, 51, 52]]))
+    out2 = s.schedule()
+    assert out2.scheduled_spec_decode_tokens == {r.request_id: [-1, -1, -1]}
+    # The runner had one draft for it (50), accepted; two slots unfilled.
+    s.update_from_output(out2, ModelRunnerOutput([r.request_id], [[50, 60]],
+                                                 num_unfilled_drafts={r.request_id: 2}))
+    stats = s.spec_stats
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (1, 1, 1)
+    assert stats.accepted_per_pos == [1]
+    assert r.num_computed_tokens == r.num_tokens - 1  # all three rolled back but the one

@@ -15,7 +15,10 @@ from v1.engine.core import output_address
 from v1.engine.exceptions import EngineCoreDeadError
 
 # Small KV caches: engine processes start fast and several fit in memory at once.
-SMALL_ENGINE = {"num_gpu_blocks": 256, "max_model_len": 1024}
+# Float weights ("none", not the .gguf file's default blocks): the engine processes these tests
+# start load the model themselves, and their tokens are compared with the in-process fp32
+# engine's (the session's `default_model`) and HF's exactly.
+SMALL_ENGINE = {"num_gpu_blocks": 256, "max_model_len": 1024, "quantization": "none"}
 
 # Prompts of a few kinds (prose, numbers, code) and lengths, for the engine-process tests.
 PROMPTS = [

@@ -114,8 +114,8 @@ def test_n_children_and_stop_conditions_with_drafts(default_model, reference):
 
 def test_engine_process_with_async_scheduling(reference):
     spec = {**NGRAM, "num_speculative_tokens": 4}
-    # fp32, as the in-process reference (`default_model`) computes.
-    with LLM(num_gpu_blocks=64, max_model_len=512, async_scheduling=True, dtype="float32",
+    # Float weights, as the in-process reference (`default_model`) has.
+    with LLM(num_gpu_blocks=64, max_model_len=512, async_scheduling=True, quantization="none",
              speculative_config=spec) as llm:
         assert_same(generate(llm), reference)
         assert_drafts_accepted(llm)

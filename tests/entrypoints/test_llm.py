@@ -350,7 +350,8 @@ def test_async_scheduling_matches_sync(make_llm, hf_greedy, chat_prompts, config
 def test_multiprocess_llm_matches_hf(hf_greedy, chat_prompts):
     from v1.engine.core_client import SyncMPClient
 
-    with LLM(num_gpu_blocks=256, max_model_len=1024) as llm:
+    # Float weights: HF parity is fp32's (a .gguf file's default runs its blocks).
+    with LLM(num_gpu_blocks=256, max_model_len=1024, quantization="none") as llm:
         client = llm.llm_engine.client
         assert isinstance(client, SyncMPClient)
         outputs = llm.generate(mixed_prompts(chat_prompts), GREEDY, use_tqdm=False)

@@ -23,7 +23,8 @@ from v1 import LLM, SamplingParams
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 MODEL = "smol"
-ENGINE = ["--max-model-len", "512", "--num-gpu-blocks", "128"]
+# Float weights, as the in-process fp32 engine its tokens are compared with.
+ENGINE = ["--quantization", "none", "--max-model-len", "512", "--num-gpu-blocks", "128"]
 
 
 @pytest.fixture(scope="module")

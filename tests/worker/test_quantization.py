@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.engine.mp_utils import assert_greedy_match
 from tests.worker.test_model import prefill
 from tests.worker.test_model_archs import (
     build_hf_model,
@@ -29,9 +30,12 @@ from tests.worker.test_quant_kernels import fp32_kernel_calls  # noqa: F401 (fix
 from v1 import LLM, SamplingParams
 from v1.attention.backends.torch_attn import TorchAttentionImpl
 from v1.config import EngineArgs
+from v1.kernels.quant import QuantKernels
+from v1.models import loader as loader_module
+from v1.models.layers import quant as quant_layer
 from v1.models.layers.linear import Linear
 from v1.models.layers.quant import QuantizedWeight
-from v1.models.loader import LoadedModel, load_model
+from v1.models.loader import LoadedModel, load_model, resolve_quantization
 
 CPU = torch.device("cpu")
 BLOCK = [3, 1, 0, 2, 5, 4]  # enough 16-token blocks for the longest prompt (66 tokens)
@@ -118,29 +122,86 @@ def test_gguf_mode_runs_the_files_blocks(tied_gguf):
     assert_close(logits_of(ours), logits_of(fp32), rel=1e-4)
 
 
-def test_gguf_mode_greedy_equals_fp32(tied_gguf, fp32_kernel_calls):  # noqa: F811
-    """gguf mode's greedy tokens are fp32's, and every block matrix ran the C fp32 kernel
-    (decode steps take that path; the torch reference would give the same tokens)."""
-    params = SamplingParams(temperature=0.0, max_tokens=16)
-    outputs = {}
-    for quantization in (None, "gguf"):
-        llm = LLM(str(tied_gguf), quantization=quantization, multiprocess=False,
-                  num_gpu_blocks=64)
-        loaded = llm.llm_engine.client.engine_core.loaded
-        assert loaded.model.model.layers[0].mlp.down_proj.weight_form == (
-            "q4_1" if quantization else "packed"
-        )
-        fp32_kernel_calls.clear()
-        outputs[quantization] = [
-            o.outputs[0].token_ids for o in llm.generate(
-                [{"prompt_token_ids": p} for p in prompts()], params
-            )
-        ]
-        shapes = {(m.kernel.out_features, m.kernel.in_features)
-                  for m in matrices(loaded).values() if quantization}
-        assert {(n, k) for n, k, _ in fp32_kernel_calls} == shapes
-        llm.shutdown()
-    assert outputs["gguf"] == outputs[None]
+def greedy_runs(path: Path, quantization: str | None, prompt_sets: list[list[list[int]]],
+                **engine: Any) -> tuple[list[list[list[int]]], list[list[list[set[int]]]], Any]:
+    """Greedy tokens (16 each) and each position's top-5 ids of every prompt of each set,
+    one `generate` per set, on one in-process engine; and its loaded model."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=5)
+    llm = LLM(str(path), quantization=quantization, multiprocess=False, num_gpu_blocks=64,
+              **engine)
+    tokens, tops = [], []
+    for prompt_set in prompt_sets:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompt_set], params)
+        tokens.append([o.outputs[0].token_ids for o in outs])
+        tops.append([[set(d) for d in o.outputs[0].logprobs] for o in outs])
+    loaded = llm.llm_engine.client.engine_core.loaded
+    llm.shutdown()
+    return tokens, tops, loaded
+
+
+def test_gguf_is_a_gguf_files_default(tied_gguf):
+    """quantization unset on a .gguf file runs its blocks (vLLM's default); its greedy tokens
+    agree with float weights' ("none") by the lossy modes' rule (prompt rows take int8
+    activations): equal up to a first divergence where each side's token is in the other's
+    top-5."""
+    runs = {q: greedy_runs(tied_gguf, q, [prompts()]) for q in ("none", None)}
+    assert runs["none"][2].quantization is None
+    assert runs[None][2].quantization == "gguf"
+    assert runs[None][2].model.model.layers[0].mlp.down_proj.weight_form == "q4_1"
+    for i in range(len(prompts())):
+        assert_greedy_match(runs["none"][0][0][i], runs["none"][1][0][i],
+                            runs[None][0][0][i], runs[None][1][0][i])
+
+
+def test_gguf_without_prompt_int8_is_fp32_exactly(tied_gguf, fp32_kernel_calls,  # noqa: F811
+                                                   monkeypatch):
+    """With prompt rows on the fp32 path too (V1_QUANT_PROMPT_INT8=0), gguf gives fp32's
+    greedy tokens, and every block matrix ran the C fp32 kernel."""
+    monkeypatch.setattr(quant_layer, "PROMPT_INT8", False)
+    fp32, _, _ = greedy_runs(tied_gguf, "none", [prompts()])
+    fp32_kernel_calls.clear()
+    gguf, _, loaded = greedy_runs(tied_gguf, "gguf", [prompts()])
+    shapes = {(m.kernel.out_features, m.kernel.in_features) for m in matrices(loaded).values()}
+    assert {(n, k) for n, k, _ in fp32_kernel_calls} == shapes
+    assert gguf == fp32
+
+
+def test_prompt_rows_take_int8_whatever_the_batch(tied_gguf, monkeypatch):
+    """Prompt tokens' rows run int8 activations, generated tokens' the fp32 path; since int8's
+    rows do not depend on each other, a prompt's greedy tokens are the same alone, in a
+    batch, in 7-token chunks and after a prefix-cache hit on its own prompt."""
+    calls: list[tuple[bool, int]] = []
+    linear = QuantKernels.linear
+
+    def counting(self, w, x, bias, int8=False):
+        calls.append((int8, x.shape[0]))
+        return linear(self, w, x, bias, int8)
+
+    monkeypatch.setattr(QuantKernels, "linear", counting)
+    batch = prompts()
+    alone, _, _ = greedy_runs(tied_gguf, None, [[p] for p in batch] + [batch])
+    assert (True, len(batch[0])) in calls  # the first prompt, cold, in one int8 call
+    assert max(m for int8, m in calls if not int8) < len(batch) * 2  # decode rows, LM head
+    reference = [out[0] for out in alone[:-1]]
+    assert alone[-1] == reference  # batched
+    chunked, _, _ = greedy_runs(tied_gguf, None, [batch, batch], max_num_batched_tokens=7,
+                                long_prefill_token_threshold=7)
+    assert chunked == [reference, reference]  # chunks, then every prompt a prefix-cache hit
+
+
+def test_unset_quantization_resolves_as_vllm(tmp_path, tied_gguf, monkeypatch):
+    """Unset: "gguf" for a .gguf file on CPU in float32, float weights for anything else (an
+    HF directory, a GPU, bf16, or no native kernels to run blocks with); "none" forces float
+    weights; a method given is kept."""
+    build_hf_model(gguf_case_config("llama")).save_pretrained(tmp_path)
+    assert resolve_quantization(None, tied_gguf, CPU, torch.float32) == "gguf"
+    assert resolve_quantization("none", tied_gguf, CPU, torch.float32) is None
+    assert resolve_quantization("int8", tied_gguf, CPU, torch.float32) == "int8"
+    assert resolve_quantization(None, tmp_path, CPU, torch.float32) is None
+    assert resolve_quantization(None, tied_gguf, torch.device("cuda"), torch.float32) is None
+    assert resolve_quantization(None, tied_gguf, CPU, torch.bfloat16) is None
+    monkeypatch.setattr(loader_module, "quant_kernels", lambda: None)
+    assert resolve_quantization(None, tied_gguf, CPU, torch.float32) is None
 
 
 def test_gguf_mode_dequantizes_block_types_it_lacks(tmp_path, caplog):
@@ -270,7 +331,7 @@ def test_fp32_keeps_one_copy_of_each_matrix(tmp_path):
 
 
 def test_bad_quantization_options_raise(tmp_path, tied_gguf):
-    with pytest.raises(ValueError, match=r"quantization must be one of gguf, int8.*'fp4'"):
+    with pytest.raises(ValueError, match=r"quantization must be one of gguf, int8, 'none'.*'fp4'"):
         EngineArgs(quantization="fp4")
     with pytest.raises(ValueError, match=r"quantization must be one of gguf, int8.*'fp4'"):
         load(tied_gguf, "fp4")
@@ -289,5 +350,6 @@ def test_quantization_cli_flag():
     from v1.entrypoints.openai.api_server import engine_args_from, make_parser
 
     parser = make_parser()
-    args = engine_args_from(parser, parser.parse_args(["--quantization", "gguf"]))
-    assert dataclasses.asdict(args)["quantization"] == "gguf"
+    for value in ("gguf", "none"):
+        args = engine_args_from(parser, parser.parse_args(["--quantization", value]))
+        assert dataclasses.asdict(args)["quantization"] == value

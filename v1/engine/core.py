@@ -84,7 +84,7 @@ from v1.core.sched.output import SchedulerOutput
 from v1.core.sched.scheduler import Scheduler
 from v1.engine.preload import preload_token_ids
 from v1.engine.structured_output import StructuredOutputManager
-from v1.models.loader import LoadedModel, load_model
+from v1.models.loader import LoadedModel, load_model, resolve_model, resolve_quantization
 from v1.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerStats
 from v1.request import EngineCoreRequest
 from v1.sampling_params import SamplingParams
@@ -122,9 +122,10 @@ class EngineCore:
         device, dtype = resolve_device_and_dtype(args.device, args.dtype)
         torch.manual_seed(args.seed)
         if loaded is None:
+            path = resolve_model(args.model, args.revision)
             loaded = load_model(
-                args.model, dtype, device, attention_impl_for(device), revision=args.revision,
-                quantization=args.quantization,
+                path, dtype, device, attention_impl_for(device),
+                quantization=resolve_quantization(args.quantization, path, device, dtype),
             )
         self.loaded = loaded
         scheduler_config, cache_config = args.create_configs(

@@ -18,12 +18,10 @@ runs them as such; "int8" quantizes every weight matrix of a float checkpoint (o
 fp32 copy) to Q8_0 blocks at load. Either keeps no fp32 copy of those matrices
 (`v1.models.layers.linear`).
 
-quantization=None keeps float weights for GGUF files too (vLLM would pick "gguf"), by the
-figures of `bench/bench_quant.py` (README, "Quantized weights"): gguf gives fp32's perplexity and
-greedy tokens with 99 MB of weights for 540 and 2x fp32's batch-1 decode, but 0.94x its decode at
-64 requests, and prefill-sized batches take 1.08x packed fp32's time (`bench/bench_quant_kernels.py
---rows 256,2048`); the throughput workloads are those. Worth making the default once the block
-kernels beat packed fp32 from 8 rows up.
+`EngineArgs.quantization` unset (None) picks "gguf" for a .gguf file, as vLLM does
+(`resolve_quantization`): the blocks give fp32's weights exactly, a fifth of their memory
+traffic, and 2-3x fp32's batch-1 decode; "none" keeps float weights. `load_model` itself takes
+the resolved value (None: float weights), which is what the HF parity tests pin.
 """
 
 import hashlib
@@ -45,7 +43,8 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
 
 from v1 import hub
 from v1.attention.backends.abstract import AttentionImpl
-from v1.config import QUANTIZATION_METHODS, cache_root
+from v1.config import NO_QUANTIZATION, QUANTIZATION_METHODS, cache_root
+from v1.kernels.quant import kernels as quant_kernels
 from v1.models import DecoderForCausalLM, get_model_cls, gguf_conversion
 
 logger = logging.getLogger("v1")
@@ -171,6 +170,23 @@ def load_model(
         path, dtype, device, quantization, time.perf_counter() - start,
     )
     return loaded
+
+
+def resolve_quantization(
+    quantization: str | None, path: Path, device: torch.device, dtype: torch.dtype
+) -> str | None:
+    """What `EngineArgs.quantization` loads `path` as (None: float weights). Unset: "gguf"
+    for a .gguf file on CPU in float32 when this machine has the native kernels (without
+    them the blocks would run through the slow torch reference), else float weights."""
+    if quantization == NO_QUANTIZATION:
+        return None
+    if quantization is not None:
+        return quantization
+    runs_blocks = (
+        path.is_file() and path.suffix == ".gguf" and device.type == "cpu"
+        and dtype == torch.float32 and quant_kernels() is not None
+    )
+    return "gguf" if runs_blocks else None
 
 
 def check_quantization(

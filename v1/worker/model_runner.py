@@ -35,6 +35,7 @@ from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata, kv_
 from v1.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from v1.core.sched.output import SchedulerOutput
 from v1.models import head_dim_of
+from v1.models.layers.quant import prompt_rows
 from v1.models.loader import LoadedModel
 from v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, TokenLogprobs
 from v1.sampling_params import SamplingParams
@@ -294,12 +295,19 @@ class ModelRunner:
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
         )
-        hidden = self.model(
-            torch.from_numpy(input_ids).to(dev, non_blocking=True),
-            torch.from_numpy(positions).to(dev, non_blocking=True),
-            self.kv_caches,
-            metadata,
+        # Quantized weights: prompt tokens' rows through int8 activations (see
+        # v1.models.layers.quant.PROMPT_INT8); the LM head, below, is outside.
+        is_prompt = (
+            positions < batch.num_prompt_tokens[token_rows]
+            if self.loaded.quantization is not None else None
         )
+        with prompt_rows(is_prompt):
+            hidden = self.model(
+                torch.from_numpy(input_ids).to(dev, non_blocking=True),
+                torch.from_numpy(positions).to(dev, non_blocking=True),
+                self.kv_caches,
+                metadata,
+            )
         prompt_logprobs_dict = (
             self._get_prompt_logprobs_dict(hidden, req_ids, num_computed, num_scheduled)
             if self.in_progress_prompt_logprobs
@@ -366,8 +374,10 @@ class ModelRunner:
         spec_token_ids = None
         if self.drafter is not None:
             spec_token_ids = self.drafter.propose_all(batch, req_ids, rows, sample_idx)
+        unfilled = {req_ids[i]: n for i, drafts in drafts_by_index.items()
+                    if (n := drafts.count(-1))}
         return ModelRunnerOutput(
-            req_ids, sampled_rows, logprobs_rows, prompt_logprobs_dict, spec_token_ids
+            req_ids, sampled_rows, logprobs_rows, prompt_logprobs_dict, spec_token_ids, unfilled
         )
 
     def _get_prompt_logprobs_dict(

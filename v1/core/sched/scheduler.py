@@ -412,7 +412,9 @@ class Scheduler(WaitingAdmission):
             num_rejected = 0
             if spec_tokens and (drafts := spec_tokens.get(req_id)):
                 num_rejected = len(drafts) + 1 - len(new_token_ids)
-                self.spec_stats.observe(len(drafts), len(drafts) - num_rejected)
+                proposed = len(drafts) - model_output.num_unfilled_drafts.get(req_id, 0)
+                if proposed:
+                    self.spec_stats.observe(proposed, len(drafts) - num_rejected)
                 if status != PREEMPTED:  # (a preempted one computes everything anew)
                     request.num_computed_tokens -= num_rejected
             if async_scheduling:

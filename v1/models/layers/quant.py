@@ -46,12 +46,15 @@ weights, 540 MB, stream from memory, so the blocks' lead at a few rows is larger
 activations win up to 4 rows (no activation quantization, no idle int8 lanes); int8
 activations from 8 rows, and from 16 on they take about half the fp32 path's time. For larger
 batches the fp32 path can only match fp32 oneDNN: it does
-the same FMAs and saves memory traffic, which matters little there. Still, INT8_MIN_ROWS
-defaults to None (fp32 activations at every batch size): `gguf` runs fp32's very weights and
-must agree with fp32's greedy tokens (issue 14: >= 0.97), and int8 activations everywhere gave
-perplexity +0.3% but greedy agreement 0.61 (`V1_QUANT_INT8_MIN_ROWS=1 .venv/bin/python
-bench/bench_quant.py --modes fp32 gguf --rounds 1`). V1_QUANT_INT8_MIN_ROWS=8 trades that
-accuracy for speed.
+the same FMAs and saves memory traffic, which matters little there. Which rows take int8 is
+decided per row, not by the batch's size (`PROMPT_INT8`): prompt tokens' rows do, whatever
+their number, and generated tokens' rows take the fp32 path (up to DENSE_MIN_ROWS). A
+batch-size rule would make a token's numbers depend on what else ran in its step (int8
+everywhere gave perplexity +0.3% but greedy agreement 0.61 with fp32, `V1_QUANT_INT8_MIN_ROWS=1
+.venv/bin/python bench/bench_quant.py --modes fp32 gguf --rounds 1`), so speculative drafts,
+chunking or a neighbour's prompt would change greedy tokens; int8's rows are independent of
+each other, and decode keeps fp32's exact weights. V1_QUANT_INT8_MIN_ROWS=n still sends every
+batch of n rows or more through int8, for measurements.
 
 From DENSE_MIN_ROWS rows (prefill chunks) a third path, "dense": the whole weight dequantized
 by C into fp32 once per call, then oneDNN's GEMM. At a505452 (OpenMP threads; `--rows
@@ -66,8 +69,13 @@ and now (`--rows 256,2048 --rounds 3`, `bench/results/quant_kernels_prefill.txt`
 / 1.95, dense 1.33 / 1.09, int8 0.61 / 0.83.
 """
 
+import contextlib
 import os
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -96,6 +104,67 @@ INT8_MIN_ROWS: int | None = _int8_min_rows(os.environ.get("V1_QUANT_INT8_MIN_ROW
 # about 256 rows while the dequantization costs a few rows' worth of work (figures in the
 # module docstring). The results are the fp32 path's up to rounding (same weights).
 DENSE_MIN_ROWS: int | None = 256
+
+
+def _prompt_int8(value: str | None) -> bool:
+    """V1_QUANT_PROMPT_INT8: "1" (unset) or "0"."""
+    if value not in (None, "", "0", "1"):
+        raise ValueError(f"V1_QUANT_PROMPT_INT8={value!r}: expected 0 or 1")
+    return value != "0"
+
+
+# Prompt tokens' rows take "int8" whatever the batch (`prompt_rows`): prefill is most of a
+# shared-prompt workload's matmul rows, where int8 takes 0.6-0.8 of packed fp32's time and
+# "dense" 1.1-1.3, at perplexity +0.4% (module docstring). The path is per row, not per batch,
+# because int8's results are: a row's output does not depend on the other rows of its call, so
+# a prompt's KV is the same at any chunk size or batch composition. Generated tokens' rows
+# (decode, drafts, a preempted request's recomputed output) take the fp32 path, fp32's exact
+# weights; but its sums change order with the row count (1, 2-4, 5+ rows: see quant.c), so
+# unlike oneDNN's fp32 a decode row's last bits depend on its step's other rows, drafts
+# included: greedy tokens agree with and without drafts until a near-tie (issue 22's note).
+# Blocks computed as generated tokens and reused by a later prompt (multi-turn chat) hold
+# fp32-path K/V where a cold prompt would have int8's: outputs may then differ with what is
+# cached, within the lossy modes' rule (DESIGN.md). V1_QUANT_PROMPT_INT8=0 turns it off.
+PROMPT_INT8: bool = _prompt_int8(os.environ.get("V1_QUANT_PROMPT_INT8"))
+
+
+@dataclass(slots=True)
+class _PromptRows:
+    """One forward's split of its activation rows: which are prompt tokens'."""
+
+    num_rows: int
+    prompt: torch.Tensor  # row indices
+    other: torch.Tensor
+
+    @classmethod
+    def of(cls, is_prompt: np.ndarray) -> "_PromptRows":
+        return cls(len(is_prompt), torch.from_numpy(np.flatnonzero(is_prompt)),
+                   torch.from_numpy(np.flatnonzero(~is_prompt)))
+
+
+# Per thread: two in-process engines may run forwards on two threads at once.
+_forward = threading.local()
+
+
+@contextlib.contextmanager
+def prompt_rows(is_prompt: np.ndarray | None) -> Iterator[None]:
+    """Within (on this thread): every `linear` call on a quantized weight whose input has
+    len(is_prompt) rows runs the rows where is_prompt holds through "int8" and the others by
+    their count (the LM head's fewer rows, by their count alone). None, or PROMPT_INT8 off:
+    no split."""
+    saved = getattr(_forward, "rows", None)
+    _forward.rows = _PromptRows.of(is_prompt) if is_prompt is not None and PROMPT_INT8 else None
+    try:
+        yield
+    finally:
+        _forward.rows = saved
+
+
+def _path_for(m: int) -> str:
+    """The path of a batch of m rows (no prompt-row split)."""
+    if INT8_MIN_ROWS is not None and m >= INT8_MIN_ROWS:
+        return "int8"
+    return "dense" if DENSE_MIN_ROWS is not None and m >= DENSE_MIN_ROWS else "fp32"
 
 
 class QuantizedWeight:
@@ -175,11 +244,19 @@ class QuantizedWeight:
         if path is not None and path not in PATHS:
             raise ValueError(f"path {path!r} is not one of {PATHS}")
         m = x.numel() // self.in_features
-        if path is None:
-            if INT8_MIN_ROWS is not None and m >= INT8_MIN_ROWS:
+        split = getattr(_forward, "rows", None) if path is None else None
+        if split is not None and split.num_rows == m:
+            if not len(split.other):
                 path = "int8"
-            else:
-                path = "dense" if DENSE_MIN_ROWS is not None and m >= DENSE_MIN_ROWS else "fp32"
+            elif len(split.prompt):
+                rows = x.reshape(m, self.in_features)
+                out = x.new_empty(m, self.out_features)
+                out[split.prompt] = self.linear(rows[split.prompt], bias, "int8")
+                out[split.other] = self.linear(rows[split.other], bias,
+                                               _path_for(len(split.other)))
+                return out.reshape(*x.shape[:-1], self.out_features)
+        if path is None:
+            path = _path_for(m)
         native = (path != "torch" and m > 0 and x.dtype == torch.float32 and x.is_cpu
                   and self.blocks.is_cpu)
         q = kernels() if native else None
