@@ -135,6 +135,8 @@ class ShadowRunner:
         return req.block_ids[pos // self.block_size], pos % self.block_size
 
     def execute(self, out: SchedulerOutput, eos_row: int) -> ModelRunnerOutput:
+        for req_id in out.preempted_req_ids:  # the real runner looks it up in its batch
+            assert req_id in self.requests, f"{req_id} preempted, never sent to the runner"
         for req_id in out.finished_req_ids | out.preempted_req_ids:
             self.requests.pop(req_id, None)
         for new in out.scheduled_new_reqs:

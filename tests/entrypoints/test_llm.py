@@ -155,11 +155,12 @@ def test_priority_scheduling(make_llm, hf_greedy, chat_prompts):
     assert [o.prompt_token_ids for o in outputs] == [
         llm.llm_engine.processor.tokenize_prompt(p)[1] for p in prompts
     ]
-    # Three run at a time, so requests start in waves: in (priority, arrival) order, not in
-    # the order given (FCFS would start prompts 0-2 first, prompt 0 having priority 3).
-    by_priority = sorted(range(len(prompts)), key=lambda i: (priority[i], i))
-    first_token_times = [outputs[i].metrics.first_token_time for i in by_priority]
-    assert first_token_times == sorted(first_token_times)
+    # Three run at a time, so requests start in waves: by priority, not in the order given
+    # (FCFS would start prompts 0-2 first, prompt 0 having priority 3). Within a priority,
+    # prefix-aware admission may start a later arrival first (longer cached prefix).
+    first = [o.metrics.first_token_time for o in outputs]
+    assert all(first[i] <= first[j] for i in range(len(prompts)) for j in range(len(prompts))
+               if priority[i] < priority[j])
     assert_matches_hf(llm, outputs, hf_greedy)
     check_idle(llm)
 

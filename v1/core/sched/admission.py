@@ -150,7 +150,7 @@ class WaitingAdmission:
         kv = self.kv_cache_manager
         victims: list[Request] = []
         freed = FreedBlocks()
-        candidates = self._victim_candidates(request)
+        candidates = self._victim_candidates(request, st.scheduled_admitted)
         while (plan := self._plan_admission(
             request, st.token_budget, len(victims), freed
         )) is None:
@@ -220,10 +220,14 @@ class WaitingAdmission:
             return None
         return Admission(hit_blocks, num_hit_tokens, num_new_tokens)
 
-    def _victim_candidates(self, request: Request) -> Iterator[Request]:
+    def _victim_candidates(
+        self, request: Request, admitted: list[Request]
+    ) -> Iterator[Request]:
         """Priority policy: the running requests that rank below the waiting `request`,
-        worst first, that may be preempted now (not one whose unwritten blocks another
-        request already shares in this step: that request will read them)."""
+        worst first, that may be preempted now: not one `admitted` in this step (the runner
+        has not seen it: it cannot be reported preempted; prefix-aware admission may admit
+        a later arrival of the same priority before an earlier one), nor one whose unwritten
+        blocks another request already shares in this step (that request will read them)."""
         if not self.priority_policy:
             return
         request_rank = rank(request)
@@ -231,7 +235,7 @@ class WaitingAdmission:
         for candidate in reversed(self.running):
             if rank(candidate) <= request_rank:
                 return
-            if not kv.has_shared_unwritten_blocks(candidate):
+            if candidate not in admitted and not kv.has_shared_unwritten_blocks(candidate):
                 yield candidate
 
     def _add_running(self, request: Request) -> None:
