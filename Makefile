@@ -118,12 +118,15 @@ $(LLAMACPP_SRC)/.unpacked:
 	tar xzf $(LLAMACPP)/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz -C $(LLAMACPP)
 	touch $@
 
-# No curl/OpenSSL (local models only) and no web UI download.
+# No curl/OpenSSL (local models only) and no web UI download. No AMX: a CPU may list it (Sapphire
+# Rapids) where the kernel or VM does not grant its state, and its tile code then dies of SIGILL.
+LLAMACPP_NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 $(LLAMACPP)/build/bin/llama-server: $(LLAMACPP_SRC)/.unpacked
 	cmake -S $(LLAMACPP_SRC)/vendor/llama.cpp -B $(LLAMACPP)/build -DCMAKE_BUILD_TYPE=Release \
 		-DBUILD_SHARED_LIBS=ON -DGGML_NATIVE=ON -DLLAMA_BUILD_SERVER=ON \
 		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF \
-		-DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
+		-DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+		"-DCMAKE_C_FLAGS=$(LLAMACPP_NO_AMX)" "-DCMAKE_CXX_FLAGS=$(LLAMACPP_NO_AMX)"
 	nice cmake --build $(LLAMACPP)/build --target llama-server -j$(LLAMACPP_JOBS)
 
 $(LLAMACPP)/venv/.installed: $(LLAMACPP_SRC)/.unpacked
