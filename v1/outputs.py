@@ -31,6 +31,11 @@ class ModelRunnerOutput:
     # Speculative decoding: per request, the drafts the runner proposes for its next step
     # (empty: none); None when no request has any.
     spec_token_ids: list[list[int]] | None = None
+    # The disk tier: request id -> how many of its `KVLoad` blocks were read (a prefix; the
+    # rest were missing or corrupt), for the loads of this step; (hash, written) for every
+    # store finished since the last step (written False: not written, e.g. the queue full).
+    kv_loaded: dict[str, int] = field(default_factory=dict)
+    kv_stored: list[tuple[bytes, bool]] = field(default_factory=list)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput([], [])
@@ -71,6 +76,11 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = []
+    # The disk tier (kv_cache_dir), since start: prompt tokens read back from disk (counted in
+    # prefix_cache_hits too), blocks written, and blocks on disk now (this process's index).
+    disk_cache_hits: int = 0
+    disk_cache_stored_blocks: int = 0
+    disk_cache_blocks: int = 0
 
     @property
     def spec_decode_acceptance_rate(self) -> float:

@@ -26,6 +26,11 @@ Speculative decoding (`v1.core.sched.spec_decode`): a decode step of a request w
 (`Request.spec_token_ids`, proposed by the runner) also computes them, within the same budget
 and KV allocation (`SchedulerOutput.scheduled_spec_decode_tokens`); the output rolls
 `num_computed_tokens` back past the rejected ones. A request mid-prefill is never drafted.
+
+The disk tier (`v1.core.sched.disk_tier`; None: no tier, and nothing here costs anything):
+a new request whose RAM prefix hits stop short of blocks on disk waits in
+WAITING_FOR_REMOTE_KVS, set aside like WAITING_FOR_FSM, while the runner reads them; then it
+is WAITING again with those tokens computed (and their blocks held), admitted as a hit.
 """
 
 import bisect
@@ -37,6 +42,8 @@ from v1.config import CacheConfig, SchedulerConfig
 from v1.core.block_pool import KVCacheBlock
 from v1.core.kv_cache_manager import FreedBlocks, KVCacheManager
 from v1.core.kv_cache_utils import make_block_hasher
+from v1.core.kv_disk_index import DiskBlockIndex
+from v1.core.sched.disk_tier import DiskTierScheduling
 from v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from v1.core.sched.request_queue import create_request_queue
 from v1.core.sched.spec_decode import (
@@ -50,6 +57,7 @@ from v1.request import EngineCoreRequest, Request, RequestStatus
 RUNNING = RequestStatus.RUNNING
 WAITING = RequestStatus.WAITING
 WAITING_FOR_FSM = RequestStatus.WAITING_FOR_FSM
+WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
 PREEMPTED = RequestStatus.PREEMPTED
 FINISHED_STOPPED = RequestStatus.FINISHED_STOPPED
 FINISHED_LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
@@ -98,7 +106,10 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         structured_output_manager: StructuredOutputManagerProtocol | None = None,
+        disk_index: DiskBlockIndex | None = None,
     ) -> None:
+        if disk_index is not None and not cache_config.enable_prefix_caching:
+            raise ValueError("a disk tier (kv_cache_dir) needs enable_prefix_caching")
         self.config = scheduler_config
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -109,7 +120,12 @@ class Scheduler:
         self.async_scheduling = scheduler_config.async_scheduling
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+            record_new_cached=disk_index is not None,
+        )
+        self.disk_tier = (
+            DiskTierScheduling(disk_index, self.kv_cache_manager)
+            if disk_index is not None else None
         )
         self.block_hasher = (
             make_block_hasher(cache_config.block_size)
@@ -183,8 +199,14 @@ class Scheduler:
                 doomed_running.add(req_id)
             else:
                 doomed_waiting.append(request)
+            loading = request.status == WAITING_FOR_REMOTE_KVS
             request.status = status
-            self._free_request(request)
+            if loading:  # its blocks are freed when the runner reports the read
+                assert self.disk_tier is not None
+                self.disk_tier.aborted_loads[req_id] = request
+                self._forget_request(request)
+            else:
+                self._free_request(request)
         if doomed_running:
             self.running = [r for r in self.running if r.request_id not in doomed_running]
         if doomed_waiting:
@@ -192,13 +214,18 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        self._forget_request(request)
+
+    def _forget_request(self, request: Request) -> None:
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
         if request.sampling_params.structured_outputs is not None:
             self.num_structured_requests -= 1
 
     def has_requests(self) -> bool:
-        return bool(self.requests) or bool(self._ignored)
+        return bool(self.requests) or bool(self._ignored) or (
+            self.disk_tier is not None and bool(self.disk_tier.aborted_loads)
+        )
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -323,6 +350,12 @@ class Scheduler:
                     if not request.is_finished():
                         skipped.append(request)
                     continue
+                if request.status == WAITING_FOR_REMOTE_KVS or (
+                    self.disk_tier is not None and self.disk_tier.start_load(request)
+                ):
+                    self.waiting.pop_request()  # its blocks are being read
+                    skipped.append(request)
+                    continue
                 if request.num_output_placeholders or request in preempted:
                     break  # (async) its last step's output is not back yet; or just evicted
                 victims: list[Request] = []
@@ -345,7 +378,9 @@ class Scheduler:
                     request, num_new_tokens, hit_blocks, num_hit_tokens
                 )
                 assert new_blocks is not None, "an admission plan did not fit"
-                kv.record_prefix_hit(request, num_hit_tokens)
+                # (num_computed_tokens: 0, or what a read from disk gave it)
+                request.num_computed_tokens += num_hit_tokens
+                kv.record_prefix_hit(request, request.num_computed_tokens)
                 self.waiting.pop_request()
                 self._add_running(request)
                 scheduled_admitted.append(request)
@@ -354,9 +389,8 @@ class Scheduler:
                 else:
                     scheduled_resumed.append(request)
                 request.status = RUNNING
-                request.num_computed_tokens = num_hit_tokens
                 if request.scheduled_time is None:  # first admission
-                    request.num_cached_tokens = num_hit_tokens
+                    request.num_cached_tokens = request.num_computed_tokens
                     request.scheduled_time = time.monotonic()
                 num_scheduled_tokens[request.request_id] = num_new_tokens
                 token_budget -= num_new_tokens
@@ -380,6 +414,8 @@ class Scheduler:
             self.max_num_batched_tokens - token_budget, self.finished_req_ids, preempted_ids,
             spec_tokens,
         )
+        if self.disk_tier is not None:
+            self.disk_tier.add_work(output)
         self.finished_req_ids = set()
         requests = self.requests
         if self.num_structured_requests and self.structured_output_manager is not None:
@@ -464,7 +500,10 @@ class Scheduler:
         if len(self.running) - num_victims >= self.max_num_seqs:
             return None
         kv = self.kv_cache_manager
-        if request.sampling_params.prompt_logprobs is None:
+        if request.num_computed_tokens:
+            # Read from disk: it holds its prefix's blocks already.
+            hit_blocks, num_hit_tokens = [], 0
+        elif request.sampling_params.prompt_logprobs is None:
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
         else:
             # As vLLM: cached positions' logits are never computed, and their logprobs are
@@ -478,7 +517,7 @@ class Scheduler:
                     hit_blocks = hit_blocks[:i]
                     num_hit_tokens = i * self.block_size
                     break
-        num_new_tokens = request.num_tokens - num_hit_tokens
+        num_new_tokens = request.num_tokens - request.num_computed_tokens - num_hit_tokens
         threshold = self.long_prefill_token_threshold
         if 0 < threshold < num_new_tokens:
             num_new_tokens = threshold
@@ -513,6 +552,9 @@ class Scheduler:
         """Append sampled tokens, apply stop conditions, free finished requests, and
         return the new tokens per client."""
         outputs: dict[int, list[EngineCoreOutput]] = {}
+        if model_output.kv_loaded or model_output.kv_stored:
+            assert self.disk_tier is not None
+            self.disk_tier.update(model_output, self.requests)
         requests = self.requests
         max_model_len = self.max_model_len
         async_scheduling = self.async_scheduling
@@ -629,13 +671,19 @@ class Scheduler:
 
     # -- utilities ----------------------------------------------------------------------
 
-    def reset_prefix_cache(self) -> bool:
-        return self.kv_cache_manager.reset_prefix_cache()
+    def reset_prefix_cache(self, include_disk: bool = False) -> bool:
+        """Forget the RAM prefix cache (refused, False, while any block is in use); with
+        `include_disk`, the disk tier's index too (the caller removes the files)."""
+        if not self.kv_cache_manager.reset_prefix_cache():
+            return False
+        if include_disk and self.disk_tier is not None:
+            self.disk_tier.index.clear()
+        return True
 
     def make_stats(self) -> SchedulerStats:
         metrics = self.kv_cache_manager.prefix_cache_metrics
         total = metrics.total()
-        return SchedulerStats(
+        stats = SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.kv_cache_manager.usage,
@@ -651,6 +699,9 @@ class Scheduler:
             spec_decode_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=list(self.spec_stats.accepted_per_pos),
         )
+        if self.disk_tier is not None:
+            self.disk_tier.add_stats(stats)
+        return stats
 
     def check_integrity(self) -> None:
         """Assert the scheduler's and the cache's invariants; when idle, that nothing leaks."""
@@ -665,9 +716,17 @@ class Scheduler:
         )
         assert len(self.running) <= self.max_num_seqs
         assert all(r.status == RUNNING for r in self.running)
-        assert all(r.status in (WAITING, WAITING_FOR_FSM, PREEMPTED) for r in self.waiting)
+        assert all(
+            r.status in (WAITING, WAITING_FOR_FSM, WAITING_FOR_REMOTE_KVS, PREEMPTED)
+            for r in self.waiting
+        )
+        aborted_loads = self.disk_tier.aborted_loads if self.disk_tier is not None else {}
         for req_id in self.kv_cache_manager.req_to_blocks:
-            assert req_id in running_ids or req_id in waiting_ids, f"{req_id} holds blocks"
+            assert (
+                req_id in running_ids or req_id in waiting_ids or req_id in aborted_loads
+            ), f"{req_id} holds blocks"
+        if self.disk_tier is not None:
+            self.disk_tier.index.check_integrity()
         assert not _NO_BLOCK_IDS, f"the shared empty block-id list was mutated: {_NO_BLOCK_IDS}"
         if self.block_hasher is not None:
             # Appends skip the hasher until a block may be full: none may be left unhashed.
