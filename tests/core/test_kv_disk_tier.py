@@ -42,8 +42,7 @@ class FakeDisk:
                 self.block_hash[block_id] = h
                 n += 1
             loaded[load.req_id] = n
-        for block_id, h in out.kv_stores:
-            self.files.add(h)
+        self.files.update(h for _, h in out.kv_stores)
         result = fake_model_output(s, out)
         result.kv_stored = [(h, True) for _, h in out.kv_stores]
         if delay_loads:
