@@ -267,3 +267,22 @@ def test_without_a_tier_nothing_is_handed_out():
     assert s.disk_tier is None and s.kv_cache_manager.new_cached is None
     assert out.kv_loads == [] and out.kv_stores == [] and out.kv_deletes == []
     s.update_from_output(out, fake_model_output(s, out))
+
+
+# ---- the options -------------------------------------------------------------------------
+
+
+def test_a_directory_that_cannot_be_written_is_refused(tmp_path):
+    from v1.config import EngineArgs
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for bad in (a_file, a_file / "below"):  # (root may write anywhere: no chmod here)
+        with pytest.raises(ValueError, match=f"kv_cache_dir '{bad}' cannot be created"):
+            EngineArgs(kv_cache_dir=str(bad))
+    with pytest.raises(ValueError, match="kv_cache_disk_bytes needs kv_cache_dir"):
+        EngineArgs(kv_cache_disk_bytes=1 << 30)
+    with pytest.raises(ValueError, match="kv_cache_disk_bytes must be an integer >= 1, got 0"):
+        EngineArgs(kv_cache_dir=str(tmp_path), kv_cache_disk_bytes=0)
+    with pytest.raises(ValueError, match="needs enable_prefix_caching"):
+        EngineArgs(kv_cache_dir=str(tmp_path), enable_prefix_caching=False)

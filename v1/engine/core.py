@@ -255,9 +255,13 @@ class EngineCore:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
         kv_disk = self.model_runner.kv_disk
-        if kv_disk is not None:  # the last writes' evictions, then every queued write
+        if kv_disk is not None:
+            # Every queued write done and indexed, then what they evict beyond the bound.
             disk_tier = self.scheduler.disk_tier
             assert disk_tier is not None
+            kv_disk.flush()
+            for block_hash, ok in kv_disk.take_stored():
+                disk_tier.index.stored(block_hash, ok)
             kv_disk.delete(disk_tier.index.take_deletes())
             kv_disk.close()
 
