@@ -1,5 +1,6 @@
 """Outputs at each layer boundary: model runner -> scheduler -> frontend -> user."""
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -32,10 +33,11 @@ class ModelRunnerOutput:
     # (empty: none); None when no request has any.
     spec_token_ids: list[list[int]] | None = None
     # The disk tier: request id -> how many of its `KVLoad` blocks were read (a prefix; the
-    # rest were missing or corrupt), for the loads of this step; (hash, written) for every
-    # store finished since the last step (written False: not written, e.g. the queue full).
-    kv_loaded: dict[str, int] = field(default_factory=dict)
-    kv_stored: list[tuple[bytes, bool]] = field(default_factory=list)
+    # rest were missing or corrupt), for the loads of this step (None: none); (hash,
+    # written) for every store finished since the last step (False: not written, e.g. the
+    # queue was full).
+    kv_loaded: dict[str, int] | None = None
+    kv_stored: Sequence[tuple[bytes, bool]] = ()
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput([], [])

@@ -265,7 +265,7 @@ def test_without_a_tier_nothing_is_handed_out():
     s.add_request(make_request(list(range(1100, 1113)), max_tokens=1))
     out = s.schedule()
     assert s.disk_tier is None and s.kv_cache_manager.new_cached is None
-    assert out.kv_loads == [] and out.kv_stores == [] and out.kv_deletes == []
+    assert out.kv_loads == out.kv_stores == out.kv_deletes == ()  # shared, not allocated
     s.update_from_output(out, fake_model_output(s, out))
 
 

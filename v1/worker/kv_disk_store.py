@@ -247,7 +247,7 @@ class DiskKVStore:
                 batch[layer].copy_(kv.index_select(1, ids))
         self._queue.put(("store", [h for _, h in stores], raw))
 
-    def delete(self, hashes: list[bytes]) -> None:
+    def delete(self, hashes: Sequence[bytes]) -> None:
         self._queue.put(("delete", hashes, None))
 
     def take_stored(self) -> list[tuple[bytes, bool]]:

@@ -214,7 +214,7 @@ class ModelRunner:
         return self.kv_disk
 
     def _disk_io_after_forward(
-        self, out: SchedulerOutput, result: ModelRunnerOutput, kv_loaded: dict[str, int]
+        self, out: SchedulerOutput, result: ModelRunnerOutput, kv_loaded: dict[str, int] | None
     ) -> ModelRunnerOutput:
         kv_disk = self.kv_disk
         assert kv_disk is not None
@@ -285,8 +285,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(out)
-        kv_loaded: dict[str, int] = {}
+        kv_loaded: dict[str, int] | None = None
         if out.kv_loads:
+            kv_loaded = {}
             assert self.kv_disk is not None
             for load in out.kv_loads:
                 kv_loaded[load.req_id] = self.kv_disk.load(

@@ -77,7 +77,7 @@ class DiskTierScheduling:
             index.stored(block_hash, ok)
         kv = self.kv
         block_size = self.block_size
-        for req_id, num_loaded in model_output.kv_loaded.items():
+        for req_id, num_loaded in (model_output.kv_loaded or {}).items():
             aborted = self.aborted_loads.pop(req_id, None)
             if aborted is not None:
                 kv.free(aborted)

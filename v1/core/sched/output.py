@@ -6,6 +6,7 @@ resumed after preemption comes as a delta too, with `resumed_from_preemption` se
 ids then *replace* the old ones and `resumed_token_ids` carries all its tokens.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -71,6 +72,7 @@ class SchedulerOutput:
     # The disk tier (v1.core.kv_disk_index): blocks to read before the forward; (block id,
     # hash) of full blocks this step computes, to copy after the forward and write to disk;
     # files to remove (LRU beyond the byte bound).
-    kv_loads: list[KVLoad] = field(default_factory=list)
-    kv_stores: list[tuple[int, BlockHash]] = field(default_factory=list)
-    kv_deletes: list[BlockHash] = field(default_factory=list)
+    # (Empty tuples by default: a step without a tier allocates nothing for them.)
+    kv_loads: Sequence[KVLoad] = ()
+    kv_stores: Sequence[tuple[int, BlockHash]] = ()
+    kv_deletes: Sequence[BlockHash] = ()
