@@ -62,6 +62,7 @@ _HEADER = struct.Struct("<8sQQ")
 HEADER_BYTES = _HEADER.size
 SUFFIX = ".kv"
 STALE_TMP_S = 600.0
+_MAX_BATCH_BYTES = 32 << 20
 _DIGEST_SPAN = 1 << 20  # bytes of each weight file's head and tail in the fingerprint
 
 
@@ -238,14 +239,19 @@ class DiskKVStore:
                 self._stored.extend((h, False) for _, h in stores)
                 return
             self._queued_bytes += size
-        batch, raw = self._batch(len(stores))
-        for layer, kv in enumerate(kv_caches):
-            ids = torch.tensor([b for b, _ in stores], dtype=torch.int64, device=kv.device)
-            if kv.device == batch.device:
-                torch.index_select(kv, 1, ids, out=batch[layer])
-            else:
-                batch[layer].copy_(kv.index_select(1, ids))
-        self._queue.put(("store", [h for _, h in stores], raw))
+        # Batches under malloc's mmap threshold (64 MiB, see `tune_cpu_malloc`): reused heap
+        # memory, not fresh pages faulted in on every large prefill.
+        per_batch = max(1, _MAX_BATCH_BYTES // self.payload_bytes)
+        for start in range(0, len(stores), per_batch):
+            part = stores[start : start + per_batch]
+            batch, raw = self._batch(len(part))
+            for layer, kv in enumerate(kv_caches):
+                ids = torch.tensor([b for b, _ in part], dtype=torch.int64, device=kv.device)
+                if kv.device == batch.device:
+                    torch.index_select(kv, 1, ids, out=batch[layer])
+                else:
+                    batch[layer].copy_(kv.index_select(1, ids))
+            self._queue.put(("store", [h for _, h in part], raw))
 
     def delete(self, hashes: Sequence[bytes]) -> None:
         self._queue.put(("delete", hashes, None))
