@@ -32,6 +32,16 @@ what it wrote, so the byte bound holds per process and is approximate for the di
 whole (several processes may together exceed it by what each wrote that another does not
 index). Temporary files older than `STALE_TMP_S` (a crashed writer's) are removed at start-up.
 
+Write-on-compute, not on eviction. Every full block is written once, when the step that
+computes it is done (blocks already on disk, or read from it, are not written again). On a
+workload that never hits the tier this costs the step loop only the copy-out (~1% of its
+time, `bench/bench_disk_tier.py` part 3; the writes are the writer thread's). Writing on
+eviction would copy the same bytes once the pool is full (a workload evicts what it computes)
+but at the worst moment (an allocation waiting for the block), would lose everything RAM
+holds on a crash or kill -9, and would have to flush the whole pool on a clean shutdown
+(2 GiB by default on CPU: seconds); written on compute, a block survives any restart after
+the step that computed it.
+
 Writes never block a step: `save` copies the blocks (right after the forward that computed
 them, before any later step can reuse a block) and queues them for the writer thread; a
 queue over `max_queue_bytes` drops the write (reported unwritten). Reads are synchronous,
