@@ -34,8 +34,9 @@ index). Temporary files older than `STALE_TMP_S` (a crashed writer's) are remove
 
 Write-on-compute, not on eviction. Every full block is written once, when the step that
 computes it is done (blocks already on disk, or read from it, are not written again). On a
-workload that never hits the tier this costs the step loop only the copy-out (~1% of its
-time, `bench/bench_disk_tier.py` part 3; the writes are the writer thread's). Writing on
+workload that never hits the tier this costs the step loop only the copy-out (0.15% of its
+execute time, `bench/bench_disk_tier.py` part 3; the writes are the writer thread's: 15-70 ms
+per 82 blocks). Writing on
 eviction would copy the same bytes once the pool is full (a workload evicts what it computes)
 but at the worst moment (an allocation waiting for the block), would lose everything RAM
 holds on a crash or kill -9, and would have to flush the whole pool on a clean shutdown
@@ -45,9 +46,10 @@ the step that computed it.
 Writes never block a step: `save` copies the blocks (right after the forward that computed
 them, before any later step can reuse a block) and queues them for the writer thread; a
 queue over `max_queue_bytes` drops the write (reported unwritten). Reads are synchronous,
-before the forward of the step that hands them out (`load`): a read of 82 blocks (a
-1,300-token prompt) costs milliseconds where computing them costs seconds, and reading on the
-step's own thread needs no lock on the KV cache (see bench/bench_disk_tier.py for the figures).
+before the forward of the step that hands them out (`load`): a read of 83 blocks (a
+1,342-token prompt) took 34 ms of a 0.14 s restart TTFT where computing them took 1.9 s
+(bench/bench_disk_tier.py part 1, quiet machine), and reading on the step's own thread needs
+no lock on the KV cache.
 """
 
 import json
