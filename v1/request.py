@@ -38,9 +38,9 @@ class RequestStatus(enum.IntEnum):
     Any unfinished state may go to FINISHED_ABORTED; FINISHED_IGNORED is for a request that
     can never be scheduled (it is rejected before it runs). A structured-output request waits
     in WAITING_FOR_FSM until its grammar is compiled; a request whose prefix is read back from
-    the disk tier waits in WAITING_FOR_REMOTE_KVS (vLLM's name) until the read is done, its
-    blocks held. Finished states compare greater
-    than PREEMPTED, so `status > PREEMPTED` is the finished test.
+    the disk tier waits in WAITING_FOR_REMOTE_KVS (vLLM's name) until the read is done.
+    Finished states compare greater than PREEMPTED, so `status > PREEMPTED` is the finished
+    test.
     """
 
     WAITING = enum.auto()

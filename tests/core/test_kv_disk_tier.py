@@ -133,7 +133,9 @@ def test_computed_blocks_are_written_once_and_read_back_after_the_ram_cache_is_g
     probe = make_request(prompt[:16] + [9], block_size=B)
     assert s.kv_cache_manager.get_computed_blocks(probe)[1] == 0
     report(s, out, {again.request_id: 4})
-    assert again.status == RequestStatus.WAITING and again.num_computed_tokens == 16
+    # Read: back to WAITING holding nothing, its blocks findable (admitted as a hit).
+    assert again.status == RequestStatus.WAITING and again.num_computed_tokens == 0
+    assert again.request_id not in s.kv_cache_manager.req_to_blocks
     out = s.schedule()
     assert again.status == RequestStatus.RUNNING
     assert out.num_scheduled_tokens[again.request_id] == 3  # only the tail is computed

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from tests.core.utils import EOS, ShadowRunner, make_request, make_scheduler
+from v1.core.kv_disk_index import DiskBlockIndex
 
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 32
@@ -31,17 +32,22 @@ class SchedulerMachine(RuleBasedStateMachine):
         caching=st.sampled_from([True, True, False]),
         spec_k=st.sampled_from([0, 0, 1, 3]),
         seed=st.integers(0, 2**16),
+        # The disk tier's bound in blocks (None: no tier); small ones evict.
+        disk_blocks=st.sampled_from([None, None, 2, 6, 40]),
     )
     def setup(
-        self, num_blocks, budget, threshold, policy, async_scheduling, caching, spec_k, seed
+        self, num_blocks, budget, threshold, policy, async_scheduling, caching, spec_k, seed,
+        disk_blocks,
     ):
+        tier = caching and disk_blocks is not None
         self.s = make_scheduler(
             num_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=6,
             max_model_len=MAX_MODEL_LEN, policy=policy, long_prefill_token_threshold=threshold,
             async_scheduling=async_scheduling, enable_prefix_caching=caching,
+            disk_index=DiskBlockIndex(disk_blocks, 1) if tier else None,
         )
         self.budget = budget
-        self.runner = ShadowRunner(BLOCK_SIZE, spec_k, seed)
+        self.runner = ShadowRunner(BLOCK_SIZE, spec_k, seed, {} if tier else None)
         self.in_flight: deque = deque()
         self.finished: set[str] = set()
         self.added: dict[str, tuple[int, int]] = {}  # id -> (prompt length, max_tokens)
@@ -76,6 +82,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             event("resumed")
         if out.scheduled_spec_decode_tokens:
             event("drafts")
+        if out.kv_loads:
+            event("disk read")
         self.in_flight.append((out, self.runner.execute(out, eos_row)))
         if not s.async_scheduling or len(self.in_flight) == 2:
             self._finish_oldest()
@@ -109,13 +117,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.s.finish_requests([rid])
         self.finished.add(rid)
 
-    @rule()
-    def reset_prefix_cache(self):
+    @rule(include_disk=st.booleans())
+    def reset_prefix_cache(self, include_disk):
         kv = self.s.kv_cache_manager
         in_use = kv.block_pool.get_num_free_blocks() < kv.num_blocks
-        assert self.s.reset_prefix_cache() is not in_use
+        assert self.s.reset_prefix_cache(include_disk) is not in_use
         if not in_use:
             assert not kv.block_pool.cached_block_hash_to_block
+            if include_disk and self.runner.disk is not None:
+                self.runner.disk.clear()  # the engine removes the files
 
     @invariant()
     def integrity(self):

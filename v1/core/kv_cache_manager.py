@@ -24,7 +24,9 @@ preempt a request it scheduled earlier in the same call. Hence:
 
 Blocks read back from the disk tier (`allocate_for_load`, then `finish_load`) are the
 request's but not indexed while the read is under way: they become findable only once the
-runner has reported them written, like computed blocks.
+runner has reported them written, like computed blocks; then the request lets them go (to
+the LRU end of the free list, cached) and finds them again as prefix hits when admitted, so
+a waiting request never holds blocks past its read (two such could starve each other).
 """
 
 from collections import deque
@@ -212,10 +214,12 @@ class KVCacheManager:
     ) -> list[KVCacheBlock] | None:
         """Give a waiting request (holding no blocks) its prefix-cache hits and
         `num_load_blocks` new blocks to read its next blocks into from disk; None, with
-        nothing changed, when the pool cannot supply them. The new blocks are not indexed
-        (`finish_load` does it)."""
+        nothing changed, unless the pool could then also hold the rest of its prompt (so the
+        read is not wasted on a request that cannot be admitted). The new blocks are not
+        indexed (`finish_load` does it)."""
         assert request.request_id not in self.req_to_blocks
-        if not self._fits(num_load_blocks, hit_blocks, _NOTHING_FREED):
+        num_rest = -(-request.num_tokens // self.block_size) - len(hit_blocks) - num_load_blocks
+        if not self._fits(num_load_blocks + num_rest, hit_blocks, _NOTHING_FREED):
             return None
         req_id = request.request_id
         self.block_pool.touch(hit_blocks)
@@ -229,20 +233,14 @@ class KVCacheManager:
 
     def finish_load(self, request: Request, num_loaded: int) -> None:
         """The runner read the first `num_loaded` of the blocks `allocate_for_load` gave:
-        index them; release the others (their reads failed), which were never indexed."""
+        index them, then release all the request's blocks (tail first, as `free`): the read
+        ones stay findable, the unread ones (failed reads) were never indexed."""
         req_id = request.request_id
-        blocks = self.req_to_blocks[req_id]
-        first = self.num_cached_block[req_id]
-        end = first + num_loaded
-        self.block_pool.cache_full_blocks(blocks, request.block_hashes, first, end)
-        self.num_cached_block[req_id] = end
-        if end < len(blocks):
-            self.block_pool.free_blocks(reversed(blocks[end:]))
-            del blocks[end:]
-        if not blocks:  # nothing hit nor read: it holds nothing, as any waiting request
-            self.free(request)
-        else:
-            self.num_quiet_tokens[req_id] = self._quiet_limit(len(blocks), end)
+        blocks = self.req_to_blocks.pop(req_id)
+        first = self.num_cached_block.pop(req_id)
+        self.num_quiet_tokens.pop(req_id)
+        self.block_pool.cache_full_blocks(blocks, request.block_hashes, first, first + num_loaded)
+        self.block_pool.free_blocks(reversed(blocks))
 
     def _quiet_limit(self, num_blocks: int, num_cached: int) -> int:
         """See `num_quiet_tokens`: the end of the last block, and with caching, one token

@@ -7,8 +7,10 @@ this runner does, or any later one):
     start_load   WAITING, no blocks held; its RAM hits h blocks, then n blocks on disk:
                  it takes the h hits and n fresh blocks (not indexed), num_computed_tokens
                  = h * B, status WAITING_FOR_REMOTE_KVS; a `KVLoad` goes out with the step
-    update       the runner read the first k <= n: those are indexed, the others released,
-                 num_computed_tokens = (h + k) * B, status WAITING (admitted as a hit)
+    update       the runner read the first k <= n: those are indexed, then all its blocks
+                 released (cached, at the LRU end), num_computed_tokens = 0, status WAITING:
+                 its admission finds them as prefix hits (a waiting request holding blocks
+                 past its read could starve another such, with nobody running to free any)
 
 A request aborted meanwhile (`aborted_loads`) keeps its blocks until its read is reported:
 the runner may be writing into them, so none may be handed to another request before.
@@ -52,7 +54,7 @@ class DiskTierScheduling:
             return False
         blocks = kv.allocate_for_load(request, hit_blocks, num_load)
         if blocks is None:
-            return False  # no room now: computed instead, as without the tier
+            return False  # no room for all of it now: admitted (or not) as without the tier
         hashes = request.block_hashes[len(hit_blocks) : len(hit_blocks) + num_load]
         self.index.touch(hashes)
         self._loads.append(KVLoad(request.request_id, [b.block_id for b in blocks], hashes))
@@ -89,7 +91,7 @@ class DiskTierScheduling:
                 index.drop(request.block_hashes[first + num_loaded])
             kv.finish_load(request, num_loaded)
             index.num_loaded += num_loaded
-            request.num_computed_tokens += num_loaded * block_size
+            request.num_computed_tokens = 0
             self.num_hit_tokens += num_loaded * block_size
             request.status = RequestStatus.WAITING
 

@@ -30,7 +30,7 @@ and KV allocation (`SchedulerOutput.scheduled_spec_decode_tokens`); the output r
 The disk tier (`v1.core.sched.disk_tier`; None: no tier, and nothing here costs anything):
 a new request whose RAM prefix hits stop short of blocks on disk waits in
 WAITING_FOR_REMOTE_KVS, set aside like WAITING_FOR_FSM, while the runner reads them; then it
-is WAITING again with those tokens computed (and their blocks held), admitted as a hit.
+is WAITING again and the blocks are in the prefix cache, where its admission finds them.
 """
 
 import bisect
@@ -378,9 +378,7 @@ class Scheduler:
                     request, num_new_tokens, hit_blocks, num_hit_tokens
                 )
                 assert new_blocks is not None, "an admission plan did not fit"
-                # (num_computed_tokens: 0, or what a read from disk gave it)
-                request.num_computed_tokens += num_hit_tokens
-                kv.record_prefix_hit(request, request.num_computed_tokens)
+                kv.record_prefix_hit(request, num_hit_tokens)
                 self.waiting.pop_request()
                 self._add_running(request)
                 scheduled_admitted.append(request)
@@ -389,8 +387,9 @@ class Scheduler:
                 else:
                     scheduled_resumed.append(request)
                 request.status = RUNNING
+                request.num_computed_tokens = num_hit_tokens
                 if request.scheduled_time is None:  # first admission
-                    request.num_cached_tokens = request.num_computed_tokens
+                    request.num_cached_tokens = num_hit_tokens
                     request.scheduled_time = time.monotonic()
                 num_scheduled_tokens[request.request_id] = num_new_tokens
                 token_budget -= num_new_tokens
@@ -500,10 +499,7 @@ class Scheduler:
         if len(self.running) - num_victims >= self.max_num_seqs:
             return None
         kv = self.kv_cache_manager
-        if request.num_computed_tokens:
-            # Read from disk: it holds its prefix's blocks already.
-            hit_blocks, num_hit_tokens = [], 0
-        elif request.sampling_params.prompt_logprobs is None:
+        if request.sampling_params.prompt_logprobs is None:
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
         else:
             # As vLLM: cached positions' logits are never computed, and their logprobs are
@@ -517,7 +513,7 @@ class Scheduler:
                     hit_blocks = hit_blocks[:i]
                     num_hit_tokens = i * self.block_size
                     break
-        num_new_tokens = request.num_tokens - request.num_computed_tokens - num_hit_tokens
+        num_new_tokens = request.num_tokens - num_hit_tokens
         threshold = self.long_prefill_token_threshold
         if 0 < threshold < num_new_tokens:
             num_new_tokens = threshold
