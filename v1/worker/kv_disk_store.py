@@ -34,7 +34,7 @@ index). Temporary files older than `STALE_TMP_S` (a crashed writer's) are remove
 
 Write-on-compute, not on eviction. Every full block is written once, when the step that
 computes it is done (blocks already on disk, or read from it, are not written again). On a
-workload that never hits the tier this costs the step loop only the copy-out (0.15-0.44% of
+workload that never hits the tier this costs the step loop only the copy-out (0.15-0.7% of
 its execute time, `bench/bench_disk_tier.py` part 3; the writes are the writer thread's: 15-70 ms
 per 82 blocks). Writing on
 eviction would copy the same bytes once the pool is full (a workload evicts what it computes)
@@ -47,7 +47,7 @@ Writes never block a step: `save` copies the blocks (right after the forward tha
 them, before any later step can reuse a block) and queues them for the writer thread; a
 queue over `max_queue_bytes` drops the write (reported unwritten). Reads are synchronous,
 before the forward of the step that hands them out (`load`): a read of 83 blocks (a
-1,342-token prompt) took 25 ms of a 0.12 s restart TTFT where computing them took 1.6 s
+1,342-token prompt) took 30 ms of a 0.125 s restart TTFT where computing them took 2.1 s
 (bench/bench_disk_tier.py part 1: bench/results/disk_tier.txt), and reading on the step's
 own thread needs no lock on the KV cache.
 """
