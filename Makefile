@@ -72,6 +72,7 @@ bench: setup
 	$(PY) bench/bench_structured.py --out $(BENCH_OUT) | tee $(BENCH_OUT)/structured.txt
 	$(PY) bench/bench_serving.py --out $(BENCH_OUT) | tee $(BENCH_OUT)/serving.txt
 	$(PY) bench/bench_dp.py --out $(BENCH_OUT) | tee $(BENCH_OUT)/dp.txt
+	$(PY) bench/bench_disk_tier.py --out $(BENCH_OUT) | tee $(BENCH_OUT)/disk_tier.txt
 	$(PY) bench/bench_hostile.py --out $(BENCH_OUT) | tee $(BENCH_OUT)/hostile.txt
 	$(PY) bench/bench_step_breakdown.py --floors --out $(BENCH_OUT) \
 		| tee $(BENCH_OUT)/step_breakdown.txt

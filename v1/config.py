@@ -54,6 +54,23 @@ def kv_cache_dtype_name(kv_cache_dtype: str) -> str:
     return name
 
 
+# kv_cache_disk_bytes when kv_cache_dir is given alone.
+DEFAULT_KV_CACHE_DISK_BYTES = 8 << 30
+
+
+def check_kv_cache_dir(path: str) -> Path:
+    """The disk tier's directory, created if need be; ValueError naming it when it cannot be
+    written."""
+    root = Path(path).expanduser()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"kv_cache_dir {path!r} cannot be created: {e}") from e
+    if not root.is_dir() or not os.access(root, os.W_OK | os.X_OK):
+        raise ValueError(f"kv_cache_dir {path!r} is not a writable directory")
+    return root
+
+
 def cache_root() -> Path:
     """Where converted weights and built kernels are kept: $V1_CACHE_DIR, else ~/.cache/v1."""
     return Path(os.environ.get("V1_CACHE_DIR") or Path.home() / ".cache" / "v1").expanduser()
@@ -302,6 +319,12 @@ class EngineArgs:
     # in float32 with the native kernels built; v1.models.loader.resolve_quantization), else
     # float weights.
     quantization: str | None = None
+    # The disk tier under the RAM prefix cache (v1/worker/kv_disk_store.py): full blocks
+    # are kept in kv_cache_dir (in a subdirectory per model and KV setting), at most
+    # kv_cache_disk_bytes of them (LRU; None: DEFAULT_KV_CACHE_DISK_BYTES), and read back
+    # when a prompt's prefix is there, across restarts and by other processes.
+    kv_cache_dir: str | None = None
+    kv_cache_disk_bytes: int | None = None
     seed: int = 0
     # Speculative decoding (vLLM's option): a dict as `SpeculativeConfig` reads it, e.g.
     # {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}; None: off.
@@ -384,6 +407,7 @@ class EngineArgs:
                 f"{self.data_parallel_kv_threshold}"
             )
         kv_cache_dtype_name(self.kv_cache_dtype)  # fail before the model loads
+        self._check_disk_tier()
         if self.quantization not in (None, NO_QUANTIZATION, *QUANTIZATION_METHODS):
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, "
@@ -402,6 +426,24 @@ class EngineArgs:
                 "generation_config must be 'auto', 'vllm' or a directory holding a "
                 f"generation_config.json, got {gen!r}"
             )
+
+    def _check_disk_tier(self) -> None:
+        disk_bytes = self.kv_cache_disk_bytes
+        if self.kv_cache_dir is None:
+            if disk_bytes is not None:
+                raise ValueError("kv_cache_disk_bytes needs kv_cache_dir")
+            return
+        if disk_bytes is not None and (
+            not isinstance(disk_bytes, int) or isinstance(disk_bytes, bool) or disk_bytes < 1
+        ):
+            raise ValueError(f"kv_cache_disk_bytes must be an integer >= 1, got {disk_bytes!r}")
+        if not self.enable_prefix_caching:
+            raise ValueError("kv_cache_dir (the disk tier) needs enable_prefix_caching")
+        check_kv_cache_dir(self.kv_cache_dir)
+
+    def disk_bytes(self) -> int:
+        """The disk tier's byte bound (kv_cache_dir given)."""
+        return self.kv_cache_disk_bytes or DEFAULT_KV_CACHE_DISK_BYTES
 
     def speculative(self) -> SpeculativeConfig | None:
         """The validated `speculative_config`, or None when speculation is off."""

@@ -1,5 +1,6 @@
 """Outputs at each layer boundary: model runner -> scheduler -> frontend -> user."""
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -35,6 +36,12 @@ class ModelRunnerOutput:
     # proposal to fill them (the scheduler sized the step by an older proposal): computed,
     # never accepted, and not counted as drafts in the metrics.
     num_unfilled_drafts: dict[str, int] = field(default_factory=dict)
+    # The disk tier: request id -> how many of its `KVLoad` blocks were read (a prefix; the
+    # rest were missing or corrupt), for the loads of this step (None: none); (hash,
+    # written) for every store finished since the last step (False: not written, e.g. the
+    # queue was full).
+    kv_loaded: dict[str, int] | None = None
+    kv_stored: Sequence[tuple[bytes, bool]] = ()
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput([], [])
@@ -75,6 +82,11 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = []
+    # The disk tier (kv_cache_dir), since start: prompt tokens read back from disk (counted in
+    # prefix_cache_hits too), blocks written, and blocks on disk now (this process's index).
+    disk_cache_hits: int = 0
+    disk_cache_stored_blocks: int = 0
+    disk_cache_blocks: int = 0
 
     @property
     def spec_decode_acceptance_rate(self) -> float:

@@ -32,17 +32,20 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class RequestStatus(enum.IntEnum):
-    """Lifecycle: (WAITING_FOR_FSM ->) WAITING -> RUNNING -> (PREEMPTED -> WAITING ->)*
-    -> FINISHED_*.
+    """Lifecycle: (WAITING_FOR_FSM ->) WAITING (-> WAITING_FOR_REMOTE_KVS -> WAITING) ->
+    RUNNING -> (PREEMPTED -> WAITING ->)* -> FINISHED_*.
 
     Any unfinished state may go to FINISHED_ABORTED; FINISHED_IGNORED is for a request that
     can never be scheduled (it is rejected before it runs). A structured-output request waits
-    in WAITING_FOR_FSM until its grammar is compiled. Finished states compare greater
-    than PREEMPTED, so `status > PREEMPTED` is the finished test.
+    in WAITING_FOR_FSM until its grammar is compiled; a request whose prefix is read back from
+    the disk tier waits in WAITING_FOR_REMOTE_KVS (vLLM's name) until the read is done.
+    Finished states compare greater than PREEMPTED, so `status > PREEMPTED` is the finished
+    test.
     """
 
     WAITING = enum.auto()
     WAITING_FOR_FSM = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()

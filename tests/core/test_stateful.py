@@ -19,6 +19,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from tests.core.utils import EOS, ShadowRunner, make_request, make_scheduler
 from v1.core.kv_cache_manager import FreedBlocks
+from v1.core.kv_disk_index import DiskBlockIndex
+from v1.request import RequestStatus
 
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 32
@@ -39,22 +41,26 @@ class SchedulerMachine(RuleBasedStateMachine):
         # Prefix-aware admission: off (None), or on with this bound on skips; its window.
         max_skips=st.sampled_from([None, 1, 3, 16]),
         window=st.sampled_from([2, 32]),
+        # The disk tier's bound in blocks (None: no tier); small ones evict.
+        disk_blocks=st.sampled_from([None, None, 2, 6, 40]),
     )
     def setup(
         self, num_blocks, budget, threshold, policy, async_scheduling, caching, spec_k, seed,
-        max_skips, window,
+        max_skips, window, disk_blocks,
     ):
+        tier = caching and disk_blocks is not None
         self.s = make_scheduler(
             num_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=6,
             max_model_len=MAX_MODEL_LEN, policy=policy, long_prefill_token_threshold=threshold,
             async_scheduling=async_scheduling, enable_prefix_caching=caching,
             enable_prefix_aware_scheduling=max_skips is not None,
             prefix_aware_max_skips=max_skips or 1, prefix_aware_window=window,
+            disk_index=DiskBlockIndex(disk_blocks, 1) if tier else None,
         )
         self.budget = budget
         self.max_skips = max_skips or 0
         self.starved: dict[str, int] = {}  # queue heads: steps they fit and were not admitted
-        self.runner = ShadowRunner(BLOCK_SIZE, spec_k, seed)
+        self.runner = ShadowRunner(BLOCK_SIZE, spec_k, seed, {} if tier else None)
         self.in_flight: deque = deque()
         self.finished: set[str] = set()
         self.added: dict[str, tuple[int, int]] = {}  # id -> (prompt length, max_tokens)
@@ -89,6 +95,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             event("resumed")
         if out.scheduled_spec_decode_tokens:
             event("drafts")
+        if out.kv_loads:
+            event("disk read")
         self._check_starvation(out)
         self.in_flight.append((out, self.runner.execute(out, eos_row)))
         if not s.async_scheduling or len(self.in_flight) == 2:
@@ -104,8 +112,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         if out.preempted_req_ids or not s.waiting or budget <= 0:
             return
         head = s.waiting.peek_request()
-        if head.num_output_placeholders:
-            return  # (async) it cannot be admitted before its output is back
+        if head.num_output_placeholders or head.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            return  # (async) it cannot be admitted before its output is back; or its read
         # Nothing was admitted after it was tried: does it fit in what the step left?
         plan = s._plan_admission(head, budget, 0, FreedBlocks())
         if plan is None or not plan.num_new_tokens:
@@ -149,13 +157,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.s.finish_requests([rid])
         self.finished.add(rid)
 
-    @rule()
-    def reset_prefix_cache(self):
+    @rule(include_disk=st.booleans())
+    def reset_prefix_cache(self, include_disk):
         kv = self.s.kv_cache_manager
         in_use = kv.block_pool.get_num_free_blocks() < kv.num_blocks
-        assert self.s.reset_prefix_cache() is not in_use
+        assert self.s.reset_prefix_cache(include_disk) is not in_use
         if not in_use:
             assert not kv.block_pool.cached_block_hash_to_block
+            if include_disk and self.runner.disk is not None:
+                self.runner.disk.clear()  # the engine removes the files
 
     @invariant()
     def integrity(self):

@@ -52,6 +52,7 @@ def make_scheduler(
 ) -> Scheduler:
     caching = kwargs.pop("enable_prefix_caching", True)
     preload_max_fraction = kwargs.pop("preload_max_fraction", 0.5)
+    disk_index = kwargs.pop("disk_index", None)
     return Scheduler(
         SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -60,6 +61,7 @@ def make_scheduler(
         CacheConfig(block_size=block_size, enable_prefix_caching=caching,
                     preload_max_fraction=preload_max_fraction),
         num_blocks,
+        disk_index=disk_index,
     )
 
 
@@ -107,10 +109,22 @@ class ShadowRunner:
     computed position, the accepted prefix plus one token is returned, and only the accepted
     positions stay computed. Under async scheduling it fills the -1 placeholders with its
     last drafts (the scheduler's computed count may then run ahead of its own).
+
+    With `disk` (a dict standing for the disk tier's directory: hash -> the block's slots) it
+    does the disk tier's I/O as the real runner: `kv_loads` copy files into their blocks
+    before the writes, `kv_stores` copy the step's blocks out after them (every slot must be
+    written by then), `kv_deletes` remove files; a missing file ends a read.
     """
 
-    def __init__(self, block_size: int, spec_k: int = 0, seed: int = 0) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        spec_k: int = 0,
+        seed: int = 0,
+        disk: dict[bytes, tuple[tuple[int, ...], ...]] | None = None,
+    ) -> None:
         self.block_size = block_size
+        self.disk = disk
         self.slots: dict[tuple[int, int], tuple[int, ...]] = {}
         self.requests: dict[str, _RunnerRequest] = {}
         self.sampled: dict[str, list[int]] = {}
@@ -137,6 +151,7 @@ class ShadowRunner:
     def execute(self, out: SchedulerOutput, eos_row: int) -> ModelRunnerOutput:
         for req_id in out.preempted_req_ids:  # the real runner looks it up in its batch
             assert req_id in self.requests, f"{req_id} preempted, never sent to the runner"
+        loaded = self._load(out) if out.kv_loads else None
         for req_id in out.finished_req_ids | out.preempted_req_ids:
             self.requests.pop(req_id, None)
         for new in out.scheduled_new_reqs:
@@ -209,4 +224,32 @@ class ShadowRunner:
         return ModelRunnerOutput(
             list(out.num_scheduled_tokens), sampled,
             spec_token_ids=proposals if self.spec_k else None,
+            kv_loaded=loaded, kv_stored=self._store(out) if self.disk is not None else (),
         )
+
+    def _load(self, out: SchedulerOutput) -> dict[str, int]:
+        assert self.disk is not None, "a read handed out without a tier"
+        loaded = {}
+        for load in out.kv_loads:
+            n = 0
+            for block_id, block_hash in zip(load.block_ids, load.block_hashes):
+                content = self.disk.get(block_hash)
+                if content is None:
+                    break
+                for offset, held in enumerate(content):
+                    self.slots[(block_id, offset)] = held
+                n += 1
+            loaded[load.req_id] = n
+        return loaded
+
+    def _store(self, out: SchedulerOutput) -> list[tuple[bytes, bool]]:
+        assert self.disk is not None
+        for block_hash in out.kv_deletes:
+            self.disk.pop(block_hash, None)
+        stored = []
+        for block_id, block_hash in out.kv_stores:
+            content = tuple(self.slots.get((block_id, o)) for o in range(self.block_size))
+            assert None not in content, f"block {block_id} stored before it was written"
+            self.disk[block_hash] = content  # type: ignore[assignment]
+            stored.append((block_hash, True))
+        return stored

@@ -27,6 +27,12 @@ before any is computed, `pin_prefix` pins one's blocks in the pool once computed
 pinned blocks: at most `preload_max_fraction` of the pool, and never so many that the other
 blocks cannot hold one request of `max_model_len` tokens (it could never run: it would
 preempt itself for ever).
+
+Blocks read back from the disk tier (`allocate_for_load`, then `finish_load`) are the
+request's but not indexed while the read is under way: they become findable only once the
+runner has reported them written, like computed blocks; then the request lets them go (to
+the LRU end of the free list, cached) and finds them again as prefix hits when admitted, so
+a waiting request never holds blocks past its read (two such could starve each other).
 """
 
 from collections import deque
@@ -34,7 +40,7 @@ from typing import NamedTuple
 
 from v1.core.block_pool import BlockPool, KVCacheBlock
 from v1.core.kv_cache_utils import hash_token_blocks, max_hit_blocks
-from v1.request import Request
+from v1.request import BlockHash, Request
 
 _NO_BLOCKS: list[KVCacheBlock] = []
 
@@ -104,6 +110,7 @@ class KVCacheManager:
         enable_caching: bool = True,
         preload_max_fraction: float = 0.5,
         max_model_len: int = 1,
+        record_new_cached: bool = False,
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -117,6 +124,11 @@ class KVCacheManager:
         # (`_quiet_limit`). Most decode steps stay below it: the scheduler skips the call.
         self.num_quiet_tokens: dict[str, int] = {}
         self.prefix_cache_metrics = PrefixCacheMetrics()
+        # With a disk tier: every (block, hash) `allocate_slots` indexes, i.e. computed in a
+        # step being scheduled, until the scheduler takes them (`take_new_cached`).
+        self.new_cached: list[tuple[KVCacheBlock, BlockHash]] | None = (
+            [] if record_new_cached else None
+        )
 
     @property
     def num_blocks(self) -> int:
@@ -193,9 +205,54 @@ class KVCacheManager:
                 num_full = len(block_hashes)
             if num_full > num_cached:
                 self.block_pool.cache_full_blocks(req_blocks, block_hashes, num_cached, num_full)
+                if self.new_cached is not None:
+                    self.new_cached.extend(
+                        zip(req_blocks[num_cached:num_full], block_hashes[num_cached:num_full])
+                    )
                 self.num_cached_block[req_id] = num_cached = num_full
         self.num_quiet_tokens[req_id] = self._quiet_limit(len(req_blocks), num_cached)
         return new_blocks
+
+    def take_new_cached(self) -> list[tuple[KVCacheBlock, BlockHash]]:
+        """The blocks indexed since the last call that still hold their hash (a block
+        un-hashed since, by a preemption in the same `schedule()`, is left out)."""
+        assert self.new_cached is not None
+        out = [(b, h) for b, h in self.new_cached if b.block_hash == h]
+        self.new_cached.clear()
+        return out
+
+    def allocate_for_load(
+        self, request: Request, hit_blocks: list[KVCacheBlock], num_load_blocks: int
+    ) -> list[KVCacheBlock] | None:
+        """Give a waiting request (holding no blocks) its prefix-cache hits and
+        `num_load_blocks` new blocks to read its next blocks into from disk; None, with
+        nothing changed, unless the pool could then also hold the rest of its prompt (so the
+        read is not wasted on a request that cannot be admitted). The new blocks are not
+        indexed (`finish_load` does it)."""
+        assert request.request_id not in self.req_to_blocks
+        num_rest = -(-request.num_tokens // self.block_size) - len(hit_blocks) - num_load_blocks
+        if not self._fits(num_load_blocks + num_rest, hit_blocks, _NOTHING_FREED):
+            return None
+        req_id = request.request_id
+        self.block_pool.touch(hit_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_load_blocks)
+        self.req_to_blocks[req_id] = [*hit_blocks, *new_blocks]
+        self.num_cached_block[req_id] = len(hit_blocks)
+        self.num_quiet_tokens[req_id] = self._quiet_limit(
+            len(hit_blocks) + num_load_blocks, len(hit_blocks)
+        )
+        return new_blocks
+
+    def finish_load(self, request: Request, num_loaded: int) -> None:
+        """The runner read the first `num_loaded` of the blocks `allocate_for_load` gave:
+        index them, then release all the request's blocks (tail first, as `free`): the read
+        ones stay findable, the unread ones (failed reads) were never indexed."""
+        req_id = request.request_id
+        blocks = self.req_to_blocks.pop(req_id)
+        first = self.num_cached_block.pop(req_id)
+        self.num_quiet_tokens.pop(req_id)
+        self.block_pool.cache_full_blocks(blocks, request.block_hashes, first, first + num_loaded)
+        self.block_pool.free_blocks(reversed(blocks))
 
     def _quiet_limit(self, num_blocks: int, num_cached: int) -> int:
         """See `num_quiet_tokens`: the end of the last block, and with caching, one token

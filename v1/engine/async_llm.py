@@ -166,8 +166,8 @@ class AsyncLLM:
     async def get_stats(self) -> SchedulerStats:
         return await self.client.call_utility_async("get_stats")
 
-    async def reset_prefix_cache(self) -> bool:
-        return await self.client.call_utility_async("reset_prefix_cache")
+    async def reset_prefix_cache(self, include_disk: bool = False) -> bool:
+        return await self.client.call_utility_async("reset_prefix_cache", include_disk)
 
     @property
     def dead_engines(self) -> dict[int, str]:

@@ -79,7 +79,8 @@ import torch
 import zmq
 
 from v1 import heap
-from v1.config import EngineArgs
+from v1.config import EngineArgs, check_kv_cache_dir
+from v1.core.kv_disk_index import DiskBlockIndex
 from v1.core.sched.output import SchedulerOutput
 from v1.core.sched.scheduler import Scheduler
 from v1.engine.preload import preload_token_ids
@@ -152,8 +153,17 @@ class EngineCore:
             if loaded.tokenizer is not None
             else None
         )
+        disk_index = None
+        if args.kv_cache_dir is not None:
+            store = self.model_runner.open_kv_disk(check_kv_cache_dir(args.kv_cache_dir))
+            disk_index = DiskBlockIndex(args.disk_bytes(), store.file_bytes, store.scan())
+            logger.info(
+                "disk KV tier: %s, %d blocks of %d bytes on disk, bound %d bytes",
+                store.directory, len(disk_index), store.file_bytes, args.disk_bytes(),
+            )
         self.scheduler = Scheduler(
-            scheduler_config, cache_config, num_blocks, self.structured_output_manager
+            scheduler_config, cache_config, num_blocks, self.structured_output_manager,
+            disk_index,
         )
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -238,8 +248,15 @@ class EngineCore:
 
     # -- utilities --------------------------------------------------------------------
 
-    def reset_prefix_cache(self) -> bool:
-        return self.scheduler.reset_prefix_cache()
+    def reset_prefix_cache(self, include_disk: bool = False) -> bool:
+        """Forget the prefix cache, refused (False) while any block is in use. The disk
+        tier is kept (it is there to outlive such resets, as restarts) unless
+        `include_disk`: then its files of this model and KV setting are removed too."""
+        if not self.scheduler.reset_prefix_cache(include_disk):
+            return False
+        if include_disk and self.model_runner.kv_disk is not None:
+            self.model_runner.kv_disk.clear()
+        return True
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
@@ -263,6 +280,16 @@ class EngineCore:
             self.structured_output_manager.shutdown()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        kv_disk = self.model_runner.kv_disk
+        if kv_disk is not None:
+            # Every queued write done and indexed, then what they evict beyond the bound.
+            disk_tier = self.scheduler.disk_tier
+            assert disk_tier is not None
+            kv_disk.flush()
+            for block_hash, ok in kv_disk.take_stored():
+                disk_tier.index.stored(block_hash, ok)
+            kv_disk.delete(disk_tier.index.take_deletes())
+            kv_disk.close()
 
 
 # ---- the engine core in its own process --------------------------------------------------

@@ -75,7 +75,7 @@ def combine_stats(per_engine: Sequence[SchedulerStats | None]) -> DPSchedulerSta
         "num_running_reqs", "num_waiting_reqs", "prefix_cache_queries", "prefix_cache_hits",
         "num_preemptions", "num_prompt_tokens", "num_generation_tokens",
         "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
-        "spec_decode_num_accepted_tokens",
+        "spec_decode_num_accepted_tokens", "disk_cache_hits", "disk_cache_stored_blocks",
     ):
         setattr(total, field, sum(getattr(s, field) for s in alive))
     per_pos = [s.spec_decode_num_accepted_tokens_per_pos for s in alive]

@@ -84,8 +84,8 @@ class LLMEngine:
             self.client.abort_requests(processed.reqs_to_abort)
         return processed.request_outputs
 
-    def reset_prefix_cache(self) -> bool:
-        return self.client.call_utility("reset_prefix_cache")
+    def reset_prefix_cache(self, include_disk: bool = False) -> bool:
+        return self.client.call_utility("reset_prefix_cache", include_disk)
 
     def get_stats(self) -> SchedulerStats:
         return self.client.call_utility("get_stats")

@@ -206,8 +206,11 @@ class LLM:
                 raise
         return [r for r in results if r is not None]
 
-    def reset_prefix_cache(self) -> bool:
-        return self.llm_engine.reset_prefix_cache()
+    def reset_prefix_cache(self, include_disk: bool = False) -> bool:
+        """Forget the cached prefixes; False (nothing done) while a request runs. The disk
+        tier (kv_cache_dir) is kept, as it outlives restarts, unless `include_disk`: then
+        its files for this model and KV setting are removed too."""
+        return self.llm_engine.reset_prefix_cache(include_disk)
 
     def get_stats(self) -> SchedulerStats:
         """The engine core's scheduler stats; with data parallelism a `DPSchedulerStats`:

@@ -20,12 +20,19 @@ written after its last token and computed in the same forward pass as every othe
 its last k + 1 rows are sampled and checked (`v1.worker.rejection_sampler`), its accepted
 tokens stored, and `num_computed_tokens` kept past the accepted ones only. Then the proposer
 drafts for every request that sampled, for the next step.
+
+The disk tier (`kv_disk`, a `DiskKVStore`; None: off, and nothing here costs anything): a
+step's `kv_loads` are read into their blocks before its forward and reported in its output
+(`kv_loaded`); its `kv_stores` are copied out after the forward, when the blocks hold the
+step's K/V, and written by the store's thread; finished writes are reported with the next
+output (`kv_stored`).
 """
 
 import ctypes
 import ctypes.util
 import logging
 import sys
+from pathlib import Path
 from typing import cast
 
 import numpy as np
@@ -40,6 +47,7 @@ from v1.models.loader import LoadedModel
 from v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, TokenLogprobs
 from v1.sampling_params import SamplingParams
 from v1.worker.input_batch import InputBatch
+from v1.worker.kv_disk_store import DiskKVStore, cache_key_facts
 from v1.worker.sampler import BadWords, Sampler, SamplingMetadata, TokenCounts, gather_logprobs
 from v1.worker.spec_decode.drafter import Drafter
 
@@ -150,6 +158,7 @@ class ModelRunner:
         self._preempted: dict[str, tuple[SamplingParams, int, torch.Generator | None]] = {}
         # Requests owed prompt logprobs -> those of the chunks computed so far.
         self.in_progress_prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+        self.kv_disk: DiskKVStore | None = None
 
     # -- KV cache ---------------------------------------------------------------------
 
@@ -192,6 +201,31 @@ class ModelRunner:
             self.block_size, num_blocks * self.kv_cache_block_bytes() / 2**20,
             num_blocks * self.block_size, str(self.kv_cache_dtype).removeprefix("torch."),
         )
+
+    def open_kv_disk(self, root: Path) -> DiskKVStore:
+        """The disk tier's store for this model and KV setting, under `root`."""
+        cfg = self.hf_config
+        head_size = head_dim_of(cfg)
+        facts = cache_key_facts(
+            self.loaded.model_path, cfg, head_size, self.dtype, self.kv_cache_dtype,
+            self.loaded.quantization, self.block_size,
+        )
+        shape = (cfg.num_hidden_layers, 2, self.block_size, cfg.num_key_value_heads, head_size)
+        self.kv_disk = DiskKVStore(root, facts, shape, self.kv_cache_dtype)
+        return self.kv_disk
+
+    def _disk_io_after_forward(
+        self, out: SchedulerOutput, result: ModelRunnerOutput, kv_loaded: dict[str, int] | None
+    ) -> ModelRunnerOutput:
+        kv_disk = self.kv_disk
+        assert kv_disk is not None
+        if out.kv_stores:
+            kv_disk.save(self.kv_caches, out.kv_stores)
+        if out.kv_deletes:
+            kv_disk.delete(out.kv_deletes)
+        result.kv_loaded = kv_loaded
+        result.kv_stored = kv_disk.take_stored()
+        return result
 
     # -- one step ---------------------------------------------------------------------
 
@@ -252,8 +286,18 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(out)
+        kv_loaded: dict[str, int] | None = None
+        if out.kv_loads:
+            kv_loaded = {}
+            assert self.kv_disk is not None
+            for load in out.kv_loads:
+                kv_loaded[load.req_id] = self.kv_disk.load(
+                    self.kv_caches, load.block_ids, load.block_hashes
+                )
         if out.total_num_scheduled_tokens == 0:
-            return EMPTY_MODEL_RUNNER_OUTPUT
+            if self.kv_disk is None:
+                return EMPTY_MODEL_RUNNER_OUTPUT
+            return self._disk_io_after_forward(out, ModelRunnerOutput([], []), kv_loaded)
         batch = self.input_batch
         req_ids = list(out.num_scheduled_tokens)
         rows = np.fromiter((batch.req_id_to_index[r] for r in req_ids), np.int64, len(req_ids))
@@ -376,9 +420,12 @@ class ModelRunner:
             spec_token_ids = self.drafter.propose_all(batch, req_ids, rows, sample_idx)
         unfilled = {req_ids[i]: n for i, drafts in drafts_by_index.items()
                     if (n := drafts.count(-1))}
-        return ModelRunnerOutput(
+        result = ModelRunnerOutput(
             req_ids, sampled_rows, logprobs_rows, prompt_logprobs_dict, spec_token_ids, unfilled
         )
+        if self.kv_disk is not None:
+            return self._disk_io_after_forward(out, result, kv_loaded)
+        return result
 
     def _get_prompt_logprobs_dict(
         self,

@@ -26,6 +26,7 @@ from v1.request import Request, RequestStatus
 RUNNING = RequestStatus.RUNNING
 WAITING = RequestStatus.WAITING
 WAITING_FOR_FSM = RequestStatus.WAITING_FOR_FSM
+WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
 FINISHED_ABORTED = RequestStatus.FINISHED_ABORTED
 
 
@@ -73,6 +74,7 @@ class WaitingAdmission:
     prefix_aware: bool
     window_size: int
     block_size: int
+    disk_tier: Any  # DiskTierScheduling | None
     _ignored: list[Request]
 
     def _preempt(self, st: StepState, victim: Request) -> None: ...
@@ -105,6 +107,10 @@ class WaitingAdmission:
                 request = window[i]
                 if request.status == WAITING_FOR_FSM and not self._grammar_ready(request):
                     continue  # set aside while its grammar compiles (or finished)
+                if request.status == WAITING_FOR_REMOTE_KVS or (
+                    self.disk_tier is not None and self.disk_tier.start_load(request)
+                ):
+                    continue  # set aside while its blocks are read from disk
                 owner = order.awaited_owner(i)
                 if owner is not None:
                     deferred[base + i] = owner
@@ -133,7 +139,7 @@ class WaitingAdmission:
             request = taken[pos]
             if pos in admitted or request.is_finished():
                 continue
-            if aware and request.status != WAITING_FOR_FSM:
+            if aware and request.status not in (WAITING_FOR_FSM, WAITING_FOR_REMOTE_KVS):
                 owner = deferred.get(pos)
                 if (
                     owner.request_id not in scheduled if owner is not None

@@ -6,9 +6,11 @@ resumed after preemption comes as a delta too, with `resumed_from_preemption` se
 ids then *replace* the old ones and `resumed_token_ids` carries all its tokens.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from v1.request import BlockHash
 from v1.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the core stays free of numpy at run time; the manager builds the array
@@ -39,6 +41,17 @@ class CachedRequestData:
 
 
 @dataclass(slots=True)
+class KVLoad:
+    """Read one request's blocks back from the disk tier: `block_hashes[i]`'s file into block
+    `block_ids[i]`, before this step's forward. The blocks are the request's and not in the
+    prefix cache until the runner reports the load (`ModelRunnerOutput.kv_loaded`)."""
+
+    req_id: str
+    block_ids: list[int]
+    block_hashes: list[BlockHash]
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: CachedRequestData
@@ -56,3 +69,10 @@ class SchedulerOutput:
     # `grammar_bitmask`'s rows (int32, 32 tokens per word, bit set: allowed).
     structured_output_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: "npt.NDArray[np.int32] | None" = None
+    # The disk tier (v1.core.kv_disk_index): blocks to read before the forward; (block id,
+    # hash) of full blocks this step computes, to copy after the forward and write to disk;
+    # files to remove (LRU beyond the byte bound).
+    # (Empty tuples by default: a step without a tier allocates nothing for them.)
+    kv_loads: Sequence[KVLoad] = ()
+    kv_stores: Sequence[tuple[int, BlockHash]] = ()
+    kv_deletes: Sequence[BlockHash] = ()

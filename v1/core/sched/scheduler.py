@@ -29,6 +29,11 @@ Speculative decoding (`v1.core.sched.spec_decode`): a decode step of a request w
 (`Request.spec_token_ids`, proposed by the runner) also computes them, within the same budget
 and KV allocation (`SchedulerOutput.scheduled_spec_decode_tokens`); the output rolls
 `num_computed_tokens` back past the rejected ones. A request mid-prefill is never drafted.
+
+The disk tier (`v1.core.sched.disk_tier`; None: no tier, and nothing here costs anything):
+a new request whose RAM prefix hits stop short of blocks on disk waits in
+WAITING_FOR_REMOTE_KVS, set aside like WAITING_FOR_FSM, while the runner reads them; then it
+is WAITING again and the blocks are in the prefix cache, where its admission finds them.
 """
 
 import time
@@ -38,7 +43,9 @@ from typing import Any, Protocol
 from v1.config import CacheConfig, SchedulerConfig
 from v1.core.kv_cache_manager import KVCacheManager
 from v1.core.kv_cache_utils import make_block_hasher
+from v1.core.kv_disk_index import DiskBlockIndex
 from v1.core.sched.admission import StepState, WaitingAdmission
+from v1.core.sched.disk_tier import DiskTierScheduling
 from v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from v1.core.sched.request_queue import create_request_queue
 from v1.core.sched.spec_decode import (
@@ -52,6 +59,7 @@ from v1.request import EngineCoreRequest, Request, RequestStatus
 RUNNING = RequestStatus.RUNNING
 WAITING = RequestStatus.WAITING
 WAITING_FOR_FSM = RequestStatus.WAITING_FOR_FSM
+WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
 PREEMPTED = RequestStatus.PREEMPTED
 FINISHED_STOPPED = RequestStatus.FINISHED_STOPPED
 FINISHED_LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
@@ -87,7 +95,10 @@ class Scheduler(WaitingAdmission):
         cache_config: CacheConfig,
         num_blocks: int,
         structured_output_manager: StructuredOutputManagerProtocol | None = None,
+        disk_index: DiskBlockIndex | None = None,
     ) -> None:
+        if disk_index is not None and not cache_config.enable_prefix_caching:
+            raise ValueError("a disk tier (kv_cache_dir) needs enable_prefix_caching")
         self.config = scheduler_config
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -106,6 +117,11 @@ class Scheduler(WaitingAdmission):
         self.kv_cache_manager = KVCacheManager(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
             cache_config.preload_max_fraction, self.max_model_len,
+            record_new_cached=disk_index is not None,
+        )
+        self.disk_tier = (
+            DiskTierScheduling(disk_index, self.kv_cache_manager)
+            if disk_index is not None else None
         )
         self.block_hasher = (
             make_block_hasher(cache_config.block_size)
@@ -183,8 +199,14 @@ class Scheduler(WaitingAdmission):
                 doomed_running.add(req_id)
             else:
                 doomed_waiting.append(request)
+            loading = request.status == WAITING_FOR_REMOTE_KVS
             request.status = status
-            self._free_request(request)
+            if loading:  # its blocks are freed when the runner reports the read
+                assert self.disk_tier is not None
+                self.disk_tier.aborted_loads[req_id] = request
+                self._forget_request(request)
+            else:
+                self._free_request(request)
         if doomed_running:
             self.running = [r for r in self.running if r.request_id not in doomed_running]
         if doomed_waiting:
@@ -192,13 +214,18 @@ class Scheduler(WaitingAdmission):
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        self._forget_request(request)
+
+    def _forget_request(self, request: Request) -> None:
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
         if request.sampling_params.structured_outputs is not None:
             self.num_structured_requests -= 1
 
     def has_requests(self) -> bool:
-        return bool(self.requests) or bool(self._ignored)
+        return bool(self.requests) or bool(self._ignored) or (
+            self.disk_tier is not None and bool(self.disk_tier.aborted_loads)
+        )
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -307,6 +334,8 @@ class Scheduler(WaitingAdmission):
             self.max_num_batched_tokens - token_budget, self.finished_req_ids, preempted_ids,
             spec_tokens,
         )
+        if self.disk_tier is not None:
+            self.disk_tier.add_work(output)
         self.finished_req_ids = set()
         requests = self.requests
         if self.num_structured_requests and self.structured_output_manager is not None:
@@ -386,6 +415,9 @@ class Scheduler(WaitingAdmission):
         """Append sampled tokens, apply stop conditions, free finished requests, and
         return the new tokens per client."""
         outputs: dict[int, list[EngineCoreOutput]] = {}
+        if model_output.kv_loaded or model_output.kv_stored:
+            assert self.disk_tier is not None
+            self.disk_tier.update(model_output, self.requests)
         requests = self.requests
         max_model_len = self.max_model_len
         async_scheduling = self.async_scheduling
@@ -504,15 +536,20 @@ class Scheduler(WaitingAdmission):
 
     # -- utilities ----------------------------------------------------------------------
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget the prefix cache but the pinned (declared) prefixes; False while any
-        request holds blocks."""
-        return self.kv_cache_manager.reset_prefix_cache()
+    def reset_prefix_cache(self, include_disk: bool = False) -> bool:
+        """Forget the RAM prefix cache but the pinned (declared) prefixes (refused, False,
+        while any request holds blocks); with `include_disk`, the disk tier's index too (the
+        caller removes the files)."""
+        if not self.kv_cache_manager.reset_prefix_cache():
+            return False
+        if include_disk and self.disk_tier is not None:
+            self.disk_tier.index.clear()
+        return True
 
     def make_stats(self) -> SchedulerStats:
         metrics = self.kv_cache_manager.prefix_cache_metrics
         total = metrics.total()
-        return SchedulerStats(
+        stats = SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.kv_cache_manager.usage,
@@ -528,6 +565,9 @@ class Scheduler(WaitingAdmission):
             spec_decode_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=list(self.spec_stats.accepted_per_pos),
         )
+        if self.disk_tier is not None:
+            self.disk_tier.add_stats(stats)
+        return stats
 
     def check_integrity(self) -> None:
         """Assert the scheduler's and the cache's invariants; when idle, that nothing leaks."""
@@ -542,9 +582,17 @@ class Scheduler(WaitingAdmission):
         )
         assert len(self.running) <= self.max_num_seqs
         assert all(r.status == RUNNING for r in self.running)
-        assert all(r.status in (WAITING, WAITING_FOR_FSM, PREEMPTED) for r in self.waiting)
+        assert all(
+            r.status in (WAITING, WAITING_FOR_FSM, WAITING_FOR_REMOTE_KVS, PREEMPTED)
+            for r in self.waiting
+        )
+        aborted_loads = self.disk_tier.aborted_loads if self.disk_tier is not None else {}
         for req_id in self.kv_cache_manager.req_to_blocks:
-            assert req_id in running_ids or req_id in waiting_ids, f"{req_id} holds blocks"
+            assert (
+                req_id in running_ids or req_id in waiting_ids or req_id in aborted_loads
+            ), f"{req_id} holds blocks"
+        if self.disk_tier is not None:
+            self.disk_tier.index.check_integrity()
         assert not _NO_BLOCK_IDS, f"the shared empty block-id list was mutated: {_NO_BLOCK_IDS}"
         if self.block_hasher is not None:
             # Appends skip the hasher until a block may be full: none may be left unhashed.

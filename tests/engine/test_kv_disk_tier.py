@@ -1,0 +1,166 @@
+"""The disk tier end to end, with the real default model: engines in this process sharing the
+session's weights, each "restart" a new engine on the same kv_cache_dir."""
+
+from pathlib import Path
+
+import pytest
+
+from v1 import LLM, SamplingParams
+from v1.request import RequestStatus
+
+SYSTEM = (
+    "You are the help desk of a small public library. Opening hours are Monday to Friday "
+    "from nine to eight, Saturday from ten to four, closed on Sunday. Loans last three weeks "
+    "and can be renewed twice online. Late fees are twenty cents a day per item. Study rooms "
+    "are booked online for up to two hours a day. Keep answers short and friendly. "
+)  # about 100 tokens: 6 full blocks
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
+ENGINE = {"num_gpu_blocks": 64, "max_model_len": 512, "multiprocess": False}
+
+pytestmark = pytest.mark.model
+
+
+def engine(default_model, kv_dir: Path | None, **kwargs) -> LLM:
+    options = {**ENGINE, **kwargs}
+    if kv_dir is not None:
+        options["kv_cache_dir"] = str(kv_dir)
+    return LLM(loaded_model=default_model, **options)
+
+
+def run(llm: LLM, prompt, params: SamplingParams = GREEDY):
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    return out.outputs[0].token_ids, out.num_cached_tokens
+
+
+def full_prefix(llm: LLM, prompt: str) -> int:
+    """The most tokens of `prompt` a prefix hit may cover: its full blocks, short of the
+    last token."""
+    return (len(llm.get_tokenizer().encode(prompt)) - 1) // 16 * 16
+
+
+def block_files(kv_dir: Path) -> list[Path]:
+    return sorted(kv_dir.glob("*/*.kv"))
+
+
+def test_a_restarted_engine_reads_the_prefix_from_disk_same_tokens(default_model, tmp_path):
+    question = SYSTEM + "When do you open on Saturday?"
+    with engine(default_model, tmp_path) as first:
+        cold_tokens, cold_cached = run(first, question)
+    assert cold_cached == 0
+    files = block_files(tmp_path)
+    assert files, "the computed blocks were written"
+    with engine(default_model, tmp_path) as second:  # a restart: nothing in RAM
+        warm_tokens, warm_cached = run(second, question)
+        stats = second.get_stats()
+        expected = full_prefix(second, question)
+    assert warm_tokens == cold_tokens
+    assert warm_cached == expected > 0 and stats.disk_cache_hits == warm_cached
+    assert stats.prefix_cache_hits == warm_cached
+
+
+def test_async_scheduling_reads_a_new_question_on_a_cached_prefix(default_model, tmp_path):
+    with engine(default_model, tmp_path) as first:
+        run(first, SYSTEM + "How long can I keep a book?")
+        reference, _ = run(first, SYSTEM + "Are you open on Sunday?")  # RAM hit in `first`
+    with engine(default_model, tmp_path, async_scheduling=True) as second:
+        tokens, cached = run(second, SYSTEM + "Are you open on Sunday?")
+    assert tokens == reference and cached > 0
+
+
+@pytest.mark.parametrize("change", [{"block_size": 32}, {"kv_cache_dtype": "bfloat16"}])
+def test_another_kv_setting_never_reads_the_files(default_model, tmp_path, change):
+    with engine(default_model, tmp_path) as first:
+        run(first, SYSTEM + "Hello?")
+    with engine(default_model, tmp_path, **change) as other:
+        _, cached = run(other, SYSTEM + "Hello?")
+        assert other.get_stats().disk_cache_hits == 0
+    assert cached == 0
+    assert len(list(tmp_path.iterdir())) == 2  # a directory per key
+
+
+def test_truncated_and_corrupt_files_are_ignored(default_model, tmp_path):
+    question = SYSTEM + "What is the late fee?"
+    with engine(default_model, tmp_path) as first:
+        reference, _ = run(first, question)
+    files = block_files(tmp_path)
+    assert len(files) >= 4
+    with open(files[0], "r+b") as f:  # which block is which: by name, so any one
+        f.truncate(1000)
+    data = bytearray(files[1].read_bytes())
+    data[-1] ^= 0xFF
+    files[1].write_bytes(data)
+    with engine(default_model, tmp_path) as second:
+        tokens, cached = run(second, question)
+        assert cached < full_prefix(second, question)
+    assert tokens == reference  # whatever was read before the bad file, the rest computed
+
+
+def test_the_byte_bound_holds(default_model, tmp_path):
+    with engine(default_model, tmp_path) as probe:
+        run(probe, SYSTEM)
+    file_bytes = block_files(tmp_path)[0].stat().st_size
+    bound = 3 * file_bytes + 100
+    with engine(default_model, tmp_path / "bounded", kv_cache_disk_bytes=bound) as llm:
+        run(llm, SYSTEM + "First?")
+        run(llm, "Something else entirely, to write more blocks than the bound allows. " * 4)
+    assert len(block_files(tmp_path / "bounded")) == 3
+
+
+def test_cache_salt_isolates_on_disk(default_model, tmp_path):
+    salted = {"prompt": SYSTEM + "Hi?", "cache_salt": "tenant-a"}
+    with engine(default_model, tmp_path) as first:
+        run(first, salted)
+    with engine(default_model, tmp_path) as second:
+        _, other_salt = run(second, {**salted, "cache_salt": "tenant-b"})
+        _, same_salt = run(second, salted)
+        assert second.get_stats().disk_cache_hits == same_salt
+    assert other_salt == 0 and same_salt > 0
+
+
+def test_reset_prefix_cache_keeps_the_disk_unless_asked(default_model, tmp_path):
+    with engine(default_model, tmp_path) as llm:
+        run(llm, SYSTEM + "Hi?")
+        assert llm.reset_prefix_cache()
+        _, cached = run(llm, SYSTEM + "Hi?")
+        assert cached > 0 and llm.get_stats().disk_cache_hits == cached  # from disk
+        assert llm.reset_prefix_cache(include_disk=True)
+        assert not block_files(tmp_path)
+        _, cached = run(llm, SYSTEM + "Hi?")
+    assert cached == 0
+
+
+def test_other_requests_keep_running_while_one_reads(default_model, tmp_path):
+    with engine(default_model, tmp_path) as first:
+        run(first, SYSTEM + "Hi?")
+    with engine(default_model, tmp_path) as llm:
+        engine_ = llm.llm_engine
+        scheduler = engine_.client.engine_core.scheduler
+        long = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+        engine_.add_request("The quick brown fox", long, request_id="busy")
+        engine_.step()
+        busy = next(iter(scheduler.requests.values()))
+        num_out = len(busy.output_token_ids)
+        engine_.add_request(SYSTEM + "Hi?", GREEDY, request_id="reader")
+        # The step that hands out the read still decodes the busy request.
+        engine_.step()
+        reader = next(r for r in scheduler.requests.values() if r is not busy)
+        assert reader.status == RequestStatus.WAITING  # read, to be admitted next step
+        assert reader.scheduled_time is None
+        assert scheduler.kv_cache_manager.get_computed_blocks(reader)[1] > 0
+        assert len(busy.output_token_ids) == num_out + 1
+        while engine_.has_unfinished_requests():
+            engine_.step()
+        llm.llm_engine.client.engine_core.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"kv_cache_disk_bytes": -1}, r"kv_cache_disk_bytes must be an integer >= 1, got -1"),
+        ({"kv_cache_disk_bytes": 1000}, r"kv_cache_disk_bytes \(1000\) is less than one KV "
+                                        r"block on disk \(\d+ bytes\)"),
+    ],
+)
+def test_bad_bounds_are_refused(default_model, tmp_path, options, message):
+    with pytest.raises(ValueError, match=message):
+        engine(default_model, tmp_path, **options)

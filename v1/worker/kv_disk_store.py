@@ -1,0 +1,344 @@
+"""The disk tier's files: one file per full KV block, named by its chained block hash, in a
+directory keyed by everything that changes K/V. The scheduler's index
+(`v1.core.kv_disk_index`) decides what to read, write and delete; this does the I/O.
+
+Layout. `kv_cache_dir/<key>/` where <key> is the hex xxh3-128 of `cache_key_facts`: a
+fingerprint of the weights (size and a digest of the first and last MiB of every weight file),
+the architecture, layer and head counts, head size, dtype, KV cache dtype, quantization and
+block size (the facts are in `meta.json` there, for people). Another model or setting has
+another directory, so it never reads these files. `cache_salt` is in the first block's hash,
+so salted prefixes are other files. Each block is `<32 hex digits of its hash>.kv`:
+
+    header (24 bytes): magic b"v1kvblk1", payload length (u64), xxh3-64 of the payload (u64)
+    payload: the block's K and V of every layer, [layers, 2, block_size, kv_heads, head_size]
+             in the KV cache dtype, raw
+
+A raw file per block rather than a library's container: the layout is fixed by the directory
+key, so there is nothing to describe per file, and a block moves with one `preadv`/`writev`
+scattered from/to its place in a layer-major batch (torch.save/np.save would add a pickle or
+a header to parse per block, and a contiguous per-block buffer costs a transposing copy: 458
+ms against 10 ms for 82 blocks here; a memmap of one big file would need a free-space
+allocator and cross-process locking that the file system gives per file). Measured in
+bench/bench_disk_tier.py (part 4).
+
+Crash safety: a block is written under a temporary name and renamed over its final name
+(`os.replace`, atomic on POSIX), so a reader sees a complete file or none; a file whose size,
+magic or checksum is wrong (a torn write after a power loss: no fsync is done) is never used
+and is removed when read. Sharing one directory between processes (e.g. data-parallel cores,
+or a restarted server beside the old one): writes of the same hash are identical and the
+rename makes either win; a file removed by another process fails its read, which the
+scheduler takes as the end of the hit; each process indexes what it found at start-up plus
+what it wrote, so the byte bound holds per process and is approximate for the directory as a
+whole (several processes may together exceed it by what each wrote that another does not
+index). Temporary files older than `STALE_TMP_S` (a crashed writer's) are removed at start-up.
+
+Write-on-compute, not on eviction. Every full block is written once, when the step that
+computes it is done (blocks already on disk, or read from it, are not written again). On a
+workload that never hits the tier this costs the step loop only the copy-out (0.15-0.7% of
+its execute time, `bench/bench_disk_tier.py` part 3; the writes are the writer thread's: 15-70 ms
+per 82 blocks). Writing on
+eviction would copy the same bytes once the pool is full (a workload evicts what it computes)
+but at the worst moment (an allocation waiting for the block), would lose everything RAM
+holds on a crash or kill -9, and would have to flush the whole pool on a clean shutdown
+(2 GiB by default on CPU: seconds); written on compute, a block survives any restart after
+the step that computed it.
+
+Writes never block a step: `save` copies the blocks (right after the forward that computed
+them, before any later step can reuse a block) and queues them for the writer thread; a
+queue over `max_queue_bytes` drops the write (reported unwritten). Reads are synchronous,
+before the forward of the step that hands them out (`load`): a read of 83 blocks (a
+1,342-token prompt) took 30 ms of a 0.125 s restart TTFT where computing them took 2.1 s
+(bench/bench_disk_tier.py part 1: bench/results/disk_tier.txt), and reading on the step's
+own thread needs no lock on the KV cache.
+"""
+
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+logger = logging.getLogger("v1")
+
+MAGIC = b"v1kvblk1"
+_HEADER = struct.Struct("<8sQQ")
+HEADER_BYTES = _HEADER.size
+SUFFIX = ".kv"
+STALE_TMP_S = 600.0
+_MAX_BATCH_BYTES = 32 << 20
+_DIGEST_SPAN = 1 << 20  # bytes of each weight file's head and tail in the fingerprint
+
+
+def weights_fingerprint(model_path: Path) -> str:
+    """Size plus the xxh3-128 of the first and last MiB of the weight file (a .gguf) or of
+    every *.safetensors and config.json of an HF directory: a changed checkpoint changes it,
+    without reading gigabytes at start-up."""
+    files = (
+        [model_path] if model_path.is_file()
+        else sorted([*model_path.glob("*.safetensors"), model_path / "config.json"])
+    )
+    h = xxhash.xxh3_128()
+    for file in files:
+        size = file.stat().st_size
+        h.update(f"{file.name}:{size}:".encode())
+        with open(file, "rb") as f:
+            h.update(f.read(_DIGEST_SPAN))
+            if size > _DIGEST_SPAN:
+                f.seek(max(_DIGEST_SPAN, size - _DIGEST_SPAN))
+                h.update(f.read(_DIGEST_SPAN))
+    return h.hexdigest()
+
+
+def cache_key_facts(
+    model_path: Path,
+    hf_config: Any,
+    head_size: int,
+    dtype: torch.dtype,
+    kv_cache_dtype: torch.dtype,
+    quantization: str | None,
+    block_size: int,
+) -> dict[str, Any]:
+    """Everything that makes a block's K/V differ, besides its tokens (in its hash)."""
+    return {
+        "weights": weights_fingerprint(model_path),
+        "architectures": list(getattr(hf_config, "architectures", None) or []),
+        "num_layers": int(hf_config.num_hidden_layers),
+        "num_kv_heads": int(hf_config.num_key_value_heads),
+        "head_size": head_size,
+        "rope_theta": getattr(hf_config, "rope_theta", None),
+        "dtype": str(dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(kv_cache_dtype).removeprefix("torch."),
+        "quantization": quantization,
+        "block_size": block_size,
+        "format": MAGIC.decode(),
+    }
+
+
+class DiskKVStore:
+    """The block files of one cache key. `load`, `save`, `delete`, `take_stored` and
+    `clear` are called from the step's thread; the writer thread does the writes and
+    deletes in the order they were queued."""
+
+    def __init__(
+        self,
+        root: Path,
+        facts: dict[str, Any],
+        block_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        max_queue_bytes: int = 256 << 20,
+    ) -> None:
+        """`block_shape`: one block's payload, [layers, 2, block_size, kv_heads, head_size]."""
+        key = xxhash.xxh3_128_hexdigest(repr(sorted(facts.items())).encode())
+        self.directory = root / key
+        self.directory.mkdir(parents=True, exist_ok=True)
+        meta = self.directory / "meta.json"
+        if not meta.exists():
+            tmp = meta.with_name(f".meta.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(facts, indent=1))
+            os.replace(tmp, meta)
+        self.block_shape = block_shape
+        self.dtype = dtype
+        self.payload_bytes = int(np.prod(block_shape)) * dtype.itemsize
+        self.file_bytes = HEADER_BYTES + self.payload_bytes
+        self.max_queue_bytes = max_queue_bytes
+        self._queued_bytes = 0
+        self._lock = threading.Lock()
+        self._stored: list[tuple[bytes, bool]] = []
+        self._queue: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write_loop, name="v1-kv-disk", daemon=True)
+        self._writer.start()
+
+    def path(self, block_hash: bytes) -> Path:
+        return self.directory / (block_hash.hex() + SUFFIX)
+
+    # -- start-up ---------------------------------------------------------------------
+
+    def scan(self) -> list[bytes]:
+        """The hashes of the complete-looking files here, least recently used (oldest
+        mtime) first; a crashed writer's old temporary files are removed."""
+        found: list[tuple[int, bytes]] = []
+        now = time.time()
+        with os.scandir(self.directory) as entries:
+            for entry in entries:
+                name = entry.name
+                try:
+                    if name.endswith(".tmp"):
+                        if now - entry.stat().st_mtime > STALE_TMP_S:
+                            os.unlink(entry.path)
+                        continue
+                    if not name.endswith(SUFFIX) or len(name) != 32 + len(SUFFIX):
+                        continue
+                    st = entry.stat()
+                    if st.st_size == self.file_bytes:
+                        found.append((st.st_mtime_ns, bytes.fromhex(name[:32])))
+                except (OSError, ValueError):  # vanished meanwhile, or not ours
+                    continue
+        found.sort()
+        return [h for _, h in found]
+
+    # -- batches: [layers, 2, n, block_size, kv_heads, head_size], one gather per layer ----
+
+    def _batch(self, n: int) -> tuple[torch.Tensor, np.ndarray]:
+        """A batch of n blocks, layer-major as the cache is (so that a layer's blocks move in
+        one `index_select` / `index_copy_`: ~20x faster than per-block copies here), and
+        its bytes as [layers * 2, n, chunk]: block i's file is rows [:, i] in order."""
+        layers, _, *rest = self.block_shape
+        batch = torch.empty((layers, 2, n, *rest), dtype=self.dtype)
+        raw = batch.view(torch.uint8).numpy().reshape(layers * 2, n, -1)
+        return batch, raw
+
+    # -- reads (the step's thread, before the forward) -----------------------------------
+
+    def load(
+        self, kv_caches: list[torch.Tensor], block_ids: Sequence[int], hashes: Sequence[bytes]
+    ) -> int:
+        """Read the blocks' files into those cache blocks; how many were read, in a row
+        from the first (a missing, short or corrupt file ends the run; a corrupt one is
+        removed)."""
+        batch, raw = self._batch(len(hashes))
+        num_read = 0
+        for i, block_hash in enumerate(hashes):
+            path = self.path(block_hash)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:  # gone (another process evicted it)
+                break
+            try:
+                chunks = list(raw[:, i])
+                header = os.pread(fd, HEADER_BYTES, 0)
+                ok = len(header) == HEADER_BYTES
+                if ok:
+                    magic, size, digest = _HEADER.unpack(header)
+                    ok = (
+                        magic == MAGIC and size == self.payload_bytes
+                        and os.preadv(fd, chunks, HEADER_BYTES) == size
+                        and _digest(chunks) == digest
+                    )
+                if ok:
+                    os.utime(fd)  # most recently used, for the LRU order after a restart
+            except OSError:
+                ok = False
+            finally:
+                os.close(fd)
+            if not ok:
+                logger.warning("disk KV block %s is corrupt: removed", path.name)
+                _unlink(path)
+                break
+            num_read += 1
+        if num_read:
+            for layer, kv in enumerate(kv_caches):
+                ids = torch.tensor(block_ids[:num_read], dtype=torch.int64, device=kv.device)
+                kv.index_copy_(1, ids, batch[layer, :, :num_read].to(kv.device))
+        return num_read
+
+    # -- writes (queued; the writer thread does them) ------------------------------------
+
+    def save(self, kv_caches: list[torch.Tensor], stores: Sequence[tuple[int, bytes]]) -> None:
+        """Copy the blocks now (they hold this step's K/V; a later step may reuse them) and
+        queue their files; over `max_queue_bytes`, they are reported unwritten instead."""
+        size = len(stores) * self.payload_bytes
+        with self._lock:
+            if self._queued_bytes + size > self.max_queue_bytes:
+                self._stored.extend((h, False) for _, h in stores)
+                return
+            self._queued_bytes += size
+        # Batches under malloc's mmap threshold (64 MiB, see `tune_cpu_malloc`): reused heap
+        # memory, not fresh pages faulted in on every large prefill.
+        per_batch = max(1, _MAX_BATCH_BYTES // self.payload_bytes)
+        for start in range(0, len(stores), per_batch):
+            part = stores[start : start + per_batch]
+            batch, raw = self._batch(len(part))
+            for layer, kv in enumerate(kv_caches):
+                ids = torch.tensor([b for b, _ in part], dtype=torch.int64, device=kv.device)
+                if kv.device == batch.device:
+                    torch.index_select(kv, 1, ids, out=batch[layer])
+                else:
+                    batch[layer].copy_(kv.index_select(1, ids))
+            self._queue.put(("store", [h for _, h in part], raw))
+
+    def delete(self, hashes: Sequence[bytes]) -> None:
+        self._queue.put(("delete", hashes, None))
+
+    def take_stored(self) -> list[tuple[bytes, bool]]:
+        """(hash, written) of the writes finished since the last call."""
+        with self._lock:
+            stored, self._stored = self._stored, []
+        return stored
+
+    def flush(self) -> None:
+        """Wait until every queued write and delete is done."""
+        done = threading.Event()
+        self._queue.put(("flush", done, None))
+        done.wait()
+
+    def clear(self) -> None:
+        """Remove every block file of this key (after the queued work), and forget the
+        writes not reported yet."""
+        self.flush()
+        for block_hash in self.scan():
+            _unlink(self.path(block_hash))
+        self.take_stored()
+
+    def close(self) -> None:
+        """Finish the queued work and stop the writer thread."""
+        self.flush()
+        self._queue.put(("stop", None, None))
+        self._writer.join()
+
+    def _write_loop(self) -> None:
+        while True:
+            kind, arg, data = self._queue.get()
+            if kind == "store":
+                results = [self._write(h, list(data[:, i])) for i, h in enumerate(arg)]
+                with self._lock:
+                    self._queued_bytes -= len(arg) * self.payload_bytes
+                    self._stored.extend(zip(arg, results))
+            elif kind == "delete":
+                for block_hash in arg:
+                    _unlink(self.path(block_hash))
+            elif kind == "flush":
+                arg.set()
+            else:
+                return
+
+    def _write(self, block_hash: bytes, chunks: list[np.ndarray]) -> bool:
+        path = self.path(block_hash)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                header = _HEADER.pack(MAGIC, self.payload_bytes, _digest(chunks))
+                if os.writev(fd, [header, *chunks]) != self.file_bytes:
+                    raise OSError("short write")
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError as e:  # a full disk, a removed directory: this block stays in RAM only
+            logger.warning("could not write disk KV block %s: %s", path.name, e)
+            _unlink(tmp)
+            return False
+        return True
+
+
+def _digest(chunks: list[np.ndarray]) -> int:
+    """xxh3-64 of the payload, given as its chunks in file order."""
+    h = xxhash.xxh3_64()
+    for chunk in chunks:
+        h.update(chunk)
+    return h.intdigest()
+
+
+def _unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
