@@ -59,3 +59,14 @@ def test_cli_takes_json():
     assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 4}
     with pytest.raises(SystemExit):
         parser.parse_args(["--speculative-config", "[4]"])
+
+
+def test_a_config_built_directly_is_checked_too():
+    """EngineArgs(speculative_config=SpeculativeConfig(...)) goes through the same checks as
+    a dict (it used to skip them all)."""
+    with pytest.raises(ValueError, match="num_speculative_tokens must be an integer"):
+        EngineArgs(speculative_config=SpeculativeConfig("ngram", 0))
+    with pytest.raises(ValueError, match="method must be one of"):
+        EngineArgs(speculative_config=SpeculativeConfig("eagle", 2))
+    spec = EngineArgs(speculative_config=SpeculativeConfig("ngram", 2)).speculative()
+    assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (5, 5)  # vLLM's defaults

@@ -176,16 +176,17 @@ class SpeculativeConfig:
     @classmethod
     def from_dict(cls, config: "dict[str, Any] | SpeculativeConfig") -> "SpeculativeConfig":
         """Validates a `speculative_config` dict (ValueError naming the key and its limit)."""
-        if isinstance(config, SpeculativeConfig):
-            return config
-        if not isinstance(config, dict):
+        if not isinstance(config, dict | SpeculativeConfig):
             raise ValueError(f"speculative_config must be a dict, got {config!r}")
-        method = config.get("method")
+        method = config.method if isinstance(config, SpeculativeConfig) else config.get("method")
         if method not in SPECULATIVE_METHODS:
             raise ValueError(
                 f"speculative_config method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                 f"got {method!r}"
             )
+        if isinstance(config, SpeculativeConfig):  # built directly: checked all the same
+            config._validate()
+            return config
         prefix = "prompt_lookup_" if method == "ngram" else "suffix_decoding_"
         allowed = {"method", "num_speculative_tokens"} | {
             f.name for f in fields(cls) if f.name.startswith(prefix)
