@@ -373,3 +373,23 @@ def test_bad_shapes() -> None:
         q.linear(torch.zeros(2, 32))
     with pytest.raises(ValueError, match="'fast'"):
         q.linear(torch.zeros(2, 64), path="fast")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_int8_rows_do_not_depend_on_their_neighbours(kind: str) -> None:
+    """What per-row int8 prompt rows rest on (quant.PROMPT_INT8): a row's int8 result is bit
+    for bit the same alone, in any batch size (tiles of 16 rows and their remainders), gathered
+    by index, and on 1 or 2 threads."""
+    q = QuantizedWeight.quantize(weight(96, 288), kind)
+    x = torch.randn(37, 288, generator=torch.Generator().manual_seed(3))
+    full = q.linear(x, path="int8")
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for m in (1, 5, 16, 17, 37):
+                assert torch.equal(q.linear(x[:m], path="int8"), full[:m]), (n, m)
+            picked = torch.tensor([36, 0, 17, 5])
+            assert torch.equal(q.linear(x[picked], path="int8"), full[picked])
+    finally:
+        torch.set_num_threads(threads)

@@ -130,16 +130,21 @@ PROMPT_INT8: bool = _prompt_int8(os.environ.get("V1_QUANT_PROMPT_INT8"))
 
 @dataclass(slots=True)
 class _PromptRows:
-    """One forward's split of its activation rows: which are prompt tokens'."""
+    """One forward's split of its activation rows, when some are prompt tokens'."""
 
     num_rows: int
-    prompt: torch.Tensor  # row indices
-    other: torch.Tensor
+    prompt: torch.Tensor | None  # row indices; None: every row is a prompt token's
+    other: torch.Tensor | None
 
-    @classmethod
-    def of(cls, is_prompt: np.ndarray) -> "_PromptRows":
-        return cls(len(is_prompt), torch.from_numpy(np.flatnonzero(is_prompt)),
-                   torch.from_numpy(np.flatnonzero(~is_prompt)))
+
+def _split(is_prompt: np.ndarray | None) -> _PromptRows | None:
+    """None where no row is a prompt token's (a decode step: nothing to do per matmul)."""
+    if is_prompt is None or not PROMPT_INT8 or not is_prompt.any():
+        return None
+    if is_prompt.all():
+        return _PromptRows(len(is_prompt), None, None)
+    return _PromptRows(len(is_prompt), torch.from_numpy(np.flatnonzero(is_prompt)),
+                       torch.from_numpy(np.flatnonzero(~is_prompt)))
 
 
 # Per thread: two in-process engines may run forwards on two threads at once.
@@ -153,7 +158,7 @@ def prompt_rows(is_prompt: np.ndarray | None) -> Iterator[None]:
     their count (the LM head's fewer rows, by their count alone). None, or PROMPT_INT8 off:
     no split."""
     saved = getattr(_forward, "rows", None)
-    _forward.rows = _PromptRows.of(is_prompt) if is_prompt is not None and PROMPT_INT8 else None
+    _forward.rows = _split(is_prompt)
     try:
         yield
     finally:
@@ -246,9 +251,10 @@ class QuantizedWeight:
         m = x.numel() // self.in_features
         split = getattr(_forward, "rows", None) if path is None else None
         if split is not None and split.num_rows == m:
-            if not len(split.other):
+            if split.prompt is None:
                 path = "int8"
-            elif len(split.prompt):
+            else:
+                assert split.other is not None
                 rows = x.reshape(m, self.in_features)
                 out = x.new_empty(m, self.out_features)
                 out[split.prompt] = self.linear(rows[split.prompt], bias, "int8")
