@@ -6,6 +6,10 @@ Async scheduling keeps one step in flight, as the engine's batch queue does. Wit
 decoding the shadow runner drafts (some drafts right, some wrong) and verifies them: rejected
 drafts' slots must never be found through the prefix cache before they are rewritten.
 
+Declared prefixes: some runs compute one of the prefixes first and pin its blocks, as the engine
+core's preload does before any traffic; pinned blocks then stay cached and referenced through
+everything that follows (reset_prefix_cache included), and nothing else is ever left held.
+
 Starvation: the queue head that fits is admitted at once under FCFS, and with prefix-aware
 admission waits at most `max_skips` such steps (not counting those in which a request it
 shares blocks with, which it may be waiting for, is scheduled).
@@ -43,10 +47,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         window=st.sampled_from([2, 32]),
         # The disk tier's bound in blocks (None: no tier); small ones evict.
         disk_blocks=st.sampled_from([None, None, 2, 6, 40]),
+        # A declared prefix (PREFIXES' index) computed and pinned before anything else.
+        preload=st.sampled_from([None, None, 0, 1]),
     )
     def setup(
         self, num_blocks, budget, threshold, policy, async_scheduling, caching, spec_k, seed,
-        max_skips, window, disk_blocks,
+        max_skips, window, disk_blocks, preload,
     ):
         tier = caching and disk_blocks is not None
         self.s = make_scheduler(
@@ -65,6 +71,23 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.finished: set[str] = set()
         self.added: dict[str, tuple[int, int]] = {}  # id -> (prompt length, max_tokens)
         self.received: dict[str, list[int]] = {}
+        if caching and preload is not None:
+            self._preload(PREFIXES[preload])
+
+    def _preload(self, prompt: list[int]) -> None:
+        """As EngineCore.preload: refused over the cap, else computed alone, then pinned."""
+        kv = self.s.kv_cache_manager
+        try:
+            kv.check_preload([prompt])
+        except ValueError:
+            event("preload over the cap")
+            return
+        r = make_request(prompt, block_size=BLOCK_SIZE, max_tokens=1)
+        self.added[r.request_id] = (r.num_prompt_tokens, 1)
+        self.s.add_request(r)
+        self._drain()
+        assert kv.pin_prefix(prompt) == len(prompt) // BLOCK_SIZE
+        event("preloaded")
 
     @rule(
         prefix=st.sampled_from(PREFIXES),
@@ -160,10 +183,11 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(include_disk=st.booleans())
     def reset_prefix_cache(self, include_disk):
         kv = self.s.kv_cache_manager
-        in_use = kv.block_pool.get_num_free_blocks() < kv.num_blocks
+        pool = kv.block_pool
+        in_use = pool.get_num_free_blocks() + len(pool.pinned) < kv.num_blocks
         assert self.s.reset_prefix_cache(include_disk) is not in_use
         if not in_use:
-            assert not kv.block_pool.cached_block_hash_to_block
+            assert pool.cached_block_hash_to_block == pool.pinned
             if include_disk and self.runner.disk is not None:
                 self.runner.disk.clear()  # the engine removes the files
 
@@ -175,6 +199,16 @@ class SchedulerMachine(RuleBasedStateMachine):
     def teardown(self):
         if not hasattr(self, "s"):
             return
+        self._drain()
+        assert self.finished == self.added.keys(), "a request was lost"
+        self.s.check_integrity()
+        pool = self.s.kv_cache_manager.block_pool
+        assert pool.get_num_free_blocks() + len(pool.pinned) == pool.num_blocks
+        pinned = {b.block_id for b in pool.pinned.values()}
+        assert all(b.ref_cnt == (b.block_id in pinned) for b in pool.blocks)
+
+    def _drain(self):
+        """Step until every request has finished and no step is in flight."""
         # Drained by then unless it livelocks: at chunks of 3 tokens and with preemption, 49
         # requests took 511 steps in one example hypothesis found.
         for _ in range(20_000):
@@ -184,12 +218,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.step(eos_row=99)
             else:
                 self._finish_oldest()
-        assert not self.s.has_requests()
-        assert self.finished == self.added.keys(), "a request was lost"
-        self.s.check_integrity()
-        kv = self.s.kv_cache_manager
-        assert kv.block_pool.get_num_free_blocks() == kv.num_blocks
-        assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
+        assert not self.s.has_requests() and not self.in_flight
 
 
 SchedulerMachine.TestCase.settings = settings(
