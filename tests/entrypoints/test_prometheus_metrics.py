@@ -1,6 +1,7 @@
 """GET /metrics end to end: a real server, real requests, and the exposition read back with
 prometheus_client's own parser, under vLLM's metric names and labels."""
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,9 +24,11 @@ SHARED_PROMPT = (
 )
 
 GAUGES = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"]
+DISK_BLOCKS = "v1:disk_cache_blocks"  # a gauge that stays up once blocks are written
 COUNTERS = [
     "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:prefix_cache_queries",
-    "vllm:prefix_cache_hits", "vllm:num_preemptions", "vllm:request_success",
+    "vllm:prefix_cache_hits", "vllm:num_preemptions", "v1:disk_cache_hits",
+    "v1:disk_cache_stored_blocks", "vllm:request_success",
 ]
 HISTOGRAMS = [
     "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
@@ -40,6 +43,7 @@ def server(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -
     with serve(
         default_model_path, log, "--served-model-name", MODEL, "--max-model-len", "512",
         "--num-gpu-blocks", "128", "--block-size", str(BLOCK_SIZE),
+        "--kv-cache-dir", str(log.parent / "kv"),
     ) as server:
         yield server
 
@@ -72,7 +76,8 @@ def test_names_types_and_labels(server: Server) -> None:
     assert response.headers["content-type"].startswith("application/openmetrics-text")
     for names, kind in ((GAUGES, "gauge"), (COUNTERS, "counter"), (HISTOGRAMS, "histogram")):
         assert {name: types.get(name) for name in names} == dict.fromkeys(names, kind)
-    for name in GAUGES:
+    assert types[DISK_BLOCKS] == "gauge"
+    for name in [*GAUGES, DISK_BLOCKS]:
         assert _value(samples, name) == 0
     for name in COUNTERS[:-1]:
         assert _value(samples, f"{name}_total") == 0
@@ -131,3 +136,15 @@ def test_values_after_requests(server: Server) -> None:
     # Nothing is left running, waiting or holding a block once the responses are in.
     for name in GAUGES:
         assert _value(after, name) == 0, name
+    # The repeated prompt hit RAM, not disk; its full blocks were written to disk (on the
+    # writer's thread, after their step: counted once written, so wait for them).
+    assert delta("v1:disk_cache_hits_total") == 0
+    num_shared_blocks = usages[0]["prompt_tokens"] // BLOCK_SIZE
+    for _ in range(600):
+        _, after = _scrape(server)
+        if delta("v1:disk_cache_stored_blocks_total") >= num_shared_blocks:
+            break
+        time.sleep(0.05)
+    stored = delta("v1:disk_cache_stored_blocks_total")
+    assert stored >= num_shared_blocks >= 2
+    assert _value(after, DISK_BLOCKS) == _value(before, DISK_BLOCKS) + stored
