@@ -91,9 +91,10 @@ def test_top_sequence_matches_transformers(llm, hf_model, default_model, chat_pr
 
 
 def test_end_of_text_beyond_the_top_beams(llm, hf_model, default_model):
-    """" Paris." then end-of-text is among its beam's top 2 * 3 candidates at step 3, but
-    not among the step's top 3 (the other beams' continuations rank higher): vLLM keeps it
-    as a finished sequence, transformers drops it. Ours keeps it, and it is the most likely
+    """At step 3, end-of-text after " Paris." is its beam's 4th candidate (within its top
+    2 * 3) but only the 6th of the step's candidates by cumulative logprob (-3.57; the
+    beams' continuations score -1.65 to -3.24): vLLM keeps it as a finished sequence,
+    transformers drops it (not among the top 3). Ours keeps it, and it is the most likely
     sequence either side saw: transformers' best has a lower cumulative logprob, and
     transformers' own model gives ours the logprob we report."""
     prompt = "The capital of France is"
