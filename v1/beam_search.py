@@ -154,13 +154,13 @@ def beam_search(
     def score(seq: BeamSearchSequence) -> float:
         return get_beam_search_score(seq.tokens, seq.cum_logprob, eos, params.length_penalty)
 
-    results_out = []
+    searched = []
     for inst in instances:
         best = sorted(inst.completed, key=score, reverse=True)[: params.beam_width]
         for seq in best:
             seq.text = None if decode is None else decode(seq.tokens)
-        results_out.append(BeamSearchOutput(best))
-    return results_out
+        searched.append(BeamSearchOutput(best))
+    return searched
 
 
 def _beam_prompt(beam: BeamSearchSequence, cache_salt: str | None) -> dict[str, Any]:
@@ -187,10 +187,9 @@ def _step(
         for token_id, logprob in step_logprobs.items():
             cum = beam.cum_logprob + logprob.logprob
             if token_id in eos:
-                tokens = beam.tokens + [token_id] if params.include_stop_str_in_output \
-                    else list(beam.tokens)
+                kept = [token_id] if params.include_stop_str_in_output else []
                 inst.completed.append(BeamSearchSequence(
-                    tokens, beam.logprobs + [step_logprobs], cum,
+                    beam.tokens + kept, beam.logprobs + [step_logprobs], cum,
                     finish_reason="stop", stop_reason=token_id,
                 ))
             else:
