@@ -1,5 +1,6 @@
 """Sampling parameters, validated on construction like vLLM's."""
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -211,3 +212,55 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+
+@dataclass(slots=True)
+class BeamSearchParams:
+    """vLLM's parameters of `LLM.beam_search` (see `v1.beam_search`), validated on
+    construction: keep the `beam_width` best sequences, extended one token per step, for at
+    most `max_tokens` steps.
+
+    `ignore_eos` lets a beam go on past an end-of-text token; `temperature` is that of each
+    step's one-token request (as vLLM: at 0 the candidates are exactly each beam's top
+    2 * beam_width tokens; above 0 the sampled token joins them when it is not among them);
+    `length_penalty` divides a finished sequence's cumulative logprob by its length to this
+    power when the sequences are ranked (vLLM's formula, `get_beam_search_score`);
+    `include_stop_str_in_output` keeps the end-of-text token in a sequence's tokens and text.
+    Each step asks the engine for 2 * beam_width logprobs, so `check_limits` bounds
+    beam_width by the engine's `max_logprobs`.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if not is_int(value) or not 1 <= value <= INT64_MAX:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for name, limit in (("temperature", "a finite number >= 0"),
+                            ("length_penalty", "a finite number")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                math.isfinite(value) and (name != "temperature" or value >= 0)
+            ):
+                raise ValueError(f"{name} must be {limit}, got {value!r}")
+
+    def check_limits(self, limits: InputLimits) -> None:
+        """Each step asks for 2 * beam_width logprobs: that must fit `max_logprobs`."""
+        if 2 * self.beam_width > limits.max_logprobs:
+            raise ValueError(
+                f"beam_width is {self.beam_width}: each step asks for 2 * beam_width = "
+                f"{2 * self.beam_width} logprobs, more than max_logprobs "
+                f"({limits.max_logprobs}); use beam_width <= {limits.max_logprobs // 2}"
+            )

@@ -106,6 +106,22 @@ class Processor:
             return None, self._check_ids(prompt)
         raise ValueError(f"a prompt must be a string, token ids or a dict, got {type(prompt)}")
 
+    def check_prompt_len(self, token_ids: Sequence[int]) -> None:
+        """A prompt has 1 to max_model_len tokens."""
+        if not token_ids:
+            raise ValueError("the prompt is empty (0 tokens)")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, more than max_model_len "
+                f"({self.max_model_len})"
+            )
+
+    def prompt_token_ids(self, prompt: PromptType) -> list[int]:
+        """The prompt's token ids, checked as `process_inputs` checks them."""
+        token_ids = self.tokenize_prompt(prompt)[1]
+        self.check_prompt_len(token_ids)
+        return token_ids
+
     def _check_ids(self, token_ids: Any) -> list[int]:
         return check_token_ids(token_ids, self.vocab_size)
 
@@ -218,13 +234,7 @@ class Processor:
             cache_salt = prompt.get("cache_salt", cache_salt)
         if cache_salt is not None:
             check_text(cache_salt, "cache_salt")
-        if not token_ids:
-            raise ValueError("the prompt is empty (0 tokens)")
-        if len(token_ids) > self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens, more than max_model_len "
-                f"({self.max_model_len})"
-            )
+        self.check_prompt_len(token_ids)
         params = copy.copy(params)  # the core's copy: the caller may reuse theirs
         room = self.max_model_len - len(token_ids)
         if params.max_tokens is None:

@@ -6,6 +6,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from v1.beam_search import BeamSearchOutput, beam_search
 from v1.config import EngineArgs
 from v1.engine.core_client import EngineCoreClient, InprocClient, SyncMPClient
 from v1.engine.dp_client import DPSyncMPClient
@@ -13,7 +14,7 @@ from v1.engine.llm_engine import LLMEngine
 from v1.engine.processor import PromptType
 from v1.models.loader import LoadedModel, resolve_model
 from v1.outputs import RequestOutput, SchedulerStats
-from v1.sampling_params import SamplingParams
+from v1.sampling_params import BeamSearchParams, SamplingParams
 
 Messages = Sequence[Mapping[str, Any]]
 
@@ -138,6 +139,41 @@ class LLM:
                     f"got {len(ranks)} data_parallel_ranks for {len(prompts)} prompts"
                 )
         return self._run(prompts, params, priority, use_tqdm, ranks)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        lora_request: object = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's: the `params.beam_width` most likely sequences for each prompt (text, or a
+        dict with "prompt" or "prompt_token_ids"), best first, in the order of `prompts`.
+        Each step's beams run as one-token requests in the engine's batched steps, sharing
+        their common prefix's KV blocks through the prefix cache (see `v1.beam_search`);
+        `concurrency_limit` bounds how many prompts are searched at once."""
+        if lora_request is not None:
+            raise ValueError("lora_request: this engine serves no LoRA adapters")
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be BeamSearchParams, got {type(params)}")
+        processor = self.llm_engine.processor
+        params.check_limits(processor.limits)
+        if isinstance(prompts, (str, Mapping)):
+            prompts = [prompts]
+        tokenizer = self.get_tokenizer()
+        return beam_search(
+            list(prompts), params,
+            generate=lambda batch, step: self.generate(batch, step, use_tqdm=False),
+            tokenize=processor.prompt_token_ids,
+            eos_token_ids=[
+                t for t in (processor.eos_token_id, *processor.extra_stop_token_ids)
+                if t is not None
+            ],
+            max_model_len=processor.max_model_len,
+            decode=None if tokenizer is None else tokenizer.decode,
+            use_tqdm=use_tqdm, concurrency_limit=concurrency_limit,
+        )
 
     def chat(
         self,

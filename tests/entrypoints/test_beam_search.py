@@ -1,0 +1,207 @@
+"""`LLM.beam_search` on the real default model (fp32), against transformers' beam search.
+
+The semantics compared. vLLM's beam search (ours) runs every prompt for max_tokens steps,
+keeps every beam's end-of-text candidates as finished sequences, and ranks sequences by
+cumulative logprob / length ** length_penalty with the prompt counted in the length. With
+`length_penalty=0.0` and `early_stopping="never"` transformers does the same search (its own
+docstring calls this the canonical beam search): ranking by cumulative logprob alone, and
+never stopping while a live beam could still beat a finished one. Its length penalty
+counts only generated tokens, so only at 0 do the two rankings agree. One difference
+remains, shown by `test_end_of_text_beyond_the_top_beams`: transformers keeps an
+end-of-text candidate as a finished sequence only when it ranks among the step's top
+num_beams candidates, vLLM (and so ours) whenever it is among its beam's top 2 * num_beams.
+"""
+
+import pytest
+import torch
+
+from v1 import LLM
+from v1.beam_search import get_beam_search_score
+from v1.sampling_params import BeamSearchParams
+
+MAX_TOKENS = 10
+# Where transformers and vLLM make the same search (see the module): no end-of-text
+# candidate (fibonacci, the chat answer) or one among the top beams ("colors", step 8).
+PARITY_PROMPTS = ["def fibonacci(n):", "List three colors:"]
+CHAT_QUESTION = "What is the late fee?"
+
+
+@pytest.fixture(scope="module")
+def llm(default_model):
+    with LLM(loaded_model=default_model, max_model_len=256, num_gpu_blocks=128) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def chat_prompt(hf_tokenizer) -> str:
+    return hf_tokenizer.apply_chat_template(
+        [{"role": "user", "content": CHAT_QUESTION}], add_generation_prompt=True, tokenize=False
+    )
+
+
+def hf_beam_search(hf_model, prompt_ids: list[int], beam_width: int,
+                   stop_ids: list[int]) -> tuple[list[int], float]:
+    """transformers' best sequence (generated tokens, up to its end-of-text token) and its
+    score, which at length_penalty 0 is its cumulative logprob."""
+    with torch.inference_mode():
+        out = hf_model.generate(
+            torch.tensor([prompt_ids]), num_beams=beam_width, do_sample=False,
+            max_new_tokens=MAX_TOKENS, length_penalty=0.0, early_stopping="never",
+            eos_token_id=stop_ids, pad_token_id=stop_ids[0],
+            output_scores=True, return_dict_in_generate=True,
+        )
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    ends = [i for i, t in enumerate(tokens) if t in stop_ids]
+    return tokens[: ends[0] + 1] if ends else tokens, float(out.sequences_scores[0])
+
+
+def stop_ids(default_model) -> list[int]:
+    return [default_model.eos_token_id, *default_model.stop_token_ids]
+
+
+@pytest.mark.parametrize("beam_width", [2, 4])
+def test_top_sequence_matches_transformers(llm, hf_model, default_model, chat_prompt,
+                                           beam_width):
+    prompts = [*PARITY_PROMPTS, {"prompt": chat_prompt}]
+    params = BeamSearchParams(beam_width=beam_width, max_tokens=MAX_TOKENS,
+                              length_penalty=0.0, include_stop_str_in_output=True)
+    outputs = llm.beam_search(prompts, params)
+    tokenizer = llm.get_tokenizer()
+    for prompt, out in zip(prompts, outputs, strict=True):
+        ids = tokenizer.encode(prompt if isinstance(prompt, str) else prompt["prompt"])
+        ref, ref_score = hf_beam_search(hf_model, ids, beam_width, stop_ids(default_model))
+        assert 1 <= len(out.sequences) <= beam_width
+        best = out.sequences[0]
+        assert best.tokens[: len(ids)] == ids
+        assert best.tokens[len(ids):] == ref, f"{prompt!r}: ours differ from transformers'"
+        assert best.cum_logprob == pytest.approx(ref_score, abs=1e-3)
+        assert best.text == tokenizer.decode(best.tokens)
+        assert len(best.logprobs) == len(ref)
+        # The sequences come best first; an end-of-text one says so.
+        scores = [s.cum_logprob for s in out.sequences]
+        assert scores == sorted(scores, reverse=True)
+        for seq in out.sequences:
+            if seq.finish_reason == "stop":
+                assert seq.tokens[-1] == seq.stop_reason == default_model.eos_token_id
+            else:
+                assert seq.finish_reason == "length"
+                assert len(seq.tokens) == len(ids) + MAX_TOKENS
+    # The "colors" prompt's best ends on the end-of-text token: both sides saw it finish.
+    assert outputs[1].sequences[0].finish_reason == "stop"
+
+
+def test_end_of_text_beyond_the_top_beams(llm, hf_model, default_model):
+    """At step 3, end-of-text after " Paris." is its beam's 4th candidate (within its top
+    2 * 3) but only the 6th of the step's candidates by cumulative logprob (-3.57; the
+    beams' continuations score -1.65 to -3.24): vLLM keeps it as a finished sequence,
+    transformers drops it (not among the top 3). Ours keeps it, and it is the most likely
+    sequence either side saw: transformers' best has a lower cumulative logprob, and
+    transformers' own model gives ours the logprob we report."""
+    prompt = "The capital of France is"
+    params = BeamSearchParams(beam_width=3, max_tokens=MAX_TOKENS, length_penalty=0.0)
+    (out,) = llm.beam_search([prompt], params)
+    ids = llm.get_tokenizer().encode(prompt)
+    best = out.sequences[0]
+    eos = default_model.eos_token_id
+    assert (best.finish_reason, best.stop_reason) == ("stop", eos)
+    # Without include_stop_str_in_output the end-of-text token is in neither tokens nor text.
+    assert len(best.tokens) - len(ids) == 2 and best.text == prompt + " Paris."
+    tokens = [*best.tokens, eos]
+    ref, ref_score = hf_beam_search(hf_model, ids, 3, stop_ids(default_model))
+    assert ref != tokens[len(ids):] and ref_score < best.cum_logprob - 1.0
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([tokens])).logits[0].log_softmax(-1)
+    hf_cum = sum(float(logits[i - 1, tokens[i]]) for i in range(len(ids), len(tokens)))
+    assert best.cum_logprob == pytest.approx(hf_cum, abs=1e-3)
+
+
+def test_beams_share_their_prefix_blocks(llm, chat_prompt):
+    """Each step's beams run together and find their common prefix's blocks cached: the
+    prompt's full blocks are held by all beam_width requests at once (ref count) and hit
+    by every step after the first (the stats' prefix cache hits)."""
+    beam_width, steps = 3, 4
+    core = llm.llm_engine.client.engine_core
+    scheduler = core.scheduler
+    blocks = scheduler.kv_cache_manager.block_pool.blocks
+    most_shared = 0
+    schedule = scheduler.schedule
+
+    def schedule_and_look():  # the ref counts while the step's requests hold their blocks
+        nonlocal most_shared
+        out = schedule()
+        most_shared = max(most_shared, max(b.ref_cnt for b in blocks))
+        return out
+
+    prompt_len = len(llm.get_tokenizer().encode(chat_prompt))
+    full_block_tokens = prompt_len // 16 * 16
+    assert full_block_tokens >= 16
+    before = llm.get_stats()
+    scheduler.schedule = schedule_and_look
+    try:
+        llm.beam_search([chat_prompt], BeamSearchParams(beam_width, steps))
+    finally:
+        del scheduler.schedule
+    after = llm.get_stats()
+    assert most_shared == beam_width
+    hits = after.prefix_cache_hits - before.prefix_cache_hits
+    assert hits >= (steps - 1) * beam_width * full_block_tokens
+    llm.llm_engine.client.call_utility("check_integrity")
+
+
+def test_concurrency_limit_and_prompt_forms(llm):
+    """Prompts as text, token ids, or dicts give the same search; `concurrency_limit`
+    (prompts searched at a time) changes nothing but how they are batched."""
+    ids = llm.get_tokenizer().encode("def fibonacci(n):")
+    params = BeamSearchParams(beam_width=2, max_tokens=3)
+    outs = llm.beam_search(
+        ["def fibonacci(n):", {"prompt_token_ids": ids}, {"prompt": "def fibonacci(n):"}],
+        params, concurrency_limit=1,
+    )
+    assert len(outs) == 3
+    assert outs[0].sequences == outs[1].sequences == outs[2].sequences
+    assert all(s.finish_reason == "length" for s in outs[0].sequences)
+
+
+def test_length_penalty_ranks_as_vllm(llm, default_model):
+    """vLLM's score: cumulative logprob / length ** length_penalty, the prompt counted in the
+    length and a final end-of-text token not; the sequences come best first by it."""
+    eos = default_model.eos_token_id
+    assert get_beam_search_score([5, 6, 7, eos], -3.0, {eos}, 1.0) == -1.0
+    assert get_beam_search_score([5, 6, 7, 8], -3.0, {eos}, 2.0) == -3.0 / 16
+    assert get_beam_search_score([5, 6, 7, 8], -3.0, {eos}, 0.0) == -3.0
+    (out,) = llm.beam_search(["List three colors:"], BeamSearchParams(4, 8, length_penalty=2.0))
+    scores = [get_beam_search_score(s.tokens, s.cum_logprob, {eos}, 2.0) for s in out.sequences]
+    assert len(scores) == 4 and scores == sorted(scores, reverse=True)
+
+
+def test_beams_stop_at_max_model_len(llm):
+    """A beam that fills max_model_len (256 here) can take no further token: it finishes
+    with "length" there, before max_tokens, as `generate` would stop it."""
+    ids = llm.get_tokenizer().encode("one two three four five six seven eight nine ten " * 30)
+    prompt = {"prompt_token_ids": ids[:254]}
+    (out,) = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=8))
+    assert [len(s.tokens) for s in out.sequences] == [256, 256]
+    assert all(s.finish_reason == "length" for s in out.sequences)
+
+
+def test_bad_params_raise_value_error(llm):
+    for kwargs, match in [
+        ({"beam_width": 0, "max_tokens": 4}, "beam_width must be an integer >= 1"),
+        ({"beam_width": 2, "max_tokens": 0}, "max_tokens must be an integer >= 1"),
+        ({"beam_width": 2, "max_tokens": 4, "temperature": -1.0}, "temperature"),
+        ({"beam_width": 2, "max_tokens": 4, "length_penalty": float("nan")}, "length_penalty"),
+        ({"beam_width": 2.0, "max_tokens": 4}, "beam_width"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            BeamSearchParams(**kwargs)
+    with pytest.raises(ValueError, match=r"beam_width is 11.*22 logprobs, more than "
+                                         r"max_logprobs \(20\)"):
+        llm.beam_search(["Hi"], BeamSearchParams(beam_width=11, max_tokens=2))
+    params = BeamSearchParams(beam_width=2, max_tokens=2)
+    with pytest.raises(ValueError, match="concurrency_limit"):
+        llm.beam_search(["Hi"], params, concurrency_limit=0)
+    with pytest.raises(ValueError, match="more than max_model_len"):
+        llm.beam_search(["Hi", {"prompt_token_ids": [1] * 257}], params)
+    with pytest.raises(ValueError, match="lora_request"):
+        llm.beam_search(["Hi"], params, lora_request=object())
+    assert not llm.llm_engine.has_unfinished_requests()  # nothing ran
