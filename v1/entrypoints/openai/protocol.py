@@ -85,6 +85,19 @@ class OpenAIBaseModel(BaseModel):
         return self
 
 
+def token_id_biases(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """A request's `logit_bias` for SamplingParams: keys as token ids, biases clamped to
+    [-100, 100] (as vLLM and OpenAI)."""
+    if logit_bias is None:
+        return None
+    bias: dict[int, float] = {}
+    for key, value in logit_bias.items():
+        if not key.isdigit():
+            raise ValueError(f"logit_bias keys must be token ids (digits), got {key!r}")
+        bias[int(key)] = min(100.0, max(-100.0, value))
+    return bias
+
+
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False  # a last chunk with the whole request's usage
     # vLLM's: with include_usage, every chunk carries its choice's usage so far too.
@@ -209,7 +222,7 @@ class SamplingRequest(EngineRequest):
     ) -> SamplingParams:
         return SamplingParams(
             **self.model_dump(include=_SAMPLING_FIELDS), max_tokens=max_tokens, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, logit_bias=self._logit_bias(),
+            prompt_logprobs=prompt_logprobs, logit_bias=token_id_biases(self.logit_bias),
             structured_outputs=self._structured_outputs(limits),
         )
 
@@ -237,17 +250,6 @@ class SamplingRequest(EngineRequest):
             f"{{'type': 'json_schema', 'json_schema': {{'schema': {{...}}}}}}, "
             f"got {self.response_format!r}"
         )
-
-    def _logit_bias(self) -> dict[int, float] | None:
-        """Keys as token ids, biases clamped to [-100, 100] (as vLLM and OpenAI)."""
-        if self.logit_bias is None:
-            return None
-        bias: dict[int, float] = {}
-        for key, value in self.logit_bias.items():
-            if not key.isdigit():
-                raise ValueError(f"logit_bias keys must be token ids (digits), got {key!r}")
-            bias[int(key)] = min(100.0, max(-100.0, value))
-        return bias
 
 
 class CompletionRequest(SamplingRequest):

@@ -19,6 +19,7 @@ from v1.entrypoints.openai.protocol import (
     Int64,
     OpenAIBaseModel,
     Unsupported,
+    token_id_biases,
 )
 from v1.limits import DEFAULT_LIMITS, InputLimits, check_json_spec
 from v1.sampling_params import SamplingParams, StructuredOutputsParams
@@ -99,7 +100,8 @@ class ResponseTextConfig(OpenAIBaseModel):
 
 class ResponsesRequest(EngineRequest):
     """POST /v1/responses. `temperature`, `top_p` and `max_output_tokens` left out take the
-    model's defaults (generation_config.json), as chat's do; `top_k` is vLLM's extra."""
+    model's defaults (generation_config.json), as chat's do; `top_k` and `logit_bias` are
+    vLLM's extras."""
 
     max_tokens_fields: ClassVar[frozenset[str]] = frozenset({"max_output_tokens"})
 
@@ -109,6 +111,7 @@ class ResponsesRequest(EngineRequest):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: Int64 = 0
+    logit_bias: dict[str, float] | None = None  # vLLM's: token id (a string) -> bias
     text: ResponseTextConfig | None = None
     metadata: dict[str, str] | None = None  # echoed
     user: str | None = None  # echoed
@@ -172,7 +175,8 @@ class ResponsesRequest(EngineRequest):
     def to_sampling_params(self, limits: InputLimits = DEFAULT_LIMITS) -> SamplingParams:
         return SamplingParams(
             max_tokens=self.max_output_tokens, temperature=self.temperature, top_p=self.top_p,
-            top_k=self.top_k, structured_outputs=self._structured_outputs(limits),
+            top_k=self.top_k, logit_bias=token_id_biases(self.logit_bias),
+            structured_outputs=self._structured_outputs(limits),
         )
 
     def _structured_outputs(self, limits: InputLimits) -> StructuredOutputsParams | None:
@@ -256,10 +260,6 @@ class ResponsesResponse(BaseModel):
     previous_response_id: None = None
     background: bool = False
     store: Literal[False] = False  # stateless: never stored, whatever the request asked
-
-    @property
-    def output_text(self) -> str:
-        return "".join(part.text for item in self.output for part in item.content)
 
 
 # ---- stream events -----------------------------------------------------------------------
