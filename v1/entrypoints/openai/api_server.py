@@ -1,11 +1,11 @@
 """`python -m v1 serve`: an OpenAI-compatible HTTP server over AsyncLLM (FastAPI + uvicorn).
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions (both also streamed as server-sent
-events), GET /v1/models, GET /health (200, or 503 when the engine is dead; with
---data-parallel-size N, 503 with a JSON body naming the dead cores while any is down, the
-others still serving), GET /metrics (Prometheus, under vLLM's metric names; per engine core,
-labelled `engine`, with data parallelism), and vLLM's POST /tokenize, POST /detokenize and
-GET /version.
+Endpoints: POST /v1/completions, POST /v1/chat/completions and POST /v1/responses (OpenAI's
+Responses API: text, stateless; all three also streamed as server-sent events), GET /v1/models,
+GET /health (200, or 503 when the engine is dead; with --data-parallel-size N, 503 with a JSON
+body naming the dead cores while any is down, the others still serving), GET /metrics
+(Prometheus, under vLLM's metric names; per engine core, labelled `engine`, with data
+parallelism), and vLLM's POST /tokenize, POST /detokenize and GET /version.
 With --api-key, the /v1 routes need `Authorization: Bearer KEY` (else 401), as in vLLM.
 
 Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: invalid requests
@@ -57,12 +57,14 @@ from v1.entrypoints.openai.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from v1.entrypoints.openai.responses_protocol import ResponsesRequest
 from v1.entrypoints.openai.serving import (
     ModelNotFoundError,
     OpenAIServing,
     ServerLimits,
     error_for,
 )
+from v1.entrypoints.openai.serving_responses import OpenAIServingResponses
 from v1.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from v1.limits import InputLimits
 from v1.models.loader import resolve_model
@@ -92,6 +94,12 @@ async def create_completion(request: CompletionRequest, raw: Request) -> Respons
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: ChatCompletionRequest, raw: Request) -> Response:
     return await _respond(raw, _serving(raw).create_chat_completion(request))
+
+
+@router.post("/v1/responses")
+async def create_responses(request: ResponsesRequest, raw: Request) -> Response:
+    responses: OpenAIServingResponses = raw.app.state.responses
+    return await _respond(raw, responses.create_responses(request))
 
 
 @router.get("/v1/models")
@@ -361,6 +369,7 @@ def build_app(
             engine, served_model_names or [default_name], chat_template, tool_parser,
             default_sampling_params=defaults, limits=limits,
         )
+        app.state.responses = OpenAIServingResponses(app.state.serving)
         # Labelled with the name responses report, as vLLM labels its metrics.
         app.state.metrics = PrometheusMetrics(app.state.serving.served_model_names[0])
         engine.stat_loggers.append(app.state.metrics.record)

@@ -15,7 +15,7 @@ Fields we do not know, and those that do not change the output (`user`, `store`,
 import json
 import logging
 from http import HTTPStatus
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -85,17 +85,63 @@ class OpenAIBaseModel(BaseModel):
         return self
 
 
+def token_id_biases(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """A request's `logit_bias` for SamplingParams: keys as token ids, biases clamped to
+    [-100, 100] (as vLLM and OpenAI)."""
+    if logit_bias is None:
+        return None
+    bias: dict[int, float] = {}
+    for key, value in logit_bias.items():
+        if not key.isdigit():
+            raise ValueError(f"logit_bias keys must be token ids (digits), got {key!r}")
+        bias[int(key)] = min(100.0, max(-100.0, value))
+    return bias
+
+
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False  # a last chunk with the whole request's usage
     # vLLM's: with include_usage, every chunk carries its choice's usage so far too.
     continuous_usage_stats: bool = False
 
 
-class SamplingRequest(OpenAIBaseModel):
-    """What both endpoints share: the model, the sampling options (vLLM's extra ones
-    included), priority and streaming."""
+class EngineRequest(OpenAIBaseModel):
+    """What every generating endpoint's request shares: the model, how the engine runs it
+    (priority, data-parallel rank, prefix-cache salt) and whether it is streamed."""
+
+    # The request's own names for SamplingParams.max_tokens (its `sampling_fields_set`).
+    max_tokens_fields: ClassVar[frozenset[str]] = frozenset({"max_tokens"})
 
     model: str | None = None  # None: the first served model name
+    # Lower runs first; under --scheduling-policy fcfs (the default) only 0 is accepted.
+    priority: Int64 = 0
+    # vLLM's: with --data-parallel-size N, run the request on engine core i (0 <= i < N)
+    # instead of routing it.
+    data_parallel_rank: Int64 | None = None
+    stream: bool = False
+    # vLLM's: requests with different salts never share prefix-cache blocks.
+    cache_salt: str | None = None
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _cache_salt_not_empty(cls, value: str) -> str:
+        if not value:
+            raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
+        return value
+
+    @property
+    def sampling_fields_set(self) -> set[str]:
+        """The fields this request set, a max_tokens under SamplingParams' name: the model's
+        default sampling parameters apply to the others."""
+        given = set(self.model_fields_set)
+        if given & self.max_tokens_fields:
+            given.add("max_tokens")
+        return given
+
+
+class SamplingRequest(EngineRequest):
+    """What the completion endpoints share: the sampling options (vLLM's extra ones
+    included) and the stream's options."""
+
     n: Int64 = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -114,18 +160,10 @@ class SamplingRequest(OpenAIBaseModel):
     repetition_penalty: float = 1.0  # vLLM's, as the three below
     allowed_token_ids: list[Int64] | None = None
     bad_words: list[str] | None = None
-    # Lower runs first; under --scheduling-policy fcfs (the default) only 0 is accepted.
-    priority: Int64 = 0
-    # vLLM's: with --data-parallel-size N, run the request on engine core i (0 <= i < N)
-    # instead of routing it.
-    data_parallel_rank: Int64 | None = None
     # vLLM's: this many top tokens per prompt position (completions: in each choice; chat:
     # in the response). Not streamed, as in vLLM.
     prompt_logprobs: NonNegativeInt64 | None = None
-    stream: bool = False
     stream_options: StreamOptions | None = None
-    # vLLM's: requests with different salts never share prefix-cache blocks.
-    cache_salt: str | None = None
 
     # Structured output: OpenAI's `response_format` ({"type": "text" | "json_object" |
     # "json_schema"}) or vLLM's `structured_outputs` (StructuredOutputsParams' fields).
@@ -151,13 +189,6 @@ class SamplingRequest(OpenAIBaseModel):
     request_id: Unsupported[str | None] = None
     kv_transfer_params: Unsupported[dict[str, Any] | None] = None
     vllm_xargs: Unsupported[dict[str, Any] | None] = None
-
-    @field_validator("cache_salt")
-    @classmethod
-    def _cache_salt_not_empty(cls, value: str) -> str:
-        if not value:
-            raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
-        return value
 
     @field_validator("best_of")
     @classmethod
@@ -191,7 +222,7 @@ class SamplingRequest(OpenAIBaseModel):
     ) -> SamplingParams:
         return SamplingParams(
             **self.model_dump(include=_SAMPLING_FIELDS), max_tokens=max_tokens, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, logit_bias=self._logit_bias(),
+            prompt_logprobs=prompt_logprobs, logit_bias=token_id_biases(self.logit_bias),
             structured_outputs=self._structured_outputs(limits),
         )
 
@@ -219,17 +250,6 @@ class SamplingRequest(OpenAIBaseModel):
             f"{{'type': 'json_schema', 'json_schema': {{'schema': {{...}}}}}}, "
             f"got {self.response_format!r}"
         )
-
-    def _logit_bias(self) -> dict[int, float] | None:
-        """Keys as token ids, biases clamped to [-100, 100] (as vLLM and OpenAI)."""
-        if self.logit_bias is None:
-            return None
-        bias: dict[int, float] = {}
-        for key, value in self.logit_bias.items():
-            if not key.isdigit():
-                raise ValueError(f"logit_bias keys must be token ids (digits), got {key!r}")
-            bias[int(key)] = min(100.0, max(-100.0, value))
-        return bias
 
 
 class CompletionRequest(SamplingRequest):
@@ -368,6 +388,8 @@ class ChatTemplateRequest(OpenAIBaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest, ChatTemplateRequest):
+    max_tokens_fields: ClassVar[frozenset[str]] = frozenset({"max_tokens", "max_completion_tokens"})
+
     max_completion_tokens: Int64 | None = None
     max_tokens: Int64 | None = None  # deprecated by OpenAI for max_completion_tokens
     logprobs: bool = False

@@ -32,6 +32,7 @@ from v1.entrypoints.openai.protocol import (
     DeltaMessage,
     DetokenizeRequest,
     DetokenizeResponse,
+    EngineRequest,
     ErrorResponse,
     ModelCard,
     ModelList,
@@ -115,7 +116,7 @@ class StartedRequest:
     @classmethod
     async def start(
         cls, engine: AsyncLLM, prompts: list[PromptType], params: SamplingParams,
-        request_id: str, request: SamplingRequest,
+        request_id: str, request: EngineRequest,
     ) -> "StartedRequest":
         streams = [
             engine.generate(
@@ -243,7 +244,7 @@ class OpenAIServing:
         head = self._head(request, "cmpl")
         params = request.to_sampling_params(self.engine.processor.limits)
         prompts = await self.engine.run_in_pool(self._completion_prompts, request, params)
-        params = self._with_defaults(request, params)
+        params = self.with_defaults(request, params)
         outputs = await StartedRequest.start(self.engine, prompts, params, head["id"], request)
         k = request.logprobs
         if request.stream:
@@ -251,9 +252,9 @@ class OpenAIServing:
             if request.echo:
                 def echo(i: int) -> _Echo:
                     return self._echo(*outputs.prompt_of(i), k)
-            chunks = _completion_chunks(outputs, head, k, _StreamUsage.of(request), echo)
-            return _sse(outputs, chunks)
-        choices, usage = await _collect(outputs)
+            chunks = _completion_chunks(outputs, head, k, StreamUsage.of(request), echo)
+            return sse_stream(outputs, chunks)
+        choices, usage = await collect(outputs)
         return CompletionResponse(
             **head,
             choices=[
@@ -276,8 +277,8 @@ class OpenAIServing:
         prompts: list[PromptType] = []
         for engine_prompt in engine_prompts:
             text, token_ids = self.engine.processor.tokenize_prompt(engine_prompt)
-            self._check_length(len(token_ids), params.max_tokens, "prompt")
-            prompts.append(self._engine_prompt(request, text, token_ids))
+            self.check_length(len(token_ids), params.max_tokens, "prompt")
+            prompts.append(self.engine_prompt(request, text, token_ids))
         return prompts
 
     def _completion_choice(
@@ -330,18 +331,18 @@ class OpenAIServing:
             request, request.to_sampling_params(self.engine.processor.limits)
         )
         text, token_ids = await self.engine.run_in_pool(self._chat_prompt, request)
-        self._check_length(len(token_ids), params.max_tokens, "messages")
-        params = self._with_defaults(request, params)
+        self.check_length(len(token_ids), params.max_tokens, "messages")
+        params = self.with_defaults(request, params)
         outputs = await StartedRequest.start(
-            self.engine, [self._engine_prompt(request, text, token_ids)], params, head["id"],
+            self.engine, [self.engine_prompt(request, text, token_ids)], params, head["id"],
             request,
         )
         k = params.logprobs
         echo = request.echoed_content()
         if request.stream:
-            chunks = _chat_chunks(outputs, head, k, _StreamUsage.of(request), tool_calls, echo)
-            return _sse(outputs, chunks)
-        choices, usage = await _collect(outputs)
+            chunks = _chat_chunks(outputs, head, k, StreamUsage.of(request), tool_calls, echo)
+            return sse_stream(outputs, chunks)
+        choices, usage = await collect(outputs)
         messages = [tool_calls.message(c) for c in choices]
         if echo:
             for message in messages:
@@ -365,7 +366,7 @@ class OpenAIServing:
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         """A prompt's token ids as a completion would get them, or a conversation's as a chat
         completion would."""
-        self._check_model(request.model)
+        self.check_model(request.model)
         if isinstance(request, TokenizeChatRequest):
             _, token_ids = await self.engine.run_in_pool(self._chat_prompt, request)
         else:
@@ -376,7 +377,7 @@ class OpenAIServing:
         )
 
     async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
-        self._check_model(request.model)
+        self.check_model(request.model)
         return DetokenizeResponse(prompt=await self.engine.run_in_pool(self._decode, request))
 
     def _decode(self, request: DetokenizeRequest) -> str:
@@ -384,69 +385,105 @@ class OpenAIServing:
         return self.engine.tokenizer.decode(token_ids)
 
     def _chat_prompt(self, request: ChatTemplateRequest) -> tuple[str, list[int]]:
-        """The conversation rendered and tokenized: CPU work for `AsyncLLM.run_in_pool`."""
-        text = self.engine.processor.apply_chat_template(
+        return self.render_chat(
             [m.to_template_dict() for m in request.messages],
-            self.chat_template,
             request.add_generation_prompt,
             request.continue_final_message,
             request.chat_template_kwargs,
             request.template_tools(),
         )
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> tuple[str, list[int]]:
+        """A conversation (template dicts) rendered with the server's chat template and
+        tokenized: CPU work for `AsyncLLM.run_in_pool`."""
+        text = self.engine.processor.apply_chat_template(
+            messages, self.chat_template, add_generation_prompt, continue_final_message,
+            chat_template_kwargs, tools,
+        )
         return text, self.engine.processor.encode_conversation(text)
 
     @staticmethod
-    def _engine_prompt(
-        request: SamplingRequest, text: str | None, token_ids: list[int]
+    def engine_prompt(
+        request: EngineRequest, text: str | None, token_ids: list[int]
     ) -> PromptType:
         return {"prompt": text, "prompt_token_ids": token_ids, "cache_salt": request.cache_salt}
 
-    def _check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_model_names:
             raise ModelNotFoundError(model)
 
     def _head(self, request: SamplingRequest, id_prefix: str) -> dict[str, Any]:
         """The fields every response and chunk of this request starts with."""
-        self._check_model(request.model)
+        self.check_model(request.model)
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         # Any served name is accepted; responses report the first, as vLLM documents.
         return {"id": request_id, "created": int(time.time()), "model": self.served_model_names[0]}
 
-    def _with_defaults(self, request: SamplingRequest, params: SamplingParams) -> SamplingParams:
+    def with_defaults(self, request: EngineRequest, params: SamplingParams) -> SamplingParams:
         """`params` with the model's default sampling parameters for the fields `request` did
         not set, as vLLM's. Applied after the length check, which holds a request to its own
         max_tokens: a default one only caps what is generated (at most up to max_model_len)."""
-        given = request.model_fields_set
-        if given & {"max_tokens", "max_completion_tokens"}:
-            given = given | {"max_tokens"}
+        given = request.sampling_fields_set
         defaults = {k: v for k, v in self.default_sampling_params.items() if k not in given}
         return dataclasses.replace(params, **defaults) if defaults else params
 
-    def _check_length(self, num_prompt_tokens: int, max_tokens: int | None, source: str) -> None:
+    def fits(self, num_prompt_tokens: int, max_tokens: int | None) -> bool:
+        """Whether a prompt leaves room for max_tokens (None: for one token at least)."""
+        return _tokens_needed(num_prompt_tokens, max_tokens) <= self.engine.max_model_len
+
+    def check_length(
+        self, num_prompt_tokens: int, max_tokens: int | None, source: str,
+        max_tokens_name: str = "max_tokens",
+    ) -> None:
         """Refuse a request that cannot get the tokens it asks for, rather than cut it short
-        at max_model_len (None asks for the room left, which must be at least one token)."""
-        max_model_len = self.engine.max_model_len
-        num_completion_tokens = 1 if max_tokens is None else max_tokens
-        requested = num_prompt_tokens + num_completion_tokens
-        if requested > max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {max_model_len} tokens, but this "
-                f"request needs {requested}: {num_prompt_tokens} in the {source} and "
-                f"{num_completion_tokens} to generate. Shorten the {source} or lower max_tokens."
-            )
+        at max_model_len (None asks for the room left, which must be at least one token).
+        `source` and `max_tokens_name` are the request's names for its prompt and limit."""
+        if self.fits(num_prompt_tokens, max_tokens):
+            return
+        requested = _tokens_needed(num_prompt_tokens, max_tokens)
+        raise ValueError(
+            f"This model's maximum context length is {self.engine.max_model_len} tokens, but "
+            f"this request needs {requested}: {num_prompt_tokens} in the {source} and "
+            f"{requested - num_prompt_tokens} to generate. Shorten the {source} or lower "
+            f"{max_tokens_name}."
+        )
 
 
-async def _sse(outputs: StartedRequest, events: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
-    """Server-sent events, ending with [DONE]. Closing this stream (the client went away)
-    closes `outputs`, which aborts the request in the engine."""
+def _tokens_needed(num_prompt_tokens: int, max_tokens: int | None) -> int:
+    return num_prompt_tokens + (1 if max_tokens is None else max_tokens)
+
+
+async def sse_stream(
+    outputs: StartedRequest, events: AsyncIterator[BaseModel],
+    on_error: Callable[[Exception], BaseModel] = error_for, named: bool = False,
+) -> AsyncIterator[str]:
+    """Server-sent events: `data: JSON` lines, ending with [DONE]; or, `named` (the Responses
+    API's), each after an `event: <its type>` line and no [DONE], as OpenAI sends them. An
+    error once the response has begun is reported in-band, as `on_error` makes it. Closing
+    this stream (the client went away) closes `outputs`, which aborts the request in the
+    engine."""
+
+    def encode(event: BaseModel) -> str:
+        data = f"data: {event.model_dump_json()}\n\n"
+        # Named events are the Responses API's, which all have a type.
+        return f"event: {event.type}\n{data}" if named else data  # type: ignore[attr-defined]
+
     async with aclosing(outputs):
         try:
             async for event in events:
-                yield f"data: {event.model_dump_json()}\n\n"
-        except Exception as e:  # the response has begun: report the error in-band, as OpenAI
+                yield encode(event)
+        except Exception as e:
             logger.exception("error while streaming a response")
-            yield f"data: {error_for(e).model_dump_json()}\n\n"
-    yield "data: [DONE]\n\n"
+            yield encode(on_error(e))
+    if not named:
+        yield "data: [DONE]\n\n"
 
 
 def _has_news(delta: CompletionOutput) -> bool:
@@ -455,7 +492,7 @@ def _has_news(delta: CompletionOutput) -> bool:
     return bool(delta.text or delta.logprobs or delta.finish_reason)
 
 
-class _StreamUsage(NamedTuple):
+class StreamUsage(NamedTuple):
     """What a stream reports of its usage (`stream_options`): a last chunk with the whole
     request's, and with `continuous` also each chunk its choice's so far (vLLM's)."""
 
@@ -463,15 +500,15 @@ class _StreamUsage(NamedTuple):
     continuous: bool
 
     @classmethod
-    def of(cls, request: SamplingRequest) -> "_StreamUsage":
+    def of(cls, request: SamplingRequest) -> "StreamUsage":
         return cls(request.include_usage, request.continuous_usage)
 
 
-class _StreamDeltas:
+class StreamDeltas:
     """A streamed request's deltas worth a chunk (`_has_news`), counting every generated
     token on the way (per choice) for the usage blocks."""
 
-    def __init__(self, outputs: StartedRequest, usage: _StreamUsage) -> None:
+    def __init__(self, outputs: StartedRequest, usage: StreamUsage) -> None:
         self._outputs = outputs
         self._usage = usage
         self._num_generated: dict[int, int] = {}  # per choice index
@@ -499,13 +536,13 @@ class _StreamDeltas:
 
 
 async def _completion_chunks(
-    outputs: StartedRequest, head: dict[str, Any], k: int | None, usage: _StreamUsage,
+    outputs: StartedRequest, head: dict[str, Any], k: int | None, usage: StreamUsage,
     echo: Callable[[int], _Echo] | None,
 ) -> AsyncIterator[CompletionResponse]:
     """With `echo` (choice index -> its prompt), each choice's first chunk starts with it."""
     offsets: dict[int, int] = {}  # per choice, its tokens' text length so far (text_offset)
     started: set[int] = set()
-    deltas = _StreamDeltas(outputs, usage)
+    deltas = StreamDeltas(outputs, usage)
     async for delta in deltas:
         echoed = _NO_ECHO
         if echo is not None and delta.index not in started:
@@ -572,10 +609,10 @@ class _ToolCalls:
 
 
 async def _chat_chunks(
-    outputs: StartedRequest, head: dict[str, Any], k: int | None, usage: _StreamUsage,
+    outputs: StartedRequest, head: dict[str, Any], k: int | None, usage: StreamUsage,
     tool_calls: _ToolCalls, echo: str,
 ) -> AsyncIterator[ChatCompletionChunk]:
-    deltas = _StreamDeltas(outputs, usage)
+    deltas = StreamDeltas(outputs, usage)
 
     def chunk(choice: ChatStreamChoice) -> ChatCompletionChunk:
         return ChatCompletionChunk(
@@ -603,7 +640,7 @@ async def _chat_chunks(
         yield ChatCompletionChunk(**head, choices=[], usage=final_usage)
 
 
-async def _collect(outputs: StartedRequest) -> tuple[list[CompletionOutput], UsageInfo]:
+async def collect(outputs: StartedRequest) -> tuple[list[CompletionOutput], UsageInfo]:
     """A non-streamed request's choices, put together from its deltas, and its usage."""
     choices = [CompletionOutput(i, "", [], None, []) for i in range(outputs.num_choices)]
     async with aclosing(outputs):
