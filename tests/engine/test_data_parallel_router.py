@@ -13,7 +13,7 @@ from v1.sampling_params import SamplingParams
 
 BLOCK = 16
 # A guard that never trips: affinity alone.
-NO_GUARD = LoadGuard(ratio=1e9, slack=1e9, kv_threshold=1.0)
+NO_GUARD = LoadGuard(ratio=1e9, slack=1e9, kv_threshold=float("inf"))
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -53,8 +53,8 @@ def test_hashes_are_the_kv_caches() -> None:
 @pytest.mark.parametrize("burst", [False, True])
 def test_balance_of_unique_prompts(n: int, burst: bool) -> None:
     """200 requests with unique prompts (3 to 300 tokens): every core gets more than
-    total / (N + 1), whether they arrive one after another (rendezvous hashing alone
-    balances them) or all at once (the load figures grow between publications)."""
+    total / (N + 1), whether they arrive one after another (each a new prefix: homes by
+    footprint balance them) or all at once (the load figures grow between publications)."""
     router = DPRouter(n, BLOCK, guard=NO_GUARD if not burst else None)
     counts = [0] * n
     for i in range(200):
@@ -66,7 +66,7 @@ def test_balance_of_unique_prompts(n: int, burst: bool) -> None:
 
 def test_shared_prefixes_stay_together_and_groups_spread() -> None:
     """Requests sharing a system prompt (several blocks) and differing after it go to one
-    core; 16 such groups spread over both cores, each group whole."""
+    core; 16 such groups spread evenly over both cores (by footprint), each group whole."""
     router = DPRouter(2, BLOCK, guard=NO_GUARD)
     homes: dict[int, set[int]] = {}
     for i in range(16 * 10):
@@ -76,14 +76,14 @@ def test_shared_prefixes_stay_together_and_groups_spread() -> None:
         idle(router)
     assert all(len(h) == 1 for h in homes.values()), homes
     per_core = [sum(h == {c} for h in homes.values()) for c in range(2)]
-    assert min(per_core) >= 4, per_core
-    assert router.decisions["affinity"] == 16 * 9 and router.decisions["rendezvous"] == 16
+    assert per_core == [8, 8], per_core
+    assert router.decisions["affinity"] == 16 * 9 and router.decisions["home"] == 16
 
 
 def test_the_core_holding_the_longest_prefix_wins() -> None:
     """A prefix first run on the core its rendezvous hash does not pick (pinned there) is
     then routed to that core; a request extending a longer cached prefix goes where that
-    longer prefix is."""
+    longer prefix is; equal runs go to the prefix's home (where its first request went)."""
     router = DPRouter(2, BLOCK, guard=NO_GUARD)
     system = tokens(7, 4 * BLOCK)
     key = router.block_hashes(system)[0]
@@ -98,8 +98,9 @@ def test_the_core_holding_the_longest_prefix_wins() -> None:
     router.route(context, data_parallel_rank=home)
     idle(router)
     assert router.route(context + tokens(3, 9)) == (home, "affinity", 7)
-    # 4 blocks cached on both: a tie goes to the prefix's rendezvous home.
-    assert router.route(system + tokens(4, 2 * BLOCK)) == (home, "affinity", 4)
+    # 4 blocks cached on both: a tie goes to the prefix's home.
+    assert router.homes[key].engine == away
+    assert router.route(system + tokens(4, 2 * BLOCK)) == (away, "affinity", 4)
 
 
 def test_salt_separates() -> None:
@@ -107,13 +108,14 @@ def test_salt_separates() -> None:
     prompt = tokens(3, 4 * BLOCK)
     router.route(prompt, "a", data_parallel_rank=0)
     assert router.route(prompt, "a").reason == "affinity"
-    assert router.route(prompt, "b").reason == "rendezvous"
+    assert router.route(prompt, "b").reason == "home"
 
 
 def test_load_guard() -> None:
     """Affinity yields to the least-loaded core when its core's score (4 x waiting +
-    running) exceeds 2 x the least's + 8, or its KV usage reached the threshold while the
-    least's has not; a smaller imbalance keeps affinity."""
+    running) exceeds 2 x the least's + 8 + the cached blocks the request would lose there,
+    or its KV cache cannot take the request while the least's can; a smaller imbalance
+    keeps affinity."""
     router = DPRouter(2, BLOCK)
     prompt = tokens(5, 4 * BLOCK)
     home = router.route(prompt).engine
@@ -121,8 +123,10 @@ def test_load_guard() -> None:
     idle(router)
     publish(router, home, 0, 8, 0.5)  # score 8 vs 0: within the slack
     assert router.route(prompt + [1]) == (home, "affinity", 4)
-    publish(router, home, 1, 8, 0.5)  # score 12 > 2 x 0 + 8
-    assert router.route(prompt + [2]) == (other, "load", 0)
+    publish(router, home, 1, 8, 0.5)  # score 12 <= 2 x 0 + 8 + 4 blocks it would lose
+    assert router.route(prompt + [2]) == (home, "affinity", 4)
+    publish(router, home, 2, 8, 0.5)  # score 16 > 12
+    assert router.route(prompt + [3]) == (other, "load", 0)
     publish(router, home, 10, 8, 0.5)
     publish(router, other, 6, 8, 0.5)  # 48 vs 32: 48 <= 2 x 32 + 8
     assert router.route(prompt + [3]).engine == home
