@@ -68,14 +68,18 @@ affinity choice yields to the least-loaded core when
   more running requests (9 waiting). Without it, a core homing one prefix more than
   another (odd prefix counts) queues a little at its KV's limit, and each request the
   guard then sends away recomputes a prefix on the other core and evicts another's
-  there: bench/bench_dp_homes.py lost up to 12 points of hit rate that way. A unique
-  prompt saves nothing, so unique prompts still balance at ratio and slack alone.
+  there. A unique prompt saves nothing, so unique prompts still balance at ratio and
+  slack alone.
 - or the chosen core's KV cache would pass kv_threshold (default 0.95) of its blocks with
   this request's uncached blocks (plus one) added to those in use at its last publication
-  and those the requests sent since will take, while some core's would not (the least
-  loaded of those gets it): admitting more there means preempting (recomputing) running
-  requests, dearer than recomputing one prefix elsewhere. A request whose prefix a full
-  core holds needs only its tail there, so prefix homes can fill their cores.
+  and those the requests sent since will take, while some core's would not: the least
+  loaded of those gets it if score(chosen) + 4 (the request would wait there for blocks)
+  > its score + saved. Admitting more into a full cache means waiting, or preempting
+  (recomputing) running requests, dearer than recomputing a prefix elsewhere; but a
+  request whose prefix the full core holds needs only its tail there and frees soon, so
+  it waits at home unless that core is busier by more than the prefix is worth. (Judged
+  on KV usage alone, a prefix home that fills its core with its prefixes would send
+  requests away at every step.)
 
 `round_robin` and `least_loaded` (lowest score, ties rotating) ignore prefixes: the
 baselines of bench/bench_dp.py. A request may pin a core (`data_parallel_rank`, as vLLM);
