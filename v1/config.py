@@ -335,13 +335,14 @@ class EngineArgs:
     # share of the CPU cores as torch threads, behind one client that routes each request.
     data_parallel_size: int = 1
     # How: "affinity" (to the core most likely to hold the prompt's longest cached prefix,
-    # by its chained block hashes; rendezvous hashing of the first block for new prefixes),
-    # "round_robin" or "least_loaded".
+    # by its chained block hashes; a new prefix to the core with the least prefix footprint
+    # per block of KV cache, its one home), "round_robin" or "least_loaded".
     data_parallel_routing: str = "affinity"
     # The load guard (affinity only): a request goes to the least-loaded core instead when
     # its affinity core's load score (4 x waiting + running requests) exceeds
-    # ratio x the least-loaded's + slack, or its KV cache usage has reached kv_threshold
-    # while another core's has not. See v1/engine/dp_router.py for why these defaults.
+    # ratio x the least-loaded's + slack + the cached blocks it would lose there, or its KV
+    # cache would pass kv_threshold of its blocks with the request's uncached blocks while
+    # another core's would not. See v1/engine/dp_router.py for why these defaults.
     data_parallel_load_ratio: float = 2.0
     data_parallel_load_slack: float = 8.0
     data_parallel_kv_threshold: float = 0.95

@@ -13,7 +13,7 @@ from v1.sampling_params import SamplingParams
 
 BLOCK = 16
 # A guard that never trips: affinity alone.
-NO_GUARD = LoadGuard(ratio=1e9, slack=1e9, kv_threshold=1.0)
+NO_GUARD = LoadGuard(ratio=1e9, slack=1e9, kv_threshold=float("inf"))
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -53,8 +53,8 @@ def test_hashes_are_the_kv_caches() -> None:
 @pytest.mark.parametrize("burst", [False, True])
 def test_balance_of_unique_prompts(n: int, burst: bool) -> None:
     """200 requests with unique prompts (3 to 300 tokens): every core gets more than
-    total / (N + 1), whether they arrive one after another (rendezvous hashing alone
-    balances them) or all at once (the load figures grow between publications)."""
+    total / (N + 1), whether they arrive one after another (each a new prefix: homes by
+    footprint balance them) or all at once (the load figures grow between publications)."""
     router = DPRouter(n, BLOCK, guard=NO_GUARD if not burst else None)
     counts = [0] * n
     for i in range(200):
@@ -66,7 +66,7 @@ def test_balance_of_unique_prompts(n: int, burst: bool) -> None:
 
 def test_shared_prefixes_stay_together_and_groups_spread() -> None:
     """Requests sharing a system prompt (several blocks) and differing after it go to one
-    core; 16 such groups spread over both cores, each group whole."""
+    core; 16 such groups spread evenly over both cores (by footprint), each group whole."""
     router = DPRouter(2, BLOCK, guard=NO_GUARD)
     homes: dict[int, set[int]] = {}
     for i in range(16 * 10):
@@ -76,14 +76,14 @@ def test_shared_prefixes_stay_together_and_groups_spread() -> None:
         idle(router)
     assert all(len(h) == 1 for h in homes.values()), homes
     per_core = [sum(h == {c} for h in homes.values()) for c in range(2)]
-    assert min(per_core) >= 4, per_core
-    assert router.decisions["affinity"] == 16 * 9 and router.decisions["rendezvous"] == 16
+    assert per_core == [8, 8], per_core
+    assert router.decisions["affinity"] == 16 * 9 and router.decisions["home"] == 16
 
 
 def test_the_core_holding_the_longest_prefix_wins() -> None:
     """A prefix first run on the core its rendezvous hash does not pick (pinned there) is
     then routed to that core; a request extending a longer cached prefix goes where that
-    longer prefix is."""
+    longer prefix is; equal runs go to the prefix's home (where its first request went)."""
     router = DPRouter(2, BLOCK, guard=NO_GUARD)
     system = tokens(7, 4 * BLOCK)
     key = router.block_hashes(system)[0]
@@ -98,8 +98,9 @@ def test_the_core_holding_the_longest_prefix_wins() -> None:
     router.route(context, data_parallel_rank=home)
     idle(router)
     assert router.route(context + tokens(3, 9)) == (home, "affinity", 7)
-    # 4 blocks cached on both: a tie goes to the prefix's rendezvous home.
-    assert router.route(system + tokens(4, 2 * BLOCK)) == (home, "affinity", 4)
+    # 4 blocks cached on both: a tie goes to the prefix's home.
+    assert router.homes[key].engine == away
+    assert router.route(system + tokens(4, 2 * BLOCK)) == (away, "affinity", 4)
 
 
 def test_salt_separates() -> None:
@@ -107,13 +108,14 @@ def test_salt_separates() -> None:
     prompt = tokens(3, 4 * BLOCK)
     router.route(prompt, "a", data_parallel_rank=0)
     assert router.route(prompt, "a").reason == "affinity"
-    assert router.route(prompt, "b").reason == "rendezvous"
+    assert router.route(prompt, "b").reason == "home"
 
 
 def test_load_guard() -> None:
     """Affinity yields to the least-loaded core when its core's score (4 x waiting +
-    running) exceeds 2 x the least's + 8, or its KV usage reached the threshold while the
-    least's has not; a smaller imbalance keeps affinity."""
+    running) exceeds 2 x the least's + 8 + the cached blocks the request would lose there,
+    or its KV cache cannot take the request while the least's can; a smaller imbalance
+    keeps affinity."""
     router = DPRouter(2, BLOCK)
     prompt = tokens(5, 4 * BLOCK)
     home = router.route(prompt).engine
@@ -121,8 +123,10 @@ def test_load_guard() -> None:
     idle(router)
     publish(router, home, 0, 8, 0.5)  # score 8 vs 0: within the slack
     assert router.route(prompt + [1]) == (home, "affinity", 4)
-    publish(router, home, 1, 8, 0.5)  # score 12 > 2 x 0 + 8
-    assert router.route(prompt + [2]) == (other, "load", 0)
+    publish(router, home, 1, 8, 0.5)  # score 12 <= 2 x 0 + 8 + 4 blocks it would lose
+    assert router.route(prompt + [2]) == (home, "affinity", 4)
+    publish(router, home, 2, 8, 0.5)  # score 16 > 12
+    assert router.route(prompt + [3]) == (other, "load", 0)
     publish(router, home, 10, 8, 0.5)
     publish(router, other, 6, 8, 0.5)  # 48 vs 32: 48 <= 2 x 32 + 8
     assert router.route(prompt + [3]).engine == home
@@ -241,3 +245,122 @@ def test_rank_check_takes_any_integer_and_names_bad_values() -> None:
     for bad in (1.0, "0", True, -1, 2):
         with pytest.raises(ValueError, match=r"data_parallel_rank must be an integer in \[0, 2\)"):
             check_data_parallel_rank(bad, 2)
+
+
+def same_winner_prefixes(router: DPRouter, count: int, winner: int, blocks: int) -> list[list[int]]:
+    """`count` prompts of `blocks` full blocks whose first block's rendezvous winner is
+    `winner`: rendezvous hashing alone would home them all on one core."""
+    found, seed = [], 0
+    while len(found) < count:
+        prompt = tokens(5000 + seed, blocks * BLOCK)
+        seed += 1
+        if router.rendezvous_order(router.block_hashes(prompt)[0])[0] == winner:
+            found.append(prompt)
+    return found
+
+
+def test_new_prefixes_split_by_capacity() -> None:
+    """Four equal prefixes that rendezvous hashing would all home on core 0 (4/0: one core
+    thrashes) get 2/2: each new prefix goes where it leaves the least footprint per block of
+    cache. With caches of 100 and 300 blocks, eight 20-block prefixes split 2/6."""
+    router = DPRouter(2, BLOCK, cache_blocks=[96, 96], guard=NO_GUARD)
+    systems = same_winner_prefixes(router, 4, winner=0, blocks=36)
+    homes = []
+    for i, system in enumerate(systems):  # arriving at once: nobody has finished
+        route = router.route(system + tokens(i, 10))
+        assert route.reason == "home"
+        homes.append(route.engine)
+    assert sorted(homes) == [0, 0, 1, 1] and homes[0] == 0  # the first: its rendezvous winner
+    assert router.footprint == [72, 72]
+    for i in range(40):  # then each group stays whole on its home
+        route = router.route(systems[i % 4] + tokens(100 + i, 10))
+        assert route == (homes[i % 4], "affinity", 36)
+    assert router.footprint == [72, 72] and len(router.homes) == 4
+
+    uneven = DPRouter(2, BLOCK, cache_blocks=[100, 300], guard=NO_GUARD)
+    split = [uneven.route(tokens(900 + i, 20 * BLOCK)).engine for i in range(8)]
+    assert split.count(0) == 2 and split.count(1) == 6, split
+    assert uneven.footprint == [40, 120]
+
+
+def test_one_home_per_prefix_through_overflow() -> None:
+    """A request the load guard sends away caches its prefix on a second core; the prefix's
+    home and footprint stay put, and once the load evens out, equal matches go home."""
+    router = DPRouter(2, BLOCK, cache_blocks=[64, 64])
+    system = tokens(11, 8 * BLOCK)
+    key = router.block_hashes(system)[0]
+    home = router.route(system + tokens(1, 5)).engine
+    other = 1 - home
+    idle(router)
+    publish(router, home, 6, 8, 0.3)  # score 32 > 2 x 0 + 8 + 8 blocks
+    assert router.route(system + tokens(2, 5)) == (other, "load", 0)
+    assert router.homes[key].engine == home and router.footprint[other] == 0
+    idle(router)
+    assert router._depth(other, router.block_hashes(system)) == 8  # cached on both now
+    for i in range(5):
+        assert router.route(system + tokens(3 + i, 5)) == (home, "affinity", 8)
+    # A pinned request elsewhere does not move the home either.
+    router.route(system + tokens(9, 5), data_parallel_rank=other)
+    assert router.homes[key].engine == home and router.route(system).engine == home
+
+
+def test_dead_cores_lose_their_homes() -> None:
+    """A dead core's homes and footprint are dropped; its prefixes and all new ones get homes
+    on the live cores, still by footprint."""
+    router = DPRouter(3, BLOCK, cache_blocks=[64, 64, 64], guard=NO_GUARD)
+    systems = [tokens(40 + g, 10 * BLOCK) for g in range(6)]
+    first = [router.route(s).engine for s in systems]
+    assert sorted(first) == [0, 0, 1, 1, 2, 2]
+    router.mark_dead(1)
+    assert router.footprint[1] == 0 and all(h.engine != 1 for h in router.homes.values())
+    again = [router.route(s + [7]).engine for s in systems]
+    assert 1 not in again
+    assert [a for a, f in zip(again, first) if f != 1] == [f for f in first if f != 1]
+    assert router.footprint[0] == router.footprint[2] == 30  # the two orphans split 1/1
+    router.reset_prefix_index(0)
+    assert router.footprint[0] == 0 and all(h.engine == 2 for h in router.homes.values())
+
+
+def test_homes_are_bounded_by_the_cluster_cache() -> None:
+    """Homes are an LRU bounded by the cluster's blocks: any number of distinct prefixes
+    leaves at most that many blocks of footprint (the newest entry always kept), and the
+    footprints are always the sums of the homes' blocks."""
+    router = DPRouter(2, BLOCK, cache_blocks=[24, 40], guard=NO_GUARD)
+    for i in range(600):
+        router.route(tokens(i, (1 + i % 7) * BLOCK + 3))
+        assert sum(router.footprint) <= 64 or len(router.homes) == 1
+        assert len(router.homes) <= 64
+    for engine in range(2):
+        assert router.footprint[engine] == sum(
+            h.blocks for h in router.homes.values() if h.engine == engine)
+    assert all(len(m) <= c for m, c in zip(router.mirrors, router.capacity))
+    newest = router.block_hashes(tokens(599, (1 + 599 % 7) * BLOCK + 3))[0]
+    assert newest in router.homes
+    # A prompt larger than its core's cache counts as that cache, not more.
+    big = DPRouter(2, BLOCK, cache_blocks=[8, 8], guard=NO_GUARD)
+    big.route(tokens(1, 20 * BLOCK))
+    assert sorted(big.footprint) == [0, 8]
+
+
+def test_a_full_core_keeps_requests_whose_prefix_it_holds() -> None:
+    """A core whose KV cache is nearly full still takes a request whose prefix it holds (it
+    needs one block there, 9 elsewhere) unless it is busier by more than those 8 blocks; a
+    request with nothing cached there goes where it fits."""
+    router = DPRouter(2, BLOCK, cache_blocks=[100, 100])
+    system = tokens(21, 8 * BLOCK)
+    home = router.route(system + [1]).engine
+    other = 1 - home
+    idle(router)
+    publish(router, home, 0, 6, 0.99)
+    publish(router, other, 0, 6, 0.30)
+    assert router.route(system + [2]) == (home, "affinity", 8)
+    publish(router, home, 0, 11, 0.99)  # 11 + 4 (it would wait) > 6 + 8 blocks lost
+    assert router.route(system + [3]) == (other, "load", 0)
+    # Plenty of room by usage, but the requests sent since took it: no room.
+    idle(router)
+    publish(router, home, 0, 1, 0.5)
+    publish(router, other, 0, 1, 0.5)
+    for i in range(5):
+        router.route(tokens(70 + i, 8 * BLOCK), data_parallel_rank=home)
+    assert router.loads[home].blocks_since_stats == 45
+    assert not router._fits(home, router.block_hashes(tokens(99, 8 * BLOCK)), 0)

@@ -12,13 +12,36 @@ core's cache: an LRU of the block hashes it sent there, as large as the core's K
 blocks (so memory is bounded by the cluster's blocks, 16-byte keys), touched tail first as
 the cache frees a request's blocks, so that a prefix's head outlives its tail in both. The
 prefix a core holds is the run of the prompt's leading hashes found in its mirror (a chained
-hash stands for its whole prefix). The request goes to the core with the longest run; among
-equal runs, and for a prefix no core has seen, to the rendezvous-hashing winner of the first
-block (highest xxh3-64 of block hash + core index): a stable home per prefix that moves only
-1/N of the prefixes when a core dies. A prompt shorter than a block is keyed by all its
-tokens (and salt). The mirror is approximate: it does not see generated tokens' blocks, other
-frontends' requests, or evictions the core makes sooner; a wrong guess costs only a prefix
-recomputation.
+hash stands for its whole prefix). The request goes to the core with the longest run. A
+prompt shorter than a block is keyed by all its tokens (and salt). The mirror is
+approximate: it does not see generated tokens' blocks, other frontends' requests, or
+evictions the core makes sooner; a wrong guess costs only a prefix recomputation.
+
+Homes by capacity. A prefix (keyed by its first block's hash) has one home: the core its
+first request was routed to, recorded in `homes`, an LRU of key -> (core, blocks), where
+blocks is the longest prompt seen there under that key, in full blocks, at most that core's
+cache. A core's footprint is the sum of its homes' blocks: the part of the cluster's hot
+prefixes it is expected to hold. The entries' blocks together stay within the cluster's
+cache (the least recently used home is dropped beyond it, as the caches would drop its
+blocks), so the state is bounded by the cluster's blocks and the footprints forget
+prefixes nobody asks for any more. A new prefix (on no core's mirror, with no home) goes to
+the core where it leaves the least footprint for the size of its cache, (footprint + its
+blocks) / cache blocks; equal ones by rendezvous order of its key (highest xxh3-64 of key +
+core index), so the choice is deterministic. Rendezvous hashing alone is blind to size: four
+equal prefixes of 0.75 of a core's cache each land 3/1 (or 4/0) on two cores 5 times in 8,
+where one core then thrashes (or the load guard spreads a prefix over both); by footprint
+they land 2/2, and the cluster caches what one core with the cluster's blocks would. Unique
+prompts are new prefixes each, so footprints balance them by blocks. Invariants:
+
+- one home per prefix: among cores holding equal runs, the prefix's home wins (then
+  rendezvous order), not the less loaded, so a prefix the guard spread over two cores comes
+  back home and the caches stay partitioned; a prefix whose blocks a mirror forgot still
+  goes home. Only the first request of a key sets its home (routed, pinned or sent by the
+  guard: where its blocks are); later requests elsewhere do not move it.
+- footprint[i] == the sum of the blocks of the homes on core i; a dead core, or one whose
+  cache was reset, has no homes (its prefixes get new ones when they come back).
+- dead cores are never chosen; prompts shorter than a block cache nothing and have no
+  home: they go by rendezvous order alone, which spreads them evenly.
 
 The load guard. Cores publish their waiting/running counts and KV usage with every output
 (`EngineCoreOutputs.scheduler_stats`). A core's load score is 4 x waiting + running, vLLM's
@@ -33,20 +56,30 @@ them all as waiting; on a CPU core whose prefill steps take a second, a closed l
 few arrivals then look like a queue that never forms, and break affinity for nothing.) The
 affinity choice yields to the least-loaded core when
 
-- score(chosen) > ratio x score(least) + slack, defaults ratio 2 and slack 8. A cache hit
-  saves recomputing the prefix: worth making a request wait for a core that is up to twice
-  as loaded as the idlest, not more (past 2x, the idle core's spare compute, here a whole
-  core's, is worth more than the saved prefill). The slack (two waiting requests, or eight
-  running) keeps small absolute differences, normal in any stream of arrivals, from
-  breaking affinity: 9 vs 0 running breaks it; 6 vs 0 does not.
-- or the chosen core's KV usage (blocks held by its live requests) is >= kv_threshold
-  (default 0.95) while some core's is below it (the least loaded of those gets it):
-  admitting more there means preempting (recomputing) running requests, dearer than
-  recomputing one prefix elsewhere.
-
-A prefix the guard sends elsewhere is then in two mirrors; ties go to the rendezvous winner,
-not to the less loaded of the two, so a prefix keeps one home and the cores' caches stay
-partitioned instead of converging on the same hot prefixes.
+- score(chosen) > ratio x score(least) + slack + saved, defaults ratio 2 and slack 8. A
+  cache hit saves recomputing the prefix: worth making a request wait for a core that is up
+  to twice as loaded as the idlest, not more (past 2x, the idle core's spare compute, here a
+  whole core's, is worth more than the saved prefill). The slack (two waiting requests, or
+  eight running) keeps small absolute differences, normal in any stream of arrivals, from
+  breaking affinity: 9 vs 0 running breaks it; 6 vs 0 does not. `saved` is the cached
+  blocks the request would lose on the least-loaded core (`saved_block_weight`, 1, each):
+  prefilling a block of 16 tokens there costs its batch about what one more running
+  request does over a short answer's decode steps, so a 36-block prefix holds against 36
+  more running requests (9 waiting). Without it, a core homing one prefix more than
+  another (odd prefix counts) queues a little at its KV's limit, and each request the
+  guard then sends away recomputes a prefix on the other core and evicts another's
+  there. A unique prompt saves nothing, so unique prompts still balance at ratio and
+  slack alone.
+- or the chosen core's KV cache would pass kv_threshold (default 0.95) of its blocks with
+  this request's uncached blocks (plus one) added to those in use at its last publication
+  and those the requests sent since will take, while some core's would not: the least
+  loaded of those gets it if score(chosen) + 4 (the request would wait there for blocks)
+  > its score + saved. Admitting more into a full cache means waiting, or preempting
+  (recomputing) running requests, dearer than recomputing a prefix elsewhere; but a
+  request whose prefix the full core holds needs only its tail there and frees soon, so
+  it waits at home unless that core is busier by more than the prefix is worth. (Judged
+  on KV usage alone, a prefix home that fills its core with its prefixes would send
+  requests away at every step.)
 
 `round_robin` and `least_loaded` (lowest score, ties rotating) ignore prefixes: the
 baselines of bench/bench_dp.py. A request may pin a core (`data_parallel_rank`, as vLLM);
@@ -80,7 +113,10 @@ class LoadGuard:
 class CoreLoad:
     """What the router knows of one core's load."""
 
-    __slots__ = ("waiting", "running", "kv_usage", "sent_since_stats", "in_flight", "saturated")
+    __slots__ = (
+        "waiting", "running", "kv_usage", "sent_since_stats", "blocks_since_stats", "in_flight",
+        "saturated",
+    )
 
     def __init__(self) -> None:
         self.waiting = 0  # as the core last published
@@ -88,6 +124,7 @@ class CoreLoad:
         self.kv_usage = 0.0
         self.saturated = False  # it was queueing requests (or its KV cache was full)
         self.sent_since_stats = 0  # requests routed here since that publication
+        self.blocks_since_stats = 0  # the blocks they will take (their uncached ones)
         self.in_flight = 0  # this client's requests there, not finished yet
 
     def estimate(self) -> tuple[int, int]:
@@ -107,14 +144,25 @@ class CoreLoad:
         return WAITING_WEIGHT * waiting + running
 
 
+@dataclass(slots=True)
+class Home:
+    """Where a prefix lives, and how many blocks it takes there (see "Homes by capacity")."""
+
+    engine: int
+    blocks: int
+
+
 class Route(NamedTuple):
     engine: int
-    reason: str  # "pinned" | "affinity" | "rendezvous" | "load" | "round_robin" | "least_loaded"
+    reason: str  # "pinned" | "affinity" | "home" | "load" | "round_robin" | "least_loaded"
     cached_blocks: int  # leading blocks of the prompt the chosen core's mirror holds
 
 
 class DPRouter:
     """Routes requests among `num_engines` cores. Not thread-safe: the client holds a lock."""
+
+    # What the load guard's slack grows by per cached block a request would lose elsewhere.
+    saved_block_weight: float = 1.0
 
     def __init__(
         self,
@@ -140,6 +188,8 @@ class DPRouter:
             raise ValueError(f"cache_blocks has {len(capacity)} entries for {num_engines} cores")
         self.capacity = [max(1, c) for c in capacity]
         self.mirrors: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in capacity]
+        self.homes: OrderedDict[bytes, Home] = OrderedDict()  # by first block hash, LRU
+        self.footprint = [0] * num_engines  # blocks of the homes on each core
         self.loads = [CoreLoad() for _ in range(num_engines)]
         self.alive = [True] * num_engines
         self.decisions: Counter[str] = Counter()  # how many requests each reason routed
@@ -198,7 +248,7 @@ class DPRouter:
             route = Route(self._least_loaded(alive), "least_loaded", 0)
         else:
             route = self._affinity(alive, hashes, token_ids, cache_salt)
-        self._record(route.engine, hashes)
+        self._record(route.engine, hashes, route.cached_blocks)
         self.decisions[route.reason] += 1
         return route
 
@@ -242,28 +292,62 @@ class DPRouter:
             h.update(repr((list(token_ids), cache_salt)).encode())
             key = h.digest()
         order = [i for i in self.rendezvous_order(key) if i in depths]
-        # The longest cached prefix; equal ones (and new prefixes) by rendezvous order.
-        chosen = next(i for i in order if depths[i] == best)
-        reason = "affinity" if best > 0 else "rendezvous"
+        home = self.homes.get(key)
+        if best > 0:  # the longest cached prefix; equal ones at home, then by rendezvous
+            tied = [i for i in order if depths[i] == best]
+            chosen = home.engine if home is not None and home.engine in tied else tied[0]
+            reason = "affinity"
+        else:  # its home; a new prefix's by footprint; a prompt under a block's by hash
+            if home is not None:
+                chosen = home.engine
+            else:
+                chosen = self.new_home(order, len(hashes)) if hashes else order[0]
+            reason = "home"
         # The load guard.
         guard, load = self.guard, self.loads[chosen]
         least = self._least_loaded(alive, depths)
-        if load.score() > guard.ratio * self.loads[least].score() + guard.slack:
+        saved = self.saved_block_weight * (depths[chosen] - depths[least])
+        if load.score() > guard.ratio * self.loads[least].score() + guard.slack + saved:
             return Route(least, "load", depths[least])
-        if load.kv_usage >= guard.kv_threshold:
-            roomy = [i for i in alive if self.loads[i].kv_usage < guard.kv_threshold]
+        if not self._fits(chosen, hashes, depths[chosen]):
+            roomy = [i for i in alive if self._fits(i, hashes, depths[i])]
             if roomy:
                 least = self._least_loaded(roomy, depths)
-                return Route(least, "load", depths[least])
+                lost = self.saved_block_weight * (depths[chosen] - depths[least])
+                if load.score() + WAITING_WEIGHT > self.loads[least].score() + lost:
+                    return Route(least, "load", depths[least])
         return Route(chosen, reason, best)
 
-    def _record(self, engine: int, hashes: list[bytes]) -> None:
+    def new_home(self, order: list[int], blocks: int) -> int:
+        """The home of a new prefix of `blocks` full blocks among the live cores `order`
+        (in rendezvous order of its key): the least footprint for the cache's size once it
+        is there, the rendezvous order among equals."""
+        rank = {engine: r for r, engine in enumerate(order)}
+        return min(
+            order,
+            key=lambda i: (
+                (self.footprint[i] + min(blocks, self.capacity[i])) / self.capacity[i],
+                rank[i],
+            ),
+        )
+
+    def _fits(self, engine: int, hashes: list[bytes], cached: int) -> bool:
+        """Whether `engine`'s KV cache stays within kv_threshold of its blocks with this
+        request's uncached blocks (and one for its last partial block) added to those in use
+        at its last publication and those the requests sent since will take."""
+        load = self.loads[engine]
+        used = load.kv_usage * self.capacity[engine] + load.blocks_since_stats
+        return used + len(hashes) - cached + 1 <= self.guard.kv_threshold * self.capacity[engine]
+
+    def _record(self, engine: int, hashes: list[bytes], cached: int) -> None:
         self.routed[engine] += 1
         load = self.loads[engine]
         load.sent_since_stats += 1
+        load.blocks_since_stats += len(hashes) - cached + 1
         load.in_flight += 1
         if not hashes:
             return
+        self._record_home(engine, hashes[0], len(hashes))
         mirror, capacity = self.mirrors[engine], self.capacity[engine]
         # Tail first, as the cache frees a request's blocks: the head stays longest.
         for h in reversed(hashes):
@@ -273,6 +357,32 @@ class DPRouter:
                 mirror[h] = None
         while len(mirror) > capacity:
             mirror.popitem(last=False)
+
+    def _record_home(self, engine: int, key: bytes, blocks: int) -> None:
+        """A prompt of `blocks` full blocks keyed `key` went to `engine`: the key's first
+        request sets its home; a longer prompt at home grows its footprint."""
+        blocks = min(blocks, self.capacity[engine])
+        home = self.homes.get(key)
+        if home is None:
+            self.homes[key] = Home(engine, blocks)
+            self.footprint[engine] += blocks
+        else:
+            self.homes.move_to_end(key)
+            if home.engine == engine and blocks > home.blocks:
+                self.footprint[engine] += blocks - home.blocks
+                home.blocks = blocks
+        # As the caches would: drop the least recently used prefixes beyond the cluster's
+        # blocks (the newest one stays, whatever its size).
+        budget = sum(self.capacity[i] for i in range(self.num_engines) if self.alive[i])
+        while sum(self.footprint) > budget and len(self.homes) > 1:
+            _, old = self.homes.popitem(last=False)
+            self.footprint[old.engine] -= old.blocks
+
+    def _forget_homes(self, engine: int | None) -> None:
+        """Drop the homes on `engine` (None: all): its cache no longer holds them."""
+        for key in [k for k, h in self.homes.items() if engine is None or h.engine == engine]:
+            home = self.homes.pop(key)
+            self.footprint[home.engine] -= home.blocks
 
     # -- what the cores tell -------------------------------------------------------------
 
@@ -285,6 +395,7 @@ class DPRouter:
         load.waiting, load.running, load.kv_usage = num_waiting, num_running, kv_usage
         load.saturated = num_waiting > 0 or kv_usage >= self.guard.kv_threshold
         load.sent_since_stats = 0
+        load.blocks_since_stats = 0
 
     def finished(self, engine: int, count: int = 1) -> None:
         """`count` of this client's requests on `engine` finished or were aborted. With none
@@ -299,6 +410,7 @@ class DPRouter:
     def mark_dead(self, engine: int) -> None:
         self.alive[engine] = False
         self.mirrors[engine].clear()
+        self._forget_homes(engine)
         self.loads[engine] = CoreLoad()
 
     def reset_prefix_index(self, engine: int | None = None) -> None:
@@ -306,6 +418,7 @@ class DPRouter:
         for i, mirror in enumerate(self.mirrors):
             if engine is None or i == engine:
                 mirror.clear()
+        self._forget_homes(engine)
 
 
 def check_data_parallel_rank(rank: int | None, data_parallel_size: int) -> None:
