@@ -1,0 +1,1 @@
+"""Small helpers under vLLM's module paths (`vllm.utils.*`)."""
