@@ -2,7 +2,6 @@
 server, as `vllm serve`), `v1 demo` (the main job). `v1 COMMAND --help` lists its options."""
 
 import importlib
-import os
 import sys
 
 # command -> (module with main(argv, prog), what it does)
@@ -12,10 +11,9 @@ COMMANDS = {
 }
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, prog: str = "v1") -> None:
     """The console script's entry point; `argv` defaults to the command line's."""
     argv = sys.argv[1:] if argv is None else argv
-    prog = "python -m v1" if os.path.basename(sys.argv[0]) == "__main__.py" else "v1"
     if not argv or argv[0] not in COMMANDS:
         lines = [f"usage: {prog} {{{','.join(COMMANDS)}}} [options]", "", "commands:"]
         lines += [f"  {name:8}{what}" for name, (_, what) in COMMANDS.items()]
@@ -28,4 +26,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(prog="python -m v1")

@@ -17,6 +17,7 @@ once it has forgotten them; the engine serves on with the other cores.
 """
 
 import os
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -62,6 +63,10 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(info.tokenizer)
         self.metrics = PrometheusMetrics(info.model_name) if log_stats else None
+        # Dropping the engine (`del llm`, then a collection: vLLM's
+        # cleanup_dist_env_and_memory) shuts its client down: the client's receiver thread
+        # keeps the client itself alive, so the client's own finalizer would wait for exit.
+        self._finalizer = weakref.finalize(self, client.shutdown)
 
     @classmethod
     def from_engine_args(
@@ -96,7 +101,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | None = None,  # required: None only to name the order
         *,
         priority: int = 0,
         data_parallel_rank: int | None = None,
@@ -104,10 +109,11 @@ class LLMEngine:
         """vLLM's order: the caller's id (what outputs carry and `abort_requests` takes; it
         is returned), the prompt, its SamplingParams (whose `output_kind` says what each
         output of `step()` carries)."""
-        if not isinstance(request_id, str) or isinstance(prompt, SamplingParams):
+        if not isinstance(request_id, str) or not isinstance(params, SamplingParams):
             raise TypeError(
                 "add_request takes (request_id, prompt, params), as vLLM's; got "
-                f"({type(request_id).__name__}, {type(prompt).__name__}, ...)"
+                f"({type(request_id).__name__}, {type(prompt).__name__}, "
+                f"{type(params).__name__})"
             )
         check_data_parallel_rank(data_parallel_rank, self.client.data_parallel_size)
         request, text = self.processor.process_inputs(request_id, prompt, params, None, priority)
@@ -160,4 +166,4 @@ class LLMEngine:
         return self.client.call_utility("get_stats")
 
     def shutdown(self) -> None:
-        self.client.shutdown()
+        self._finalizer()
