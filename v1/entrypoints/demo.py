@@ -1,4 +1,4 @@
-"""`python -m v1 demo`: batched answers to questions under one shared system prompt."""
+"""`v1 demo`: batched answers to questions under one shared system prompt."""
 
 import argparse
 import time

@@ -25,7 +25,9 @@ class LLM:
     >>> out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))
     >>> out[0].outputs[0].text
 
-    Keyword arguments are the engine options of `EngineArgs` (vLLM's names).
+    Keyword arguments are the engine options of `EngineArgs` (vLLM's names; those of vLLM's
+    that mean nothing here are accepted as `v1.ignored_options` says). As in vLLM, metrics
+    are off unless `disable_log_stats=False`; then `get_metrics()` reads them.
     As in vLLM, the engine core runs in its own process (`SyncMPClient`), which `shutdown()`
     (or leaving a `with` block, or the interpreter's exit) terminates. `multiprocess=False`,
     or V1_ENABLE_MULTIPROCESSING=0 in the environment, runs it in this process instead.

@@ -1,4 +1,5 @@
-"""`python -m v1 serve`: an OpenAI-compatible HTTP server over AsyncLLM (FastAPI + uvicorn).
+"""`v1 serve [MODEL]` (or `python -m v1 serve`): an OpenAI-compatible HTTP server over AsyncLLM
+(FastAPI + uvicorn). Its options are the server's own, then EngineArgs' (`add_cli_args`).
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both also streamed as server-sent
 events), GET /v1/models, GET /health (200, or 503 when the engine is dead; with
