@@ -93,12 +93,14 @@ def test_engine_loop_in_vllms_order(default_model, reference, kind) -> None:
     engine = LLMEngine.from_engine_args(engine_args, loaded_model=default_model)
     try:
         params = dataclasses.replace(GREEDY, output_kind=kind)
-        for i, prompt in enumerate(PROMPTS):
-            assert engine.add_request(str(i), prompt, params) == str(i)
         with pytest.raises(TypeError, match=r"\(request_id, prompt, params\)"):
             engine.add_request(PROMPTS[0], GREEDY)  # type: ignore[call-arg]
+        pending = list(enumerate(PROMPTS))
         seen: dict[str, list[RequestOutput]] = {"0": [], "1": []}
-        while engine.has_unfinished_requests():
+        while pending or engine.has_unfinished_requests():  # one more request per step
+            if pending:
+                i, prompt = pending.pop(0)
+                assert engine.add_request(str(i), prompt, params) == str(i)
             for out in engine.step():
                 seen[out.request_id].append(out)
     finally:
