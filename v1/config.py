@@ -289,8 +289,9 @@ class EngineArgs:
         "mp", "'mp' (this host's cores are local processes) or 'ray' (every core a Ray actor)"
     )
     disable_log_stats: bool = option(
-        False, "gather no per-request latencies and no metrics (LLM's default: on, as vLLM's; "
-        "LLM.get_metrics() needs it off)",
+        False, "turn metrics off: no per-request latencies are gathered (the server's "
+        "/metrics then shows the engine core's gauges and counters only; LLM.get_metrics() "
+        "raises). LLM's default, as in vLLM",
     )
     # vLLM's options that mean nothing here (IGNORED_OPTIONS says why): accepted, and logged.
     enforce_eager: bool = option(False, ignored_help("enforce_eager"))

@@ -288,3 +288,25 @@ def test_serve_takes_the_model_as_vllm_serve_does(default_model_path) -> None:
     assert engine_args.model == str(default_model_path) and engine_args.enforce_eager
     with pytest.raises(SystemExit):
         engine_args_from(parser, parser.parse_args(["--tensor-parallel-size", "2"]))
+
+
+@pytest.mark.model
+def test_serve_with_disable_log_stats_gathers_no_latencies(default_model_path) -> None:
+    """`serve --disable-log-stats`: /metrics shows the engine core's counters, and no
+    request latencies (with stats on, test_prometheus_metrics.py counts them)."""
+    from fastapi.testclient import TestClient
+
+    from v1.entrypoints.openai.api_server import DEFAULT_SERVED_MODEL_NAME, build_app
+
+    args = EngineArgs(disable_log_stats=True, **SMALL_ENGINE)
+    with TestClient(build_app(args)) as http:
+        body = {"model": DEFAULT_SERVED_MODEL_NAME, "prompt": PROMPTS[0], "max_tokens": 2}
+        assert http.post("/v1/completions", json=body).status_code == 200
+        text = http.get("/metrics").text
+
+    def value(name: str) -> float:
+        (line,) = [ln for ln in text.splitlines() if ln.startswith(name + "{")]
+        return float(line.rsplit(" ", 1)[1])
+
+    assert value("vllm:generation_tokens_total") == 2
+    assert value("vllm:time_to_first_token_seconds_count") == 0

@@ -72,6 +72,7 @@ class LLMEngine:
     def from_engine_args(
         cls,
         engine_args: EngineArgs,
+        *,
         enable_multiprocessing: bool | None = None,
         loaded_model: "LoadedModel | None" = None,
     ) -> "LLMEngine":
@@ -85,9 +86,15 @@ class LLMEngine:
                 loaded_model is None and os.environ.get("V1_ENABLE_MULTIPROCESSING", "1") != "0"
             )
         if enable_multiprocessing and loaded_model is not None:
-            raise ValueError("loaded_model needs multiprocess=False: its weights live here")
+            raise ValueError(
+                "loaded_model needs multiprocess=False (enable_multiprocessing=False): its "
+                "weights live here"
+            )
         if engine_args.data_parallel_size > 1 and not enable_multiprocessing:
-            raise ValueError("data_parallel_size > 1 needs engine processes (multiprocess=True)")
+            raise ValueError(
+                "data_parallel_size > 1 needs engine processes (multiprocess=True, "
+                "enable_multiprocessing=True)"
+            )
         client: EngineCoreClient = (
             DPSyncMPClient(engine_args)
             if engine_args.data_parallel_size > 1

@@ -64,7 +64,9 @@ class LLM:
         if loaded_model is None:
             # A path or hub id that is not there fails here, before an engine starts.
             resolve_model(model, self.engine_args.revision)
-        self.llm_engine = LLMEngine.from_engine_args(self.engine_args, multiprocess, loaded_model)
+        self.llm_engine = LLMEngine.from_engine_args(
+            self.engine_args, enable_multiprocessing=multiprocess, loaded_model=loaded_model
+        )
         self._request_ids = map(str, itertools.count())
         try:  # generation_config.json's sampling defaults ("auto"), or none ("vllm")
             self.default_sampling_params = self.engine_args.get_diff_sampling_param(

@@ -363,7 +363,8 @@ def build_app(
         )
         # Labelled with the name responses report, as vLLM labels its metrics.
         app.state.metrics = PrometheusMetrics(app.state.serving.served_model_names[0])
-        engine.stat_loggers.append(app.state.metrics.record)
+        if not engine_args.disable_log_stats:
+            engine.stat_loggers.append(app.state.metrics.record)
         # The startup heap (torch, transformers, the tokenizer: ~350k objects) lives as long
         # as the server: out of the collector's sight, a full collection, which runs on
         # whichever thread triggers it and stops the event loop meanwhile, takes microseconds
