@@ -32,6 +32,7 @@ Prints tables, then one JSON line; `--out DIR` writes dp.json and dp.png.
 """
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -62,14 +63,18 @@ def shared_prefix_blocks(prompts: list[list[int]], groups: int, block_size: int)
 
 def closed_loop(llm: Any, prompts: list[list[int]], params: Any, concurrency: int) -> float:
     """Run every prompt, `concurrency` at a time, in order; return the wall time."""
+    from v1.sampling_params import RequestOutputKind
+
     engine = llm.llm_engine
+    # Only finished outputs are read: one each, as LLM.generate makes them.
+    params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
     queue = list(enumerate(prompts))
     in_flight = 0
     t0 = time.perf_counter()
     while queue or engine.has_unfinished_requests():
         while queue and in_flight < concurrency:
             i, prompt = queue.pop(0)
-            engine.add_request({"prompt_token_ids": prompt}, params, request_id=f"r{i}")
+            engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
             in_flight += 1
         for out in engine.step():
             if out.finished:

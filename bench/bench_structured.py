@@ -76,7 +76,7 @@ from common import (
 from v1.core.sched.scheduler import Scheduler
 from v1.engine import structured_output
 from v1.engine.core import EngineCore
-from v1.sampling_params import SamplingParams, StructuredOutputsParams
+from v1.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from v1.worker import model_runner
 
 KINDS = ("json", "regex", "choice")
@@ -128,6 +128,7 @@ def make_params(kinds: list[str | None], output_len: int) -> list[SamplingParams
         SamplingParams(
             temperature=0.0, max_tokens=output_len, ignore_eos=True,
             structured_outputs=None if kind is None else structured_params(kind, output_len, i),
+            output_kind=RequestOutputKind.FINAL_ONLY,  # the loop reads finished outputs only
         )
         for i, kind in enumerate(kinds)
     ]
@@ -140,7 +141,7 @@ def run_round(engines: dict[str, Any], prompts: list[list[int]],
     for name, engine in engines.items():
         engine.reset_prefix_cache()
         for i, (prompt, p) in enumerate(zip(prompts, params[name])):
-            engine.add_request({"prompt_token_ids": prompt}, p, request_id=str(i))
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, p)
     steps: dict[str, list[float]] = {name: [] for name in engines}
     outputs: dict[str, list] = {name: [None] * len(prompts) for name in engines}
     live = list(engines)

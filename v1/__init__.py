@@ -1,19 +1,44 @@
-"""v1: a compact LLM inference engine with the architecture of vLLM's V1."""
+"""v1: a compact LLM inference engine with the architecture of vLLM's V1.
 
-from typing import TYPE_CHECKING
+The top-level names are vLLM's (`from v1 import LLM, SamplingParams, EngineArgs, ...`). Those
+that need torch are imported at first use, so that `import v1.core` stays torch-free.
+"""
 
-from v1.sampling_params import SamplingParams, StructuredOutputsParams
+from typing import TYPE_CHECKING, Any
+
+from v1.inputs import PromptType, TextPrompt, TokensPrompt
+from v1.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
+    from v1.config import EngineArgs
+    from v1.engine.arg_utils import AsyncEngineArgs
+    from v1.engine.async_llm import AsyncLLM as AsyncLLMEngine
+    from v1.engine.llm_engine import LLMEngine
     from v1.entrypoints.llm import LLM
+    from v1.outputs import CompletionOutput, RequestOutput
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]
+# name -> (module, attribute): imported at first use.
+_LAZY = {
+    "LLM": ("v1.entrypoints.llm", "LLM"),
+    "LLMEngine": ("v1.engine.llm_engine", "LLMEngine"),
+    "AsyncLLMEngine": ("v1.engine.async_llm", "AsyncLLM"),  # vLLM V1's alias of AsyncLLM
+    "EngineArgs": ("v1.config", "EngineArgs"),
+    "AsyncEngineArgs": ("v1.engine.arg_utils", "AsyncEngineArgs"),
+    "RequestOutput": ("v1.outputs", "RequestOutput"),
+    "CompletionOutput": ("v1.outputs", "CompletionOutput"),
+}
+
+__all__ = [
+    "LLM", "LLMEngine", "AsyncLLMEngine", "EngineArgs", "AsyncEngineArgs", "RequestOutput",
+    "CompletionOutput", "PromptType", "TextPrompt", "TokensPrompt", "RequestOutputKind",
+    "SamplingParams", "StructuredOutputsParams",
+]
 
 
-def __getattr__(name: str):
-    # Lazy: `import v1.core` must not pull in torch through the package.
-    if name == "LLM":
-        from v1.entrypoints.llm import LLM
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
 
-        return LLM
+        module, attribute = _LAZY[name]
+        return getattr(importlib.import_module(module), attribute)
     raise AttributeError(f"module 'v1' has no attribute {name!r}")

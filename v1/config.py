@@ -1,14 +1,17 @@
 """Engine configuration, with vLLM's option names. Plain data: every layer may read it."""
 
+import argparse
 import json
 import logging
-import math
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from v1.cli_args import add_engine_args
+from v1.ignored_options import IGNORED_OPTIONS, check_ignored_option, ignored_help
 from v1.limits import DEFAULT_LIMITS, InputLimits
+from v1.speculative_config import SpeculativeConfig
 
 logger = logging.getLogger("v1")
 
@@ -145,114 +148,6 @@ class CacheConfig:
             raise ValueError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
 
 
-# speculative_config's methods (vLLM's names): "ngram", drafts from the request's own tokens
-# (prompt lookup); "suffix", drafts from a suffix index over recent requests' prompts and
-# outputs (v1.worker.spec_decode.suffix).
-SPECULATIVE_METHODS = ("ngram", "suffix")
-# The most drafts one step verifies per request: each costs a query row of every layer.
-MAX_SPECULATIVE_TOKENS = 64
-MAX_SUFFIX_TREE_DEPTH = 256  # vLLM's default is 24
-
-
-@dataclass(slots=True)
-class SpeculativeConfig:
-    """vLLM's `speculative_config` for the draft-free methods, with vLLM's keys and defaults.
-
-    ngram: `prompt_lookup_max`/`prompt_lookup_min` bound the n-gram (the request's last n
-    tokens) looked up earlier in its own tokens; either defaults to the other, both to 5
-    (vLLM's). suffix: the `suffix_decoding_*` keys are `SuffixProposer`'s keywords;
-    `num_speculative_tokens` defaults to `suffix_decoding_max_tree_depth` (vLLM's).
-    """
-
-    method: str
-    num_speculative_tokens: int
-    prompt_lookup_min: int | None = None
-    prompt_lookup_max: int | None = None
-    suffix_decoding_max_tree_depth: int = 24
-    suffix_decoding_max_cached_requests: int = 10000
-    suffix_decoding_max_spec_factor: float = 1.0
-    suffix_decoding_min_token_prob: float = 0.1
-
-    @classmethod
-    def from_dict(cls, config: "dict[str, Any] | SpeculativeConfig") -> "SpeculativeConfig":
-        """Validates a `speculative_config` dict (ValueError naming the key and its limit)."""
-        if not isinstance(config, dict | SpeculativeConfig):
-            raise ValueError(f"speculative_config must be a dict, got {config!r}")
-        method = config.method if isinstance(config, SpeculativeConfig) else config.get("method")
-        if method not in SPECULATIVE_METHODS:
-            raise ValueError(
-                f"speculative_config method must be one of {', '.join(SPECULATIVE_METHODS)}, "
-                f"got {method!r}"
-            )
-        if isinstance(config, SpeculativeConfig):  # built directly: checked all the same
-            config._validate()
-            return config
-        prefix = "prompt_lookup_" if method == "ngram" else "suffix_decoding_"
-        allowed = {"method", "num_speculative_tokens"} | {
-            f.name for f in fields(cls) if f.name.startswith(prefix)
-        }
-        unknown = set(config) - allowed
-        if unknown:
-            raise ValueError(
-                f"unknown speculative_config keys for method {method!r}: {sorted(unknown)} "
-                f"(known: {sorted(allowed)})"
-            )
-        values = dict(config)
-        if method == "suffix":
-            values.setdefault(
-                "num_speculative_tokens",
-                values.get("suffix_decoding_max_tree_depth", 24),
-            )
-        elif "num_speculative_tokens" not in values:
-            raise ValueError("speculative_config needs num_speculative_tokens for method 'ngram'")
-        spec = cls(**values)
-        spec._validate()
-        return spec
-
-    def _validate(self) -> None:
-        def check_int(name: str, low: int, high: int | None = None) -> None:
-            value = getattr(self, name)
-            if (
-                not isinstance(value, int) or isinstance(value, bool) or value < low
-                or (high is not None and value > high)
-            ):
-                bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-                raise ValueError(f"speculative_config {name} must be an integer {bound}, "
-                                 f"got {value!r}")
-
-        check_int("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
-        if self.method == "ngram":
-            if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
-                self.prompt_lookup_min = self.prompt_lookup_max = 5
-            elif self.prompt_lookup_min is None:
-                self.prompt_lookup_min = self.prompt_lookup_max
-            elif self.prompt_lookup_max is None:
-                self.prompt_lookup_max = self.prompt_lookup_min
-            check_int("prompt_lookup_min", 1)
-            check_int("prompt_lookup_max", 1)
-            assert self.prompt_lookup_min is not None and self.prompt_lookup_max is not None
-            if self.prompt_lookup_min > self.prompt_lookup_max:
-                raise ValueError(
-                    f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) must be "
-                    f"<= prompt_lookup_max ({self.prompt_lookup_max})"
-                )
-        else:
-            # A draft's cost grows with the depth (candidates per match length).
-            check_int("suffix_decoding_max_tree_depth", 1, MAX_SUFFIX_TREE_DEPTH)
-            check_int("suffix_decoding_max_cached_requests", 0)
-            factor, prob = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
-            if not isinstance(factor, int | float) or not 0 < factor < math.inf:
-                raise ValueError(
-                    "speculative_config suffix_decoding_max_spec_factor must be finite and > 0, "
-                    f"got {factor!r}"
-                )
-            if not isinstance(prob, int | float) or not 0 <= prob <= 1:
-                raise ValueError(
-                    f"speculative_config suffix_decoding_min_token_prob must be in [0, 1], "
-                    f"got {prob!r}"
-                )
-
-
 def load_preload_prompts(spec: str | list[Any]) -> list[Any]:
     """The prompts of `preload_prompts` (v1/engine/preload.py): a list, or the path of a JSON
     file holding one, read here so that a bad one fails before the model loads."""
@@ -272,92 +167,146 @@ def load_preload_prompts(spec: str | list[Any]) -> list[Any]:
     return spec
 
 
+def option(default: Any, help: str) -> Any:
+    """An EngineArgs field: its default and its command-line help."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(slots=True)
 class EngineArgs:
-    """The user-facing engine options, named as vLLM names them."""
+    """The user-facing engine options, named as vLLM names them. Each field's `help` is its
+    command-line help (`add_cli_args`: `--max-model-len` for `max_model_len`); the options
+    in `IGNORED_OPTIONS` are vLLM's that mean nothing here (see v1/ignored_options.py)."""
 
-    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct, GGUF)
-    # With a hub id as `model`: the branch, tag or commit to find in the local HF cache.
-    revision: str | None = None
-    # Where requests' default sampling parameters come from: "auto", the model's
-    # generation_config.json; "vllm", vLLM's own (SamplingParams' defaults); or a directory
-    # holding a generation_config.json.
-    generation_config: str = "auto"
-    max_model_len: int | None = None  # None: the model's context length
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: 2048 on CPU, 8192 on GPU
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0
-    scheduling_policy: str = "fcfs"
-    # Waiting requests whose prefix is cached or being computed go first (bounded: see
-    # SchedulerConfig.enable_prefix_aware_scheduling); --no-enable-prefix-aware-scheduling: FCFS.
-    enable_prefix_aware_scheduling: bool = True
-    # Declared prefixes (v1/engine/preload.py): prompts computed at start-up whose full
-    # blocks are pinned in the prefix cache, never evicted: a list of prompts (text, a
-    # conversation as a list of messages, or token ids), or the path of a JSON file holding
-    # one (--preload-prompts FILE). They may pin at most preload_max_fraction of the blocks.
-    preload_prompts: str | list[Any] | None = None
-    preload_max_fraction: float = 0.5
-    async_scheduling: bool = False
-    num_gpu_blocks: int | None = None
-    kv_cache_memory: int | None = None  # bytes
-    # vLLM's spellings of the two above, accepted as they mean the same.
-    num_gpu_blocks_override: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    # On GPU, the fraction of its memory the engine may use, the weights included (None:
-    # the KV cache gets 85% of what is free after loading). Accepted, and unused, on CPU.
-    gpu_memory_utilization: float | None = None
-    device: str = "auto"  # "auto" | "cpu" | "cuda"
-    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
-    # The KV cache's dtype: "auto" (the model's), "bfloat16"/"bf16", "float16"/"fp16" or
-    # "float32"/"fp32". A 16-bit cache under an fp32 model halves the cache's memory (twice
-    # the tokens in the same kv_cache_memory); attention reads it back into fp32.
-    kv_cache_dtype: str = "auto"
-    # Quantized weights (vLLM's option), CPU only: one of QUANTIZATION_METHODS, "none" (float
-    # weights, a GGUF file's dequantized), or None: as vLLM, "gguf" for a .gguf file (on CPU
-    # in float32 with the native kernels built; v1.models.loader.resolve_quantization), else
-    # float weights.
-    quantization: str | None = None
-    # The disk tier under the RAM prefix cache (v1/worker/kv_disk_store.py): full blocks
-    # are kept in kv_cache_dir (in a subdirectory per model and KV setting), at most
-    # kv_cache_disk_bytes of them (LRU; None: DEFAULT_KV_CACHE_DISK_BYTES), and read back
-    # when a prompt's prefix is there, across restarts and by other processes.
-    kv_cache_dir: str | None = None
-    kv_cache_disk_bytes: int | None = None
-    seed: int = 0
-    # Speculative decoding (vLLM's option): a dict as `SpeculativeConfig` reads it, e.g.
-    # {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}; None: off.
-    speculative_config: dict[str, Any] | None = None
-    # Data parallelism (v1.engine.dp_client): this many engine-core processes, each with its
-    # own scheduler and KV cache (num_gpu_blocks / kv_cache_memory are per core) and its
-    # share of the CPU cores as torch threads, behind one client that routes each request.
-    data_parallel_size: int = 1
-    # How: "affinity" (to the core most likely to hold the prompt's longest cached prefix,
-    # by its chained block hashes; a new prefix to the core with the least prefix footprint
-    # per block of KV cache, its one home), "round_robin" or "least_loaded".
-    data_parallel_routing: str = "affinity"
-    # The load guard (affinity only): a request goes to the least-loaded core instead when
-    # its affinity core's load score (4 x waiting + running requests) exceeds
-    # ratio x the least-loaded's + slack + the cached blocks it would lose there, or its KV
-    # cache would pass kv_threshold of its blocks with the request's uncached blocks while
-    # another core's would not. See v1/engine/dp_router.py for why these defaults.
-    data_parallel_load_ratio: float = 2.0
-    data_parallel_load_slack: float = 8.0
-    data_parallel_kv_threshold: float = 0.95
-    # Cores on other hosts (v1/engine/dp_headless.py, vLLM's flags): this host runs
-    # data_parallel_size_local of the cores (None: all), ranks from data_parallel_start_rank;
-    # the frontend listens for the others' registration at
-    # tcp://data_parallel_address:data_parallel_rpc_port, where headless hosts connect.
-    data_parallel_size_local: int | None = None
-    data_parallel_start_rank: int = 0
-    data_parallel_address: str = "127.0.0.1"
-    data_parallel_rpc_port: int = 29550
-    # "mp": this host's cores are local processes (and any others headless); "ray": every
-    # core is a Ray actor, placed by Ray on the cluster `ray.init()` finds (v1/engine/dp_ray.py).
-    data_parallel_backend: str = "mp"
-    # What one request may ask for (the frontend checks; see `InputLimits` for each).
+    model: str | None = option(
+        None, "a GGUF file, an HF model directory, or a hub id in the local HF cache "
+        "(default: SmolLM2-135M-Instruct, GGUF)",
+    )
+    revision: str | None = option(
+        None, "with a hub id as the model: the branch, tag or commit to find in the local "
+        "HF cache",
+    )
+    generation_config: str = option(
+        "auto", "where requests' default sampling parameters come from: 'auto' (the model's "
+        "generation_config.json), 'vllm' (SamplingParams' own) or a directory holding a "
+        "generation_config.json",
+    )
+    max_model_len: int | None = option(
+        None, "the longest prompt plus output, in tokens (default: the model's context length)"
+    )
+    max_num_seqs: int = option(256, "the most requests running at once")
+    max_num_batched_tokens: int | None = option(
+        None, "the token budget of one step (default: 2048 on CPU, 8192 on GPU)"
+    )
+    block_size: int = option(16, "tokens per KV cache block")
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of shared prompt prefixes")
+    enable_chunked_prefill: bool = option(
+        True, "split long prompts over several steps, beside the running decodes"
+    )
+    long_prefill_token_threshold: int = option(
+        0, "the most prompt tokens one request computes per step (0: no cap)"
+    )
+    scheduling_policy: str = option(
+        "fcfs", "'fcfs' or 'priority' (lower priority values first)"
+    )
+    enable_prefix_aware_scheduling: bool = option(
+        True, "waiting requests whose prefix is cached or being computed go first (bounded: "
+        "see SchedulerConfig); off: FCFS",
+    )
+    preload_prompts: str | list[Any] | None = option(
+        None, "declared prefixes (v1/engine/preload.py), computed at start-up and pinned in "
+        "the prefix cache: the path of a JSON list of prompts (text, a conversation, or token "
+        "ids), or the list itself",
+    )
+    preload_max_fraction: float = option(
+        0.5, "the largest fraction of the KV blocks the preloaded prompts may pin"
+    )
+    async_scheduling: bool = option(
+        False, "schedule step N+1 while step N runs on the device"
+    )
+    num_gpu_blocks: int | None = option(
+        None, "the number of KV cache blocks (default: from kv_cache_memory)"
+    )
+    kv_cache_memory: int | None = option(
+        None, "the KV cache's bytes (default: the device's budget)"
+    )
+    num_gpu_blocks_override: int | None = option(None, "vLLM's spelling of num_gpu_blocks")
+    kv_cache_memory_bytes: int | None = option(None, "vLLM's spelling of kv_cache_memory")
+    gpu_memory_utilization: float | None = option(
+        None, "on GPU, the fraction of its memory the engine may use, weights included "
+        "(default: the KV cache gets 85%% of what is free after loading); unused on CPU",
+    )
+    device: str = option("auto", "'auto', 'cpu' or 'cuda'")
+    dtype: str = option("auto", "'auto', 'float32', 'bfloat16' or 'float16'")
+    kv_cache_dtype: str = option(
+        "auto", "the KV cache's dtype: 'auto' (the model's), 'bfloat16'/'bf16', "
+        "'float16'/'fp16' or 'float32'/'fp32'; a 16-bit cache under an fp32 model holds "
+        "twice the tokens in the same memory",
+    )
+    quantization: str | None = option(
+        None, "quantized weights, CPU only: 'gguf' (a GGUF file's Q4_1 / Q8_0 blocks as "
+        "stored), 'int8' (a float checkpoint quantized to Q8_0 at load) or 'none' (float "
+        "weights); default: 'gguf' for a .gguf file with the native kernels built, else none",
+    )
+    kv_cache_dir: str | None = option(
+        None, "the disk tier under the prefix cache: full blocks are kept in this directory "
+        "and read back when a prompt's prefix is there, across restarts and processes",
+    )
+    kv_cache_disk_bytes: int | None = option(
+        None, "the disk tier's size bound in bytes (LRU; default: 8 GiB)"
+    )
+    seed: int = option(0, "the seed of requests that set none")
+    speculative_config: dict[str, Any] | None = option(
+        None, "speculative decoding, as a JSON object, e.g. {\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4} (methods: ngram, suffix)",
+    )
+    data_parallel_size: int = option(
+        1, "engine-core processes, each with its own scheduler, KV cache and share of the "
+        "cores, behind one client that routes each request",
+    )
+    data_parallel_routing: str = option(
+        "affinity", "how a request picks a core: 'affinity' (the core most likely to hold "
+        "its prompt's cached prefix; a new prefix's home is the core with the least prefix "
+        "footprint per block of KV cache; with a load guard), 'round_robin' or 'least_loaded'",
+    )
+    data_parallel_load_ratio: float = option(
+        2.0, "the load guard (affinity): go to the least-loaded core when the affinity core's "
+        "load exceeds ratio x the least-loaded's + slack + the cached blocks it would lose",
+    )
+    data_parallel_load_slack: float = option(8.0, "the load guard's slack (see the ratio)")
+    data_parallel_kv_threshold: float = option(
+        0.95, "the load guard: leave a core whose KV cache would pass this fraction of its "
+        "blocks with the request's uncached blocks, while another's would not"
+    )
+    data_parallel_size_local: int | None = option(
+        None, "of the cores, how many run on this host (default: all); others register "
+        "from headless hosts",
+    )
+    data_parallel_start_rank: int = option(0, "the rank of this host's first core")
+    data_parallel_address: str = option(
+        "127.0.0.1", "where the frontend listens for headless hosts' cores"
+    )
+    data_parallel_rpc_port: int = option(29550, "the port of data_parallel_address")
+    data_parallel_backend: str = option(
+        "mp", "'mp' (this host's cores are local processes) or 'ray' (every core a Ray actor)"
+    )
+    disable_log_stats: bool = option(
+        False, "turn metrics off: no per-request latencies are gathered (the server's "
+        "/metrics then shows the engine core's gauges and counters only; LLM.get_metrics() "
+        "raises). LLM's default, as in vLLM",
+    )
+    # vLLM's options that mean nothing here (IGNORED_OPTIONS says why): accepted, and logged.
+    enforce_eager: bool = option(False, ignored_help("enforce_eager"))
+    trust_remote_code: bool = option(False, ignored_help("trust_remote_code"))
+    tensor_parallel_size: int = option(1, ignored_help("tensor_parallel_size"))
+    pipeline_parallel_size: int = option(1, ignored_help("pipeline_parallel_size"))
+    swap_space: float = option(4.0, ignored_help("swap_space"))
+    compilation_config: dict[str, Any] | None = option(None, ignored_help("compilation_config"))
+    hf_token: str | None = option(None, ignored_help("hf_token"))
+    download_dir: str | None = option(None, ignored_help("download_dir"))
+    tokenizer: str | None = option(None, ignored_help("tokenizer"))
+    enable_expert_parallel: bool = option(False, ignored_help("enable_expert_parallel"))
+    # What one request may ask for (the frontend checks); the help is `InputLimits`'.
     max_logprobs: int = DEFAULT_LIMITS.max_logprobs
     max_n_sequences: int = DEFAULT_LIMITS.max_n_sequences
     max_stop_strings: int = DEFAULT_LIMITS.max_stop_strings
@@ -369,6 +318,9 @@ class EngineArgs:
     max_structured_output_choices: int = DEFAULT_LIMITS.max_structured_output_choices
 
     def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.name in IGNORED_OPTIONS:
+                check_ignored_option(f.name, getattr(self, f.name), f.default, self)
         if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
             raise ValueError(
                 f"data_parallel_size must be an integer >= 1, got {self.data_parallel_size!r}"
@@ -428,6 +380,17 @@ class EngineArgs:
                 "generation_config must be 'auto', 'vllm' or a directory holding a "
                 f"generation_config.json, got {gen!r}"
             )
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """vLLM's: a flag for each option (`--max-model-len` for max_model_len), with its
+        default and help; returns the parser."""
+        return add_engine_args(parser, cls)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        """vLLM's: the options of a command line parsed with `add_cli_args`'s flags."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
     def _check_disk_tier(self) -> None:
         disk_bytes = self.kv_cache_disk_bytes

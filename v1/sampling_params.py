@@ -1,5 +1,6 @@
 """Sampling parameters, validated on construction like vLLM's."""
 
+import enum
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -8,6 +9,20 @@ from v1.limits import INT64_MAX, INT64_MIN, InputLimits, check_json_spec, check_
 
 _GREEDY_EPS = 1e-5
 _INF = float("inf")
+
+
+class RequestOutputKind(enum.Enum):
+    """What each of a request's `RequestOutput`s carries (vLLM's `SamplingParams.output_kind`).
+
+    CUMULATIVE: every output holds everything generated so far (vLLM's default, for
+    `LLMEngine` and `AsyncLLM`). DELTA: only the tokens and text new since the previous
+    output (streaming). FINAL_ONLY: one output, when the request finishes (`LLM.generate`
+    sets it).
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass(slots=True)
@@ -109,6 +124,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled in by the processor: each bad word's token ids, with and without a leading space.
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # Filled in by the processor from the tokenizer's EOS and `stop_token_ids`; the scheduler
@@ -125,6 +141,11 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(
+                f"output_kind must be a RequestOutputKind ("
+                f"{', '.join(k.name for k in RequestOutputKind)}), got {self.output_kind!r}"
+            )
         self._verify()
         # A union, not a reset: decoding a message re-runs __post_init__ on a copy whose
         # processor already added the model's further end-of-text ids.

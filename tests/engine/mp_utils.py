@@ -142,7 +142,7 @@ def core_one_dies_alone(
     EngineCoreDeadError (core 0's long one still running), the client marks the core dead,
     and core 0 serves on, greedy outputs as `reference`'s."""
     engine, client = llm.llm_engine, llm.llm_engine.client
-    ids = [engine.add_request(PROMPTS[0], LONG, data_parallel_rank=r) for r in (0, 1)]
+    ids = [engine.add_request(f"r{r}", PROMPTS[0], LONG, data_parallel_rank=r) for r in (0, 1)]
     wait_until(lambda: (engine.step(), client.router.loads[1].running == 1)[1])
     kill()
     wait_until(lambda: not alive(pid))  # Ray kills asynchronously

@@ -2,6 +2,7 @@
 and abort freeing the core's blocks, validation, utilities, and a killed engine."""
 
 import asyncio
+import dataclasses
 import multiprocessing
 import os
 import signal
@@ -21,6 +22,7 @@ from v1.config import EngineArgs
 from v1.engine.async_llm import AsyncLLM
 from v1.engine.exceptions import EngineDeadError
 from v1.outputs import RequestOutput, SchedulerStats
+from v1.sampling_params import RequestOutputKind
 
 pytestmark = pytest.mark.model
 
@@ -57,7 +59,9 @@ def inproc_llm(default_model):
 
 
 async def collect(engine: AsyncLLM, prompt, params, request_id: str) -> list[RequestOutput]:
-    return [out async for out in engine.generate(prompt, params, request_id)]
+    """The request's DELTA outputs."""
+    delta = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+    return [out async for out in engine.generate(prompt, delta, request_id)]
 
 
 def joined_tokens(deltas: list[RequestOutput], index: int = 0) -> list[int]:

@@ -112,7 +112,7 @@ def test_pinning(dp_llm):
 def test_abort_reaches_the_owning_core(dp_llm):
     engine = dp_llm.llm_engine
     client: DPSyncMPClient = engine.client
-    ids = [engine.add_request(PROMPTS[0], LONG, data_parallel_rank=r) for r in (0, 1)]
+    ids = [engine.add_request(f"r{r}", PROMPTS[0], LONG, data_parallel_rank=r) for r in (0, 1)]
     for _ in range(3):
         engine.step()
 

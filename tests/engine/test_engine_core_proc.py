@@ -136,14 +136,14 @@ def spy_add(request, data_parallel_rank=None):
 client.get_output, client.add_request = spy, spy_add
 engine = LLMEngine(client)
 params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=5)
-ids = [engine.add_request(p, params) for p in prompts]
+ids = [engine.add_request(str(i), p, params) for i, p in enumerate(prompts)]
 done = {}
 while engine.has_unfinished_requests():
     for out in engine.step():
         if out.finished:
             c = out.outputs[0]
             done[out.request_id] = [c.token_ids, [list(top) for top in c.logprobs]]
-engine.add_request(prompts[0], SamplingParams(max_tokens=1000, ignore_eos=True))
+engine.add_request("long", prompts[0], SamplingParams(max_tokens=1000, ignore_eos=True))
 engine.step()
 result = {"outputs": [done[i] for i in ids], "sent": sent, "received": received}
 print(json.dumps({**result, "num_first": len(ids)}))
@@ -230,14 +230,14 @@ def test_exception_in_model_raises_engine_dead(default_model_path, monkeypatch):
     # the busy loop and reach the client.
     engine = LLMEngine(SyncMPClient(EngineArgs(async_scheduling=True, **SMALL_ENGINE)))
     client = engine.client
-    engine.add_request("Once upon a time", LONG)
+    engine.add_request("0", "Once upon a time", LONG)
     start = time.monotonic()
     with pytest.raises(EngineDeadError, match="RuntimeError: injected model failure"):
         while engine.has_unfinished_requests():
             engine.step()
     assert time.monotonic() - start < PROMPTLY_S
     with pytest.raises(EngineDeadError, match="injected model failure"):
-        engine.add_request("hi", GREEDY)
+        engine.add_request("1", "hi", GREEDY)
     wait_until(lambda: not client._res.proc.is_alive())
     assert client._res.proc.exitcode == 1
     engine.shutdown()
@@ -269,7 +269,7 @@ def test_tcp_address_and_clean_shutdown(default_model_path):
     client = SyncMPClient(EngineArgs(**SMALL_ENGINE), address=address)
     assert client.address == address and client._res.tmp_dir is None
     engine = LLMEngine(client)
-    engine.add_request("The capital of France is", GREEDY)
+    engine.add_request("0", "The capital of France is", GREEDY)
     while engine.has_unfinished_requests():
         outputs = engine.step()
     assert outputs[0].finished and "Paris" in outputs[0].outputs[0].text

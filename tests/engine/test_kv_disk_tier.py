@@ -136,11 +136,11 @@ def test_other_requests_keep_running_while_one_reads(default_model, tmp_path):
         engine_ = llm.llm_engine
         scheduler = engine_.client.engine_core.scheduler
         long = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-        engine_.add_request("The quick brown fox", long, request_id="busy")
+        engine_.add_request("busy", "The quick brown fox", long)
         engine_.step()
         busy = next(iter(scheduler.requests.values()))
         num_out = len(busy.output_token_ids)
-        engine_.add_request(SYSTEM + "Hi?", GREEDY, request_id="reader")
+        engine_.add_request("reader", SYSTEM + "Hi?", GREEDY)
         # The step that hands out the read still decodes the busy request.
         engine_.step()
         reader = next(r for r in scheduler.requests.values() if r is not busy)

@@ -14,9 +14,15 @@ from v1.engine.output_processor import (
 )
 from v1.outputs import CompletionOutput, EngineCoreOutput, Logprob, RequestOutput
 from v1.request import EngineCoreRequest
-from v1.sampling_params import SamplingParams
+from v1.sampling_params import RequestOutputKind, SamplingParams
 
 EOS = 2  # <|im_end|>
+# The tests' short names of the output kinds.
+KINDS = {
+    "final": RequestOutputKind.FINAL_ONLY,
+    "cumulative": RequestOutputKind.CUMULATIVE,
+    "delta": RequestOutputKind.DELTA,
+}
 PROMPT = "Tell me something."
 
 
@@ -39,7 +45,10 @@ def add(
     **params: Any,
 ) -> list[EngineCoreRequest]:
     return processor.add_request(
-        core_request(request_id, encode(tokenizer, PROMPT), **params), PROMPT, kind
+        core_request(
+            request_id, encode(tokenizer, PROMPT), output_kind=KINDS.get(kind, kind), **params
+        ),
+        PROMPT,
     )
 
 
@@ -149,7 +158,9 @@ def test_prompt_primes_the_stream_without_leaking(tokenizer) -> None:
     partial = encode(tokenizer, "你")[0]
     processor = OutputProcessor(tokenizer)
     prompt_ids = [*encode(tokenizer, "Say hello"), partial]
-    processor.add_request(core_request("r", prompt_ids), None, "final")
+    processor.add_request(
+        core_request("r", prompt_ids, output_kind=RequestOutputKind.FINAL_ONLY), None
+    )
     ids = encode(tokenizer, " hello there")
     completion = only_output(feed(processor, "r", ids))
     assert completion.text == " hello there"
@@ -436,4 +447,4 @@ def test_bad_requests_are_refused(tokenizer) -> None:
     with pytest.raises(ValueError):
         add(processor, tokenizer, "x", kind="sometimes")
     with pytest.raises(ValueError, match="tokenizer"):
-        OutputProcessor(None).add_request(core_request("s", [1], stop=["x"]), None, "final")
+        OutputProcessor(None).add_request(core_request("s", [1], stop=["x"]), None)

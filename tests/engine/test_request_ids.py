@@ -31,10 +31,10 @@ def test_late_outputs_of_an_aborted_request_skip_its_successor(tokenizer) -> Non
     processor = Processor(tokenizer, 1024, len(tokenizer), tokenizer.eos_token_id)
     outputs = OutputProcessor(tokenizer)
     old, _ = processor.process_inputs("x", "Hello", GREEDY)
-    (old_core,) = outputs.add_request(old, "Hello", "cumulative")
+    (old_core,) = outputs.add_request(old, "Hello")
     assert outputs.abort_requests(["x"]) == [old_core.request_id]
     new, _ = processor.process_inputs("x", "Bye", GREEDY)
-    (new_core,) = outputs.add_request(new, "Bye", "cumulative")
+    (new_core,) = outputs.add_request(new, "Bye")
 
     late = outputs.process_outputs([EngineCoreOutput(old_core.request_id, [11])])
     assert late.request_outputs == []
@@ -63,11 +63,11 @@ def run_to_completion(engine: LLMEngine) -> list[RequestOutput]:
 def test_abort_and_reuse_of_an_id_while_a_step_is_in_flight(llm) -> None:
     engine = llm.llm_engine
     core = engine.client.engine_core
-    engine.add_request(PROMPTS[3], LONG, request_id="x")
+    engine.add_request("x", PROMPTS[3], LONG)
     engine.step()  # returns step 1's outputs once step 2 is scheduled
     assert core.batch_queue, "a step of the old 'x' is in flight"
     engine.abort_requests(["x"])
-    engine.add_request(PROMPTS[1], GREEDY, request_id="x")
+    engine.add_request("x", PROMPTS[1], GREEDY)
     (out,) = run_to_completion(engine)
     (alone,) = llm.generate([PROMPTS[1]], GREEDY, use_tqdm=False)
     assert out.request_id == "x" and out.prompt == PROMPTS[1]
@@ -79,15 +79,15 @@ def test_outputs_carry_the_callers_id_and_abort_by_it(llm) -> None:
     engine = llm.llm_engine
     core = engine.client.engine_core
     sampled = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=1000, ignore_eos=True)
-    assert engine.add_request(PROMPTS[0], sampled, request_id="p") == "p"
+    assert engine.add_request("p", PROMPTS[0], sampled) == "p"
     core_ids = list(core.scheduler.requests)
     assert len(core_ids) == 2 and not {"p", "0_p", "1_p"} & set(core_ids)
     for params in (GREEDY, sampled):  # "p" is live: refused whatever its n
         with pytest.raises(ValueError, match="'p' is already in use"):
-            engine.add_request(PROMPTS[1], params, request_id="p")
+            engine.add_request("p", PROMPTS[1], params)
     engine.abort_requests(["p"])
     assert not engine.has_unfinished_requests() and not core.scheduler.requests
 
-    engine.add_request(PROMPTS[0], SamplingParams(n=2, temperature=0.0, max_tokens=4), "p")
+    engine.add_request("p", PROMPTS[0], SamplingParams(n=2, temperature=0.0, max_tokens=4))
     (out,) = run_to_completion(engine)
     assert out.request_id == "p" and [c.index for c in out.outputs] == [0, 1]

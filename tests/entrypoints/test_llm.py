@@ -368,7 +368,7 @@ def test_multiprocess_llm_matches_hf(hf_greedy, chat_prompts):
 
 
 def test_multiprocess_option(monkeypatch, default_model):
-    import v1.entrypoints.llm as llm_module
+    import v1.engine.llm_engine as llm_engine_module
 
     with pytest.raises(ValueError, match="multiprocess=False"):
         LLM(loaded_model=default_model, multiprocess=True)
@@ -379,7 +379,7 @@ def test_multiprocess_option(monkeypatch, default_model):
     def inproc(*args):
         raise Chosen
 
-    monkeypatch.setattr(llm_module, "InprocClient", inproc)
+    monkeypatch.setattr(llm_engine_module, "InprocClient", inproc)
     monkeypatch.setenv("V1_ENABLE_MULTIPROCESSING", "0")
     with pytest.raises(Chosen):
         LLM()

@@ -5,7 +5,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from v1.engine.dp_client import combine_stats
-from v1.entrypoints.openai.metrics import _SchedulerStatsCollector
+from v1.metrics.prometheus import _SchedulerStatsCollector
 from v1.outputs import SchedulerStats
 
 

@@ -1,8 +1,9 @@
 """`AsyncLLM`: the asyncio frontend of the engine, for servers.
 
 The engine core runs in its own process (`AsyncMPClient`). One output-handler task, started
-on first use, turns each `EngineCoreOutputs` into `RequestOutput`s (the `OutputProcessor`,
-DELTA kind) and puts each into its request's asyncio queue, from which `generate` yields.
+on first use, turns each `EngineCoreOutputs` into `RequestOutput`s (the `OutputProcessor`, of
+each request's `output_kind`) and puts each into its request's asyncio queue, from which
+`generate` yields.
 The output side runs on the event loop's thread, so nothing needs a lock. The event loop only
 routes: per-request CPU work on the way in (tokenizing, chat templates, `bad_words`,
 structured-output checks) runs on a small thread pool, `run_in_pool`, so one heavy request
@@ -12,7 +13,8 @@ the caller's id here; the engine core knows them by internal ids (see `EngineCor
 so an id may be used again as soon as its request is aborted or finished.
 
     engine = AsyncLLM.from_engine_args(EngineArgs())   # in a running event loop, or not
-    async for out in engine.generate("Hello", SamplingParams(max_tokens=8), "req-1"):
+    params = SamplingParams(max_tokens=8, output_kind=RequestOutputKind.DELTA)
+    async for out in engine.generate("Hello", params, "req-1"):
         print(out.outputs[0].text, end="")               # the new text only
 
 A second frontend process joins an engine core running at ADDRESS with
@@ -36,7 +38,7 @@ from v1.engine.core_client import AsyncMPClient
 from v1.engine.dp_client import DPAsyncMPClient
 from v1.engine.dp_router import check_data_parallel_rank
 from v1.engine.exceptions import EngineCoreDeadError, EngineDeadError
-from v1.engine.output_processor import IterationStats, OutputProcessor, RequestOutputKind
+from v1.engine.output_processor import IterationStats, OutputProcessor
 from v1.engine.processor import Processor, PromptType
 from v1.limits import DEFAULT_LIMITS, InputLimits
 from v1.outputs import RequestOutput, SchedulerStats
@@ -107,7 +109,9 @@ class AsyncLLM:
         priority: int = 0,
         data_parallel_rank: int | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream the request's DELTA outputs; the last has `finished=True`.
+        """Stream the request's outputs, of its `sampling_params.output_kind` as vLLM's:
+        CUMULATIVE (the default) each with everything so far, DELTA each with only what is
+        new, FINAL_ONLY one at the end; the last has `finished=True`.
 
         Bad input raises ValueError on the first iteration, before anything reaches the
         engine. Leaving the loop early (break, cancellation, a closed connection) aborts the
@@ -122,7 +126,7 @@ class AsyncLLM:
         request, text = await self.run_in_pool(
             self.processor.process_inputs, request_id, prompt, sampling_params, priority=priority
         )
-        core_requests = self.output_processor.add_request(request, text, RequestOutputKind.DELTA)
+        core_requests = self.output_processor.add_request(request, text)
         queue: asyncio.Queue[_QueueItem] = asyncio.Queue()
         self._queues[request_id] = queue
         self._start_output_handler()

@@ -1,29 +1,52 @@
-"""The synchronous frontend: processor -> engine core client -> output processor.
+"""The synchronous frontend: processor -> engine core client -> output processor, used as
+vLLM's `LLMEngine`:
 
-Callers name requests by their own ids (or get "0", "1", ...); the engine core knows each
-request by the internal id the processor gives it (see `EngineCoreRequest`).
+    engine = LLMEngine.from_engine_args(EngineArgs())
+    engine.add_request("r1", "Hello", SamplingParams(max_tokens=8))
+    while engine.has_unfinished_requests():
+        for out in engine.step():       # each request's outputs, of its params' output_kind
+            ...
+
+Callers name requests by their own ids; the engine core knows each request by the internal
+id the processor gives it (see `EngineCoreRequest`). With `log_stats`, each step's
+per-request latencies go to the Prometheus metrics that `get_metrics()` reads.
 
 With data parallelism (a `DPSyncMPClient`), `data_parallel_rank` pins a request to a core,
 and a core that dies fails the requests it held: `step()` raises its `EngineCoreDeadError`
 once it has forgotten them; the engine serves on with the other cores.
 """
 
-import itertools
+import os
+import weakref
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from v1.engine.core_client import EngineCoreClient
+from v1.config import EngineArgs
+from v1.engine.core_client import EngineCoreClient, InprocClient, SyncMPClient
+from v1.engine.dp_client import DPSyncMPClient
 from v1.engine.dp_router import check_data_parallel_rank
 from v1.engine.exceptions import EngineCoreDeadError
-from v1.engine.output_processor import OutputProcessor, RequestOutputKind
+from v1.engine.output_processor import IterationStats, OutputProcessor
 from v1.engine.processor import Processor, PromptType
 from v1.limits import DEFAULT_LIMITS, InputLimits
+from v1.metrics.prometheus import PrometheusMetrics
+from v1.metrics.reader import Metric, get_metrics_snapshot
 from v1.outputs import RequestOutput, SchedulerStats
 from v1.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from v1.models.loader import LoadedModel
+
 
 class LLMEngine:
-    def __init__(self, client: EngineCoreClient, limits: InputLimits = DEFAULT_LIMITS) -> None:
-        """`limits`: what one request may ask for (`EngineArgs.input_limits`)."""
+    def __init__(
+        self,
+        client: EngineCoreClient,
+        limits: InputLimits = DEFAULT_LIMITS,
+        log_stats: bool = False,
+    ) -> None:
+        """`limits`: what one request may ask for (`EngineArgs.input_limits`); `log_stats`:
+        gather the metrics `get_metrics()` returns."""
         self.client = client
         info = client.model_info
         self.tokenizer = info.tokenizer
@@ -39,22 +62,69 @@ class LLMEngine:
             limits,
         )
         self.output_processor = OutputProcessor(info.tokenizer)
-        self._ids = map(str, itertools.count())
+        self.metrics = PrometheusMetrics(info.model_name) if log_stats else None
+        # Dropping the engine (`del llm`, then a collection: vLLM's
+        # cleanup_dist_env_and_memory) shuts its client down: the client's receiver thread
+        # keeps the client itself alive, so the client's own finalizer would wait for exit.
+        self._finalizer = weakref.finalize(self, client.shutdown)
+
+    @classmethod
+    def from_engine_args(
+        cls,
+        engine_args: EngineArgs,
+        *,
+        enable_multiprocessing: bool | None = None,
+        loaded_model: "LoadedModel | None" = None,
+    ) -> "LLMEngine":
+        """vLLM's: an engine with the options of `engine_args`. Its engine core runs in a
+        process of its own (`SyncMPClient`; several behind a `DPSyncMPClient` with
+        data_parallel_size > 1) unless `enable_multiprocessing` is False (default: True
+        unless V1_ENABLE_MULTIPROCESSING=0, or `loaded_model`, a `LoadedModel` of this
+        process, is given: its weights are reused, in this process)."""
+        if enable_multiprocessing is None:
+            enable_multiprocessing = (
+                loaded_model is None and os.environ.get("V1_ENABLE_MULTIPROCESSING", "1") != "0"
+            )
+        if enable_multiprocessing and loaded_model is not None:
+            raise ValueError(
+                "loaded_model needs multiprocess=False (enable_multiprocessing=False): its "
+                "weights live here"
+            )
+        if engine_args.data_parallel_size > 1 and not enable_multiprocessing:
+            raise ValueError(
+                "data_parallel_size > 1 needs engine processes (multiprocess=True, "
+                "enable_multiprocessing=True)"
+            )
+        client: EngineCoreClient = (
+            DPSyncMPClient(engine_args)
+            if engine_args.data_parallel_size > 1
+            else SyncMPClient(engine_args)
+            if enable_multiprocessing
+            else InprocClient(engine_args, loaded_model)
+        )
+        return cls(client, engine_args.input_limits(), not engine_args.disable_log_stats)
 
     def add_request(
         self,
+        request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
-        request_id: str | None = None,
+        params: SamplingParams | None = None,  # required: None only to name the order
+        *,
         priority: int = 0,
-        output_kind: RequestOutputKind = RequestOutputKind.FINAL,
         data_parallel_rank: int | None = None,
     ) -> str:
-        """Returns the caller's id: the one outputs carry and `abort_requests` takes."""
+        """vLLM's order: the caller's id (what outputs carry and `abort_requests` takes; it
+        is returned), the prompt, its SamplingParams (whose `output_kind` says what each
+        output of `step()` carries)."""
+        if not isinstance(request_id, str) or not isinstance(params, SamplingParams):
+            raise TypeError(
+                "add_request takes (request_id, prompt, params), as vLLM's; got "
+                f"({type(request_id).__name__}, {type(prompt).__name__}, "
+                f"{type(params).__name__})"
+            )
         check_data_parallel_rank(data_parallel_rank, self.client.data_parallel_size)
-        request_id = request_id or next(self._ids)
         request, text = self.processor.process_inputs(request_id, prompt, params, None, priority)
-        core_requests = self.output_processor.add_request(request, text, output_kind)
+        core_requests = self.output_processor.add_request(request, text)
         try:
             for core_request in core_requests:
                 self.client.add_request(core_request, data_parallel_rank)
@@ -79,10 +149,22 @@ class LLMEngine:
                 return []  # none of them live here any more
             self.abort_requests(list(failed))  # n > 1: siblings on other cores too
             raise
-        processed = self.output_processor.process_outputs(outputs.outputs)
+        stats = IterationStats() if self.metrics is not None else None
+        processed = self.output_processor.process_outputs(outputs.outputs, stats)
         if processed.reqs_to_abort:  # stop strings: the core does not know them
             self.client.abort_requests(processed.reqs_to_abort)
+        if self.metrics is not None and stats is not None:
+            self.metrics.record(stats)
         return processed.request_outputs
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's: the engine's metrics as of now (`v1.metrics.reader`'s objects, under
+        the names GET /metrics uses): the engine core's counters and gauges, and the
+        latency histograms of the requests finished so far. Needs log_stats."""
+        if self.metrics is None:
+            raise ValueError("metrics are off: make the engine with disable_log_stats=False")
+        self.metrics.set_scheduler_stats(self.get_stats())
+        return get_metrics_snapshot(self.metrics.registry)
 
     def reset_prefix_cache(self, include_disk: bool = False) -> bool:
         return self.client.call_utility("reset_prefix_cache", include_disk)
@@ -91,4 +173,4 @@ class LLMEngine:
         return self.client.call_utility("get_stats")
 
     def shutdown(self) -> None:
-        self.client.shutdown()
+        self._finalizer()

@@ -10,7 +10,6 @@ RequestOutput carries the caller's id, and callers abort by it.
 """
 
 import copy
-import enum
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -28,15 +27,10 @@ from v1.outputs import (
     RequestOutput,
 )
 from v1.request import EngineCoreRequest
+from v1.sampling_params import RequestOutputKind
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
-
-
-class RequestOutputKind(enum.StrEnum):
-    CUMULATIVE = "cumulative"  # every output carries everything so far
-    DELTA = "delta"  # only what is new since the last output (streaming servers)
-    FINAL = "final"  # one output, when finished (LLM.generate)
 
 
 @dataclass(slots=True)
@@ -76,7 +70,7 @@ class ParentRequest:
         self.external_req_id = _external_req_id(request)
         self.prompt = prompt
         self.n = request.sampling_params.n
-        self.output_kind = RequestOutputKind.FINAL  # set by OutputProcessor.add_request
+        self.output_kind = RequestOutputKind.FINAL_ONLY  # set by OutputProcessor.add_request
         self.child_ids = [self.child_request_id(i, self.request_id) for i in range(self.n)]
         # The latest output of each child; deltas not yet returned, in delta mode.
         self.completions = [CompletionOutput(i, "", [], None, None) for i in range(self.n)]
@@ -132,7 +126,7 @@ class ParentRequest:
         if self.output_kind is RequestOutputKind.DELTA:
             outputs = sorted(self.deltas, key=lambda c: c.index)
             self.deltas = []
-        elif self.output_kind is RequestOutputKind.FINAL and not self.finished:
+        elif self.output_kind is RequestOutputKind.FINAL_ONLY and not self.finished:
             return None
         else:
             outputs = list(self.completions)
@@ -236,7 +230,7 @@ class RequestState:
     def make_completion_output(self) -> CompletionOutput | None:
         """This request's output now, shaped by its kind; None when there is none to show."""
         finished = self.finish_reason is not None
-        if self.output_kind is RequestOutputKind.FINAL and not finished:
+        if self.output_kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
         delta = self.output_kind is RequestOutputKind.DELTA
         text = ""
@@ -312,14 +306,14 @@ class OutputProcessor:
         self,
         request: EngineCoreRequest,
         prompt: str | None,
-        output_kind: RequestOutputKind | str = RequestOutputKind.FINAL,
     ) -> list[EngineCoreRequest]:
         """Starts tracking a request; returns the requests to send to the engine core: the
-        request itself, or its n child requests when n > 1.
+        request itself, or its n child requests when n > 1. Its outputs are of its sampling
+        params' `output_kind`.
 
         A caller's id may be used again once its request is over, not while it is live.
         """
-        kind = RequestOutputKind(output_kind)
+        kind = request.sampling_params.output_kind
         if request.sampling_params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         external_req_id = _external_req_id(request)

@@ -16,6 +16,7 @@ from typing import Any
 import jinja2
 
 from v1.engine.structured_output import validate_structured_output_params
+from v1.inputs import PromptType
 from v1.limits import (
     DEFAULT_LIMITS,
     INT64_MAX,
@@ -26,9 +27,6 @@ from v1.limits import (
 )
 from v1.request import EngineCoreRequest
 from v1.sampling_params import SamplingParams
-
-# What `generate` accepts per prompt, as vLLM: text, token ids, or a dict with either.
-PromptType = str | Sequence[int] | Mapping[str, Any]
 
 
 def check_token_ids(token_ids: Any, vocab_size: int) -> list[int]:

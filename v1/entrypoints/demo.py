@@ -1,4 +1,4 @@
-"""`python -m v1 demo`: batched answers to questions under one shared system prompt."""
+"""`v1 demo`: batched answers to questions under one shared system prompt."""
 
 import argparse
 import time
@@ -35,8 +35,8 @@ QUESTIONS = [
 ]
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m v1 demo", description=__doc__)
+def main(argv: list[str] | None = None, prog: str = "v1 demo") -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
     parser.add_argument("--model", default=None, help="GGUF file or HF directory")
     parser.add_argument("--max-tokens", type=int, default=48)
     args = parser.parse_args(argv)

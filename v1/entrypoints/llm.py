@@ -1,6 +1,7 @@
 """`LLM`: offline batched generation, used like vLLM's."""
 
-import os
+import copy
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -8,13 +9,12 @@ from tqdm.auto import tqdm
 
 from v1.beam_search import BeamSearchOutput, beam_search
 from v1.config import EngineArgs
-from v1.engine.core_client import EngineCoreClient, InprocClient, SyncMPClient
-from v1.engine.dp_client import DPSyncMPClient
 from v1.engine.llm_engine import LLMEngine
 from v1.engine.processor import PromptType
+from v1.metrics.reader import Metric
 from v1.models.loader import LoadedModel, resolve_model
 from v1.outputs import RequestOutput, SchedulerStats
-from v1.sampling_params import BeamSearchParams, SamplingParams
+from v1.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 Messages = Sequence[Mapping[str, Any]]
 
@@ -26,7 +26,9 @@ class LLM:
     >>> out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))
     >>> out[0].outputs[0].text
 
-    Keyword arguments are the engine options of `EngineArgs` (vLLM's names).
+    Keyword arguments are the engine options of `EngineArgs` (vLLM's names; those of vLLM's
+    that mean nothing here are accepted as `v1.ignored_options` says). As in vLLM, metrics
+    are off unless `disable_log_stats=False`; then `get_metrics()` reads them.
     As in vLLM, the engine core runs in its own process (`SyncMPClient`), which `shutdown()`
     (or leaving a `with` block, or the interpreter's exit) terminates. `multiprocess=False`,
     or V1_ENABLE_MULTIPROCESSING=0 in the environment, runs it in this process instead.
@@ -58,29 +60,18 @@ class LLM:
         unknown = set(kwargs) - set(EngineArgs.__slots__)
         if unknown:
             raise ValueError(f"unknown engine options {sorted(unknown)}")
-        if multiprocess is None:
-            multiprocess = (
-                loaded_model is None and os.environ.get("V1_ENABLE_MULTIPROCESSING", "1") != "0"
-            )
-        if multiprocess and loaded_model is not None:
-            raise ValueError("loaded_model needs multiprocess=False: its weights live here")
+        kwargs.setdefault("disable_log_stats", True)  # vLLM's LLM default
         self.engine_args = EngineArgs(model=model, **kwargs)
-        if self.engine_args.data_parallel_size > 1 and not multiprocess:
-            raise ValueError("data_parallel_size > 1 needs engine processes (multiprocess=True)")
         if loaded_model is None:
             # A path or hub id that is not there fails here, before an engine starts.
             resolve_model(model, self.engine_args.revision)
-        client: EngineCoreClient = (
-            DPSyncMPClient(self.engine_args)
-            if self.engine_args.data_parallel_size > 1
-            else SyncMPClient(self.engine_args)
-            if multiprocess
-            else InprocClient(self.engine_args, loaded_model)
+        self.llm_engine = LLMEngine.from_engine_args(
+            self.engine_args, enable_multiprocessing=multiprocess, loaded_model=loaded_model
         )
-        self.llm_engine = LLMEngine(client, self.engine_args.input_limits())
+        self._request_ids = map(str, itertools.count())
         try:  # generation_config.json's sampling defaults ("auto"), or none ("vllm")
             self.default_sampling_params = self.engine_args.get_diff_sampling_param(
-                client.model_info.model_dir
+                self.llm_engine.client.model_info.model_dir
             )
         except BaseException:
             self.shutdown()
@@ -221,9 +212,11 @@ class LLM:
         try:
             # Validate and add all first: a bad prompt raises before anything runs.
             for i, (prompt, p) in enumerate(zip(prompts, params)):
+                final_only = copy.copy(p)  # the caller's params stay as they are
+                final_only.output_kind = RequestOutputKind.FINAL_ONLY
                 ids.append(engine.add_request(
-                    prompt, p, priority=priority[i] if priority else 0,
-                    data_parallel_rank=ranks[i],
+                    next(self._request_ids), prompt, final_only,
+                    priority=priority[i] if priority else 0, data_parallel_rank=ranks[i],
                 ))
         except Exception:
             engine.abort_requests(ids)
@@ -252,6 +245,12 @@ class LLM:
         """The engine core's scheduler stats; with data parallelism a `DPSchedulerStats`:
         the total over the cores, each core's own in `.engines` (None for a dead core)."""
         return self.llm_engine.get_stats()
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's: a snapshot of the engine's metrics (`v1.metrics.reader`'s Counter, Gauge,
+        Histogram and Vector, under the names of the server's GET /metrics). Needs
+        `LLM(..., disable_log_stats=False)`: metrics are off by default, as in vLLM."""
+        return self.llm_engine.get_metrics()
 
     def shutdown(self) -> None:
         self.llm_engine.shutdown()

@@ -1,4 +1,5 @@
-"""`python -m v1 serve`: an OpenAI-compatible HTTP server over AsyncLLM (FastAPI + uvicorn).
+"""`v1 serve [MODEL]` (or `python -m v1 serve`): an OpenAI-compatible HTTP server over AsyncLLM
+(FastAPI + uvicorn). Its options are the server's own, then EngineArgs' (`add_cli_args`).
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions and POST /v1/responses (OpenAI's
 Responses API: text, stateless; all three also streamed as server-sent events), GET /v1/models,
@@ -26,7 +27,6 @@ import json
 import logging
 import os
 import secrets
-import typing
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
@@ -45,7 +45,6 @@ from v1.config import EngineArgs
 from v1.engine.async_llm import AsyncLLM
 from v1.engine.dp_headless import run_headless
 from v1.engine.exceptions import EngineDeadError
-from v1.entrypoints.openai.metrics import PrometheusMetrics
 from v1.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -66,7 +65,7 @@ from v1.entrypoints.openai.serving import (
 )
 from v1.entrypoints.openai.serving_responses import OpenAIServingResponses
 from v1.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
-from v1.limits import InputLimits
+from v1.metrics.prometheus import PrometheusMetrics
 from v1.models.loader import resolve_model
 
 T = TypeVar("T")
@@ -145,7 +144,8 @@ async def health(raw: Request) -> Response:
 async def metrics(raw: Request) -> Response:
     prometheus: PrometheusMetrics = raw.app.state.metrics
     accept = raw.headers.get("accept", "")
-    body, content_type = await prometheus.expose(_serving(raw).engine, accept)
+    prometheus.set_scheduler_stats(await _serving(raw).engine.get_stats())
+    body, content_type = prometheus.expose(accept)
     return Response(body, media_type=content_type)
 
 
@@ -372,7 +372,8 @@ def build_app(
         app.state.responses = OpenAIServingResponses(app.state.serving)
         # Labelled with the name responses report, as vLLM labels its metrics.
         app.state.metrics = PrometheusMetrics(app.state.serving.served_model_names[0])
-        engine.stat_loggers.append(app.state.metrics.record)
+        if not engine_args.disable_log_stats:
+            engine.stat_loggers.append(app.state.metrics.record)
         # The startup heap (torch, transformers, the tokenizer: ~350k objects) lives as long
         # as the server: out of the collector's sight, a full collection, which runs on
         # whichever thread triggers it and stops the event loop meanwhile, takes microseconds
@@ -398,9 +399,9 @@ def build_app(
     return app
 
 
-def make_parser() -> argparse.ArgumentParser:
+def make_parser(prog: str = "v1 serve") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m v1 serve",
+        prog=prog,
         description="An OpenAI-compatible server over the engine.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -443,44 +444,17 @@ def make_parser() -> argparse.ArgumentParser:
         "--uvicorn-log-level", default="info", help="uvicorn's log level",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
-    # The engine options are EngineArgs' fields, spelled as vLLM's flags; its request limits
-    # (InputLimits' fields) go with the server's own (ServerLimits').
-    group = parser.add_argument_group("engine options")
-    limits = parser.add_argument_group(
-        "request limits", "a request over one gets a 400 naming the field and the limit"
+    # The server's own request limits; the engine's options (and its request limits) are
+    # EngineArgs', spelled as vLLM's flags.
+    server_limits = parser.add_argument_group(
+        "server request limits", "a request over one gets a 400 naming the field and the limit"
     )
     for field in dataclasses.fields(ServerLimits):
-        limits.add_argument(
+        server_limits.add_argument(
             "--" + field.name.replace("_", "-"), type=int, default=field.default,
             help=field.metadata["help"],
         )
-    limit_help = {f.name: f.metadata["help"] for f in dataclasses.fields(InputLimits)}
-    hints = typing.get_type_hints(EngineArgs)
-    for field in dataclasses.fields(EngineArgs):
-        flag, hint = "--" + field.name.replace("_", "-"), hints[field.name]
-        kwargs: dict[str, Any] = {"default": field.default, "help": "default: %(default)s"}
-        if field.name in limit_help:
-            limits.add_argument(flag, type=int, default=field.default,
-                                help=limit_help[field.name])
-        elif hint is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
-        else:  # X or X | None: parse as X (a dict as JSON, as vLLM's --speculative-config)
-            scalar = next(t for t in typing.get_args(hint) or (hint,) if t is not type(None))
-            if typing.get_origin(scalar) is dict:
-                scalar = _json_object
-            group.add_argument(flag, type=scalar, **kwargs)
-    return parser
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    """A JSON object option (argparse reports the ValueError as a usage error)."""
-    value = json.loads(text)
-    if not isinstance(value, dict):
-        raise ValueError(f"expected a JSON object, got {text!r}")
-    return value
-
-
-_json_object.__name__ = "JSON object"  # what argparse names in its error
+    return EngineArgs.add_cli_args(parser)
 
 
 def engine_args_from(parser: argparse.ArgumentParser, args: argparse.Namespace) -> EngineArgs:
@@ -492,17 +466,15 @@ def engine_args_from(parser: argparse.ArgumentParser, args: argparse.Namespace) 
             parser.error(f"two models given: {args.model_tag} and --model {args.model}")
         args.model = args.model_tag
     try:
-        engine_args = EngineArgs(
-            **{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)}
-        )
+        engine_args = EngineArgs.from_cli_args(args)
         resolve_model(engine_args.model, engine_args.revision)
     except ValueError as e:
         parser.error(str(e))
     return engine_args
 
 
-def main(argv: list[str]) -> None:
-    parser = make_parser()
+def main(argv: list[str], prog: str = "v1 serve") -> None:
+    parser = make_parser(prog)
     args = parser.parse_args(argv)
     engine_args = engine_args_from(parser, args)
     if args.headless:

@@ -1,5 +1,6 @@
-"""GET /metrics through `prometheus_client`, under vLLM's metric names and labels, so that
-vLLM's Grafana dashboard and scrape configs work unchanged.
+"""The engine's Prometheus metrics, under vLLM's metric names and labels, so that vLLM's
+Grafana dashboard and scrape configs work unchanged: the server's GET /metrics, and
+`LLM.get_metrics()` (through `v1.metrics.reader`).
 
 Two sources: the engine core's `SchedulerStats` (queue sizes, KV cache usage, prefix-cache
 and token counters, all cumulative since the core started), fetched at each scrape; and the
@@ -10,8 +11,8 @@ index, as vLLM labels them), and a dead core's series disappear; totals are a `s
 (engine)` away (`LLM.get_stats()` returns the total itself). The latencies are the frontend's,
 over all cores, without an engine label.
 
-Each server has its own `CollectorRegistry`: several servers may run in one process (tests),
-and the global registry would refuse a second set of the same names.
+Each server (or `LLM`) has its own `CollectorRegistry`: several may run in one process
+(tests), and the global registry would refuse a second set of the same names.
 """
 
 from collections.abc import Iterator
@@ -21,7 +22,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
-from v1.engine.async_llm import AsyncLLM
 from v1.engine.dp_client import DPSchedulerStats
 from v1.engine.output_processor import IterationStats
 from v1.outputs import SchedulerStats
@@ -126,7 +126,8 @@ class _SchedulerStatsCollector(Collector):
 
 
 class PrometheusMetrics:
-    """One server's metrics: `record` is an `AsyncLLM` stat logger, `expose` answers a
+    """One engine's metrics: `record` is a stat logger (of `AsyncLLM` or `LLMEngine`),
+    `set_scheduler_stats` takes the engine core's stats as of now, `expose` answers a
     scrape."""
 
     def __init__(self, model_name: str) -> None:
@@ -180,9 +181,12 @@ class PrometheusMetrics:
                 self._queue.observe(finished.queue_time)
             self._success.labels(self._model_name, finished.finish_reason).inc()
 
-    async def expose(self, engine: AsyncLLM, accept: str) -> tuple[bytes, str]:
-        """The exposition, with the engine core's stats as of now, and its content type: the
-        format the scraper's Accept header prefers (Prometheus asks for OpenMetrics first)."""
-        self._scheduler.stats = await engine.get_stats()
+    def set_scheduler_stats(self, stats: SchedulerStats) -> None:
+        """The engine core's stats that the gauges and core counters show from now on."""
+        self._scheduler.stats = stats
+
+    def expose(self, accept: str) -> tuple[bytes, str]:
+        """The exposition and its content type: the format the scraper's Accept header
+        prefers (Prometheus asks for OpenMetrics first)."""
         encode, content_type = choose_encoder(accept)
         return encode(self.registry), content_type

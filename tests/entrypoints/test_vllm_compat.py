@@ -1,0 +1,312 @@
+"""vLLM's usage patterns (its example scripts', written anew here), one test per pattern: the
+argparse script, the `LLMEngine` loop, `AsyncLLM` streaming with each output kind, metrics
+through `get_metrics()`, `del llm` + `cleanup_dist_env_and_memory()`, the options vLLM's
+scripts pass, the prompt types, and the `v1` console command."""
+
+import asyncio
+import dataclasses
+import importlib.metadata
+import logging
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily
+
+from tests.engine.mp_utils import SMALL_ENGINE, wait_until
+from v1 import (
+    EngineArgs,
+    LLMEngine,
+    RequestOutput,
+    RequestOutputKind,
+    SamplingParams,
+    TextPrompt,
+    TokensPrompt,
+)
+from v1.distributed import cleanup_dist_env_and_memory
+from v1.engine.arg_utils import AsyncEngineArgs
+from v1.engine.async_llm import AsyncLLM
+from v1.entrypoints.llm import LLM
+from v1.ignored_options import IGNORED_OPTIONS
+from v1.metrics.reader import Counter, Gauge, Histogram, Vector, get_metrics_snapshot
+from v1.platforms import current_platform
+from v1.utils.argparse_utils import FlexibleArgumentParser
+from v1.utils.network_utils import get_open_port
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+MAX_TOKENS = 6
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+ROOT = Path(__file__).parents[2]
+
+
+@pytest.fixture(scope="module")
+def reference(default_model) -> dict[str, tuple[list[int], str]]:
+    """Each prompt's greedy tokens and text from an in-process LLM."""
+    with LLM(loaded_model=default_model, **SMALL_ENGINE) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    return {o.prompt: (o.outputs[0].token_ids, o.outputs[0].text) for o in outputs}
+
+
+@pytest.mark.model
+def test_argparse_script_then_del_and_cleanup(reference) -> None:
+    """generate.py / chat.py: engine flags from EngineArgs.add_cli_args on vLLM's flexible
+    parser, a sampling group of the script's own, `LLM(**vars(args))`; then prefix_caching.py's
+    `del llm; cleanup_dist_env_and_memory()`, which ends the engine-core process."""
+    parser = FlexibleArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    sampling = parser.add_argument_group("Sampling parameters")
+    sampling.add_argument("--max-tokens", type=int)
+    sampling.add_argument("--temperature", type=float)
+    args = vars(parser.parse_args([
+        "--max_model_len=1024", "--num-gpu-blocks", "256", "--quantization", "none",
+        "--enforce-eager", "--trust-remote-code", "--max-tokens", str(MAX_TOKENS),
+        "--temperature", "0",
+    ]))
+    max_tokens, temperature = args.pop("max_tokens"), args.pop("temperature")
+    llm = LLM(**args)
+    params = llm.get_default_sampling_params()
+    params.max_tokens, params.temperature = max_tokens, temperature
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert {o.prompt: (o.outputs[0].token_ids, o.outputs[0].text) for o in outputs} == reference
+    (chat,) = llm.chat([{"role": "user", "content": "Hi"}], params, use_tqdm=False)
+    assert chat.outputs[0].token_ids
+
+    proc = llm.llm_engine.client._res.proc
+    assert proc.is_alive()
+    del llm, outputs, chat
+    cleanup_dist_env_and_memory()
+    wait_until(lambda: not proc.is_alive())
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("kind", list(RequestOutputKind))
+def test_engine_loop_in_vllms_order(default_model, reference, kind) -> None:
+    """llm_engine_example.py: EngineArgs.from_cli_args, LLMEngine.from_engine_args,
+    add_request(request_id, prompt, params) and step() until nothing is unfinished; each
+    output of the params' output_kind."""
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    engine_args = EngineArgs.from_cli_args(parser.parse_args(
+        ["--max-model-len", "1024", "--num-gpu-blocks", "256", "--quantization", "none"]
+    ))
+    engine = LLMEngine.from_engine_args(engine_args, loaded_model=default_model)
+    try:
+        params = dataclasses.replace(GREEDY, output_kind=kind)
+        with pytest.raises(TypeError, match=r"\(request_id, prompt, params\)"):
+            engine.add_request(PROMPTS[0], GREEDY)  # type: ignore[call-arg]
+        pending = list(enumerate(PROMPTS))
+        seen: dict[str, list[RequestOutput]] = {"0": [], "1": []}
+        while pending or engine.has_unfinished_requests():  # one more request per step
+            if pending:
+                i, prompt = pending.pop(0)
+                assert engine.add_request(str(i), prompt, params) == str(i)
+            for out in engine.step():
+                seen[out.request_id].append(out)
+    finally:
+        engine.shutdown()
+    for request_id, outs in seen.items():
+        assert_kind(outs, kind, reference[PROMPTS[int(request_id)]])
+
+
+def assert_kind(
+    outs: list[RequestOutput], kind: RequestOutputKind, expected: tuple[list[int], str]
+) -> None:
+    """vLLM's meaning of each kind, for a greedy request of MAX_TOKENS tokens whose whole
+    output is `expected` (tokens, text)."""
+    tokens, text = expected
+    assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+    ids = [o.outputs[0].token_ids for o in outs]
+    texts = [o.outputs[0].text for o in outs]
+    if kind is RequestOutputKind.FINAL_ONLY:  # one output, at the end
+        assert ids == [tokens] and texts == [text]
+    elif kind is RequestOutputKind.CUMULATIVE:  # everything so far, growing
+        assert ids == [tokens[: i + 1] for i in range(MAX_TOKENS)] and texts[-1] == text
+        assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    else:  # only what is new
+        assert ids == [[t] for t in tokens] and "".join(texts) == text
+
+
+@pytest.mark.model
+def test_async_streaming_with_each_output_kind(default_model_path, reference) -> None:
+    """async_llm_streaming.py: AsyncLLM.from_engine_args(AsyncEngineArgs(...)), generate()
+    with SamplingParams(output_kind=...) for DELTA, CUMULATIVE and FINAL_ONLY at once."""
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(enforce_eager=True, **SMALL_ENGINE))
+
+    async def stream(kind: RequestOutputKind, prompt: str) -> list[RequestOutput]:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, output_kind=kind)
+        return [out async for out in engine.generate(prompt, params, request_id=kind.name)]
+
+    async def main() -> list[list[RequestOutput]]:
+        return await asyncio.gather(*(stream(k, PROMPTS[0]) for k in RequestOutputKind))
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    for kind, outs in zip(RequestOutputKind, results):
+        assert_kind(outs, kind, reference[PROMPTS[0]])
+
+
+@pytest.mark.model
+def test_metrics_through_get_metrics(default_model) -> None:
+    """metrics.py: LLM(disable_log_stats=False), generate, then get_metrics()'s Counter,
+    Gauge and Histogram objects under vLLM's names; off by default, as in vLLM."""
+    with LLM(loaded_model=default_model, **SMALL_ENGINE) as quiet:
+        with pytest.raises(ValueError, match="disable_log_stats=False"):
+            quiet.get_metrics()
+    with LLM(loaded_model=default_model, disable_log_stats=False, **SMALL_ENGINE) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        metrics = llm.get_metrics()
+    by_name = {(m.name, tuple(sorted(m.labels.items()))): m for m in metrics}
+
+    def one(name: str, cls: type, **labels: str):
+        (metric,) = [
+            m for (n, ls), m in by_name.items() if n == name and set(labels.items()) <= set(ls)
+        ]
+        assert isinstance(metric, cls)
+        return metric
+
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert one("vllm:generation_tokens", Counter).value == generated
+    assert one("vllm:prompt_tokens", Counter).value == sum(
+        len(o.prompt_token_ids) for o in outputs
+    )
+    assert one("vllm:request_success", Counter, finished_reason="length").value == len(PROMPTS)
+    assert one("vllm:num_requests_running", Gauge).value == 0
+    e2e = one("vllm:e2e_request_latency_seconds", Histogram)
+    assert e2e.count == len(PROMPTS) and e2e.buckets["+Inf"] == len(PROMPTS) and e2e.sum > 0
+    assert one("vllm:time_to_first_token_seconds", Histogram).count == len(PROMPTS)
+
+
+def test_reader_makes_position_counters_a_vector() -> None:
+    registry = CollectorRegistry()
+
+    class Positions:
+        def collect(self):
+            family = CounterMetricFamily("vllm:per_pos", "", labels=["model_name", "position"])
+            for pos, count in [(1, 3), (0, 5)]:
+                family.add_metric(["m", str(pos)], count)
+            yield family
+
+    registry.register(Positions())
+    assert get_metrics_snapshot(registry) == [Vector("vllm:per_pos", {"model_name": "m"}, [5, 3])]
+
+
+@pytest.mark.model
+def test_vllms_options_are_accepted_or_refused(default_model, caplog) -> None:
+    """The options vLLM's scripts pass (data_parallel.py's among them): those that mean
+    nothing here run, one log line each; those we cannot honour are a ValueError."""
+    options = {
+        "enforce_eager": True, "trust_remote_code": True, "tensor_parallel_size": 1,
+        "disable_log_stats": True, "swap_space": 8, "max_logprobs": 20,
+        "compilation_config": {"level": 3}, "hf_token": "secret-token",
+        "enable_expert_parallel": True,
+    }
+    with caplog.at_level(logging.INFO, logger="v1"):
+        with LLM(loaded_model=default_model, **SMALL_ENGINE, **options) as llm:
+            (out,) = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    assert out.outputs[0].token_ids
+    ignored = [r.getMessage() for r in caplog.records if "accepted and ignored" in r.message]
+    changed = {"enforce_eager", "trust_remote_code", "swap_space", "compilation_config",
+               "hf_token", "enable_expert_parallel"}  # tensor_parallel_size=1 is the default
+    assert sorted(m.split()[0] for m in ignored) == sorted(changed)
+    assert not any("secret-token" in r.getMessage() for r in caplog.records)
+    for bad, match in [
+        ({"tensor_parallel_size": 2}, r"tensor_parallel_size=2 .*data_parallel_size"),
+        ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
+        ({"tokenizer": "other/tokenizer"}, "tokenizer other than the model's"),
+        ({"no_such_option": 1}, r"unknown engine options \['no_such_option'\]"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            LLM(loaded_model=default_model, **bad)
+    assert current_platform.device_type in ("cpu", "cuda")
+    assert 0 < get_open_port() < 65536
+
+
+def test_the_ignored_options_table_is_the_fields() -> None:
+    fields = {f.name: f for f in dataclasses.fields(EngineArgs)}
+    for name, option in IGNORED_OPTIONS.items():
+        assert option.why in fields[name].metadata["help"]
+        EngineArgs(**{name: fields[name].default})  # the default is accepted silently
+
+
+@pytest.mark.model
+def test_prompt_types(default_model, reference) -> None:
+    with LLM(loaded_model=default_model, **SMALL_ENGINE) as llm:
+        ids = llm.get_tokenizer().encode(PROMPTS[0])
+        outputs = llm.generate(
+            [TextPrompt(prompt=PROMPTS[0]), TokensPrompt(prompt_token_ids=ids)], GREEDY,
+            use_tqdm=False,
+        )
+    assert [o.outputs[0].token_ids for o in outputs] == [reference[PROMPTS[0]][0]] * 2
+
+
+def console_main():
+    """The `v1` console script's function, as pyproject.toml declares it (and, when this
+    checkout is the one installed, as the installed metadata does)."""
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    entry = importlib.metadata.EntryPoint("v1", scripts["v1"], "console_scripts")
+    installed = importlib.metadata.entry_points(group="console_scripts", name="v1")
+    dist = importlib.metadata.distribution("v1")
+    if installed and Path(str(dist.locate_file(""))).resolve() == ROOT:
+        assert [e.value for e in installed] == [entry.value]
+    return entry.load()
+
+
+def run_console(capsys, argv: list[str]) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        console_main()(argv)
+    out = capsys.readouterr()
+    return exit_info.value.code, out.out + out.err
+
+
+def test_console_command_help_lists_each_option_once(capsys) -> None:
+    code, text = run_console(capsys, ["--help"])
+    assert code == 0 and "serve" in text and "demo" in text
+    code, text = run_console(capsys, ["serve", "--help"])
+    assert code == 0 and text.startswith("usage: v1 serve")
+    options = re.findall(r"^\s{2}(--[a-z0-9-]+)", text, re.MULTILINE)
+    assert len(options) == len(set(options))
+    for field in dataclasses.fields(EngineArgs):
+        flag = "--" + field.name.replace("_", "-")
+        assert options.count(flag) == 1, flag
+    for flag in ("--host", "--port", "--served-model-name", "--enforce-eager",
+                 "--trust-remote-code", "--disable-log-stats"):
+        assert flag in options
+    code, text = run_console(capsys, ["nonsense"])
+    assert code == 2 and "usage: v1" in text
+
+
+def test_serve_takes_the_model_as_vllm_serve_does(default_model_path) -> None:
+    from v1.entrypoints.openai.api_server import engine_args_from, make_parser
+
+    parser = make_parser()
+    args = parser.parse_args([str(default_model_path), "--enforce-eager", "--trust-remote-code",
+                              "--tensor-parallel-size", "1"])
+    engine_args = engine_args_from(parser, args)
+    assert engine_args.model == str(default_model_path) and engine_args.enforce_eager
+    with pytest.raises(SystemExit):
+        engine_args_from(parser, parser.parse_args(["--tensor-parallel-size", "2"]))
+
+
+@pytest.mark.model
+def test_serve_with_disable_log_stats_gathers_no_latencies(default_model_path) -> None:
+    """`serve --disable-log-stats`: /metrics shows the engine core's counters, and no
+    request latencies (with stats on, test_prometheus_metrics.py counts them)."""
+    from fastapi.testclient import TestClient
+
+    from v1.entrypoints.openai.api_server import DEFAULT_SERVED_MODEL_NAME, build_app
+
+    args = EngineArgs(disable_log_stats=True, **SMALL_ENGINE)
+    with TestClient(build_app(args)) as http:
+        body = {"model": DEFAULT_SERVED_MODEL_NAME, "prompt": PROMPTS[0], "max_tokens": 2}
+        assert http.post("/v1/completions", json=body).status_code == 200
+        text = http.get("/metrics").text
+
+    def value(name: str) -> float:
+        (line,) = [ln for ln in text.splitlines() if ln.startswith(name + "{")]
+        return float(line.rsplit(" ", 1)[1])
+
+    assert value("vllm:generation_tokens_total") == 2
+    assert value("vllm:time_to_first_token_seconds_count") == 0

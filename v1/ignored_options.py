@@ -1,0 +1,94 @@
+"""vLLM's engine options that mean nothing in this engine: the one table of them.
+
+Scripts written for vLLM pass them (`LLM(enforce_eager=True, trust_remote_code=True)`,
+`serve --enforce-eager`), so `EngineArgs` has each as a field, under vLLM's name and default,
+and accepts it as vLLM's CPU backend does: a value other than the default is logged once, with
+the reason it changes nothing here. A value that would change the results, which this engine
+cannot honour (`tensor_parallel_size=2`), is a ValueError naming the option and what it
+accepts. Options this engine does implement are ordinary `EngineArgs` fields, not listed here.
+"""
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger("v1")
+
+
+@dataclass(frozen=True, slots=True)
+class IgnoredOption:
+    """Why the option changes nothing here; `only`: the values accepted (None: any), and
+    `refused`: why others are not; `same_as`: another option whose value is accepted too."""
+
+    why: str
+    only: tuple[Any, ...] | None = None
+    refused: str = ""
+    same_as: str | None = None
+
+
+_NO_DOWNLOADS = (
+    "nothing is downloaded: a model is a local path or a hub id already in the local Hugging "
+    "Face cache"
+)
+_ONE_DEVICE = "an engine core runs its model on one device"
+
+IGNORED_OPTIONS: dict[str, IgnoredOption] = {
+    "enforce_eager": IgnoredOption(
+        "no CUDA graphs are captured: every step runs eagerly already"
+    ),
+    "trust_remote_code": IgnoredOption(
+        "no model repository's code is ever run: every architecture loaded is this engine's "
+        "own (v1/models)"
+    ),
+    "tensor_parallel_size": IgnoredOption(
+        _ONE_DEVICE, only=(1,), refused="for more engine cores, use data_parallel_size"
+    ),
+    "pipeline_parallel_size": IgnoredOption(
+        _ONE_DEVICE, only=(1,), refused="for more engine cores, use data_parallel_size"
+    ),
+    "swap_space": IgnoredOption(
+        "a preempted request is recomputed (as in vLLM V1): no KV cache is swapped to CPU "
+        "memory"
+    ),
+    "compilation_config": IgnoredOption(
+        "the model is not compiled with torch.compile (the kernels are built with the "
+        "package): compilation would change speed, not results"
+    ),
+    "hf_token": IgnoredOption(_NO_DOWNLOADS),
+    "download_dir": IgnoredOption(_NO_DOWNLOADS),
+    "tokenizer": IgnoredOption(
+        "the tokenizer is always the model's own (its directory's or its GGUF file's)",
+        only=(None,), same_as="model",
+        refused="a tokenizer other than the model's is not supported",
+    ),
+    "enable_expert_parallel": IgnoredOption("no mixture-of-experts model runs here"),
+}
+
+
+def ignored_help(name: str) -> str:
+    """The command-line help of an ignored option."""
+    option = IGNORED_OPTIONS[name]
+    accepted = "" if option.only is None else (
+        f" (accepted: {', '.join(map(str, option.only))}"
+        + (f" or the {option.same_as}" if option.same_as else "") + ")"
+    )
+    return f"accepted as in vLLM, and ignored: {option.why}{accepted}"
+
+
+def check_ignored_option(name: str, value: Any, default: Any, options: Any) -> None:
+    """Log that `value` (other than the default) is ignored, or raise ValueError if it is not
+    one of the accepted values. `options`: the EngineArgs, for `same_as`."""
+    if value == default:
+        return
+    option = IGNORED_OPTIONS[name]
+    same = option.same_as is not None and value == getattr(options, option.same_as)
+    if option.only is not None and value not in option.only and not same:
+        accepted = ", ".join(map(repr, option.only))
+        if option.same_as:
+            accepted += f" or the {option.same_as} itself"
+        raise ValueError(
+            f"{name}={value!r} is not supported: {option.why}; {option.refused} "
+            f"(accepted: {accepted})"
+        )
+    # The value is not logged: hf_token's is a secret.
+    logger.info("%s is accepted and ignored: %s", name, option.why)

@@ -1,0 +1,27 @@
+"""vLLM's `FlexibleArgumentParser`: an ArgumentParser for engine options that also takes
+their flags spelled with underscores (`--max_model_len` for `--max-model-len`)."""
+
+import argparse
+from collections.abc import Sequence
+
+
+class FlexibleArgumentParser(argparse.ArgumentParser):
+    """`EngineArgs.add_cli_args(FlexibleArgumentParser())` is vLLM's scripts' command line.
+    Only a flag's name is respelled, never its value (`--chat-template=a_b.jinja` keeps
+    its underscore)."""
+
+    def parse_known_args(  # type: ignore[override]
+        self,
+        args: Sequence[str] | None = None,
+        namespace: argparse.Namespace | None = None,
+    ) -> tuple[argparse.Namespace, list[str]]:
+        if args is not None:
+            args = [_dashed(arg) for arg in args]
+        return super().parse_known_args(args, namespace)
+
+
+def _dashed(arg: str) -> str:
+    if not arg.startswith("--"):
+        return arg
+    name, eq, value = arg.partition("=")
+    return name.replace("_", "-") + eq + value
