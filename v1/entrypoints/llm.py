@@ -11,6 +11,7 @@ from v1.engine.core_client import EngineCoreClient, InprocClient, SyncMPClient
 from v1.engine.dp_client import DPSyncMPClient
 from v1.engine.llm_engine import LLMEngine
 from v1.engine.processor import PromptType
+from v1.lora.request import LoRARequest
 from v1.models.loader import LoadedModel, resolve_model
 from v1.outputs import RequestOutput, SchedulerStats
 from v1.sampling_params import SamplingParams
@@ -102,6 +103,7 @@ class LLM:
         priority: Sequence[int] | None = None,
         use_tqdm: bool = True,
         data_parallel_rank: int | Sequence[int | None] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in the order of `prompts`.
 
@@ -109,7 +111,10 @@ class LLM:
         per prompt, lower first) matters under scheduling_policy="priority". Each request's
         max_tokens is capped to what `max_model_len` leaves after its prompt (see the class).
         `data_parallel_rank` (one for all prompts, or one per prompt; None routes) pins
-        requests to an engine core under data parallelism.
+        requests to an engine core under data parallelism. `lora_request` (one for all
+        prompts, or one per prompt; None: the base model) runs prompts with a LoRA adapter
+        (the engine made with enable_lora=True); each adapter is loaded and checked first, so
+        a bad one raises ValueError before anything runs.
         """
         if isinstance(prompts, (str, Mapping)) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
@@ -137,7 +142,16 @@ class LLM:
                 raise ValueError(
                     f"got {len(ranks)} data_parallel_ranks for {len(prompts)} prompts"
                 )
-        return self._run(prompts, params, priority, use_tqdm, ranks)
+        loras: list[LoRARequest | None]
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
+        for lora in dict.fromkeys(lr for lr in loras if lr is not None):
+            self.llm_engine.add_lora(lora)
+        return self._run(prompts, params, priority, use_tqdm, ranks, loras)
 
     def chat(
         self,
@@ -179,6 +193,7 @@ class LLM:
         priority: Sequence[int] | None,
         use_tqdm: bool,
         ranks: Sequence[int | None],
+        loras: Sequence[LoRARequest | None],
     ) -> list[RequestOutput]:
         engine = self.llm_engine
         ids: list[str] = []
@@ -187,7 +202,7 @@ class LLM:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 ids.append(engine.add_request(
                     prompt, p, priority=priority[i] if priority else 0,
-                    data_parallel_rank=ranks[i],
+                    data_parallel_rank=ranks[i], lora_request=loras[i],
                 ))
         except Exception:
             engine.abort_requests(ids)

@@ -322,6 +322,7 @@ class Scheduler(WaitingAdmission):
             NewRequestData(
                 r.request_id, r.all_token_ids[:] if r.output_token_ids else r.prompt_token_ids,
                 r.sampling_params, kv.get_block_ids(r.request_id), r.num_computed_tokens,
+                r.lora_request,
             )
             for r in st.scheduled_new
         ]
