@@ -243,8 +243,10 @@ class DPClientBase:
                 raise self.dead_error
             while True:
                 try:
+                    lora = request.lora_request
                     route = self.router.route(
-                        request.prompt_token_ids, request.cache_salt, data_parallel_rank
+                        request.prompt_token_ids, request.cache_salt, data_parallel_rank,
+                        None if lora is None else lora.lora_int_id,
                     )
                 except RuntimeError as e:  # the pinned core is dead (or, racing, all are)
                     raise EngineDeadError(str(e)) from None
