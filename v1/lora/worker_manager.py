@@ -9,8 +9,9 @@ used adapter the step does not need), so a step pays for k slots, not `max_loras
 scheduler admits at most `max_loras` distinct adapters per step, so a step always fits.
 """
 
+import contextlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -146,19 +147,28 @@ class LoRAWorkerManager:
     def finish_request(self, req_id: str) -> None:
         self.req_lora.pop(req_id, None)
 
-    def prepare_step(
+    @contextlib.contextmanager
+    def step_rows(
+        self, req_ids: Sequence[str], num_scheduled: np.ndarray, device: torch.device
+    ) -> Iterator[None]:
+        """For the forward inside: the step's adapters in slots and the row -> slot mask
+        (rows in `req_ids` order, `num_scheduled[i]` rows each). Cleared after, so the
+        wrapped model runs as the base model outside a step."""
+        self._prepare(req_ids, num_scheduled, device)
+        try:
+            yield
+        finally:
+            self.batch.num_slots, self.batch.mask = 0, None
+
+    def _prepare(
         self, req_ids: Sequence[str], num_scheduled: np.ndarray, device: torch.device
     ) -> None:
-        """Put the step's adapters into slots and build the row -> slot mask (rows in
-        `req_ids` order, `num_scheduled[i]` rows each)."""
         req_lora = self.req_lora
         if not req_lora:
-            self.batch.num_slots, self.batch.mask = 0, None
             return
         ids = [req_lora.get(r, 0) for r in req_ids]
         active = sorted(set(ids) - {0})
         if not active:
-            self.batch.num_slots, self.batch.mask = 0, None
             return
         if len(active) > len(self.slots):
             raise RuntimeError(

@@ -28,6 +28,7 @@ step's K/V, and written by the store's thread; finished writes are reported with
 output (`kv_stored`).
 """
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
@@ -356,9 +357,11 @@ class ModelRunner:
             positions < batch.num_prompt_tokens[token_rows]
             if self.loaded.quantization is not None else None
         )
-        if self.lora is not None:
-            self.lora.prepare_step(req_ids, num_scheduled, dev)
-        with prompt_rows(is_prompt):
+        lora_rows = (
+            self.lora.step_rows(req_ids, num_scheduled, dev) if self.lora is not None
+            else contextlib.nullcontext()
+        )
+        with prompt_rows(is_prompt), lora_rows:
             hidden = self.model(
                 torch.from_numpy(input_ids).to(dev, non_blocking=True),
                 torch.from_numpy(positions).to(dev, non_blocking=True),
