@@ -32,7 +32,8 @@ from v1.models.layers.linear import Linear
 class LoRABatch:
     """The step's adapter rows, shared by every wrapped layer: `num_slots` (k) slots in use
     (0: no adapter row, the LoRA path is skipped), `mask` [T, k, 1] with mask[t, s] = 1 iff
-    row t runs with the adapter in slot s."""
+    row t runs with the adapter in slot s; None with k = 1 when every row runs slot 0's
+    adapter (nothing to mask)."""
 
     num_slots: int = 0
     mask: torch.Tensor | None = None
@@ -81,10 +82,10 @@ class LinearWithLoRA(nn.Module):
         k = self.batch.num_slots
         if k == 0:
             return y
-        mask = self.batch.mask
-        assert mask is not None
         h = x @ self.shrink[:k].view(k * self.width, -1).T
-        h = (h.view(-1, k, self.width) * mask).view(-1, k * self.width)
+        mask = self.batch.mask
+        if mask is not None:
+            h = (h.view(-1, k, self.width) * mask).view(-1, k * self.width)
         return y.addmm_(h, self.expand[:k].view(k * self.width, -1))
 
     def set_slot(

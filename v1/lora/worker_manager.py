@@ -122,9 +122,6 @@ class LoRAWorkerManager:
                 wrapped.clear_slot(slot)
         self.loaded.pop(lora_int_id, None)
 
-    def list_adapters(self) -> set[int]:
-        return set(self.loaded)
-
     def _make_room(self, limit: int) -> None:
         """Unload least recently used adapters until at most `limit` are loaded: first those
         in no slot, then slotted ones (each slot's adapter is reloaded when a step needs it)."""
@@ -176,10 +173,12 @@ class LoRAWorkerManager:
             )
         slot_by_id = {lora_id: self._activate(lora_id, active) for lora_id in active}
         k = max(slot_by_id.values()) + 1
+        self.batch.num_slots = k
+        if k == 1 and 0 not in ids:  # every row runs slot 0's adapter: no mask
+            return
         row_slot = np.fromiter((slot_by_id.get(i, -1) for i in ids), np.int64, len(ids))
         token_slot = torch.from_numpy(np.repeat(row_slot, num_scheduled)).to(device)
         mask = token_slot.unsqueeze(1) == torch.arange(k, device=device)
-        self.batch.num_slots = k
         self.batch.mask = mask.unsqueeze(2).to(self.dtype)
 
     def _activate(self, lora_id: int, step_ids: Sequence[int]) -> int:
