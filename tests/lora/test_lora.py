@@ -127,3 +127,19 @@ def test_lora_request_checks():
         LoRARequest("a", 1)
     with pytest.raises(ValueError, match="max_cpu_loras"):
         LLM("unused", enable_lora=True, max_loras=4, max_cpu_loras=2)
+
+
+@pytest.mark.slow
+def test_data_parallel_cores_serve_adapters(lora_fixture):
+    """Two engine-core processes: `add_lora` reaches both, the router keys prefixes by
+    adapter, and the tokens are the merged models'."""
+    fx = lora_fixture
+    l1, l2 = _loras(fx)
+    prompts = [p for p in PROMPTS[:2] for _ in range(3)]
+    loras = [l1, l2, None] * 2
+    with _llm(fx, multiprocess=True, data_parallel_size=2) as llm:
+        got = _tokens(llm.generate(prompts, PARAMS, lora_request=loras, use_tqdm=False))
+        assert llm.llm_engine.list_loras() == {1, 2}
+    want = [fx.greedy(None if lr is None else lr.lora_int_id - 1, p, N)
+            for p, lr in zip(prompts, loras)]
+    assert got == want
