@@ -449,6 +449,10 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
         self.input_limits()  # a bad limit fails here, before anything starts
         self.lora_config()  # likewise bad LoRA bounds
+        if self.enable_lora and self.kv_cache_dir is not None:
+            # Blocks are keyed by lora_int_id, which names an adapter for one engine's life
+            # only: on disk, across restarts, an id could come back naming another adapter.
+            raise ValueError("kv_cache_dir (the disk tier) cannot be combined with enable_lora")
         self.speculative()  # likewise a bad speculative_config
         if self.preload_prompts is not None:
             self.preload_prompts = load_preload_prompts(self.preload_prompts)

@@ -127,6 +127,10 @@ def test_lora_request_checks():
         LoRARequest("a", 1)
     with pytest.raises(ValueError, match="max_cpu_loras"):
         LLM("unused", enable_lora=True, max_loras=4, max_cpu_loras=2)
+    with pytest.raises(ValueError, match="max_lora_rank must be an integer >= 1"):
+        LLM("unused", enable_lora=True, max_lora_rank=0)
+    with pytest.raises(ValueError, match="cannot be combined with enable_lora"):
+        LLM("unused", enable_lora=True, kv_cache_dir="/tmp")
 
 
 @pytest.mark.slow
