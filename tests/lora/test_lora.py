@@ -42,7 +42,11 @@ PARAMS = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True)
     {},  # the whole prompts in one step
     {"max_num_batched_tokens": 8, "long_prefill_token_threshold": 5},  # chunked prefill
     {"max_loras": 1, "max_cpu_loras": 1},  # one adapter per step: slot and memory LRU
-], ids=["one-step", "chunked", "max-loras-1"])
+    {"num_gpu_blocks": 24, "max_model_len": 64},  # preemption (recompute) under a tiny pool
+    {"async_scheduling": True},
+    {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                            "prompt_lookup_min": 1, "prompt_lookup_max": 2}},
+], ids=["one-step", "chunked", "max-loras-1", "preempted", "async", "ngram-drafts"])
 def test_two_adapters_and_base_in_one_batch_match_peft_merged(lora_fixture, kwargs):
     fx = lora_fixture
     l1, l2 = _loras(fx)
@@ -51,7 +55,12 @@ def test_two_adapters_and_base_in_one_batch_match_peft_merged(lora_fixture, kwar
     loras = [l1, l2, None] * len(PROMPTS)
     with _llm(fx, **kwargs) as llm:
         got = _tokens(llm.generate(prompts, PARAMS, lora_request=loras, use_tqdm=False))
-        llm.llm_engine.client.engine_core.check_integrity()
+        core = llm.llm_engine.client.engine_core
+        core.check_integrity()
+        if "num_gpu_blocks" in kwargs:
+            assert core.scheduler.num_preemptions > 0
+        if "speculative_config" in kwargs:  # drafts were verified under the adapters
+            assert llm.get_stats().spec_decode_num_draft_tokens > 0
     want = [fx.greedy(None if lr is None else lr.lora_int_id - 1, p, N)
             for p, lr in zip(prompts, loras)]
     assert got == want
