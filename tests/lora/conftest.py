@@ -36,7 +36,9 @@ def _tokenizer(out_dir: Path) -> None:
 
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(out_dir)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0")
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    fast.save_pretrained(out_dir)
 
 
 def _adapter(base, out_dir: Path, seed: int, **lora_kwargs) -> torch.nn.Module:

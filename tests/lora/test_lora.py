@@ -92,6 +92,16 @@ def test_prefix_cache_is_keyed_by_adapter(lora_fixture):
         llm.llm_engine.client.engine_core.check_integrity()
 
 
+def test_chat_with_an_adapter(lora_fixture):
+    fx = lora_fixture
+    l1, _ = _loras(fx)
+    messages = [{"role": "user", "content": " ".join(f"w{t}" for t in PROMPTS[0])}]
+    with _llm(fx) as llm:
+        out = llm.chat(messages, PARAMS, use_tqdm=False, lora_request=l1)
+    assert out[0].prompt_token_ids == PROMPTS[0]
+    assert out[0].outputs[0].token_ids == fx.greedy(0, PROMPTS[0], N)
+
+
 def test_bad_adapters_raise_value_error_before_running(lora_fixture, tmp_path):
     fx = lora_fixture
     l1, _ = _loras(fx)

@@ -163,13 +163,15 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the chat template to one conversation or a list of them, then generate.
 
         As vLLM's: `chat_template` (Jinja text) replaces the model's; with
         `continue_final_message=True` (and `add_generation_prompt=False`) the model goes on
         with the last message instead of answering it; `chat_template_kwargs` are extra
-        template variables; `tools` (OpenAI-style function definitions) reach the template.
+        template variables; `tools` (OpenAI-style function definitions) reach the template;
+        `lora_request` as in `generate`.
         """
         if messages and isinstance(messages[0], Mapping):
             messages = [messages]  # type: ignore[list-item]
@@ -184,7 +186,9 @@ class LLM:
         token_prompts = [
             {"prompt": p, "prompt_token_ids": processor.encode_conversation(p)} for p in prompts
         ]
-        return self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(
+            token_prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request
+        )
 
     def _run(
         self,
