@@ -237,7 +237,7 @@ class EngineCore:
 
     def list_loras(self) -> set[int]:
         """The ids of the adapters known (loaded, or reloadable on demand)."""
-        return set(self._lora_manager().requests)
+        return self._lora_manager().list_adapters()
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids)

@@ -10,6 +10,7 @@ scheduler admits at most `max_loras` distinct adapters per step, so a step alway
 """
 
 import contextlib
+import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
@@ -61,6 +62,9 @@ class LoRAWorkerManager:
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, LRU order
         self.requests: dict[int, LoRARequest] = {}  # lora id -> the request that named it
         self.req_lora: dict[str, int] = {}  # request id -> its adapter's id
+        # Under async scheduling the step runs on the runner's thread while the engine core
+        # adds adapters on its own: a step holds this, so no slot changes under a forward.
+        self._lock = threading.RLock()
 
     @staticmethod
     def _sub_sizes(out: int, projections: tuple[str, ...], parent: nn.Module) -> tuple[int, ...]:
@@ -74,6 +78,10 @@ class LoRAWorkerManager:
         """Load an adapter into memory (checked against the model); False if it was loaded
         already. A ValueError, and nothing changed, if it cannot be served. The least
         recently used adapter in no slot is dropped beyond `max_cpu_loras`."""
+        with self._lock:
+            return self._add_adapter(request)
+
+    def _add_adapter(self, request: LoRARequest) -> bool:
         known = self.requests.get(request.lora_int_id)
         if known is not None and known.lora_path != request.lora_path:
             raise ValueError(
@@ -107,10 +115,16 @@ class LoRAWorkerManager:
     def remove_adapter(self, lora_int_id: int) -> bool:
         """Forget an adapter (and free its slot); False if it was not known. The engine core
         refuses this while a request uses it."""
-        if self.requests.pop(lora_int_id, None) is None:
-            return False
-        self._unload(lora_int_id)
-        return True
+        with self._lock:
+            if self.requests.pop(lora_int_id, None) is None:
+                return False
+            self._unload(lora_int_id)
+            return True
+
+    def list_adapters(self) -> set[int]:
+        """The ids of the adapters known (loaded, or reloaded when a step needs them)."""
+        with self._lock:
+            return set(self.requests)
 
     def _unload(self, lora_int_id: int) -> None:
         """Out of memory and out of its slot; its request stays known, so a later step can
@@ -151,11 +165,12 @@ class LoRAWorkerManager:
         """For the forward inside: the step's adapters in slots and the row -> slot mask
         (rows in `req_ids` order, `num_scheduled[i]` rows each). Cleared after, so the
         wrapped model runs as the base model outside a step."""
-        self._prepare(req_ids, num_scheduled, device)
-        try:
-            yield
-        finally:
-            self.batch.num_slots, self.batch.mask = 0, None
+        with self._lock:
+            self._prepare(req_ids, num_scheduled, device)
+            try:
+                yield
+            finally:
+                self.batch.num_slots, self.batch.mask = 0, None
 
     def _prepare(
         self, req_ids: Sequence[str], num_scheduled: np.ndarray, device: torch.device
