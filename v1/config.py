@@ -99,6 +99,9 @@ class SchedulerConfig:
     enable_prefix_aware_scheduling: bool = True
     prefix_aware_window: int = 32
     prefix_aware_max_skips: int = 16
+    # LoRA (EngineArgs.enable_lora): at most this many distinct adapters in one step (vLLM's
+    # rule: a waiting request of another adapter waits); 0: LoRA off.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -121,6 +124,27 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.max_model_len}) when chunked prefill is off, "
                 "or the longest prompt could never be scheduled"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAConfig:
+    """LoRA serving (vLLM's options): `max_loras` adapters run in one step (the GPU slots),
+    each of rank <= `max_lora_rank`; `max_cpu_loras` (>= max_loras) stay loaded in memory,
+    least recently used evicted beyond that."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
             )
 
 
@@ -316,6 +340,15 @@ class EngineArgs:
     max_json_schema_depth: int = DEFAULT_LIMITS.max_json_schema_depth
     max_structured_output_len: int = DEFAULT_LIMITS.max_structured_output_len
     max_structured_output_choices: int = DEFAULT_LIMITS.max_structured_output_choices
+    # LoRA adapters (v1/lora): see `LoRAConfig` for the three bounds.
+    enable_lora: bool = option(
+        False, "requests may name a PEFT LoRA adapter (LoRARequest; the server's --lora-modules)"
+    )
+    max_loras: int = option(1, "at most this many distinct LoRA adapters in one step")
+    max_lora_rank: int = option(16, "the largest LoRA rank an adapter may have")
+    max_cpu_loras: int | None = option(
+        None, "LoRA adapters kept loaded in memory (LRU; default: max_loras)"
+    )
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -371,6 +404,11 @@ class EngineArgs:
         if utilization is not None and not 0 < utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
         self.input_limits()  # a bad limit fails here, before anything starts
+        self.lora_config()  # likewise bad LoRA bounds
+        if self.enable_lora and self.kv_cache_dir is not None:
+            # Blocks are keyed by lora_int_id, which names an adapter for one engine's life
+            # only: on disk, across restarts, an id could come back naming another adapter.
+            raise ValueError("kv_cache_dir (the disk tier) cannot be combined with enable_lora")
         self.speculative()  # likewise a bad speculative_config
         if self.preload_prompts is not None:
             self.preload_prompts = load_preload_prompts(self.preload_prompts)
@@ -415,6 +453,15 @@ class EngineArgs:
         if self.speculative_config is None:
             return None
         return SpeculativeConfig.from_dict(self.speculative_config)
+
+    def lora_config(self) -> LoRAConfig | None:
+        """The validated LoRA bounds, or None when enable_lora is off."""
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(
+            self.max_loras, self.max_lora_rank,
+            self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras,
+        )
 
     def input_limits(self) -> InputLimits:
         return InputLimits(**{f.name: getattr(self, f.name) for f in fields(InputLimits)})
@@ -477,6 +524,7 @@ class EngineArgs:
             policy=self.scheduling_policy,
             async_scheduling=self.async_scheduling,
             enable_prefix_aware_scheduling=self.enable_prefix_aware_scheduling,
+            max_loras=self.max_loras if self.enable_lora else 0,
         )
         kv_cache_memory = self._either("kv_cache_memory", "kv_cache_memory_bytes")
         if kv_cache_memory is None and on_gpu and self.gpu_memory_utilization is not None:

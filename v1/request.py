@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from v1.lora.request import LoRARequest
 from v1.sampling_params import SamplingParams
 
 
@@ -29,6 +30,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     cache_salt: str | None = None
     client_index: int = 0
     external_req_id: str | None = None
+    lora_request: LoRARequest | None = None
 
 
 class RequestStatus(enum.IntEnum):
@@ -112,7 +114,7 @@ class Request:
         "status", "num_computed_tokens", "num_cached_tokens", "num_preemptions",
         "num_output_placeholders", "block_hashes", "cache_salt", "stop_reason",
         "queued_time", "scheduled_time", "_block_hasher", "_next_hash_len", "grammar_future",
-        "grammar", "spec_token_ids", "num_passed_over",
+        "grammar", "spec_token_ids", "num_passed_over", "lora_request",
     )
 
     def __init__(
@@ -126,8 +128,11 @@ class Request:
         cache_salt: str | None = None,
         client_index: int = 0,
         block_hasher: BlockHasher | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
+        # Its adapter (None: the base model); its id is in its first block's hash.
+        self.lora_request = lora_request
         self.client_index = client_index
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -169,7 +174,7 @@ class Request:
         return cls(
             req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_id,
             req.arrival_time or None, req.priority, req.cache_salt, req.client_index,
-            block_hasher,
+            block_hasher, req.lora_request,
         )
 
     @property

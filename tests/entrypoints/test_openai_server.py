@@ -800,7 +800,8 @@ def test_engine_death_answers_500_and_503(monkeypatch: pytest.MonkeyPatch) -> No
         def from_engine_args(cls, args: EngineArgs) -> "DyingEngine":
             return cls()
 
-        async def generate(self, prompt, params, request_id, priority=0, dp_rank=None):
+        async def generate(self, prompt, params, request_id, priority=0, dp_rank=None,
+                           lora_request=None):
             first = CompletionOutput(0, "Hi", [5], None, None)
             yield RequestOutput(request_id, None, prompt, [first], finished=False)
             raise EngineDeadError("the engine core process died")

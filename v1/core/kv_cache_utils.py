@@ -5,8 +5,9 @@
 The chain makes a hash stand for the whole prefix up to the end of its block, so equal
 hashes mean equal prefixes. H is xxh3-128: at 128 bits a collision is not a practical
 worry (birthday bound ~2^64 blocks), so a hit is trusted without comparing token ids.
-Extra keys are anything besides the tokens that changes the K/V: here `cache_salt`, mixed
-into the first block only, so requests with different salts never share any block.
+Extra keys are anything besides the tokens that changes the K/V: here `cache_salt` and the
+LoRA adapter's id (`lora_int_id`; vLLM keys by the adapter too), mixed into the first block
+only, so requests with different salts or adapters never share any block.
 Only full blocks are hashed; a partial last block is never shared.
 """
 
@@ -21,11 +22,18 @@ NONE_HASH: BlockHash = xxhash.xxh3_128_digest(b"v1 prefix cache")
 
 
 def hash_block_tokens(
-    parent_hash: BlockHash, token_ids: list[int], extra_key: str | None = None
+    parent_hash: BlockHash,
+    token_ids: list[int],
+    extra_key: str | None = None,
+    lora_int_id: int | None = None,
 ) -> BlockHash:
     h = xxhash.xxh3_128()
     h.update(parent_hash)
     h.update(array("q", token_ids).tobytes())
+    # Tagged fields after the fixed-size token bytes: no salt can read as an adapter id.
+    if lora_int_id is not None:
+        h.update(b"\x00lora")
+        h.update(lora_int_id.to_bytes(8, "little"))
     if extra_key is not None:
         h.update(b"\x00salt")
         h.update(extra_key.encode())
@@ -53,9 +61,15 @@ class _FullBlockHasher:
             return _NONE
         new_hashes: list[BlockHash] = []
         parent = hashes[-1] if hashes else NONE_HASH
+        lora = request.lora_request
         while start + block_size <= len(tokens):
-            salt = request.cache_salt if start == 0 else None
-            parent = hash_block_tokens(parent, tokens[start : start + block_size], salt)
+            if start == 0:
+                parent = hash_block_tokens(
+                    parent, tokens[:block_size], request.cache_salt,
+                    None if lora is None else lora.lora_int_id,
+                )
+            else:
+                parent = hash_block_tokens(parent, tokens[start : start + block_size])
             new_hashes.append(parent)
             start += block_size
         return new_hashes

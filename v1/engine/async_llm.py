@@ -41,6 +41,7 @@ from v1.engine.exceptions import EngineCoreDeadError, EngineDeadError
 from v1.engine.output_processor import IterationStats, OutputProcessor
 from v1.engine.processor import Processor, PromptType
 from v1.limits import DEFAULT_LIMITS, InputLimits
+from v1.lora.request import LoRARequest
 from v1.outputs import RequestOutput, SchedulerStats
 from v1.sampling_params import SamplingParams
 
@@ -108,6 +109,7 @@ class AsyncLLM:
         request_id: str,
         priority: int = 0,
         data_parallel_rank: int | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the request's outputs, of its `sampling_params.output_kind` as vLLM's:
         CUMULATIVE (the default) each with everything so far, DELTA each with only what is
@@ -124,7 +126,8 @@ class AsyncLLM:
             raise self.dead_error
         check_data_parallel_rank(data_parallel_rank, self.client.data_parallel_size)
         request, text = await self.run_in_pool(
-            self.processor.process_inputs, request_id, prompt, sampling_params, priority=priority
+            self.processor.process_inputs, request_id, prompt, sampling_params, priority=priority,
+            lora_request=lora_request,
         )
         core_requests = self.output_processor.add_request(request, text)
         queue: asyncio.Queue[_QueueItem] = asyncio.Queue()
@@ -172,6 +175,17 @@ class AsyncLLM:
 
     async def reset_prefix_cache(self, include_disk: bool = False) -> bool:
         return await self.client.call_utility_async("reset_prefix_cache", include_disk)
+
+    # LoRA adapters, as vLLM's AsyncLLM: load (a ValueError if it cannot be served), unload
+    # (a ValueError while a request uses it), list the ids.
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        return await self.client.call_utility_async("add_lora", lora_request)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return await self.client.call_utility_async("remove_lora", lora_id)
+
+    async def list_loras(self) -> set[int]:
+        return await self.client.call_utility_async("list_loras")
 
     @property
     def dead_engines(self) -> dict[int, str]:

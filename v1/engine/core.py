@@ -85,6 +85,8 @@ from v1.core.sched.output import SchedulerOutput
 from v1.core.sched.scheduler import Scheduler
 from v1.engine.preload import preload_token_ids
 from v1.engine.structured_output import StructuredOutputManager
+from v1.lora.request import LoRARequest
+from v1.lora.worker_manager import LoRAWorkerManager
 from v1.models.loader import LoadedModel, load_model, resolve_model, resolve_quantization
 from v1.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerStats
 from v1.request import EngineCoreRequest
@@ -99,7 +101,10 @@ READY_RETRY_MS = 5
 READY_TIMEOUT_S = 5.0
 
 # What clients may call by name (`call_utility`), in process or over ZMQ.
-UTILITY_METHODS = frozenset({"reset_prefix_cache", "get_stats", "check_integrity", "ping"})
+UTILITY_METHODS = frozenset({
+    "reset_prefix_cache", "get_stats", "check_integrity", "ping", "add_lora", "remove_lora",
+    "list_loras",
+})
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -133,7 +138,8 @@ class EngineCore:
             loaded.max_model_len, device.type == "cuda"
         )
         self.model_runner = ModelRunner(
-            loaded, scheduler_config, cache_config, device, dtype, args.speculative()
+            loaded, scheduler_config, cache_config, device, dtype, args.speculative(),
+            args.lora_config(),
         )
         num_blocks = self.model_runner.determine_num_blocks(cache_config)
         capacity = num_blocks * cache_config.block_size
@@ -200,7 +206,38 @@ class EngineCore:
     # -- requests ---------------------------------------------------------------------
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        if request.lora_request is not None:
+            # Loaded (and checked) now: a bad adapter is refused here, never in a step.
+            self.add_lora(request.lora_request)
         self.scheduler.add_request(request)
+
+    # -- LoRA adapters (vLLM's utilities) ---------------------------------------------------
+
+    def _lora_manager(self) -> LoRAWorkerManager:
+        if self.model_runner.lora is None:
+            raise ValueError("LoRA is not enabled: start the engine with enable_lora=True")
+        return self.model_runner.lora
+
+    def add_lora(self, lora_request: LoRARequest | Sequence[Any]) -> bool:
+        """Load an adapter (a ValueError if it cannot be served); False if loaded already."""
+        if not isinstance(lora_request, LoRARequest):  # a utility call's msgpack array
+            lora_request = msgspec.convert(lora_request, LoRARequest)
+        return self._lora_manager().add_adapter(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Unload an adapter; False if unknown, a ValueError while a request uses it."""
+        manager = self._lora_manager()
+        users = [
+            r.request_id for r in self.scheduler.requests.values()
+            if r.lora_request is not None and r.lora_request.lora_int_id == lora_id
+        ]
+        if users:
+            raise ValueError(f"LoRA adapter {lora_id} is in use by {len(users)} requests")
+        return manager.remove_adapter(lora_id)
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters known (loaded, or reloadable on demand)."""
+        return self._lora_manager().list_adapters()
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids)

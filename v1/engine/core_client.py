@@ -168,7 +168,10 @@ class InprocClient(EngineCoreClient):
 # How long a client waits for READY from an engine it did not start (it may not be there).
 CONNECT_TIMEOUT_S = 30.0
 # The decoded type of each utility's result (others: plain msgpack values).
-_UTILITY_RESULT_TYPES: dict[str, Any] = {"get_stats": SchedulerStats, "reset_prefix_cache": bool}
+_UTILITY_RESULT_TYPES: dict[str, Any] = {
+    "get_stats": SchedulerStats, "reset_prefix_cache": bool, "add_lora": bool,
+    "remove_lora": bool, "list_loras": set[int],
+}
 
 
 # Chooses how engine processes start, as VLLM_WORKER_MULTIPROC_METHOD does in vLLM.

@@ -243,8 +243,10 @@ class DPClientBase:
                 raise self.dead_error
             while True:
                 try:
+                    lora = request.lora_request
                     route = self.router.route(
-                        request.prompt_token_ids, request.cache_salt, data_parallel_rank
+                        request.prompt_token_ids, request.cache_salt, data_parallel_rank,
+                        None if lora is None else lora.lora_int_id,
                     )
                 except RuntimeError as e:  # the pinned core is dead (or, racing, all are)
                     raise EngineDeadError(str(e)) from None
@@ -363,6 +365,10 @@ class DPClientBase:
             return all(results.values())
         if method == "ping":
             return all(results.values())
+        if method in ("add_lora", "remove_lora"):  # every core holds every adapter
+            return any(results.values())
+        if method == "list_loras":
+            return set().union(*results.values())
         return None  # check_integrity: each core raised if it failed
 
     def shutdown(self) -> None:

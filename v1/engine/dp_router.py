@@ -198,13 +198,20 @@ class DPRouter:
 
     # -- hashing -------------------------------------------------------------------------
 
-    def block_hashes(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[bytes]:
-        """The prompt's full blocks' chained hashes, as the cores' KV caches compute them."""
+    def block_hashes(
+        self, token_ids: Sequence[int], cache_salt: str | None = None,
+        lora_int_id: int | None = None,
+    ) -> list[bytes]:
+        """The prompt's full blocks' chained hashes, as the cores' KV caches compute them
+        (salt and LoRA adapter id in the first block's)."""
         size, hashes, parent = self.block_size, [], NONE_HASH
         tokens = list(token_ids)
         for start in range(0, len(tokens) - size + 1, size):
-            salt = cache_salt if start == 0 else None
-            parent = hash_block_tokens(parent, tokens[start : start + size], salt)
+            first = start == 0
+            parent = hash_block_tokens(
+                parent, tokens[start : start + size], cache_salt if first else None,
+                lora_int_id if first else None,
+            )
             hashes.append(parent)
         return hashes
 
@@ -223,6 +230,7 @@ class DPRouter:
         token_ids: Sequence[int],
         cache_salt: str | None = None,
         data_parallel_rank: int | None = None,
+        lora_int_id: int | None = None,
     ) -> Route:
         """Choose a core for a request and record it as sent there. Raises ValueError for a
         rank out of range, RuntimeError when no core is alive (the caller's to report)."""
@@ -239,7 +247,7 @@ class DPRouter:
             raise RuntimeError("no engine core is alive")
         hashes: list[bytes] = []
         if self.policy == "affinity" or data_parallel_rank is not None:
-            hashes = self.block_hashes(token_ids, cache_salt)
+            hashes = self.block_hashes(token_ids, cache_salt, lora_int_id)
         if data_parallel_rank is not None:
             route = Route(data_parallel_rank, "pinned", self._depth(data_parallel_rank, hashes))
         elif self.policy == "round_robin":

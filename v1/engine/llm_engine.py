@@ -29,6 +29,7 @@ from v1.engine.exceptions import EngineCoreDeadError
 from v1.engine.output_processor import IterationStats, OutputProcessor
 from v1.engine.processor import Processor, PromptType
 from v1.limits import DEFAULT_LIMITS, InputLimits
+from v1.lora.request import LoRARequest
 from v1.metrics.prometheus import PrometheusMetrics
 from v1.metrics.reader import Metric, get_metrics_snapshot
 from v1.outputs import RequestOutput, SchedulerStats
@@ -112,6 +113,7 @@ class LLMEngine:
         *,
         priority: int = 0,
         data_parallel_rank: int | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """vLLM's order: the caller's id (what outputs carry and `abort_requests` takes; it
         is returned), the prompt, its SamplingParams (whose `output_kind` says what each
@@ -123,7 +125,9 @@ class LLMEngine:
                 f"{type(params).__name__})"
             )
         check_data_parallel_rank(data_parallel_rank, self.client.data_parallel_size)
-        request, text = self.processor.process_inputs(request_id, prompt, params, None, priority)
+        request, text = self.processor.process_inputs(
+            request_id, prompt, params, None, priority, lora_request=lora_request
+        )
         core_requests = self.output_processor.add_request(request, text)
         try:
             for core_request in core_requests:
@@ -171,6 +175,17 @@ class LLMEngine:
 
     def get_stats(self) -> SchedulerStats:
         return self.client.call_utility("get_stats")
+
+    # LoRA adapters, as vLLM's LLMEngine: load (a ValueError if it cannot be served),
+    # unload, list the ids.
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.client.call_utility("add_lora", lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.client.call_utility("remove_lora", lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.client.call_utility("list_loras")
 
     def shutdown(self) -> None:
         self._finalizer()

@@ -25,6 +25,7 @@ from v1.limits import (
     check_text,
     max_chars_per_token,
 )
+from v1.lora.request import LoRARequest
 from v1.request import EngineCoreRequest
 from v1.sampling_params import SamplingParams
 
@@ -217,6 +218,7 @@ class Processor:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params)}")
@@ -226,6 +228,8 @@ class Processor:
         if priority != 0 and self.scheduling_policy != "priority":
             # vLLM's words: clients match them to retry without priority.
             raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled.")
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request)}")
         self._check_limits(params)
         text, token_ids = self.tokenize_prompt(prompt)
         if isinstance(prompt, Mapping):  # vLLM's prompt dicts carry the salt
@@ -272,5 +276,6 @@ class Processor:
             priority=priority,
             cache_salt=cache_salt,
             external_req_id=request_id,
+            lora_request=lora_request,
         )
         return request, text

@@ -11,6 +11,7 @@ from v1.beam_search import BeamSearchOutput, beam_search
 from v1.config import EngineArgs
 from v1.engine.llm_engine import LLMEngine
 from v1.engine.processor import PromptType
+from v1.lora.request import LoRARequest
 from v1.metrics.reader import Metric
 from v1.models.loader import LoadedModel, resolve_model
 from v1.outputs import RequestOutput, SchedulerStats
@@ -94,6 +95,7 @@ class LLM:
         priority: Sequence[int] | None = None,
         use_tqdm: bool = True,
         data_parallel_rank: int | Sequence[int | None] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in the order of `prompts`.
 
@@ -101,7 +103,10 @@ class LLM:
         per prompt, lower first) matters under scheduling_policy="priority". Each request's
         max_tokens is capped to what `max_model_len` leaves after its prompt (see the class).
         `data_parallel_rank` (one for all prompts, or one per prompt; None routes) pins
-        requests to an engine core under data parallelism.
+        requests to an engine core under data parallelism. `lora_request` (one for all
+        prompts, or one per prompt; None: the base model) runs prompts with a LoRA adapter
+        (the engine made with enable_lora=True); each adapter is loaded and checked first, so
+        a bad one raises ValueError before anything runs.
         """
         if isinstance(prompts, (str, Mapping)) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
@@ -129,13 +134,22 @@ class LLM:
                 raise ValueError(
                     f"got {len(ranks)} data_parallel_ranks for {len(prompts)} prompts"
                 )
-        return self._run(prompts, params, priority, use_tqdm, ranks)
+        loras: list[LoRARequest | None]
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
+        for lora in dict.fromkeys(lr for lr in loras if lr is not None):
+            self.llm_engine.add_lora(lora)
+        return self._run(prompts, params, priority, use_tqdm, ranks, loras)
 
     def beam_search(
         self,
         prompts: PromptType | Sequence[PromptType],
         params: BeamSearchParams,
-        lora_request: object = None,
+        lora_request: LoRARequest | None = None,
         use_tqdm: bool = False,
         concurrency_limit: int | None = None,
     ) -> list[BeamSearchOutput]:
@@ -143,9 +157,13 @@ class LLM:
         dict with "prompt" or "prompt_token_ids"), best first, in the order of `prompts`.
         Each step's beams run as one-token requests in the engine's batched steps, sharing
         their common prefix's KV blocks through the prefix cache (see `v1.beam_search`);
-        `concurrency_limit` bounds how many prompts are searched at once."""
-        if lora_request is not None:
-            raise ValueError("lora_request: this engine serves no LoRA adapters")
+        `concurrency_limit` bounds how many prompts are searched at once; `lora_request`, one
+        adapter for every prompt's beams (None: the base model)."""
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise ValueError(
+                f"lora_request must be one LoRARequest for all prompts or None, got "
+                f"{type(lora_request).__name__}"
+            )
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be BeamSearchParams, got {type(params)}")
         processor = self.llm_engine.processor
@@ -155,7 +173,9 @@ class LLM:
         tokenizer = self.get_tokenizer()
         return beam_search(
             list(prompts), params,
-            generate=lambda batch, step: self.generate(batch, step, use_tqdm=False),
+            generate=lambda batch, step: self.generate(
+                batch, step, use_tqdm=False, lora_request=lora_request
+            ),
             tokenize=processor.prompt_token_ids,
             eos_token_ids=[
                 t for t in (processor.eos_token_id, *processor.extra_stop_token_ids)
@@ -176,13 +196,15 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the chat template to one conversation or a list of them, then generate.
 
         As vLLM's: `chat_template` (Jinja text) replaces the model's; with
         `continue_final_message=True` (and `add_generation_prompt=False`) the model goes on
         with the last message instead of answering it; `chat_template_kwargs` are extra
-        template variables; `tools` (OpenAI-style function definitions) reach the template.
+        template variables; `tools` (OpenAI-style function definitions) reach the template;
+        `lora_request` as in `generate`.
         """
         if messages and isinstance(messages[0], Mapping):
             messages = [messages]  # type: ignore[list-item]
@@ -197,7 +219,9 @@ class LLM:
         token_prompts = [
             {"prompt": p, "prompt_token_ids": processor.encode_conversation(p)} for p in prompts
         ]
-        return self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(
+            token_prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request
+        )
 
     def _run(
         self,
@@ -206,6 +230,7 @@ class LLM:
         priority: Sequence[int] | None,
         use_tqdm: bool,
         ranks: Sequence[int | None],
+        loras: Sequence[LoRARequest | None],
     ) -> list[RequestOutput]:
         engine = self.llm_engine
         ids: list[str] = []
@@ -217,6 +242,7 @@ class LLM:
                 ids.append(engine.add_request(
                     next(self._request_ids), prompt, final_only,
                     priority=priority[i] if priority else 0, data_parallel_rank=ranks[i],
+                    lora_request=loras[i],
                 ))
         except Exception:
             engine.abort_requests(ids)

@@ -28,6 +28,7 @@ step's K/V, and written by the store's thread; finished writes are reported with
 output (`kv_stored`).
 """
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
@@ -39,8 +40,9 @@ import numpy as np
 import torch
 
 from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata, kv_cache_shape
-from v1.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from v1.config import CacheConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
 from v1.core.sched.output import SchedulerOutput
+from v1.lora.worker_manager import LoRAWorkerManager
 from v1.models import head_dim_of
 from v1.models.layers.quant import prompt_rows
 from v1.models.loader import LoadedModel
@@ -129,6 +131,7 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         speculative_config: SpeculativeConfig | None = None,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         self.device = device
         self.drafter = Drafter(speculative_config) if speculative_config is not None else None
@@ -159,6 +162,11 @@ class ModelRunner:
         # Requests owed prompt logprobs -> those of the chunks computed so far.
         self.in_progress_prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         self.kv_disk: DiskKVStore | None = None
+        # LoRA (v1.lora): wraps the model's linear layers; None: off, nothing here costs.
+        self.lora = (
+            LoRAWorkerManager(self.model, lora_config, dtype) if lora_config is not None
+            else None
+        )
 
     # -- KV cache ---------------------------------------------------------------------
 
@@ -239,6 +247,8 @@ class ModelRunner:
             batch.remove_request(req_id)
             self._preempted.pop(req_id, None)
             in_progress.pop(req_id, None)
+            if self.lora is not None:
+                self.lora.finish_request(req_id)
         for req_id in out.preempted_req_ids:
             # Out of the batch until resumed; its params and seeded generator wait here.
             row = batch.req_id_to_index[req_id]
@@ -265,6 +275,8 @@ class ModelRunner:
             )
             if params.prompt_logprobs is not None:
                 in_progress[new.req_id] = []
+            if self.lora is not None:
+                self.lora.add_request(new.req_id, new.lora_request)
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             if cached.resumed_from_preemption[i]:
@@ -345,7 +357,11 @@ class ModelRunner:
             positions < batch.num_prompt_tokens[token_rows]
             if self.loaded.quantization is not None else None
         )
-        with prompt_rows(is_prompt):
+        lora_rows = (
+            self.lora.step_rows(req_ids, num_scheduled, dev) if self.lora is not None
+            else contextlib.nullcontext()
+        )
+        with prompt_rows(is_prompt), lora_rows:
             hidden = self.model(
                 torch.from_numpy(input_ids).to(dev, non_blocking=True),
                 torch.from_numpy(positions).to(dev, non_blocking=True),

@@ -90,6 +90,13 @@ class WaitingAdmission:
         admitted: set[int] = set()  # their positions in `taken`
         deferred: dict[int, Request] = {}  # position -> the owner of the block it waits for
         stop = False
+        # LoRA: the adapters of the step so far (running requests all run); a waiting
+        # request of another adapter waits once there are max_loras (vLLM's rule).
+        max_loras = self.config.max_loras
+        loras = (
+            {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+            if max_loras else None
+        )
         # At most a window's worth of deferrals per step: the step's cost stays bounded.
         while not stop and self.waiting and len(deferred) < self.window_size:
             window = self.waiting.pop_window(self.window_size)
@@ -115,6 +122,12 @@ class WaitingAdmission:
                 if owner is not None:
                     deferred[base + i] = owner
                     continue
+                lora = request.lora_request
+                if (
+                    loras is not None and lora is not None
+                    and lora.lora_int_id not in loras and len(loras) >= max_loras
+                ):
+                    continue  # the step has max_loras adapters already: it waits
                 victims = self._admit(st, request)
                 if victims is None:  # it does not fit now
                     if first:
@@ -123,6 +136,8 @@ class WaitingAdmission:
                     order.to_queue_order()
                     continue
                 admitted.add(base + i)
+                if loras is not None and lora is not None:
+                    loras.add(lora.lora_int_id)
                 if prefill is not None:
                     # Its blocks past this step's are others' awaited blocks now; those of
                     # the step are in the prefix cache already.

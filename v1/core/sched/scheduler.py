@@ -14,7 +14,9 @@ Invariants, every step:
 - under the priority policy `running` is sorted by (priority, arrival_time), so the victim is
   always `running[-1]`, and a running request is never preempted after this step scheduled
   it (only a waiting request's admission may do that, see `_plan_admission`);
-- a request is preempted for a waiting one only if that one is then admitted.
+- a request is preempted for a waiting one only if that one is then admitted;
+- with LoRA (`max_loras` > 0), the running requests use at most `max_loras` distinct
+  adapters: a waiting request of another adapter is passed over until one finishes.
 
 Waiting requests are admitted by `WaitingAdmission` (v1.core.sched.admission), in queue
 order or, with prefix-aware admission, grouped by cached prefix (v1.core.sched.prefix_aware).
@@ -322,6 +324,7 @@ class Scheduler(WaitingAdmission):
             NewRequestData(
                 r.request_id, r.all_token_ids[:] if r.output_token_ids else r.prompt_token_ids,
                 r.sampling_params, kv.get_block_ids(r.request_id), r.num_computed_tokens,
+                r.lora_request,
             )
             for r in st.scheduled_new
         ]

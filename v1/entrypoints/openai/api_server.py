@@ -63,6 +63,11 @@ from v1.entrypoints.openai.serving import (
     ServerLimits,
     error_for,
 )
+from v1.entrypoints.openai.serving_models import (
+    LoadLoRAAdapterRequest,
+    LoRAModulePath,
+    UnloadLoRAAdapterRequest,
+)
 from v1.entrypoints.openai.serving_responses import OpenAIServingResponses
 from v1.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from v1.metrics.prometheus import PrometheusMetrics
@@ -104,6 +109,19 @@ async def create_responses(request: ResponsesRequest, raw: Request) -> Response:
 @router.get("/v1/models")
 async def show_models(raw: Request) -> ModelList:
     return _serving(raw).models()
+
+
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(request: LoadLoRAAdapterRequest, raw: Request) -> Response:
+    """vLLM's: load a PEFT adapter folder under a name `model` can then give (needs
+    --enable-lora); 400 if it cannot be served or the name is taken."""
+    return Response(await _serving(raw).serving_models.load_lora_adapter(request))
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(request: UnloadLoRAAdapterRequest, raw: Request) -> Response:
+    """vLLM's: forget an adapter; 404 for an unknown name, 400 while a request uses it."""
+    return Response(await _serving(raw).serving_models.unload_lora_adapter(request))
 
 
 @router.post("/tokenize", response_model=TokenizeResponse)
@@ -352,9 +370,11 @@ def build_app(
     api_key: str | None = None,
     tool_parser: str | None = None,
     limits: ServerLimits | None = None,
+    lora_modules: list[LoRAModulePath] | None = None,
 ) -> FastAPI:
     """`tool_parser` (e.g. "hermes") enables tool_choice "auto"; `limits` bound each HTTP
-    request (None: the defaults; `engine_args` holds the engine's `InputLimits`)."""
+    request (None: the defaults; `engine_args` holds the engine's `InputLimits`);
+    `lora_modules`: LoRA adapters served from the start (with enable_lora), by name."""
     limits = limits or ServerLimits()
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -367,8 +387,13 @@ def build_app(
         default_name = engine.model_name if engine_args.model else DEFAULT_SERVED_MODEL_NAME
         app.state.serving = OpenAIServing(
             engine, served_model_names or [default_name], chat_template, tool_parser,
-            default_sampling_params=defaults, limits=limits,
+            default_sampling_params=defaults, limits=limits, model_path=str(engine.model_dir),
         )
+        try:
+            await app.state.serving.serving_models.init_static_loras(lora_modules or [])
+        except BaseException:
+            engine.shutdown()
+            raise
         app.state.responses = OpenAIServingResponses(app.state.serving)
         # Labelled with the name responses report, as vLLM labels its metrics.
         app.state.metrics = PrometheusMetrics(app.state.serving.served_model_names[0])
@@ -441,6 +466,12 @@ def make_parser(prog: str = "v1 serve") -> argparse.ArgumentParser:
         "--data-parallel-address:--data-parallel-rpc-port; no HTTP server",
     )
     parser.add_argument(
+        "--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders) to serve from the start, each `name=path` or "
+        'vLLM\'s JSON {"name": ..., "path": ..., "base_model_name": ...}; a request picks one '
+        "by its `model` (needs --enable-lora)",
+    )
+    parser.add_argument(
         "--uvicorn-log-level", default="info", help="uvicorn's log level",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
@@ -496,12 +527,16 @@ def main(argv: list[str], prog: str = "v1 serve") -> None:
         limits = ServerLimits(
             **{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)}
         )
+        lora_modules = [LoRAModulePath.parse(m) for m in args.lora_modules or []]
     except ValueError as e:
         parser.error(str(e))
+    if lora_modules and not engine_args.enable_lora:
+        parser.error("--lora-modules needs --enable-lora")
     uvicorn.run(
         build_app(
             engine_args, args.served_model_name, chat_template, args.api_key,
             args.tool_call_parser if args.enable_auto_tool_choice else None, limits,
+            lora_modules,
         ),
         host=args.host,
         port=args.port,

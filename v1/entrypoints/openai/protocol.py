@@ -661,6 +661,9 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "v1"
     max_model_len: int
+    # As vLLM's: the base model's path (an adapter's folder), and an adapter's base model.
+    root: str | None = None
+    parent: str | None = None
 
 
 class ModelList(BaseModel):

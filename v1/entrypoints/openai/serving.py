@@ -34,7 +34,6 @@ from v1.entrypoints.openai.protocol import (
     DetokenizeResponse,
     EngineRequest,
     ErrorResponse,
-    ModelCard,
     ModelList,
     PromptTokensDetails,
     SamplingRequest,
@@ -44,6 +43,7 @@ from v1.entrypoints.openai.protocol import (
     UsageInfo,
     clamp_logprob,
 )
+from v1.entrypoints.openai.serving_models import ModelNotFoundError, OpenAIServingModels
 from v1.entrypoints.openai.tool_calls import (
     ToolCallExtractor,
     ToolDelta,
@@ -52,6 +52,7 @@ from v1.entrypoints.openai.tool_calls import (
     tool_call_extractor,
 )
 from v1.limits import check_limit_fields, limit_field
+from v1.lora.request import LoRARequest
 from v1.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from v1.sampling_params import SamplingParams
 
@@ -77,11 +78,6 @@ class _Echo(NamedTuple):
 
 
 _NO_ECHO = _Echo("", [], [], "")
-
-
-class ModelNotFoundError(Exception):
-    def __init__(self, model: str) -> None:
-        super().__init__(f"The model `{model}` does not exist.")
 
 
 def error_for(exc: Exception) -> ErrorResponse:
@@ -116,11 +112,12 @@ class StartedRequest:
     @classmethod
     async def start(
         cls, engine: AsyncLLM, prompts: list[PromptType], params: SamplingParams,
-        request_id: str, request: EngineRequest,
+        request_id: str, request: EngineRequest, lora_request: LoRARequest | None = None,
     ) -> "StartedRequest":
         streams = [
             engine.generate(
-                prompt, params, f"{request_id}-{i}", request.priority, request.data_parallel_rank
+                prompt, params, f"{request_id}-{i}", request.priority, request.data_parallel_rank,
+                lora_request,
             )
             for i, prompt in enumerate(prompts)
         ]
@@ -219,33 +216,31 @@ class OpenAIServing:
     def __init__(
         self, engine: AsyncLLM, served_model_names: list[str], chat_template: str | None = None,
         tool_parser: str | None = None, default_sampling_params: dict[str, Any] | None = None,
-        limits: ServerLimits = ServerLimits(),
+        limits: ServerLimits = ServerLimits(), model_path: str = "",
     ) -> None:
         self.engine = engine
         self.limits = limits
         self.served_model_names = served_model_names
+        # The base model's names and the LoRA adapters: what a request's `model` may name.
+        self.serving_models = OpenAIServingModels(engine, served_model_names, model_path)
         self.chat_template = chat_template  # None: the model's own
         self.tool_parser = tool_parser  # None: no "auto" tool choice
         # For the fields a request does not set: generation_config.json's (vLLM's "auto").
         self.default_sampling_params = default_sampling_params or {}
 
     def models(self) -> ModelList:
-        created = int(time.time())
-        return ModelList(
-            data=[
-                ModelCard(id=name, created=created, max_model_len=self.engine.max_model_len)
-                for name in self.served_model_names
-            ]
-        )
+        return self.serving_models.models()
 
     async def create_completion(
         self, request: CompletionRequest
     ) -> CompletionResponse | AsyncIterator[str]:
-        head = self._head(request, "cmpl")
+        head, lora = self._head(request, "cmpl")
         params = request.to_sampling_params(self.engine.processor.limits)
         prompts = await self.engine.run_in_pool(self._completion_prompts, request, params)
         params = self.with_defaults(request, params)
-        outputs = await StartedRequest.start(self.engine, prompts, params, head["id"], request)
+        outputs = await StartedRequest.start(
+            self.engine, prompts, params, head["id"], request, lora
+        )
         k = request.logprobs
         if request.stream:
             echo = None
@@ -325,7 +320,7 @@ class OpenAIServing:
     async def create_chat_completion(
         self, request: ChatCompletionRequest
     ) -> ChatCompletionResponse | AsyncIterator[str]:
-        head = self._head(request, "chatcmpl")
+        head, lora = self._head(request, "chatcmpl")
         tool_calls = _ToolCalls(request, self.tool_parser)
         params = constrain_auto_tool_calls(
             request, request.to_sampling_params(self.engine.processor.limits)
@@ -335,7 +330,7 @@ class OpenAIServing:
         params = self.with_defaults(request, params)
         outputs = await StartedRequest.start(
             self.engine, [self.engine_prompt(request, text, token_ids)], params, head["id"],
-            request,
+            request, lora,
         )
         k = params.logprobs
         echo = request.echoed_content()
@@ -415,16 +410,20 @@ class OpenAIServing:
     ) -> PromptType:
         return {"prompt": text, "prompt_token_ids": token_ids, "cache_salt": request.cache_salt}
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names:
-            raise ModelNotFoundError(model)
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names (None: the base model); 404 for an unknown name."""
+        return self.serving_models.lora_for(model)
 
-    def _head(self, request: SamplingRequest, id_prefix: str) -> dict[str, Any]:
-        """The fields every response and chunk of this request starts with."""
-        self.check_model(request.model)
+    def _head(
+        self, request: SamplingRequest, id_prefix: str
+    ) -> tuple[dict[str, Any], LoRARequest | None]:
+        """The fields every response and chunk of this request starts with, and its adapter."""
+        lora = self.check_model(request.model)
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-        # Any served name is accepted; responses report the first, as vLLM documents.
-        return {"id": request_id, "created": int(time.time()), "model": self.served_model_names[0]}
+        # Any served name is accepted; responses report the first, as vLLM documents (an
+        # adapter's own name for an adapter, as vLLM's).
+        model = self.served_model_names[0] if lora is None else lora.lora_name
+        return {"id": request_id, "created": int(time.time()), "model": model}, lora
 
     def with_defaults(self, request: EngineRequest, params: SamplingParams) -> SamplingParams:
         """`params` with the model's default sampling parameters for the fields `request` did

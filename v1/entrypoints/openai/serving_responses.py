@@ -50,14 +50,16 @@ class OpenAIServingResponses:
         self, request: ResponsesRequest
     ) -> ResponsesResponse | AsyncIterator[str]:
         serving = self.serving
-        serving.check_model(request.model)
+        lora = serving.check_model(request.model)  # a LoRA adapter's name picks it
         engine = serving.engine
         params = request.to_sampling_params(engine.processor.limits)
         text, token_ids = await engine.run_in_pool(self._prompt, request, params.max_tokens)
         params = serving.with_defaults(request, params)
-        head = _Head(request, params, serving.served_model_names[0])
+        model = serving.served_model_names[0] if lora is None else lora.lora_name
+        head = _Head(request, params, model)
         outputs = await StartedRequest.start(
-            engine, [serving.engine_prompt(request, text, token_ids)], params, head.id, request
+            engine, [serving.engine_prompt(request, text, token_ids)], params, head.id, request,
+            lora,
         )
         if request.stream:
             events = _EventStream(head)

@@ -1,0 +1,60 @@
+"""LoRA in the core: the block hash is keyed by the adapter, and a step never holds more
+distinct adapters than max_loras (vLLM's rule: a waiting request of another adapter waits)."""
+
+from tests.core.test_scheduler import drain
+from tests.core.utils import fake_model_output, make_request, make_scheduler
+from v1.core.kv_cache_utils import make_block_hasher
+from v1.lora.request import LoRARequest
+from v1.request import Request
+from v1.sampling_params import SamplingParams
+
+LORA1 = LoRARequest("a", 1, "/a")
+LORA2 = LoRARequest("b", 2, "/b")
+
+
+def _hashes(lora: LoRARequest | None, salt: str | None = None) -> list[bytes]:
+    request = Request(
+        "r", list(range(12)), SamplingParams(), cache_salt=salt,
+        block_hasher=make_block_hasher(4), lora_request=lora,
+    )
+    return request.block_hashes
+
+
+def test_block_hashes_differ_by_adapter():
+    base, one, two = _hashes(None), _hashes(LORA1), _hashes(LORA2)
+    assert len(base) == len(one) == len(two) == 3
+    # Every block differs (the chain carries the first block's key), none shared.
+    assert not set(base) & set(one) and not set(one) & set(two) and not set(base) & set(two)
+    assert _hashes(LoRARequest("renamed", 1, "/a")) == one  # keyed by the id
+    assert _hashes(LORA1, "salt") != one and _hashes(LORA1, "salt") != _hashes(None, "salt")
+
+
+def _with_lora(prompt: int, lora: LoRARequest | None):
+    request = make_request(prompt, max_tokens=3)
+    request.lora_request = lora
+    return request
+
+
+def test_at_most_max_loras_adapters_per_step():
+    s = make_scheduler(max_loras=1)
+    a1, b2, c1, d0 = (_with_lora(6, LORA1), _with_lora(6, LORA2), _with_lora(6, LORA1),
+                      _with_lora(6, None))
+    for r in (a1, b2, c1, d0):
+        s.add_request(r)
+    out = s.schedule()
+    # LORA2's request waits; the base request and LORA1's others go ahead of it.
+    assert set(out.num_scheduled_tokens) == {a1.request_id, c1.request_id, d0.request_id}
+    assert [r.lora_request for r in out.scheduled_new_reqs] == [LORA1, LORA1, None]
+    s.update_from_output(out, fake_model_output(s, out))
+    finished = drain(s)
+    assert b2.request_id in finished
+    s.check_integrity()
+
+
+def test_without_lora_the_rule_is_off():
+    s = make_scheduler()  # max_loras 0: LoRA off, no limit
+    reqs = [_with_lora(6, lora) for lora in (LORA1, LORA2)]
+    for r in reqs:
+        s.add_request(r)
+    assert set(s.schedule().num_scheduled_tokens) == {r.request_id for r in reqs}
+

@@ -1,0 +1,111 @@
+"""The model's linear layers with LoRA: one batched pass adds every row's adapter delta.
+
+Each adapted `Linear` (qkv_proj, o_proj, gate_up_proj, down_proj) is wrapped in a
+`LinearWithLoRA` holding `max_loras` slots of adapter weights. A fused projection (q|k|v,
+gate|up) keeps its sub-projections' A matrices stacked along the rank ("shrink" weights,
+[slots, n * R, in]) and their B matrices block-diagonal ("expand" weights, [slots, n * R,
+out]: sub i's rank rows write only its output columns), R = max_lora_rank, ranks below R
+padded with zeros and the scale folded into B. For the step's rows x and the first k slots
+(those in use; the manager fills slots from 0):
+
+    h     = x @ shrink[:k].T                 [T, k * n * R]    (one GEMM: every slot at once)
+    h    *= mask                             the row's own slot kept, the others zeroed
+    y     = base(x) + h @ expand[:k]         (one GEMM)
+
+which is vLLM's punica shrink / expand (bgmv) with the per-row adapter index turned into a
+mask: no gather of weights per row, no loop over adapters, and a row without an adapter
+(mask all zero) gets base(x) + 0 exactly. The zeros added for the other slots do not change
+a row's sum, so a row's result does not depend on what else runs in its step. A step without
+any adapter row skips the LoRA path (k = 0). The base layer is untouched, so the delta (in the
+model's dtype, fp32 on CPU) adds to whatever form its weight has: packed, or GGUF blocks.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from v1.models.layers.linear import Linear
+
+
+@dataclass(slots=True)
+class LoRABatch:
+    """The step's adapter rows, shared by every wrapped layer: `num_slots` (k) slots in use
+    (0: no adapter row, the LoRA path is skipped), `mask` [T, k, 1] with mask[t, s] = 1 iff
+    row t runs with the adapter in slot s; None with k = 1 when every row runs slot 0's
+    adapter (nothing to mask)."""
+
+    num_slots: int = 0
+    mask: torch.Tensor | None = None
+
+
+class LinearWithLoRA(nn.Module):
+    """A `Linear` plus `max_loras` adapter slots (see the module docstring for the layout).
+    `sub_sizes`: the output sizes of the sub-projections the fused weight stacks (q, k, v),
+    in order; one entry for an unfused projection."""
+
+    def __init__(
+        self,
+        base_layer: Linear,
+        sub_sizes: tuple[int, ...],
+        batch: LoRABatch,
+        max_loras: int,
+        max_rank: int,
+    ) -> None:
+        super().__init__()
+        if sum(sub_sizes) != base_layer.out_features:
+            raise ValueError(f"sub-projections {sub_sizes} do not add up to "
+                             f"{base_layer.out_features} outputs")
+        self.base_layer = base_layer
+        self.sub_sizes = sub_sizes
+        self.batch = batch
+        self.max_rank = max_rank
+        self.width = len(sub_sizes) * max_rank  # rank columns per slot
+        device, dtype = self._device_dtype(base_layer)
+        self.shrink = torch.zeros(
+            max_loras, self.width, base_layer.in_features, device=device, dtype=dtype
+        )
+        self.expand = torch.zeros(
+            max_loras, self.width, base_layer.out_features, device=device, dtype=dtype
+        )
+
+    @staticmethod
+    def _device_dtype(layer: Linear) -> tuple[torch.device, torch.dtype]:
+        if layer.bias is not None:
+            return layer.bias.device, layer.bias.dtype
+        if layer.weight is not None:
+            return layer.weight.device, layer.weight.dtype
+        return torch.device("cpu"), torch.float32  # packed or blocks: CPU fp32 only
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base_layer(x)
+        k = self.batch.num_slots
+        if k == 0:
+            return y
+        h = x @ self.shrink[:k].view(k * self.width, -1).T
+        mask = self.batch.mask
+        if mask is not None:
+            h = (h.view(-1, k, self.width) * mask).view(-1, k * self.width)
+        return y.addmm_(h, self.expand[:k].view(k * self.width, -1))
+
+    def set_slot(
+        self, slot: int, modules: list[tuple[torch.Tensor, torch.Tensor, float] | None]
+    ) -> None:
+        """Write an adapter into `slot`: per sub-projection (A [r, in], B [out, r], scale),
+        or None where the adapter leaves it alone (zeros)."""
+        shrink, expand = self.shrink[slot], self.expand[slot]
+        shrink.zero_()
+        expand.zero_()
+        out_start = 0
+        for i, (size, module) in enumerate(zip(self.sub_sizes, modules, strict=True)):
+            if module is not None:
+                a, b, scale = module
+                rank = a.shape[0]
+                rows = slice(i * self.max_rank, i * self.max_rank + rank)
+                shrink[rows] = a
+                expand[rows, out_start : out_start + size] = b.T * scale
+            out_start += size
+
+    def clear_slot(self, slot: int) -> None:
+        self.shrink[slot].zero_()
+        self.expand[slot].zero_()

@@ -1,0 +1,226 @@
+"""The worker's adapters: which are loaded (an LRU of `max_cpu_loras` in memory), which run
+in which of the `max_loras` slots, and each step's row -> slot mask (vLLM's
+`LRUCacheWorkerLoRAManager` and punica wrapper, in one place).
+
+Invariants: a slot holds at most one adapter and an adapter sits in at most one slot; every
+adapter in a slot is loaded; a step's adapters are all in slots [0, k) with k the step's
+`LoRABatch.num_slots` (a new adapter takes the lowest free slot, evicting the least recently
+used adapter the step does not need), so a step pays for k slots, not `max_loras`. The
+scheduler admits at most `max_loras` distinct adapters per step, so a step always fits.
+"""
+
+import contextlib
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from v1.config import LoRAConfig
+from v1.lora.layers import LinearWithLoRA, LoRABatch
+from v1.lora.peft import LoRAModel, load_adapter
+from v1.lora.request import LoRARequest
+
+# Where each adapted projection sits in a decoder layer: (module path, the HF projections
+# its fused weight stacks, in order).
+_TARGETS = (
+    ("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
+    ("self_attn.o_proj", ("o_proj",)),
+    ("mlp.gate_up_proj", ("gate_proj", "up_proj")),
+    ("mlp.down_proj", ("down_proj",)),
+)
+
+
+class LoRAWorkerManager:
+    def __init__(self, model: nn.Module, config: LoRAConfig, dtype: torch.dtype) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.batch = LoRABatch()
+        # (layer index, HF projection) -> (wrapped layer, sub-projection index, in, out)
+        self.targets: dict[tuple[int, str], tuple[LinearWithLoRA, int, int, int]] = {}
+        self.wrapped: list[tuple[LinearWithLoRA, tuple[str, ...], int]] = []
+        layers = model.get_submodule("model.layers")
+        for index, layer in enumerate(layers):
+            for path, projections in _TARGETS:
+                parent_path, _, attr = path.rpartition(".")
+                parent = layer.get_submodule(parent_path)
+                base = getattr(parent, attr)
+                if isinstance(base, LinearWithLoRA):
+                    raise ValueError("this model already serves LoRA in another engine")
+                sizes = self._sub_sizes(base.out_features, projections, parent)
+                wrapped = LinearWithLoRA(
+                    base, sizes, self.batch, config.max_loras, config.max_lora_rank
+                )
+                setattr(parent, attr, wrapped)
+                self.wrapped.append((wrapped, projections, index))
+                for i, (proj, size) in enumerate(zip(projections, sizes, strict=True)):
+                    self.targets[(index, proj)] = (wrapped, i, base.in_features, size)
+        self.loaded: OrderedDict[int, LoRAModel] = OrderedDict()  # LRU, oldest first
+        self.slots: list[int | None] = [None] * config.max_loras  # slot -> lora id
+        self.slot_of: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, LRU order
+        self.requests: dict[int, LoRARequest] = {}  # lora id -> the request that named it
+        self.req_lora: dict[str, int] = {}  # request id -> its adapter's id
+        # Under async scheduling the step runs on the runner's thread while the engine core
+        # adds adapters on its own: a step holds this, so no slot changes under a forward.
+        self._lock = threading.RLock()
+
+    @staticmethod
+    def _sub_sizes(out: int, projections: tuple[str, ...], parent: nn.Module) -> tuple[int, ...]:
+        if projections == ("q_proj", "k_proj", "v_proj"):
+            return (parent.q_size, parent.kv_size, parent.kv_size)
+        return (out // len(projections),) * len(projections)
+
+    # -- adapters -------------------------------------------------------------------------
+
+    def add_adapter(self, request: LoRARequest) -> bool:
+        """Load an adapter into memory (checked against the model); False if it was loaded
+        already. A ValueError, and nothing changed, if it cannot be served. The least
+        recently used adapter in no slot is dropped beyond `max_cpu_loras`."""
+        with self._lock:
+            return self._add_adapter(request)
+
+    def _add_adapter(self, request: LoRARequest) -> bool:
+        known = self.requests.get(request.lora_int_id)
+        if known is not None and known.lora_path != request.lora_path:
+            raise ValueError(
+                f"lora_int_id {request.lora_int_id} already names {known.lora_name!r} at "
+                f"{known.lora_path}: one id must mean one adapter"
+            )
+        if request.lora_int_id in self.loaded:
+            self.loaded.move_to_end(request.lora_int_id)
+            return False
+        lora = load_adapter(request, self.config.max_lora_rank, self.dtype)
+        for (layer, proj), module in lora.modules.items():
+            target = self.targets.get((layer, proj))
+            if target is None:
+                raise ValueError(
+                    f"LoRA adapter {request.lora_name!r} adapts layer {layer} {proj}, which "
+                    f"this model does not have ({len(self.wrapped) // len(_TARGETS)} layers)"
+                )
+            _, _, in_features, out_features = target
+            if module.lora_a.shape[1] != in_features or module.lora_b.shape[0] != out_features:
+                raise ValueError(
+                    f"LoRA adapter {request.lora_name!r}: layer {layer} {proj} has A "
+                    f"{tuple(module.lora_a.shape)} and B {tuple(module.lora_b.shape)}, but the "
+                    f"model's {proj} maps {in_features} -> {out_features} (an adapter of "
+                    "another model?)"
+                )
+        self._make_room(self.config.max_cpu_loras - 1)
+        self.loaded[request.lora_int_id] = lora
+        self.requests[request.lora_int_id] = request
+        return True
+
+    def remove_adapter(self, lora_int_id: int) -> bool:
+        """Forget an adapter (and free its slot); False if it was not known. The engine core
+        refuses this while a request uses it."""
+        with self._lock:
+            if self.requests.pop(lora_int_id, None) is None:
+                return False
+            self._unload(lora_int_id)
+            return True
+
+    def list_adapters(self) -> set[int]:
+        """The ids of the adapters known (loaded, or reloaded when a step needs them)."""
+        with self._lock:
+            return set(self.requests)
+
+    def _unload(self, lora_int_id: int) -> None:
+        """Out of memory and out of its slot; its request stays known, so a later step can
+        load it again."""
+        slot = self.slot_of.pop(lora_int_id, None)
+        if slot is not None:
+            self.slots[slot] = None
+            for wrapped, _, _ in self.wrapped:
+                wrapped.clear_slot(slot)
+        self.loaded.pop(lora_int_id, None)
+
+    def _make_room(self, limit: int) -> None:
+        """Unload least recently used adapters until at most `limit` are loaded: first those
+        in no slot, then slotted ones (each slot's adapter is reloaded when a step needs it)."""
+        for candidates in (
+            [i for i in self.loaded if i not in self.slot_of], list(self.slot_of)
+        ):
+            for lora_id in candidates:
+                if len(self.loaded) <= limit:
+                    return
+                self._unload(lora_id)
+
+    # -- requests and steps ------------------------------------------------------------------
+
+    def add_request(self, req_id: str, request: LoRARequest | None) -> None:
+        if request is not None:
+            self.req_lora[req_id] = request.lora_int_id
+            if request.lora_int_id not in self.loaded:  # dropped from the LRU since added
+                self.add_adapter(request)
+
+    def finish_request(self, req_id: str) -> None:
+        self.req_lora.pop(req_id, None)
+
+    @contextlib.contextmanager
+    def step_rows(
+        self, req_ids: Sequence[str], num_scheduled: np.ndarray, device: torch.device
+    ) -> Iterator[None]:
+        """For the forward inside: the step's adapters in slots and the row -> slot mask
+        (rows in `req_ids` order, `num_scheduled[i]` rows each). Cleared after, so the
+        wrapped model runs as the base model outside a step."""
+        with self._lock:
+            self._prepare(req_ids, num_scheduled, device)
+            try:
+                yield
+            finally:
+                self.batch.num_slots, self.batch.mask = 0, None
+
+    def _prepare(
+        self, req_ids: Sequence[str], num_scheduled: np.ndarray, device: torch.device
+    ) -> None:
+        req_lora = self.req_lora
+        if not req_lora:
+            return
+        ids = [req_lora.get(r, 0) for r in req_ids]
+        active = sorted(set(ids) - {0})
+        if not active:
+            return
+        if len(active) > len(self.slots):
+            raise RuntimeError(
+                f"{len(active)} adapters in one step, more than max_loras {len(self.slots)}"
+            )
+        slot_by_id = {lora_id: self._activate(lora_id, active) for lora_id in active}
+        k = max(slot_by_id.values()) + 1
+        self.batch.num_slots = k
+        if k == 1 and 0 not in ids:  # every row runs slot 0's adapter: no mask
+            return
+        row_slot = np.fromiter((slot_by_id.get(i, -1) for i in ids), np.int64, len(ids))
+        token_slot = torch.from_numpy(np.repeat(row_slot, num_scheduled)).to(device)
+        mask = token_slot.unsqueeze(1) == torch.arange(k, device=device)
+        self.batch.mask = mask.unsqueeze(2).to(self.dtype)
+
+    def _activate(self, lora_id: int, step_ids: Sequence[int]) -> int:
+        """The slot of `lora_id`, loading it into the lowest free slot (or the least
+        recently used one no adapter of this step holds) if it has none."""
+        slot = self.slot_of.get(lora_id)
+        if slot is not None:
+            self.slot_of.move_to_end(lora_id)
+            return slot
+        if lora_id not in self.loaded:
+            self.add_adapter(self.requests[lora_id])
+        free = [s for s, held in enumerate(self.slots) if held is None]
+        if free:
+            slot = free[0]
+        else:
+            victim = next(i for i in self.slot_of if i not in step_ids)
+            slot = self.slot_of.pop(victim)
+        lora = self.loaded[lora_id]
+        for wrapped, projections, layer in self.wrapped:
+            modules = []
+            for proj in projections:
+                module = lora.modules.get((layer, proj))
+                modules.append(
+                    None if module is None else (module.lora_a, module.lora_b, module.scale)
+                )
+            wrapped.set_slot(slot, modules)
+        self.slots[slot] = lora_id
+        self.slot_of[lora_id] = slot
+        self.loaded.move_to_end(lora_id)
+        return slot
