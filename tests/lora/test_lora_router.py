@@ -21,9 +21,10 @@ def test_router_hashes_are_the_kv_caches_per_adapter() -> None:
 
 
 def test_adapter_separates_affinity() -> None:
+    """Another adapter (or the base) finds no cached prefix: a new prefix, given a home."""
     router = DPRouter(2, BLOCK, guard=NO_GUARD)
     prompt = tokens(3, 4 * BLOCK)
     router.route(prompt, data_parallel_rank=0, lora_int_id=1)
     assert router.route(prompt, lora_int_id=1).reason == "affinity"
-    assert router.route(prompt, lora_int_id=2).reason == "rendezvous"
-    assert router.route(prompt).reason == "rendezvous"
+    assert router.route(prompt, lora_int_id=2).reason == "home"
+    assert router.route(prompt).reason == "home"

@@ -27,7 +27,7 @@ from pydantic import (
 )
 
 from v1.limits import DEFAULT_LIMITS, INT64_MAX, INT64_MIN, InputLimits, check_json_spec
-from v1.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from v1.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("v1.entrypoints.openai")
 
@@ -224,8 +224,6 @@ class SamplingRequest(EngineRequest):
             **self.model_dump(include=_SAMPLING_FIELDS), max_tokens=max_tokens, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, logit_bias=token_id_biases(self.logit_bias),
             structured_outputs=self._structured_outputs(limits),
-            # Streamed or not, the server builds its responses from the deltas.
-            output_kind=RequestOutputKind.DELTA,
         )
 
     def _structured_outputs(self, limits: InputLimits) -> StructuredOutputsParams | None:

@@ -54,7 +54,7 @@ from v1.entrypoints.openai.tool_calls import (
 from v1.limits import check_limit_fields, limit_field
 from v1.lora.request import LoRARequest
 from v1.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
-from v1.sampling_params import SamplingParams
+from v1.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("v1.entrypoints.openai")
 
@@ -114,6 +114,8 @@ class StartedRequest:
         cls, engine: AsyncLLM, prompts: list[PromptType], params: SamplingParams,
         request_id: str, request: EngineRequest, lora_request: LoRARequest | None = None,
     ) -> "StartedRequest":
+        # Streamed or not, every response is built from the deltas.
+        params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         streams = [
             engine.generate(
                 prompt, params, f"{request_id}-{i}", request.priority, request.data_parallel_rank,
