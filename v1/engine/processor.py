@@ -44,6 +44,12 @@ def check_token_ids(token_ids: Any, vocab_size: int) -> list[int]:
     return ids
 
 
+class PromptTooLongError(ValueError):
+    """A text with more characters than max_model_len tokens can cover: refused untokenized.
+    Its own class so that a caller that can shorten the text (the Responses API's
+    `truncation: "auto"`) tells it from other bad input."""
+
+
 class Processor:
     def __init__(
         self,
@@ -77,7 +83,7 @@ class Processor:
         check_text(text, what)
         per_token = self._max_chars_per_token
         if per_token is not None and len(text) > self.max_model_len * per_token:
-            raise ValueError(
+            raise PromptTooLongError(
                 f"{what} has {len(text)} characters, more than max_model_len "
                 f"({self.max_model_len}) tokens can hold: this model's tokens cover at most "
                 f"{per_token} characters each"
