@@ -160,6 +160,8 @@ def test_concurrency_limit_and_prompt_forms(llm):
     )
     assert len(outs) == 3
     assert outs[0].sequences == outs[1].sequences == outs[2].sequences
+    # One prompt alone, as `generate` takes it: token ids too (not each id a prompt).
+    assert [o.sequences for o in llm.beam_search(ids, params)] == [outs[0].sequences]
     assert all(s.finish_reason == "length" for s in outs[0].sequences)
 
 

@@ -112,11 +112,7 @@ class LLM:
         `data_parallel_rank` (one for all prompts, or one per prompt; None routes) pins
         requests to an engine core under data parallelism.
         """
-        if isinstance(prompts, (str, Mapping)) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # one prompt: text, a dict or token ids
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -148,8 +144,9 @@ class LLM:
         use_tqdm: bool = False,
         concurrency_limit: int | None = None,
     ) -> list[BeamSearchOutput]:
-        """vLLM's: the `params.beam_width` most likely sequences for each prompt (text, or a
-        dict with "prompt" or "prompt_token_ids"), best first, in the order of `prompts`.
+        """vLLM's: the `params.beam_width` most likely sequences for each prompt (text, token
+        ids, or a dict with "prompt" or "prompt_token_ids"; one prompt alone as `generate`
+        takes it), best first, in the order of `prompts`.
         Each step's beams run as one-token requests in the engine's batched steps, sharing
         their common prefix's KV blocks through the prefix cache (see `v1.beam_search`);
         `concurrency_limit` bounds how many prompts are searched at once."""
@@ -159,11 +156,9 @@ class LLM:
             raise ValueError(f"params must be BeamSearchParams, got {type(params)}")
         processor = self.llm_engine.processor
         params.check_limits(processor.limits)
-        if isinstance(prompts, (str, Mapping)):
-            prompts = [prompts]
         tokenizer = self.get_tokenizer()
         return beam_search(
-            list(prompts), params,
+            _prompt_list(prompts), params,
             generate=lambda batch, step: self.generate(batch, step, use_tqdm=False),
             tokenize=processor.prompt_token_ids,
             eos_token_ids=[
@@ -261,3 +256,12 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """`prompts` as a list: one prompt (text, a dict or token ids) becomes a list of it."""
+    if isinstance(prompts, (str, Mapping)) or (
+        isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+    ):
+        return [prompts]
+    return list(prompts)
