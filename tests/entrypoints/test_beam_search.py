@@ -207,6 +207,14 @@ def test_bad_params_raise_value_error(llm):
         llm.beam_search(["Hi", {"prompt_token_ids": [1] * 257}], params)
     with pytest.raises(ValueError, match="lora_request"):
         llm.beam_search(["Hi"], params, lora_request=object())
+    # A bad cache salt in a later group of concurrency_limit prompts: refused before the
+    # first group runs (the prefix cache was never asked for a token).
+    queries = llm.get_stats().prefix_cache_queries
+    for salt in ("\ud800", 5):
+        with pytest.raises(ValueError, match="cache_salt"):
+            llm.beam_search(["Hi", {"prompt": "Hi", "cache_salt": salt}], params,
+                            concurrency_limit=1)
+        assert llm.get_stats().prefix_cache_queries == queries
     assert not llm.llm_engine.has_unfinished_requests()  # nothing ran
 
 
