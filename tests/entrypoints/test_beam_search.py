@@ -270,3 +270,20 @@ def test_length_penalty_out_of_float_range_raises_before_searching():
         with pytest.raises(ValueError, match=r"length_penalty is .*<= 170"):
             scripted_search([5], BeamSearchParams(2, 2, length_penalty=penalty))
     assert scripted_search([5], BeamSearchParams(2, 2, length_penalty=-170.0))
+
+
+def test_many_prompts_in_a_small_cache_leave_nothing_behind(default_model):
+    """More beams than the KV cache holds at once (24 prompts x 2 beams, a block each, in 8
+    blocks): the scheduler runs each step's requests a few at a time, the search completes
+    every prompt, and afterwards no request is left, no block is held, and the engine
+    serves."""
+    with LLM(loaded_model=default_model, max_model_len=64, num_gpu_blocks=8) as llm:
+        prompts = [f"Item {i}: the" for i in range(24)]
+        outs = llm.beam_search(prompts, BeamSearchParams(beam_width=2, max_tokens=3))
+        assert [len(o.sequences) for o in outs] == [2] * 24
+        stats = llm.get_stats()
+        assert stats.num_running_reqs == stats.num_waiting_reqs == 0
+        assert stats.kv_cache_usage == 0.0
+        assert not llm.llm_engine.has_unfinished_requests()
+        llm.llm_engine.client.call_utility("check_integrity")
+        assert llm.generate(["Hello"], use_tqdm=False)[0].outputs[0].token_ids
