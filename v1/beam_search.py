@@ -26,6 +26,8 @@ partial block and the new token, and the KV held is one copy of the common prefi
 each beam's own tail.
 """
 
+import math
+import sys
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -119,6 +121,15 @@ def beam_search(
     ):
         raise ValueError(f"concurrency_limit must be an integer >= 1 or None, "
                          f"got {concurrency_limit!r}")
+    # A score divides by a length (1 to max_model_len + 1 tokens) to the power length_penalty:
+    # that power must be a finite, nonzero float for every length.
+    bound = math.floor(math.log(sys.float_info.max) / math.log(max_model_len + 1))
+    if abs(params.length_penalty) > bound:
+        raise ValueError(
+            f"length_penalty is {params.length_penalty}: a sequence's length (up to "
+            f"max_model_len + 1 = {max_model_len + 1} tokens) to that power is out of a "
+            f"float's range; use |length_penalty| <= {bound}"
+        )
     instances = [
         BeamSearchInstance(
             [BeamSearchSequence(tokenize(prompt), [])],
@@ -152,7 +163,13 @@ def beam_search(
                 inst.beams = []
 
     def score(seq: BeamSearchSequence) -> float:
-        return get_beam_search_score(seq.tokens, seq.cum_logprob, eos, params.length_penalty)
+        # As vLLM's, whose tokens always end with the end-of-text token that finished them:
+        # its length is then that of the rest (the prompt's own tokens all counted, an
+        # end-of-text one too), never 0.
+        tokens = seq.tokens
+        if isinstance(seq.stop_reason, int) and not params.include_stop_str_in_output:
+            tokens = [*tokens, seq.stop_reason]
+        return get_beam_search_score(tokens, seq.cum_logprob, eos, params.length_penalty)
 
     searched = []
     for inst in instances:

@@ -102,6 +102,13 @@ def test_text_that_is_not_unicode_is_a_value_error(tokenizer) -> None:
         processor.process_inputs("r", "Hi \ud800", SamplingParams())
     with pytest.raises(ValueError, match=r"cache_salt is not valid Unicode text"):
         processor.process_inputs("r", "Hi", SamplingParams(), cache_salt="\udfff")
+    # Not text at all (`LLM.generate`'s prompt dicts are not validated by pydantic).
+    for prompt in ({"prompt": "Hi", "cache_salt": 5},
+                   {"prompt_token_ids": [1], "cache_salt": b"s"}):
+        with pytest.raises(ValueError, match=r"cache_salt must be a string, got"):
+            processor.process_inputs("r", prompt, SamplingParams())
+        with pytest.raises(ValueError, match=r"cache_salt must be a string, got"):
+            processor.prompt_token_ids(prompt)
     text = processor.apply_chat_template([{"role": "user", "content": "Hi \ud800"}])
     with pytest.raises(ValueError, match=r"the conversation .* is not valid Unicode text"):
         processor.encode_conversation(text)

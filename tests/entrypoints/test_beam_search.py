@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from v1 import LLM
-from v1.beam_search import get_beam_search_score
+from v1.beam_search import beam_search, get_beam_search_score
+from v1.outputs import CompletionOutput, Logprob, RequestOutput
 from v1.sampling_params import BeamSearchParams
 
 MAX_TOKENS = 10
@@ -159,6 +160,8 @@ def test_concurrency_limit_and_prompt_forms(llm):
     )
     assert len(outs) == 3
     assert outs[0].sequences == outs[1].sequences == outs[2].sequences
+    # One prompt alone, as `generate` takes it: token ids too (not each id a prompt).
+    assert [o.sequences for o in llm.beam_search(ids, params)] == [outs[0].sequences]
     assert all(s.finish_reason == "length" for s in outs[0].sequences)
 
 
@@ -204,4 +207,83 @@ def test_bad_params_raise_value_error(llm):
         llm.beam_search(["Hi", {"prompt_token_ids": [1] * 257}], params)
     with pytest.raises(ValueError, match="lora_request"):
         llm.beam_search(["Hi"], params, lora_request=object())
+    # A bad cache salt in a later group of concurrency_limit prompts: refused before the
+    # first group runs (the prefix cache was never asked for a token).
+    queries = llm.get_stats().prefix_cache_queries
+    for salt in ("\ud800", 5):
+        with pytest.raises(ValueError, match="cache_salt"):
+            llm.beam_search(["Hi", {"prompt": "Hi", "cache_salt": salt}], params,
+                            concurrency_limit=1)
+        assert llm.get_stats().prefix_cache_queries == queries
     assert not llm.llm_engine.has_unfinished_requests()  # nothing ran
+
+
+
+EOS = 2
+# Every beam's next-token logprobs in the scripted searches below.
+SCRIPTED_LOGPROBS = {EOS: -0.5, 7: -0.7, 8: -2.0, 9: -3.0}
+
+
+def scripted_search(prompt_ids: list[int], params: BeamSearchParams) -> list[tuple]:
+    """`beam_search` on a scripted engine, whose every beam's candidates are
+    SCRIPTED_LOGPROBS: the sequences as (generated tokens, cum_logprob, finish_reason)."""
+
+    def generate(prompts, step_params):
+        return [
+            RequestOutput(str(i), None, p["prompt_token_ids"], [CompletionOutput(
+                0, "", [7], -0.7, [{t: Logprob(lp) for t, lp in SCRIPTED_LOGPROBS.items()}],
+                "length",
+            )], True)
+            for i, p in enumerate(prompts)
+        ]
+
+    (out,) = beam_search([{"prompt_token_ids": prompt_ids}], params, generate=generate,
+                         tokenize=lambda p: p["prompt_token_ids"], eos_token_ids=[EOS],
+                         max_model_len=64, decode=None)
+    return [(s.tokens[len(prompt_ids):], round(s.cum_logprob, 6), s.finish_reason)
+            for s in out.sequences]
+
+
+@pytest.mark.parametrize("prompt_ids", [[EOS], [5, EOS], [5]])
+def test_scores_count_the_prompt_not_the_finishing_end_of_text(prompt_ids):
+    """A sequence's length in its score is vLLM's: the prompt's tokens (an end-of-text token
+    among them too) and the generated ones but the one that finished it, whether or not
+    `include_stop_str_in_output` keeps that one in `tokens`. A prompt of just end-of-text,
+    finished at once, has length 1 (not 0: a division by zero)."""
+    ranked = {}
+    for include in (False, True):
+        params = BeamSearchParams(2, 2, length_penalty=1.0, include_stop_str_in_output=include)
+        ranked[include] = scripted_search(prompt_ids, params)
+    assert ranked[False] == [
+        (tokens[:-1] if reason == "stop" else tokens, cum, reason)
+        for tokens, cum, reason in ranked[True]
+    ]
+    if prompt_ids == [5, EOS]:  # -0.5 / 2 beats -1.4 / 4, which beats -1.2 / 3
+        assert ranked[True] == [([EOS], -0.5, "stop"), ([7, 7], -1.4, "length")]
+
+
+def test_length_penalty_out_of_float_range_raises_before_searching():
+    """A length (up to max_model_len + 1 = 65 here) to the power length_penalty must be a
+    float: 65 ** 1e308 overflows and 65 ** -1e308 is 0 (a division by zero), which ranking
+    found only after the whole search."""
+    for penalty in (1e308, -1e308, 171.0):
+        with pytest.raises(ValueError, match=r"length_penalty is .*<= 170"):
+            scripted_search([5], BeamSearchParams(2, 2, length_penalty=penalty))
+    assert scripted_search([5], BeamSearchParams(2, 2, length_penalty=-170.0))
+
+
+def test_many_prompts_in_a_small_cache_leave_nothing_behind(default_model):
+    """More beams than the KV cache holds at once (24 prompts x 2 beams, a block each, in 8
+    blocks): the scheduler runs each step's requests a few at a time, the search completes
+    every prompt, and afterwards no request is left, no block is held, and the engine
+    serves."""
+    with LLM(loaded_model=default_model, max_model_len=64, num_gpu_blocks=8) as llm:
+        prompts = [f"Item {i}: the" for i in range(24)]
+        outs = llm.beam_search(prompts, BeamSearchParams(beam_width=2, max_tokens=3))
+        assert [len(o.sequences) for o in outs] == [2] * 24
+        stats = llm.get_stats()
+        assert stats.num_running_reqs == stats.num_waiting_reqs == 0
+        assert stats.kv_cache_usage == 0.0
+        assert not llm.llm_engine.has_unfinished_requests()
+        llm.llm_engine.client.call_utility("check_integrity")
+        assert llm.generate(["Hello"], use_tqdm=False)[0].outputs[0].token_ids

@@ -172,6 +172,19 @@ def test_truncation_auto_drops_the_oldest_items(client: openai.OpenAI) -> None:
         respond(client, items[2:], max_output_tokens=MAX_MODEL_LEN, truncation="auto")
 
 
+def test_truncation_auto_drops_an_item_too_long_to_tokenize(client: openai.OpenAI) -> None:
+    """An item with more characters than max_model_len tokens can cover (refused untokenized
+    when it is sent alone) is dropped by truncation "auto", not answered with a 400."""
+    items = [{"role": "user", "content": "hello " * 20_000},
+             {"role": "user", "content": "What is 2+2?"}]
+    with pytest.raises(openai.BadRequestError, match="characters"):
+        respond(client, items, max_output_tokens=10)
+    response = respond(client, items, max_output_tokens=10, truncation="auto")
+    alone = respond(client, items[1:], max_output_tokens=10)
+    assert response.usage.input_tokens == alone.usage.input_tokens
+    assert response.output_text == alone.output_text
+
+
 def test_request_to_conversation_and_sampling_params() -> None:
     """The model's default sampling parameters fill what the request left out: max_output_tokens
     counts as max_tokens given, temperature left out does not."""

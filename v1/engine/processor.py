@@ -43,6 +43,24 @@ def check_token_ids(token_ids: Any, vocab_size: int) -> list[int]:
     return ids
 
 
+def _checked_cache_salt(prompt: PromptType, cache_salt: str | None = None) -> str | None:
+    """A prompt dict's "cache_salt" (vLLM's prompt dicts carry it), else `cache_salt`: valid
+    text or None, else ValueError."""
+    if isinstance(prompt, Mapping):
+        cache_salt = prompt.get("cache_salt", cache_salt)
+    if cache_salt is not None:
+        if not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+        check_text(cache_salt, "cache_salt")
+    return cache_salt
+
+
+class PromptTooLongError(ValueError):
+    """A text with more characters than max_model_len tokens can cover: refused untokenized.
+    Its own class so that a caller that can shorten the text (the Responses API's
+    `truncation: "auto"`) tells it from other bad input."""
+
+
 class Processor:
     def __init__(
         self,
@@ -76,7 +94,7 @@ class Processor:
         check_text(text, what)
         per_token = self._max_chars_per_token
         if per_token is not None and len(text) > self.max_model_len * per_token:
-            raise ValueError(
+            raise PromptTooLongError(
                 f"{what} has {len(text)} characters, more than max_model_len "
                 f"({self.max_model_len}) tokens can hold: this model's tokens cover at most "
                 f"{per_token} characters each"
@@ -116,8 +134,10 @@ class Processor:
             )
 
     def prompt_token_ids(self, prompt: PromptType) -> list[int]:
-        """The prompt's token ids, checked as `process_inputs` checks them."""
+        """The prompt's token ids, checked as `process_inputs` checks them (its cache salt
+        too)."""
         token_ids = self.tokenize_prompt(prompt)[1]
+        _checked_cache_salt(prompt)
         self.check_prompt_len(token_ids)
         return token_ids
 
@@ -232,10 +252,7 @@ class Processor:
             raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request)}")
         self._check_limits(params)
         text, token_ids = self.tokenize_prompt(prompt)
-        if isinstance(prompt, Mapping):  # vLLM's prompt dicts carry the salt
-            cache_salt = prompt.get("cache_salt", cache_salt)
-        if cache_salt is not None:
-            check_text(cache_salt, "cache_salt")
+        cache_salt = _checked_cache_salt(prompt, cache_salt)
         self.check_prompt_len(token_ids)
         params = copy.copy(params)  # the core's copy: the caller may reuse theirs
         room = self.max_model_len - len(token_ids)

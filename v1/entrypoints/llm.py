@@ -108,11 +108,7 @@ class LLM:
         (the engine made with enable_lora=True); each adapter is loaded and checked first, so
         a bad one raises ValueError before anything runs.
         """
-        if isinstance(prompts, (str, Mapping)) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # one prompt: text, a dict or token ids
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -153,8 +149,9 @@ class LLM:
         use_tqdm: bool = False,
         concurrency_limit: int | None = None,
     ) -> list[BeamSearchOutput]:
-        """vLLM's: the `params.beam_width` most likely sequences for each prompt (text, or a
-        dict with "prompt" or "prompt_token_ids"), best first, in the order of `prompts`.
+        """vLLM's: the `params.beam_width` most likely sequences for each prompt (text, token
+        ids, or a dict with "prompt" or "prompt_token_ids"; one prompt alone as `generate`
+        takes it), best first, in the order of `prompts`.
         Each step's beams run as one-token requests in the engine's batched steps, sharing
         their common prefix's KV blocks through the prefix cache (see `v1.beam_search`);
         `concurrency_limit` bounds how many prompts are searched at once; `lora_request`, one
@@ -168,11 +165,9 @@ class LLM:
             raise ValueError(f"params must be BeamSearchParams, got {type(params)}")
         processor = self.llm_engine.processor
         params.check_limits(processor.limits)
-        if isinstance(prompts, (str, Mapping)):
-            prompts = [prompts]
         tokenizer = self.get_tokenizer()
         return beam_search(
-            list(prompts), params,
+            _prompt_list(prompts), params,
             generate=lambda batch, step: self.generate(
                 batch, step, use_tqdm=False, lora_request=lora_request
             ),
@@ -286,3 +281,12 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """`prompts` as a list: one prompt (text, a dict or token ids) becomes a list of it."""
+    if isinstance(prompts, (str, Mapping)) or (
+        isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+    ):
+        return [prompts]
+    return list(prompts)

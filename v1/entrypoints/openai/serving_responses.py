@@ -7,6 +7,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
+from v1.engine.processor import PromptTooLongError
 from v1.entrypoints.openai.protocol import UsageInfo
 from v1.entrypoints.openai.responses_protocol import (
     IncompleteDetails,
@@ -76,19 +77,36 @@ class OpenAIServingResponses:
         leading input items are dropped that make it fit (found by bisection, as fewer
         items render shorter); the last item is never dropped."""
         render = self.serving.render_chat
-        text, token_ids = render(request.messages())
-        if request.truncation == "auto" and not self.serving.fits(len(token_ids), max_tokens):
-            low, high = 1, len(request.input) - 1  # the answer, if any, is in here
-            while low <= high:
-                mid = (low + high) // 2
-                shorter = render(request.messages(mid))
-                if self.serving.fits(len(shorter[1]), max_tokens):
-                    text, token_ids = shorter
-                    high = mid - 1
-                else:
-                    low = mid + 1
+        if request.truncation == "disabled":
+            text, token_ids = render(request.messages())
+        else:
+            last = len(request.input) - 1
+            fitting = self._if_fits(request, 0, max_tokens)
+            if fitting is None:
+                low, high = 1, last  # the fewest items to drop, if any, are in here
+                while low <= high:
+                    mid = (low + high) // 2
+                    shorter = self._if_fits(request, mid, max_tokens)
+                    if shorter is not None:
+                        fitting, high = shorter, mid - 1
+                    else:
+                        low = mid + 1
+            # Nothing fits: the last item alone, rendered again for check_length's error.
+            text, token_ids = fitting or render(request.messages(last))
         self.serving.check_length(len(token_ids), max_tokens, "input", "max_output_tokens")
         return text, token_ids
+
+    def _if_fits(
+        self, request: ResponsesRequest, num_dropped: int, max_tokens: int | None
+    ) -> tuple[str, list[int]] | None:
+        """The conversation less its first `num_dropped` input items, rendered and tokenized,
+        or None if it leaves no room for max_tokens (too many characters to tokenize
+        included: such an item is what truncation drops)."""
+        try:
+            text, token_ids = self.serving.render_chat(request.messages(num_dropped))
+        except PromptTooLongError:
+            return None
+        return (text, token_ids) if self.serving.fits(len(token_ids), max_tokens) else None
 
 
 class _Head:
