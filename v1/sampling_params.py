@@ -1,5 +1,6 @@
 """Sampling parameters, validated on construction like vLLM's."""
 
+import copy
 import enum
 import math
 from dataclasses import dataclass, field
@@ -233,6 +234,10 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+    def clone(self) -> "SamplingParams":
+        """vLLM's: a deep copy, to change without touching this one (its lists too)."""
+        return copy.deepcopy(self)
 
 
 @dataclass(slots=True)

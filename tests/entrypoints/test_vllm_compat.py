@@ -5,13 +5,16 @@ scripts pass, the prompt types, and the `v1` console command."""
 
 import asyncio
 import dataclasses
+import importlib
 import importlib.metadata
 import logging
 import re
+import sys
 import tomllib
 from pathlib import Path
 
 import pytest
+import torch
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily
 
@@ -109,6 +112,28 @@ def test_engine_loop_in_vllms_order(default_model, reference, kind) -> None:
         assert_kind(outs, kind, reference[PROMPTS[int(request_id)]])
 
 
+@pytest.mark.model
+def test_engine_tokenizer_count_and_abort_request(default_model) -> None:
+    """vLLM's LLMEngine.get_tokenizer(), get_num_unfinished_requests() (n > 1: each
+    sequence) and abort_request(one id or several)."""
+    engine = LLMEngine.from_engine_args(EngineArgs(**SMALL_ENGINE), loaded_model=default_model)
+    try:
+        tokenizer = engine.get_tokenizer()
+        assert tokenizer is engine.tokenizer and tokenizer.encode(PROMPTS[0])
+        engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=50))
+        engine.add_request("b", PROMPTS[1], SamplingParams(n=2, max_tokens=50))
+        engine.add_request("c", PROMPTS[1], SamplingParams(max_tokens=50))
+        assert engine.get_num_unfinished_requests() == 4
+        engine.step()
+        engine.abort_request("a")
+        assert engine.get_num_unfinished_requests() == 3
+        engine.abort_request(["b", "c"])
+        assert engine.get_num_unfinished_requests() == 0
+        assert not engine.has_unfinished_requests()
+    finally:
+        engine.shutdown()
+
+
 def assert_kind(
     outs: list[RequestOutput], kind: RequestOutputKind, expected: tuple[list[int], str]
 ) -> None:
@@ -137,13 +162,28 @@ def test_async_streaming_with_each_output_kind(default_model_path, reference) ->
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, output_kind=kind)
         return [out async for out in engine.generate(prompt, params, request_id=kind.name)]
 
-    async def main() -> list[list[RequestOutput]]:
-        return await asyncio.gather(*(stream(k, PROMPTS[0]) for k in RequestOutputKind))
+    async def aborted() -> list[RequestOutput]:
+        """vLLM's abort takes several ids: the stream ends, unfinished."""
+        params = SamplingParams(max_tokens=500, ignore_eos=True)
+        outs = []
+        async for out in engine.generate(PROMPTS[1], params, "long"):
+            outs.append(out)
+            await engine.abort(["long"])
+        return outs
+
+    async def main() -> tuple[list[list[RequestOutput]], list[RequestOutput]]:
+        streams = await asyncio.gather(*(stream(k, PROMPTS[0]) for k in RequestOutputKind))
+        return streams, await aborted()
 
     try:
-        results = asyncio.run(main())
+        results, (cut,) = asyncio.run(main())
+        assert not cut.finished
+        assert engine.get_tokenizer() is engine.tokenizer  # vLLM's, synchronous as now
+        assert engine.get_tokenizer().decode(reference[PROMPTS[0]][0])
+        assert engine.is_running and not engine.is_stopped
     finally:
         engine.shutdown()
+    assert engine.is_stopped and not engine.is_running
     for kind, outs in zip(RequestOutputKind, results):
         assert_kind(outs, kind, reference[PROMPTS[0]])
 
@@ -310,3 +350,76 @@ def test_serve_with_disable_log_stats_gathers_no_latencies(default_model_path) -
 
     assert value("vllm:generation_tokens_total") == 2
     assert value("vllm:time_to_first_token_seconds_count") == 0
+
+
+def test_engine_options_fail_before_the_model_loads() -> None:
+    """vLLM's dtype spellings ("half", "float", a torch.dtype) are taken; a bad scheduler,
+    cache, device or dtype option is a ValueError naming it, when EngineArgs is made (so
+    `v1 serve` reports it as a usage error, not a traceback from the engine's start-up)."""
+    assert EngineArgs(dtype="half").dtype == "float16"
+    assert EngineArgs(dtype="float").dtype == "float32"
+    assert EngineArgs(dtype=torch.bfloat16).dtype == "bfloat16"
+    for bad, match in [
+        ({"dtype": "float64"}, "dtype must be one of .*got 'float64'"),
+        ({"device": "tpu"}, "device must be one of .*got 'tpu'"),
+        ({"scheduling_policy": "lifo"}, "scheduling_policy must be one of fcfs, priority"),
+        ({"max_num_seqs": 0}, "max_num_seqs must be an integer >= 1, got 0"),
+        ({"block_size": -1}, "block_size must be an integer >= 1, got -1"),
+        ({"max_model_len": 0}, "max_model_len must be an integer >= 1, got 0"),
+        ({"num_gpu_blocks_override": 0}, "num_gpu_blocks_override must be"),
+        ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold must be"),
+        ({"preload_max_fraction": 2.0}, r"preload_max_fraction must be in \(0, 1\]"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            EngineArgs(**bad)
+
+
+def test_serve_command_line_errors_and_underscores(capsys, monkeypatch) -> None:
+    """`v1 serve`: vLLM's flexible spelling (`--max_model_len`); a bad engine option or port
+    is a usage error (exit 2) naming it, before anything starts."""
+    from v1.entrypoints.openai.api_server import engine_args_from, make_parser
+
+    parser = make_parser()
+    args = parser.parse_args(["--max_model_len", "64", "--port", "8001"])
+    assert engine_args_from(parser, args).max_model_len == 64 and args.port == 8001
+    for argv, message in [
+        (["--dtype", "float64"], "dtype must be one of"),
+        (["--scheduling-policy", "lifo"], "scheduling_policy must be one of"),
+        (["--port", "99999"], r"argument --port: must be a TCP port \(1-65535\), got '99999'"),
+        (["--port", "http"], "argument --port: must be a TCP port"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            engine_args_from(parser, parser.parse_args(argv))
+        assert exit_info.value.code == 2
+        assert re.search(message, capsys.readouterr().err), argv
+    # A script's own parse_args() reads the command line, respelled as well.
+    monkeypatch.setattr(sys, "argv", ["script.py", "--max_model_len=32", "--enforce_eager"])
+    args = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args()
+    assert args.max_model_len == 32 and args.enforce_eager
+
+
+def test_vllms_v1_module_paths_are_the_same_modules() -> None:
+    """vLLM V1's scripts import from `vllm.v1.*` (`vllm.v1.engine.async_llm`,
+    `vllm.v1.metrics.reader`) and older ones from `vllm.engine.async_llm_engine`: with
+    `vllm` replaced by `v1`, the same modules and classes as v1's own."""
+    from v1.v1.engine.async_llm import AsyncLLM as V1AsyncLLM
+    from v1.v1.engine.llm_engine import LLMEngine as V1LLMEngine
+    from v1.v1.metrics.reader import Counter as V1Counter
+
+    from v1.engine.async_llm_engine import AsyncLLMEngine
+
+    assert V1AsyncLLM is AsyncLLM is AsyncLLMEngine
+    assert V1LLMEngine is LLMEngine and V1Counter is Counter
+    assert sys.modules["v1.v1.engine.async_llm"] is sys.modules["v1.engine.async_llm"]
+    # The real module keeps its own name and spec.
+    assert sys.modules["v1.engine.async_llm"].__spec__.name == "v1.engine.async_llm"
+    with pytest.raises(ModuleNotFoundError, match="v1.v1.no_such_module"):
+        importlib.import_module("v1.v1.no_such_module")
+
+
+def test_sampling_params_clone() -> None:
+    params = SamplingParams(stop=["a"], seed=3, output_kind=RequestOutputKind.DELTA)
+    copy = params.clone()
+    copy.stop.append("b")
+    assert copy == SamplingParams(stop=["a", "b"], seed=3, output_kind=RequestOutputKind.DELTA)
+    assert params.stop == ["a"]

@@ -67,6 +67,8 @@ from v1.entrypoints.openai.serving_responses import OpenAIServingResponses
 from v1.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from v1.metrics.prometheus import PrometheusMetrics
 from v1.models.loader import resolve_model
+from v1.utils.argparse_utils import FlexibleArgumentParser
+from v1.utils.network_utils import tcp_port
 
 T = TypeVar("T")
 
@@ -400,7 +402,7 @@ def build_app(
 
 
 def make_parser(prog: str = "v1 serve") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = FlexibleArgumentParser(  # vLLM's: `--max_model_len` as `--max-model-len`
         prog=prog,
         description="An OpenAI-compatible server over the engine.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -410,7 +412,7 @@ def make_parser(prog: str = "v1 serve") -> argparse.ArgumentParser:
         help="the model, as --model (vLLM's `serve MODEL`)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--port", type=tcp_port, default=8000, help="port to listen on")
     parser.add_argument(
         "--served-model-name", nargs="+", default=None,
         help="the model name(s) requests may give (any of them); responses report the first. "
