@@ -352,6 +352,12 @@ class EngineArgs:
     download_dir: str | None = option(None, ignored_help("download_dir"))
     tokenizer: str | None = option(None, ignored_help("tokenizer"))
     enable_expert_parallel: bool = option(False, ignored_help("enable_expert_parallel"))
+    tokenizer_mode: str = option("auto", ignored_help("tokenizer_mode"))
+    distributed_executor_backend: str | None = option(
+        None, ignored_help("distributed_executor_backend")
+    )
+    disable_custom_all_reduce: bool = option(False, ignored_help("disable_custom_all_reduce"))
+    max_seq_len_to_capture: int = option(8192, ignored_help("max_seq_len_to_capture"))
     # What one request may ask for (the frontend checks); the help is `InputLimits`'.
     max_logprobs: int = DEFAULT_LIMITS.max_logprobs
     max_n_sequences: int = DEFAULT_LIMITS.max_n_sequences

@@ -62,6 +62,18 @@ IGNORED_OPTIONS: dict[str, IgnoredOption] = {
         refused="a tokenizer other than the model's is not supported",
     ),
     "enable_expert_parallel": IgnoredOption("no mixture-of-experts model runs here"),
+    "tokenizer_mode": IgnoredOption(
+        "the tokenizer is the model's fast (Rust) tokenizer, vLLM's 'auto'", only=("auto",),
+        refused="no slow or model-specific tokenizer is loaded",
+    ),
+    "distributed_executor_backend": IgnoredOption(
+        _ONE_DEVICE + ", in its own process: there is no executor to choose (engine cores "
+        "are placed by data_parallel_backend)"
+    ),
+    "disable_custom_all_reduce": IgnoredOption(
+        _ONE_DEVICE + ": there is no all-reduce"
+    ),
+    "max_seq_len_to_capture": IgnoredOption("no CUDA graphs are captured"),
 }
 
 

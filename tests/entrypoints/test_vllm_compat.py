@@ -35,6 +35,7 @@ from v1.entrypoints.llm import LLM
 from v1.ignored_options import IGNORED_OPTIONS
 from v1.metrics.reader import Counter, Gauge, Histogram, Vector, get_metrics_snapshot
 from v1.platforms import current_platform
+from v1.utils import random_uuid
 from v1.utils.argparse_utils import FlexibleArgumentParser
 from v1.utils.network_utils import get_open_port
 
@@ -160,7 +161,11 @@ def test_async_streaming_with_each_output_kind(default_model_path, reference) ->
 
     async def stream(kind: RequestOutputKind, prompt: str) -> list[RequestOutput]:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, output_kind=kind)
-        return [out async for out in engine.generate(prompt, params, request_id=kind.name)]
+        return [
+            out async for out in engine.generate(
+                prompt, params, request_id=kind.name, lora_request=None
+            )
+        ]
 
     async def aborted() -> list[RequestOutput]:
         """vLLM's abort takes several ids: the stream ends, unfinished."""
@@ -241,7 +246,9 @@ def test_vllms_options_are_accepted_or_refused(default_model, caplog) -> None:
         "enforce_eager": True, "trust_remote_code": True, "tensor_parallel_size": 1,
         "disable_log_stats": True, "swap_space": 8, "max_logprobs": 20,
         "compilation_config": {"level": 3}, "hf_token": "secret-token",
-        "enable_expert_parallel": True,
+        "enable_expert_parallel": True, "tokenizer_mode": "auto",
+        "distributed_executor_backend": "mp", "disable_custom_all_reduce": True,
+        "max_seq_len_to_capture": 4096,
     }
     with caplog.at_level(logging.INFO, logger="v1"):
         with LLM(loaded_model=default_model, **SMALL_ENGINE, **options) as llm:
@@ -249,13 +256,15 @@ def test_vllms_options_are_accepted_or_refused(default_model, caplog) -> None:
     assert out.outputs[0].token_ids
     ignored = [r.getMessage() for r in caplog.records if "accepted and ignored" in r.message]
     changed = {"enforce_eager", "trust_remote_code", "swap_space", "compilation_config",
-               "hf_token", "enable_expert_parallel"}  # tensor_parallel_size=1 is the default
+               "hf_token", "enable_expert_parallel", "distributed_executor_backend",
+               "disable_custom_all_reduce", "max_seq_len_to_capture"}  # others: defaults
     assert sorted(m.split()[0] for m in ignored) == sorted(changed)
     assert not any("secret-token" in r.getMessage() for r in caplog.records)
     for bad, match in [
         ({"tensor_parallel_size": 2}, r"tensor_parallel_size=2 .*data_parallel_size"),
         ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
         ({"tokenizer": "other/tokenizer"}, "tokenizer other than the model's"),
+        ({"tokenizer_mode": "mistral"}, r"tokenizer_mode='mistral' .*accepted: 'auto'"),
         ({"no_such_option": 1}, r"unknown engine options \['no_such_option'\]"),
     ]:
         with pytest.raises(ValueError, match=match):
@@ -273,12 +282,22 @@ def test_the_ignored_options_table_is_the_fields() -> None:
 
 @pytest.mark.model
 def test_prompt_types(default_model, reference) -> None:
+    """vLLM's prompt types; `lora_request=None`, which scripts pass, is taken (an adapter
+    is refused: none is served here)."""
     with LLM(loaded_model=default_model, **SMALL_ENGINE) as llm:
         ids = llm.get_tokenizer().encode(PROMPTS[0])
         outputs = llm.generate(
             [TextPrompt(prompt=PROMPTS[0]), TokensPrompt(prompt_token_ids=ids)], GREEDY,
-            use_tqdm=False,
+            use_tqdm=False, lora_request=None,
         )
+        (chat,) = llm.chat([{"role": "user", "content": "Hi"}], GREEDY, use_tqdm=False,
+                           lora_request=[None])
+        assert chat.outputs[0].token_ids
+        for call in (llm.generate, llm.chat):
+            with pytest.raises(ValueError, match="serves no LoRA adapters"):
+                call(PROMPTS[0], GREEDY, lora_request=object())  # type: ignore[operator]
+        with pytest.raises(ValueError, match="serves no LoRA adapters"):
+            llm.llm_engine.add_request("x", PROMPTS[0], GREEDY, lora_request=object())
     assert [o.outputs[0].token_ids for o in outputs] == [reference[PROMPTS[0]][0]] * 2
 
 
@@ -417,9 +436,11 @@ def test_vllms_v1_module_paths_are_the_same_modules() -> None:
         importlib.import_module("v1.v1.no_such_module")
 
 
-def test_sampling_params_clone() -> None:
+def test_sampling_params_clone_and_random_uuid() -> None:
     params = SamplingParams(stop=["a"], seed=3, output_kind=RequestOutputKind.DELTA)
     copy = params.clone()
     copy.stop.append("b")
     assert copy == SamplingParams(stop=["a", "b"], seed=3, output_kind=RequestOutputKind.DELTA)
     assert params.stop == ["a"]
+    ids = {random_uuid() for _ in range(3)}
+    assert len(ids) == 3 and all(re.fullmatch("[0-9a-f]{32}", i) for i in ids)

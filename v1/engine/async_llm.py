@@ -39,7 +39,7 @@ from v1.engine.dp_client import DPAsyncMPClient
 from v1.engine.dp_router import check_data_parallel_rank
 from v1.engine.exceptions import EngineCoreDeadError, EngineDeadError
 from v1.engine.output_processor import IterationStats, OutputProcessor
-from v1.engine.processor import Processor, PromptType
+from v1.engine.processor import Processor, PromptType, check_lora_request
 from v1.limits import DEFAULT_LIMITS, InputLimits
 from v1.outputs import RequestOutput, SchedulerStats
 from v1.sampling_params import SamplingParams
@@ -122,6 +122,7 @@ class AsyncLLM:
         request_id: str,
         priority: int = 0,
         data_parallel_rank: int | None = None,
+        lora_request: object = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the request's outputs, of its `sampling_params.output_kind` as vLLM's:
         CUMULATIVE (the default) each with everything so far, DELTA each with only what is
@@ -132,8 +133,9 @@ class AsyncLLM:
         request in the engine core, which frees its blocks; `abort(request_id)` ends the
         stream without a finished output; a dead engine raises EngineDeadError (with data
         parallelism, `data_parallel_rank` pins the request to that core, and the death of
-        the core running it raises EngineCoreDeadError).
+        the core running it raises EngineCoreDeadError). `lora_request`: vLLM's, None only.
         """
+        check_lora_request(lora_request)
         if self.dead_error is not None:
             raise self.dead_error
         check_data_parallel_rank(data_parallel_rank, self.client.data_parallel_size)

@@ -27,7 +27,7 @@ from v1.engine.dp_client import DPSyncMPClient
 from v1.engine.dp_router import check_data_parallel_rank
 from v1.engine.exceptions import EngineCoreDeadError
 from v1.engine.output_processor import IterationStats, OutputProcessor
-from v1.engine.processor import Processor, PromptType
+from v1.engine.processor import Processor, PromptType, check_lora_request
 from v1.limits import DEFAULT_LIMITS, InputLimits
 from v1.metrics.prometheus import PrometheusMetrics
 from v1.metrics.reader import Metric, get_metrics_snapshot
@@ -112,10 +112,12 @@ class LLMEngine:
         *,
         priority: int = 0,
         data_parallel_rank: int | None = None,
+        lora_request: object = None,
     ) -> str:
         """vLLM's order: the caller's id (what outputs carry and `abort_requests` takes; it
         is returned), the prompt, its SamplingParams (whose `output_kind` says what each
-        output of `step()` carries)."""
+        output of `step()` carries). `lora_request`: vLLM's, None only."""
+        check_lora_request(lora_request)
         if not isinstance(request_id, str) or not isinstance(params, SamplingParams):
             raise TypeError(
                 "add_request takes (request_id, prompt, params), as vLLM's; got "

@@ -42,6 +42,14 @@ def check_token_ids(token_ids: Any, vocab_size: int) -> list[int]:
     return ids
 
 
+def check_lora_request(lora_request: object) -> None:
+    """vLLM's `lora_request` argument: None (or a list of Nones, one per prompt) is taken, as
+    scripts pass it; an adapter is a ValueError."""
+    requests = lora_request if isinstance(lora_request, list) else [lora_request]
+    if any(r is not None for r in requests):
+        raise ValueError("lora_request: this engine serves no LoRA adapters")
+
+
 class Processor:
     def __init__(
         self,

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from v1.beam_search import BeamSearchOutput, beam_search
 from v1.config import EngineArgs
 from v1.engine.llm_engine import LLMEngine
-from v1.engine.processor import PromptType
+from v1.engine.processor import PromptType, check_lora_request
 from v1.metrics.reader import Metric
 from v1.models.loader import LoadedModel, resolve_model
 from v1.outputs import RequestOutput, SchedulerStats
@@ -94,6 +94,7 @@ class LLM:
         priority: Sequence[int] | None = None,
         use_tqdm: bool = True,
         data_parallel_rank: int | Sequence[int | None] | None = None,
+        lora_request: object = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in the order of `prompts`.
 
@@ -101,8 +102,10 @@ class LLM:
         per prompt, lower first) matters under scheduling_policy="priority". Each request's
         max_tokens is capped to what `max_model_len` leaves after its prompt (see the class).
         `data_parallel_rank` (one for all prompts, or one per prompt; None routes) pins
-        requests to an engine core under data parallelism.
+        requests to an engine core under data parallelism. `lora_request`: vLLM's, None only
+        (no LoRA adapters here).
         """
+        check_lora_request(lora_request)
         if isinstance(prompts, (str, Mapping)) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
@@ -144,8 +147,7 @@ class LLM:
         Each step's beams run as one-token requests in the engine's batched steps, sharing
         their common prefix's KV blocks through the prefix cache (see `v1.beam_search`);
         `concurrency_limit` bounds how many prompts are searched at once."""
-        if lora_request is not None:
-            raise ValueError("lora_request: this engine serves no LoRA adapters")
+        check_lora_request(lora_request)
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be BeamSearchParams, got {type(params)}")
         processor = self.llm_engine.processor
@@ -176,14 +178,17 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: object = None,
     ) -> list[RequestOutput]:
         """Apply the chat template to one conversation or a list of them, then generate.
 
         As vLLM's: `chat_template` (Jinja text) replaces the model's; with
         `continue_final_message=True` (and `add_generation_prompt=False`) the model goes on
         with the last message instead of answering it; `chat_template_kwargs` are extra
-        template variables; `tools` (OpenAI-style function definitions) reach the template.
+        template variables; `tools` (OpenAI-style function definitions) reach the template;
+        `lora_request` is None only, as in `generate`.
         """
+        check_lora_request(lora_request)
         if messages and isinstance(messages[0], Mapping):
             messages = [messages]  # type: ignore[list-item]
         processor = self.llm_engine.processor
