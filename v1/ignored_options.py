@@ -31,6 +31,10 @@ _NO_DOWNLOADS = (
     "Face cache"
 )
 _ONE_DEVICE = "an engine core runs its model on one device"
+_NO_REQUEST_LOG = (
+    "no request's prompt or parameters are logged (the server's access log, one line per "
+    "HTTP request, follows --uvicorn-log-level)"
+)
 
 IGNORED_OPTIONS: dict[str, IgnoredOption] = {
     "enforce_eager": IgnoredOption(
@@ -74,6 +78,9 @@ IGNORED_OPTIONS: dict[str, IgnoredOption] = {
         _ONE_DEVICE + ": there is no all-reduce"
     ),
     "max_seq_len_to_capture": IgnoredOption("no CUDA graphs are captured"),
+    # vLLM's serve flag and its older, still common, opposite.
+    "enable_log_requests": IgnoredOption(_NO_REQUEST_LOG),
+    "disable_log_requests": IgnoredOption(_NO_REQUEST_LOG),
 }
 
 

@@ -248,7 +248,7 @@ def test_vllms_options_are_accepted_or_refused(default_model, caplog) -> None:
         "compilation_config": {"level": 3}, "hf_token": "secret-token",
         "enable_expert_parallel": True, "tokenizer_mode": "auto",
         "distributed_executor_backend": "mp", "disable_custom_all_reduce": True,
-        "max_seq_len_to_capture": 4096,
+        "max_seq_len_to_capture": 4096, "disable_log_requests": True,
     }
     with caplog.at_level(logging.INFO, logger="v1"):
         with LLM(loaded_model=default_model, **SMALL_ENGINE, **options) as llm:
@@ -257,7 +257,8 @@ def test_vllms_options_are_accepted_or_refused(default_model, caplog) -> None:
     ignored = [r.getMessage() for r in caplog.records if "accepted and ignored" in r.message]
     changed = {"enforce_eager", "trust_remote_code", "swap_space", "compilation_config",
                "hf_token", "enable_expert_parallel", "distributed_executor_backend",
-               "disable_custom_all_reduce", "max_seq_len_to_capture"}  # others: defaults
+               "disable_custom_all_reduce", "max_seq_len_to_capture",
+               "disable_log_requests"}  # others: defaults
     assert sorted(m.split()[0] for m in ignored) == sorted(changed)
     assert not any("secret-token" in r.getMessage() for r in caplog.records)
     for bad, match in [
@@ -331,7 +332,7 @@ def test_console_command_help_lists_each_option_once(capsys) -> None:
         flag = "--" + field.name.replace("_", "-")
         assert options.count(flag) == 1, flag
     for flag in ("--host", "--port", "--served-model-name", "--enforce-eager",
-                 "--trust-remote-code", "--disable-log-stats"):
+                 "--trust-remote-code", "--disable-log-stats", "--disable-log-requests"):
         assert flag in options
     code, text = run_console(capsys, ["nonsense"])
     assert code == 2 and "usage: v1" in text
