@@ -445,3 +445,16 @@ def test_sampling_params_clone_and_random_uuid() -> None:
     assert params.stop == ["a"]
     ids = {random_uuid() for _ in range(3)}
     assert len(ids) == 3 and all(re.fullmatch("[0-9a-f]{32}", i) for i in ids)
+
+
+def test_version_and_clear_errors_for_stop_lists() -> None:
+    """`v1.__version__` (vLLM's `vllm.__version__`); a stop list of the wrong type is a
+    ValueError naming it, not a TypeError from inside."""
+    import v1
+
+    assert v1.__version__ == importlib.metadata.version("v1")
+    with pytest.raises(ValueError, match="stop must be a non-empty string or a list"):
+        SamplingParams(stop=5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="stop_token_ids must be a list of token ids"):
+        SamplingParams(stop_token_ids=7)  # type: ignore[arg-type]
+    assert SamplingParams(stop=("a",), stop_token_ids=(2,)).stop == ["a"]
