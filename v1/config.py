@@ -358,6 +358,9 @@ class EngineArgs:
     )
     disable_custom_all_reduce: bool = option(False, ignored_help("disable_custom_all_reduce"))
     max_seq_len_to_capture: int = option(8192, ignored_help("max_seq_len_to_capture"))
+    task: str = option("auto", ignored_help("task"))
+    runner: str = option("auto", ignored_help("runner"))
+    load_format: str = option("auto", ignored_help("load_format"))
     enable_log_requests: bool = option(False, ignored_help("enable_log_requests"))
     disable_log_requests: bool = option(False, ignored_help("disable_log_requests"))
     # What one request may ask for (the frontend checks); the help is `InputLimits`'.

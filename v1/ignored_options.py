@@ -78,6 +78,19 @@ IGNORED_OPTIONS: dict[str, IgnoredOption] = {
         _ONE_DEVICE + ": there is no all-reduce"
     ),
     "max_seq_len_to_capture": IgnoredOption("no CUDA graphs are captured"),
+    "task": IgnoredOption(
+        "every model here generates text", only=("auto", "generate"),
+        refused="no pooling (embedding, scoring) runner exists here",
+    ),
+    "runner": IgnoredOption(
+        "every model here generates text", only=("auto", "generate"),
+        refused="no pooling (embedding, scoring) runner exists here",
+    ),
+    "load_format": IgnoredOption(
+        "the weights are read from the model's own files (safetensors or GGUF)",
+        only=("auto", "safetensors", "gguf"),
+        refused="other formats (and 'dummy' random weights) are not loaded",
+    ),
     # vLLM's serve flag and its older, still common, opposite.
     "enable_log_requests": IgnoredOption(_NO_REQUEST_LOG),
     "disable_log_requests": IgnoredOption(_NO_REQUEST_LOG),

@@ -248,7 +248,8 @@ def test_vllms_options_are_accepted_or_refused(default_model, caplog) -> None:
         "compilation_config": {"level": 3}, "hf_token": "secret-token",
         "enable_expert_parallel": True, "tokenizer_mode": "auto",
         "distributed_executor_backend": "mp", "disable_custom_all_reduce": True,
-        "max_seq_len_to_capture": 4096, "disable_log_requests": True,
+        "max_seq_len_to_capture": 4096, "disable_log_requests": True, "task": "generate",
+        "load_format": "safetensors",
     }
     with caplog.at_level(logging.INFO, logger="v1"):
         with LLM(loaded_model=default_model, **SMALL_ENGINE, **options) as llm:
@@ -258,7 +259,7 @@ def test_vllms_options_are_accepted_or_refused(default_model, caplog) -> None:
     changed = {"enforce_eager", "trust_remote_code", "swap_space", "compilation_config",
                "hf_token", "enable_expert_parallel", "distributed_executor_backend",
                "disable_custom_all_reduce", "max_seq_len_to_capture",
-               "disable_log_requests"}  # others: defaults
+               "disable_log_requests", "task", "load_format"}  # others: defaults
     assert sorted(m.split()[0] for m in ignored) == sorted(changed)
     assert not any("secret-token" in r.getMessage() for r in caplog.records)
     for bad, match in [
@@ -266,6 +267,8 @@ def test_vllms_options_are_accepted_or_refused(default_model, caplog) -> None:
         ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
         ({"tokenizer": "other/tokenizer"}, "tokenizer other than the model's"),
         ({"tokenizer_mode": "mistral"}, r"tokenizer_mode='mistral' .*accepted: 'auto'"),
+        ({"task": "embed"}, r"task='embed' .*no pooling"),
+        ({"load_format": "dummy"}, r"load_format='dummy' is not supported"),
         ({"no_such_option": 1}, r"unknown engine options \['no_such_option'\]"),
     ]:
         with pytest.raises(ValueError, match=match):
