@@ -339,6 +339,8 @@ def test_console_command_help_lists_each_option_once(capsys) -> None:
         assert flag in options
     code, text = run_console(capsys, ["nonsense"])
     assert code == 2 and "usage: v1" in text
+    code, text = run_console(capsys, ["--version"])
+    assert code == 0 and text.strip() == importlib.metadata.version("v1")
 
 
 def test_serve_takes_the_model_as_vllm_serve_does(default_model_path) -> None:
