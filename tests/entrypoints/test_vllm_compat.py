@@ -222,6 +222,14 @@ def test_metrics_through_get_metrics(default_model) -> None:
     e2e = one("vllm:e2e_request_latency_seconds", Histogram)
     assert e2e.count == len(PROMPTS) and e2e.buckets["+Inf"] == len(PROMPTS) and e2e.sum > 0
     assert one("vllm:time_to_first_token_seconds", Histogram).count == len(PROMPTS)
+    # Per finished request, its prompt and output lengths, in vLLM's 1-2-5 buckets.
+    prompt_lens = one("vllm:request_prompt_tokens", Histogram)
+    assert prompt_lens.sum == sum(len(o.prompt_token_ids) for o in outputs)
+    assert list(prompt_lens.buckets)[:4] == ["1.0", "2.0", "5.0", "10.0"]
+    assert list(prompt_lens.buckets)[-2:] == ["1000.0", "+Inf"]  # up to max_model_len
+    generation_lens = one("vllm:request_generation_tokens", Histogram)
+    assert generation_lens.sum == generated and generation_lens.count == len(PROMPTS)
+    assert generation_lens.buckets["5.0"] == 0 and generation_lens.buckets["10.0"] == 2
 
 
 def test_reader_makes_position_counters_a_vector() -> None:

@@ -62,7 +62,9 @@ class LLMEngine:
             limits,
         )
         self.output_processor = OutputProcessor(info.tokenizer)
-        self.metrics = PrometheusMetrics(info.model_name) if log_stats else None
+        self.metrics = (
+            PrometheusMetrics(info.model_name, info.max_model_len) if log_stats else None
+        )
         # Dropping the engine (`del llm`, then a collection: vLLM's
         # cleanup_dist_env_and_memory) shuts its client down: the client's receiver thread
         # keeps the client itself alive, so the client's own finalizer would wait for exit.

@@ -373,7 +373,9 @@ def build_app(
         )
         app.state.responses = OpenAIServingResponses(app.state.serving)
         # Labelled with the name responses report, as vLLM labels its metrics.
-        app.state.metrics = PrometheusMetrics(app.state.serving.served_model_names[0])
+        app.state.metrics = PrometheusMetrics(
+            app.state.serving.served_model_names[0], engine.max_model_len
+        )
         if not engine_args.disable_log_stats:
             engine.stat_loggers.append(app.state.metrics.record)
         # The startup heap (torch, transformers, the tokenizer: ~350k objects) lives as long
