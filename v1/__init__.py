@@ -36,6 +36,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":  # vLLM's `vllm.__version__`: the installed package's
+        import importlib.metadata
+
+        return importlib.metadata.version("v1")
     if name in _LAZY:
         import importlib
 

@@ -1,7 +1,9 @@
 """The `v1` command (also `python -m v1`): `v1 serve [MODEL] [options]` (the OpenAI-compatible
-server, as `vllm serve`), `v1 demo` (the main job). `v1 COMMAND --help` lists its options."""
+server, as `vllm serve`), `v1 demo` (the main job). `v1 COMMAND --help` lists its options;
+`v1 --version` prints the package's version."""
 
 import importlib
+import importlib.metadata
 import sys
 
 # command -> (module with main(argv, prog), what it does)
@@ -14,6 +16,9 @@ COMMANDS = {
 def main(argv: list[str] | None = None, prog: str = "v1") -> None:
     """The console script's entry point; `argv` defaults to the command line's."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-v"], ["--version"]):  # as `vllm --version`
+        print(importlib.metadata.version("v1"))
+        sys.exit(0)
     if not argv or argv[0] not in COMMANDS:
         lines = [f"usage: {prog} {{{','.join(COMMANDS)}}} [options]", "", "commands:"]
         lines += [f"  {name:8}{what}" for name, (_, what) in COMMANDS.items()]

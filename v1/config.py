@@ -46,6 +46,51 @@ KV_CACHE_DTYPES = {
 }
 
 
+# dtype's accepted spellings (vLLM's: "half", "float") -> the torch dtype's name. A
+# torch.dtype is taken too (`LLM(dtype=torch.float16)`), by that name.
+DTYPES = {
+    "auto": "auto",
+    "bfloat16": "bfloat16",
+    "float16": "float16", "half": "float16",
+    "float32": "float32", "float": "float32",
+}
+
+
+def dtype_name(dtype: Any) -> str:
+    """The canonical name of a dtype spelling ("half" -> "float16", torch.float32 ->
+    "float32"); ValueError for others."""
+    spelling = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    name = DTYPES.get(spelling)
+    if name is None:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return name
+
+
+# device's accepted values ("cuda:N" too).
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def check_device(device: str) -> None:
+    if not isinstance(device, str) or (
+        device not in DEVICES and not (device.startswith("cuda:") and device[5:].isdigit())
+    ):
+        raise ValueError(f"device must be one of {', '.join(DEVICES)} or 'cuda:N', got {device!r}")
+
+
+def check_positive_ints(options: Any, required: tuple[str, ...], optional: tuple[str, ...]) -> None:
+    """ValueError naming the first option of `required` that is not an integer >= 1, or of
+    `optional` that is neither that nor None."""
+    for name in required + optional:
+        value = getattr(options, name)
+        if value is None and name in optional:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 def kv_cache_dtype_name(kv_cache_dtype: str) -> str:
     """The canonical name of a kv_cache_dtype spelling ("bf16" -> "bfloat16"); ValueError
     for others (fp8 among them: no kernel here reads it)."""
@@ -104,20 +149,18 @@ class SchedulerConfig:
     max_loras: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_positive_ints(
+            self,
+            ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "prefix_aware_window",
+             "prefix_aware_max_skips"),
+            (),
+        )
         if self.long_prefill_token_threshold < 0:
             raise ValueError(
                 "long_prefill_token_threshold must be >= 0, "
                 f"got {self.long_prefill_token_threshold}"
             )
-        for name in ("prefix_aware_window", "prefix_aware_max_skips"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.policy not in ("fcfs", "priority"):
+        if self.policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
@@ -260,8 +303,11 @@ class EngineArgs:
         None, "on GPU, the fraction of its memory the engine may use, weights included "
         "(default: the KV cache gets 85%% of what is free after loading); unused on CPU",
     )
-    device: str = option("auto", "'auto', 'cpu' or 'cuda'")
-    dtype: str = option("auto", "'auto', 'float32', 'bfloat16' or 'float16'")
+    device: str = option("auto", "'auto', 'cpu', 'cuda' or 'cuda:N'")
+    dtype: str = option(
+        "auto", "the weights' and activations' dtype: 'auto' (float32 on CPU, bfloat16 on "
+        "GPU), 'float32'/'float', 'bfloat16' or 'float16'/'half'",
+    )
     kv_cache_dtype: str = option(
         "auto", "the KV cache's dtype: 'auto' (the model's), 'bfloat16'/'bf16', "
         "'float16'/'fp16' or 'float32'/'fp32'; a 16-bit cache under an fp32 model holds "
@@ -330,6 +376,17 @@ class EngineArgs:
     download_dir: str | None = option(None, ignored_help("download_dir"))
     tokenizer: str | None = option(None, ignored_help("tokenizer"))
     enable_expert_parallel: bool = option(False, ignored_help("enable_expert_parallel"))
+    tokenizer_mode: str = option("auto", ignored_help("tokenizer_mode"))
+    distributed_executor_backend: str | None = option(
+        None, ignored_help("distributed_executor_backend")
+    )
+    disable_custom_all_reduce: bool = option(False, ignored_help("disable_custom_all_reduce"))
+    max_seq_len_to_capture: int = option(8192, ignored_help("max_seq_len_to_capture"))
+    task: str = option("auto", ignored_help("task"))
+    runner: str = option("auto", ignored_help("runner"))
+    load_format: str = option("auto", ignored_help("load_format"))
+    enable_log_requests: bool = option(False, ignored_help("enable_log_requests"))
+    disable_log_requests: bool = option(False, ignored_help("disable_log_requests"))
     # What one request may ask for (the frontend checks); the help is `InputLimits`'.
     max_logprobs: int = DEFAULT_LIMITS.max_logprobs
     max_n_sequences: int = DEFAULT_LIMITS.max_n_sequences
@@ -393,7 +450,32 @@ class EngineArgs:
                 "data_parallel_kv_threshold must be in (0, 1], got "
                 f"{self.data_parallel_kv_threshold}"
             )
-        kv_cache_dtype_name(self.kv_cache_dtype)  # fail before the model loads
+        # The scheduler's and cache's options fail here, before the model loads (the
+        # configs are made once the model's context length is known).
+        check_positive_ints(
+            self, ("max_num_seqs", "block_size"),
+            ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks", "kv_cache_memory",
+             "num_gpu_blocks_override", "kv_cache_memory_bytes"),
+        )
+        if not isinstance(self.long_prefill_token_threshold, int) or (
+            self.long_prefill_token_threshold < 0
+        ):
+            raise ValueError(
+                "long_prefill_token_threshold must be an integer >= 0, "
+                f"got {self.long_prefill_token_threshold!r}"
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                f"got {self.scheduling_policy!r}"
+            )
+        if not 0 < self.preload_max_fraction <= 1:
+            raise ValueError(
+                f"preload_max_fraction must be in (0, 1], got {self.preload_max_fraction}"
+            )
+        check_device(self.device)
+        self.dtype = dtype_name(self.dtype)
+        kv_cache_dtype_name(self.kv_cache_dtype)
         self._check_disk_tier()
         if self.quantization not in (None, NO_QUANTIZATION, *QUANTIZATION_METHODS):
             raise ValueError(

@@ -31,6 +31,10 @@ _NO_DOWNLOADS = (
     "Face cache"
 )
 _ONE_DEVICE = "an engine core runs its model on one device"
+_NO_REQUEST_LOG = (
+    "no request's prompt or parameters are logged (the server's access log, one line per "
+    "HTTP request, follows --uvicorn-log-level)"
+)
 
 IGNORED_OPTIONS: dict[str, IgnoredOption] = {
     "enforce_eager": IgnoredOption(
@@ -62,6 +66,34 @@ IGNORED_OPTIONS: dict[str, IgnoredOption] = {
         refused="a tokenizer other than the model's is not supported",
     ),
     "enable_expert_parallel": IgnoredOption("no mixture-of-experts model runs here"),
+    "tokenizer_mode": IgnoredOption(
+        "the tokenizer is the model's fast (Rust) tokenizer, vLLM's 'auto'", only=("auto",),
+        refused="no slow or model-specific tokenizer is loaded",
+    ),
+    "distributed_executor_backend": IgnoredOption(
+        _ONE_DEVICE + ", in its own process: there is no executor to choose (engine cores "
+        "are placed by data_parallel_backend)"
+    ),
+    "disable_custom_all_reduce": IgnoredOption(
+        _ONE_DEVICE + ": there is no all-reduce"
+    ),
+    "max_seq_len_to_capture": IgnoredOption("no CUDA graphs are captured"),
+    "task": IgnoredOption(
+        "every model here generates text", only=("auto", "generate"),
+        refused="no pooling (embedding, scoring) runner exists here",
+    ),
+    "runner": IgnoredOption(
+        "every model here generates text", only=("auto", "generate"),
+        refused="no pooling (embedding, scoring) runner exists here",
+    ),
+    "load_format": IgnoredOption(
+        "the weights are read from the model's own files (safetensors or GGUF)",
+        only=("auto", "safetensors", "gguf"),
+        refused="other formats (and 'dummy' random weights) are not loaded",
+    ),
+    # vLLM's serve flag and its older, still common, opposite.
+    "enable_log_requests": IgnoredOption(_NO_REQUEST_LOG),
+    "disable_log_requests": IgnoredOption(_NO_REQUEST_LOG),
 }
 
 

@@ -1,5 +1,6 @@
 """Sampling parameters, validated on construction like vLLM's."""
 
+import copy
 import enum
 import math
 from dataclasses import dataclass, field
@@ -136,8 +137,16 @@ class SamplingParams:
             self.stop = [self.stop]
         elif self.stop is None:
             self.stop = []
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
+        else:  # checked here: list() of it would be a TypeError naming nothing
+            raise ValueError(
+                f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}"
+            )
+        if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
+            raise ValueError(
+                f"stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}"
+            )
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
@@ -233,6 +242,10 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+    def clone(self) -> "SamplingParams":
+        """vLLM's: a deep copy, to change without touching this one (its lists too)."""
+        return copy.deepcopy(self)
 
 
 @dataclass(slots=True)

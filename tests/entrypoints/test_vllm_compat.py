@@ -5,13 +5,16 @@ scripts pass, the prompt types, and the `v1` console command."""
 
 import asyncio
 import dataclasses
+import importlib
 import importlib.metadata
 import logging
 import re
+import sys
 import tomllib
 from pathlib import Path
 
 import pytest
+import torch
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily
 
@@ -32,6 +35,7 @@ from v1.entrypoints.llm import LLM
 from v1.ignored_options import IGNORED_OPTIONS
 from v1.metrics.reader import Counter, Gauge, Histogram, Vector, get_metrics_snapshot
 from v1.platforms import current_platform
+from v1.utils import random_uuid
 from v1.utils.argparse_utils import FlexibleArgumentParser
 from v1.utils.network_utils import get_open_port
 
@@ -109,6 +113,28 @@ def test_engine_loop_in_vllms_order(default_model, reference, kind) -> None:
         assert_kind(outs, kind, reference[PROMPTS[int(request_id)]])
 
 
+@pytest.mark.model
+def test_engine_tokenizer_count_and_abort_request(default_model) -> None:
+    """vLLM's LLMEngine.get_tokenizer(), get_num_unfinished_requests() (n > 1: each
+    sequence) and abort_request(one id or several)."""
+    engine = LLMEngine.from_engine_args(EngineArgs(**SMALL_ENGINE), loaded_model=default_model)
+    try:
+        tokenizer = engine.get_tokenizer()
+        assert tokenizer is engine.tokenizer and tokenizer.encode(PROMPTS[0])
+        engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=50))
+        engine.add_request("b", PROMPTS[1], SamplingParams(n=2, max_tokens=50))
+        engine.add_request("c", PROMPTS[1], SamplingParams(max_tokens=50))
+        assert engine.get_num_unfinished_requests() == 4
+        engine.step()
+        engine.abort_request("a")
+        assert engine.get_num_unfinished_requests() == 3
+        engine.abort_request(["b", "c"])
+        assert engine.get_num_unfinished_requests() == 0
+        assert not engine.has_unfinished_requests()
+    finally:
+        engine.shutdown()
+
+
 def assert_kind(
     outs: list[RequestOutput], kind: RequestOutputKind, expected: tuple[list[int], str]
 ) -> None:
@@ -135,15 +161,34 @@ def test_async_streaming_with_each_output_kind(default_model_path, reference) ->
 
     async def stream(kind: RequestOutputKind, prompt: str) -> list[RequestOutput]:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, output_kind=kind)
-        return [out async for out in engine.generate(prompt, params, request_id=kind.name)]
+        return [
+            out async for out in engine.generate(
+                prompt, params, request_id=kind.name, lora_request=None
+            )
+        ]
 
-    async def main() -> list[list[RequestOutput]]:
-        return await asyncio.gather(*(stream(k, PROMPTS[0]) for k in RequestOutputKind))
+    async def aborted() -> list[RequestOutput]:
+        """vLLM's abort takes several ids: the stream ends, unfinished."""
+        params = SamplingParams(max_tokens=500, ignore_eos=True)
+        outs = []
+        async for out in engine.generate(PROMPTS[1], params, "long"):
+            outs.append(out)
+            await engine.abort(["long"])
+        return outs
+
+    async def main() -> tuple[list[list[RequestOutput]], list[RequestOutput]]:
+        streams = await asyncio.gather(*(stream(k, PROMPTS[0]) for k in RequestOutputKind))
+        return streams, await aborted()
 
     try:
-        results = asyncio.run(main())
+        results, (cut,) = asyncio.run(main())
+        assert not cut.finished
+        assert engine.get_tokenizer() is engine.tokenizer  # vLLM's, synchronous as now
+        assert engine.get_tokenizer().decode(reference[PROMPTS[0]][0])
+        assert engine.is_running and not engine.is_stopped
     finally:
         engine.shutdown()
+    assert engine.is_stopped and not engine.is_running
     for kind, outs in zip(RequestOutputKind, results):
         assert_kind(outs, kind, reference[PROMPTS[0]])
 
@@ -177,6 +222,14 @@ def test_metrics_through_get_metrics(default_model) -> None:
     e2e = one("vllm:e2e_request_latency_seconds", Histogram)
     assert e2e.count == len(PROMPTS) and e2e.buckets["+Inf"] == len(PROMPTS) and e2e.sum > 0
     assert one("vllm:time_to_first_token_seconds", Histogram).count == len(PROMPTS)
+    # Per finished request, its prompt and output lengths, in vLLM's 1-2-5 buckets.
+    prompt_lens = one("vllm:request_prompt_tokens", Histogram)
+    assert prompt_lens.sum == sum(len(o.prompt_token_ids) for o in outputs)
+    assert list(prompt_lens.buckets)[:4] == ["1.0", "2.0", "5.0", "10.0"]
+    assert list(prompt_lens.buckets)[-2:] == ["1000.0", "+Inf"]  # up to max_model_len
+    generation_lens = one("vllm:request_generation_tokens", Histogram)
+    assert generation_lens.sum == generated and generation_lens.count == len(PROMPTS)
+    assert generation_lens.buckets["5.0"] == 0 and generation_lens.buckets["10.0"] == 2
 
 
 def test_reader_makes_position_counters_a_vector() -> None:
@@ -201,7 +254,10 @@ def test_vllms_options_are_accepted_or_refused(default_model, caplog) -> None:
         "enforce_eager": True, "trust_remote_code": True, "tensor_parallel_size": 1,
         "disable_log_stats": True, "swap_space": 8, "max_logprobs": 20,
         "compilation_config": {"level": 3}, "hf_token": "secret-token",
-        "enable_expert_parallel": True,
+        "enable_expert_parallel": True, "tokenizer_mode": "auto",
+        "distributed_executor_backend": "mp", "disable_custom_all_reduce": True,
+        "max_seq_len_to_capture": 4096, "disable_log_requests": True, "task": "generate",
+        "load_format": "safetensors",
     }
     with caplog.at_level(logging.INFO, logger="v1"):
         with LLM(loaded_model=default_model, **SMALL_ENGINE, **options) as llm:
@@ -209,13 +265,18 @@ def test_vllms_options_are_accepted_or_refused(default_model, caplog) -> None:
     assert out.outputs[0].token_ids
     ignored = [r.getMessage() for r in caplog.records if "accepted and ignored" in r.message]
     changed = {"enforce_eager", "trust_remote_code", "swap_space", "compilation_config",
-               "hf_token", "enable_expert_parallel"}  # tensor_parallel_size=1 is the default
+               "hf_token", "enable_expert_parallel", "distributed_executor_backend",
+               "disable_custom_all_reduce", "max_seq_len_to_capture",
+               "disable_log_requests", "task", "load_format"}  # others: defaults
     assert sorted(m.split()[0] for m in ignored) == sorted(changed)
     assert not any("secret-token" in r.getMessage() for r in caplog.records)
     for bad, match in [
         ({"tensor_parallel_size": 2}, r"tensor_parallel_size=2 .*data_parallel_size"),
         ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
         ({"tokenizer": "other/tokenizer"}, "tokenizer other than the model's"),
+        ({"tokenizer_mode": "mistral"}, r"tokenizer_mode='mistral' .*accepted: 'auto'"),
+        ({"task": "embed"}, r"task='embed' .*no pooling"),
+        ({"load_format": "dummy"}, r"load_format='dummy' is not supported"),
         ({"no_such_option": 1}, r"unknown engine options \['no_such_option'\]"),
     ]:
         with pytest.raises(ValueError, match=match):
@@ -233,12 +294,22 @@ def test_the_ignored_options_table_is_the_fields() -> None:
 
 @pytest.mark.model
 def test_prompt_types(default_model, reference) -> None:
+    """vLLM's prompt types; `lora_request=None`, which scripts pass, is taken (anything but
+    a LoRARequest is refused)."""
     with LLM(loaded_model=default_model, **SMALL_ENGINE) as llm:
         ids = llm.get_tokenizer().encode(PROMPTS[0])
         outputs = llm.generate(
             [TextPrompt(prompt=PROMPTS[0]), TokensPrompt(prompt_token_ids=ids)], GREEDY,
-            use_tqdm=False,
+            use_tqdm=False, lora_request=None,
         )
+        (chat,) = llm.chat([{"role": "user", "content": "Hi"}], GREEDY, use_tqdm=False,
+                           lora_request=[None])
+        assert chat.outputs[0].token_ids
+        for call in (llm.generate, llm.chat):
+            with pytest.raises(ValueError, match="lora_request must be"):
+                call(PROMPTS[0], GREEDY, lora_request=object())  # type: ignore[operator]
+        with pytest.raises(ValueError, match="lora_request must be"):
+            llm.llm_engine.add_request("x", PROMPTS[0], GREEDY, lora_request=object())
     assert [o.outputs[0].token_ids for o in outputs] == [reference[PROMPTS[0]][0]] * 2
 
 
@@ -272,10 +343,12 @@ def test_console_command_help_lists_each_option_once(capsys) -> None:
         flag = "--" + field.name.replace("_", "-")
         assert options.count(flag) == 1, flag
     for flag in ("--host", "--port", "--served-model-name", "--enforce-eager",
-                 "--trust-remote-code", "--disable-log-stats"):
+                 "--trust-remote-code", "--disable-log-stats", "--disable-log-requests"):
         assert flag in options
     code, text = run_console(capsys, ["nonsense"])
     assert code == 2 and "usage: v1" in text
+    code, text = run_console(capsys, ["--version"])
+    assert code == 0 and text.strip() == importlib.metadata.version("v1")
 
 
 def test_serve_takes_the_model_as_vllm_serve_does(default_model_path) -> None:
@@ -310,3 +383,91 @@ def test_serve_with_disable_log_stats_gathers_no_latencies(default_model_path) -
 
     assert value("vllm:generation_tokens_total") == 2
     assert value("vllm:time_to_first_token_seconds_count") == 0
+
+
+def test_engine_options_fail_before_the_model_loads() -> None:
+    """vLLM's dtype spellings ("half", "float", a torch.dtype) are taken; a bad scheduler,
+    cache, device or dtype option is a ValueError naming it, when EngineArgs is made (so
+    `v1 serve` reports it as a usage error, not a traceback from the engine's start-up)."""
+    assert EngineArgs(dtype="half").dtype == "float16"
+    assert EngineArgs(dtype="float").dtype == "float32"
+    assert EngineArgs(dtype=torch.bfloat16).dtype == "bfloat16"
+    for bad, match in [
+        ({"dtype": "float64"}, "dtype must be one of .*got 'float64'"),
+        ({"device": "tpu"}, "device must be one of .*got 'tpu'"),
+        ({"scheduling_policy": "lifo"}, "scheduling_policy must be one of fcfs, priority"),
+        ({"max_num_seqs": 0}, "max_num_seqs must be an integer >= 1, got 0"),
+        ({"block_size": -1}, "block_size must be an integer >= 1, got -1"),
+        ({"max_model_len": 0}, "max_model_len must be an integer >= 1, got 0"),
+        ({"num_gpu_blocks_override": 0}, "num_gpu_blocks_override must be"),
+        ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold must be"),
+        ({"preload_max_fraction": 2.0}, r"preload_max_fraction must be in \(0, 1\]"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            EngineArgs(**bad)
+
+
+def test_serve_command_line_errors_and_underscores(capsys, monkeypatch) -> None:
+    """`v1 serve`: vLLM's flexible spelling (`--max_model_len`); a bad engine option or port
+    is a usage error (exit 2) naming it, before anything starts."""
+    from v1.entrypoints.openai.api_server import engine_args_from, make_parser
+
+    parser = make_parser()
+    args = parser.parse_args(["--max_model_len", "64", "--port", "8001"])
+    assert engine_args_from(parser, args).max_model_len == 64 and args.port == 8001
+    for argv, message in [
+        (["--dtype", "float64"], "dtype must be one of"),
+        (["--scheduling-policy", "lifo"], "scheduling_policy must be one of"),
+        (["--port", "99999"], r"argument --port: must be a TCP port \(1-65535\), got '99999'"),
+        (["--port", "http"], "argument --port: must be a TCP port"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            engine_args_from(parser, parser.parse_args(argv))
+        assert exit_info.value.code == 2
+        assert re.search(message, capsys.readouterr().err), argv
+    # A script's own parse_args() reads the command line, respelled as well.
+    monkeypatch.setattr(sys, "argv", ["script.py", "--max_model_len=32", "--enforce_eager"])
+    args = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args()
+    assert args.max_model_len == 32 and args.enforce_eager
+
+
+def test_vllms_v1_module_paths_are_the_same_modules() -> None:
+    """vLLM V1's scripts import from `vllm.v1.*` (`vllm.v1.engine.async_llm`,
+    `vllm.v1.metrics.reader`) and older ones from `vllm.engine.async_llm_engine`: with
+    `vllm` replaced by `v1`, the same modules and classes as v1's own."""
+    from v1.v1.engine.async_llm import AsyncLLM as V1AsyncLLM
+    from v1.v1.engine.llm_engine import LLMEngine as V1LLMEngine
+    from v1.v1.metrics.reader import Counter as V1Counter
+
+    from v1.engine.async_llm_engine import AsyncLLMEngine
+
+    assert V1AsyncLLM is AsyncLLM is AsyncLLMEngine
+    assert V1LLMEngine is LLMEngine and V1Counter is Counter
+    assert sys.modules["v1.v1.engine.async_llm"] is sys.modules["v1.engine.async_llm"]
+    # The real module keeps its own name and spec.
+    assert sys.modules["v1.engine.async_llm"].__spec__.name == "v1.engine.async_llm"
+    with pytest.raises(ModuleNotFoundError, match="v1.v1.no_such_module"):
+        importlib.import_module("v1.v1.no_such_module")
+
+
+def test_sampling_params_clone_and_random_uuid() -> None:
+    params = SamplingParams(stop=["a"], seed=3, output_kind=RequestOutputKind.DELTA)
+    copy = params.clone()
+    copy.stop.append("b")
+    assert copy == SamplingParams(stop=["a", "b"], seed=3, output_kind=RequestOutputKind.DELTA)
+    assert params.stop == ["a"]
+    ids = {random_uuid() for _ in range(3)}
+    assert len(ids) == 3 and all(re.fullmatch("[0-9a-f]{32}", i) for i in ids)
+
+
+def test_version_and_clear_errors_for_stop_lists() -> None:
+    """`v1.__version__` (vLLM's `vllm.__version__`); a stop list of the wrong type is a
+    ValueError naming it, not a TypeError from inside."""
+    import v1
+
+    assert v1.__version__ == importlib.metadata.version("v1")
+    with pytest.raises(ValueError, match="stop must be a non-empty string or a list"):
+        SamplingParams(stop=5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="stop_token_ids must be a list of token ids"):
+        SamplingParams(stop_token_ids=7)  # type: ignore[arg-type]
+    assert SamplingParams(stop=("a",), stop_token_ids=(2,)).stop == ["a"]

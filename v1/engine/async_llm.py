@@ -29,7 +29,7 @@ requests it held with `EngineCoreDeadError` (an EngineDeadError) and the others 
 import asyncio
 import functools
 import logging
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ParamSpec, TypeVar
 
@@ -102,6 +102,20 @@ class AsyncLLM:
     def errored(self) -> bool:
         return self.dead_error is not None
 
+    @property
+    def is_running(self) -> bool:
+        """vLLM's: the engine serves (False once it is dead or shut down)."""
+        return not self.errored
+
+    @property
+    def is_stopped(self) -> bool:
+        """vLLM's: the engine is dead or shut down."""
+        return self.errored
+
+    def get_tokenizer(self) -> Any:
+        """vLLM's: the model's tokenizer (also `.tokenizer`)."""
+        return self.tokenizer
+
     async def generate(
         self,
         prompt: PromptType,
@@ -160,12 +174,14 @@ class AsyncLLM:
         call = functools.partial(fn, *args, **kwargs)
         return await asyncio.get_running_loop().run_in_executor(self._input_pool, call)
 
-    async def abort(self, request_id: str) -> None:
-        """Abort the live request with this caller's id (with n > 1, all its children)."""
-        self._abort(request_id)
-        queue = self._queues.get(request_id)
-        if queue is not None:
-            queue.put_nowait(None)
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Abort the live request with this caller's id (with n > 1, all its children), or
+        those of several ids, as vLLM's."""
+        for one in [request_id] if isinstance(request_id, str) else request_id:
+            self._abort(one)
+            queue = self._queues.get(one)
+            if queue is not None:
+                queue.put_nowait(None)
 
     def _abort(self, request_id: str, internal: bool = False) -> None:
         self.client.abort_requests(self.output_processor.abort_requests([request_id], internal))

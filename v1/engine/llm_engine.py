@@ -19,7 +19,7 @@ once it has forgotten them; the engine serves on with the other cores.
 import os
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from v1.config import EngineArgs
 from v1.engine.core_client import EngineCoreClient, InprocClient, SyncMPClient
@@ -63,7 +63,9 @@ class LLMEngine:
             limits,
         )
         self.output_processor = OutputProcessor(info.tokenizer)
-        self.metrics = PrometheusMetrics(info.model_name) if log_stats else None
+        self.metrics = (
+            PrometheusMetrics(info.model_name, info.max_model_len) if log_stats else None
+        )
         # Dropping the engine (`del llm`, then a collection: vLLM's
         # cleanup_dist_env_and_memory) shuts its client down: the client's receiver thread
         # keeps the client itself alive, so the client's own finalizer would wait for exit.
@@ -140,8 +142,21 @@ class LLMEngine:
     def abort_requests(self, request_ids: Sequence[str]) -> None:
         self.client.abort_requests(self.output_processor.abort_requests(request_ids))
 
+    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+        """vLLM's name: abort these requests (by the caller's ids; one id or several)."""
+        self.abort_requests([request_ids] if isinstance(request_ids, str) else request_ids)
+
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        """vLLM's: the requests added and not yet finished or aborted (n > 1: each of the
+        n sequences counts)."""
+        return self.output_processor.get_num_unfinished_requests()
+
+    def get_tokenizer(self) -> Any:
+        """vLLM's: the model's tokenizer (also `.tokenizer`)."""
+        return self.tokenizer
 
     def step(self) -> list[RequestOutput]:
         try:

@@ -38,6 +38,8 @@ class FinishedRequestStats:
     finish_reason: str
     e2e_latency: float  # arrival to finish, seconds
     queue_time: float | None  # in the scheduler's queue until first scheduled, seconds
+    num_prompt_tokens: int
+    num_generation_tokens: int
 
 
 @dataclass(slots=True)
@@ -222,7 +224,8 @@ class RequestState:
             if stats is not None:
                 stats.finished_requests.append(
                     FinishedRequestStats(
-                        self.finish_reason, now - metrics.arrival_time, metrics.time_in_queue
+                        self.finish_reason, now - metrics.arrival_time, metrics.time_in_queue,
+                        len(self.prompt_token_ids), len(self.token_ids),
                     )
                 )
         return stop_string is not None

@@ -133,10 +133,17 @@ class LLM:
         loras: list[LoRARequest | None]
         if lora_request is None or isinstance(lora_request, LoRARequest):
             loras = [lora_request] * len(prompts)
-        else:
+        elif isinstance(lora_request, Sequence) and all(
+            lr is None or isinstance(lr, LoRARequest) for lr in lora_request
+        ):
             loras = list(lora_request)
             if len(loras) != len(prompts):
                 raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
+        else:
+            raise ValueError(
+                "lora_request must be a LoRARequest, a list of them (or None) one per prompt, "
+                f"or None, got {lora_request!r:.80}"
+            )
         for lora in dict.fromkeys(lr for lr in loras if lr is not None):
             self.llm_engine.add_lora(lora)
         return self._run(prompts, params, priority, use_tqdm, ranks, loras)

@@ -125,12 +125,24 @@ class _SchedulerStatsCollector(Collector):
         yield family
 
 
+def _1_2_5_buckets(limit: int) -> list[float]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to `limit`."""
+    buckets: list[float] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > limit:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
 class PrometheusMetrics:
     """One engine's metrics: `record` is a stat logger (of `AsyncLLM` or `LLMEngine`),
     `set_scheduler_stats` takes the engine core's stats as of now, `expose` answers a
-    scrape."""
+    scrape. `max_model_len` bounds the token-count histograms' buckets, as in vLLM."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_model_len: int) -> None:
         self.registry = CollectorRegistry()
         self._scheduler = _SchedulerStatsCollector(model_name)
         self.registry.register(self._scheduler)
@@ -161,6 +173,14 @@ class PrometheusMetrics:
             "Seconds a request waited in the scheduler's queue before first being scheduled.",
             _REQUEST_LATENCY_BUCKETS,
         )
+        self._prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens of each finished request.",
+            _1_2_5_buckets(max_model_len),
+        )
+        self._generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Generated tokens of each finished request.",
+            _1_2_5_buckets(max_model_len),
+        )
         self._success = Counter(
             "vllm:request_success", "Requests finished, by finish reason.",
             ["model_name", "finished_reason"], registry=self.registry,
@@ -180,6 +200,8 @@ class PrometheusMetrics:
             if finished.queue_time is not None:
                 self._queue.observe(finished.queue_time)
             self._success.labels(self._model_name, finished.finish_reason).inc()
+            self._prompt_tokens.observe(finished.num_prompt_tokens)
+            self._generation_tokens.observe(finished.num_generation_tokens)
 
     def set_scheduler_stats(self, stats: SchedulerStats) -> None:
         """The engine core's stats that the gauges and core counters show from now on."""

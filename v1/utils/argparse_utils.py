@@ -2,6 +2,7 @@
 their flags spelled with underscores (`--max_model_len` for `--max-model-len`)."""
 
 import argparse
+import sys
 from collections.abc import Sequence
 
 
@@ -15,8 +16,8 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
         args: Sequence[str] | None = None,
         namespace: argparse.Namespace | None = None,
     ) -> tuple[argparse.Namespace, list[str]]:
-        if args is not None:
-            args = [_dashed(arg) for arg in args]
+        # None: the command line's, as argparse's own (respelled too).
+        args = [_dashed(arg) for arg in (sys.argv[1:] if args is None else args)]
         return super().parse_known_args(args, namespace)
 
 

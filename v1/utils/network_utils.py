@@ -1,5 +1,6 @@
 """vLLM's `vllm.utils.network_utils`: ports."""
 
+import argparse
 import socket
 
 
@@ -9,3 +10,15 @@ def get_open_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def tcp_port(text: str) -> int:
+    """A command-line TCP port (`--port`): argparse reports anything but 1..65535 as a
+    usage error naming the value."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = 0
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"must be a TCP port (1-65535), got {text!r}")
+    return port

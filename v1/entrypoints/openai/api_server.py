@@ -72,6 +72,8 @@ from v1.entrypoints.openai.serving_responses import OpenAIServingResponses
 from v1.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from v1.metrics.prometheus import PrometheusMetrics
 from v1.models.loader import resolve_model
+from v1.utils.argparse_utils import FlexibleArgumentParser
+from v1.utils.network_utils import tcp_port
 
 T = TypeVar("T")
 
@@ -396,7 +398,9 @@ def build_app(
             raise
         app.state.responses = OpenAIServingResponses(app.state.serving)
         # Labelled with the name responses report, as vLLM labels its metrics.
-        app.state.metrics = PrometheusMetrics(app.state.serving.served_model_names[0])
+        app.state.metrics = PrometheusMetrics(
+            app.state.serving.served_model_names[0], engine.max_model_len
+        )
         if not engine_args.disable_log_stats:
             engine.stat_loggers.append(app.state.metrics.record)
         # The startup heap (torch, transformers, the tokenizer: ~350k objects) lives as long
@@ -425,7 +429,7 @@ def build_app(
 
 
 def make_parser(prog: str = "v1 serve") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = FlexibleArgumentParser(  # vLLM's: `--max_model_len` as `--max-model-len`
         prog=prog,
         description="An OpenAI-compatible server over the engine.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -435,7 +439,7 @@ def make_parser(prog: str = "v1 serve") -> argparse.ArgumentParser:
         help="the model, as --model (vLLM's `serve MODEL`)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--port", type=tcp_port, default=8000, help="port to listen on")
     parser.add_argument(
         "--served-model-name", nargs="+", default=None,
         help="the model name(s) requests may give (any of them); responses report the first. "
