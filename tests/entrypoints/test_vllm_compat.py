@@ -305,9 +305,11 @@ def test_prompt_types(default_model, reference) -> None:
         (chat,) = llm.chat([{"role": "user", "content": "Hi"}], GREEDY, use_tqdm=False,
                            lora_request=[None])
         assert chat.outputs[0].token_ids
-        for call in (llm.generate, llm.chat):
+        for call, prompt in (
+            (llm.generate, PROMPTS[0]), (llm.chat, [{"role": "user", "content": "Hi"}]),
+        ):
             with pytest.raises(ValueError, match="lora_request must be"):
-                call(PROMPTS[0], GREEDY, lora_request=object())  # type: ignore[operator]
+                call(prompt, GREEDY, lora_request=object())  # type: ignore[operator]
         with pytest.raises(ValueError, match="lora_request must be"):
             llm.llm_engine.add_request("x", PROMPTS[0], GREEDY, lora_request=object())
     assert [o.outputs[0].token_ids for o in outputs] == [reference[PROMPTS[0]][0]] * 2
