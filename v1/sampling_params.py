@@ -25,6 +25,9 @@ class RequestOutputKind(enum.Enum):
     DELTA = 1
     FINAL_ONLY = 2
 
+    def __repr__(self) -> str:  # as written in code, so that a SamplingParams' repr evaluates
+        return f"RequestOutputKind.{self.name}"
+
 
 @dataclass(slots=True)
 class StructuredOutputsParams:

@@ -36,7 +36,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 # or waits to be killed.
 ENGINE_SCRIPT = f"""
 import json, sys, time
-from v1 import LLM, SamplingParams
+from v1 import LLM, RequestOutputKind, SamplingParams
 llm = LLM(**{SMALL_ENGINE!r})
 outputs = llm.generate(json.loads(sys.argv[1]), {GREEDY!r}, use_tqdm=False)
 proc = llm.llm_engine.client._res.proc
