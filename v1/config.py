@@ -253,6 +253,43 @@ class SpeculativeConfig:
                 )
 
 
+# EngineArgs.runner's choices (vLLM's): "generate" samples tokens; "pooling" returns one
+# vector per prompt (embeddings, classification, scores: v1/models/pooler.py); "auto" is
+# "pooling" for checkpoints that have no LM head (an encoder, a base `*Model`, a
+# `*ForSequenceClassification`), else "generate".
+RUNNER_TYPES = ("auto", "generate", "pooling")
+
+
+@dataclass(slots=True)
+class PoolerConfig:
+    """vLLM's `pooler_config` (`--pooler-config '{"pooling_type": "MEAN"}'`): overrides the
+    pooler the model's files give (v1/models/pooler.py); None keeps theirs."""
+
+    pooling_type: str | None = None  # "LAST" | "CLS" | "MEAN"
+    normalize: bool | None = None
+
+    @classmethod
+    def from_dict(cls, config: "dict[str, Any] | PoolerConfig") -> "PoolerConfig":
+        if isinstance(config, PoolerConfig):
+            return config
+        if not isinstance(config, dict):
+            raise ValueError(f"pooler_config must be a dict, got {config!r}")
+        unknown = set(config) - {"pooling_type", "normalize"}
+        if unknown:
+            raise ValueError(
+                f"unknown pooler_config keys {sorted(unknown)} (known: normalize, pooling_type)"
+            )
+        pooling_type = config.get("pooling_type")
+        if pooling_type is not None and pooling_type not in ("LAST", "CLS", "MEAN"):
+            raise ValueError(
+                f"pooler_config pooling_type must be LAST, CLS or MEAN, got {pooling_type!r}"
+            )
+        normalize = config.get("normalize")
+        if normalize is not None and not isinstance(normalize, bool):
+            raise ValueError(f"pooler_config normalize must be a bool, got {normalize!r}")
+        return cls(pooling_type, normalize)
+
+
 def load_preload_prompts(spec: str | list[Any]) -> list[Any]:
     """The prompts of `preload_prompts` (v1/engine/preload.py): a list, or the path of a JSON
     file holding one, read here so that a bad one fails before the model loads."""
@@ -327,6 +364,12 @@ class EngineArgs:
     kv_cache_dir: str | None = None
     kv_cache_disk_bytes: int | None = None
     seed: int = 0
+    # What the engine does with prompts (RUNNER_TYPES): "generate" (the default), "pooling"
+    # (LLM.embed / encode / classify / score; the server's /v1/embeddings, /pooling, /score,
+    # /rerank) or "auto". A pooling engine runs prompts only, never async_scheduling.
+    runner: str = "generate"
+    # The pooler's settings over the model's (PoolerConfig's keys); None: the model's.
+    pooler_config: dict[str, Any] | PoolerConfig | None = None
     # Speculative decoding (vLLM's option): a dict as `SpeculativeConfig` reads it, e.g.
     # {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}; None: off.
     speculative_config: dict[str, Any] | None = None
@@ -407,6 +450,14 @@ class EngineArgs:
                 "data_parallel_kv_threshold must be in (0, 1], got "
                 f"{self.data_parallel_kv_threshold}"
             )
+        if self.runner not in RUNNER_TYPES:
+            raise ValueError(
+                f"runner must be one of {', '.join(RUNNER_TYPES)}, got {self.runner!r}"
+            )
+        if self.pooler_config is not None:
+            self.pooler_config = PoolerConfig.from_dict(self.pooler_config)
+            if self.runner == "generate":
+                raise ValueError("pooler_config needs runner='pooling' (or 'auto')")
         kv_cache_dtype_name(self.kv_cache_dtype)  # fail before the model loads
         self._check_disk_tier()
         if self.quantization not in (None, NO_QUANTIZATION, *QUANTIZATION_METHODS):

@@ -73,7 +73,7 @@ class AsyncLLM:
         self.max_model_len = info.max_model_len
         self.processor = Processor(
             info.tokenizer, info.max_model_len, info.vocab_size, info.eos_token_id,
-            info.stop_token_ids, info.scheduling_policy, limits,
+            info.stop_token_ids, info.scheduling_policy, limits, info.pooler,
         )
         self.output_processor = OutputProcessor(info.tokenizer)
         self._input_pool = ThreadPoolExecutor(input_workers, thread_name_prefix="v1-input")

@@ -17,7 +17,8 @@ from v1.engine.exceptions import EngineCoreDeadError
 from v1.engine.output_processor import OutputProcessor, RequestOutputKind
 from v1.engine.processor import Processor, PromptType
 from v1.limits import DEFAULT_LIMITS, InputLimits
-from v1.outputs import RequestOutput, SchedulerStats
+from v1.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput, SchedulerStats
+from v1.pooling_params import PoolingParams
 from v1.sampling_params import SamplingParams
 
 
@@ -37,6 +38,7 @@ class LLMEngine:
             info.stop_token_ids,
             info.scheduling_policy,
             limits,
+            info.pooler,
         )
         self.output_processor = OutputProcessor(info.tokenizer)
         self._ids = map(str, itertools.count())
@@ -44,7 +46,7 @@ class LLMEngine:
     def add_request(
         self,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         request_id: str | None = None,
         priority: int = 0,
         output_kind: RequestOutputKind = RequestOutputKind.FINAL,
@@ -69,7 +71,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput[PoolingOutput]]:
         try:
             outputs = self.client.get_output()
         except EngineCoreDeadError as e:  # one core of several died

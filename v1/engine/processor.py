@@ -24,7 +24,8 @@ from v1.limits import (
     check_text,
     max_chars_per_token,
 )
-from v1.request import EngineCoreRequest
+from v1.pooling_params import PoolerInfo, PoolingParams
+from v1.request import POOLING_SAMPLING_PARAMS, EngineCoreRequest
 from v1.sampling_params import SamplingParams
 
 # What `generate` accepts per prompt, as vLLM: text, token ids, or a dict with either.
@@ -54,8 +55,11 @@ class Processor:
         extra_stop_token_ids: Sequence[int] = (),
         scheduling_policy: str = "fcfs",
         limits: InputLimits = DEFAULT_LIMITS,
+        pooler: PoolerInfo | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        # A pooling engine's pooler: it takes PoolingParams only (None: SamplingParams only).
+        self.pooler = pooler
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
@@ -199,32 +203,26 @@ class Processor:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
+        if isinstance(params, PoolingParams):
+            return self._process_pooling(request_id, prompt, params, arrival_time, priority)
+        if self.pooler is not None:
+            raise ValueError("this is a pooling model (runner='pooling'): it takes "
+                             "PoolingParams (LLM.embed, encode, classify, score), not generation")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params)}")
-        if not isinstance(priority, int) or not INT64_MIN <= priority <= INT64_MAX:
-            raise ValueError(f"priority must be an int64 (from -2**63 to 2**63 - 1), "
-                             f"got {priority!r}")
-        if priority != 0 and self.scheduling_policy != "priority":
-            # vLLM's words: clients match them to retry without priority.
-            raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled.")
+        self._check_priority(priority)
         self._check_limits(params)
         text, token_ids = self.tokenize_prompt(prompt)
         if isinstance(prompt, Mapping):  # vLLM's prompt dicts carry the salt
             cache_salt = prompt.get("cache_salt", cache_salt)
         if cache_salt is not None:
             check_text(cache_salt, "cache_salt")
-        if not token_ids:
-            raise ValueError("the prompt is empty (0 tokens)")
-        if len(token_ids) > self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens, more than max_model_len "
-                f"({self.max_model_len})"
-            )
+        self._check_prompt_len(token_ids)
         params = copy.copy(params)  # the core's copy: the caller may reuse theirs
         room = self.max_model_len - len(token_ids)
         if params.max_tokens is None:
@@ -264,5 +262,57 @@ class Processor:
             priority=priority,
             cache_salt=cache_salt,
             external_req_id=request_id,
+        )
+        return request, text
+
+    def _check_priority(self, priority: int) -> None:
+        if not isinstance(priority, int) or not INT64_MIN <= priority <= INT64_MAX:
+            raise ValueError(f"priority must be an int64 (from -2**63 to 2**63 - 1), "
+                             f"got {priority!r}")
+        if priority != 0 and self.scheduling_policy != "priority":
+            # vLLM's words: clients match them to retry without priority.
+            raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled.")
+
+    def _check_prompt_len(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty (0 tokens)")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, more than max_model_len "
+                f"({self.max_model_len})"
+            )
+
+    def _process_pooling(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: PoolingParams,
+        arrival_time: float | None,
+        priority: int,
+    ) -> tuple[EngineCoreRequest, str | None]:
+        """A pooling request: its params checked against the pooler (`params.task` set by
+        the caller, e.g. `LLM.embed`), its prompt truncated to `truncate_prompt_tokens`."""
+        if self.pooler is None:
+            raise ValueError("PoolingParams need a pooling model: start the engine with "
+                             "runner='pooling' (--runner pooling)")
+        params = copy.copy(params)  # the core's copy: the caller may reuse theirs
+        params.verify(params.task or self.pooler.default_task, self.pooler)
+        self._check_priority(priority)
+        text, token_ids = self.tokenize_prompt(prompt)
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            if keep > self.max_model_len:
+                raise ValueError(f"truncate_prompt_tokens ({keep}) exceeds max_model_len "
+                                 f"({self.max_model_len})")
+            token_ids = token_ids[-(self.max_model_len if keep == -1 else keep):]
+        self._check_prompt_len(token_ids)
+        request = EngineCoreRequest(
+            request_id=f"{request_id}-{uuid.uuid4().hex}",
+            prompt_token_ids=token_ids,
+            sampling_params=POOLING_SAMPLING_PARAMS,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            priority=priority,
+            external_req_id=request_id,
+            pooling_params=params,
         )
         return request, text

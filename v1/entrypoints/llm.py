@@ -11,15 +11,18 @@ from v1.engine.core_client import EngineCoreClient, InprocClient, SyncMPClient
 from v1.engine.dp_client import DPSyncMPClient
 from v1.engine.llm_engine import LLMEngine
 from v1.engine.processor import PromptType
+from v1.entrypoints.llm_pooling import PoolingMixin
 from v1.models.loader import LoadedModel, resolve_model
 from v1.outputs import RequestOutput, SchedulerStats
+from v1.pooling_params import PoolingParams
 from v1.sampling_params import SamplingParams
 
 Messages = Sequence[Mapping[str, Any]]
 
 
-class LLM:
-    """Generate text from prompts with the engine.
+class LLM(PoolingMixin):
+    """Generate text from prompts with the engine; or, made with runner="pooling", embed,
+    classify and score them (`PoolingMixin`).
 
     >>> llm = LLM()  # the default model, SmolLM2-135M-Instruct
     >>> out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))
@@ -175,11 +178,11 @@ class LLM:
     def _run(
         self,
         prompts: list[PromptType],
-        params: list[SamplingParams],
+        params: Sequence[SamplingParams | PoolingParams],
         priority: Sequence[int] | None,
         use_tqdm: bool,
         ranks: Sequence[int | None],
-    ) -> list[RequestOutput]:
+    ) -> list[Any]:  # RequestOutput, or PoolingRequestOutput for PoolingParams
         engine = self.llm_engine
         ids: list[str] = []
         try:
@@ -193,7 +196,7 @@ class LLM:
             engine.abort_requests(ids)
             raise
         order = {request_id: i for i, request_id in enumerate(ids)}
-        results: list[RequestOutput | None] = [None] * len(ids)
+        results: list[Any] = [None] * len(ids)
         with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
             try:
                 while engine.has_unfinished_requests():

@@ -196,6 +196,12 @@ class DecoderForCausalLM(nn.Module):
     """
 
     layer_cls: ClassVar[type[nn.Module]] = PreNormDecoderLayer
+    # False for a base-model checkpoint (transformers' `LlamaModel`: `v1.models.adapters`),
+    # which has no LM head: only pooling runs it.
+    has_lm_head: ClassVar[bool] = True
+    # Pooling (v1.models.pooler): decoders attend causally and have no classification head.
+    is_causal: ClassVar[bool] = True
+    num_labels: ClassVar[int | None] = None
 
     def __init__(
         self,
@@ -228,7 +234,7 @@ class DecoderForCausalLM(nn.Module):
         )
         # Tied: the LM head is the embedding matrix itself (compute_logits reads it there).
         self.lm_head: Linear | None = None
-        if not self.tie_word_embeddings:
+        if not self.tie_word_embeddings and self.has_lm_head:
             self.lm_head = Linear(
                 config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype
             )

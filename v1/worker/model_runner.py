@@ -44,10 +44,12 @@ from v1.core.sched.output import SchedulerOutput
 from v1.models import head_dim_of
 from v1.models.layers.quant import prompt_rows
 from v1.models.loader import LoadedModel
+from v1.models.pooler import Pooler
 from v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, TokenLogprobs
 from v1.sampling_params import SamplingParams
 from v1.worker.input_batch import InputBatch
 from v1.worker.kv_disk_store import DiskKVStore, cache_key_facts
+from v1.worker.pooling import RunnerPooling
 from v1.worker.sampler import BadWords, Sampler, SamplingMetadata, TokenCounts, gather_logprobs
 from v1.worker.spec_decode.drafter import Drafter
 
@@ -129,6 +131,7 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         speculative_config: SpeculativeConfig | None = None,
+        pooler: Pooler | None = None,
     ) -> None:
         self.device = device
         self.drafter = Drafter(speculative_config) if speculative_config is not None else None
@@ -159,6 +162,8 @@ class ModelRunner:
         # Requests owed prompt logprobs -> those of the chunks computed so far.
         self.in_progress_prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         self.kv_disk: DiskKVStore | None = None
+        # A pooling engine (runner="pooling", v1.worker.pooling): it pools, never samples.
+        self.pooling = RunnerPooling(pooler, self.model) if pooler is not None else None
 
     # -- KV cache ---------------------------------------------------------------------
 
@@ -239,6 +244,8 @@ class ModelRunner:
             batch.remove_request(req_id)
             self._preempted.pop(req_id, None)
             in_progress.pop(req_id, None)
+            if self.pooling is not None:
+                self.pooling.finish(req_id)
         for req_id in out.preempted_req_ids:
             # Out of the batch until resumed; its params and seeded generator wait here.
             row = batch.req_id_to_index[req_id]
@@ -252,6 +259,8 @@ class ModelRunner:
                 drafter.finish(req_id, preempted=True)
             if req_id in in_progress:  # it resumes from its first token: collect anew
                 in_progress[req_id] = []
+            if self.pooling is not None:
+                self.pooling.preempt(req_id)
         batch.condense()
         for new in out.scheduled_new_reqs:
             params = new.sampling_params
@@ -265,6 +274,8 @@ class ModelRunner:
             )
             if params.prompt_logprobs is not None:
                 in_progress[new.req_id] = []
+            if self.pooling is not None:
+                self.pooling.add(new.req_id, new.pooling_params)
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             if cached.resumed_from_preemption[i]:
@@ -351,6 +362,13 @@ class ModelRunner:
                 torch.from_numpy(positions).to(dev, non_blocking=True),
                 self.kv_caches,
                 metadata,
+            )
+        if self.pooling is not None:  # pooled vectors instead of sampled tokens
+            batch.num_computed_tokens[rows] = seq_lens
+            return ModelRunnerOutput(
+                req_ids, [[] for _ in req_ids], pooler_output=self.pooling.step(
+                    hidden, req_ids, query_start_loc, num_computed, batch.num_prompt_tokens[rows]
+                ),
             )
         prompt_logprobs_dict = (
             self._get_prompt_logprobs_dict(hidden, req_ids, num_computed, num_scheduled)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from v1.pooling_params import PoolingParams
 from v1.request import BlockHash
 from v1.sampling_params import SamplingParams
 
@@ -25,6 +26,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    pooling_params: PoolingParams | None = None  # a pooling request's (v1.pooling_params)
 
 
 @dataclass(slots=True)
