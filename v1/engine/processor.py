@@ -88,6 +88,15 @@ class Processor:
             )
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
+    def encode_pair(self, text_1: str, text_2: str) -> list[int]:
+        """The token ids of a text pair as one input (a cross-encoder's: the tokenizer's
+        pair template, e.g. `[CLS] a [SEP] b [SEP]`)."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass token ids")
+        check_text(text_1, "the first text")
+        check_text(text_2, "the second text")
+        return list(self.tokenizer(text_1, text_2)["input_ids"])
+
     def encode_conversation(self, text: str) -> list[int]:
         """The token ids of a conversation as `apply_chat_template` rendered it: the template
         holds the special tokens already, so no second BOS (as vLLM)."""

@@ -11,9 +11,8 @@ label) the model reads each pair as one input and its head gives the score.
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import torch.nn.functional as F
-
 from v1.engine.processor import PromptType
+from v1.entrypoints.score_utils import pair_score_inputs, plan_scores
 from v1.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -117,55 +116,16 @@ class PoolingMixin:
         use_tqdm: bool = True,
         pooling_params: PoolingParams | None = None,
     ) -> list[ScoringRequestOutput]:
-        """Scores of text pairs, as vLLM's: one text against many (1 -> N), or pairwise
-        (N -> N). An embedding model scores by the cosine similarity of the embeddings; a
-        cross-encoder (one-label classification head) reads each pair together."""
-        texts_1 = [data_1] if isinstance(data_1, str) else list(data_1)
-        texts_2 = [data_2] if isinstance(data_2, str) else list(data_2)
-        if not texts_1 or not texts_2:
-            raise ValueError("score needs at least one text on each side")
-        if len(texts_1) == 1:
-            texts_1 = texts_1 * len(texts_2)
-        elif len(texts_1) != len(texts_2):
-            raise ValueError(
-                f"score pairs 1 text with N, or N with N: got {len(texts_1)} and {len(texts_2)}"
-            )
-        pooler = self._pooler()
-        if pooler.num_labels is None:
-            return self._embedding_score(texts_1, texts_2, truncate_prompt_tokens, use_tqdm,
-                                         pooling_params)
-        if pooler.num_labels != 1:
-            raise ValueError(f"score needs a cross-encoder (one label); this model's "
-                             f"classification head has {pooler.num_labels}")
-        processor = self.llm_engine.processor
-        pairs = [processor.encode_pair(a, b) for a, b in zip(texts_1, texts_2, strict=True)]
+        """Scores of text pairs (`.outputs.score`), as vLLM's: one text against many
+        (1 -> N), or pairwise (N -> N); see `v1.entrypoints.score_utils` for how."""
+        texts_1, texts_2 = pair_score_inputs(data_1, data_2)
+        plan = plan_scores(self._pooler(), self.llm_engine.processor, texts_1, texts_2)
         outputs = self.encode(
-            pairs, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
-            use_tqdm=use_tqdm, pooling_task="score",
+            plan.prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
+            use_tqdm=use_tqdm, pooling_task=plan.task,
         )
-        return [ScoringRequestOutput.from_base(o) for o in outputs]  # type: ignore[misc]
-
-    def _embedding_score(
-        self,
-        texts_1: list[str],
-        texts_2: list[str],
-        truncate_prompt_tokens: int | None,
-        use_tqdm: bool,
-        pooling_params: PoolingParams | None,
-    ) -> list[ScoringRequestOutput]:
-        # Each distinct text embedded once (1 -> N repeats the first), normalized: the dot
-        # product is then the cosine similarity.
-        unique = list(dict.fromkeys(texts_1 + texts_2))
-        params = PoolingParams(normalize=True) if pooling_params is None else pooling_params
-        embedded = self.encode(unique, params, truncate_prompt_tokens=truncate_prompt_tokens,
-                               use_tqdm=use_tqdm, pooling_task="embed")
-        by_text = dict(zip(unique, embedded, strict=True))
-        results = []
-        for a, b in zip(texts_1, texts_2, strict=True):
-            out_a, out_b = by_text[a], by_text[b]
-            score = F.cosine_similarity(out_a.outputs.data, out_b.outputs.data, dim=0)
-            results.append(ScoringRequestOutput(
-                f"{out_a.request_id}_{out_b.request_id}", ScoringOutput(float(score)),
-                out_a.prompt_token_ids + out_b.prompt_token_ids, True,
-            ))
-        return results
+        return [
+            ScoringRequestOutput(str(i), ScoringOutput(score), plan.prompt_token_ids(outputs, i),
+                                 True)
+            for i, score in enumerate(plan.scores(outputs))
+        ]

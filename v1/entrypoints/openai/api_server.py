@@ -5,7 +5,9 @@ events), GET /v1/models, GET /health (200, or 503 when the engine is dead; with
 --data-parallel-size N, 503 with a JSON body naming the dead cores while any is down, the
 others still serving), GET /metrics (Prometheus, under vLLM's metric names; per engine core,
 labelled `engine`, with data parallelism), and vLLM's POST /tokenize, POST /detokenize and
-GET /version.
+GET /version. A pooling server (--runner pooling) serves POST /v1/embeddings (OpenAI's),
+/pooling, /score (/v1/score) and /rerank (/v1/rerank, /v2/rerank) as vLLM's instead
+(`serving_pooling`).
 With --api-key, the /v1 routes need `Authorization: Bearer KEY` (else 401), as in vLLM.
 
 Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: invalid requests
@@ -57,12 +59,19 @@ from v1.entrypoints.openai.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from v1.entrypoints.openai.protocol_pooling import (
+    EmbeddingRequest,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 from v1.entrypoints.openai.serving import (
     ModelNotFoundError,
     OpenAIServing,
     ServerLimits,
     error_for,
 )
+from v1.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from v1.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from v1.limits import InputLimits
 from v1.models.loader import resolve_model
@@ -92,6 +101,33 @@ async def create_completion(request: CompletionRequest, raw: Request) -> Respons
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: ChatCompletionRequest, raw: Request) -> Response:
     return await _respond(raw, _serving(raw).create_chat_completion(request))
+
+
+def _pooling(raw: Request) -> OpenAIServingPooling:
+    return raw.app.state.serving_pooling
+
+
+@router.post("/v1/embeddings")
+async def create_embedding(request: EmbeddingRequest, raw: Request) -> Response:
+    return await _respond(raw, _pooling(raw).create_embedding(request))
+
+
+@router.post("/pooling")
+async def create_pooling(request: PoolingRequest, raw: Request) -> Response:
+    return await _respond(raw, _pooling(raw).create_pooling(request))
+
+
+@router.post("/score")
+@router.post("/v1/score")
+async def create_score(request: ScoreRequest, raw: Request) -> Response:
+    return await _respond(raw, _pooling(raw).create_score(request))
+
+
+@router.post("/rerank")
+@router.post("/v1/rerank")
+@router.post("/v2/rerank")
+async def do_rerank(request: RerankRequest, raw: Request) -> Response:
+    return await _respond(raw, _pooling(raw).do_rerank(request))
 
 
 @router.get("/v1/models")
@@ -361,6 +397,7 @@ def build_app(
             engine, served_model_names or [default_name], chat_template, tool_parser,
             default_sampling_params=defaults, limits=limits,
         )
+        app.state.serving_pooling = OpenAIServingPooling(app.state.serving)
         # Labelled with the name responses report, as vLLM labels its metrics.
         app.state.metrics = PrometheusMetrics(app.state.serving.served_model_names[0])
         engine.stat_loggers.append(app.state.metrics.record)
