@@ -4,9 +4,9 @@ dimensions, many inputs at once), vLLM's /pooling, /score and /rerank, and 400s 
 input; the same routes on a generating server answer 400.
 """
 
+import asyncio
 import base64
 import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -141,14 +141,17 @@ def test_generation_routes_refuse_a_pooling_model(client):
         client.completions.create(model="emb", prompt="w1", max_tokens=2)
 
 
-def test_pooling_routes_refuse_a_generating_model(tmp_path, folder):
-    from transformers import Qwen3ForCausalLM
+def test_pooling_routes_refuse_a_generating_engine():
+    # What a generating server's pooling routes answer (its processor has no pooler), without
+    # starting one: the serving object over an engine whose processor is a generating one's.
+    from types import SimpleNamespace
 
-    causal = tmp_path / "causal"
-    Qwen3ForCausalLM(qwen3_config()).save_pretrained(causal)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(folder / name, causal / name)
-    with serve(causal, tmp_path / "server.log", "--max-model-len", "64",
-               "--num-gpu-blocks", "16") as server:
-        r = httpx.post(f"{server.url}/v1/embeddings", json={"input": "w1"}, timeout=60)
-    assert r.status_code == 400 and "--runner pooling" in r.json()["error"]["message"]
+    from v1.engine.processor import Processor
+    from v1.entrypoints.openai.protocol_pooling import EmbeddingRequest
+    from v1.entrypoints.openai.serving import OpenAIServing
+    from v1.entrypoints.openai.serving_pooling import OpenAIServingPooling
+
+    engine = SimpleNamespace(processor=Processor(None, 64, 256, None))
+    serving = OpenAIServingPooling(OpenAIServing(engine, ["gen"]))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="--runner pooling"):
+        asyncio.run(serving.create_embedding(EmbeddingRequest(input="w1")))
