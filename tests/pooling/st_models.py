@@ -94,3 +94,24 @@ def llama_config(**overrides: Any) -> Any:
         "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "pad_token_id": 0,
         **overrides,
     })
+
+
+def bert_config(**overrides: Any) -> Any:
+    from transformers import BertConfig
+
+    return BertConfig(**{
+        "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 256,
+        "type_vocab_size": 2, "pad_token_id": 0, **overrides,
+    })
+
+
+def xlm_roberta_config(**overrides: Any) -> Any:
+    from transformers import XLMRobertaConfig
+
+    return XLMRobertaConfig(**{
+        "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 258,
+        "type_vocab_size": 1, "pad_token_id": 1, "bos_token_id": 2, "eos_token_id": 3,
+        **overrides,
+    })

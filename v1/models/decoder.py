@@ -47,6 +47,12 @@ def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def num_kv_heads_of(config: Any) -> int:
+    """The K/V head count: the config's where it has one (GQA), else one per query head (BERT
+    family configs name none)."""
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
 @dataclass(frozen=True, slots=True)
 class LayerSpec:
     """What one decoder layer is made of, read from the HF config by its architecture."""

@@ -8,9 +8,12 @@ architecture without an LM head (`v1.models.adapters`); they, and every architec
 """
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from v1.models.decoder import DecoderForCausalLM
+
+if TYPE_CHECKING:
+    from v1.models.bert import BertModel
 
 # HF architecture name -> the module under v1.models defining the class of that name.
 _MODELS: dict[str, str] = {
@@ -33,7 +36,12 @@ _BASE_MODELS: dict[str, str] = {
 }
 
 # Architectures that have no LM head at all (encoders, classifiers).
-_POOLING_ONLY: dict[str, str] = {}
+_POOLING_ONLY: dict[str, str] = {
+    "BertModel": "bert",
+    "RobertaModel": "bert",
+    "XLMRobertaModel": "bert",
+    "BertForSequenceClassification": "bert",
+}
 
 _BY_MODEL_TYPE: dict[str, str] = {
     "llama": "LlamaForCausalLM",
@@ -62,7 +70,7 @@ def is_pooling_only(config: Any) -> bool:
     return any(a in _BASE_MODELS or a in _POOLING_ONLY for a in _architectures(config))
 
 
-def get_model_cls(config: Any) -> type[DecoderForCausalLM]:
+def get_model_cls(config: Any) -> "type[DecoderForCausalLM | BertModel]":
     """The class for `config` (an HF PretrainedConfig); ValueError listing the supported
     architectures when none of the config's is one of them."""
     architectures = _architectures(config)

@@ -41,7 +41,7 @@ import torch
 from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata, kv_cache_shape
 from v1.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from v1.core.sched.output import SchedulerOutput
-from v1.models import head_dim_of
+from v1.models import head_dim_of, num_kv_heads_of
 from v1.models.layers.quant import prompt_rows
 from v1.models.loader import LoadedModel
 from v1.models.pooler import Pooler
@@ -171,7 +171,7 @@ class ModelRunner:
         cfg = self.hf_config
         head_dim = head_dim_of(self.hf_config)
         elem = self.kv_cache_dtype.itemsize
-        per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * elem
+        per_token = 2 * cfg.num_hidden_layers * num_kv_heads_of(cfg) * head_dim * elem
         return per_token * self.block_size
 
     def determine_num_blocks(self, cache_config: CacheConfig) -> int:
@@ -195,7 +195,7 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         cfg = self.hf_config
         shape = kv_cache_shape(
-            num_blocks, self.block_size, cfg.num_key_value_heads, head_dim_of(cfg)
+            num_blocks, self.block_size, num_kv_heads_of(cfg), head_dim_of(cfg)
         )
         self.kv_caches = [
             torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
@@ -215,7 +215,7 @@ class ModelRunner:
             self.loaded.model_path, cfg, head_size, self.dtype, self.kv_cache_dtype,
             self.loaded.quantization, self.block_size,
         )
-        shape = (cfg.num_hidden_layers, 2, self.block_size, cfg.num_key_value_heads, head_size)
+        shape = (cfg.num_hidden_layers, 2, self.block_size, num_kv_heads_of(cfg), head_size)
         self.kv_disk = DiskKVStore(root, facts, shape, self.kv_cache_dtype)
         return self.kv_disk
 

@@ -12,11 +12,15 @@ it on store (into fp16, saturating), and attention casts the query to it on load
 dots in it with fp32 accumulation, and stores the output in the query's dtype. So an fp32
 model with a 16-bit cache attends as a 16-bit model does (query and P rounded too, unlike
 the CPU path).
+
+Encoder-only layers (bidirectional, BERT family) touch no cache: they run the torch
+backend's `encoder_attention` (SDPA per sequence, on the GPU its flash kernels).
 """
 
 import torch
 
-from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata
+from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata, AttentionType
+from v1.attention.backends.torch_attn import encoder_attention
 from v1.attention.ops.triton_reshape_and_cache import reshape_and_cache
 from v1.attention.ops.triton_unified_attention import unified_attention
 
@@ -30,6 +34,8 @@ class TritonAttentionImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        if self.attn_type == AttentionType.ENCODER_ONLY:
+            return encoder_attention(query, key, value, metadata, self.scale)
         reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
         out = query.new_empty(query.shape)
         return unified_attention(query, kv_cache, out, metadata, self.scale,
