@@ -34,6 +34,8 @@ def word_tokenizer(template: str, pair_template: str | None = None) -> Any:
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", eos_token="<eos>",
         cls_token="[CLS]", sep_token="[SEP]", model_max_length=512,
+        # As BERT's tokenizers: a pair's second text gets token type 1.
+        model_input_names=["input_ids", "token_type_ids", "attention_mask"],
     )
 
 
@@ -56,6 +58,20 @@ def save_sentence_transformer(
     from sentence_transformers.base.modules import Normalize, Transformer
     from sentence_transformers.sentence_transformer.modules import Pooling
 
+    hf_dir = save_hf_model(folder.parent / f"{folder.name}-hf", build_model, tokenizer, seed)
+    transformer = Transformer(str(hf_dir))
+    modules = [transformer, Pooling(transformer.get_embedding_dimension(), pooling_mode)]
+    if normalize:
+        modules.append(Normalize())
+    SentenceTransformer(modules=modules, device="cpu").save(str(folder))
+    return folder
+
+
+def save_hf_model(
+    folder: Path, build_model: Callable[[], Any], tokenizer: Any, seed: int = 0
+) -> Path:
+    """The transformers model with random weights drawn wide (std 0.2; norms around 1), so
+    that outputs differ clearly between inputs, saved with the tokenizer."""
     torch.manual_seed(seed)
     model = build_model()
     with torch.no_grad():
@@ -64,13 +80,8 @@ def save_sentence_transformer(
                 p.normal_(1.0, 0.2)
             else:
                 p.normal_(0.0, 0.2)
-    hf_dir = folder.parent / f"{folder.name}-hf"
-    model.save_pretrained(hf_dir)
-    tokenizer.save_pretrained(hf_dir)
-    modules = [Transformer(str(hf_dir)), Pooling(model.config.hidden_size, pooling_mode)]
-    if normalize:
-        modules.append(Normalize())
-    SentenceTransformer(modules=modules, device="cpu").save(str(folder))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
     return folder
 
 

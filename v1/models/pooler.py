@@ -58,7 +58,8 @@ def _st_pooling_mode(config: dict[str, Any], where: Path) -> str:
 
 def read_sentence_transformers_pooling(model_dir: Path) -> tuple[str, bool] | None:
     """(pooling type, normalize) of a sentence-transformers folder; None without
-    modules.json. ValueError for a module or mode the pooler does not implement."""
+    modules.json, or with no Pooling module in it (a CrossEncoder folder: its model pools
+    itself). ValueError for a module or mode the pooler does not implement."""
     modules_file = model_dir / "modules.json"
     if not modules_file.is_file():
         return None
@@ -80,7 +81,9 @@ def read_sentence_transformers_pooling(model_dir: Path) -> tuple[str, bool] | No
                 "supported (supported: Transformer, Pooling, Normalize)"
             )
     if pooling_type is None:
-        raise ValueError(f"{modules_file} has no Pooling module")
+        if normalize:
+            raise ValueError(f"{modules_file}: Normalize without a Pooling module")
+        return None
     return pooling_type, normalize
 
 
