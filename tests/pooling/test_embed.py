@@ -235,3 +235,63 @@ def test_many_requests_through_the_process_engine(qwen3_last, texts):
              kv_cache_memory=1 << 22) as llm:
         got = embeddings(llm, texts)
     assert cosine(got, ref).min() >= 0.999
+
+
+def test_pooler_config_overrides_the_folder(qwen3_last, texts):
+    # The Qwen3 weights pooled by mean, unnormalized, against sentence-transformers' mean
+    # Pooling on the same transformer.
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+
+    transformer = Transformer(str(qwen3_last.parent / f"{qwen3_last.name}-hf"))
+    st = SentenceTransformer(modules=[transformer, Pooling(64, "mean")], device="cpu")
+    ref = st.encode(texts[:6], convert_to_numpy=True)
+    with pooling_llm(qwen3_last, max_num_batched_tokens=16,
+                     pooler_config={"pooling_type": "MEAN", "normalize": False}) as llm:
+        got = embeddings(llm, texts[:6])
+    assert cosine(got, ref).min() >= 0.999
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), np.linalg.norm(ref, axis=1),
+                               rtol=1e-3)
+    with pytest.raises(ValueError, match="pooling_type must be LAST, CLS or MEAN"):
+        pooling_llm(qwen3_last, pooler_config={"pooling_type": "MAX"})
+    with pytest.raises(ValueError, match="unknown pooler_config keys"):
+        pooling_llm(qwen3_last, pooler_config={"pooling": "MEAN"})
+    with pytest.raises(ValueError, match="needs runner='pooling'"):
+        LLM(str(qwen3_last), pooler_config={"pooling_type": "MEAN"})
+
+
+def test_sentence_transformers_configs(tmp_path):
+    import json
+
+    from v1.models.pooler import read_sentence_transformers_pooling
+
+    def write(pooling: dict, *modules: str) -> Path:
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        (folder / "1_Pooling").mkdir(parents=True)
+        (folder / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+        entries = [{"path": "1_Pooling" if m.endswith("Pooling") else "", "type": m}
+                   for m in modules]
+        (folder / "modules.json").write_text(json.dumps(entries))
+        return folder
+
+    st, pooling = "sentence_transformers.models.Transformer", "sentence_transformers.models.Pooling"
+    norm = "sentence_transformers.models.Normalize"
+    # sentence-transformers < 3's flags, and 3+'s pooling_mode.
+    legacy = {"word_embedding_dimension": 8, "pooling_mode_cls_token": True,
+              "pooling_mode_mean_tokens": False}
+    assert read_sentence_transformers_pooling(write(legacy, st, pooling, norm)) == ("CLS", True)
+    assert read_sentence_transformers_pooling(
+        write({"pooling_mode": "mean"}, st, pooling)) == ("MEAN", False)
+    assert read_sentence_transformers_pooling(
+        write({"pooling_mode": ["lasttoken"]}, st, pooling, norm)) == ("LAST", True)
+    assert read_sentence_transformers_pooling(tmp_path) is None  # no modules.json
+    for bad, message in (
+        (write({"pooling_mode": "max"}, st, pooling), "pooling mode 'max'"),
+        (write({"pooling_mode": ["cls", "mean"]}, st, pooling), "pooling mode"),
+        (write({"pooling_mode": "mean", "include_prompt": False}, st, pooling), "include_prompt"),
+        (write({"pooling_mode": "mean"}, st, pooling, "sentence_transformers.models.Dense"),
+         "Dense"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            read_sentence_transformers_pooling(bad)

@@ -363,6 +363,11 @@ class OutputProcessor:
                     del self.request_states[state.request_id]
                     del self.external_req_ids[state.external_req_id]
                     request_outputs.append(_pooling_output(state, output))
+                    if stats is not None:
+                        stats.finished_requests.append(FinishedRequestStats(
+                            output.finish_reason, now - state.metrics.arrival_time,
+                            output.queue_time,
+                        ))
                 continue
             stopped_here = state.update(output, now, stats)
             if stopped_here and output.finish_reason is None:

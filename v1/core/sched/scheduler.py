@@ -30,6 +30,11 @@ Speculative decoding (`v1.core.sched.spec_decode`): a decode step of a request w
 and KV allocation (`SchedulerOutput.scheduled_spec_decode_tokens`); the output rolls
 `num_computed_tokens` back past the rejected ones. A request mid-prefill is never drafted.
 
+Pooling (runner="pooling"): a request with `pooling_params` is a prompt only. It is
+scheduled like any prefill, chunked under the budget; the step that computes its last prompt
+token returns its pooled vector (`ModelRunnerOutput.pooler_output`) instead of a token, and
+`_finish_pooled` finishes it then and frees its blocks.
+
 The disk tier (`v1.core.sched.disk_tier`; None: no tier, and nothing here costs anything):
 a new request whose RAM prefix hits stop short of blocks on disk waits in
 WAITING_FOR_REMOTE_KVS, set aside like WAITING_FOR_FSM, while the runner reads them; then it
