@@ -371,6 +371,32 @@ def test_triton_backend_matches_torch_backend():
     assert not out.isnan().any()
 
 
+@pytest.mark.parametrize("block_size,gqa", [(8, "gqa3"), (16, "gqa1"), (32, "gqa4")])
+def test_encoder_only_matches_torch_backend(block_size, gqa):
+    # Bidirectional (BERT family): whole sequences, each row sees every key of its sequence,
+    # the later ones included; the torch backend's encoder_attention is the reference.
+    from v1.attention.backends.abstract import AttentionType
+
+    num_heads, num_kv_heads = GQA[gqa]
+    head_size = 32
+    batch = make_batch(PREFILL + [(1, 1), (40, 40)], num_heads, num_kv_heads, head_size,
+                       block_size, seed=11, device=DEVICE)
+    scale = 1 / math.sqrt(head_size)
+    kw = {"attn_type": AttentionType.ENCODER_ONLY}
+    triton_impl = TritonAttentionImpl(num_heads, head_size, num_kv_heads, scale, **kw)
+    torch_impl = TorchAttentionImpl(num_heads, head_size, num_kv_heads, scale, **kw)
+    md = batch.metadata
+    out = triton_impl.forward(batch.query, batch.key, batch.value, batch.kv_cache.clone(), md)
+    ref = torch_impl.forward(batch.query.cpu(), batch.key.cpu(), batch.value.cpu(),
+                             torch.empty(0), cpu_metadata(md))
+    torch.testing.assert_close(out.cpu(), ref, atol=ATOL, rtol=RTOL)
+    causal = reference(batch, scale)
+    assert not torch.allclose(ref, causal, atol=1e-3)  # it is not the causal answer
+    with pytest.raises(ValueError, match="no sliding window"):
+        unified_attention(batch.query, batch.kv_cache, batch.query.clone(), md, scale,
+                          sliding_window=4, causal=False)
+
+
 # ----------------------------------------------------------------------------- sliding window
 
 

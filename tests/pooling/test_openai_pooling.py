@@ -14,6 +14,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+import torch
 
 from tests.entrypoints.test_openai_server import serve
 from tests.pooling.st_models import qwen3_config, save_sentence_transformer, word_tokenizer
@@ -155,3 +156,24 @@ def test_pooling_routes_refuse_a_generating_engine():
     serving = OpenAIServingPooling(OpenAIServing(engine, ["gen"]))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="--runner pooling"):
         asyncio.run(serving.create_embedding(EmbeddingRequest(input="w1")))
+
+
+def test_many_clients_at_once(client, folder):
+    # 12 requests in flight together (each of 2 inputs): the engine batches them; every
+    # response holds its own inputs' embeddings.
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.pooling.st_models import random_text
+
+    rng = torch.Generator().manual_seed(9)
+    batches = [[random_text(rng, 5 + 7 * i), random_text(rng, 40 - 3 * i)] for i in range(12)]
+    ref = st_encode(folder, [t for b in batches for t in b]).reshape(12, 2, -1)
+
+    def embed(batch: list[str]) -> np.ndarray:
+        response = client.embeddings.create(model="emb", input=batch)
+        return np.array([d.embedding for d in response.data])
+
+    with ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(embed, batches))
+    for got, expected in zip(results, ref, strict=True):
+        assert cosine(got, expected).min() >= 0.999

@@ -8,7 +8,8 @@ similarity of the two embeddings; with a cross-encoder (a classification head wi
 label) the model reads each pair as one input and its head gives the score.
 """
 
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from v1.engine.processor import PromptType
@@ -53,7 +54,7 @@ class PoolingMixin:
         (vLLM's name) is what the vectors are: "encode" (as pooled), "embed", "classify"
         or "score"; one PoolingParams for all prompts, or one each."""
         self._pooler()
-        if isinstance(prompts, str | dict) or (
+        if isinstance(prompts, str | Mapping) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]  # type: ignore[list-item]  (one prompt)
@@ -68,10 +69,10 @@ class PoolingMixin:
         for p in params:
             if not isinstance(p, PoolingParams):
                 raise ValueError(f"pooling_params must be PoolingParams, got {type(p)}")
-            p = PoolingParams(
-                p.truncate_prompt_tokens if truncate_prompt_tokens is None
+            p = dataclasses.replace(
+                p, task=p.task or pooling_task,
+                truncate_prompt_tokens=p.truncate_prompt_tokens if truncate_prompt_tokens is None
                 else truncate_prompt_tokens,
-                p.dimensions, p.normalize, p.use_activation, p.task or pooling_task,
             )
             p.verify(pooling_task, self._pooler())
             checked.append(p)

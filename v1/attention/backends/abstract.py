@@ -27,8 +27,9 @@ Attention types (vLLM's `AttentionType`, per layer: `AttentionImpl(..., attn_typ
 DECODER is the causal attention above; ENCODER_ONLY is bidirectional (BERT family: every
 token of a sequence sees every other), for pooling models. An encoder-only step must hold
 each sequence whole, as its only chunk (`q_len == seq_len`: the engine turns chunked prefill
-and prefix caching off for such models); it attends over the step's fresh K/V and neither
-writes nor reads the KV cache.
+and prefix caching off for such models). The torch backend attends over the step's fresh
+K/V without touching the cache; the Triton kernel writes them and reads them back, as it does
+every step, with the causal mask off.
 """
 
 from abc import ABC, abstractmethod

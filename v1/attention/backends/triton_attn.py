@@ -13,14 +13,13 @@ dots in it with fp32 accumulation, and stores the output in the query's dtype. S
 model with a 16-bit cache attends as a 16-bit model does (query and P rounded too, unlike
 the CPU path).
 
-Encoder-only layers (bidirectional, BERT family) touch no cache: they run the torch
-backend's `encoder_attention` (SDPA per sequence, on the GPU its flash kernels).
+Encoder-only layers (bidirectional, BERT family) write their K/V the same way and run the
+same kernel without the causal mask (`causal=False`): each sequence is whole in its step.
 """
 
 import torch
 
 from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata, AttentionType
-from v1.attention.backends.torch_attn import encoder_attention
 from v1.attention.ops.triton_reshape_and_cache import reshape_and_cache
 from v1.attention.ops.triton_unified_attention import unified_attention
 
@@ -34,9 +33,8 @@ class TritonAttentionImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        if self.attn_type == AttentionType.ENCODER_ONLY:
-            return encoder_attention(query, key, value, metadata, self.scale)
         reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
         out = query.new_empty(query.shape)
         return unified_attention(query, kv_cache, out, metadata, self.scale,
-                                 sliding_window=self.sliding_window)
+                                 sliding_window=self.sliding_window,
+                                 causal=self.attn_type != AttentionType.ENCODER_ONLY)
