@@ -502,12 +502,16 @@ _COMPILE_SCRIPT = textwrap.dedent(
 
     # The production path (bf16, GQA 3, prefill-sized tile) must use tensor cores; head 80
     # also exercises the masked head dimension. (fp32's 3xTF32 variant compiles too, in ~6 s.)
-    # The sliding-window variant (its extra loop and masks) must compile too.
-    for dtype, prec, qpk, d, block_m, tile_n, window in [("bf16", "tf32", 3, 80, 64, 64, 0),
-                                                          ("bf16", "tf32", 3, 80, 64, 64, 512)]:
+    # The sliding-window variant (its extra loop and masks) must compile too, and the
+    # bidirectional one (encoder-only layers: BERT's 12 heads of 64, no GQA).
+    for dtype, prec, qpk, d, block_m, tile_n, window, causal in [
+        ("bf16", "tf32", 3, 80, 64, 64, 0, True),
+        ("bf16", "tf32", 3, 80, 64, 64, 512, True),
+        ("bf16", "tf32", 1, 64, 64, 64, 0, False),
+    ]:
         c = dict(NUM_QUERIES_PER_KV=qpk, HEAD_SIZE=d, HEAD_SIZE_PAD=triton.next_power_of_2(d),
                  BLOCK_SIZE=16, BLOCK_M=block_m, BLOCK_Q=block_m // qpk, TILE_N=tile_n,
-                 DOT_PRECISION=prec, SLIDING_WINDOW=window)
+                 DOT_PRECISION=prec, SLIDING_WINDOW=window, CAUSAL=causal)
         k = compile_for_h100(U._unified_attention_kernel, dtype, c, 4)
         assert "mma" in k.asm["ptx"], (dtype, window, "no tensor-core instructions")
     compile_for_h100(R._reshape_and_cache_kernel, "bf16",
