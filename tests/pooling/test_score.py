@@ -10,7 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from tests.pooling.st_models import bert_config, save_hf_model, word_tokenizer
+from tests.pooling.st_models import (
+    bert_config,
+    save_hf_model,
+    word_tokenizer,
+    xlm_roberta_config,
+)
 from tests.pooling.test_embed import assert_idle, embeddings, pooling_llm, qwen3_last  # noqa: F401
 
 pytest.importorskip("sentence_transformers")
@@ -56,6 +61,24 @@ def test_cross_encoder_scores_match_sentence_transformers(cross_encoder):
     assert got.std() > 0.01  # the pairs are told apart (token types and order matter)
     # The pair's tokens: [CLS] query [SEP] doc [SEP].
     assert one_to_many[0].prompt_token_ids == [2, 6, 7, 8, 3, 6, 7, 3]
+
+
+def test_xlm_roberta_cross_encoder_matches_sentence_transformers(tmp_path):
+    # RoBERTa's head (dense, tanh, out_proj on <s>), positions from pad_token_id + 1, pairs
+    # as "<s> a </s></s> b </s>".
+    from sentence_transformers import CrossEncoder
+    from transformers import XLMRobertaForSequenceClassification
+
+    folder = save_hf_model(
+        tmp_path / "xlmr-ce",
+        lambda: XLMRobertaForSequenceClassification(xlm_roberta_config(num_labels=1)),
+        word_tokenizer("[CLS] $A [SEP]", "[CLS] $A [SEP] [SEP] $B [SEP]"), seed=6,
+    )
+    ref = CrossEncoder(str(folder), device="cpu").predict([(QUERY, d) for d in DOCS])
+    with pooling_llm(folder) as llm:
+        got = np.array([o.outputs.score for o in llm.score(QUERY, DOCS, use_tqdm=False)])
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+    assert got.std() > 0.01
 
 
 def test_classify_matches_transformers_softmax(classifier):

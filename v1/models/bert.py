@@ -1,5 +1,6 @@
 """The BERT family as pooling models: `BertModel`, `XLMRobertaModel` (and RoBERTa), and
-`BertForSequenceClassification` (a cross-encoder or classifier head).
+`BertForSequenceClassification` / `XLMRobertaForSequenceClassification` (a cross-encoder or
+classifier head: bge-reranker and ms-marco cross-encoders are of these).
 
 An encoder: bidirectional attention (the backend's ENCODER_ONLY mode: every sequence whole
 in its step, no KV cache, so no chunked prefill and no prefix caching: `v1.engine.pooling`
@@ -7,7 +8,8 @@ turns them off), learned absolute position embeddings (RoBERTa's start after the
 position p reads row pad_token_id + 1 + p), token-type embeddings, post-norm layers
 (x = LayerNorm(x + attn(x)); x = LayerNorm(x + ffn(x))) with GELU. `forward` returns the
 last hidden states, which the pooler reads (CLS or MEAN); a classification model's
-`classify` maps the pooled CLS state through BERT's pooler (dense + tanh) and classifier.
+`classify` maps the pooled CLS state through BERT's pooler (dense + tanh) and classifier,
+or RoBERTa's classification head (dense, tanh, out_proj).
 
 Token types: 0 for a single text. A text pair (a cross-encoder's input, `[CLS] a [SEP] b
 [SEP]`) has type 1 from the token after its first [SEP] on, as BERT's tokenizers assign them;
@@ -260,3 +262,22 @@ class BertForSequenceClassification(BertModel):
 
     def classify(self, cls_states: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, labels]
         return self.classifier(torch.tanh(self.pooler.dense(cls_states)))
+
+
+class XLMRobertaForSequenceClassification(XLMRobertaModel):
+    """XLM-RoBERTa with RoBERTa's classification head on the <s> state (dense + tanh, then
+    out_proj to `num_labels` logits); no BERT pooler."""
+
+    def __init__(self, config: Any, attn_impl_cls: type[AttentionImpl], **kwargs: Any) -> None:
+        super().__init__(config, attn_impl_cls, **kwargs)
+        device = self.embeddings.LayerNorm.weight.device
+        dtype = self.embeddings.LayerNorm.weight.dtype
+        hidden = config.hidden_size
+        self.num_labels = int(config.num_labels)
+        self.classifier = nn.Module()
+        self.classifier.dense = Linear(hidden, hidden, device=device, dtype=dtype)
+        self.classifier.out_proj = Linear(hidden, self.num_labels, device=device, dtype=dtype)
+        self.requires_grad_(False)
+
+    def classify(self, cls_states: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, labels]
+        return self.classifier.out_proj(torch.tanh(self.classifier.dense(cls_states)))

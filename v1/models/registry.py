@@ -41,6 +41,7 @@ _POOLING_ONLY: dict[str, str] = {
     "RobertaModel": "bert",
     "XLMRobertaModel": "bert",
     "BertForSequenceClassification": "bert",
+    "XLMRobertaForSequenceClassification": "bert",
 }
 
 _BY_MODEL_TYPE: dict[str, str] = {
