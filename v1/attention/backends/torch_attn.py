@@ -47,15 +47,16 @@ them back from the cache, rounded, as every later step does.
 Sliding-window layers (`sliding_window=w`) get a plan of their own (`torch_plan`): every
 path reads from the first block a query can see, and masks what comes before its window.
 
-Encoder-only layers (bidirectional, `attn_type=ENCODER_ONLY`) run `encoder_attention`: each
-sequence, whole in the step, attends to its own fresh K/V without a mask (one SDPA call
-each); no cache is touched.
+Encoder-only layers (bidirectional, `attn_type=ENCODER_ONLY`) run `torch_encoder`'s
+`encoder_attention`: each sequence, whole in the step, attends to its own fresh K/V without
+a causal mask, sequences padded into buckets of similar length; no cache is touched.
 """
 
 import torch
 import torch.nn.functional as F
 
 from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata, AttentionType
+from v1.attention.backends.torch_encoder import encoder_attention
 from v1.attention.backends.torch_plan import AttentionPlan
 
 # fp16's largest finite value. K/V beyond it are stored saturated, as vLLM's fp8 cache writes
@@ -126,31 +127,6 @@ def paged_attention_reference(
             attn_mask=mask, scale=scale, enable_gqa=True,
         )
         out[q_start:q_end] = o[0].transpose(0, 1)
-    return out
-
-
-def encoder_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """Bidirectional attention of each sequence over itself (see `AttentionType`): the step's
-    rows [query_start_loc[r], query_start_loc[r + 1]) are all of sequence r's tokens."""
-    starts = metadata.query_start_loc_cpu
-    lens = starts[1:] - starts[:-1]
-    if (lens != metadata.seq_lens_cpu).any():
-        raise ValueError("encoder-only attention needs every sequence whole in one step "
-                         "(no chunked prefill, no prefix caching)")
-    out = query.new_empty(*query.shape)
-    for start, end in zip(starts[:-1].tolist(), starts[1:].tolist()):
-        if end == start:
-            continue
-        o = F.scaled_dot_product_attention(  # [1, h, len, d]
-            query[start:end].transpose(0, 1).unsqueeze(0),
-            key[start:end].transpose(0, 1).unsqueeze(0),
-            value[start:end].transpose(0, 1).unsqueeze(0),
-            scale=scale, enable_gqa=True,
-        )
-        out[start:end] = o[0].transpose(0, 1)
     return out
 
 
