@@ -111,6 +111,10 @@ def measure(name: str, llm: Any, st: Any, texts: list[str], args: argparse.Names
     outputs: dict[str, Any] = {}
 
     def run(which: str) -> None:
+        if which == "v1":
+            # Cold, as sentence-transformers is: the decoder's prefix cache (last-token
+            # pooling keeps it) would otherwise serve the texts of the previous round.
+            assert llm.reset_prefix_cache()
         wall, cpu = time.perf_counter(), time.process_time()
         if which == "v1":
             outs = llm.embed(texts, use_tqdm=False)
