@@ -215,6 +215,43 @@ class CacheConfig:
             raise ValueError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
 
 
+# EngineArgs.runner's choices (vLLM's): "generate" samples tokens; "pooling" returns one
+# vector per prompt (embeddings, classification, scores: v1/models/pooler.py); "auto" is
+# "pooling" for checkpoints that have no LM head (an encoder, a base `*Model`, a
+# `*ForSequenceClassification`), else "generate".
+RUNNER_TYPES = ("auto", "generate", "pooling")
+
+
+@dataclass(slots=True)
+class PoolerConfig:
+    """vLLM's `pooler_config` (`--pooler-config '{"pooling_type": "MEAN"}'`): overrides the
+    pooler the model's files give (v1/models/pooler.py); None keeps theirs."""
+
+    pooling_type: str | None = None  # "LAST" | "CLS" | "MEAN"
+    normalize: bool | None = None
+
+    @classmethod
+    def from_dict(cls, config: "dict[str, Any] | PoolerConfig") -> "PoolerConfig":
+        if isinstance(config, PoolerConfig):
+            return config
+        if not isinstance(config, dict):
+            raise ValueError(f"pooler_config must be a dict, got {config!r}")
+        unknown = set(config) - {"pooling_type", "normalize"}
+        if unknown:
+            raise ValueError(
+                f"unknown pooler_config keys {sorted(unknown)} (known: normalize, pooling_type)"
+            )
+        pooling_type = config.get("pooling_type")
+        if pooling_type is not None and pooling_type not in ("LAST", "CLS", "MEAN"):
+            raise ValueError(
+                f"pooler_config pooling_type must be LAST, CLS or MEAN, got {pooling_type!r}"
+            )
+        normalize = config.get("normalize")
+        if normalize is not None and not isinstance(normalize, bool):
+            raise ValueError(f"pooler_config normalize must be a bool, got {normalize!r}")
+        return cls(pooling_type, normalize)
+
+
 def load_preload_prompts(spec: str | list[Any]) -> list[Any]:
     """The prompts of `preload_prompts` (v1/engine/preload.py): a list, or the path of a JSON
     file holding one, read here so that a bad one fails before the model loads."""
@@ -326,6 +363,16 @@ class EngineArgs:
         None, "the disk tier's size bound in bytes (LRU; default: 8 GiB)"
     )
     seed: int = option(0, "the seed of requests that set none")
+    runner: str = option(
+        "generate", "what the engine does with prompts: 'generate' (sample tokens), 'pooling' "
+        "(one vector per prompt: LLM.embed / encode / classify / score, the server's "
+        "/v1/embeddings, /pooling, /score, /rerank) or 'auto' (pooling for checkpoints "
+        "without an LM head)",
+    )
+    pooler_config: dict[str, Any] | PoolerConfig | None = option(
+        None, "the pooler's settings over the model's, as a JSON object: pooling_type "
+        "(LAST, CLS, MEAN), normalize",
+    )
     speculative_config: dict[str, Any] | None = option(
         None, "speculative decoding, as a JSON object, e.g. {\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4} (methods: ngram, suffix)",
@@ -383,7 +430,6 @@ class EngineArgs:
     disable_custom_all_reduce: bool = option(False, ignored_help("disable_custom_all_reduce"))
     max_seq_len_to_capture: int = option(8192, ignored_help("max_seq_len_to_capture"))
     task: str = option("auto", ignored_help("task"))
-    runner: str = option("auto", ignored_help("runner"))
     load_format: str = option("auto", ignored_help("load_format"))
     enable_log_requests: bool = option(False, ignored_help("enable_log_requests"))
     disable_log_requests: bool = option(False, ignored_help("disable_log_requests"))
@@ -476,6 +522,14 @@ class EngineArgs:
         check_device(self.device)
         self.dtype = dtype_name(self.dtype)
         kv_cache_dtype_name(self.kv_cache_dtype)
+        if self.runner not in RUNNER_TYPES:
+            raise ValueError(
+                f"runner must be one of {', '.join(RUNNER_TYPES)}, got {self.runner!r}"
+            )
+        if self.pooler_config is not None:
+            self.pooler_config = PoolerConfig.from_dict(self.pooler_config)
+            if self.runner == "generate":
+                raise ValueError("pooler_config needs runner='pooling' (or 'auto')")
         self._check_disk_tier()
         if self.quantization not in (None, NO_QUANTIZATION, *QUANTIZATION_METHODS):
             raise ValueError(

@@ -79,12 +79,8 @@ IGNORED_OPTIONS: dict[str, IgnoredOption] = {
     ),
     "max_seq_len_to_capture": IgnoredOption("no CUDA graphs are captured"),
     "task": IgnoredOption(
-        "every model here generates text", only=("auto", "generate"),
-        refused="no pooling (embedding, scoring) runner exists here",
-    ),
-    "runner": IgnoredOption(
-        "every model here generates text", only=("auto", "generate"),
-        refused="no pooling (embedding, scoring) runner exists here",
+        "vLLM's older name for what `runner` says", only=("auto", "generate"),
+        refused="embedding, scoring and classification take runner='pooling'",
     ),
     "load_format": IgnoredOption(
         "the weights are read from the model's own files (safetensors or GGUF)",

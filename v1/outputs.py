@@ -2,9 +2,12 @@
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 import msgspec
+
+if TYPE_CHECKING:  # the core stays torch-free: only the frontend builds these tensors
+    import torch
 
 
 class TokenLogprobs(NamedTuple):
@@ -42,6 +45,9 @@ class ModelRunnerOutput:
     # queue was full).
     kv_loaded: dict[str, int] | None = None
     kv_stored: Sequence[tuple[bytes, bool]] = ()
+    # A pooling engine (runner="pooling"): per request, its pooled vector on the step that
+    # computed its prompt's last token (None before); None when the engine samples.
+    pooler_output: list[list[float] | None] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput([], [])
@@ -62,6 +68,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     queue_time: float | None = None
     # With the first sampled token: the logprobs of prompt tokens 1.. (prompt_logprobs).
     new_prompt_logprobs: list[tuple[list[int], list[float], int]] | None = None
+    # A pooling request's result, with its finishing output (v1.pooling_params).
+    pooling_output: list[float] | None = None
 
 
 class SchedulerStats(msgspec.Struct, omit_defaults=True):
@@ -156,3 +164,97 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+
+
+# ---- pooling (runner="pooling"), shaped like vLLM's ------------------------------------------
+
+
+@dataclass(slots=True)
+class PoolingOutput:
+    """A pooling request's result as the pooler returns it (`LLM.encode`)."""
+
+    data: "torch.Tensor"
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """A sentence embedding (`LLM.embed`)."""
+
+    embedding: list[float]
+
+    @classmethod
+    def from_base(cls, output: PoolingOutput) -> "EmbeddingOutput":
+        if output.data.ndim != 1:
+            raise ValueError("an embedding is one vector")
+        return cls(output.data.tolist())
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class ClassificationOutput:
+    """Class probabilities (`LLM.classify`)."""
+
+    probs: list[float]
+
+    @classmethod
+    def from_base(cls, output: PoolingOutput) -> "ClassificationOutput":
+        if output.data.ndim != 1:
+            raise ValueError("class probabilities are one vector")
+        return cls(output.data.tolist())
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    """The relevance score of a text pair (`LLM.score`)."""
+
+    score: float
+
+    @classmethod
+    def from_base(cls, output: PoolingOutput) -> "ScoringOutput":
+        if output.data.numel() != 1:
+            raise ValueError("a score is one value")
+        return cls(float(output.data.reshape(()).item()))
+
+
+_O = TypeVar("_O")
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput(Generic[_O]):
+    """What the pooling calls of `LLM` return per prompt, shaped like vLLM's."""
+
+    request_id: str
+    outputs: _O
+    prompt_token_ids: list[int]
+    finished: bool
+
+    @classmethod
+    def from_base(cls, base: "PoolingRequestOutput[Any]") -> "PoolingRequestOutput[Any]":
+        return cls(base.request_id, _OUTPUT_TYPES[cls].from_base(base.outputs),
+                   base.prompt_token_ids, base.finished)
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
+    __slots__ = ()
+
+
+class ClassificationRequestOutput(PoolingRequestOutput[ClassificationOutput]):
+    __slots__ = ()
+
+
+class ScoringRequestOutput(PoolingRequestOutput[ScoringOutput]):
+    __slots__ = ()
+
+
+_OUTPUT_TYPES: dict[type, Any] = {
+    EmbeddingRequestOutput: EmbeddingOutput,
+    ClassificationRequestOutput: ClassificationOutput,
+    ScoringRequestOutput: ScoringOutput,
+}

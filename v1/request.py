@@ -9,6 +9,7 @@ from typing import Any, Protocol
 import msgspec
 
 from v1.lora.request import LoRARequest
+from v1.pooling_params import PoolingParams
 from v1.sampling_params import SamplingParams
 
 
@@ -19,6 +20,11 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     id plus a random suffix; "{i}_{parent's id}" for child i of an n > 1 request): it is
     the only id the engine core, scheduler and runner see. `external_req_id` is the id the
     caller gave, which it sees again in its RequestOutputs and aborts by.
+
+    A pooling request (runner="pooling") has `pooling_params`; its `sampling_params` are
+    then `POOLING_SAMPLING_PARAMS` (one token at most, nothing else): the core's bookkeeping
+    holds unchanged for it, as for vLLM's pooling requests (max_tokens 1), and it finishes
+    when its prompt is computed, with its pooled vector instead of a token.
     """
 
     request_id: str
@@ -31,6 +37,11 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     client_index: int = 0
     external_req_id: str | None = None
     lora_request: LoRARequest | None = None
+    pooling_params: PoolingParams | None = None
+
+
+# The sampling params of every pooling request (see EngineCoreRequest); never sampled with.
+POOLING_SAMPLING_PARAMS = SamplingParams(max_tokens=1)
 
 
 class RequestStatus(enum.IntEnum):
@@ -114,7 +125,7 @@ class Request:
         "status", "num_computed_tokens", "num_cached_tokens", "num_preemptions",
         "num_output_placeholders", "block_hashes", "cache_salt", "stop_reason",
         "queued_time", "scheduled_time", "_block_hasher", "_next_hash_len", "grammar_future",
-        "grammar", "spec_token_ids", "num_passed_over", "lora_request",
+        "grammar", "spec_token_ids", "num_passed_over", "lora_request", "pooling_params",
     )
 
     def __init__(
@@ -129,10 +140,12 @@ class Request:
         client_index: int = 0,
         block_hasher: BlockHasher | None = None,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         # Its adapter (None: the base model); its id is in its first block's hash.
         self.lora_request = lora_request
+        self.pooling_params = pooling_params
         self.client_index = client_index
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -174,7 +187,7 @@ class Request:
         return cls(
             req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_id,
             req.arrival_time or None, req.priority, req.cache_salt, req.client_index,
-            block_hasher, req.lora_request,
+            block_hasher, req.lora_request, req.pooling_params,
         )
 
     @property

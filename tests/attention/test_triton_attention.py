@@ -371,6 +371,32 @@ def test_triton_backend_matches_torch_backend():
     assert not out.isnan().any()
 
 
+@pytest.mark.parametrize("block_size,gqa", [(8, "gqa3"), (16, "gqa1"), (32, "gqa4")])
+def test_encoder_only_matches_torch_backend(block_size, gqa):
+    # Bidirectional (BERT family): whole sequences, each row sees every key of its sequence,
+    # the later ones included; the torch backend's encoder_attention is the reference.
+    from v1.attention.backends.abstract import AttentionType
+
+    num_heads, num_kv_heads = GQA[gqa]
+    head_size = 32
+    batch = make_batch(PREFILL + [(1, 1), (40, 40)], num_heads, num_kv_heads, head_size,
+                       block_size, seed=11, device=DEVICE)
+    scale = 1 / math.sqrt(head_size)
+    kw = {"attn_type": AttentionType.ENCODER_ONLY}
+    triton_impl = TritonAttentionImpl(num_heads, head_size, num_kv_heads, scale, **kw)
+    torch_impl = TorchAttentionImpl(num_heads, head_size, num_kv_heads, scale, **kw)
+    md = batch.metadata
+    out = triton_impl.forward(batch.query, batch.key, batch.value, batch.kv_cache.clone(), md)
+    ref = torch_impl.forward(batch.query.cpu(), batch.key.cpu(), batch.value.cpu(),
+                             torch.empty(0), cpu_metadata(md))
+    torch.testing.assert_close(out.cpu(), ref, atol=ATOL, rtol=RTOL)
+    causal = reference(batch, scale)
+    assert not torch.allclose(ref, causal, atol=1e-3)  # it is not the causal answer
+    with pytest.raises(ValueError, match="no sliding window"):
+        unified_attention(batch.query, batch.kv_cache, batch.query.clone(), md, scale,
+                          sliding_window=4, causal=False)
+
+
 # ----------------------------------------------------------------------------- sliding window
 
 
@@ -476,12 +502,16 @@ _COMPILE_SCRIPT = textwrap.dedent(
 
     # The production path (bf16, GQA 3, prefill-sized tile) must use tensor cores; head 80
     # also exercises the masked head dimension. (fp32's 3xTF32 variant compiles too, in ~6 s.)
-    # The sliding-window variant (its extra loop and masks) must compile too.
-    for dtype, prec, qpk, d, block_m, tile_n, window in [("bf16", "tf32", 3, 80, 64, 64, 0),
-                                                          ("bf16", "tf32", 3, 80, 64, 64, 512)]:
+    # The sliding-window variant (its extra loop and masks) must compile too, and the
+    # bidirectional one (encoder-only layers: BERT's 12 heads of 64, no GQA).
+    for dtype, prec, qpk, d, block_m, tile_n, window, causal in [
+        ("bf16", "tf32", 3, 80, 64, 64, 0, True),
+        ("bf16", "tf32", 3, 80, 64, 64, 512, True),
+        ("bf16", "tf32", 1, 64, 64, 64, 0, False),
+    ]:
         c = dict(NUM_QUERIES_PER_KV=qpk, HEAD_SIZE=d, HEAD_SIZE_PAD=triton.next_power_of_2(d),
                  BLOCK_SIZE=16, BLOCK_M=block_m, BLOCK_Q=block_m // qpk, TILE_N=tile_n,
-                 DOT_PRECISION=prec, SLIDING_WINDOW=window)
+                 DOT_PRECISION=prec, SLIDING_WINDOW=window, CAUSAL=causal)
         k = compile_for_h100(U._unified_attention_kernel, dtype, c, 4)
         assert "mma" in k.asm["ptx"], (dtype, window, "no tensor-core instructions")
     compile_for_h100(R._reshape_and_cache_kernel, "bf16",

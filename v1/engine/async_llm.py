@@ -31,6 +31,7 @@ import functools
 import logging
 from collections.abc import AsyncGenerator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from typing import Any, ParamSpec, TypeVar
 
 from v1.config import EngineArgs
@@ -42,14 +43,15 @@ from v1.engine.output_processor import IterationStats, OutputProcessor
 from v1.engine.processor import Processor, PromptType
 from v1.limits import DEFAULT_LIMITS, InputLimits
 from v1.lora.request import LoRARequest
-from v1.outputs import RequestOutput, SchedulerStats
+from v1.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput, SchedulerStats
+from v1.pooling_params import PoolingParams
 from v1.sampling_params import SamplingParams
 
 logger = logging.getLogger("v1")
 
 # What a request's queue carries: its outputs, then None if abort() ended it, or the error
 # that ended every request.
-_QueueItem = RequestOutput | EngineDeadError | None
+_QueueItem = RequestOutput | PoolingRequestOutput[PoolingOutput] | EngineDeadError | None
 
 # Threads for the per-request input work. More than one, so that a request that takes seconds
 # to tokenize or validate delays the next ones only by the CPU it shares with them; few, as the
@@ -76,7 +78,7 @@ class AsyncLLM:
         self.max_model_len = info.max_model_len
         self.processor = Processor(
             info.tokenizer, info.max_model_len, info.vocab_size, info.eos_token_id,
-            info.stop_token_ids, info.scheduling_policy, limits,
+            info.stop_token_ids, info.scheduling_policy, limits, info.pooler,
         )
         self.output_processor = OutputProcessor(info.tokenizer)
         self._input_pool = ThreadPoolExecutor(input_workers, thread_name_prefix="v1-input")
@@ -119,15 +121,16 @@ class AsyncLLM:
     async def generate(
         self,
         prompt: PromptType,
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | PoolingParams,
         request_id: str,
         priority: int = 0,
         data_parallel_rank: int | None = None,
         lora_request: LoRARequest | None = None,
-    ) -> AsyncGenerator[RequestOutput, None]:
+    ) -> AsyncGenerator[Any, None]:
         """Stream the request's outputs, of its `sampling_params.output_kind` as vLLM's:
         CUMULATIVE (the default) each with everything so far, DELTA each with only what is
-        new, FINAL_ONLY one at the end; the last has `finished=True`.
+        new, FINAL_ONLY one at the end; the last has `finished=True`. With PoolingParams
+        (`encode`), its one PoolingRequestOutput.
 
         Bad input raises ValueError on the first iteration, before anything reaches the
         engine. Leaving the loop early (break, cancellation, a closed connection) aborts the
@@ -166,6 +169,19 @@ class AsyncLLM:
                 del self._queues[request_id]
             if not finished:
                 self._abort(request.request_id, internal=True)
+
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams,
+        request_id: str,
+        priority: int = 0,
+    ) -> AsyncGenerator[PoolingRequestOutput[PoolingOutput], None]:
+        """vLLM's: a pooling request (runner="pooling"), as `generate` runs one; yields its
+        one, finished output."""
+        async with aclosing(self.generate(prompt, pooling_params, request_id, priority)) as outs:
+            async for out in outs:
+                yield out
 
     async def run_in_pool(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """`fn(*args, **kwargs)` on the input pool, off the event loop: for per-request CPU

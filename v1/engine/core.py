@@ -83,12 +83,14 @@ from v1.config import EngineArgs, check_kv_cache_dir
 from v1.core.kv_disk_index import DiskBlockIndex
 from v1.core.sched.output import SchedulerOutput
 from v1.core.sched.scheduler import Scheduler
+from v1.engine.pooling import configure_pooling
 from v1.engine.preload import preload_token_ids
 from v1.engine.structured_output import StructuredOutputManager
 from v1.lora.request import LoRARequest
 from v1.lora.worker_manager import LoRAWorkerManager
 from v1.models.loader import LoadedModel, load_model, resolve_model, resolve_quantization
 from v1.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerStats
+from v1.pooling_params import PoolerInfo
 from v1.request import EngineCoreRequest
 from v1.sampling_params import SamplingParams
 from v1.worker.model_runner import ModelRunner, attention_impl_for
@@ -137,9 +139,12 @@ class EngineCore:
         scheduler_config, cache_config = args.create_configs(
             loaded.max_model_len, device.type == "cuda"
         )
+        # runner="pooling": the pooler, with the configs adjusted to what pooling needs.
+        pooler = configure_pooling(args, loaded, scheduler_config, cache_config)
+        self.pooler_info = pooler.info if pooler is not None else None
         self.model_runner = ModelRunner(
             loaded, scheduler_config, cache_config, device, dtype, args.speculative(),
-            args.lora_config(),
+            args.lora_config(), pooler,
         )
         num_blocks = self.model_runner.determine_num_blocks(cache_config)
         capacity = num_blocks * cache_config.block_size
@@ -377,6 +382,8 @@ class EngineCoreReady(msgspec.Struct, array_like=True):
     enable_prefix_caching: bool = True
     # "fcfs" or "priority": a frontend refuses a request's priority under fcfs.
     scheduling_policy: str = "fcfs"
+    # A pooling engine's pooler (runner="pooling"); None: the engine generates.
+    pooler: PoolerInfo | None = None
 
 
 def output_address(address: str) -> str:
@@ -427,6 +434,7 @@ class EngineCoreProc:
             engine_core.num_blocks,
             engine_core.cache_config.enable_prefix_caching,
             engine_core.scheduler_config.policy,
+            engine_core.pooler_info,
         )
         self.clients: set[int] = set()  # said HELLO; they get the death notice
         # Whenever the core goes idle: what large requests freed (their grammars, prompts'

@@ -77,6 +77,7 @@ from v1.engine.exceptions import (  # noqa: E402
 )
 from v1.models.loader import LoadedModel, load_tokenizer  # noqa: E402
 from v1.outputs import EngineCoreOutputs, SchedulerStats  # noqa: E402
+from v1.pooling_params import PoolerInfo  # noqa: E402
 from v1.request import EngineCoreRequest  # noqa: E402
 
 logger = logging.getLogger("v1")
@@ -95,6 +96,7 @@ class ModelInfo(NamedTuple):
     # parameters: `EngineArgs.get_diff_sampling_param`).
     model_dir: str
     scheduling_policy: str = "fcfs"  # the engine core's ("priority" lets requests set one)
+    pooler: PoolerInfo | None = None  # a pooling engine's (runner="pooling")
 
 
 class EngineCoreClient(ABC):
@@ -138,6 +140,7 @@ class InprocClient(EngineCoreClient):
             loaded.stop_token_ids,
             str(loaded.model_dir),
             self.engine_core.scheduler_config.policy,
+            self.engine_core.pooler_info,
         )
 
     def add_request(
@@ -433,6 +436,7 @@ class MPClient(ABC):
             ready.stop_token_ids,
             ready.model_dir,
             ready.scheduling_policy,
+            ready.pooler,
         )
         self._res.thread = threading.Thread(
             target=self._receive, name="v1-core-client-output", daemon=True

@@ -32,7 +32,8 @@ from v1.limits import DEFAULT_LIMITS, InputLimits
 from v1.lora.request import LoRARequest
 from v1.metrics.prometheus import PrometheusMetrics
 from v1.metrics.reader import Metric, get_metrics_snapshot
-from v1.outputs import RequestOutput, SchedulerStats
+from v1.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput, SchedulerStats
+from v1.pooling_params import PoolingParams
 from v1.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -61,6 +62,7 @@ class LLMEngine:
             info.stop_token_ids,
             info.scheduling_policy,
             limits,
+            info.pooler,
         )
         self.output_processor = OutputProcessor(info.tokenizer)
         self.metrics = (
@@ -111,7 +113,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams | None = None,  # required: None only to name the order
+        params: SamplingParams | PoolingParams | None = None,  # required: None names the order
         *,
         priority: int = 0,
         data_parallel_rank: int | None = None,
@@ -119,8 +121,10 @@ class LLMEngine:
     ) -> str:
         """vLLM's order: the caller's id (what outputs carry and `abort_requests` takes; it
         is returned), the prompt, its SamplingParams (whose `output_kind` says what each
-        output of `step()` carries)."""
-        if not isinstance(request_id, str) or not isinstance(params, SamplingParams):
+        output of `step()` carries), or a pooling engine's PoolingParams."""
+        if not isinstance(request_id, str) or not isinstance(
+            params, SamplingParams | PoolingParams
+        ):
             raise TypeError(
                 "add_request takes (request_id, prompt, params), as vLLM's; got "
                 f"({type(request_id).__name__}, {type(prompt).__name__}, "
@@ -158,7 +162,7 @@ class LLMEngine:
         """vLLM's: the model's tokenizer (also `.tokenizer`)."""
         return self.tokenizer
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput[PoolingOutput]]:
         try:
             outputs = self.client.get_output()
         except EngineCoreDeadError as e:  # one core of several died

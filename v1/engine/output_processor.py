@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
+import torch
 from tokenizers import Tokenizer
 
 from v1.engine.detokenizer import IncrementalDetokenizer, TokenTexts, get_backend_tokenizer
@@ -22,6 +23,8 @@ from v1.outputs import (
     CompletionOutput,
     EngineCoreOutput,
     Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
     PromptLogprobs,
     RequestMetrics,
     RequestOutput,
@@ -53,7 +56,8 @@ class IterationStats:
 
 
 class OutputProcessorOutput(NamedTuple):
-    request_outputs: list[RequestOutput]
+    # A pooling request's (runner="pooling") is a PoolingRequestOutput, once, when finished.
+    request_outputs: list[RequestOutput | PoolingRequestOutput[PoolingOutput]]
     # Requests a stop string finished that are still running in the engine core.
     reqs_to_abort: list[str]
 
@@ -166,6 +170,9 @@ class RequestState:
         self.output_kind = output_kind
         self.parent = parent
         self.index = index  # in the parent's outputs
+        self.pooling = request.pooling_params is not None  # no tokens: one pooled vector
+        if self.pooling:
+            tokenizer = None
         params = request.sampling_params
         self.token_texts = token_texts
         self.detokenizer = (
@@ -340,7 +347,7 @@ class OutputProcessor:
         self, outputs: Iterable[EngineCoreOutput], stats: IterationStats | None = None
     ) -> OutputProcessorOutput:
         """With `stats`, also records the requests' latencies there."""
-        request_outputs: list[RequestOutput] = []
+        request_outputs: list[RequestOutput | PoolingRequestOutput[PoolingOutput]] = []
         reqs_to_abort: list[str] = []
         touched_parents: dict[str, ParentRequest] = {}
         now = time.monotonic()
@@ -348,6 +355,17 @@ class OutputProcessor:
             state = self.request_states.get(output.request_id)
             if state is None:
                 continue  # aborted, or finished here by a stop string before the core knew
+            if state.pooling:
+                if output.finish_reason is not None:
+                    del self.request_states[state.request_id]
+                    del self.external_req_ids[state.external_req_id]
+                    request_outputs.append(_pooling_output(state, output))
+                    if stats is not None:
+                        stats.finished_requests.append(FinishedRequestStats(
+                            output.finish_reason, now - state.metrics.arrival_time,
+                            output.queue_time,
+                        ))
+                continue
             stopped_here = state.update(output, now, stats)
             if stopped_here and output.finish_reason is None:
                 reqs_to_abort.append(state.request_id)
@@ -399,6 +417,17 @@ class OutputProcessor:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
+
+
+def _pooling_output(
+    state: RequestState, output: EngineCoreOutput
+) -> PoolingRequestOutput[PoolingOutput]:
+    """A finished pooling request's output; an empty vector if it finished without one (the
+    scheduler could never run it: `finish_reason` "length")."""
+    data = torch.tensor(output.pooling_output or [], dtype=torch.float32)
+    return PoolingRequestOutput(
+        state.external_req_id, PoolingOutput(data), state.prompt_token_ids, True
+    )
 
 
 def _external_req_id(request: EngineCoreRequest) -> str:

@@ -26,7 +26,8 @@ from v1.limits import (
     max_chars_per_token,
 )
 from v1.lora.request import LoRARequest
-from v1.request import EngineCoreRequest
+from v1.pooling_params import PoolerInfo, PoolingParams
+from v1.request import POOLING_SAMPLING_PARAMS, EngineCoreRequest
 from v1.sampling_params import SamplingParams
 
 
@@ -55,6 +56,15 @@ def _checked_cache_salt(prompt: PromptType, cache_salt: str | None = None) -> st
     return cache_salt
 
 
+def prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """`prompts` as a list: one prompt (text, a dict or token ids) becomes a list of it."""
+    if isinstance(prompts, (str, Mapping)) or (
+        isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+    ):
+        return [prompts]
+    return list(prompts)
+
+
 class PromptTooLongError(ValueError):
     """A text with more characters than max_model_len tokens can cover: refused untokenized.
     Its own class so that a caller that can shorten the text (the Responses API's
@@ -71,8 +81,11 @@ class Processor:
         extra_stop_token_ids: Sequence[int] = (),
         scheduling_policy: str = "fcfs",
         limits: InputLimits = DEFAULT_LIMITS,
+        pooler: PoolerInfo | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        # A pooling engine's pooler: it takes PoolingParams only (None: SamplingParams only).
+        self.pooler = pooler
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
@@ -100,6 +113,15 @@ class Processor:
                 f"{per_token} characters each"
             )
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def encode_pair(self, text_1: str, text_2: str) -> list[int]:
+        """The token ids of a text pair as one input (a cross-encoder's: the tokenizer's
+        pair template, e.g. `[CLS] a [SEP] b [SEP]`)."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass token ids")
+        check_text(text_1, "the first text")
+        check_text(text_2, "the second text")
+        return list(self.tokenizer(text_1, text_2)["input_ids"])
 
     def encode_conversation(self, text: str) -> list[int]:
         """The token ids of a conversation as `apply_chat_template` rendered it: the template
@@ -234,20 +256,22 @@ class Processor:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
+        if isinstance(params, PoolingParams):
+            if lora_request is not None:
+                raise ValueError("LoRA adapters are for generation, not pooling requests")
+            return self._process_pooling(request_id, prompt, params, arrival_time, priority)
+        if self.pooler is not None:
+            raise ValueError("this is a pooling model (runner='pooling'): it takes "
+                             "PoolingParams (LLM.embed, encode, classify, score), not generation")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params)}")
-        if not isinstance(priority, int) or not INT64_MIN <= priority <= INT64_MAX:
-            raise ValueError(f"priority must be an int64 (from -2**63 to 2**63 - 1), "
-                             f"got {priority!r}")
-        if priority != 0 and self.scheduling_policy != "priority":
-            # vLLM's words: clients match them to retry without priority.
-            raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled.")
+        self._check_priority(priority)
         if lora_request is not None and not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request)}")
         self._check_limits(params)
@@ -294,5 +318,48 @@ class Processor:
             cache_salt=cache_salt,
             external_req_id=request_id,
             lora_request=lora_request,
+        )
+        return request, text
+
+    def _check_priority(self, priority: int) -> None:
+        if not isinstance(priority, int) or not INT64_MIN <= priority <= INT64_MAX:
+            raise ValueError(f"priority must be an int64 (from -2**63 to 2**63 - 1), "
+                             f"got {priority!r}")
+        if priority != 0 and self.scheduling_policy != "priority":
+            # vLLM's words: clients match them to retry without priority.
+            raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled.")
+
+    def _process_pooling(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: PoolingParams,
+        arrival_time: float | None,
+        priority: int,
+    ) -> tuple[EngineCoreRequest, str | None]:
+        """A pooling request: its params checked against the pooler (`params.task` set by
+        the caller, e.g. `LLM.embed`), its prompt truncated to `truncate_prompt_tokens`."""
+        if self.pooler is None:
+            raise ValueError("PoolingParams need a pooling model: start the engine with "
+                             "runner='pooling' (--runner pooling)")
+        params = copy.copy(params)  # the core's copy: the caller may reuse theirs
+        params.verify(params.task or self.pooler.default_task, self.pooler)
+        self._check_priority(priority)
+        text, token_ids = self.tokenize_prompt(prompt)
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            if keep > self.max_model_len:
+                raise ValueError(f"truncate_prompt_tokens ({keep}) exceeds max_model_len "
+                                 f"({self.max_model_len})")
+            token_ids = token_ids[-(self.max_model_len if keep == -1 else keep):]
+        self.check_prompt_len(token_ids)
+        request = EngineCoreRequest(
+            request_id=f"{request_id}-{uuid.uuid4().hex}",
+            prompt_token_ids=token_ids,
+            sampling_params=POOLING_SAMPLING_PARAMS,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            priority=priority,
+            external_req_id=request_id,
+            pooling_params=params,
         )
         return request, text

@@ -10,18 +10,21 @@ from tqdm.auto import tqdm
 from v1.beam_search import BeamSearchOutput, beam_search
 from v1.config import EngineArgs
 from v1.engine.llm_engine import LLMEngine
-from v1.engine.processor import PromptType
+from v1.engine.processor import PromptType, prompt_list
+from v1.entrypoints.llm_pooling import PoolingMixin
 from v1.lora.request import LoRARequest
 from v1.metrics.reader import Metric
 from v1.models.loader import LoadedModel, resolve_model
 from v1.outputs import RequestOutput, SchedulerStats
+from v1.pooling_params import PoolingParams
 from v1.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 Messages = Sequence[Mapping[str, Any]]
 
 
-class LLM:
-    """Generate text from prompts with the engine.
+class LLM(PoolingMixin):
+    """Generate text from prompts with the engine; or, made with runner="pooling", embed,
+    classify and score them (`PoolingMixin`).
 
     >>> llm = LLM()  # the default model, SmolLM2-135M-Instruct
     >>> out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))
@@ -108,7 +111,7 @@ class LLM:
         (the engine made with enable_lora=True); each adapter is loaded and checked first, so
         a bad one raises ValueError before anything runs.
         """
-        prompts = _prompt_list(prompts)
+        prompts = prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -174,7 +177,7 @@ class LLM:
         params.check_limits(processor.limits)
         tokenizer = self.get_tokenizer()
         return beam_search(
-            _prompt_list(prompts), params,
+            prompt_list(prompts), params,
             generate=lambda batch, step: self.generate(
                 batch, step, use_tqdm=False, lora_request=lora_request
             ),
@@ -228,21 +231,22 @@ class LLM:
     def _run(
         self,
         prompts: list[PromptType],
-        params: list[SamplingParams],
+        params: Sequence[SamplingParams | PoolingParams],
         priority: Sequence[int] | None,
         use_tqdm: bool,
         ranks: Sequence[int | None],
         loras: Sequence[LoRARequest | None],
-    ) -> list[RequestOutput]:
+    ) -> list[Any]:  # RequestOutput, or PoolingRequestOutput for PoolingParams
         engine = self.llm_engine
         ids: list[str] = []
         try:
             # Validate and add all first: a bad prompt raises before anything runs.
             for i, (prompt, p) in enumerate(zip(prompts, params)):
-                final_only = copy.copy(p)  # the caller's params stay as they are
-                final_only.output_kind = RequestOutputKind.FINAL_ONLY
+                if isinstance(p, SamplingParams):
+                    p = copy.copy(p)  # the caller's params stay as they are
+                    p.output_kind = RequestOutputKind.FINAL_ONLY
                 ids.append(engine.add_request(
-                    next(self._request_ids), prompt, final_only,
+                    next(self._request_ids), prompt, p,
                     priority=priority[i] if priority else 0, data_parallel_rank=ranks[i],
                     lora_request=loras[i],
                 ))
@@ -250,7 +254,7 @@ class LLM:
             engine.abort_requests(ids)
             raise
         order = {request_id: i for i, request_id in enumerate(ids)}
-        results: list[RequestOutput | None] = [None] * len(ids)
+        results: list[Any] = [None] * len(ids)
         with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
             try:
                 while engine.has_unfinished_requests():
@@ -289,11 +293,3 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-
-def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
-    """`prompts` as a list: one prompt (text, a dict or token ids) becomes a list of it."""
-    if isinstance(prompts, (str, Mapping)) or (
-        isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-    ):
-        return [prompts]
-    return list(prompts)

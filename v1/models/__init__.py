@@ -11,7 +11,10 @@ Below the worker, above attention and the kernels: nothing here imports `v1.work
 runner hands a model its step's attention metadata and ops, never itself).
 """
 
-from v1.models.decoder import DecoderForCausalLM, head_dim_of
+from v1.models.decoder import DecoderForCausalLM, head_dim_of, num_kv_heads_of
 from v1.models.registry import get_model_cls, supported_architectures
 
-__all__ = ["DecoderForCausalLM", "get_model_cls", "head_dim_of", "supported_architectures"]
+__all__ = [
+    "DecoderForCausalLM", "get_model_cls", "head_dim_of", "num_kv_heads_of",
+    "supported_architectures",
+]

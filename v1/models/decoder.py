@@ -47,6 +47,12 @@ def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def num_kv_heads_of(config: Any) -> int:
+    """The K/V head count: the config's where it has one (GQA), else one per query head (BERT
+    family configs name none)."""
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
 @dataclass(frozen=True, slots=True)
 class LayerSpec:
     """What one decoder layer is made of, read from the HF config by its architecture."""
@@ -196,6 +202,12 @@ class DecoderForCausalLM(nn.Module):
     """
 
     layer_cls: ClassVar[type[nn.Module]] = PreNormDecoderLayer
+    # False for a base-model checkpoint (transformers' `LlamaModel`: `v1.models.adapters`),
+    # which has no LM head: only pooling runs it.
+    has_lm_head: ClassVar[bool] = True
+    # Pooling (v1.models.pooler): decoders attend causally and have no classification head.
+    is_causal: ClassVar[bool] = True
+    num_labels: ClassVar[int | None] = None
 
     def __init__(
         self,
@@ -228,7 +240,7 @@ class DecoderForCausalLM(nn.Module):
         )
         # Tied: the LM head is the embedding matrix itself (compute_logits reads it there).
         self.lm_head: Linear | None = None
-        if not self.tie_word_embeddings:
+        if not self.tie_word_embeddings and self.has_lm_head:
             self.lm_head = Linear(
                 config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype
             )

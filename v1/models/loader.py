@@ -46,6 +46,7 @@ from v1.attention.backends.abstract import AttentionImpl
 from v1.config import NO_QUANTIZATION, QUANTIZATION_METHODS, cache_root
 from v1.kernels.quant import kernels as quant_kernels
 from v1.models import DecoderForCausalLM, get_model_cls, gguf_conversion
+from v1.models.bert import BertModel
 
 logger = logging.getLogger("v1")
 
@@ -60,7 +61,7 @@ _QUANTIZE_AT_LOAD = {"int8": "q8_0"}
 
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
-    model: DecoderForCausalLM  # the class `config.json`'s `architectures` names
+    model: DecoderForCausalLM | BertModel  # the class `config.json`'s `architectures` names
     hf_config: Any  # transformers PretrainedConfig
     tokenizer: PreTrainedTokenizerFast | None  # None: an HF directory without tokenizer files
     eos_token_id: int | None
@@ -152,6 +153,8 @@ def load_model(
     llm.eval()
 
     tokenizer = load_tokenizer(model_dir)
+    if isinstance(llm, BertModel) and tokenizer is not None:
+        llm.sep_token_id = tokenizer.sep_token_id  # where a text pair's second text starts
     eos_token_id, stop_token_ids = _eos_ids(model_dir, hf_config, tokenizer)
     loaded = LoadedModel(
         model=llm,
@@ -162,7 +165,7 @@ def load_model(
         model_name=hub.repo_id_of_snapshot(path) or (path.stem if path.is_file() else path.name),
         model_path=path,
         model_dir=model_dir,
-        max_model_len=int(hf_config.max_position_embeddings),
+        max_model_len=int(llm.max_position),
         quantization=quantization,
     )
     logger.info(

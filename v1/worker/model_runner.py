@@ -43,13 +43,15 @@ from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata, kv_
 from v1.config import CacheConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
 from v1.core.sched.output import SchedulerOutput
 from v1.lora.worker_manager import LoRAWorkerManager
-from v1.models import head_dim_of
+from v1.models import head_dim_of, num_kv_heads_of
 from v1.models.layers.quant import prompt_rows
 from v1.models.loader import LoadedModel
+from v1.models.pooler import Pooler
 from v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, TokenLogprobs
 from v1.sampling_params import SamplingParams
 from v1.worker.input_batch import InputBatch
 from v1.worker.kv_disk_store import DiskKVStore, cache_key_facts
+from v1.worker.pooling import RunnerPooling
 from v1.worker.sampler import BadWords, Sampler, SamplingMetadata, TokenCounts, gather_logprobs
 from v1.worker.spec_decode.drafter import Drafter
 
@@ -132,6 +134,7 @@ class ModelRunner:
         dtype: torch.dtype,
         speculative_config: SpeculativeConfig | None = None,
         lora_config: LoRAConfig | None = None,
+        pooler: Pooler | None = None,
     ) -> None:
         self.device = device
         self.drafter = Drafter(speculative_config) if speculative_config is not None else None
@@ -167,6 +170,8 @@ class ModelRunner:
             LoRAWorkerManager(self.model, lora_config, dtype) if lora_config is not None
             else None
         )
+        # A pooling engine (runner="pooling", v1.worker.pooling): it pools, never samples.
+        self.pooling = RunnerPooling(pooler, self.model) if pooler is not None else None
 
     # -- KV cache ---------------------------------------------------------------------
 
@@ -174,7 +179,7 @@ class ModelRunner:
         cfg = self.hf_config
         head_dim = head_dim_of(self.hf_config)
         elem = self.kv_cache_dtype.itemsize
-        per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * elem
+        per_token = 2 * cfg.num_hidden_layers * num_kv_heads_of(cfg) * head_dim * elem
         return per_token * self.block_size
 
     def determine_num_blocks(self, cache_config: CacheConfig) -> int:
@@ -198,7 +203,7 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         cfg = self.hf_config
         shape = kv_cache_shape(
-            num_blocks, self.block_size, cfg.num_key_value_heads, head_dim_of(cfg)
+            num_blocks, self.block_size, num_kv_heads_of(cfg), head_dim_of(cfg)
         )
         self.kv_caches = [
             torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
@@ -218,7 +223,7 @@ class ModelRunner:
             self.loaded.model_path, cfg, head_size, self.dtype, self.kv_cache_dtype,
             self.loaded.quantization, self.block_size,
         )
-        shape = (cfg.num_hidden_layers, 2, self.block_size, cfg.num_key_value_heads, head_size)
+        shape = (cfg.num_hidden_layers, 2, self.block_size, num_kv_heads_of(cfg), head_size)
         self.kv_disk = DiskKVStore(root, facts, shape, self.kv_cache_dtype)
         return self.kv_disk
 
@@ -249,6 +254,8 @@ class ModelRunner:
             in_progress.pop(req_id, None)
             if self.lora is not None:
                 self.lora.finish_request(req_id)
+            if self.pooling is not None:
+                self.pooling.finish(req_id)
         for req_id in out.preempted_req_ids:
             # Out of the batch until resumed; its params and seeded generator wait here.
             row = batch.req_id_to_index[req_id]
@@ -262,6 +269,8 @@ class ModelRunner:
                 drafter.finish(req_id, preempted=True)
             if req_id in in_progress:  # it resumes from its first token: collect anew
                 in_progress[req_id] = []
+            if self.pooling is not None:
+                self.pooling.preempt(req_id)
         batch.condense()
         for new in out.scheduled_new_reqs:
             params = new.sampling_params
@@ -277,6 +286,8 @@ class ModelRunner:
                 in_progress[new.req_id] = []
             if self.lora is not None:
                 self.lora.add_request(new.req_id, new.lora_request)
+            if self.pooling is not None:
+                self.pooling.add(new.req_id, new.pooling_params)
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             if cached.resumed_from_preemption[i]:
@@ -367,6 +378,13 @@ class ModelRunner:
                 torch.from_numpy(positions).to(dev, non_blocking=True),
                 self.kv_caches,
                 metadata,
+            )
+        if self.pooling is not None:  # pooled vectors instead of sampled tokens
+            batch.num_computed_tokens[rows] = seq_lens
+            return ModelRunnerOutput(
+                req_ids, [[] for _ in req_ids], pooler_output=self.pooling.step(
+                    hidden, req_ids, query_start_loc, num_computed, batch.num_prompt_tokens[rows]
+                ),
             )
         prompt_logprobs_dict = (
             self._get_prompt_logprobs_dict(hidden, req_ids, num_computed, num_scheduled)

@@ -22,6 +22,14 @@ keeps `kv_idx > q_idx - sliding_window`, and-ed with the causal `kv_idx <= q_idx
 `window_size=(sliding_window - 1, ...)`, the same set. The window only masks: out-of-window
 blocks stay allocated in the cache (freeing them is the KV manager's business, not done yet),
 but the backends never let them change a result and read as few of them as they can.
+
+Attention types (vLLM's `AttentionType`, per layer: `AttentionImpl(..., attn_type=...)`):
+DECODER is the causal attention above; ENCODER_ONLY is bidirectional (BERT family: every
+token of a sequence sees every other), for pooling models. An encoder-only step must hold
+each sequence whole, as its only chunk (`q_len == seq_len`: the engine turns chunked prefill
+and prefix caching off for such models). The torch backend attends over the step's fresh
+K/V without touching the cache; the Triton kernel writes them and reads them back, as it does
+every step, with the causal mask off.
 """
 
 from abc import ABC, abstractmethod
@@ -80,6 +88,14 @@ def kv_cache_shape(
     return (2, num_blocks, block_size, num_kv_heads, head_size)
 
 
+class AttentionType:
+    DECODER = "decoder"
+    ENCODER_ONLY = "encoder_only"
+
+
+ATTENTION_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
+
+
 class AttentionImpl(ABC):
     """One layer's attention over the paged cache; stateless apart from its shapes."""
 
@@ -90,12 +106,18 @@ class AttentionImpl(ABC):
         num_kv_heads: int,
         scale: float,
         sliding_window: int | None = None,
+        attn_type: str = AttentionType.DECODER,
     ):
         # Every backend reads query head h from kv head h // (num_heads // num_kv_heads).
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads {num_heads} is not a multiple of {num_kv_heads}")
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be None or at least 1, not {sliding_window}")
+        if attn_type not in ATTENTION_TYPES:
+            raise ValueError(f"attn_type must be one of {ATTENTION_TYPES}, got {attn_type!r}")
+        if attn_type == AttentionType.ENCODER_ONLY and sliding_window is not None:
+            raise ValueError("an encoder-only layer has no sliding window")
+        self.attn_type = attn_type
         self.num_heads = num_heads
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads

@@ -46,12 +46,17 @@ them back from the cache, rounded, as every later step does.
 
 Sliding-window layers (`sliding_window=w`) get a plan of their own (`torch_plan`): every
 path reads from the first block a query can see, and masks what comes before its window.
+
+Encoder-only layers (bidirectional, `attn_type=ENCODER_ONLY`) run `torch_encoder`'s
+`encoder_attention`: each sequence, whole in the step, attends to its own fresh K/V without
+a causal mask, sequences padded into buckets of similar length; no cache is touched.
 """
 
 import torch
 import torch.nn.functional as F
 
-from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata
+from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata, AttentionType
+from v1.attention.backends.torch_encoder import encoder_attention
 from v1.attention.backends.torch_plan import AttentionPlan
 
 # fp16's largest finite value. K/V beyond it are stored saturated, as vLLM's fp8 cache writes
@@ -134,6 +139,8 @@ class TorchAttentionImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        if self.attn_type == AttentionType.ENCODER_ONLY:
+            return encoder_attention(query, key, value, metadata, self.scale)
         plan = AttentionPlan.for_step(
             metadata, kv_cache, self.num_heads, self.sliding_window, query.dtype
         )

@@ -12,11 +12,14 @@ it on store (into fp16, saturating), and attention casts the query to it on load
 dots in it with fp32 accumulation, and stores the output in the query's dtype. So an fp32
 model with a 16-bit cache attends as a 16-bit model does (query and P rounded too, unlike
 the CPU path).
+
+Encoder-only layers (bidirectional, BERT family) write their K/V the same way and run the
+same kernel without the causal mask (`causal=False`): each sequence is whole in its step.
 """
 
 import torch
 
-from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata
+from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata, AttentionType
 from v1.attention.ops.triton_reshape_and_cache import reshape_and_cache
 from v1.attention.ops.triton_unified_attention import unified_attention
 
@@ -33,4 +36,5 @@ class TritonAttentionImpl(AttentionImpl):
         reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
         out = query.new_empty(query.shape)
         return unified_attention(query, kv_cache, out, metadata, self.scale,
-                                 sliding_window=self.sliding_window)
+                                 sliding_window=self.sliding_window,
+                                 causal=self.attn_type != AttentionType.ENCODER_ONLY)

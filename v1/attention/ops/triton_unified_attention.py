@@ -27,6 +27,8 @@ Grid: one program per (query tile, kv head).
   Keys visible to every row of the tile (the cached context and the new tokens before the
   tile's first token) go through an unmasked loop; only the last few tiles apply the causal
   mask. Softmax is online (flash-attention style) in fp32, with exp2 and a pre-folded scale.
+* Bidirectional (`CAUSAL` False, encoder-only layers): every row sees all of its sequence's
+  keys; only the last tile, past seq_len, is masked.
 * Sliding window (`SLIDING_WINDOW` = w > 0; 0 is global): row at position i sees keys j with
   i - w < j <= i (see `abstract.py`). The program starts at the tile holding the first key its
   first row sees, so whole tiles before the window are skipped and a decode reads at most
@@ -85,6 +87,7 @@ def _attend_kv_tile(
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,
+    CAUSAL: tl.constexpr,
 ):
     offs_n = kv_start + tl.arange(0, TILE_N)
     if MASKED:
@@ -116,7 +119,10 @@ def _attend_kv_tile(
             v = tl.load(v_ptrs)
 
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N], log2 units
-    if MASKED:
+    if MASKED and not CAUSAL:
+        # Bidirectional: every row sees the sequence's keys, [0, kv_end = seq_len).
+        s = tl.where(offs_n[None, :] < kv_end, s, float("-inf"))
+    elif MASKED:
         # Causal: row at absolute position q_pos sees keys 0..q_pos. Every key that passes is
         # also < kv_end for real rows; padding rows are never stored.
         visible = offs_n[None, :] <= q_pos[:, None]
@@ -171,6 +177,7 @@ def _unified_attention_kernel(
     TILE_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,  # 0: global attention
+    CAUSAL: tl.constexpr,  # False: bidirectional (encoder-only; no window)
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -201,8 +208,12 @@ def _unified_attention_kernel(
     q_pos = ctx_len + tok  # absolute position of each row's token
 
     # Keys [0, full_end) are visible to every row of the tile; the tile needs [0, kv_end).
-    full_end = ctx_len + q_tok0 + 1
-    kv_end = ctx_len + tl.minimum(q_tok0 + BLOCK_Q, q_len)
+    if CAUSAL:
+        full_end = ctx_len + q_tok0 + 1
+        kv_end = ctx_len + tl.minimum(q_tok0 + BLOCK_Q, q_len)
+    else:  # every row sees the whole sequence; only the last partial tile is masked
+        full_end = seq_len
+        kv_end = seq_len
     num_full_tiles = full_end // TILE_N
     num_tiles = tl.cdiv(kv_end, TILE_N)
 
@@ -230,19 +241,21 @@ def _unified_attention_kernel(
                 acc, l_i, m_i, q, q_pos, t * TILE_N, kv_end, block_table_row_ptr,
                 k_head_ptr, v_head_ptr, stride_c_blk, stride_c_off, scale_log2, offs_d, kv_lo,
                 BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_SIZE_PAD, True, DOT_PRECISION,
-                SLIDING_WINDOW,
+                SLIDING_WINDOW, CAUSAL,
             )
     for t in range(first_full, num_full_tiles):
         acc, l_i, m_i = _attend_kv_tile(
             acc, l_i, m_i, q, q_pos, t * TILE_N, kv_end, block_table_row_ptr,
             k_head_ptr, v_head_ptr, stride_c_blk, stride_c_off, scale_log2, offs_d, kv_lo,
             BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_SIZE_PAD, False, DOT_PRECISION, SLIDING_WINDOW,
+            CAUSAL,
         )
     for t in range(masked_from, num_tiles):
         acc, l_i, m_i = _attend_kv_tile(
             acc, l_i, m_i, q, q_pos, t * TILE_N, kv_end, block_table_row_ptr,
             k_head_ptr, v_head_ptr, stride_c_blk, stride_c_off, scale_log2, offs_d, kv_lo,
             BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_SIZE_PAD, True, DOT_PRECISION, SLIDING_WINDOW,
+            CAUSAL,
         )
 
     if SLIDING_WINDOW > 0:
@@ -278,6 +291,7 @@ def unified_attention(
     block_m: int | None = None,
     tile_n: int | None = None,
     sliding_window: int | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
     """Causal paged attention for a packed mixed batch; writes `out` and returns it.
 
@@ -289,7 +303,11 @@ def unified_attention(
     ratio, tile_n >= 16); the defaults pick BLOCK_M from max_query_len.
     sliding_window: a row at position i sees only keys j with i - j < sliding_window (None:
     global). Each distinct window is one more compiled variant of the kernel.
+    causal=False: bidirectional (encoder-only layers): every row sees all of its sequence's
+    keys, [0, seq_len); no window.
     """
+    if not causal and sliding_window is not None:
+        raise ValueError("bidirectional attention has no sliding window")
     _check_device(query)
     num_tokens, num_heads, head_size = query.shape
     _, num_blocks, block_size, num_kv_heads, kv_head_size = kv_cache.shape
@@ -353,6 +371,7 @@ def unified_attention(
         TILE_N=tile_n,
         DOT_PRECISION=dot_precision,
         SLIDING_WINDOW=sliding_window or 0,
+        CAUSAL=causal,
         num_warps=num_warps,
         num_stages=2,
     )

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from v1.lora.request import LoRARequest
+from v1.pooling_params import PoolingParams
 from v1.request import BlockHash
 from v1.sampling_params import SamplingParams
 
@@ -27,6 +28,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     lora_request: LoRARequest | None = None
+    pooling_params: PoolingParams | None = None  # a pooling request's (v1.pooling_params)
 
 
 @dataclass(slots=True)

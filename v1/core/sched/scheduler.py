@@ -32,6 +32,11 @@ Speculative decoding (`v1.core.sched.spec_decode`): a decode step of a request w
 and KV allocation (`SchedulerOutput.scheduled_spec_decode_tokens`); the output rolls
 `num_computed_tokens` back past the rejected ones. A request mid-prefill is never drafted.
 
+Pooling (runner="pooling"): a request with `pooling_params` is a prompt only. It is
+scheduled like any prefill, chunked under the budget; the step that computes its last prompt
+token returns its pooled vector (`ModelRunnerOutput.pooler_output`) instead of a token, and
+`_finish_pooled` finishes it then and frees its blocks.
+
 The disk tier (`v1.core.sched.disk_tier`; None: no tier, and nothing here costs anything):
 a new request whose RAM prefix hits stop short of blocks on disk waits in
 WAITING_FOR_REMOTE_KVS, set aside like WAITING_FOR_FSM, while the runner reads them; then it
@@ -324,7 +329,7 @@ class Scheduler(WaitingAdmission):
             NewRequestData(
                 r.request_id, r.all_token_ids[:] if r.output_token_ids else r.prompt_token_ids,
                 r.sampling_params, kv.get_block_ids(r.request_id), r.num_computed_tokens,
-                r.lora_request,
+                r.lora_request, r.pooling_params,
             )
             for r in st.scheduled_new
         ]
@@ -431,6 +436,8 @@ class Scheduler(WaitingAdmission):
         prompt_logprobs_dict = model_output.prompt_logprobs_dict
         check_stop = self._check_stop
         stopped = False
+        if model_output.pooler_output is not None:
+            stopped = self._finish_pooled(model_output, outputs)
         num_generated = 0
         # The outputs of the last request's client: consecutive requests mostly share one.
         client_index, client_outputs = -1, []
@@ -502,6 +509,26 @@ class Scheduler(WaitingAdmission):
             client: EngineCoreOutputs(outs, timestamp=now, client_index=client)
             for client, outs in outputs.items()
         }
+
+    def _finish_pooled(
+        self, model_output: ModelRunnerOutput, outputs: dict[int, list[EngineCoreOutput]]
+    ) -> bool:
+        """A pooling engine's step: each request whose prompt is computed finishes with its
+        pooled vector (its blocks freed now: nothing reads its KV again). True if any did."""
+        assert model_output.pooler_output is not None
+        finished = False
+        for req_id, pooled in zip(model_output.req_ids, model_output.pooler_output, strict=True):
+            request = self.requests.get(req_id)
+            if pooled is None or request is None:
+                continue  # a prompt chunk short of the end; or aborted meanwhile
+            request.status = FINISHED_STOPPED
+            self._free_request(request)
+            finished = True
+            outputs.setdefault(request.client_index, []).append(EngineCoreOutput(
+                req_id, [], None, "stop", None, request.num_cached_tokens,
+                _queue_time(request), pooling_output=pooled,
+            ))
+        return finished
 
     @staticmethod
     def _check_stop(request: Request, max_model_len: int) -> bool:

@@ -6,7 +6,10 @@ Responses API: text, stateless; all three also streamed as server-sent events), 
 GET /health (200, or 503 when the engine is dead; with --data-parallel-size N, 503 with a JSON
 body naming the dead cores while any is down, the others still serving), GET /metrics
 (Prometheus, under vLLM's metric names; per engine core, labelled `engine`, with data
-parallelism), and vLLM's POST /tokenize, POST /detokenize and GET /version.
+parallelism), and vLLM's POST /tokenize, POST /detokenize and GET /version. A pooling server
+(--runner pooling) serves POST /v1/embeddings (OpenAI's), /pooling, /score (/v1/score) and
+/rerank (/v1/rerank, /v2/rerank) as vLLM's instead (`serving_pooling`). With --enable-lora,
+POST /v1/load_lora_adapter and /v1/unload_lora_adapter, as vLLM's.
 With --api-key, the /v1 routes need `Authorization: Bearer KEY` (else 401), as in vLLM.
 
 Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: invalid requests
@@ -56,6 +59,12 @@ from v1.entrypoints.openai.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from v1.entrypoints.openai.protocol_pooling import (
+    EmbeddingRequest,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 from v1.entrypoints.openai.responses_protocol import ResponsesRequest
 from v1.entrypoints.openai.serving import (
     ModelNotFoundError,
@@ -68,6 +77,7 @@ from v1.entrypoints.openai.serving_models import (
     LoRAModulePath,
     UnloadLoRAAdapterRequest,
 )
+from v1.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from v1.entrypoints.openai.serving_responses import OpenAIServingResponses
 from v1.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from v1.metrics.prometheus import PrometheusMetrics
@@ -106,6 +116,33 @@ async def create_chat_completion(request: ChatCompletionRequest, raw: Request) -
 async def create_responses(request: ResponsesRequest, raw: Request) -> Response:
     responses: OpenAIServingResponses = raw.app.state.responses
     return await _respond(raw, responses.create_responses(request))
+
+
+def _pooling(raw: Request) -> OpenAIServingPooling:
+    return raw.app.state.serving_pooling
+
+
+@router.post("/v1/embeddings")
+async def create_embedding(request: EmbeddingRequest, raw: Request) -> Response:
+    return await _respond(raw, _pooling(raw).create_embedding(request))
+
+
+@router.post("/pooling")
+async def create_pooling(request: PoolingRequest, raw: Request) -> Response:
+    return await _respond(raw, _pooling(raw).create_pooling(request))
+
+
+@router.post("/score")
+@router.post("/v1/score")
+async def create_score(request: ScoreRequest, raw: Request) -> Response:
+    return await _respond(raw, _pooling(raw).create_score(request))
+
+
+@router.post("/rerank")
+@router.post("/v1/rerank")
+@router.post("/v2/rerank")
+async def do_rerank(request: RerankRequest, raw: Request) -> Response:
+    return await _respond(raw, _pooling(raw).do_rerank(request))
 
 
 @router.get("/v1/models")
@@ -397,6 +434,7 @@ def build_app(
             engine.shutdown()
             raise
         app.state.responses = OpenAIServingResponses(app.state.serving)
+        app.state.serving_pooling = OpenAIServingPooling(app.state.serving)
         # Labelled with the name responses report, as vLLM labels its metrics.
         app.state.metrics = PrometheusMetrics(
             app.state.serving.served_model_names[0], engine.max_model_len

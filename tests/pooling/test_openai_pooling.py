@@ -1,0 +1,179 @@
+"""The pooling endpoints of `python -m v1 serve --runner pooling`, on the tiny Qwen3
+sentence-transformers folder: /v1/embeddings through the openai client (float and base64,
+dimensions, many inputs at once), vLLM's /pooling, /score and /rerank, and 400s for bad
+input; the same routes on a generating server answer 400.
+"""
+
+import asyncio
+import base64
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+
+from tests.entrypoints.test_openai_server import serve
+from tests.pooling.st_models import qwen3_config, save_sentence_transformer, word_tokenizer
+from tests.pooling.test_embed import cosine, st_encode
+
+pytest.importorskip("sentence_transformers")
+
+TEXTS = ["w1 w2 w3", "w4 w5", "w6 " * 40 + "w7", "w8", "w9 w10 w11 w12", "w1 w2 w3"]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    from transformers import Qwen3Model
+
+    folder = tmp_path_factory.mktemp("st") / "qwen3"
+    save_sentence_transformer(folder, lambda: Qwen3Model(qwen3_config()),
+                              word_tokenizer("$A <eos>"), "lasttoken", True)
+    config = json.loads((folder / "config.json").read_text())
+    config["matryoshka_dimensions"] = [16, 64]
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(folder: Path, tmp_path_factory) -> Iterator[str]:
+    log = tmp_path_factory.mktemp("pooling_server") / "server.log"
+    with serve(folder, log, "--runner", "pooling", "--served-model-name", "emb",
+               "--max-model-len", "128", "--num-gpu-blocks", "64",
+               "--max-num-batched-tokens", "32") as server:
+        yield server.url
+
+
+@pytest.fixture(scope="module")
+def client(server: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0)
+
+
+def test_embeddings_float_and_base64_match_sentence_transformers(client, folder):
+    ref = st_encode(folder, TEXTS)
+    as_float = client.embeddings.create(model="emb", input=TEXTS, encoding_format="float")
+    # The openai client asks for base64 by default and decodes it.
+    as_base64 = client.embeddings.create(model="emb", input=TEXTS)
+    for response in (as_float, as_base64):
+        got = np.array([d.embedding for d in response.data])
+        assert [d.index for d in response.data] == list(range(len(TEXTS)))
+        assert cosine(got, ref).min() >= 0.999
+    np.testing.assert_allclose(
+        np.array([d.embedding for d in as_base64.data]),
+        np.array([d.embedding for d in as_float.data]), rtol=1e-6, atol=1e-7,
+    )
+    assert as_float.model == "emb" and as_float.object == "list"
+    assert as_float.usage.prompt_tokens == sum(len(t.split()) + 1 for t in TEXTS)
+    assert as_float.usage.total_tokens == as_float.usage.prompt_tokens
+
+
+def test_raw_base64_and_dimensions(server, folder):
+    body = {"model": "emb", "input": "w1 w2", "encoding_format": "base64", "dimensions": 16}
+    r = httpx.post(f"{server}/v1/embeddings", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    vec = np.frombuffer(base64.b64decode(r.json()["data"][0]["embedding"]), dtype="<f4")
+    full = st_encode(folder, ["w1 w2"])[0][:16]
+    np.testing.assert_allclose(vec, full / np.linalg.norm(full), rtol=1e-4, atol=1e-5)
+    # Token ids as input, one prompt and several.
+    ids = {"model": "emb", "input": [[6, 7, 4], [8, 4]], "encoding_format": "float"}
+    r = httpx.post(f"{server}/v1/embeddings", json=ids, timeout=60)
+    assert r.status_code == 200 and len(r.json()["data"]) == 2
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"input": "w1", "dimensions": 20}, "only supports"),
+    ({"input": "w1", "dimensions": 0}, "dimensions"),
+    ({"input": []}, "input is empty"),
+    ({"input": "w1", "encoding_format": "int8"}, "encoding_format"),
+    ({"input": "w1 " * 200}, "max_model_len"),
+    ({"input": [[100000]]}, "out of vocabulary"),
+    ({"input": "w1", "truncate_prompt_tokens": 500}, "truncate_prompt_tokens"),
+])
+def test_bad_requests_get_400(server, body, message):
+    r = httpx.post(f"{server}/v1/embeddings", json={"model": "emb", **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert message in r.json()["error"]["message"]
+    r = httpx.post(f"{server}/v1/embeddings", json={"model": "nope", "input": "w1"}, timeout=60)
+    assert r.status_code == 404
+
+
+def test_pooling_endpoint(server, folder):
+    r = httpx.post(f"{server}/pooling", json={"model": "emb", "input": ["w1 w2", "w3"]},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "list" and body["data"][0]["object"] == "pooling"
+    raw = np.array([d["data"] for d in body["data"]])
+    ref = st_encode(folder, ["w1 w2", "w3"])
+    assert cosine(raw, ref).min() >= 0.999  # the pooled vector, not normalized
+    assert not np.allclose(np.linalg.norm(raw, axis=1), 1.0)
+
+
+def test_score_and_rerank_by_embedding_similarity(server, folder):
+    ref = st_encode(folder, ["w1 w2", "w1 w3", "w9 w8 w7", "w1 w2 w5"])
+    expected = cosine(ref[:1], ref[1:])
+    for path in ("/score", "/v1/score"):
+        r = httpx.post(f"{server}{path}", json={
+            "model": "emb", "text_1": "w1 w2", "text_2": ["w1 w3", "w9 w8 w7", "w1 w2 w5"],
+        }, timeout=60)
+        assert r.status_code == 200, r.text
+        scores = [d["score"] for d in r.json()["data"]]
+        np.testing.assert_allclose(scores, expected, rtol=1e-4, atol=1e-5)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        r = httpx.post(f"{server}{path}", json={
+            "model": "emb", "query": "w1 w2", "documents": ["w1 w3", "w9 w8 w7", "w1 w2 w5"],
+            "top_n": 2,
+        }, timeout=60)
+        assert r.status_code == 200, r.text
+        results = r.json()["results"]
+        order = list(np.argsort(-expected)[:2])
+        assert [x["index"] for x in results] == order
+        assert results[0]["document"]["text"] == ["w1 w3", "w9 w8 w7", "w1 w2 w5"][order[0]]
+    r = httpx.post(f"{server}/score", json={"model": "emb", "text_1": ["a", "b"],
+                                            "text_2": ["c", "d", "e"]}, timeout=60)
+    assert r.status_code == 400 and "1 text with N" in r.json()["error"]["message"]
+
+
+def test_generation_routes_refuse_a_pooling_model(client):
+    with pytest.raises(openai.BadRequestError, match="pooling model"):
+        client.completions.create(model="emb", prompt="w1", max_tokens=2)
+
+
+def test_pooling_routes_refuse_a_generating_engine():
+    # What a generating server's pooling routes answer (its processor has no pooler), without
+    # starting one: the serving object over an engine whose processor is a generating one's.
+    from types import SimpleNamespace
+
+    from v1.engine.processor import Processor
+    from v1.entrypoints.openai.protocol_pooling import EmbeddingRequest
+    from v1.entrypoints.openai.serving import OpenAIServing
+    from v1.entrypoints.openai.serving_pooling import OpenAIServingPooling
+
+    engine = SimpleNamespace(processor=Processor(None, 64, 256, None))
+    serving = OpenAIServingPooling(OpenAIServing(engine, ["gen"]))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="--runner pooling"):
+        asyncio.run(serving.create_embedding(EmbeddingRequest(input="w1")))
+
+
+def test_many_clients_at_once(client, folder):
+    # 12 requests in flight together (each of 2 inputs): the engine batches them; every
+    # response holds its own inputs' embeddings.
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.pooling.st_models import random_text
+
+    rng = torch.Generator().manual_seed(9)
+    batches = [[random_text(rng, 5 + 7 * i), random_text(rng, 40 - 3 * i)] for i in range(12)]
+    ref = st_encode(folder, [t for b in batches for t in b]).reshape(12, 2, -1)
+
+    def embed(batch: list[str]) -> np.ndarray:
+        response = client.embeddings.create(model="emb", input=batch)
+        return np.array([d.embedding for d in response.data])
+
+    with ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(embed, batches))
+    for got, expected in zip(results, ref, strict=True):
+        assert cosine(got, expected).min() >= 0.999
