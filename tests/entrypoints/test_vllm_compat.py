@@ -275,7 +275,8 @@ def test_vllms_options_are_accepted_or_refused(default_model, caplog) -> None:
         ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
         ({"tokenizer": "other/tokenizer"}, "tokenizer other than the model's"),
         ({"tokenizer_mode": "mistral"}, r"tokenizer_mode='mistral' .*accepted: 'auto'"),
-        ({"task": "embed"}, r"task='embed' .*no pooling"),
+        ({"task": "embed"}, r"task='embed' .*take runner='pooling'"),
+        ({"runner": "draft"}, r"runner must be one of auto, generate, pooling"),
         ({"load_format": "dummy"}, r"load_format='dummy' is not supported"),
         ({"no_such_option": 1}, r"unknown engine options \['no_such_option'\]"),
     ]:

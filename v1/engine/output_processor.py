@@ -363,7 +363,7 @@ class OutputProcessor:
                     if stats is not None:
                         stats.finished_requests.append(FinishedRequestStats(
                             output.finish_reason, now - state.metrics.arrival_time,
-                            output.queue_time,
+                            output.queue_time, len(state.prompt_token_ids), 0,
                         ))
                 continue
             stopped_here = state.update(output, now, stats)

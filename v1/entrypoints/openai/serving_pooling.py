@@ -75,7 +75,8 @@ class OpenAIServingPooling:
         return pooler
 
     def _head(self, request: PoolingBaseRequest, prefix: str) -> dict[str, Any]:
-        self.serving._check_model(request.model)
+        if self.serving.check_model(request.model) is not None:
+            raise ValueError("LoRA adapters are for generation, not pooling requests")
         self._pooler()
         return {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": self.serving.served_model_names[0]}
