@@ -85,8 +85,11 @@ def read_adapter_config(request: LoRARequest) -> dict[str, Any]:
         raise _refuse(request, f"peft_type {peft_type!r} is not LORA")
     r, alpha = config.get("r"), config.get("lora_alpha")
     for name, value in (("r", r), ("lora_alpha", alpha)):
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-            raise _refuse(request, f"{name} must be a positive number, got {value!r}")
+        if (
+            not isinstance(value, (int, float)) or isinstance(value, bool)
+            or not math.isfinite(value) or value <= 0
+        ):
+            raise _refuse(request, f"{name} must be a positive finite number, got {value!r}")
     unsupported = {
         "use_dora": bool(config.get("use_dora")),
         "modules_to_save": bool(config.get("modules_to_save")),
@@ -134,12 +137,18 @@ def load_adapter(
         if set(ab) != {"A", "B"}:
             raise _refuse(request, f"layer {layer} {proj} has lora_A or lora_B missing")
         a, b = ab["A"], ab["B"]
-        rank = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != rank:
+        if not (a.is_floating_point() and b.is_floating_point()):
+            raise _refuse(
+                request, f"layer {layer} {proj}: lora_A is {a.dtype} and lora_B {b.dtype}, "
+                "not floating point",
+            )
+        # Shapes before the rank is read: a 0-d or rank-0 pair is refused, never divided by.
+        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0] or a.shape[0] == 0:
             raise _refuse(
                 request, f"layer {layer} {proj}: lora_A {tuple(a.shape)} and lora_B "
-                f"{tuple(b.shape)} do not pair up as [r, in] and [out, r]",
+                f"{tuple(b.shape)} do not pair up as [r, in] and [out, r] with r >= 1",
             )
+        rank = a.shape[0]
         if rank > max_lora_rank:
             raise _refuse(request, f"rank {rank} exceeds max_lora_rank {max_lora_rank}")
         scale = alpha / math.sqrt(rank) if use_rslora else alpha / rank
