@@ -41,7 +41,9 @@ def _copy(src: Path, dst: Path, change: Callable[[dict], dict]) -> Path:
     return dst
 
 
-def _bad_adapters(fx: LoRAFixture, root: Path) -> list[tuple[Path, str]]:
+def _bad_adapters(fx: LoRAFixture, root: Path) -> list[tuple[str, str]]:
+    """(adapter path, the error's pattern) for folders and paths no adapter can be read
+    from."""
     src = fx.adapter_dirs[0]
     nan = root / "nan"
     shutil.copytree(src, nan)
@@ -53,11 +55,14 @@ def _bad_adapters(fx: LoRAFixture, root: Path) -> list[tuple[Path, str]]:
     data = (src / WEIGHTS).read_bytes()
     (truncated / WEIGHTS).write_bytes(data[: len(data) // 2])
     return [
-        (_copy(src, root / "rank0", _rank0), r"with r >= 1"),
-        (_copy(src, root / "scalar", _scalar), r"do not pair up"),
-        (_copy(src, root / "ints", _ints), r"torch.int32 .* not floating point"),
-        (nan, r"lora_alpha must be a positive finite number, got nan"),
-        (truncated, r"is not readable"),
+        (str(_copy(src, root / "rank0", _rank0)), r"with r >= 1"),
+        (str(_copy(src, root / "scalar", _scalar)), r"do not pair up"),
+        (str(_copy(src, root / "ints", _ints)), r"torch.int32 .* not floating point"),
+        (str(nan), r"lora_alpha must be a positive finite number, got nan"),
+        (str(truncated), r"is not readable"),
+        # Paths the OS cannot look at: an OSError / RuntimeError out of pathlib otherwise.
+        ("/" + "a" * 300, r"the path cannot be read \(.*too long"),
+        ("~no-such-user-v1/adapter", r"the path cannot be read"),
     ]
 
 
@@ -68,10 +73,10 @@ def test_bad_tensors_are_refused_and_the_engine_core_serves_on(lora_fixture, tmp
         engine = llm.llm_engine
         for i, (path, message) in enumerate(bad):
             with pytest.raises(ValueError, match=message):
-                engine.add_lora(LoRARequest(path.name, 10 + i, str(path)))
+                engine.add_lora(LoRARequest(f"bad{i}", 10 + i, path))
             # Named by a request without add_lora first: the core refuses the request (it
             # finishes at once with the error), never dies of it.
-            lora = LoRARequest(path.name + "-direct", 30 + i, str(path))
+            lora = LoRARequest(f"bad{i}-direct", 30 + i, path)
             engine.add_request(f"direct-{i}", PROMPTS[0], PARAMS, lora_request=lora)
             outs = []
             while engine.has_unfinished_requests():

@@ -68,11 +68,21 @@ def _refuse(request: LoRARequest, why: str) -> ValueError:
     return ValueError(f"LoRA adapter {request.lora_name!r} ({request.lora_path}): {why}")
 
 
+def _adapter_file(request: LoRARequest, name: str) -> Path | None:
+    """The folder's file `name`, None if there is none. A path that cannot be looked at
+    (too long, `~user` of no user, no permission) is a ValueError like a missing one,
+    never an OSError out of the engine core."""
+    try:
+        path = Path(request.lora_path).expanduser() / name
+        return path if path.is_file() else None
+    except (OSError, RuntimeError) as e:
+        raise _refuse(request, f"the path cannot be read ({e})") from None
+
+
 def read_adapter_config(request: LoRARequest) -> dict[str, Any]:
     """The folder's adapter_config.json, checked for what this engine can apply."""
-    folder = Path(request.lora_path).expanduser()
-    config_file = folder / CONFIG_NAME
-    if not config_file.is_file():
+    config_file = _adapter_file(request, CONFIG_NAME)
+    if config_file is None:
         raise _refuse(request, f"no {CONFIG_NAME} there (not a PEFT adapter folder)")
     try:
         config = json.loads(config_file.read_text())
@@ -109,8 +119,8 @@ def load_adapter(
     this engine cannot apply, a rank above `max_lora_rank`, A and B that do not pair up).
     Shapes against the model are checked where the model is (`LoRAWorkerManager`)."""
     config = read_adapter_config(request)
-    weights_file = Path(request.lora_path).expanduser() / WEIGHTS_NAME
-    if not weights_file.is_file():
+    weights_file = _adapter_file(request, WEIGHTS_NAME)
+    if weights_file is None:
         raise _refuse(request, f"no {WEIGHTS_NAME} there (only safetensors are read)")
     from safetensors import SafetensorError
     from safetensors.torch import load_file
