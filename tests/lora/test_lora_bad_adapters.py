@@ -1,8 +1,8 @@
 """Hostile adapter folders and loads: tensors that cannot be a LoRA (0-d, rank 0, integer),
 a NaN `lora_alpha` and corrupt files are a ValueError naming the problem, through
 `add_lora` and through a request that names the adapter directly, and the engine core
-(a separate process) serves on; two concurrent server loads of one name: the second is
-refused."""
+(a separate process) serves on; a bad adapter named like a good one still raises in
+`generate`; two concurrent server loads of one name: the second is refused."""
 
 import asyncio
 import json
@@ -121,3 +121,15 @@ def test_concurrent_loads_of_one_name_load_it_once(tmp_path):
         assert models.lora_requests["a"] is engine.added[0]
 
     asyncio.run(scenario())
+
+
+def test_a_bad_adapter_sharing_a_good_ones_name_raises_before_running(lora_fixture, tmp_path):
+    """LoRARequests are equal by name (vLLM's): `generate` still checks each adapter, so
+    the bad one raises rather than its prompt coming back aborted and empty."""
+    fx = lora_fixture
+    good = LoRARequest("x", 1, str(fx.adapter_dirs[0]))
+    bad = LoRARequest("x", 2, str(tmp_path / "nowhere"))
+    with _llm(fx, multiprocess=True) as llm:
+        with pytest.raises(ValueError, match="no adapter_config.json"):
+            llm.generate(PROMPTS[:2], PARAMS, lora_request=[good, bad], use_tqdm=False)
+        assert not llm.llm_engine.has_unfinished_requests()

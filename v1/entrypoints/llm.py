@@ -137,7 +137,10 @@ class LLM:
             loras = list(lora_request)
             if len(loras) != len(prompts):
                 raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
-        for lora in dict.fromkeys(lr for lr in loras if lr is not None):
+        # Keyed by id and path, not by LoRARequest equality (the name alone, as vLLM's): two
+        # requests of one name may be two adapters, and each must be checked here.
+        unique = {(lr.lora_int_id, lr.lora_path): lr for lr in loras if lr is not None}
+        for lora in unique.values():
             self.llm_engine.add_lora(lora)
         return self._run(prompts, params, priority, use_tqdm, ranks, loras)
 
