@@ -10,6 +10,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -133,3 +134,15 @@ def test_a_bad_adapter_sharing_a_good_ones_name_raises_before_running(lora_fixtu
         with pytest.raises(ValueError, match="no adapter_config.json"):
             llm.generate(PROMPTS[:2], PARAMS, lora_request=[good, bad], use_tqdm=False)
         assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_lora_request_field_types():
+    """A `Path` path is taken as its text (it reaches an engine-core process: msgpack has
+    no Path); a name or path of another type is a ValueError where it is made."""
+    lora = LoRARequest("p", 1, Path("/adapters/p"))  # type: ignore[arg-type]
+    assert lora.lora_path == "/adapters/p"
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(lora), type=LoRARequest) == lora
+    for args, field in (((5, 1, "/x"), "lora_name"), (("a", 1, 7), "lora_path"),
+                        (("a", 1, "/x", 3), "base_model_name")):
+        with pytest.raises(ValueError, match=f"LoRARequest {field} must be a str"):
+            LoRARequest(*args)  # type: ignore[arg-type]
