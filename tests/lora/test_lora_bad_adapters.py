@@ -2,7 +2,8 @@
 a NaN `lora_alpha` and corrupt files are a ValueError naming the problem, through
 `add_lora` and through a request that names the adapter directly, and the engine core
 (a separate process) serves on; a bad adapter named like a good one still raises in
-`generate`; two concurrent server loads of one name: the second is refused."""
+`generate`; two concurrent server loads of one name: the second is refused;
+a LoRARequest's field types are checked where it is made."""
 
 import asyncio
 import json
