@@ -1,4 +1,4 @@
-"""Hostile adapter folders and loads: tensors that cannot be a LoRA (0-d, rank 0, integer),
+"""Hostile adapter folders and loads: tensors that cannot be a LoRA (0-d, rank 0, integer, fp4),
 a NaN `lora_alpha` and corrupt files are a ValueError naming the problem, through
 `add_lora` and through a request that names the adapter directly, and the engine core
 (a separate process) serves on; a bad adapter named like a good one still raises in
@@ -35,6 +35,14 @@ def _ints(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: (v * 100).to(torch.int32) for k, v in t.items()}
 
 
+def _fp4(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """fp4 (torch cannot cast it to fp32: a NotImplementedError otherwise)."""
+    return {
+        k: torch.zeros(v.shape, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+        for k, v in t.items()
+    }
+
+
 def _copy(src: Path, dst: Path, change: Callable[[dict], dict]) -> Path:
     from safetensors.torch import load_file, save_file
 
@@ -59,7 +67,8 @@ def _bad_adapters(fx: LoRAFixture, root: Path) -> list[tuple[str, str]]:
     return [
         (str(_copy(src, root / "rank0", _rank0)), r"with r >= 1"),
         (str(_copy(src, root / "scalar", _scalar)), r"do not pair up"),
-        (str(_copy(src, root / "ints", _ints)), r"torch.int32 .* not floating point"),
+        (str(_copy(src, root / "ints", _ints)), r"torch.int32; adapter weights must be"),
+        (str(_copy(src, root / "fp4", _fp4)), r"float4_e2m1fn_x2; adapter weights must be"),
         (str(nan), r"lora_alpha must be a positive finite number, got nan"),
         (str(truncated), r"is not readable"),
         # Paths the OS cannot look at: an OSError / RuntimeError out of pathlib otherwise.

@@ -25,6 +25,9 @@ from v1.lora.request import LoRARequest
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
+# What a trained adapter's weights are stored in; others (integers, fp8 / fp4 that torch may
+# not even convert) are refused rather than cast.
+WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 _KEY = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.("
@@ -147,10 +150,10 @@ def load_adapter(
         if set(ab) != {"A", "B"}:
             raise _refuse(request, f"layer {layer} {proj} has lora_A or lora_B missing")
         a, b = ab["A"], ab["B"]
-        if not (a.is_floating_point() and b.is_floating_point()):
+        if a.dtype not in WEIGHT_DTYPES or b.dtype not in WEIGHT_DTYPES:
             raise _refuse(
-                request, f"layer {layer} {proj}: lora_A is {a.dtype} and lora_B {b.dtype}, "
-                "not floating point",
+                request, f"layer {layer} {proj}: lora_A is {a.dtype} and lora_B {b.dtype}; "
+                f"adapter weights must be one of {', '.join(map(str, WEIGHT_DTYPES))}",
             )
         # Shapes before the rank is read: a 0-d or rank-0 pair is refused, never divided by.
         if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0] or a.shape[0] == 0:
