@@ -147,7 +147,10 @@ class LLM(PoolingMixin):
                 "lora_request must be a LoRARequest, a list of them (or None) one per prompt, "
                 f"or None, got {lora_request!r:.80}"
             )
-        for lora in dict.fromkeys(lr for lr in loras if lr is not None):
+        # Keyed by id and path, not by LoRARequest equality (the name alone, as vLLM's): two
+        # requests of one name may be two adapters, and each must be checked here.
+        unique = {(lr.lora_int_id, lr.lora_path): lr for lr in loras if lr is not None}
+        for lora in unique.values():
             self.llm_engine.add_lora(lora)
         return self._run(prompts, params, priority, use_tqdm, ranks, loras)
 

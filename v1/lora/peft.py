@@ -25,6 +25,9 @@ from v1.lora.request import LoRARequest
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
+# What a trained adapter's weights are stored in; others (integers, fp8 / fp4 that torch may
+# not even convert) are refused rather than cast.
+WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 _KEY = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.("
@@ -68,11 +71,21 @@ def _refuse(request: LoRARequest, why: str) -> ValueError:
     return ValueError(f"LoRA adapter {request.lora_name!r} ({request.lora_path}): {why}")
 
 
+def _adapter_file(request: LoRARequest, name: str) -> Path | None:
+    """The folder's file `name`, None if there is none. A path that cannot be looked at
+    (too long, `~user` of no user, no permission) is a ValueError like a missing one,
+    never an OSError out of the engine core."""
+    try:
+        path = Path(request.lora_path).expanduser() / name
+        return path if path.is_file() else None
+    except (OSError, RuntimeError) as e:
+        raise _refuse(request, f"the path cannot be read ({e})") from None
+
+
 def read_adapter_config(request: LoRARequest) -> dict[str, Any]:
     """The folder's adapter_config.json, checked for what this engine can apply."""
-    folder = Path(request.lora_path).expanduser()
-    config_file = folder / CONFIG_NAME
-    if not config_file.is_file():
+    config_file = _adapter_file(request, CONFIG_NAME)
+    if config_file is None:
         raise _refuse(request, f"no {CONFIG_NAME} there (not a PEFT adapter folder)")
     try:
         config = json.loads(config_file.read_text())
@@ -85,8 +98,11 @@ def read_adapter_config(request: LoRARequest) -> dict[str, Any]:
         raise _refuse(request, f"peft_type {peft_type!r} is not LORA")
     r, alpha = config.get("r"), config.get("lora_alpha")
     for name, value in (("r", r), ("lora_alpha", alpha)):
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-            raise _refuse(request, f"{name} must be a positive number, got {value!r}")
+        if (
+            not isinstance(value, (int, float)) or isinstance(value, bool)
+            or not math.isfinite(value) or value <= 0
+        ):
+            raise _refuse(request, f"{name} must be a positive finite number, got {value!r}")
     unsupported = {
         "use_dora": bool(config.get("use_dora")),
         "modules_to_save": bool(config.get("modules_to_save")),
@@ -106,8 +122,8 @@ def load_adapter(
     this engine cannot apply, a rank above `max_lora_rank`, A and B that do not pair up).
     Shapes against the model are checked where the model is (`LoRAWorkerManager`)."""
     config = read_adapter_config(request)
-    weights_file = Path(request.lora_path).expanduser() / WEIGHTS_NAME
-    if not weights_file.is_file():
+    weights_file = _adapter_file(request, WEIGHTS_NAME)
+    if weights_file is None:
         raise _refuse(request, f"no {WEIGHTS_NAME} there (only safetensors are read)")
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -134,12 +150,18 @@ def load_adapter(
         if set(ab) != {"A", "B"}:
             raise _refuse(request, f"layer {layer} {proj} has lora_A or lora_B missing")
         a, b = ab["A"], ab["B"]
-        rank = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != rank:
+        if a.dtype not in WEIGHT_DTYPES or b.dtype not in WEIGHT_DTYPES:
+            raise _refuse(
+                request, f"layer {layer} {proj}: lora_A is {a.dtype} and lora_B {b.dtype}; "
+                f"adapter weights must be one of {', '.join(map(str, WEIGHT_DTYPES))}",
+            )
+        # Shapes before the rank is read: a 0-d or rank-0 pair is refused, never divided by.
+        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0] or a.shape[0] == 0:
             raise _refuse(
                 request, f"layer {layer} {proj}: lora_A {tuple(a.shape)} and lora_B "
-                f"{tuple(b.shape)} do not pair up as [r, in] and [out, r]",
+                f"{tuple(b.shape)} do not pair up as [r, in] and [out, r] with r >= 1",
             )
+        rank = a.shape[0]
         if rank > max_lora_rank:
             raise _refuse(request, f"rank {rank} exceeds max_lora_rank {max_lora_rank}")
         scale = alpha / math.sqrt(rank) if use_rslora else alpha / rank

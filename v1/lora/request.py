@@ -1,5 +1,7 @@
 """`LoRARequest`: which adapter a request runs with, as vLLM's `vllm.lora.request`."""
 
+import os
+
 import msgspec
 
 
@@ -11,7 +13,9 @@ class LoRARequest(msgspec.Struct, omit_defaults=True, array_like=True, frozen=Tr
     `adapter_model.safetensors`). `base_model_name`: the model it adapts (informational, as
     vLLM's; `/v1/models` lists it as the adapter's parent).
 
-    Equal and hashed by name, as vLLM's.
+    Equal and hashed by name, as vLLM's. The fields are checked here, in the caller's
+    process: a name or path of another type would fail only when sent to an engine-core
+    process (a `pathlib.Path` path is taken as its text).
     """
 
     lora_name: str
@@ -24,6 +28,12 @@ class LoRARequest(msgspec.Struct, omit_defaults=True, array_like=True, frozen=Tr
             1 <= self.lora_int_id < 2**63
         ):
             raise ValueError(f"lora_int_id must be an integer >= 1, got {self.lora_int_id!r}")
+        if isinstance(self.lora_path, os.PathLike):
+            msgspec.structs.force_setattr(self, "lora_path", os.fspath(self.lora_path))
+        for field in ("lora_name", "lora_path", "base_model_name"):
+            value = getattr(self, field)
+            if not isinstance(value, str) and not (field == "base_model_name" and value is None):
+                raise ValueError(f"LoRARequest {field} must be a str, got {value!r}")
         if not self.lora_name:
             raise ValueError("lora_name must not be empty")
         if not self.lora_path:

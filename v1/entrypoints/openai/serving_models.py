@@ -69,6 +69,9 @@ class OpenAIServingModels:
         self.base_model_names = base_model_names
         self.model_path = model_path
         self.lora_requests: dict[str, LoRARequest] = {}
+        # Names whose load awaits the engine: taken already, so a second load of the name
+        # meanwhile is refused rather than both loading and one id orphaned in the engine.
+        self._loading: set[str] = set()
         self._ids = itertools.count(1)
 
     async def init_static_loras(self, modules: list[LoRAModulePath]) -> None:
@@ -111,10 +114,14 @@ class OpenAIServingModels:
         name = request.lora_name
         if not name or not request.lora_path:
             raise ValueError("both 'lora_name' and 'lora_path' must be given")
-        if name in self.lora_requests or name in self.base_model_names:
+        if name in self.lora_requests or name in self.base_model_names or name in self._loading:
             raise ValueError(f"The lora adapter '{name}' has already been loaded.")
         lora = LoRARequest(name, next(self._ids), request.lora_path, base_model_name)
-        await self.engine.add_lora(lora)  # a ValueError (400) if it cannot be served
+        self._loading.add(name)
+        try:
+            await self.engine.add_lora(lora)  # a ValueError (400) if it cannot be served
+        finally:
+            self._loading.discard(name)
         self.lora_requests[name] = lora
         return f"Success: LoRA adapter '{name}' added successfully."
 
