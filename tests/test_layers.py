@@ -24,6 +24,12 @@ SHARED = "shared"
 FORBIDDEN = {("entrypoints", "worker"), ("tools", "entrypoints")}
 WORKER_READS_OF_CORE = {"v1.core.sched.output"}
 FACADES = {"v1", "v1.__main__"}  # the package's own entry: `from v1 import LLM`, `python -m v1`
+# Packages that live inside a layer: metrics (the engine's stat loggers and their reader) is
+# the engine's; lora wraps the model's linear layers (its worker manager is loaded by the
+# runner), except LoRARequest, a request's field that every layer shares (`v1.lora.request`:
+# vLLM's path).
+PART_OF = {"metrics": "engine", "lora": "models"}
+SHARED_MODULES = {"v1.lora", "v1.lora.request"}
 
 
 def modules() -> dict[str, Path]:
@@ -37,7 +43,10 @@ def modules() -> dict[str, Path]:
 
 def layer(module: str) -> str:
     parts = module.split(".")
-    return parts[1] if len(parts) > 1 and parts[1] in RANK else SHARED
+    if module in SHARED_MODULES or len(parts) < 2:
+        return SHARED
+    name = PART_OF.get(parts[1], parts[1])
+    return name if name in RANK else SHARED
 
 
 def imports(path: Path, known: dict[str, Path]) -> set[str]:

@@ -143,11 +143,11 @@ def test_every_limit_is_a_flag_with_its_default() -> None:
 
     parser = make_parser()
     help_text = parser.format_help()
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    docs = (Path(__file__).parents[2] / "docs" / "serving.md").read_text()
     for limits in (InputLimits(), ServerLimits()):
         for field in dataclasses.fields(limits):
             flag = "--" + field.name.replace("_", "-")
-            assert flag in help_text and f"| `{flag}` |" in readme
+            assert flag in help_text and f"| `{flag}` |" in docs
             assert parser.get_default(field.name) == getattr(limits, field.name)
     args = parser.parse_args(["--max-n-sequences", "7", "--max-request-body-bytes", "99"])
     assert (args.max_n_sequences, args.max_request_body_bytes) == (7, 99)

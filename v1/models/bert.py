@@ -231,6 +231,11 @@ class BertModel(nn.Module):
         if missing:
             raise ValueError(f"checkpoint lacks (or repeats) weights for: {missing}")
 
+    def _head_linear(self, n_in: int, n_out: int) -> Linear:
+        """A classification head's layer, on the encoder's device and dtype (frozen)."""
+        weight = self.embeddings.LayerNorm.weight
+        return Linear(n_in, n_out, device=weight.device, dtype=weight.dtype).requires_grad_(False)
+
 
 class XLMRobertaModel(BertModel):
     """RoBERTa / XLM-RoBERTa: BERT with positions counted from pad_token_id + 1."""
@@ -251,14 +256,10 @@ class BertForSequenceClassification(BertModel):
 
     def __init__(self, config: Any, attn_impl_cls: type[AttentionImpl], **kwargs: Any) -> None:
         super().__init__(config, attn_impl_cls, **kwargs)
-        device = self.embeddings.LayerNorm.weight.device
-        dtype = self.embeddings.LayerNorm.weight.dtype
-        hidden = config.hidden_size
-        self.num_labels = int(config.num_labels)
+        hidden, self.num_labels = config.hidden_size, int(config.num_labels)
         self.pooler = nn.Module()
-        self.pooler.dense = Linear(hidden, hidden, device=device, dtype=dtype)
-        self.classifier = Linear(hidden, self.num_labels, device=device, dtype=dtype)
-        self.requires_grad_(False)
+        self.pooler.dense = self._head_linear(hidden, hidden)
+        self.classifier = self._head_linear(hidden, self.num_labels)
 
     def classify(self, cls_states: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, labels]
         return self.classifier(torch.tanh(self.pooler.dense(cls_states)))
@@ -270,14 +271,10 @@ class XLMRobertaForSequenceClassification(XLMRobertaModel):
 
     def __init__(self, config: Any, attn_impl_cls: type[AttentionImpl], **kwargs: Any) -> None:
         super().__init__(config, attn_impl_cls, **kwargs)
-        device = self.embeddings.LayerNorm.weight.device
-        dtype = self.embeddings.LayerNorm.weight.dtype
-        hidden = config.hidden_size
-        self.num_labels = int(config.num_labels)
+        hidden, self.num_labels = config.hidden_size, int(config.num_labels)
         self.classifier = nn.Module()
-        self.classifier.dense = Linear(hidden, hidden, device=device, dtype=dtype)
-        self.classifier.out_proj = Linear(hidden, self.num_labels, device=device, dtype=dtype)
-        self.requires_grad_(False)
+        self.classifier.dense = self._head_linear(hidden, hidden)
+        self.classifier.out_proj = self._head_linear(hidden, self.num_labels)
 
     def classify(self, cls_states: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, labels]
         return self.classifier.out_proj(torch.tanh(self.classifier.dense(cls_states)))
