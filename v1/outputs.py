@@ -176,6 +176,13 @@ class PoolingOutput:
     data: "torch.Tensor"
 
 
+def _one_vector(output: PoolingOutput, what: str) -> list[float]:
+    """A pooled output read as one vector (vLLM's typed outputs do the same check)."""
+    if output.data.ndim != 1:
+        raise ValueError(f"{what} is one vector, got shape {tuple(output.data.shape)}")
+    return output.data.tolist()
+
+
 @dataclass(slots=True)
 class EmbeddingOutput:
     """A sentence embedding (`LLM.embed`)."""
@@ -184,9 +191,7 @@ class EmbeddingOutput:
 
     @classmethod
     def from_base(cls, output: PoolingOutput) -> "EmbeddingOutput":
-        if output.data.ndim != 1:
-            raise ValueError("an embedding is one vector")
-        return cls(output.data.tolist())
+        return cls(_one_vector(output, "an embedding"))
 
     @property
     def hidden_size(self) -> int:
@@ -201,9 +206,7 @@ class ClassificationOutput:
 
     @classmethod
     def from_base(cls, output: PoolingOutput) -> "ClassificationOutput":
-        if output.data.ndim != 1:
-            raise ValueError("class probabilities are one vector")
-        return cls(output.data.tolist())
+        return cls(_one_vector(output, "class probabilities"))
 
     @property
     def num_classes(self) -> int:

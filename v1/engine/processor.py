@@ -329,6 +329,14 @@ class Processor:
             # vLLM's words: clients match them to retry without priority.
             raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled.")
 
+    def require_pooler(self) -> PoolerInfo:
+        """The pooler of a pooling engine; ValueError for an engine that generates (what
+        `LLM.embed` and the pooling endpoints say, as the processor does)."""
+        if self.pooler is None:
+            raise ValueError("pooling (encode, embed, classify, score) needs a pooling model: "
+                             "start the engine with runner='pooling' (--runner pooling)")
+        return self.pooler
+
     def _process_pooling(
         self,
         request_id: str,
@@ -339,11 +347,9 @@ class Processor:
     ) -> tuple[EngineCoreRequest, str | None]:
         """A pooling request: its params checked against the pooler (`params.task` set by
         the caller, e.g. `LLM.embed`), its prompt truncated to `truncate_prompt_tokens`."""
-        if self.pooler is None:
-            raise ValueError("PoolingParams need a pooling model: start the engine with "
-                             "runner='pooling' (--runner pooling)")
+        pooler = self.require_pooler()
         params = copy.copy(params)  # the core's copy: the caller may reuse theirs
-        params.verify(params.task or self.pooler.default_task, self.pooler)
+        params.verify(params.task or pooler.default_task, pooler)
         self._check_priority(priority)
         text, token_ids = self.tokenize_prompt(prompt)
         keep = params.truncate_prompt_tokens

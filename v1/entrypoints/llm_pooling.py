@@ -35,11 +35,7 @@ class PoolingMixin:
     _run: Callable[..., list[Any]]  # LLM's: (prompts, params, priority, use_tqdm, ranks, loras)
 
     def _pooler(self) -> PoolerInfo:
-        pooler = self.llm_engine.processor.pooler
-        if pooler is None:
-            raise ValueError("this engine generates: pooling calls (encode, embed, classify, "
-                             "score) need LLM(model, runner='pooling')")
-        return pooler
+        return self.llm_engine.processor.require_pooler()
 
     def encode(
         self,

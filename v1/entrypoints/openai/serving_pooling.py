@@ -14,8 +14,6 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from v1.engine.processor import PromptType
 from v1.entrypoints.openai.protocol_pooling import (
     EmbeddingRequest,
@@ -54,10 +52,17 @@ def _inputs(value: str | list[str] | list[int] | list[list[int]]) -> list[Prompt
     return list(value)  # type: ignore[arg-type]
 
 
-def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
-    if encoding_format == "base64":  # OpenAI's: little-endian float32s
-        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
-    return vector
+def _vectors(
+    outputs: list[PoolingRequestOutput[PoolingOutput]], encoding_format: str
+) -> list[list[float] | str]:
+    """Each output's vector as a response carries it: floats, or OpenAI's base64 of
+    little-endian float32s (encoded from the tensor, not from its list)."""
+    if encoding_format == "base64":
+        return [
+            base64.b64encode(o.outputs.data.float().numpy().astype("<f4").tobytes()).decode()
+            for o in outputs
+        ]
+    return [o.outputs.data.tolist() for o in outputs]
 
 
 class OpenAIServingPooling:
@@ -68,11 +73,7 @@ class OpenAIServingPooling:
         self.engine = serving.engine
 
     def _pooler(self) -> PoolerInfo:
-        pooler = self.engine.processor.pooler
-        if pooler is None:
-            raise ValueError("this server generates: pooling endpoints need a pooling model "
-                             "(start it with --runner pooling)")
-        return pooler
+        return self.engine.processor.require_pooler()
 
     def _head(self, request: PoolingBaseRequest, prefix: str) -> dict[str, Any]:
         if self.serving.check_model(request.model) is not None:
@@ -128,10 +129,8 @@ class OpenAIServingPooling:
                               normalize=request.normalize)
         outputs = await self._pool(head["id"], _inputs(request.input), params, request.priority)
         data = [
-            EmbeddingResponseData(
-                index=i, embedding=_encoded(o.outputs.data.tolist(), request.encoding_format)
-            )
-            for i, o in enumerate(outputs)
+            EmbeddingResponseData(index=i, embedding=vector)
+            for i, vector in enumerate(_vectors(outputs, request.encoding_format))
         ]
         return EmbeddingResponse(**head, data=data, usage=self._usage(outputs))
 
@@ -144,10 +143,8 @@ class OpenAIServingPooling:
         params = self._params(request, task, **extra)
         outputs = await self._pool(head["id"], _inputs(request.input), params, request.priority)
         data = [
-            PoolingResponseData(
-                index=i, data=_encoded(o.outputs.data.tolist(), request.encoding_format)
-            )
-            for i, o in enumerate(outputs)
+            PoolingResponseData(index=i, data=vector)
+            for i, vector in enumerate(_vectors(outputs, request.encoding_format))
         ]
         return PoolingResponse(**head, data=data, usage=self._usage(outputs))
 
