@@ -161,10 +161,9 @@ class PreNormDecoderLayer(nn.Module):
             return None
         projections = []
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            kernel = linear.kernel
-            if type(linear) is not Linear or not isinstance(kernel, QuantizedWeight):
+            if type(linear) is not Linear or not isinstance(linear.kernel, QuantizedWeight):
                 return None
-            projections.append(Projection(kernel.kernel_blocks(), linear.bias))
+            projections.append(Projection(linear.kernel.kernel_blocks(), linear.bias))
         return LayerWeights(norms[0].weight, norms[0].eps, norms[1].weight, norms[1].eps,
                             impl.scale, *projections)
 
