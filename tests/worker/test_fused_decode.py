@@ -12,6 +12,7 @@ from v1 import LLM, SamplingParams
 from v1.attention.backends.torch_attn import TorchAttentionImpl
 from v1.attention.backends.torch_plan import AttentionPlan
 from v1.kernels import decoder as kernels_decoder
+from v1.kernels.attention import paged_decode_kernel
 from v1.kernels.decoder import DecoderLayers, LayerWeights, Projection, fused_decoder
 from v1.lora.layers import LinearWithLoRA, LoRABatch
 from v1.models.layers.quant import prompt_rows
@@ -52,27 +53,36 @@ def forward(model, kv_caches, chunks, fused: bool, monkeypatch) -> torch.Tensor:
 TABLES = ([3, 1, 6], [0, 4], [7, 2, 5])
 
 
-def prefilled(model, prompts: list[list[int]], monkeypatch) -> list[torch.Tensor]:
-    kv_caches = new_kv_caches(model, 8)
+def prefilled(
+    model, prompts: list[list[int]], monkeypatch, kv_dtype: torch.dtype = torch.float32
+) -> list[torch.Tensor]:
+    kv_caches = [c.to(kv_dtype) for c in new_kv_caches(model, 8)]
     chunks = [Chunk(p, 0, t) for p, t in zip(prompts, TABLES)]
     forward(model, kv_caches, chunks, False, monkeypatch)
     return kv_caches
 
 
+BATCH3 = [(1, 20), (1, 9), (1, 30)]
+
+
 @pytest.mark.parametrize(
-    "step",
+    "step, kv_dtype",
     [
-        [(1, 20)],  # batch 1
-        [(1, 20), (1, 9), (1, 30)],  # a few decodes
-        [(4, 20)],  # one request's token and 3 drafts (speculative decoding)
-        [(3, 20), (1, 9)],
+        ([(1, 20)], torch.float32),  # batch 1
+        (BATCH3, torch.float32),  # a few decodes
+        ([(4, 20)], torch.float32),  # one request's token and 3 drafts (speculative decoding)
+        ([(3, 20), (1, 9)], torch.float32),
+        (BATCH3, torch.bfloat16),
+        (BATCH3, torch.float16),
     ],
-    ids=["batch1", "batch3", "drafts", "drafts-and-decode"],
+    ids=["batch1", "batch3", "drafts", "drafts-and-decode", "batch3-bf16", "batch3-fp16"],
 )
-def test_fused_step_is_the_per_op_step(gguf_model, fused_calls, monkeypatch, step):
-    """Hidden states and the K/V written: the same bits either way."""
+def test_fused_step_is_the_per_op_step(gguf_model, fused_calls, monkeypatch, step, kv_dtype):
+    """Hidden states and the K/V written: the same bits either way, for each cache dtype."""
     prompts = [[(7 * i + 3 * r) % 5000 + 10 for i in range(n)] for r, (_, n) in enumerate(step)]
-    kv_caches = prefilled(gguf_model, prompts, monkeypatch)
+    kv_caches = prefilled(gguf_model, prompts, monkeypatch, kv_dtype)
+    if paged_decode_kernel(kv_caches[0], 9) is None:
+        pytest.skip(f"this library has no {kv_dtype} decode kernel (portable: no fp16)")
     chunks = [Chunk([11 + r] * q, n, t) for r, ((q, n), t) in enumerate(zip(step, TABLES))]
     caches_a = [c.clone() for c in kv_caches]
     fused_calls.clear()
