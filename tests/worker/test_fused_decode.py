@@ -15,6 +15,7 @@ from v1.kernels import decoder as kernels_decoder
 from v1.kernels.attention import paged_decode_kernel
 from v1.kernels.decoder import DecoderLayers, LayerWeights, Projection, fused_decoder
 from v1.lora.layers import LinearWithLoRA, LoRABatch
+from v1.models.layers import quant
 from v1.models.layers.quant import prompt_rows
 from v1.models.loader import load_model
 
@@ -123,6 +124,21 @@ def test_steps_that_do_not_qualify_run_per_op(gguf_model, fused_calls, monkeypat
         attn.qkv_proj = base
     forward(gguf_model, kv_caches, decode, True, monkeypatch)
     assert len(fused_calls) == 1
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_int8_rule_is_followed(gguf_model, fused_calls, monkeypatch, rows):
+    """Where the rule sends decode rows through int8 (V1_QUANT_INT8_MIN_ROWS), both paths
+    do: still the same bits, and not the fp32 path's."""
+    kv_caches = prefilled(gguf_model, [list(range(300, 316))], monkeypatch)
+    chunks = [Chunk([8] * rows, 16, TABLES[0])]
+    caches = [[c.clone() for c in kv_caches] for _ in range(2)]
+    fp32 = forward(gguf_model, caches[0], chunks, True, monkeypatch)
+    monkeypatch.setattr(quant, "INT8_MIN_ROWS", 1)
+    fused = forward(gguf_model, caches[1], chunks, True, monkeypatch)
+    per_op = forward(gguf_model, kv_caches, chunks, False, monkeypatch)
+    assert len(fused_calls) == 2
+    assert torch.equal(fused, per_op) and not torch.equal(fused, fp32)
 
 
 def test_new_weights_are_read(gguf_model, fused_calls, monkeypatch):
