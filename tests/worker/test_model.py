@@ -43,10 +43,10 @@ def new_kv_caches(model: DecoderForCausalLM, num_blocks: int) -> list[torch.Tens
     return [torch.zeros(shape) for _ in range(cfg.num_hidden_layers)]
 
 
-def run_step(
-    model: DecoderForCausalLM, kv_caches: list[torch.Tensor], chunks: list[Chunk]
-) -> list[torch.Tensor]:
-    """One packed forward over all chunks; returns each chunk's logits [len(tokens), vocab]."""
+def step_inputs(
+    chunks: list[Chunk],
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """(input_ids, positions, metadata) of one packed forward over all chunks."""
     query_lens = [len(c.tokens) for c in chunks]
     seq_lens = [c.num_cached + len(c.tokens) for c in chunks]
     positions = np.concatenate([np.arange(c.num_cached, s) for c, s in zip(chunks, seq_lens)])
@@ -70,8 +70,17 @@ def run_step(
         seq_lens_cpu=seq_lens_np,
     )
     input_ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.long)
+    return input_ids, torch.from_numpy(positions), metadata
+
+
+def run_step(
+    model: DecoderForCausalLM, kv_caches: list[torch.Tensor], chunks: list[Chunk]
+) -> list[torch.Tensor]:
+    """One packed forward over all chunks; returns each chunk's logits [len(tokens), vocab]."""
+    input_ids, positions, metadata = step_inputs(chunks)
+    query_lens = [len(c.tokens) for c in chunks]
     with torch.inference_mode():
-        hidden = model(input_ids, torch.from_numpy(positions), kv_caches, metadata)
+        hidden = model(input_ids, positions, kv_caches, metadata)
         logits = model.compute_logits(hidden)
     assert logits.dtype == torch.float32
     return list(logits.split(query_lens))

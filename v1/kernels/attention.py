@@ -77,7 +77,7 @@ class PagedDecodeKernel:
         table_rows[i] of `table` (int32 [num_reqs, width]); new K/V row j goes to flat slot
         slots[j] (negative: padding). Every index is checked against what it indexes (in
         numpy: on these few-element arrays, a torch reduction costs several times more)."""
-        self._check_cache(kv_cache, kv_cache.shape)
+        self.check_cache(kv_cache, kv_cache.shape)
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         if (
             table.dtype is not torch.int32 or table.dim() != 2 or not table.is_contiguous()
@@ -139,7 +139,7 @@ class PagedDecodeKernel:
         n >= the step's slots) at the step's slots if given: in one call, as a layer's call
         costs more than its work at batch 1. (Each shape is read once: on a loaded machine
         one `t.shape` costs ~0.2 us, and a batch-1 layer's attention ~10.)"""
-        self._check_cache(kv_cache, step.cache_shape)
+        self.check_cache(kv_cache, step.cache_shape)
         _, _, _, num_kv_heads, head_dim = step.cache_shape
         k_row = v_row = 0
         if key is not None or value is not None:
@@ -187,7 +187,7 @@ class PagedDecodeKernel:
             _address(lse) if query is not None else None,
         )
 
-    def _check_cache(self, kv_cache: torch.Tensor, shape: torch.Size) -> None:
+    def check_cache(self, kv_cache: torch.Tensor, shape: torch.Size) -> None:
         """`kv_cache` contiguous, of this kernel's dtype and of `shape` [2, num_blocks,
         block_size, kv_heads, head_size % 8 == 0], on the CPU."""
         if (

@@ -28,8 +28,10 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "paged_decode_f32.c": (),
     "paged_decode_bf16.c": (),
     "paged_decode_f16.c": (),
+    # Calls the others' entry points only (no arithmetic of its own to round).
+    "decoder.c": (),
 }
-HEADERS = ("kv_rows.h", "paged_decode.h", "pool.h", "v1.h", "vec8.h")
+HEADERS = ("kernels.h", "kv_rows.h", "paged_decode.h", "pool.h", "v1.h", "vec8.h")
 
 COMMON_FLAGS = ("-std=gnu11", "-fPIC", "-fvisibility=hidden", "-pthread", "-Wall", "-Wextra",
                 "-Wno-psabi")  # psabi: GCC notes that 64-byte vectors pass differently

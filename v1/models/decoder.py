@@ -29,7 +29,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata
+from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata, AttentionType
+from v1.attention.backends.torch_attn import TorchAttentionImpl
+from v1.kernels.decoder import LayerWeights, Projection
+from v1.models.fused_decode import FusedDecode
 from v1.models.layers.attention import Attention
 from v1.models.layers.linear import Linear, VocabEmbedding
 from v1.models.layers.mlp import GatedMLP
@@ -139,6 +142,31 @@ class PreNormDecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(x, residual, ops)
         return self.mlp(x, ops), residual
 
+    def fused_weights(self) -> LayerWeights | None:
+        """This layer as the fused decode step runs it (`v1.models.fused_decode`), or None
+        where that would not compute what `forward` does: a subclass (its own forward),
+        unit-offset or q/k norms, an activation other than silu, a projection that is not
+        GGUF blocks in a plain `Linear` (LoRA wraps them), another attention backend or
+        type."""
+        if type(self) is not PreNormDecoderLayer:
+            return None
+        attn, mlp = self.self_attn, self.mlp
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        impl = attn.attn
+        if (
+            any(norm.unit_offset for norm in norms) or attn.q_norm is not None
+            or mlp.hidden_act != "silu" or type(impl) is not TorchAttentionImpl
+            or impl.attn_type != AttentionType.DECODER
+        ):
+            return None
+        projections = []
+        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            if type(linear) is not Linear or not isinstance(linear.kernel, QuantizedWeight):
+                return None
+            projections.append(Projection(linear.kernel.kernel_blocks(), linear.bias))
+        return LayerWeights(norms[0].weight, norms[0].eps, norms[1].weight, norms[1].eps,
+                            impl.scale, *projections)
+
 
 class DecoderModel(nn.Module):
     """Embedding, the layers, the final norm; RoPE tables shared by the layers that use them."""
@@ -168,6 +196,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = final_norm
         self.rotary_embs = nn.ModuleDict(rotary_embs)
+        self.fused_decode = FusedDecode(self.layers)
 
     def forward(
         self,
@@ -185,11 +214,15 @@ class DecoderModel(nn.Module):
             key: emb.cos_sin(positions, hidden_states.dtype)
             for key, emb in self.rotary_embs.items()
         }
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden_states, residual = layer(
-                ropes[layer.rope_key], hidden_states, residual, kv_cache, attn_metadata, ops
-            )
+        fused = self.fused_decode(hidden_states, ropes, kv_caches, attn_metadata, ops)
+        if fused is not None:
+            hidden_states, residual = fused
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                hidden_states, residual = layer(
+                    ropes[layer.rope_key], hidden_states, residual, kv_cache, attn_metadata, ops
+                )
         return self.norm(hidden_states, residual, ops)[0]
 
 

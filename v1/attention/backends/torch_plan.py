@@ -320,6 +320,15 @@ class AttentionPlan:
             ))
         return plan
 
+    def native_only(self) -> "_NativeDecodes | None":
+        """The C kernel's entries where they are all of the step's attention: no SDPA
+        decodes, prefills or cascade groups (so no lse), every query row an entry. With fp32
+        K/V the kernel's call stores them too (`native_write`), so a layer's attention is
+        that one call: the fused decode step (v1.models.fused_decode) makes it from C."""
+        if self.native is None or self.decodes or self.prefills or self.groups:
+            return None
+        return self.native
+
     def native_write(
         self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
     ) -> "_NativeDecodes | None":

@@ -2,7 +2,7 @@
    v1.models.layers.ops, and v1/kernels/elementwise.py for the bindings' checks). Rows are
    their own stride apart; n needs no alignment. Built with -ffp-contract=off: a * b + c
    rounds twice, as the torch ops do. */
-#include "v1.h"
+#include "kernels.h"
 #include "vec8.h"
 
 #include <math.h>

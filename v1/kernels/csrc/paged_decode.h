@@ -6,6 +6,7 @@
      PAGED_DECODE  the entry point's name.
    One translation unit per dtype: in one, three callers of vec8.h's helpers made GCC stop
    inlining them (the fp32 kernel ran 1.3-3x slower). */
+#include "kernels.h"
 #include "kv_rows.h"
 #include "pool.h"
 

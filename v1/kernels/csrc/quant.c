@@ -1,8 +1,8 @@
 /* GGUF block-quantized weights (Q4_1, Q8_0) times fp32 activations: the kernels behind
    v1.models.layers.quant (whose docstring says which path serves which batch and why).
    Bindings: v1/kernels/quant.py, which checks every argument before it gets here. */
+#include "kernels.h"
 #include "pool.h"
-#include "v1.h"
 
 #include <math.h>
 #include <stdint.h>

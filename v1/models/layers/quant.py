@@ -172,6 +172,23 @@ def _path_for(m: int) -> str:
     return "dense" if DENSE_MIN_ROWS is not None and m >= DENSE_MIN_ROWS else "fp32"
 
 
+def path_for_rows(m: int) -> str | None:
+    """The path every row of an m-row `linear` call without `path` takes, in the current
+    forward on this thread (`prompt_rows`); None where the call's rows are split between
+    paths (some prompt tokens' rows, some not). The one rule: `QuantizedWeight.linear` asks
+    it, and so does the fused decode step (v1.models.fused_decode), which must choose as
+    the per-op path does to compute the same bits."""
+    split = getattr(_forward, "rows", None)
+    if split is not None and split.num_rows == m:
+        return "int8" if split.prompt is None else None
+    return _path_for(m)
+
+
+def has_prompt_rows() -> bool:
+    """Whether the current forward on this thread has prompt tokens' rows (`prompt_rows`)."""
+    return getattr(_forward, "rows", None) is not None
+
+
 class QuantizedWeight:
     """A [out_features, in_features] weight as GGUF blocks (uint8 [out, in / 32 * bytes])."""
 
@@ -249,20 +266,16 @@ class QuantizedWeight:
         if path is not None and path not in PATHS:
             raise ValueError(f"path {path!r} is not one of {PATHS}")
         m = x.numel() // self.in_features
-        split = getattr(_forward, "rows", None) if path is None else None
-        if split is not None and split.num_rows == m:
-            if split.prompt is None:
-                path = "int8"
-            else:
-                assert split.other is not None
-                rows = x.reshape(m, self.in_features)
-                out = x.new_empty(m, self.out_features)
-                out[split.prompt] = self.linear(rows[split.prompt], bias, "int8")
-                out[split.other] = self.linear(rows[split.other], bias,
-                                               _path_for(len(split.other)))
-                return out.reshape(*x.shape[:-1], self.out_features)
         if path is None:
-            path = _path_for(m)
+            path = path_for_rows(m)
+        if path is None:  # prompt rows through "int8", the others by their count
+            split = _forward.rows
+            assert split.prompt is not None and split.other is not None
+            rows = x.reshape(m, self.in_features)
+            out = x.new_empty(m, self.out_features)
+            out[split.prompt] = self.linear(rows[split.prompt], bias, "int8")
+            out[split.other] = self.linear(rows[split.other], bias, _path_for(len(split.other)))
+            return out.reshape(*x.shape[:-1], self.out_features)
         native = (path != "torch" and m > 0 and x.dtype == torch.float32 and x.is_cpu
                   and self.blocks.is_cpu)
         q = kernels() if native else None
@@ -270,9 +283,7 @@ class QuantizedWeight:
             return F.linear(x, self.dequantize().to(x.dtype), bias)
         if bias is not None:
             bias = bias.contiguous()
-        kb = self._kernel_blocks
-        if kb is None or kb.tensor is not self.blocks:  # `blocks` may have been replaced
-            kb = self._kernel_blocks = QuantBlocks(self.kind, self.blocks)
+        kb = self.kernel_blocks()
         if path == "dense":
             w = q.dequantize(kb)
             if ONEDNN_LINEAR:
@@ -283,6 +294,13 @@ class QuantizedWeight:
             rows = rows.contiguous()
         out = q.linear(kb, rows, bias, int8=path == "int8")
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
+
+    def kernel_blocks(self) -> QuantBlocks:
+        """`blocks` as the kernels take them (made again where `blocks` was replaced)."""
+        kb = self._kernel_blocks
+        if kb is None or kb.tensor is not self.blocks:
+            kb = self._kernel_blocks = QuantBlocks(self.kind, self.blocks)
+        return kb
 
     def __repr__(self) -> str:
         return f"QuantizedWeight({self.kind}, {self.out_features}x{self.in_features})"

@@ -1,0 +1,241 @@
+"""The fused decode step (v1.models.fused_decode, csrc/decoder.c): the same bits as the
+per-op path on the real default model (GGUF blocks), the same greedy tokens through LLM,
+the per-op path wherever a step does not qualify, and ValueError for bad arguments."""
+
+import ctypes
+
+import pytest
+import torch
+
+from tests.worker.test_model import Chunk, new_kv_caches, step_inputs
+from v1 import LLM, SamplingParams
+from v1.attention.backends.torch_attn import TorchAttentionImpl
+from v1.attention.backends.torch_plan import AttentionPlan
+from v1.kernels import decoder as kernels_decoder
+from v1.kernels.attention import paged_decode_kernel
+from v1.kernels.decoder import DecoderLayers, LayerWeights, Projection, fused_decoder
+from v1.lora.layers import LinearWithLoRA, LoRABatch
+from v1.models.layers import quant
+from v1.models.layers.quant import prompt_rows
+from v1.models.loader import load_model
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def gguf_model(default_model_path):
+    """The default model with its GGUF blocks (the LLM default), this module's own: the
+    tests swap and restore its modules."""
+    return load_model(str(default_model_path), torch.float32, torch.device("cpu"),
+                      TorchAttentionImpl, quantization="gguf").model
+
+
+@pytest.fixture
+def fused_calls(monkeypatch) -> list[int]:
+    """Counts the fused C calls (one element per call)."""
+    calls: list[int] = []
+    call = kernels_decoder.FusedDecoder.__call__
+
+    def spy(self, *args, **kwargs):
+        calls.append(1)
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(kernels_decoder.FusedDecoder, "__call__", spy)
+    return calls
+
+
+def forward(model, kv_caches, chunks, fused: bool, monkeypatch) -> torch.Tensor:
+    monkeypatch.setenv("V1_FUSED_DECODE", "1" if fused else "0")
+    input_ids, positions, metadata = step_inputs(chunks)
+    with torch.inference_mode():
+        return model(input_ids, positions, kv_caches, metadata)
+
+
+TABLES = ([3, 1, 6], [0, 4], [7, 2, 5])
+
+
+def prefilled(
+    model, prompts: list[list[int]], monkeypatch, kv_dtype: torch.dtype = torch.float32
+) -> list[torch.Tensor]:
+    kv_caches = [c.to(kv_dtype) for c in new_kv_caches(model, 8)]
+    chunks = [Chunk(p, 0, t) for p, t in zip(prompts, TABLES)]
+    forward(model, kv_caches, chunks, False, monkeypatch)
+    return kv_caches
+
+
+BATCH3 = [(1, 20), (1, 9), (1, 30)]
+
+
+@pytest.mark.parametrize(
+    "step, kv_dtype",
+    [
+        ([(1, 20)], torch.float32),  # batch 1
+        (BATCH3, torch.float32),  # a few decodes
+        ([(4, 20)], torch.float32),  # one request's token and 3 drafts (speculative decoding)
+        ([(3, 20), (1, 9)], torch.float32),
+        (BATCH3, torch.bfloat16),
+        (BATCH3, torch.float16),
+    ],
+    ids=["batch1", "batch3", "drafts", "drafts-and-decode", "batch3-bf16", "batch3-fp16"],
+)
+def test_fused_step_is_the_per_op_step(gguf_model, fused_calls, monkeypatch, step, kv_dtype):
+    """Hidden states and the K/V written: the same bits either way, for each cache dtype."""
+    prompts = [[(7 * i + 3 * r) % 5000 + 10 for i in range(n)] for r, (_, n) in enumerate(step)]
+    kv_caches = prefilled(gguf_model, prompts, monkeypatch, kv_dtype)
+    if paged_decode_kernel(kv_caches[0], 9) is None:
+        pytest.skip(f"this library has no {kv_dtype} decode kernel (portable: no fp16)")
+    chunks = [Chunk([11 + r] * q, n, t) for r, ((q, n), t) in enumerate(zip(step, TABLES))]
+    caches_a = [c.clone() for c in kv_caches]
+    fused_calls.clear()
+    fused = forward(gguf_model, caches_a, chunks, True, monkeypatch)
+    assert len(fused_calls) == 1
+    per_op = forward(gguf_model, kv_caches, chunks, False, monkeypatch)
+    assert len(fused_calls) == 1
+    assert torch.equal(fused, per_op)
+    assert all(torch.equal(a, b) for a, b in zip(caches_a, kv_caches))
+
+
+def test_steps_that_do_not_qualify_run_per_op(gguf_model, fused_calls, monkeypatch):
+    prompt = list(range(100, 120))
+    kv_caches = prefilled(gguf_model, [prompt], monkeypatch)
+    decode = [Chunk([5], 20, TABLES[0])]
+    # Prompt rows (the engine marks them): per op, as without the mark it is fused.
+    chunk = [Chunk([6, 7], 20, TABLES[0])]
+    with prompt_rows(torch.tensor([True, True]).numpy()):
+        forward(gguf_model, kv_caches, chunk, True, monkeypatch)
+    assert not fused_calls
+    forward(gguf_model, kv_caches, chunk, True, monkeypatch)
+    assert len(fused_calls) == 1
+    # A prefill that SDPA attends (no native plan), then the switch off.
+    fused_calls.clear()
+    forward(gguf_model, new_kv_caches(gguf_model, 40), [Chunk(list(range(300)), 0,
+                                                               list(range(19)))],
+            True, monkeypatch)
+    forward(gguf_model, kv_caches, decode, False, monkeypatch)
+    assert not fused_calls
+    # LoRA's wrapper around a projection: per op until it is taken off again.
+    attn = gguf_model.model.layers[3].self_attn
+    base = attn.qkv_proj
+    attn.qkv_proj = LinearWithLoRA(base, (576, 192, 192), LoRABatch(), 1, 8)
+    try:
+        forward(gguf_model, kv_caches, decode, True, monkeypatch)
+        assert not fused_calls
+    finally:
+        attn.qkv_proj = base
+    forward(gguf_model, kv_caches, decode, True, monkeypatch)
+    assert len(fused_calls) == 1
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_int8_rule_is_followed(gguf_model, fused_calls, monkeypatch, rows):
+    """Where the rule sends decode rows through int8 (V1_QUANT_INT8_MIN_ROWS), both paths
+    do: still the same bits, and not the fp32 path's."""
+    kv_caches = prefilled(gguf_model, [list(range(300, 316))], monkeypatch)
+    chunks = [Chunk([8] * rows, 16, TABLES[0])]
+    caches = [[c.clone() for c in kv_caches] for _ in range(2)]
+    fp32 = forward(gguf_model, caches[0], chunks, True, monkeypatch)
+    monkeypatch.setattr(quant, "INT8_MIN_ROWS", 1)
+    fused = forward(gguf_model, caches[1], chunks, True, monkeypatch)
+    per_op = forward(gguf_model, kv_caches, chunks, False, monkeypatch)
+    assert len(fused_calls) == 2
+    assert torch.equal(fused, per_op) and not torch.equal(fused, fp32)
+
+
+def test_new_weights_are_read(gguf_model, fused_calls, monkeypatch):
+    """A norm's weight replaced: the descriptors are made again, the step still equal."""
+    norm = gguf_model.model.layers[5].post_attention_layernorm
+    old = norm.weight
+    norm.weight = torch.nn.Parameter(old.detach() * 1.5, requires_grad=False)
+    try:
+        kv_caches = prefilled(gguf_model, [list(range(200, 212))], monkeypatch)
+        chunks = [Chunk([9], 12, TABLES[0])]
+        caches_a = [c.clone() for c in kv_caches]
+        fused = forward(gguf_model, caches_a, chunks, True, monkeypatch)
+        per_op = forward(gguf_model, kv_caches, chunks, False, monkeypatch)
+        assert len(fused_calls) == 1
+        assert torch.equal(fused, per_op)
+    finally:
+        norm.weight = old
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3,
+                                         "prompt_lookup_max": 3, "prompt_lookup_min": 1}])
+def test_greedy_tokens_equal_through_llm(default_model_path, fused_calls, monkeypatch, spec):
+    prompts = ["The capital of France is", "1, 2, 3, 4, 5,", "Write a haiku about the sea:"]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    with LLM(str(default_model_path), multiprocess=False, num_gpu_blocks=64,
+             max_model_len=256, speculative_config=spec) as llm:
+        outputs = {}
+        for flag in ("1", "0"):
+            monkeypatch.setenv("V1_FUSED_DECODE", flag)
+            fused_calls.clear()
+            llm.reset_prefix_cache()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            outputs[flag] = [o.outputs[0].token_ids for o in outs]
+            assert bool(fused_calls) == (flag == "1")
+    assert outputs["1"] == outputs["0"]
+
+
+# ---- the binding's checks -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_layer(gguf_model):
+    layer = gguf_model.model.layers[0]
+    return layer.fused_weights()
+
+
+def _layers(weights: LayerWeights) -> DecoderLayers:
+    return DecoderLayers([weights], 9, 3, 64)
+
+
+def test_bad_layers_raise(one_layer):
+    bad_norm = LayerWeights(**{**_fields(one_layer), "input_norm": torch.ones(575)})
+    with pytest.raises(ValueError, match=r"layers\[0\].input_norm"):
+        _layers(bad_norm)
+    qkv = Projection(one_layer.qkv.blocks, torch.ones(960, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"layers\[0\].qkv.bias"):
+        _layers(LayerWeights(**{**_fields(one_layer), "qkv": qkv}))
+    swapped = LayerWeights(**{**_fields(one_layer), "o": one_layer.down})
+    with pytest.raises(ValueError, match=r"layers\[0\].o"):
+        _layers(swapped)
+    with pytest.raises(ValueError, match="heads"):
+        DecoderLayers([one_layer], 9, 2, 64)
+
+
+def _fields(w: LayerWeights) -> dict:
+    return {name: getattr(w, name) for name in LayerWeights.__slots__}
+
+
+def test_bad_step_arguments_raise(gguf_model, one_layer, monkeypatch):
+    fused = fused_decoder()
+    assert fused is not None
+    layers = _layers(one_layer)
+    kv_caches = prefilled(gguf_model, [[1, 2, 3]], monkeypatch)[:1]
+    _, _, metadata = step_inputs([Chunk([4], 3, TABLES[0])])
+    native = AttentionPlan.for_step(metadata, kv_caches[0], 9).native_only()
+    step = native.bound(kv_caches[0])
+    hidden = torch.zeros(1, 576)
+    table = torch.zeros(1, 1, 64)
+    good = dict(layers=layers, hidden=hidden, cos=table, sin=table, step=step,
+                kernel=native.kernel, kv_caches=kv_caches, int8=False)
+    fused(**good)  # these are fine
+    for name, value, match in [
+        ("hidden", hidden.double(), "hidden"),
+        ("hidden", torch.zeros(1, 577), "hidden"),
+        ("hidden", torch.zeros(4, 576)[::2], "hidden"),
+        ("cos", torch.zeros(2, 1, 64), "cos"),
+        ("sin", torch.zeros(1, 1, 32), "sin"),
+        ("kv_caches", kv_caches * 2, "kv_caches"),
+        ("kv_caches", [kv_caches[0].to(torch.bfloat16)], "kv_cache"),
+        ("kv_caches", [kv_caches[0][:, :4].clone()], "kv_cache"),
+        ("hidden", torch.zeros(0, 576), "hidden"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            fused(**{**good, name: value})
+    # A step bound for another head layout, or reading rows the hidden states lack.
+    _, _, wide = step_inputs([Chunk([4, 5, 6], 3, TABLES[0])])
+    wide_step = AttentionPlan.for_step(wide, kv_caches[0], 9).native_only().bound(kv_caches[0])
+    with pytest.raises(ValueError, match="step"):
+        fused(**{**good, "step": wide_step})
+    assert isinstance(layers.array, ctypes.Array)

@@ -1,0 +1,248 @@
+"""Bindings of the fused decode step (csrc/decoder.c), for `v1.models.fused_decode`: every
+layer of a decoder whose step holds only generated tokens' rows, in one C call that runs the
+per-op path's kernels (RMSNorm, block-quantized matmuls, RoPE, the paged decode kernel,
+SiLU-and-mul) in its order, so its results are the same bits.
+
+What the C reads is checked here, raising ValueError naming the argument:
+- `DecoderLayers`, built once per set of weights: each layer's norm weights (contiguous fp32
+  [hidden]), projections (`QuantBlocks` of the shapes the heads and sizes imply) and biases
+  (contiguous fp32 [N], or none), all on the CPU. `unchanged()` says whether every tensor still
+  has the stamp it was checked with (`tensors.stamp`); the caller builds a new one otherwise.
+- per call: the hidden states (contiguous fp32 [T, hidden]), the RoPE tables (contiguous fp32
+  [T, 1, head_dim]), the attention step (`PagedDecodeKernel.bind`'s, for caches of this head
+  layout, its entries reading query rows below T and its slots at most T), one cache per
+  layer (contiguous, the kernel's dtype, the step's shape), checked again only when their
+  stamps or the step's shape change (they are the same tensors every step).
+The scratch buffers (norm outputs, projections' outputs) are `DecoderLayers`' own, grown to
+the step's rows and reused: one call at a time per `DecoderLayers` (one per model).
+"""
+
+import ctypes
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from v1.kernels.attention import KV_DTYPES, MAX_HEAD_FLOATS, BoundStep, PagedDecodeKernel
+from v1.kernels.library import library
+from v1.kernels.quant import QuantBlocks
+from v1.kernels.tensors import stamp
+
+_F32 = torch.float32
+# The cache dtype codes of decoder.c (its KV_F32, KV_BF16, KV_F16).
+KV_CODES = {dtype: code for code, dtype in enumerate(KV_DTYPES)}
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Projection:
+    """A block-quantized matmul's weight and its bias (None: none)."""
+
+    blocks: QuantBlocks
+    bias: torch.Tensor | None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class LayerWeights:
+    """One pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x)), the attention's
+    projection q | k | v and its scores scaled by `scale`, the MLP's gate | up."""
+
+    input_norm: torch.Tensor
+    input_eps: float
+    post_norm: torch.Tensor
+    post_eps: float
+    scale: float
+    qkv: Projection
+    o: Projection
+    gate_up: Projection
+    down: Projection
+
+
+class _Proj(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("kind", ctypes.c_int32)]
+
+
+class _Layer(ctypes.Structure):
+    """`struct decoder_layer`."""
+
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+        ("input_eps", ctypes.c_float), ("post_eps", ctypes.c_float), ("scale", ctypes.c_float),
+        ("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj), ("down", _Proj),
+    ]
+
+
+class _Dims(ctypes.Structure):
+    """`struct decoder_dims`."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "H", "KVH", "D", "I")]
+
+
+class _Scratch(ctypes.Structure):
+    """`struct decoder_scratch`."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("x", "qkv", "attn", "h", "gate_up", "act")]
+
+
+class DecoderLayers:
+    """The layers as decoder.c reads them (an array of `struct decoder_layer`), checked once,
+    with what its calls reuse: the scratch buffers, the caches last checked. Holds every
+    tensor it points into."""
+
+    def __init__(
+        self, layers: Sequence[LayerWeights], num_heads: int, num_kv_heads: int, head_dim: int
+    ) -> None:
+        if not layers:
+            raise ValueError("layers: expected at least one layer")
+        if (
+            num_kv_heads < 1 or num_heads % num_kv_heads or head_dim < 8 or head_dim % 8
+            or num_heads * head_dim > MAX_HEAD_FLOATS
+        ):
+            raise ValueError(f"heads: {num_heads} query heads, {num_kv_heads} kv heads of "
+                             f"{head_dim} (a multiple of 8) do not fit the decode kernel")
+        first = layers[0]
+        first.qkv.blocks.checked(), first.down.blocks.checked()  # their N and K, checked
+        hidden, inter = first.qkv.blocks.K, first.down.blocks.K
+        q_size = num_heads * head_dim
+        # (N, K) of each projection.
+        shapes = {"qkv": (q_size + 2 * num_kv_heads * head_dim, hidden), "o": (hidden, q_size),
+                  "gate_up": (2 * inter, hidden), "down": (hidden, inter)}
+        self._tensors: list[torch.Tensor] = []
+        structs = []
+        for i, layer in enumerate(layers):
+            projs = {}
+            for name, (n, k) in shapes.items():
+                proj: Projection = getattr(layer, name)
+                w = proj.blocks.checked()
+                if (proj.blocks.N, proj.blocks.K) != (n, k):
+                    raise ValueError(f"layers[{i}].{name}: weight [{proj.blocks.N}, "
+                                     f"{proj.blocks.K}], expected [{n}, {k}]")
+                self._tensors.append(proj.blocks.tensor)
+                if proj.bias is not None:
+                    self._vector(f"layers[{i}].{name}.bias", proj.bias, n)
+                projs[name] = _Proj(w, None if proj.bias is None else proj.bias.data_ptr(),
+                                    proj.blocks.code)
+            self._vector(f"layers[{i}].input_norm", layer.input_norm, hidden)
+            self._vector(f"layers[{i}].post_norm", layer.post_norm, hidden)
+            structs.append(_Layer(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(),
+                                  layer.input_eps, layer.post_eps, layer.scale, **projs))
+        self.array = (_Layer * len(structs))(*structs)
+        self.num_layers = len(structs)
+        self.dims = _Dims(hidden, num_heads, num_kv_heads, head_dim, inter)
+        self._stamps = [stamp(t) for t in self._tensors]
+        # Scratch widths per row, in _Scratch's order.
+        self._widths = (hidden, shapes["qkv"][0], q_size, hidden, 2 * inter, inter)
+        self._scratch: list[torch.Tensor] = []
+        self._scratch_rows = 0
+        self.scratch = _Scratch()
+        # The caches last checked: (their stamps, the step's cache shape, the kernel's dtype,
+        # their addresses for the C).
+        self._caches: tuple | None = None
+
+    def _vector(self, name: str, t: torch.Tensor, n: int) -> None:
+        if t.dtype is not _F32 or not t.is_cpu or t.shape != (n,) or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous fp32 [{n}] on the CPU, got {t.dtype} "
+                             f"{list(t.shape)} on {t.device}")
+        self._tensors.append(t)
+
+    def unchanged(self) -> bool:
+        """Whether every tensor is where, and as long as, when it was checked."""
+        return [stamp(t) for t in self._tensors] == self._stamps
+
+    def scratch_for(self, rows: int) -> torch.Tensor:
+        """The scratch for `rows` rows (`self.scratch` points into it); returns the block
+        output's buffer h, those rows of it."""
+        if rows > self._scratch_rows:
+            self._scratch = [torch.empty(rows, w, dtype=_F32) for w in self._widths]
+            self._scratch_rows = rows
+            self.scratch = _Scratch(*(t.data_ptr() for t in self._scratch))
+        return self._scratch[3][:rows]
+
+    def caches(
+        self, kv_caches: Sequence[torch.Tensor], shape: torch.Size, kernel: PagedDecodeKernel
+    ) -> ctypes.Array:
+        """The caches' addresses, one per layer, after checking them where they may have
+        changed since the last call."""
+        if len(kv_caches) != self.num_layers:
+            raise ValueError(f"kv_caches: {len(kv_caches)} caches for {self.num_layers} layers")
+        stamps = [stamp(c) for c in kv_caches]
+        last = self._caches
+        if last is not None and last[0] == stamps and last[1] == shape and (
+            last[2] is kernel.kv_dtype
+        ):
+            return last[3]
+        for cache in kv_caches:
+            kernel.check_cache(cache, shape)
+        array = (ctypes.c_void_p * self.num_layers)(*(address for address, _ in stamps))
+        self._caches = (stamps, shape, kernel.kv_dtype, array)
+        return array
+
+
+class FusedDecoder:
+    """`v1_decoder_decode` of one library."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+        self._fn = lib.v1_decoder_decode
+        self._fn.argtypes = [p, i64, p, i64, p, p, p, p, p, i32, p, i32, i32]
+        self._fn.restype = i32
+
+    def __call__(
+        self, layers: DecoderLayers, hidden: torch.Tensor, cos: torch.Tensor,
+        sin: torch.Tensor, step: BoundStep, kernel: PagedDecodeKernel,
+        kv_caches: Sequence[torch.Tensor], int8: bool,
+    ) -> torch.Tensor:
+        """Runs every layer on `hidden` [T, hidden] (the embeddings; on return, in place, the
+        residual stream before the last layer's block output) and returns that output
+        [T, hidden], which the final norm adds (a view of the scratch: valid until the next
+        call). Stores each layer's K/V through `step` into its cache. `int8`: every
+        projection through int8 activations, else fp32 ones."""
+        dims = layers.dims
+        shape = hidden.shape
+        if (
+            hidden.dtype is not _F32 or not hidden.is_cpu or len(shape) != 2
+            or shape[1] != dims.hidden or shape[0] < 1 or not hidden.is_contiguous()
+        ):
+            raise ValueError(f"hidden must be contiguous fp32 [T >= 1, {dims.hidden}] on the "
+                             f"CPU, got {hidden.dtype} {list(shape)} on {hidden.device}")
+        rows = shape[0]
+        for name, table in (("cos", cos), ("sin", sin)):
+            if (
+                table.dtype is not _F32 or not table.is_cpu or not table.is_contiguous()
+                or table.shape != (rows, 1, dims.D)
+            ):
+                raise ValueError(f"{name} must be contiguous fp32 [{rows}, 1, {dims.D}] on the "
+                                 f"CPU, got {table.dtype} {list(table.shape)}")
+        cache_shape = step.cache_shape
+        if (
+            len(cache_shape) != 5 or cache_shape[3] != dims.KVH or cache_shape[4] != dims.D
+            or step.max_token >= rows or step.num_slots > rows
+        ):
+            raise ValueError(f"step: bound for caches {list(cache_shape)}, query rows up to "
+                             f"{step.max_token} and {step.num_slots} slots; expected "
+                             f"{dims.KVH} kv heads of {dims.D} and at most {rows} rows")
+        caches = layers.caches(kv_caches, cache_shape, kernel)
+        h = layers.scratch_for(rows)
+        status = self._fn(
+            ctypes.addressof(layers.array), layers.num_layers, ctypes.addressof(dims), rows,
+            hidden.data_ptr(), cos.data_ptr(), sin.data_ptr(), step.address, caches,
+            KV_CODES[kernel.kv_dtype], ctypes.addressof(layers.scratch), int8,
+            torch.get_num_threads(),
+        )
+        if status == -1:
+            raise MemoryError(f"no scratch memory for a {rows}-row decode step's matmuls")
+        if status:
+            raise ValueError(f"kv_caches: this library has no {kernel.kv_dtype} decode kernel")
+        return h
+
+
+def fused_decoder(lib: ctypes.CDLL | None = None) -> FusedDecoder | None:
+    """The fused decode step of `lib` (default: this process's library), or None without
+    one."""
+    lib = library() if lib is None else lib
+    return None if lib is None else _bind(lib)
+
+
+@functools.cache
+def _bind(lib: ctypes.CDLL) -> FusedDecoder:
+    return FusedDecoder(lib)
