@@ -1,8 +1,12 @@
 """Shared fixtures. The real default model is loaded at most once per test session (each
 fixture is session-scoped and lazy), and tests needing it skip when it is not installed."""
 
+import contextlib
+import functools
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 # OpenMP's spinning workers collapse when the 2 cores are shared (tests start engine
 # processes beside the test process): passive waiting keeps each process fast. Set before
@@ -26,15 +30,33 @@ def default_model_path() -> Path:
         pytest.skip(str(e))
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """While transformers loads a model from a GGUF file: the file parsed once (transformers
+    parses it for the config, then again for the weights: ~3.5 s each, the default model's
+    vocabulary) and gguf's tensor-name map built once (it builds one for each of ~400
+    tensors: ~5 s). Both calls are pure functions of their arguments, their results only
+    read: the model transformers builds is the same, bit for bit (checked when this was
+    written); only its load takes ~5 s instead of ~10."""
+    import gguf
+
+    with (
+        mock.patch.object(gguf, "GGUFReader", functools.cache(gguf.GGUFReader)),
+        mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)),
+    ):
+        yield
+
+
 @pytest.fixture(scope="session")
 def hf_model(default_model_path: Path):
     """transformers' own fp32 model from the same GGUF: the reference for parity tests
-    (about 20 s to build, hence once per session)."""
+    (several seconds to build, hence once per session)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        default_model_path.parent, gguf_file=default_model_path.name, dtype=torch.float32
-    )
+    with _gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(
+            default_model_path.parent, gguf_file=default_model_path.name, dtype=torch.float32
+        )
     return model.eval()
 
 

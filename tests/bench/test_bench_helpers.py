@@ -8,13 +8,14 @@ import json
 import os
 import re
 import socket
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
 import pytest
+
+from tests.bench.script_help import Help, run_help
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
@@ -177,16 +178,23 @@ def test_hostile_finds_the_process_listening_on_a_port():
         assert bench_hostile.listening_pid(s.getsockname()[1]) == os.getpid()
 
 
-@pytest.mark.parametrize("name", ["bench_prefix_cache", "bench_throughput", "bench_serving",
-                                  "bench_scheduler", "bench_async", "bench_step_breakdown",
-                                  "bench_grammar", "bench_structured", "bench_dp",
-                                  "bench_kv_cache_dtype", "bench_quant", "bench_quant_kernels",
-                                   "bench_linear", "bench_hostile", "bench_suffix_index",
-                                   "bench_llamacpp", "bench_spec", "bench_trees",
-                                   "bench_kernel_variants"])
-def test_help(name):
-    out = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), "--help"],
-                         capture_output=True, text=True, timeout=120)
+HELP_SCRIPTS = ["bench_prefix_cache", "bench_throughput", "bench_serving", "bench_scheduler",
+                "bench_async", "bench_step_breakdown", "bench_grammar", "bench_structured",
+                "bench_dp", "bench_kv_cache_dtype", "bench_quant", "bench_quant_kernels",
+                "bench_linear", "bench_hostile", "bench_suffix_index", "bench_llamacpp",
+                "bench_spec", "bench_trees", "bench_kernel_variants"]
+
+
+@pytest.fixture(scope="module")
+def helps() -> dict[str, Help]:
+    """Every HELP_SCRIPTS script's `--help`, from one helper process (see script_help)."""
+    got = run_help([BENCH / f"{name}.py" for name in HELP_SCRIPTS], cwd=BENCH.parent)
+    return {path.stem: help_ for path, help_ in got.items()}
+
+
+@pytest.mark.parametrize("name", HELP_SCRIPTS)
+def test_help(helps: dict[str, Help], name: str) -> None:
+    out = helps[name]
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage:")
 

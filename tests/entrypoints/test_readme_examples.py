@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.bench.script_help import run_help
 from tests.entrypoints.test_openai_server import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -174,26 +175,18 @@ def test_headline_figures_come_from_committed_outputs() -> None:
 
 @pytest.mark.slow
 def test_headline_commands_take_their_flags() -> None:
-    """Checked, not run: every flag of each command is in its script's `--help` (the scripts'
-    --help run side by side: each imports torch)."""
+    """Checked, not run: every flag of each command is in its script's `--help` (all the
+    scripts' --help from one helper process: see tests/bench/script_help.py)."""
     flags_by_script: dict[str, set[str]] = {}
     for _, command, _ in _headline_rows():
         script, *args = command.split()
         flags_by_script.setdefault(script, set()).update(a for a in args if a.startswith("--"))
-    helps = {
-        script: subprocess.Popen(
-            [sys.executable, script, "--help"],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for script in flags_by_script
-    }
-    for script, proc in helps.items():
-        out, _ = proc.communicate(timeout=300)
-        assert proc.returncode == 0, f"{script} --help:\n{out}"
-        for flag in flags_by_script[script]:
+    helps = run_help([ROOT / script for script in flags_by_script], cwd=ROOT)
+    for script, flags in flags_by_script.items():
+        help_ = helps[ROOT / script]
+        out = help_.stdout + help_.stderr
+        assert help_.returncode == 0, f"{script} --help:\n{out}"
+        for flag in flags:
             assert re.search(rf"{re.escape(flag)}\b", out), f"{script} has no {flag}"
 
 
