@@ -560,31 +560,34 @@ static inline __attribute__((always_inline)) void tile_i8(
         }
     }
     for (int g = 0; g < GM; g++)
-        for (int l = 0; l < LANES && g * LANES + l < rows; l++)
-            for (int r = 0; r < nr; r++)
-                y[(g * LANES + l) * ldy + r] = acc[r][g][l] + (bias ? bias[r] : 0.f);
+        for (int r = 0; r < nr; r++) {
+            float sums[LANES];  /* (indexing acc by l would keep acc in memory throughout) */
+            memcpy(sums, &acc[r][g], 64);
+            for (int l = 0; l < LANES && g * LANES + l < rows; l++)
+                y[(g * LANES + l) * ldy + r] = sums[l] + (bias ? bias[r] : 0.f);
+        }
 }
 
-/* dwords[i] = the 4 bytes at w + offs[i] + off, i < 16 (one gather with AVX-512). */
-static inline __attribute__((always_inline)) v16i gather16(const uint8_t *w, v16i offs,
-                                                           int64_t off) {
+/* dwords[i] = the 4 bytes at w + i rb, i < 16 (one gather with AVX-512). */
+static inline __attribute__((always_inline)) v16i gather16(const uint8_t *w, int64_t rb) {
 #if INT8_ISA == 3
-    return (v16i)_mm512_i32gather_epi32((__m512i)offs, w + off, 1);
+    const __m512i i = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    return (v16i)_mm512_i32gather_epi32(_mm512_mullo_epi32(i, _mm512_set1_epi32((int)rb)), w, 1);
 #else
     v16i g;
-    for (int i = 0; i < LANES; i++) memcpy(&g[i], w + offs[i] + off, 4);
+    for (int i = 0; i < LANES; i++) memcpy(&g[i], w + i * rb, 4);
     return g;
 #endif
 }
 
-/* col[c][i] = dword c of the 16 bytes at w + offs[i] + off, i < 16: the 16 rows' 4-byte
-   groups transposed (with AVX-512, 4 x 4 transposes in the 128-bit lanes of 4 vectors that
-   hold the rows i = 4 L + e in lane L of vector e: 4 loads and 12 inserts, 8 unpacks, where 4
-   gathers took twice the time). */
-static inline __attribute__((always_inline)) void columns4(const uint8_t *w, const int64_t *offs,
-                                                           int64_t off, v16i col[4]) {
+/* col[c][i] = dword c of the 16 bytes at w + i rb, i < 16: the 16 rows' 4-byte groups
+   transposed (with AVX-512, 4 x 4 transposes in the 128-bit lanes of 4 vectors that hold the
+   rows i = 4 L + e in lane L of vector e: 4 loads and 12 inserts, 8 unpacks, where 4 gathers
+   took twice the time). */
+static inline __attribute__((always_inline)) void columns4(const uint8_t *w, int64_t rb,
+                                                           v16i col[4]) {
 #if INT8_ISA == 3
-#define ROW128(I) _mm_loadu_si128((const __m128i *)(w + offs[I] + off))
+#define ROW128(I) _mm_loadu_si128((const __m128i *)(w + (I) * rb))
     __m512i z[4];
     for (int e = 0; e < 4; e++) {
         z[e] = _mm512_castsi128_si512(ROW128(e));
@@ -601,7 +604,7 @@ static inline __attribute__((always_inline)) void columns4(const uint8_t *w, con
     col[3] = (v16i)_mm512_unpackhi_epi64(t1, t3);
 #else
     for (int i = 0; i < LANES; i++)
-        for (int c = 0; c < 4; c++) memcpy(&col[c][i], w + offs[i] + off + 4 * c, 4);
+        for (int c = 0; c < 4; c++) memcpy(&col[c][i], w + i * rb + 4 * c, 4);
 #endif
 }
 
@@ -620,48 +623,56 @@ static inline v16 halves16(v16i x, int hi) {
 #endif
 }
 
-/* Tile: 16 weight rows (the lanes; row i at w + offs[i]) x MF activation rows (lanes = MF in
-   A, D, Q, T), MF <= FEW_ROWS_MAX a constant at each call. */
+/* Tile: 16 weight rows (the lanes; row i at w + i rb) x MF activation rows (lanes = MF in A,
+   D, Q, T), MF <= FEW_ROWS_MAX a constant at each call; the first nr rows are stored. */
 static inline __attribute__((always_inline)) void tile_i8_few(
-    int kind, const uint8_t *w, v16i offs, int nr, int64_t nb, const int32_t *A,
+    int kind, const uint8_t *w, int64_t rb, int nr, int64_t nb, const int32_t *A,
     const float *D, const int32_t *Q, const float *T, int MF, float *y, int64_t ldy,
     const float *bias) {
     const int64_t bytes = block_bytes(kind);
-    int64_t offs64[LANES];
-    for (int i = 0; i < LANES; i++) offs64[i] = offs[i];
+    const int CH = MF == 1 ? 4 : MF == 2 ? 2 : 1;
     v16 acc[FEW_ROWS_MAX];
     for (int m = 0; m < MF; m++) acc[m] = (v16){0};
     for (int64_t b = 0; b < nb; b++) {
         const int64_t p = b * bytes;
-        v16i isum[FEW_ROWS_MAX];
-        for (int m = 0; m < MF; m++) isum[m] = (v16i){0};
+        /* CH chains of dot products per row, added at the end (exactly): with one, a row's
+           8 dependent vpdpbusd per block would bound the time at 1 or 2 rows. */
+        v16i isum[FEW_ROWS_MAX][4];
+        for (int m = 0; m < MF; m++)
+            for (int c = 0; c < CH; c++) isum[m][c] = (v16i){0};
         for (int h = 0; h < (kind == Q4_1 ? 1 : 2); h++) {
             v16i col[4];
-            columns4(w, offs64, kind == Q4_1 ? p + 4 : p + 2 + 16 * h, col);
+            columns4(w + (kind == Q4_1 ? p + 4 : p + 2 + 16 * h), rb, col);
             for (int j = 0; j < (kind == Q4_1 ? GROUPS : 4); j++) {
                 /* q4_1's values j and j + 16 share byte j */
                 const int group = kind == Q4_1 ? j : 4 * h + j;
                 const v16i u = weight_bytes(kind, col[j & 3], group);
                 for (int m = 0; m < MF; m++)
-                    isum[m] = dot4(isum[m], u, (v16i){0} + A[(b * GROUPS + group) * MF + m]);
+                    isum[m][group % CH] = dot4(isum[m][group % CH], u,
+                                               (v16i){0} + A[(b * GROUPS + group) * MF + m]);
             }
         }
-        const v16i dm = gather16(w, offs, p);
+        for (int m = 0; m < MF; m++)
+            for (int c = 1; c < CH; c++) isum[m][0] += isum[m][c];
+        const v16i dm = gather16(w + p, rb);
         const v16 d = halves16(dm, 0);
         const v16 mw = kind == Q4_1 ? halves16(dm, 1) : (v16){0};
         for (int m = 0; m < MF; m++) {
             const v16 dxd = splat16(D[b * MF + m]) * d;
             if (kind == Q4_1)
-                acc[m] = fma16(__builtin_convertvector(isum[m], v16), dxd,
+                acc[m] = fma16(__builtin_convertvector(isum[m][0], v16), dxd,
                                fma16(splat16(T[b * MF + m]), mw, acc[m]));
             else
                 acc[m] = fma16(
-                    __builtin_convertvector(isum[m] - (Q8_OFFSET ? Q[b * MF + m] << 7 : 0), v16),
+                    __builtin_convertvector(isum[m][0] - (Q8_OFFSET ? Q[b * MF + m] << 7 : 0), v16),
                     dxd, acc[m]);
         }
     }
-    for (int m = 0; m < MF; m++)
-        for (int r = 0; r < nr; r++) y[m * ldy + r] = acc[m][r] + (bias ? bias[r] : 0.f);
+    for (int m = 0; m < MF; m++) {
+        float sums[LANES];  /* (indexing acc by r would keep acc in memory throughout) */
+        memcpy(sums, &acc[m], 64);
+        for (int r = 0; r < nr; r++) y[m * ldy + r] = sums[r] + (bias ? bias[r] : 0.f);
+    }
 }
 
 #define TILE_I8(KIND_, NRI_, GM_) \
@@ -675,7 +686,7 @@ static inline __attribute__((always_inline)) void tile_i8_few(
     else TILE_I8(KIND_, 6, 1);
 
 #define TILE_FEW(KIND_, MF_) \
-    tile_i8_few(KIND_, wn, offs, nr, nb, j->A, j->D, j->Q, j->T, MF_, j->y + n0, ldy, bn)
+    tile_i8_few(KIND_, wn, row_bytes, nr, nb, j->A, j->D, j->Q, j->T, MF_, j->y + n0, ldy, bn)
 #define TILES_FEW(KIND_)                   \
     switch (M) {                           \
         case 1: TILE_FEW(KIND_, 1); break; \
@@ -698,6 +709,8 @@ struct job_i8 {
     float *y;
     int64_t ldy;
     int nri;                  /* weight rows per tile; LANES: tile_i8_few */
+    const uint8_t *edge;      /* tile_i8_few's last 16 rows, when N % 16 rows are left:
+                                 those, then the last one repeated */
     int32_t *A, *Q;
     float *D, *T;
 };
@@ -721,8 +734,7 @@ static inline __attribute__((always_inline)) void i8_tiles(int kind, const struc
         const uint8_t *wn = j->w + n0 * row_bytes;
         const float *bn = j->bias ? j->bias + n0 : NULL;
         if (M <= FEW_ROWS_MAX) {
-            v16i offs;  /* rows past nr repeat the last one */
-            for (int r = 0; r < LANES; r++) offs[r] = (int32_t)((r < nr ? r : nr - 1) * row_bytes);
+            if (nr < LANES) wn = j->edge;
             if (kind == Q4_1) {
                 TILES_FEW(Q4_1)
             } else {
@@ -773,9 +785,22 @@ V1_API int32_t v1_q_linear_i8(int32_t kind, const uint8_t *w, int64_t N, int64_t
     j.D = (float *)(j.Q + j.G * j.per_group);
     j.T = j.D + j.G * j.per_group;
     j.nri = few ? LANES : j.G == 1 ? 8 : 6;
+    uint8_t *edge = NULL;
+    if (few && N % LANES) {
+        if (!(edge = malloc((size_t)(LANES * j.row_bytes)))) {
+            free(j.A);
+            return -1;
+        }
+        const int64_t n0 = N / LANES * LANES;
+        for (int64_t r = 0; r < LANES; r++)
+            memcpy(edge + r * j.row_bytes, w + (n0 + r < N ? n0 + r : N - 1) * j.row_bytes,
+                   (size_t)j.row_bytes);
+        j.edge = edge;
+    }
     const int64_t nonfinite = quantize_rows(&j);
     v1_parallel_for(nthreads, (N + j.nri - 1) / j.nri, few ? FEW_TILES_PER_ITEM : TILES_PER_ITEM,
                     kind == Q4_1 ? i8_q4_1 : i8_q8_0, &j);
+    free(edge);
     free(j.A);
     for (int64_t m = 0; nonfinite && m < M; m++) {
         const float *xm = x + m * ldx;
