@@ -635,6 +635,11 @@ static inline __attribute__((always_inline)) void tile_i8_few(
     for (int m = 0; m < MF; m++) acc[m] = (v16){0};
     for (int64_t b = 0; b < nb; b++) {
         const int64_t p = b * bytes;
+        /* The tile's rows are one run of 16 rb bytes, read at 16 bytes per block: the
+           prefetches run through it at that pace, into the next tiles (4 PREFETCH ahead: in the
+           30 layers + head of bench/bench_quant_kernels.py, 0.8x the time of PREFETCH ahead). */
+        for (int64_t i = 0; i < LANES * bytes; i += 64)
+            __builtin_prefetch(w + LANES * p + i + 4 * PREFETCH);
         /* CH chains of dot products per row, added at the end (exactly): with one, a row's
            8 dependent vpdpbusd per block would bound the time at 1 or 2 rows. */
         v16i isum[FEW_ROWS_MAX][4];
