@@ -147,6 +147,23 @@ def _split(is_prompt: np.ndarray | None) -> _PromptRows | None:
                        torch.from_numpy(np.flatnonzero(~is_prompt)))
 
 
+def _all_int8(value: str | None) -> bool:
+    """V1_QUANT_ALL_INT8: "1" (unset) or "0"."""
+    if value not in (None, "", "0", "1"):
+        raise ValueError(f"V1_QUANT_ALL_INT8={value!r}: expected 0 or 1")
+    return value != "0"
+
+
+# Every row of every call takes "int8" unless a `path` is given: generated tokens' rows
+# (decode, speculative drafts) as well as prompt tokens', at any batch size. int8's rows do not
+# depend on each other (the two int8 tiles give a row the same numbers whatever the call's
+# row count: quant.c), so a token's numbers no longer depend on what else ran in its step, and
+# at a few rows the int8 path is also the faster one (module docstring). V1_QUANT_ALL_INT8=0:
+# the paths before, generated rows by count (fp32 below DENSE_MIN_ROWS) and prompt rows by
+# PROMPT_INT8.
+ALL_INT8: bool = _all_int8(os.environ.get("V1_QUANT_ALL_INT8"))
+
+
 # Per thread: two in-process engines may run forwards on two threads at once.
 _forward = threading.local()
 
@@ -249,6 +266,8 @@ class QuantizedWeight:
         if path is not None and path not in PATHS:
             raise ValueError(f"path {path!r} is not one of {PATHS}")
         m = x.numel() // self.in_features
+        if path is None and ALL_INT8:
+            path = "int8"
         split = getattr(_forward, "rows", None) if path is None else None
         if split is not None and split.num_rows == m:
             if split.prompt is None:
