@@ -669,7 +669,7 @@ static inline __attribute__((always_inline)) void tile_i8_few(
                                fma16(splat16(T[b * MF + m]), mw, acc[m]));
             else
                 acc[m] = fma16(
-                    __builtin_convertvector(isum[m][0] - (Q8_OFFSET ? Q[b * MF + m] << 7 : 0), v16),
+                    __builtin_convertvector(isum[m][0] - (Q8_OFFSET ? Q[b * MF + m] * 128 : 0), v16),
                     dxd, acc[m]);
         }
     }

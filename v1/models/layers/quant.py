@@ -84,8 +84,8 @@ from v1.models.layers.onednn import ONEDNN_LINEAR, onednn_linear
 
 # How `linear` multiplies on CPU: "fp32" (blocks dequantized in registers, fp32 activations),
 # "int8" (activations quantized per block to int8, integer dot products), or "torch" (the
-# reference: dequantize, F.linear). Without `path`, batches of at least INT8_MIN_ROWS rows
-# take "int8" and smaller ones "fp32"; None: always "fp32".
+# reference: dequantize, F.linear). Without `path`: "int8" (ALL_INT8); with ALL_INT8 off,
+# by the batch's size (`_path_for`) or the rows' kind (PROMPT_INT8).
 PATHS = ("fp32", "int8", "dense", "torch")
 
 
@@ -117,14 +117,16 @@ def _prompt_int8(value: str | None) -> bool:
 # shared-prompt workload's matmul rows, where int8 takes 0.6-0.8 of packed fp32's time and
 # "dense" 1.1-1.3, at perplexity +0.4% (module docstring). The path is per row, not per batch,
 # because int8's results are: a row's output does not depend on the other rows of its call, so
-# a prompt's KV is the same at any chunk size or batch composition. Generated tokens' rows
-# (decode, drafts, a preempted request's recomputed output) take the fp32 path, fp32's exact
-# weights; but its sums change order with the row count (1, 2-4, 5+ rows: see quant.c), so
-# unlike oneDNN's fp32 a decode row's last bits depend on its step's other rows, drafts
-# included: greedy tokens agree with and without drafts until a near-tie (issue 22's note).
-# Blocks computed as generated tokens and reused by a later prompt (multi-turn chat) hold
-# fp32-path K/V where a cold prompt would have int8's: outputs may then differ with what is
-# cached, within the lossy modes' rule (DESIGN.md). V1_QUANT_PROMPT_INT8=0 turns it off.
+# a prompt's KV is the same at any chunk size or batch composition. With ALL_INT8 (the
+# default) generated tokens' rows take "int8" too and this split has nothing left to do. With
+# ALL_INT8 off, generated tokens' rows (decode, drafts, a preempted request's recomputed
+# output) take the fp32 path, fp32's exact weights; but its sums change order with the row
+# count (1, 2-4, 5+ rows: see quant.c), so unlike oneDNN's fp32 a decode row's last bits
+# depend on its step's other rows, drafts included: greedy tokens agree with and without
+# drafts until a near-tie (issue 22's note). Blocks computed as generated tokens and reused
+# by a later prompt (multi-turn chat) then hold fp32-path K/V where a cold prompt would have
+# int8's: outputs may differ with what is cached, within the lossy modes' rule (DESIGN.md).
+# V1_QUANT_PROMPT_INT8=0 turns it off.
 PROMPT_INT8: bool = _prompt_int8(os.environ.get("V1_QUANT_PROMPT_INT8"))
 
 
