@@ -545,27 +545,27 @@ static inline __attribute__((always_inline)) void tile_i8(
             }
         for (int g = 0; g < GM; g++) {
             const int64_t gb = (g * nb + b) * LANES;
-            const v16 dx = load16(D + gb), t = load16(T + gb);
-            const v16i q128 = Q8_OFFSET ? load16i(Q + gb) << 7 : (v16i){0};
-            for (int r = 0; r < NRI; r++) {
-                const uint8_t *p = row[r] + b * bytes;
-                const v16 dxd = dx * splat16(fp16(p));
-                if (kind == Q4_1)
-                    acc[r][g] = fma16(__builtin_convertvector(dot[r][g], v16), dxd,
+            const v16 dx = load16(D + gb);
+            if (kind == Q4_1) {
+                const v16 t = load16(T + gb);
+                for (int r = 0; r < NRI; r++) {
+                    const uint8_t *p = row[r] + b * bytes;
+                    acc[r][g] = fma16(__builtin_convertvector(dot[r][g], v16),
+                                      dx * splat16(fp16(p)),
                                       fma16(t, splat16(fp16(p + 2)), acc[r][g]));
-                else
-                    acc[r][g] = fma16(__builtin_convertvector(dot[r][g] - q128, v16), dxd,
-                                      acc[r][g]);
+                }
+            } else {
+                const v16i q128 = Q8_OFFSET ? load16i(Q + gb) << 7 : (v16i){0};
+                for (int r = 0; r < NRI; r++)
+                    acc[r][g] = fma16(__builtin_convertvector(dot[r][g] - q128, v16),
+                                      dx * splat16(fp16(row[r] + b * bytes)), acc[r][g]);
             }
         }
     }
     for (int g = 0; g < GM; g++)
-        for (int r = 0; r < nr; r++) {
-            float sums[LANES];  /* (indexing acc by l would keep acc in memory throughout) */
-            memcpy(sums, &acc[r][g], 64);
-            for (int l = 0; l < LANES && g * LANES + l < rows; l++)
-                y[(g * LANES + l) * ldy + r] = sums[l] + (bias ? bias[r] : 0.f);
-        }
+        for (int l = 0; l < LANES && g * LANES + l < rows; l++)
+            for (int r = 0; r < nr; r++)
+                y[(g * LANES + l) * ldy + r] = acc[r][g][l] + (bias ? bias[r] : 0.f);
 }
 
 /* dwords[i] = the 4 bytes at w + i rb, i < 16 (one gather with AVX-512). */
