@@ -243,7 +243,7 @@ def test_each_variant(variant: str) -> None:
 @pytest.mark.parametrize("variant", VARIANT_INT8_ISA)
 def test_int8_rows_are_the_same_in_any_call(variant: str) -> None:
     """A row's int8 result is bit for bit the same alone and inside calls of 2 .. 40 rows (the
-    few-row tile up to 8 rows, tile_i8's 16-row groups beyond), on each variant: every variant
+    few-row tile up to 16 rows, tile_i8's 16-row groups beyond), on each variant: every variant
     computes the same numbers (exact integer block sums, one explicit-FMA recurrence), so they
     also equal each other's. Odd N: the few-row tile's last 16 rows are partly copies."""
     if variant not in library.candidates("", platform.machine(), library.cpu_flags()):

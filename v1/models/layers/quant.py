@@ -16,14 +16,19 @@ package; V1_CPU_KERNELS=0, other devices or dtypes: the torch reference). Two pa
   v1/kernels/csrc/quant.c). Either way each weight byte is read and dequantized once per
   call (for up to 64 rows).
 - "int8", llama.cpp's way: activations quantized per block of 32 to int8 (q8_0 rounding,
-  fp32 scale), integer dot products of 4-byte groups against 16 activation rows at once
-  (AVX-512 VNNI vpdpbusd, else AVX-VNNI, else AVX2 vpmaddubsw, else plain C: whatever the
-  compiler targets), block scales applied in fp32 and q4_1's offsets through the activation
-  block sums. The results change: each activation is rounded to 1/254 of its block's
-  largest magnitude.
-The tiles are sized for AVX-512's 32 registers of 16 floats. The library's other variants
-(x86-64-v3, portable; `v1/kernels/variants.py`) compute the same results
-(tests/worker/test_quant_kernels.py runs each) but are not tuned: their 64-byte vectors lower
+  fp32 scale), integer dot products of 4-byte groups (AVX-512 VNNI vpdpbusd, else AVX-VNNI,
+  else AVX2 vpmaddubsw, else plain C: whatever the compiler targets), block scales applied in
+  fp32 and q4_1's offsets through the activation block sums. Up to 16 rows, 16 weight rows
+  sit in a vector's lanes (their 4-byte groups transposed in registers) against one
+  activation row's group, broadcast; from 17 rows, 16 activation rows sit in the lanes against
+  one weight row's group, broadcast. Each weight block is read once per call. A row's result
+  is bit for bit the same whatever the number of rows in the call, whichever of the two tiles
+  serves it and whichever variant of the library runs (exact integer block sums, then one
+  explicit-FMA recurrence over the blocks: quant.c). The results are not fp32's: each
+  activation is rounded to 1/254 of its block's largest magnitude.
+The library's other variants (x86-64-v3, portable; `v1/kernels/variants.py`) compute the
+int8 path's results bit for bit and the fp32 path's up to rounding
+(tests/worker/test_quant_kernels.py runs each), but are not tuned: their 64-byte vectors lower
 to pairs or quads of smaller ones and spill.
 
 The kernels split their rows over torch's thread count on the library's own worker threads,
@@ -32,29 +37,42 @@ setting, waking OpenMP's sleeping threads cost ~40 us per call, more than a batc
 matmul takes, 120 calls a step (the figures below are with the pool; with OpenMP, at
 a505452, the fp32 path's row took 0.51-1.28 of oneDNN's time from 1 to 64 rows).
 
-Which path for which batch, by `bench/bench_quant_kernels.py` (2 threads of an AVX-512 VNNI
-EPYC; time of 30 layers + LM head in the GGUF's kinds, q4_1 layers and q8_0 head, relative to
-fp32 oneDNN on prepacked weights; load ~1, `bench/results/quant_kernels.txt`; runs vary by
-~10-20%, more at 8-64 rows):
+Which path for which rows. Every row takes "int8" (ALL_INT8, the default), prompt tokens'
+and generated tokens' (decode, speculative drafts) alike, at any batch size: so a token's
+numbers do not depend on what else ran in its step (a draft, a neighbour's prompt, a chunk
+boundary), and at a few rows int8 is also the faster path. The 30 layers + LM head of the
+default model (q4_1 layers, q8_0 head), ms per step, one row block per call; 2 threads of an
+AVX-512 VNNI Xeon (Sapphire Rapids, shared with other jobs: load ~2-3, medians of 7
+interleaved rounds; "int8 before" is the 16-lane tile alone, at 9ef4849):
+
+    rows              1      2      4      5      8      16
+    fp32            10.3   15.3   20.9   31.4   32.5   25.8
+    int8 before     22.7   22.4   23.3   19.8   23.3   16.9
+    int8             9.5   10.6   11.9   10.9   14.6   15.7
+
+At one row the int8 path's arithmetic is a third of the fp32 path's (one 3072x576 q4_1
+matmul in L2: 40 us against 117 us on one thread), but the model's 94 MB of blocks stream
+from memory: on one thread 8.4 ms against 10.1 ms, ~11 GB/s, where one core reads ~14 GB/s.
+Measured quality (bench/bench_quant.py's accuracy, against fp32; `V1_QUANT_ALL_INT8=0|1
+.venv/bin/python bench/bench_quant.py --child accuracy --modes gguf`): perplexity x1.0016
+(x1.0017 with generated rows on the fp32 path), greedy agreement 0.651 of positions (0.727),
+0.583 before the first divergence (0.651); gguf+fp16: x1.0021 (x1.0014), 0.716 (0.794).
+V1_QUANT_ALL_INT8=0 restores the paths by count: generated rows on "fp32" up to
+DENSE_MIN_ROWS, prompt rows on "int8" (PROMPT_INT8), the figures below;
+V1_QUANT_INT8_MIN_ROWS=n then sends every batch of n rows or more through int8.
+
+Before ALL_INT8, by `bench/bench_quant_kernels.py` (2 threads of an AVX-512 VNNI EPYC; 30
+layers + LM head in the GGUF's kinds relative to fp32 oneDNN on prepacked weights; load ~1,
+`bench/results/quant_kernels.txt`):
 
     rows       1      2      4      8      16     32     64
     fp32     0.30   0.35   0.43   0.62   0.72   0.85   1.00
     int8     0.59   0.49   0.47   0.43   0.38   0.40   0.47
 
-(A layer's weights stay in cache between the benchmark's calls; in the model the fp32
-weights, 540 MB, stream from memory, so the blocks' lead at a few rows is larger there.) fp32
-activations win up to 4 rows (no activation quantization, no idle int8 lanes); int8
-activations from 8 rows, and from 16 on they take about half the fp32 path's time. For larger
-batches the fp32 path can only match fp32 oneDNN: it does
-the same FMAs and saves memory traffic, which matters little there. Which rows take int8 is
-decided per row, not by the batch's size (`PROMPT_INT8`): prompt tokens' rows do, whatever
-their number, and generated tokens' rows take the fp32 path (up to DENSE_MIN_ROWS). A
-batch-size rule would make a token's numbers depend on what else ran in its step (int8
-everywhere gave perplexity +0.3% but greedy agreement 0.61 with fp32, `V1_QUANT_INT8_MIN_ROWS=1
-.venv/bin/python bench/bench_quant.py --modes fp32 gguf --rounds 1`), so speculative drafts,
-chunking or a neighbour's prompt would change greedy tokens; int8's rows are independent of
-each other, and decode keeps fp32's exact weights. V1_QUANT_INT8_MIN_ROWS=n still sends every
-batch of n rows or more through int8, for measurements.
+fp32 activations won up to 4 rows then (int8's 16-lane tile left 15 of 16 lanes idle at one
+row), int8 from 8. Int8 everywhere then gave greedy agreement 0.61 with fp32, and the fp32
+path's sums change order with the row count (1, 2-4, 5+ rows), so a decode row's last bits
+depended on its step's other rows (PROMPT_INT8's comment).
 
 From DENSE_MIN_ROWS rows (prefill chunks) a third path, "dense": the whole weight dequantized
 by C into fp32 once per call, then oneDNN's GEMM. At a505452 (OpenMP threads; `--rows
