@@ -41,18 +41,23 @@ Which path for which rows. Every row takes "int8" (ALL_INT8, the default), promp
 and generated tokens' (decode, speculative drafts) alike, at any batch size: so a token's
 numbers do not depend on what else ran in its step (a draft, a neighbour's prompt, a chunk
 boundary), and at a few rows int8 is also the faster path. The 30 layers + LM head of the
-default model (q4_1 layers, q8_0 head), ms per step, one row block per call; 2 threads of an
-AVX-512 VNNI Xeon (Sapphire Rapids, shared with other jobs: load ~2-3, medians of 7
-interleaved rounds; "int8 before" is the 16-lane tile alone, at 9ef4849):
+default model (q4_1 layers, q8_0 head), ms per step, each of the 121 weights once in turn (so
+their 94 MB stream from memory, as in the model); 2 threads of an AVX-512 VNNI Xeon (Sapphire
+Rapids, shared with other jobs: load ~2.5; medians of 7 interleaved rounds; "int8 before" is
+tile_i8 alone, at 9ef4849):
 
     rows              1      2      4      5      8      16
-    fp32            10.3   15.3   20.9   31.4   32.5   25.8
-    int8 before     22.7   22.4   23.3   19.8   23.3   16.9
-    int8             9.5   10.6   11.9   10.9   14.6   15.7
+    fp32            11.1   16.7   21.0   32.0   32.5   44.2
+    int8 before     23.1   23.3   23.6   23.9   24.1   25.5
+    int8            10.6   11.6   12.9   14.6   15.9   21.9
 
-At one row the int8 path's arithmetic is a third of the fp32 path's (one 3072x576 q4_1
-matmul in L2: 40 us against 117 us on one thread), but the model's 94 MB of blocks stream
-from memory: on one thread 8.4 ms against 10.1 ms, ~11 GB/s, where one core reads ~14 GB/s.
+With each weight in cache between its calls (`bench/bench_quant_kernels.py --rows
+1,2,4,5,8 --rounds 5 --sample-ms 10`, same machine) int8 takes 4.8 / 5.4 / 7.9 / 6.3 / 6.8 ms
+where fp32 takes 10.2 / 16.3 / 21.4 / 22.3 / 17.4 (one row: a layer 0.109 ms against 0.254,
+the head 1.55 against 2.62): at one row the int8 path's arithmetic is well under half the
+fp32 path's, but streaming the blocks bounds both near the memory's pace (one thread:
+8.4 ms against 10.1 for the 94 MB, ~11 GB/s, where one core reads ~14 GB/s).
+
 Measured quality (bench/bench_quant.py's accuracy, against fp32; `V1_QUANT_ALL_INT8=0|1
 .venv/bin/python bench/bench_quant.py --child accuracy --modes gguf`): perplexity x1.0016
 (x1.0017 with generated rows on the fp32 path), greedy agreement 0.651 of positions (0.727),
