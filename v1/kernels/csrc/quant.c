@@ -588,7 +588,7 @@ static inline __attribute__((always_inline)) v16i gather16(const uint8_t *w, int
 /* col[c][i] = dword c of the 16 bytes at w + i rb, i < 16: the 16 rows' 4-byte groups
    transposed (with AVX-512, 4 x 4 transposes in the 128-bit lanes of 4 vectors that hold the
    rows i = 4 L + e in lane L of vector e: 4 loads and 12 inserts, 8 unpacks, where 4 gathers
-   took twice the time). */
+   took 1.2x the time). */
 static inline __attribute__((always_inline)) void columns4(const uint8_t *w, int64_t rb,
                                                            v16i col[4]) {
 #if INT8_ISA == 3
