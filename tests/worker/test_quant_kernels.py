@@ -135,7 +135,23 @@ def test_int8_path_matches_quantized_activations(kind: str) -> None:
 
 
 @needs_kernels
-def test_path_by_batch_size(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_row_takes_int8_by_default() -> None:
+    """quant.ALL_INT8 (the default): without a `path`, every batch size runs "int8"."""
+    q = QuantizedWeight.quantize(weight(37, 96), "q4_1")
+    for m in (1, 3, 17, 300):
+        x = torch.randn(m, 96)
+        assert torch.equal(q.linear(x), q.linear(x, path="int8"))
+    assert not torch.equal(q.linear(x), q.linear(x, path="fp32"))
+
+
+@pytest.fixture
+def by_batch_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """V1_QUANT_ALL_INT8=0: paths by batch size (and prompt rows)."""
+    monkeypatch.setattr(quant, "ALL_INT8", False)
+
+
+@needs_kernels
+def test_path_by_batch_size(monkeypatch: pytest.MonkeyPatch, by_batch_size: None) -> None:
     q = QuantizedWeight.quantize(weight(16, 64), "q8_0")
     x = torch.randn(8, 64)
     assert not torch.equal(q.linear(x, path="int8"), q.linear(x, path="fp32"))
@@ -151,7 +167,8 @@ def test_path_by_batch_size(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @needs_kernels
-def test_small_batches_run_the_c_fp32_kernel(fp32_kernel_calls: list) -> None:
+def test_small_batches_run_the_c_fp32_kernel(fp32_kernel_calls: list, by_batch_size: None
+                                            ) -> None:
     """Decode-sized batches (the default path below DENSE_MIN_ROWS rows) are the C kernel's."""
     q = QuantizedWeight.quantize(weight(37, 96), "q4_1")
     for m in (1, 3, 17):
@@ -171,6 +188,13 @@ def test_dense_path_dequantizes_in_c(kind: str) -> None:
     torch.testing.assert_close(w, q.dequantize(), rtol=1e-6, atol=1e-6)
 
 
+def test_all_int8_from_environment() -> None:
+    assert quant._all_int8(None) and quant._all_int8("") and quant._all_int8("1")
+    assert not quant._all_int8("0")
+    with pytest.raises(ValueError, match="V1_QUANT_ALL_INT8='yes'"):
+        quant._all_int8("yes")
+
+
 def test_int8_min_rows_from_environment() -> None:
     assert quant._int8_min_rows(None) is None and quant._int8_min_rows("") is None
     assert quant._int8_min_rows("16") == 16
@@ -184,7 +208,7 @@ def test_strided_and_batched_input() -> None:
     q = QuantizedWeight.quantize(weight(24, 64), "q4_1")
     x = torch.randn(64, 6).T.reshape(2, 3, 64)  # not contiguous
     ref = x.reshape(6, 64) @ q.dequantize().T
-    close(q.linear(x), ref.reshape(2, 3, 24), x, q.dequantize())
+    close(q.linear(x, path="fp32"), ref.reshape(2, 3, 24), x, q.dequantize())
     ld = torch.randn(5, 100)[:, :64]  # rows 100 apart
     bias = torch.randn(48)[::2]
     for path in ("fp32", "int8"):
@@ -214,6 +238,34 @@ def test_each_variant(variant: str) -> None:
             for int8, path in ((False, "fp32"), (True, "int8")):
                 y = q_kernels.linear(QuantBlocks(kind, q.blocks), x, None, int8=int8)
                 close(y, q.linear(x, path=path), x, q.dequantize())
+
+
+@pytest.mark.parametrize("variant", VARIANT_INT8_ISA)
+def test_int8_rows_are_the_same_in_any_call(variant: str) -> None:
+    """A row's int8 result is bit for bit the same alone and inside calls of 2 .. 40 rows (the
+    few-row tile up to 16 rows, tile_i8's 16-row groups beyond), on each variant: every variant
+    computes the same numbers (exact integer block sums, one explicit-FMA recurrence), so they
+    also equal each other's. Odd N: the few-row tile's last 16 rows are partly copies."""
+    if variant not in library.candidates("", platform.machine(), library.cpu_flags()):
+        pytest.skip(f"this CPU does not run {variant}")
+    lib = library.load_variant(variant)
+    assert not isinstance(lib, str), lib
+    q_kernels = QuantKernels(lib)
+    chosen = kernels()
+    for kind in KINDS:
+        for n, k in ((37, 96), (21, 320), (1, 32)):
+            g = torch.Generator().manual_seed(n)
+            q = QuantizedWeight.quantize(torch.randn(n, k, generator=g), kind)
+            blocks = QuantBlocks(kind, q.blocks)
+            x, bias = torch.randn(40, k, generator=g), torch.randn(n, generator=g)
+            alone = torch.cat([q_kernels.linear(blocks, x[i:i + 1], bias, int8=True)
+                               for i in range(40)])
+            close(alone, int8_activations(x).double() @ q.dequantize().double().T + bias,
+                  x, q.dequantize())
+            for m in range(2, 41):
+                got = q_kernels.linear(blocks, x[:m], bias, int8=True)
+                assert torch.equal(got, alone[:m]), (kind, n, k, m)
+            assert torch.equal(chosen.linear(blocks, x, bias, int8=True), alone)
 
 
 @pytest.fixture

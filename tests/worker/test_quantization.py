@@ -14,6 +14,7 @@
 import dataclasses
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -88,7 +89,11 @@ def _cache_dir(tmp_path_factory, monkeypatch):
 
 
 def logits_of(loaded: LoadedModel) -> list[torch.Tensor]:
-    return [prefill(loaded.model, tokens, BLOCK) for tokens in prompts()]
+    """Prefill logits of the prompts, block matrices through the fp32 path (as
+    V1_QUANT_ALL_INT8=0 outside a forward's prompt rows): the weights' own error, without
+    int8 activations' rounding."""
+    with mock.patch.object(quant_layer, "ALL_INT8", False):
+        return [prefill(loaded.model, tokens, BLOCK) for tokens in prompts()]
 
 
 def assert_close(
@@ -155,8 +160,9 @@ def test_gguf_is_a_gguf_files_default(tied_gguf):
 
 def test_gguf_without_prompt_int8_is_fp32_exactly(tied_gguf, fp32_kernel_calls,  # noqa: F811
                                                    monkeypatch):
-    """With prompt rows on the fp32 path too (V1_QUANT_PROMPT_INT8=0), gguf gives fp32's
-    greedy tokens, and every block matrix ran the C fp32 kernel."""
+    """With every row on the fp32 path (V1_QUANT_ALL_INT8=0 V1_QUANT_PROMPT_INT8=0), gguf
+    gives fp32's greedy tokens, and every block matrix ran the C fp32 kernel."""
+    monkeypatch.setattr(quant_layer, "ALL_INT8", False)
     monkeypatch.setattr(quant_layer, "PROMPT_INT8", False)
     fp32, _, _ = greedy_runs(tied_gguf, "none", [prompts()])
     fp32_kernel_calls.clear()
@@ -166,10 +172,13 @@ def test_gguf_without_prompt_int8_is_fp32_exactly(tied_gguf, fp32_kernel_calls, 
     assert gguf == fp32
 
 
-def test_prompt_rows_take_int8_whatever_the_batch(tied_gguf, monkeypatch):
-    """Prompt tokens' rows run int8 activations, generated tokens' the fp32 path; since int8's
-    rows do not depend on each other, a prompt's greedy tokens are the same alone, in a
-    batch, in 7-token chunks and after a prefix-cache hit on its own prompt."""
+@pytest.mark.parametrize("all_int8", [True, False])
+def test_prompt_rows_take_int8_whatever_the_batch(tied_gguf, monkeypatch, all_int8):
+    """Prompt tokens' rows run int8 activations, and so do generated tokens' (the default,
+    quant.ALL_INT8), else they take the fp32 path; since int8's rows do not depend on each
+    other, a prompt's greedy tokens are the same alone, in a batch, in 7-token chunks and
+    after a prefix-cache hit on its own prompt."""
+    monkeypatch.setattr(quant_layer, "ALL_INT8", all_int8)
     calls: list[tuple[bool, int]] = []
     linear = QuantKernels.linear
 
@@ -181,7 +190,10 @@ def test_prompt_rows_take_int8_whatever_the_batch(tied_gguf, monkeypatch):
     batch = prompts()
     alone, _, _ = greedy_runs(tied_gguf, None, [[p] for p in batch] + [batch])
     assert (True, len(batch[0])) in calls  # the first prompt, cold, in one int8 call
-    assert max(m for int8, m in calls if not int8) < len(batch) * 2  # decode rows, LM head
+    if all_int8:
+        assert all(int8 for int8, _ in calls)
+    else:
+        assert max(m for int8, m in calls if not int8) < len(batch) * 2  # decode, LM head
     reference = [out[0] for out in alone[:-1]]
     assert alone[-1] == reference  # batched
     chunked, _, _ = greedy_runs(tied_gguf, None, [batch, batch], max_num_batched_tokens=7,

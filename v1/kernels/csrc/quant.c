@@ -19,6 +19,7 @@ enum { QK = 32, Q4_1 = 0, Q8_0 = 1 };
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef double v8d __attribute__((vector_size(64)));
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 
@@ -372,13 +373,30 @@ V1_API int32_t v1_q_linear_f32(int32_t kind, const uint8_t *w, int64_t N, int64_
 /* ---- int8 activations: integer dot products, as llama.cpp ------------------------------- */
 
 /* Activations are quantized per block of 32 as q8_0 (dx = max|x| / 127, q = round(x / dx))
-   and laid out so that one 64-byte vector holds 4 consecutive values of 16 rows:
-     A[((g * nb + b) * 8 + j) * 16 + l]   int8 x 4: row 16 g + l, values 32 b + 4 j .. + 3
-     D, Q, T[(g * nb + b) * 16 + l]       dx, sum of the q, dx * sum (float)
-   A weight's 4 bytes for the same values, broadcast, then meet 16 rows in one u8 x s8 dot
-   product (vpdpbusd). Weights must be the unsigned side: q4_1's nibbles are; q8_0's bytes
-   are offset by 128 (q ^ 0x80), taken back as 128 * sum(q) per block. Rows past M are 0. */
-enum { LANES = 16, GROUPS = QK / 4 };
+   and laid out so that `lanes` rows' 4 consecutive values sit side by side:
+     A[((g * nb + b) * 8 + j) * lanes + l]   int8 x 4: row lanes g + l, values 32 b + 4 j .. + 3
+     D, Q, T[(g * nb + b) * lanes + l]       dx, sum of the q, dx * sum (float)
+   Two tiles read them. tile_i8 (lanes = 16): a weight's 4 bytes for the same values,
+   broadcast, meet 16 activation rows in one u8 x s8 dot product (vpdpbusd). tile_i8_few
+   (lanes = M, one group): 16 weight rows' 4 bytes, transposed into one vector, meet one
+   activation row's 4 bytes, broadcast; each weight byte then serves every row of the call
+   with none of tile_i8's idle lanes at a few rows. Weights must be the unsigned side: q4_1's
+   nibbles are; q8_0's bytes are offset by 128 (q ^ 0x80), taken back as 128 * sum(q) per
+   block. Rows past M are 0.
+
+   Both give every row the same numbers, whatever M and whichever tile serves it (what
+   v1.models.layers.quant's per-row path choice rests on): a block's integer dot product is
+   exact, and each (activation row, weight row) then runs the same float recurrence over its
+   blocks in order, with explicit FMAs (no contraction left to the compiler):
+     q4_1: acc = fma(isum_b, dx_b * d_b, fma(t_b, m_b, acc))    (t_b = dx_b * sum q_b)
+     q8_0: acc = fma(isum_b, dx_b * d_b, acc)
+   then y = acc + bias. Every variant of the library computes these bit for bit.
+
+   tile_i8_few serves up to FEW_ROWS_MAX rows: on an AVX-512 VNNI Xeon (one thread, a
+   3072 x 576 q4_1 matmul in L2) it took 107 / 140 / 171 us at 8 / 12 / 16 rows where
+   tile_i8 took 257 / 261 / 269 (and 40 us at one row, the fp32 path's tile_dot1 117); more
+   rows than 16 would not fit its sums in registers. */
+enum { LANES = 16, GROUPS = QK / 4, FEW_ROWS_MAX = 16 };
 
 /* C's roundf (halves away from zero) on 16 lanes, exactly, for |v| < 2^31. */
 static inline v16i round16(v16 v) {
@@ -389,11 +407,34 @@ static inline v16i round16(v16 v) {
     return (r ^ neg) - neg;
 }
 
-/* Row `row` of x quantized; 1 if it holds a value that is not finite (its blocks are then
-   stored as 0: the caller recomputes the row), else 0. */
-static int quantize_row(const float *x, int64_t nb, int64_t row, int32_t *A, float *D,
-                        int32_t *Q, float *T) {
-    const int64_t g = row / LANES, l = row % LANES;
+/* x in every lane (an element list: `(v16){0} + x` adds 0 to x first). */
+static inline v16 splat16(float x) {
+    return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+}
+
+/* a * b + c rounded once, on 16 lanes: the int8 path's float recurrence (see above). */
+static inline v16 fma16(v16 a, v16 b, v16 c) {
+#if defined(__AVX512F__)
+    return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+    __m256 x[2], y[2], z[2];
+    memcpy(x, &a, 64);
+    memcpy(y, &b, 64);
+    memcpy(z, &c, 64);
+    for (int h = 0; h < 2; h++) x[h] = _mm256_fmadd_ps(x[h], y[h], z[h]);
+    memcpy(&a, x, 64);
+    return a;
+#else
+    for (int i = 0; i < 16; i++) a[i] = fmaf(a[i], b[i], c[i]);
+    return a;
+#endif
+}
+
+/* Row `row` of x quantized, in the layout for `lanes` rows; 1 if it holds a value that is not
+   finite (its blocks are then stored as 0: the caller recomputes the row), else 0. */
+static int quantize_row(const float *x, int64_t nb, int64_t row, int64_t lanes, int32_t *A,
+                        float *D, int32_t *Q, float *T) {
+    const int64_t g = row / lanes, l = row % lanes;
     int nonfinite = 0;
     for (int64_t b = 0; b < nb; b++) {
         v16 x0 = load16(x + b * QK), x1 = load16(x + b * QK + 16);
@@ -419,10 +460,10 @@ static int quantize_row(const float *x, int64_t nb, int64_t row, int32_t *A, flo
         memcpy(q, &b0, 16);
         memcpy(q + 16, &b1, 16);
         const int64_t gb = g * nb + b;
-        for (int j = 0; j < GROUPS; j++) memcpy(A + (gb * GROUPS + j) * LANES + l, q + 4 * j, 4);
-        D[gb * LANES + l] = d;
-        Q[gb * LANES + l] = sum;
-        T[gb * LANES + l] = d * (float)sum;
+        for (int j = 0; j < GROUPS; j++) memcpy(A + (gb * GROUPS + j) * lanes + l, q + 4 * j, 4);
+        D[gb * lanes + l] = d;
+        Q[gb * lanes + l] = sum;
+        T[gb * lanes + l] = d * (float)sum;
     }
     return nonfinite;
 }
@@ -442,33 +483,39 @@ static int quantize_row(const float *x, int64_t nb, int64_t row, int32_t *A, flo
 #endif
 enum { Q8_OFFSET = INT8_ISA != 1 };  /* q8_0 bytes go in + 128 (else signed, see above) */
 
-/* acc[l] += sum over t < 4 of byte t of u * byte t of lane l of s (signed): u unsigned, or
-   signed for q8_0 without Q8_OFFSET. */
-static inline v16i dot4(v16i acc, v16i u, const int32_t *s) {
+/* acc[l] += sum over t < 4 of byte t of lane l of u * byte t of lane l of s (signed): u
+   unsigned, or signed for q8_0 without Q8_OFFSET. */
+static inline v16i dot4(v16i acc, v16i u, v16i s) {
 #if INT8_ISA == 3
-    return (v16i)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)u, _mm512_loadu_si512(s));
+    return (v16i)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)u, (__m512i)s);
 #elif INT8_ISA >= 1
-    __m256i a[2], w[2];
+    __m256i a[2], w[2], x[2];
     memcpy(a, &acc, 64);
     memcpy(w, &u, 64);
+    memcpy(x, &s, 64);
     for (int h = 0; h < 2; h++) {
-        __m256i x = _mm256_loadu_si256((const __m256i *)(s + 8 * h));
 #if INT8_ISA == 2
-        a[h] = _mm256_dpbusd_avx_epi32(a[h], w[h], x);
+        a[h] = _mm256_dpbusd_avx_epi32(a[h], w[h], x[h]);
 #else
-        x = _mm256_sign_epi8(x, w[h]);  /* no-op for q4_1: its bytes are positive or 0 */
-        const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w[h], w[h]), x);
+        x[h] = _mm256_sign_epi8(x[h], w[h]);  /* no-op for q4_1: its bytes are positive or 0 */
+        const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w[h], w[h]), x[h]);
         a[h] = _mm256_add_epi32(a[h], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 #endif
     }
     memcpy(&acc, a, 64);
     return acc;
 #else
-    const v16i sv = load16i(s);
     for (int t = 0; t < 4; t++)  /* byte t of each lane: sign-extended in s, not in u */
-        acc += ((sv << (24 - 8 * t)) >> 24) * ((u >> (8 * t)) & 255);
+        acc += ((s << (24 - 8 * t)) >> 24) * ((u >> (8 * t)) & 255);
     return acc;
 #endif
+}
+
+/* q4_1's 4 bytes -> values 4j .. 4j + 3 (low nibbles, j < 4) or 4j - 16 .. (high nibbles);
+   q8_0's, offset if Q8_OFFSET. */
+static inline v16i weight_bytes(int kind, v16i bytes4, int j) {
+    if (kind == Q4_1) return (j < 4 ? bytes4 : bytes4 >> 4) & 0x0f0f0f0f;
+    return bytes4 ^ (Q8_OFFSET ? (int32_t)0x80808080u : 0);
 }
 
 /* Tile: NRI weight rows x GM groups of 16 activation rows, NRI <= 8, GM <= 4. kind, NRI
@@ -496,13 +543,10 @@ static inline __attribute__((always_inline)) void tile_i8(
                 const uint8_t *p = row[r] + b * bytes;
                 int32_t bytes4;
                 memcpy(&bytes4, kind == Q4_1 ? p + 4 + 4 * (j & 3) : p + 2 + 4 * j, 4);
-                v16i u = (v16i){0} + bytes4;
-                if (kind == Q4_1)
-                    u = (j < 4 ? u : u >> 4) & 0x0f0f0f0f;
-                else
-                    u ^= Q8_OFFSET ? (int32_t)0x80808080u : 0;
+                const v16i u = weight_bytes(kind, (v16i){0} + bytes4, j);
                 for (int g = 0; g < GM; g++)
-                    dot[r][g] = dot4(dot[r][g], u, A + ((g * nb + b) * GROUPS + j) * LANES);
+                    dot[r][g] = dot4(dot[r][g], u,
+                                     load16i(A + ((g * nb + b) * GROUPS + j) * LANES));
             }
         for (int g = 0; g < GM; g++) {
             const int64_t gb = (g * nb + b) * LANES;
@@ -511,14 +555,15 @@ static inline __attribute__((always_inline)) void tile_i8(
                 const v16 t = load16(T + gb);
                 for (int r = 0; r < NRI; r++) {
                     const uint8_t *p = row[r] + b * bytes;
-                    acc[r][g] += __builtin_convertvector(dot[r][g], v16) * (dx * fp16(p))
-                                 + t * fp16(p + 2);
+                    acc[r][g] = fma16(__builtin_convertvector(dot[r][g], v16),
+                                      dx * splat16(fp16(p)),
+                                      fma16(t, splat16(fp16(p + 2)), acc[r][g]));
                 }
             } else {
                 const v16i q128 = Q8_OFFSET ? load16i(Q + gb) << 7 : (v16i){0};
                 for (int r = 0; r < NRI; r++)
-                    acc[r][g] += __builtin_convertvector(dot[r][g] - q128, v16)
-                                 * (dx * fp16(row[r] + b * bytes));
+                    acc[r][g] = fma16(__builtin_convertvector(dot[r][g] - q128, v16),
+                                      dx * splat16(fp16(row[r] + b * bytes)), acc[r][g]);
             }
         }
     }
@@ -526,6 +571,118 @@ static inline __attribute__((always_inline)) void tile_i8(
         for (int l = 0; l < LANES && g * LANES + l < rows; l++)
             for (int r = 0; r < nr; r++)
                 y[(g * LANES + l) * ldy + r] = acc[r][g][l] + (bias ? bias[r] : 0.f);
+}
+
+/* dwords[i] = the 4 bytes at w + i rb, i < 16 (one gather with AVX-512). */
+static inline __attribute__((always_inline)) v16i gather16(const uint8_t *w, int64_t rb) {
+#if INT8_ISA == 3
+    const __m512i i = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    return (v16i)_mm512_i32gather_epi32(_mm512_mullo_epi32(i, _mm512_set1_epi32((int)rb)), w, 1);
+#else
+    v16i g;
+    for (int i = 0; i < LANES; i++) memcpy(&g[i], w + i * rb, 4);
+    return g;
+#endif
+}
+
+/* col[c][i] = dword c of the 16 bytes at w + i rb, i < 16: the 16 rows' 4-byte groups
+   transposed (with AVX-512, 4 x 4 transposes in the 128-bit lanes of 4 vectors that hold the
+   rows i = 4 L + e in lane L of vector e: 4 loads and 12 inserts, 8 unpacks, where 4 gathers
+   took 1.2x the time). */
+static inline __attribute__((always_inline)) void columns4(const uint8_t *w, int64_t rb,
+                                                           v16i col[4]) {
+#if INT8_ISA == 3
+#define ROW128(I) _mm_loadu_si128((const __m128i *)(w + (I) * rb))
+    __m512i z[4];
+    for (int e = 0; e < 4; e++) {
+        z[e] = _mm512_castsi128_si512(ROW128(e));
+        z[e] = _mm512_inserti32x4(z[e], ROW128(4 + e), 1);
+        z[e] = _mm512_inserti32x4(z[e], ROW128(8 + e), 2);
+        z[e] = _mm512_inserti32x4(z[e], ROW128(12 + e), 3);
+    }
+#undef ROW128
+    const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+    col[0] = (v16i)_mm512_unpacklo_epi64(t0, t2);
+    col[1] = (v16i)_mm512_unpackhi_epi64(t0, t2);
+    col[2] = (v16i)_mm512_unpacklo_epi64(t1, t3);
+    col[3] = (v16i)_mm512_unpackhi_epi64(t1, t3);
+#else
+    for (int i = 0; i < LANES; i++)
+        for (int c = 0; c < 4; c++) memcpy(&col[c][i], w + i * rb + 4 * c, 4);
+#endif
+}
+
+/* fp16 halves of 16 dwords as floats: the low ones (hi = 0) or the high ones. */
+static inline v16 halves16(v16i x, int hi) {
+    if (hi) x = (v16i)((v16u)x >> 16);
+#if defined(__AVX512F__)
+    return (v16)_mm512_cvtph_ps(_mm512_cvtepi32_epi16((__m512i)x));
+#else
+    v16 f;
+    for (int i = 0; i < LANES; i++) {
+        const uint16_t h = (uint16_t)x[i];
+        f[i] = fp16((const uint8_t *)&h);
+    }
+    return f;
+#endif
+}
+
+/* Tile: 16 weight rows (the lanes; row i at w + i rb) x MF activation rows (lanes = MF in A,
+   D, Q, T), MF <= FEW_ROWS_MAX a constant at each call; the first nr rows are stored. */
+static inline __attribute__((always_inline)) void tile_i8_few(
+    int kind, const uint8_t *w, int64_t rb, int nr, int64_t nb, const int32_t *A,
+    const float *D, const int32_t *Q, const float *T, int MF, float *y, int64_t ldy,
+    const float *bias) {
+    const int64_t bytes = block_bytes(kind);
+    const int CH = MF == 1 ? 4 : MF == 2 ? 2 : 1;
+    v16 acc[FEW_ROWS_MAX];
+    for (int m = 0; m < MF; m++) acc[m] = (v16){0};
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t p = b * bytes;
+        /* The tile's rows are one run of 16 rb bytes, read at 16 bytes per block: the
+           prefetches run through it at that pace, into the next tiles (4 PREFETCH ahead: in the
+           30 layers + head of bench/bench_quant_kernels.py, 0.8x the time of PREFETCH ahead). */
+        for (int64_t i = 0; i < LANES * bytes; i += 64)
+            __builtin_prefetch(w + LANES * p + i + 4 * PREFETCH);
+        /* CH chains of dot products per row, added at the end (exactly): with one, a row's
+           8 dependent vpdpbusd per block would bound the time at 1 or 2 rows. */
+        v16i isum[FEW_ROWS_MAX][4];
+        for (int m = 0; m < MF; m++)
+            for (int c = 0; c < CH; c++) isum[m][c] = (v16i){0};
+        for (int h = 0; h < (kind == Q4_1 ? 1 : 2); h++) {
+            v16i col[4];
+            columns4(w + (kind == Q4_1 ? p + 4 : p + 2 + 16 * h), rb, col);
+            for (int j = 0; j < (kind == Q4_1 ? GROUPS : 4); j++) {
+                /* q4_1's values j and j + 16 share byte j */
+                const int group = kind == Q4_1 ? j : 4 * h + j;
+                const v16i u = weight_bytes(kind, col[j & 3], group);
+                for (int m = 0; m < MF; m++)
+                    isum[m][group % CH] = dot4(isum[m][group % CH], u,
+                                               (v16i){0} + A[(b * GROUPS + group) * MF + m]);
+            }
+        }
+        for (int m = 0; m < MF; m++)
+            for (int c = 1; c < CH; c++) isum[m][0] += isum[m][c];
+        const v16i dm = gather16(w + p, rb);
+        const v16 d = halves16(dm, 0);
+        const v16 mw = kind == Q4_1 ? halves16(dm, 1) : (v16){0};
+        for (int m = 0; m < MF; m++) {
+            const v16 dxd = splat16(D[b * MF + m]) * d;
+            if (kind == Q4_1)
+                acc[m] = fma16(__builtin_convertvector(isum[m][0], v16), dxd,
+                               fma16(splat16(T[b * MF + m]), mw, acc[m]));
+            else
+                acc[m] = fma16(
+                    __builtin_convertvector(isum[m][0] - (Q8_OFFSET ? Q[b * MF + m] * 128 : 0), v16),
+                    dxd, acc[m]);
+        }
+    }
+    for (int m = 0; m < MF; m++) {
+        float sums[LANES];  /* (indexing acc by r would keep acc in memory throughout) */
+        memcpy(sums, &acc[m], 64);
+        for (int r = 0; r < nr; r++) y[m * ldy + r] = sums[r] + (bias ? bias[r] : 0.f);
+    }
 }
 
 #define TILE_I8(KIND_, NRI_, GM_) \
@@ -538,16 +695,40 @@ static inline __attribute__((always_inline)) void tile_i8(
     else if (gm == 2) TILE_I8(KIND_, 6, 2);             \
     else TILE_I8(KIND_, 6, 1);
 
+#define TILE_FEW(KIND_, MF_) \
+    tile_i8_few(KIND_, wn, row_bytes, nr, nb, j->A, j->D, j->Q, j->T, MF_, j->y + n0, ldy, bn)
+#define TILES_FEW(KIND_)                   \
+    switch (M) {                           \
+        case 1: TILE_FEW(KIND_, 1); break; \
+        case 2: TILE_FEW(KIND_, 2); break; \
+        case 3: TILE_FEW(KIND_, 3); break; \
+        case 4: TILE_FEW(KIND_, 4); break; \
+        case 5: TILE_FEW(KIND_, 5); break; \
+        case 6: TILE_FEW(KIND_, 6); break; \
+        case 7: TILE_FEW(KIND_, 7); break; \
+        case 8: TILE_FEW(KIND_, 8); break; \
+        case 9: TILE_FEW(KIND_, 9); break; \
+        case 10: TILE_FEW(KIND_, 10); break; \
+        case 11: TILE_FEW(KIND_, 11); break; \
+        case 12: TILE_FEW(KIND_, 12); break; \
+        case 13: TILE_FEW(KIND_, 13); break; \
+        case 14: TILE_FEW(KIND_, 14); break; \
+        case 15: TILE_FEW(KIND_, 15); break; \
+        default: TILE_FEW(KIND_, 16);       \
+    }
+
 /* The int8 path's call: the activations quantized (see quantize_row), then tiles. */
 struct job_i8 {
     const uint8_t *w;
-    int64_t N, nb, row_bytes, M, G, per_group;
+    int64_t N, nb, row_bytes, M, G, lanes, per_group;
     const float *x;
     int64_t ldx;
     const float *bias;
     float *y;
     int64_t ldy;
-    int nri;
+    int nri;                  /* weight rows per tile; LANES: tile_i8_few */
+    const uint8_t *edge;      /* tile_i8_few's last 16 rows, when N % 16 rows are left:
+                                 those, then the last one repeated */
     int32_t *A, *Q;
     float *D, *T;
 };
@@ -557,7 +738,7 @@ struct job_i8 {
 static int64_t quantize_rows(const struct job_i8 *j) {
     int64_t nonfinite = 0;
     for (int64_t m = 0; m < j->M; m++)
-        nonfinite += quantize_row(j->x + m * j->ldx, j->nb, m, j->A, j->D, j->Q, j->T);
+        nonfinite += quantize_row(j->x + m * j->ldx, j->nb, m, j->lanes, j->A, j->D, j->Q, j->T);
     return nonfinite;
 }
 
@@ -570,6 +751,15 @@ static inline __attribute__((always_inline)) void i8_tiles(int kind, const struc
         const int nr = j->N - n0 < nri ? (int)(j->N - n0) : nri;
         const uint8_t *wn = j->w + n0 * row_bytes;
         const float *bn = j->bias ? j->bias + n0 : NULL;
+        if (M <= FEW_ROWS_MAX) {
+            if (nr < LANES) wn = j->edge;
+            if (kind == Q4_1) {
+                TILES_FEW(Q4_1)
+            } else {
+                TILES_FEW(Q8_0)
+            }
+            continue;
+        }
         for (int64_t g0 = 0; g0 < G; g0 += 2) {
             const int64_t m0 = g0 * LANES, o = g0 * j->per_group;
             const int32_t *Am = j->A + o * GROUPS, *Qm = j->Q + o;
@@ -588,27 +778,47 @@ static inline __attribute__((always_inline)) void i8_tiles(int kind, const struc
 #define I8_BODY(KIND) i8_tiles(KIND, c, b, e)
 RANGE_FNS(i8, I8_BODY)
 
+/* tile_i8_few's tiles per item: 32 weight rows, so a 576-row matmul splits evenly enough
+   over 2 threads (TILES_PER_ITEM's 128 rows would give 4.5 items). */
+enum { FEW_TILES_PER_ITEM = 2 };
+
 /* As v1_q_linear_f32, through int8 activations. 0, or -1 without scratch memory. A row
    holding inf or NaN is computed by the fp32 path: quantized, it would be NaN throughout
-   (its scale inf), where torch gives +-inf or NaN element by element. */
+   (its scale inf), where torch gives +-inf or NaN element by element. Up to FEW_ROWS_MAX rows
+   take tile_i8_few, more tile_i8: the same numbers for each row either way (see above). */
 V1_API int32_t v1_q_linear_i8(int32_t kind, const uint8_t *w, int64_t N, int64_t K,
                               const float *x, int64_t ldx, int64_t M, const float *bias,
                               float *y, int64_t ldy, int32_t nthreads) {
+    const int few = M <= FEW_ROWS_MAX;
     struct job_i8 j = {.w = w, .N = N, .nb = K / QK, .M = M, .x = x, .ldx = ldx,
                        .bias = bias, .y = y, .ldy = ldy};
     j.row_bytes = j.nb * block_bytes(kind);
-    j.G = (M + LANES - 1) / LANES;
-    j.per_group = j.nb * LANES;
+    j.lanes = few ? M : LANES;
+    j.G = (M + j.lanes - 1) / j.lanes;
+    j.per_group = j.nb * j.lanes;
     /* A, then D, Q, T (4-byte elements all); rows past M stay 0. */
     j.A = calloc((size_t)(j.G * j.per_group * (GROUPS + 3)), 4);
     if (!j.A) return -1;
     j.Q = j.A + j.G * j.per_group * GROUPS;
     j.D = (float *)(j.Q + j.G * j.per_group);
     j.T = j.D + j.G * j.per_group;
-    j.nri = j.G == 1 ? 8 : 6;
+    j.nri = few ? LANES : j.G == 1 ? 8 : 6;
+    uint8_t *edge = NULL;
+    if (few && N % LANES) {
+        if (!(edge = malloc((size_t)(LANES * j.row_bytes)))) {
+            free(j.A);
+            return -1;
+        }
+        const int64_t n0 = N / LANES * LANES;
+        for (int64_t r = 0; r < LANES; r++)
+            memcpy(edge + r * j.row_bytes, w + (n0 + r < N ? n0 + r : N - 1) * j.row_bytes,
+                   (size_t)j.row_bytes);
+        j.edge = edge;
+    }
     const int64_t nonfinite = quantize_rows(&j);
-    v1_parallel_for(nthreads, (N + j.nri - 1) / j.nri, TILES_PER_ITEM,
+    v1_parallel_for(nthreads, (N + j.nri - 1) / j.nri, few ? FEW_TILES_PER_ITEM : TILES_PER_ITEM,
                     kind == Q4_1 ? i8_q4_1 : i8_q8_0, &j);
+    free(edge);
     free(j.A);
     for (int64_t m = 0; nonfinite && m < M; m++) {
         const float *xm = x + m * ldx;

@@ -16,14 +16,19 @@ package; V1_CPU_KERNELS=0, other devices or dtypes: the torch reference). Two pa
   v1/kernels/csrc/quant.c). Either way each weight byte is read and dequantized once per
   call (for up to 64 rows).
 - "int8", llama.cpp's way: activations quantized per block of 32 to int8 (q8_0 rounding,
-  fp32 scale), integer dot products of 4-byte groups against 16 activation rows at once
-  (AVX-512 VNNI vpdpbusd, else AVX-VNNI, else AVX2 vpmaddubsw, else plain C: whatever the
-  compiler targets), block scales applied in fp32 and q4_1's offsets through the activation
-  block sums. The results change: each activation is rounded to 1/254 of its block's
-  largest magnitude.
-The tiles are sized for AVX-512's 32 registers of 16 floats. The library's other variants
-(x86-64-v3, portable; `v1/kernels/variants.py`) compute the same results
-(tests/worker/test_quant_kernels.py runs each) but are not tuned: their 64-byte vectors lower
+  fp32 scale), integer dot products of 4-byte groups (AVX-512 VNNI vpdpbusd, else AVX-VNNI,
+  else AVX2 vpmaddubsw, else plain C: whatever the compiler targets), block scales applied in
+  fp32 and q4_1's offsets through the activation block sums. Up to 16 rows, 16 weight rows
+  sit in a vector's lanes (their 4-byte groups transposed in registers) against one
+  activation row's group, broadcast; from 17 rows, 16 activation rows sit in the lanes against
+  one weight row's group, broadcast. Each weight block is read once per call. A row's result
+  is bit for bit the same whatever the number of rows in the call, whichever of the two tiles
+  serves it and whichever variant of the library runs (exact integer block sums, then one
+  explicit-FMA recurrence over the blocks: quant.c). The results are not fp32's: each
+  activation is rounded to 1/254 of its block's largest magnitude.
+The library's other variants (x86-64-v3, portable; `v1/kernels/variants.py`) compute the
+int8 path's results bit for bit and the fp32 path's up to rounding
+(tests/worker/test_quant_kernels.py runs each), but are not tuned: their 64-byte vectors lower
 to pairs or quads of smaller ones and spill.
 
 The kernels split their rows over torch's thread count on the library's own worker threads,
@@ -32,29 +37,47 @@ setting, waking OpenMP's sleeping threads cost ~40 us per call, more than a batc
 matmul takes, 120 calls a step (the figures below are with the pool; with OpenMP, at
 a505452, the fp32 path's row took 0.51-1.28 of oneDNN's time from 1 to 64 rows).
 
-Which path for which batch, by `bench/bench_quant_kernels.py` (2 threads of an AVX-512 VNNI
-EPYC; time of 30 layers + LM head in the GGUF's kinds, q4_1 layers and q8_0 head, relative to
-fp32 oneDNN on prepacked weights; load ~1, `bench/results/quant_kernels.txt`; runs vary by
-~10-20%, more at 8-64 rows):
+Which path for which rows. Every row takes "int8" (ALL_INT8, the default), prompt tokens'
+and generated tokens' (decode, speculative drafts) alike, at any batch size: so a token's
+numbers do not depend on what else ran in its step (a draft, a neighbour's prompt, a chunk
+boundary), and at a few rows int8 is also the faster path. The 30 layers + LM head of the
+default model (q4_1 layers, q8_0 head), ms per step, each of the 121 weights once in turn (so
+their 94 MB stream from memory, as in the model); 2 threads of an AVX-512 VNNI Xeon (Sapphire
+Rapids, shared with other jobs: load ~2.5; medians of 7 interleaved rounds; "int8 before" is
+tile_i8 alone, at 9ef4849):
+
+    rows              1      2      4      5      8      16
+    fp32            11.1   16.7   21.0   32.0   32.5   44.2
+    int8 before     23.1   23.3   23.6   23.9   24.1   25.5
+    int8            10.6   11.6   12.9   14.6   15.9   21.9
+
+With each weight in cache between its calls (`bench/bench_quant_kernels.py --rows
+1,2,4,5,8 --rounds 5 --sample-ms 10`, same machine) int8 takes 4.8 / 5.4 / 7.9 / 6.3 / 6.8 ms
+where fp32 takes 10.2 / 16.3 / 21.4 / 22.3 / 17.4 (one row: a layer 0.109 ms against 0.254,
+the head 1.55 against 2.62): at one row the int8 path's arithmetic is well under half the
+fp32 path's, but streaming the blocks bounds both near the memory's pace (one thread:
+8.4 ms against 10.1 for the 94 MB, ~11 GB/s, where one core reads ~14 GB/s).
+
+Measured quality (bench/bench_quant.py's accuracy, against fp32; `V1_QUANT_ALL_INT8=0|1
+.venv/bin/python bench/bench_quant.py --child accuracy --modes gguf`): perplexity x1.0016
+(x1.0017 with generated rows on the fp32 path), greedy agreement 0.651 of positions (0.727),
+0.583 before the first divergence (0.651); gguf+fp16: x1.0021 (x1.0014), 0.716 (0.794).
+V1_QUANT_ALL_INT8=0 restores the paths by count: generated rows on "fp32" up to
+DENSE_MIN_ROWS, prompt rows on "int8" (PROMPT_INT8), the figures below;
+V1_QUANT_INT8_MIN_ROWS=n then sends every batch of n rows or more through int8.
+
+Before ALL_INT8, by `bench/bench_quant_kernels.py` (2 threads of an AVX-512 VNNI EPYC; 30
+layers + LM head in the GGUF's kinds relative to fp32 oneDNN on prepacked weights; load ~1,
+`bench/results/quant_kernels.txt`):
 
     rows       1      2      4      8      16     32     64
     fp32     0.30   0.35   0.43   0.62   0.72   0.85   1.00
     int8     0.59   0.49   0.47   0.43   0.38   0.40   0.47
 
-(A layer's weights stay in cache between the benchmark's calls; in the model the fp32
-weights, 540 MB, stream from memory, so the blocks' lead at a few rows is larger there.) fp32
-activations win up to 4 rows (no activation quantization, no idle int8 lanes); int8
-activations from 8 rows, and from 16 on they take about half the fp32 path's time. For larger
-batches the fp32 path can only match fp32 oneDNN: it does
-the same FMAs and saves memory traffic, which matters little there. Which rows take int8 is
-decided per row, not by the batch's size (`PROMPT_INT8`): prompt tokens' rows do, whatever
-their number, and generated tokens' rows take the fp32 path (up to DENSE_MIN_ROWS). A
-batch-size rule would make a token's numbers depend on what else ran in its step (int8
-everywhere gave perplexity +0.3% but greedy agreement 0.61 with fp32, `V1_QUANT_INT8_MIN_ROWS=1
-.venv/bin/python bench/bench_quant.py --modes fp32 gguf --rounds 1`), so speculative drafts,
-chunking or a neighbour's prompt would change greedy tokens; int8's rows are independent of
-each other, and decode keeps fp32's exact weights. V1_QUANT_INT8_MIN_ROWS=n still sends every
-batch of n rows or more through int8, for measurements.
+fp32 activations won up to 4 rows then (int8's 16-lane tile left 15 of 16 lanes idle at one
+row), int8 from 8. Int8 everywhere then gave greedy agreement 0.61 with fp32, and the fp32
+path's sums change order with the row count (1, 2-4, 5+ rows), so a decode row's last bits
+depended on its step's other rows (PROMPT_INT8's comment).
 
 From DENSE_MIN_ROWS rows (prefill chunks) a third path, "dense": the whole weight dequantized
 by C into fp32 once per call, then oneDNN's GEMM. At a505452 (OpenMP threads; `--rows
@@ -84,8 +107,8 @@ from v1.models.layers.onednn import ONEDNN_LINEAR, onednn_linear
 
 # How `linear` multiplies on CPU: "fp32" (blocks dequantized in registers, fp32 activations),
 # "int8" (activations quantized per block to int8, integer dot products), or "torch" (the
-# reference: dequantize, F.linear). Without `path`, batches of at least INT8_MIN_ROWS rows
-# take "int8" and smaller ones "fp32"; None: always "fp32".
+# reference: dequantize, F.linear). Without `path`: "int8" (ALL_INT8); with ALL_INT8 off,
+# by the batch's size (`_path_for`) or the rows' kind (PROMPT_INT8).
 PATHS = ("fp32", "int8", "dense", "torch")
 
 
@@ -117,14 +140,16 @@ def _prompt_int8(value: str | None) -> bool:
 # shared-prompt workload's matmul rows, where int8 takes 0.6-0.8 of packed fp32's time and
 # "dense" 1.1-1.3, at perplexity +0.4% (module docstring). The path is per row, not per batch,
 # because int8's results are: a row's output does not depend on the other rows of its call, so
-# a prompt's KV is the same at any chunk size or batch composition. Generated tokens' rows
-# (decode, drafts, a preempted request's recomputed output) take the fp32 path, fp32's exact
-# weights; but its sums change order with the row count (1, 2-4, 5+ rows: see quant.c), so
-# unlike oneDNN's fp32 a decode row's last bits depend on its step's other rows, drafts
-# included: greedy tokens agree with and without drafts until a near-tie (issue 22's note).
-# Blocks computed as generated tokens and reused by a later prompt (multi-turn chat) hold
-# fp32-path K/V where a cold prompt would have int8's: outputs may then differ with what is
-# cached, within the lossy modes' rule (DESIGN.md). V1_QUANT_PROMPT_INT8=0 turns it off.
+# a prompt's KV is the same at any chunk size or batch composition. With ALL_INT8 (the
+# default) generated tokens' rows take "int8" too and this split has nothing left to do. With
+# ALL_INT8 off, generated tokens' rows (decode, drafts, a preempted request's recomputed
+# output) take the fp32 path, fp32's exact weights; but its sums change order with the row
+# count (1, 2-4, 5+ rows: see quant.c), so unlike oneDNN's fp32 a decode row's last bits
+# depend on its step's other rows, drafts included: greedy tokens agree with and without
+# drafts until a near-tie (issue 22's note). Blocks computed as generated tokens and reused
+# by a later prompt (multi-turn chat) then hold fp32-path K/V where a cold prompt would have
+# int8's: outputs may differ with what is cached, within the lossy modes' rule (DESIGN.md).
+# V1_QUANT_PROMPT_INT8=0 turns it off.
 PROMPT_INT8: bool = _prompt_int8(os.environ.get("V1_QUANT_PROMPT_INT8"))
 
 
@@ -145,6 +170,23 @@ def _split(is_prompt: np.ndarray | None) -> _PromptRows | None:
         return _PromptRows(len(is_prompt), None, None)
     return _PromptRows(len(is_prompt), torch.from_numpy(np.flatnonzero(is_prompt)),
                        torch.from_numpy(np.flatnonzero(~is_prompt)))
+
+
+def _all_int8(value: str | None) -> bool:
+    """V1_QUANT_ALL_INT8: "1" (unset) or "0"."""
+    if value not in (None, "", "0", "1"):
+        raise ValueError(f"V1_QUANT_ALL_INT8={value!r}: expected 0 or 1")
+    return value != "0"
+
+
+# Every row of every call takes "int8" unless a `path` is given: generated tokens' rows
+# (decode, speculative drafts) as well as prompt tokens', at any batch size. int8's rows do not
+# depend on each other (the two int8 tiles give a row the same numbers whatever the call's
+# row count: quant.c), so a token's numbers no longer depend on what else ran in its step, and
+# at a few rows the int8 path is also the faster one (module docstring). V1_QUANT_ALL_INT8=0:
+# the paths before, generated rows by count (fp32 below DENSE_MIN_ROWS) and prompt rows by
+# PROMPT_INT8.
+ALL_INT8: bool = _all_int8(os.environ.get("V1_QUANT_ALL_INT8"))
 
 
 # Per thread: two in-process engines may run forwards on two threads at once.
@@ -178,6 +220,8 @@ def path_for_rows(m: int) -> str | None:
     paths (some prompt tokens' rows, some not). The one rule: `QuantizedWeight.linear` asks
     it, and so does the fused decode step (v1.models.fused_decode), which must choose as
     the per-op path does to compute the same bits."""
+    if ALL_INT8:
+        return "int8"
     split = getattr(_forward, "rows", None)
     if split is not None and split.num_rows == m:
         return "int8" if split.prompt is None else None
