@@ -128,13 +128,15 @@ def test_steps_that_do_not_qualify_run_per_op(gguf_model, fused_calls, monkeypat
 
 @pytest.mark.parametrize("rows", [1, 3])
 def test_the_int8_rule_is_followed(gguf_model, fused_calls, monkeypatch, rows):
-    """Where the rule sends decode rows through int8 (V1_QUANT_INT8_MIN_ROWS), both paths
-    do: still the same bits, and not the fp32 path's."""
+    """Whichever path the rule gives decode rows (int8 by default, fp32 under
+    V1_QUANT_ALL_INT8=0), the fused and per-op steps both take it: the same bits, and not
+    the other path's."""
     kv_caches = prefilled(gguf_model, [list(range(300, 316))], monkeypatch)
     chunks = [Chunk([8] * rows, 16, TABLES[0])]
     caches = [[c.clone() for c in kv_caches] for _ in range(2)]
+    monkeypatch.setattr(quant, "ALL_INT8", False)
     fp32 = forward(gguf_model, caches[0], chunks, True, monkeypatch)
-    monkeypatch.setattr(quant, "INT8_MIN_ROWS", 1)
+    monkeypatch.setattr(quant, "ALL_INT8", True)
     fused = forward(gguf_model, caches[1], chunks, True, monkeypatch)
     per_op = forward(gguf_model, kv_caches, chunks, False, monkeypatch)
     assert len(fused_calls) == 2
