@@ -284,15 +284,21 @@ def test_small_shared_prefixes_are_not_worth_a_cascade():
     assert not AttentionPlan.build(batch.metadata, 16).groups
 
 
-def test_native_kernel_serves_decodes_and_short_prefills(decode_impl, always_cascade):
+def test_native_kernel_serves_decodes_and_short_prefills(decode_impl, always_cascade,
+                                                         monkeypatch):
     batch = Batch(*SCENARIOS["long-prefills"], 9, 3, 64, 16)
     plan = AttentionPlan.for_step(batch.metadata, batch.kv_cache, 9)
     if decode_impl == "native":
         assert not plan.decodes
-        # The decodes (rows 300 and 616) and the 30-token chunk after the shared prefix.
-        assert plan.native.tokens.tolist() == [300, *range(586, 616), 616]
-        assert plan.native.end.tolist() == [40, *range(261, 291), 280]
-        assert plan.native.start.tolist() == [0] + [256] * 31
+        # The decodes (rows 300 and 616), the 5-token chunk over 400 keys (a verify step's
+        # shape: few queries, whatever their keys) and the 30-token chunk after the shared
+        # prefix; the long chunks stay with SDPA.
+        assert plan.native.tokens.tolist() == [300, *range(301, 306), *range(586, 616), 616]
+        assert plan.native.end.tolist() == [40, *range(396, 401), *range(261, 291), 280]
+        assert plan.native.start.tolist() == [0] * 6 + [256] * 31
+        assert [p.q_start for p in plan.prefills] == [0, 306]
+        monkeypatch.setattr(torch_plan, "NATIVE_MAX_QUERIES", 0)
+        plan = AttentionPlan.build(batch.metadata, 16, kernel=plan.native.kernel)
         assert [p.q_start for p in plan.prefills] == [0, 301, 306]
     else:
         assert plan.native is None and plan.decodes and len(plan.prefills) == 4
