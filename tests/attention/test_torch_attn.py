@@ -304,6 +304,33 @@ def test_native_kernel_serves_decodes_and_short_prefills(decode_impl, always_cas
         assert plan.native is None and plan.decodes and len(plan.prefills) == 4
 
 
+def test_a_long_decode_is_the_same_bits_alone_and_in_a_batch(decode_impl):
+    """The C kernel cuts an entry's keys into parts by the entry's own length (so one long
+    decode uses every thread): its output must not depend on the other entries of the call
+    nor on the thread count."""
+    batch = Batch(*SCENARIOS["decode-lengths"], 9, 3, 64, 16)
+    impl = TorchAttentionImpl(9, 64, 3, 0.125)
+    md = batch.metadata
+    outs = {}
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs["batch", n] = impl.forward(batch.query, batch.key, batch.value,
+                                            batch.kv_cache.clone(), md)
+            alone = AttentionMetadata.build(  # request 1 (600 keys) by itself
+                np.array([1]), np.array([600]), md.block_table[1:2], md.slot_mapping[1:2]
+            )
+            outs["alone", n] = impl.forward(batch.query[1:2], batch.key[1:2], batch.value[1:2],
+                                            batch.kv_cache.clone(), alone)
+    finally:
+        torch.set_num_threads(threads)
+    for (where, _), out in outs.items():
+        assert torch.equal(out[0 if where == "alone" else 1], outs["alone", 1][0])
+    ref, _ = batch.run_reference(0.125)
+    torch.testing.assert_close(outs["batch", 2], ref, atol=ATOL, rtol=RTOL)
+
+
 def test_lone_decode_plan_is_one_entry(decode_impl):
     """A step of one decode gets its kernel entry directly: its table row, query row, start
     and end are views of one 4-element tensor, and there is nothing else in the plan."""

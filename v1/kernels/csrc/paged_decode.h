@@ -10,6 +10,9 @@
 #include "kv_rows.h"
 #include "pool.h"
 
+#include <stdlib.h>
+#include <string.h>
+
 /* The cache write: token i's K/V rows (fp32, row i at k + i * k_row: each row's KVH * D
    values contiguous) into slot step->slots[i] of the cache [2, num_blocks, B, KVH, D],
    converted once into its dtype. Serial: a step writes a few rows per layer, and parallel
@@ -35,14 +38,18 @@ static void kv_write(const struct decode_step *step, const float *k, int64_t k_r
 
    (all but q, H, the cache, out and lse from the step's `struct decode_step`; with k_new,
    kv_write stores the step's K/V first; without q, that is all.)
-   Query head h reads kv head h / (H / KVH). One task per entry: it streams the
-   request's blocks once, chunk by chunk (TMAX keys), keeping a running max m, sum l and
-   unnormalised output acc per head (the online softmax). Each K/V row of a kv head is
-   read as fp32 once (KV_ROW) for the G query heads that use it; all the arithmetic is
-   fp32. D must be a multiple of 8. Entries are spread over the pool's threads (pool.h), one
-   at a time; a single one runs on the calling thread. */
+   Query head h reads kv head h / (H / KVH). An entry's keys are cut into parts of PART_KEYS
+   (the last shorter), one task each: a task streams its keys once, chunk by chunk (TMAX
+   keys), keeping a running max m, sum l and unnormalised output acc per head (the online
+   softmax). Each K/V row of a kv head is read as fp32 once (KV_ROW) for the G query heads
+   that use it; all the arithmetic is fp32. An entry of one part is written by its task; the
+   parts of a longer one are merged after all tasks, in part order. The cut depends on the
+   entry's own keys only, never on the other entries or the thread count, so an entry's
+   result is the same bits in any step (a batch-1 decode, a verify step's rows, a batch):
+   parts are what lets one long decode use every thread. D must be a multiple of 8. Tasks
+   are spread over the pool's threads (pool.h). */
 
-enum { TMAX = 32 };
+enum { TMAX = 32, PART_KEYS = 128 };
 
 /* One call's arguments, for the pool's range function. */
 struct decode_call {
@@ -54,98 +61,159 @@ struct decode_call {
     float *out;
     int64_t out_row;
     float *lse;
+    /* NULL: one task per entry (no entry has more than PART_KEYS keys, or no scratch).
+       Else per task: its entry, its part, and its partial m[H], l[H], acc[H D]. */
+    const int64_t *task_entry, *task_part;
+    float *partial;
 };
 
-static void decode_entries(void *ctx, int64_t r0, int64_t r1, int thread) {
+static inline int64_t entry_parts(int64_t keys) {
+    return keys <= PART_KEYS ? 1 : (keys + PART_KEYS - 1) / PART_KEYS;
+}
+
+/* The online softmax of entry r's query over keys [t_begin, t_end): m[h], l[h] and
+   acc[h * NV + i] (unnormalised), from m = -FLT_MAX, l = 0, acc = 0. */
+static void attend(const struct decode_call *c, int64_t r, int64_t t_begin, int64_t t_end,
+                   float *m, float *l, v8 *acc) {
+    const struct decode_step *step = c->step;
+    const int64_t H = c->H, KVH = step->KVH, D = step->D, B = step->B;
+    const int64_t G = H / KVH, NV = D / 8, row = KVH * D;
+    const KV_T *k = c->k, *v = c->v;
+    v8 qv[H][NV];
+    float s[H][TMAX + 8] __attribute__((aligned(32)));
+    float wide[D] __attribute__((aligned(32)));  /* a widened K/V row (16-bit caches) */
+    const int32_t *blocks = step->table + step->table_rows[r] * step->table_row;
+    for (int64_t h = 0; h < H; h++) {
+        const float *qp = c->q + step->tok[r] * c->q_row + h * D;
+        for (int64_t i = 0; i < NV; i++) {
+            qv[h][i] = load8(qp + 8 * i) * c->scale;
+            acc[h * NV + i] = (v8){0};
+        }
+        m[h] = -FLT_MAX;
+        l[h] = 0.f;
+    }
+    for (int64_t t0 = t_begin; t0 < t_end;) {
+        /* The next chunk: row pointers of up to TMAX keys, across block boundaries. */
+        const KV_T *kr[TMAX], *vr[TMAX];
+        int64_t n = 0;
+        while (n < TMAX && t0 + n < t_end) {
+            int64_t t = t0 + n, first = (int64_t)blocks[t / B] * B + t % B;
+            int64_t count = B - t % B;
+            if (count > t_end - t) count = t_end - t;
+            if (count > TMAX - n) count = TMAX - n;
+            for (int64_t i = 0; i < count; i++) {
+                kr[n + i] = k + (first + i) * row;
+                vr[n + i] = v + (first + i) * row;
+            }
+            n += count;
+        }
+        /* Scores s[h][t] = scale * q_h . k_t, each key row loaded once for its heads. */
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t j = 0; j < KVH; j++) {
+                const float *kp = KV_ROW(kr[t] + j * D, wide, D);
+                for (int64_t h = j * G; h < (j + 1) * G; h++) {
+                    v8 a = load8(kp) * qv[h][0];
+                    for (int64_t i = 1; i < NV; i++) a += load8(kp + 8 * i) * qv[h][i];
+                    s[h][t] = hsum(a);
+                }
+            }
+        /* Online softmax: new running max, rescale what came before, p = e^(s - m). */
+        for (int64_t h = 0; h < H; h++) {
+            float mx = m[h];
+            for (int64_t t = 0; t < n; t++) mx = s[h][t] > mx ? s[h][t] : mx;
+            float correction = expf(m[h] - mx);
+            v8 sum = {0};
+            for (int64_t t = 0; t < n; t += 8) {
+                v8 p = exp8(load8(&s[h][t]) - mx);
+                store8(&s[h][t], p);
+                if (t + 8 <= n)
+                    sum += p;
+                else
+                    for (int64_t u = t; u < n; u++) sum[0] += s[h][u];
+            }
+            l[h] = l[h] * correction + hsum(sum);
+            for (int64_t i = 0; i < NV; i++) acc[h * NV + i] *= correction;
+            m[h] = mx;
+        }
+        /* acc_h += p_h[t] * v_t */
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t j = 0; j < KVH; j++) {
+                const float *vp = KV_ROW(vr[t] + j * D, wide, D);
+                for (int64_t h = j * G; h < (j + 1) * G; h++) {
+                    v8 p = {0};
+                    p += s[h][t];
+                    for (int64_t i = 0; i < NV; i++) acc[h * NV + i] += load8(vp + 8 * i) * p;
+                }
+            }
+        t0 += n;
+    }
+}
+
+/* Entry r's output and lse from its m, l and acc. */
+static void finish(const struct decode_call *c, int64_t r, const float *m, const float *l,
+                   const v8 *acc) {
+    const int64_t H = c->H, NV = c->step->D / 8, tok = c->step->tok[r];
+    for (int64_t h = 0; h < H; h++) {
+        float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+        float *op = c->out + tok * c->out_row + h * NV * 8;
+        for (int64_t i = 0; i < NV; i++) store8(op + 8 * i, acc[h * NV + i] * inv);
+        if (c->lse) c->lse[tok * H + h] = l[h] > 0.f ? m[h] + logf(l[h]) : -INFINITY;
+    }
+}
+
+static void decode_tasks(void *ctx, int64_t t0, int64_t t1, int thread) {
     const struct decode_call *c = ctx;
     const struct decode_step *step = c->step;
-    const float *q = c->q, scale = c->scale;
-    const int64_t q_row = c->q_row, H = c->H, out_row = c->out_row;
-    float *out = c->out, *lse = c->lse;
-    const int32_t *table = step->table;
-    const int64_t table_row = step->table_row, *table_rows = step->table_rows, *tok = step->tok;
-    const int64_t *start = step->start, *end = step->end;
-    const int64_t KVH = step->KVH, D = step->D, B = step->B;
-    const KV_T *k = c->k, *v = c->v;
-    const int64_t G = H / KVH, NV = D / 8, row = KVH * D;
+    const int64_t H = c->H, NV = step->D / 8;
     (void)thread;
-    for (int64_t r = r0; r < r1; r++) {
-        v8 qv[H][NV], acc[H][NV];
+    for (int64_t t = t0; t < t1; t++) {
         float m[H], l[H];
-        float s[H][TMAX + 8] __attribute__((aligned(32)));
-        float wide[D] __attribute__((aligned(32)));  /* a widened K/V row (16-bit caches) */
-        const int32_t *blocks = table + table_rows[r] * table_row;
-        for (int64_t h = 0; h < H; h++) {
-            const float *qp = q + tok[r] * q_row + h * D;
-            for (int64_t i = 0; i < NV; i++) {
-                qv[h][i] = load8(qp + 8 * i) * scale;
-                acc[h][i] = (v8){0};
-            }
-            m[h] = -FLT_MAX;
-            l[h] = 0.f;
+        v8 acc[H * NV];
+        if (!c->task_entry) {
+            attend(c, t, step->start[t], step->end[t], m, l, acc);
+            finish(c, t, m, l, acc);
+            continue;
         }
-        for (int64_t t0 = start[r]; t0 < end[r];) {
-            /* The next chunk: row pointers of up to TMAX keys, across block boundaries. */
-            const KV_T *kr[TMAX], *vr[TMAX];
-            int64_t n = 0;
-            while (n < TMAX && t0 + n < end[r]) {
-                int64_t t = t0 + n, first = (int64_t)blocks[t / B] * B + t % B;
-                int64_t count = B - t % B;
-                if (count > end[r] - t) count = end[r] - t;
-                if (count > TMAX - n) count = TMAX - n;
-                for (int64_t c = 0; c < count; c++) {
-                    kr[n + c] = k + (first + c) * row;
-                    vr[n + c] = v + (first + c) * row;
-                }
-                n += count;
-            }
-            /* Scores s[h][t] = scale * q_h . k_t, each key row loaded once for its heads. */
-            for (int64_t t = 0; t < n; t++)
-                for (int64_t j = 0; j < KVH; j++) {
-                    const float *kp = KV_ROW(kr[t] + j * D, wide, D);
-                    for (int64_t h = j * G; h < (j + 1) * G; h++) {
-                        v8 a = load8(kp) * qv[h][0];
-                        for (int64_t i = 1; i < NV; i++) a += load8(kp + 8 * i) * qv[h][i];
-                        s[h][t] = hsum(a);
-                    }
-                }
-            /* Online softmax: new running max, rescale what came before, p = e^(s - m). */
-            for (int64_t h = 0; h < H; h++) {
-                float mx = m[h];
-                for (int64_t t = 0; t < n; t++) mx = s[h][t] > mx ? s[h][t] : mx;
-                float correction = expf(m[h] - mx);
-                v8 sum = {0};
-                for (int64_t t = 0; t < n; t += 8) {
-                    v8 p = exp8(load8(&s[h][t]) - mx);
-                    store8(&s[h][t], p);
-                    if (t + 8 <= n)
-                        sum += p;
-                    else
-                        for (int64_t u = t; u < n; u++) sum[0] += s[h][u];
-                }
-                l[h] = l[h] * correction + hsum(sum);
-                for (int64_t i = 0; i < NV; i++) acc[h][i] *= correction;
-                m[h] = mx;
-            }
-            /* acc_h += p_h[t] * v_t */
-            for (int64_t t = 0; t < n; t++)
-                for (int64_t j = 0; j < KVH; j++) {
-                    const float *vp = KV_ROW(vr[t] + j * D, wide, D);
-                    for (int64_t h = j * G; h < (j + 1) * G; h++) {
-                        v8 p = {0};
-                        p += s[h][t];
-                        for (int64_t i = 0; i < NV; i++) acc[h][i] += load8(vp + 8 * i) * p;
-                    }
-                }
-            t0 += n;
+        const int64_t r = c->task_entry[t], part = c->task_part[t];
+        const int64_t begin = step->start[r] + part * PART_KEYS;
+        const int64_t stop = begin + PART_KEYS < step->end[r] ? begin + PART_KEYS : step->end[r];
+        if (entry_parts(step->end[r] - step->start[r]) == 1) {
+            attend(c, r, step->start[r], step->end[r], m, l, acc);
+            finish(c, r, m, l, acc);
+            continue;
         }
-        for (int64_t h = 0; h < H; h++) {
-            float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
-            float *op = out + tok[r] * out_row + h * D;
-            for (int64_t i = 0; i < NV; i++) store8(op + 8 * i, acc[h][i] * inv);
-            if (lse) lse[tok[r] * H + h] = l[h] > 0.f ? m[h] + logf(l[h]) : -INFINITY;
-        }
+        float *p = c->partial + t * H * (2 + NV * 8);
+        attend(c, r, begin, stop, p, p + H, acc);
+        memcpy(p + 2 * H, acc, sizeof(acc));
     }
+}
+
+/* The parts of entry r (tasks first .. first + parts - 1) into one: m = max m_p,
+   l = sum l_p e^(m_p - m), acc = sum acc_p e^(m_p - m), in part order. */
+static void merge_parts(const struct decode_call *c, int64_t r, int64_t first, int64_t parts) {
+    const int64_t H = c->H, NV = c->step->D / 8, stride = H * (2 + NV * 8);
+    float m[H], l[H];
+    v8 acc[H * NV];
+    for (int64_t h = 0; h < H; h++) {
+        float mx = -FLT_MAX;
+        for (int64_t p = 0; p < parts; p++) {
+            const float mp = c->partial[(first + p) * stride + h];
+            mx = mp > mx ? mp : mx;
+        }
+        float sum = 0.f;
+        v8 a[NV];
+        for (int64_t i = 0; i < NV; i++) a[i] = (v8){0};
+        for (int64_t p = 0; p < parts; p++) {
+            const float *part = c->partial + (first + p) * stride;
+            const float w = expf(part[h] - mx);
+            sum += part[H + h] * w;
+            for (int64_t i = 0; i < NV; i++) a[i] += load8(part + 2 * H + (h * NV + i) * 8) * w;
+        }
+        m[h] = mx;
+        l[h] = sum;
+        for (int64_t i = 0; i < NV; i++) acc[h * NV + i] = a[i];
+    }
+    finish(c, r, m, l, acc);
 }
 
 V1_API void PAGED_DECODE(const struct decode_step *step, const float *q, int64_t q_row,
@@ -157,5 +225,39 @@ V1_API void PAGED_DECODE(const struct decode_step *step, const float *q, int64_t
     struct decode_call c = {.step = step, .q = q, .q_row = q_row, .H = H, .k = cache,
                             .v = cache + step->half, .scale = scale, .out = out,
                             .out_row = out_row, .lse = lse};
-    v1_parallel_for((int)step->nthreads, step->R, 1, decode_entries, &c);
+    int64_t tasks = 0;
+    for (int64_t r = 0; r < step->R; r++) tasks += entry_parts(step->end[r] - step->start[r]);
+    int64_t *task_entry = NULL;
+    if (tasks > step->R) {
+        /* Without scratch, whole entries on one thread each: the same as one part each, but
+           for entries past PART_KEYS the sums run in another order. */
+        task_entry = malloc((size_t)tasks * 2 * sizeof(int64_t));
+        c.partial = malloc((size_t)tasks * (size_t)(H * (2 + step->D)) * sizeof(float));
+        if (!task_entry || !c.partial) {
+            free(task_entry);
+            free(c.partial);
+            task_entry = NULL;
+            c.partial = NULL;
+        }
+    }
+    if (!task_entry) {
+        v1_parallel_for((int)step->nthreads, step->R, 1, decode_tasks, &c);
+        return;
+    }
+    int64_t *task_part = task_entry + tasks;
+    for (int64_t r = 0, t = 0; r < step->R; r++)
+        for (int64_t p = 0, n = entry_parts(step->end[r] - step->start[r]); p < n; p++, t++) {
+            task_entry[t] = r;
+            task_part[t] = p;
+        }
+    c.task_entry = task_entry;
+    c.task_part = task_part;
+    v1_parallel_for((int)step->nthreads, tasks, 1, decode_tasks, &c);
+    for (int64_t r = 0, t = 0; r < step->R; r++) {
+        const int64_t n = entry_parts(step->end[r] - step->start[r]);
+        if (n > 1) merge_parts(&c, r, t, n);
+        t += n;
+    }
+    free(task_entry);
+    free(c.partial);
 }
