@@ -290,15 +290,22 @@ def test_native_kernel_serves_decodes_and_short_prefills(decode_impl, always_cas
     plan = AttentionPlan.for_step(batch.metadata, batch.kv_cache, 9)
     if decode_impl == "native":
         assert not plan.decodes
-        # The decodes (rows 300 and 616), the 5-token chunk over 400 keys (a verify step's
-        # shape: few queries, whatever their keys) and the 30-token chunk after the shared
-        # prefix; the long chunks stay with SDPA.
+        # The decodes (rows 300 and 616) and the 30-token chunk after the shared prefix;
+        # the 5-token chunk over 400 keys is a prompt's: SDPA, as it would be cold.
+        assert plan.native.tokens.tolist() == [300, *range(586, 616), 616]
+        assert plan.native.end.tolist() == [40, *range(261, 291), 280]
+        assert plan.native.start.tolist() == [0] + [256] * 31
+        assert [p.q_start for p in plan.prefills] == [0, 301, 306]
+        # The same chunk as a verify step (a generated token and 4 drafts): the kernel's.
+        md = batch.metadata
+        md.generated_cpu = np.array([False, True, True, False, False, True])
+        kernel = plan.native.kernel
+        plan = AttentionPlan.build(md, 16, kernel=kernel)
         assert plan.native.tokens.tolist() == [300, *range(301, 306), *range(586, 616), 616]
         assert plan.native.end.tolist() == [40, *range(396, 401), *range(261, 291), 280]
-        assert plan.native.start.tolist() == [0] * 6 + [256] * 31
         assert [p.q_start for p in plan.prefills] == [0, 306]
-        monkeypatch.setattr(torch_plan, "NATIVE_MAX_QUERIES", 0)
-        plan = AttentionPlan.build(batch.metadata, 16, kernel=plan.native.kernel)
+        monkeypatch.setattr(torch_plan, "NATIVE_MAX_QUERIES", 4)
+        plan = AttentionPlan.build(md, 16, kernel=kernel)
         assert [p.q_start for p in plan.prefills] == [0, 301, 306]
     else:
         assert plan.native is None and plan.decodes and len(plan.prefills) == 4

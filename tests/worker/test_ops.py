@@ -63,12 +63,14 @@ def test_silu_and_mul(native_ops, n):
 
 def test_which_ops_a_step_gets(monkeypatch, native_ops):
     small, big = torch.zeros(ops.SMALL_STEP_MAX_TOKENS, 8), torch.zeros(200, 8)
-    assert ops_for_step(small) is native_ops
-    assert ops_for_step(big) is ops.TORCH_OPS  # prefill-sized: torch, all threads
+    # fp32 with the kernels: every step (a row's numbers must not depend on its step's size)
+    assert ops_for_step(small) is native_ops and ops_for_step(big) is native_ops
     bf16 = ops_for_step(small.bfloat16())
     assert isinstance(bf16, TorchOps) and bf16.serial == (torch.get_num_threads() > 1)
+    assert ops_for_step(big.bfloat16()) is ops.TORCH_OPS  # prefill-sized: torch, all threads
     monkeypatch.setenv("V1_CPU_KERNELS", "0")
     assert isinstance(ops_for_step(small), TorchOps)
+    assert ops_for_step(big) is ops.TORCH_OPS
 
 
 def test_serial_torch_ops_restore_the_thread_count():

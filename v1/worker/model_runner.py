@@ -361,6 +361,7 @@ class ModelRunner:
             slot_mapping=torch.from_numpy(slot_mapping).to(dev, non_blocking=True),
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
+            generated_cpu=num_computed >= batch.num_prompt_tokens[rows],
         )
         # Quantized weights: prompt tokens' rows through int8 activations (see
         # v1.models.layers.quant.PROMPT_INT8); the LM head, below, is outside.

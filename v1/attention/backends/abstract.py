@@ -51,6 +51,9 @@ class AttentionMetadata:
     # Host copies, for backends that plan work on the CPU.
     query_start_loc_cpu: np.ndarray
     seq_lens_cpu: np.ndarray
+    # Per request: whether the step's tokens are all generated ones (a decode, or a verify
+    # step's token and drafts), not prompt tokens; None: unknown (taken as prompt tokens).
+    generated_cpu: np.ndarray | None = None
 
     @classmethod
     def build(

@@ -11,8 +11,8 @@ derived once from the step's metadata (host side) and shared by the layers (`Att
   hit in the prefix cache) form a group that attends to that prefix together
   (MIN_CASCADE_SAVING).
 - With the C kernel (`v1.kernels.attention`), decodes and short prefill chunks (at most
-  NATIVE_PREFILL_MAX_KEYS keys after their prefix, or NATIVE_MAX_QUERIES tokens) become its
-  entries instead: per entry
+  NATIVE_PREFILL_MAX_KEYS keys after their prefix, and verify steps of at most
+  NATIVE_MAX_QUERIES tokens) become its entries instead: per entry
   its block-table row, query row and the key positions [start, end) it attends to; a lone
   decode (batch 1) gets its entry built directly.
 
@@ -47,13 +47,16 @@ BUCKET_RATIO = 1.5
 # The most K/V bytes one decode call gathers (a bucket is split into calls of this size).
 MAX_GATHER_BYTES = 16 << 20
 # With the C kernel, prefill chunks attending to at most this many keys after their shared
-# prefix are run by the kernel too (one entry per query token), and so are chunks of at most
-# NATIVE_MAX_QUERIES tokens whatever their keys: a verify step's 1 + k rows (speculative
-# decoding) or a short question after a cached system prompt. The entries reread their
-# request's keys (one request's K/V of a layer stays in L2 at these lengths) where SDPA would
-# gather them once, but an SDPA call costs more than a few entries' reads, and the drafts'
-# rows are then attended exactly as decodes are (one kernel, one order), so a fused decode
-# step (v1.models.fused_decode) runs verify steps too.
+# prefix are run by the kernel too (one entry per query token), and so are verify steps (a
+# generated token and its drafts: `AttentionMetadata.generated_cpu`) of at most
+# NATIVE_MAX_QUERIES tokens whatever their keys. The entries reread their request's keys (one
+# request's K/V of a layer stays in L2 at these lengths) where SDPA would gather them once,
+# but an SDPA call costs more than a few entries' reads, and the drafts' rows are then
+# attended exactly as decodes are (one kernel, one order), so a fused decode step
+# (v1.models.fused_decode) runs verify steps too. Prompt chunks keep the rule by keys alone:
+# a prompt's uncached tail after a prefix-cache hit is then attended as the same tokens were
+# when the prompt came cold (SDPA past NATIVE_PREFILL_MAX_KEYS), so a hit does not change
+# the numbers.
 NATIVE_PREFILL_MAX_KEYS = 256
 NATIVE_MAX_QUERIES = 32
 
@@ -270,9 +273,11 @@ class AttentionPlan:
             # position]. Long ones stay with SDPA (per-token entries would reread keys).
             # (An entry reads at most `w` keys with a window.)
             keys = seq_lens - prefix * B if w is None else np.minimum(seq_lens, w)
-            short = (q_lens > 1) & (
-                (keys <= NATIVE_PREFILL_MAX_KEYS) | (q_lens <= NATIVE_MAX_QUERIES)
+            verify = (
+                np.zeros(num_reqs, dtype=bool) if metadata.generated_cpu is None
+                else metadata.generated_cpu & (q_lens <= NATIVE_MAX_QUERIES)
             )
+            short = (q_lens > 1) & ((keys <= NATIVE_PREFILL_MAX_KEYS) | verify)
             rows = np.flatnonzero((q_lens == 1) | short)
             if len(rows):
                 n = q_lens[rows]
