@@ -161,7 +161,10 @@ def test_gguf_is_a_gguf_files_default(tied_gguf):
 def test_gguf_without_prompt_int8_is_fp32_exactly(tied_gguf, fp32_kernel_calls,  # noqa: F811
                                                    monkeypatch):
     """With every row on the fp32 path (V1_QUANT_ALL_INT8=0 V1_QUANT_PROMPT_INT8=0), gguf
-    gives fp32's greedy tokens, and every block matrix ran the C fp32 kernel."""
+    gives fp32's greedy tokens, and every block matrix ran the C fp32 kernel. The per-op
+    path, whose calls the bindings count (the fused decode step calls the same kernel from
+    C, the same bits: tests/worker/test_fused_decode.py)."""
+    monkeypatch.setenv("V1_FUSED_DECODE", "0")
     monkeypatch.setattr(quant_layer, "ALL_INT8", False)
     monkeypatch.setattr(quant_layer, "PROMPT_INT8", False)
     fp32, _, _ = greedy_runs(tied_gguf, "none", [prompts()])
