@@ -4,6 +4,7 @@ the per-op path wherever a step does not qualify, and ValueError for bad argumen
 
 import ctypes
 
+import numpy as np
 import pytest
 import torch
 
@@ -99,13 +100,23 @@ def test_steps_that_do_not_qualify_run_per_op(gguf_model, fused_calls, monkeypat
     prompt = list(range(100, 120))
     kv_caches = prefilled(gguf_model, [prompt], monkeypatch)
     decode = [Chunk([5], 20, TABLES[0])]
-    # Prompt rows (the engine marks them): per op, as without the mark it is fused.
+    # Prompt rows beside generated ones where they take different matmul paths
+    # (V1_QUANT_ALL_INT8=0): per op, as without the mark it is fused.
     chunk = [Chunk([6, 7], 20, TABLES[0])]
-    with prompt_rows(torch.tensor([True, True]).numpy()):
+    monkeypatch.setattr(quant, "ALL_INT8", False)
+    with prompt_rows(np.array([True, False])):
         forward(gguf_model, kv_caches, chunk, True, monkeypatch)
     assert not fused_calls
     forward(gguf_model, kv_caches, chunk, True, monkeypatch)
     assert len(fused_calls) == 1
+    # Under the default every row takes int8, prompt rows too: fused, the per-op bits.
+    monkeypatch.setattr(quant, "ALL_INT8", True)
+    caches_a = [c.clone() for c in kv_caches]
+    with prompt_rows(np.array([True, True])):
+        fused = forward(gguf_model, caches_a, chunk, True, monkeypatch)
+        assert len(fused_calls) == 2
+        per_op = forward(gguf_model, kv_caches, chunk, False, monkeypatch)
+    assert torch.equal(fused, per_op)
     # A prefill that SDPA attends (no native plan), then the switch off.
     fused_calls.clear()
     forward(gguf_model, new_kv_caches(gguf_model, 40), [Chunk(list(range(300)), 0,

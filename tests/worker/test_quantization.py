@@ -180,7 +180,9 @@ def test_prompt_rows_take_int8_whatever_the_batch(tied_gguf, monkeypatch, all_in
     """Prompt tokens' rows run int8 activations, and so do generated tokens' (the default,
     quant.ALL_INT8), else they take the fp32 path; since int8's rows do not depend on each
     other, a prompt's greedy tokens are the same alone, in a batch, in 7-token chunks and
-    after a prefix-cache hit on its own prompt."""
+    after a prefix-cache hit on its own prompt. The per-op path, whose calls the bindings
+    count (the fused step takes the same paths from C: tests/worker/test_fused_decode.py)."""
+    monkeypatch.setenv("V1_FUSED_DECODE", "0")
     monkeypatch.setattr(quant_layer, "ALL_INT8", all_int8)
     calls: list[tuple[bool, int]] = []
     linear = QuantKernels.linear

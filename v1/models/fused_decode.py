@@ -9,11 +9,11 @@ states are the per-op path's, bit for bit, and Python pays its checks once per s
 
 It runs a step only where all of these hold, else the per-op path runs, unchanged:
 - V1_FUSED_DECODE is not 0 (read per forward, like V1_CPU_KERNELS; "1" or unset: on);
-- the step's ops are the C ones (`NativeOps`: fp32 on CPU, a decode-sized step, kernels
-  loaded), and the library has the fused entry point;
-- every row is a generated token's (no prompt rows: `quant.has_prompt_rows`), and the
-  matmul path of the step's row count is "fp32" or "int8" (`quant.path_for_rows`, the rule
-  the per-op path follows: whatever it says, both follow it);
+- the step's ops are the C ones (`NativeOps`: fp32 on CPU, kernels loaded), and the library
+  has the fused entry point;
+- every row of the step takes one matmul path, "fp32" or "int8" (`quant.path_for_rows`, the
+  rule the per-op path follows: whatever it says, both follow it; None where prompt rows and
+  generated rows take different paths, as with V1_QUANT_ALL_INT8=0);
 - every layer qualifies (`PreNormDecoderLayer.fused_weights`: plain pre-norm layers, silu
   MLP, no q/k or unit-offset norms, GGUF blocks in plain `Linear`s, so no LoRA) and all
   use one RoPE table;
@@ -46,7 +46,7 @@ from v1.kernels.decoder import DecoderLayers, LayerWeights, fused_decoder
 from v1.kernels.elementwise import NativeOps
 from v1.models.layers.linear import Linear
 from v1.models.layers.ops import StepOps
-from v1.models.layers.quant import QuantizedWeight, has_prompt_rows, path_for_rows
+from v1.models.layers.quant import QuantizedWeight, path_for_rows
 
 _ON = ("", "1", "true", "yes", "on")
 _OFF = ("0", "false", "no", "off")
@@ -100,7 +100,7 @@ class FusedDecode:
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(last layer's block output, residual stream) as the layers' loop would return
         them, or None where the step does not qualify (nothing done then)."""
-        if not isinstance(ops, NativeOps) or has_prompt_rows() or not fused_decode_enabled():
+        if not isinstance(ops, NativeOps) or not fused_decode_enabled():
             return None
         path = path_for_rows(hidden_states.shape[0])
         fused = fused_decoder()

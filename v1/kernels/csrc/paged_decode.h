@@ -169,19 +169,14 @@ static void decode_tasks(void *ctx, int64_t t0, int64_t t1, int thread) {
     for (int64_t t = t0; t < t1; t++) {
         float m[H], l[H];
         v8 acc[H * NV];
-        if (!c->task_entry) {
-            attend(c, t, step->start[t], step->end[t], m, l, acc);
-            finish(c, t, m, l, acc);
-            continue;
-        }
-        const int64_t r = c->task_entry[t], part = c->task_part[t];
-        const int64_t begin = step->start[r] + part * PART_KEYS;
-        const int64_t stop = begin + PART_KEYS < step->end[r] ? begin + PART_KEYS : step->end[r];
-        if (entry_parts(step->end[r] - step->start[r]) == 1) {
-            attend(c, r, step->start[r], step->end[r], m, l, acc);
+        const int64_t r = c->task_entry ? c->task_entry[t] : t;
+        if (!c->task_entry || entry_parts(step->end[r] - step->start[r]) == 1) {
+            attend(c, r, step->start[r], step->end[r], m, l, acc);  /* the entry whole */
             finish(c, r, m, l, acc);
             continue;
         }
+        const int64_t begin = step->start[r] + c->task_part[t] * PART_KEYS;
+        const int64_t stop = begin + PART_KEYS < step->end[r] ? begin + PART_KEYS : step->end[r];
         float *p = c->partial + t * H * (2 + NV * 8);
         attend(c, r, begin, stop, p, p + H, acc);
         memcpy(p + 2 * H, acc, sizeof(acc));

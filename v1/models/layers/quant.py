@@ -163,8 +163,9 @@ class _PromptRows:
 
 
 def _split(is_prompt: np.ndarray | None) -> _PromptRows | None:
-    """None where no row is a prompt token's (a decode step: nothing to do per matmul)."""
-    if is_prompt is None or not PROMPT_INT8 or not is_prompt.any():
+    """None where no row is a prompt token's (a decode step) or every row takes int8 anyway
+    (ALL_INT8): nothing to do per matmul."""
+    if is_prompt is None or ALL_INT8 or not PROMPT_INT8 or not is_prompt.any():
         return None
     if is_prompt.all():
         return _PromptRows(len(is_prompt), None, None)
@@ -226,11 +227,6 @@ def path_for_rows(m: int) -> str | None:
     if split is not None and split.num_rows == m:
         return "int8" if split.prompt is None else None
     return _path_for(m)
-
-
-def has_prompt_rows() -> bool:
-    """Whether the current forward on this thread has prompt tokens' rows (`prompt_rows`)."""
-    return getattr(_forward, "rows", None) is not None
 
 
 class QuantizedWeight:
