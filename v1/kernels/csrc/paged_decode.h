@@ -42,7 +42,8 @@ static void kv_write(const struct decode_step *step, const float *k, int64_t k_r
    (the last shorter), one task each: a task streams its keys once, chunk by chunk (TMAX
    keys), keeping a running max m, sum l and unnormalised output acc per head (the online
    softmax). Each K/V row of a kv head is read as fp32 once (KV_ROW) for the G query heads
-   that use it; all the arithmetic is fp32. An entry of one part is written by its task; the
+   that use it; all the arithmetic is fp32. Scores are taken 8 keys at a time and reduced
+   together (hsum8), each key's by the same tree whatever its place in the chunk. An entry of one part is written by its task; the
    parts of a longer one are merged after all tasks, in part order. The cut depends on the
    entry's own keys only, never on the other entries or the thread count, so an entry's
    result is the same bits in any step (a batch-1 decode, a verify step's rows, a batch):
@@ -71,6 +72,29 @@ static inline int64_t entry_parts(int64_t keys) {
     return keys <= PART_KEYS ? 1 : (keys + PART_KEYS - 1) / PART_KEYS;
 }
 
+/* rows[t] for t in [0, n) (n <= TMAX): kv head j's row of key t as fp32 (16-bit caches
+   widened into wide[t * D ...]), then up to a multiple of 8 more, all key 0's row: a group
+   of 8 keys reads valid rows whatever n is, and its extra lanes are never used. */
+static inline void chunk_rows(const KV_T *const *kv, int64_t n, int64_t j, int64_t D, float *wide,
+                              const float **rows) {
+    for (int64_t t = 0; t < n; t++) rows[t] = KV_ROW(kv[t] + j * D, wide + t * D, D);
+    for (int64_t t = n; t % 8; t++) rows[t] = rows[0];
+}
+
+/* acc[0..W) += sum over t < n of p[t] * rows[t][8 (off + i) ...], in key order: W <= 8
+   (a constant where inlined) vectors kept in registers across the chunk's keys. */
+static inline __attribute__((always_inline)) void pv_tile(v8 *acc, const float *const *rows,
+                                                          const float *p, int64_t n,
+                                                          int64_t off, int W) {
+    v8 a[8];
+    for (int i = 0; i < W; i++) a[i] = acc[i];
+    for (int64_t t = 0; t < n; t++) {
+        const v8 pt = splat(p[t]);
+        for (int i = 0; i < W; i++) a[i] += load8(rows[t] + 8 * (off + i)) * pt;
+    }
+    for (int i = 0; i < W; i++) acc[i] = a[i];
+}
+
 /* The online softmax of entry r's query over keys [t_begin, t_end): m[h], l[h] and
    acc[h * NV + i] (unnormalised), from m = -FLT_MAX, l = 0, acc = 0. */
 static void attend(const struct decode_call *c, int64_t r, int64_t t_begin, int64_t t_end,
@@ -81,7 +105,8 @@ static void attend(const struct decode_call *c, int64_t r, int64_t t_begin, int6
     const KV_T *k = c->k, *v = c->v;
     v8 qv[H][NV];
     float s[H][TMAX + 8] __attribute__((aligned(32)));
-    float wide[D] __attribute__((aligned(32)));  /* a widened K/V row (16-bit caches) */
+    float wide[TMAX * D] __attribute__((aligned(32)));  /* a chunk's K/V rows (16-bit caches) */
+    const float *rows[TMAX + 8];
     const int32_t *blocks = step->table + step->table_rows[r] * step->table_row;
     for (int64_t h = 0; h < H; h++) {
         const float *qp = c->q + step->tok[r] * c->q_row + h * D;
@@ -107,16 +132,20 @@ static void attend(const struct decode_call *c, int64_t r, int64_t t_begin, int6
             }
             n += count;
         }
-        /* Scores s[h][t] = scale * q_h . k_t, each key row loaded once for its heads. */
-        for (int64_t t = 0; t < n; t++)
-            for (int64_t j = 0; j < KVH; j++) {
-                const float *kp = KV_ROW(kr[t] + j * D, wide, D);
-                for (int64_t h = j * G; h < (j + 1) * G; h++) {
-                    v8 a = load8(kp) * qv[h][0];
-                    for (int64_t i = 1; i < NV; i++) a += load8(kp + 8 * i) * qv[h][i];
-                    s[h][t] = hsum(a);
+        /* Scores s[h][t] = scale * q_h . k_t, 8 keys at a time: 8 running vectors, reduced
+           together (hsum8). Lanes past n hold key 0's score again (chunk_rows). */
+        for (int64_t j = 0; j < KVH; j++) {
+            chunk_rows(kr, n, j, D, wide, rows);
+            for (int64_t h = j * G; h < (j + 1) * G; h++)
+                for (int64_t t = 0; t < n; t += 8) {
+                    v8 a[8];
+                    for (int u = 0; u < 8; u++) {
+                        a[u] = load8(rows[t + u]) * qv[h][0];
+                        for (int64_t i = 1; i < NV; i++) a[u] += load8(rows[t + u] + 8 * i) * qv[h][i];
+                    }
+                    store8(&s[h][t], hsum8(a));
                 }
-            }
+        }
         /* Online softmax: new running max, rescale what came before, p = e^(s - m). */
         for (int64_t h = 0; h < H; h++) {
             float mx = m[h];
@@ -135,16 +164,15 @@ static void attend(const struct decode_call *c, int64_t r, int64_t t_begin, int6
             for (int64_t i = 0; i < NV; i++) acc[h * NV + i] *= correction;
             m[h] = mx;
         }
-        /* acc_h += p_h[t] * v_t */
-        for (int64_t t = 0; t < n; t++)
-            for (int64_t j = 0; j < KVH; j++) {
-                const float *vp = KV_ROW(vr[t] + j * D, wide, D);
-                for (int64_t h = j * G; h < (j + 1) * G; h++) {
-                    v8 p = {0};
-                    p += s[h][t];
-                    for (int64_t i = 0; i < NV; i++) acc[h * NV + i] += load8(vp + 8 * i) * p;
-                }
+        /* acc_h += p_h[t] * v_t, in key order, 8 of acc_h's vectors in registers at a time. */
+        for (int64_t j = 0; j < KVH; j++) {
+            chunk_rows(vr, n, j, D, wide, rows);
+            for (int64_t h = j * G; h < (j + 1) * G; h++) {
+                int64_t i = 0;
+                for (; i + 8 <= NV; i += 8) pv_tile(acc + h * NV + i, rows, s[h], n, i, 8);
+                for (; i < NV; i++) pv_tile(acc + h * NV + i, rows, s[h], n, i, 1);
             }
+        }
         t0 += n;
     }
 }
