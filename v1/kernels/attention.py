@@ -25,7 +25,8 @@ _F32 = torch.float32
 # Cache dtype -> the entry point's suffix. fp16 needs F16C: the portable library has none,
 # and torch reads such caches.
 KV_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
-# The kernel keeps a request's queries and sums (2 H D floats) on its thread's stack.
+# The kernel keeps an entry's queries and sums (2 H D floats) on its thread's stack (a
+# group of a request's rows: up to 8 entries, fewer past 8192 floats: csrc/paged_decode.h).
 MAX_HEAD_FLOATS = 64 * 128
 
 

@@ -29,27 +29,51 @@ static void kv_write(const struct decode_step *step, const float *k, int64_t k_r
 
 /* Paged attention for requests with one query token each (decodes), reading K/V in place.
 
-   q[tok[r] * q_row + h * D + d]                  query of request r, head h (fp32)
+   q[tok[r] * q_row + h * D + d]                  query of entry r, head h (fp32)
    k, v: [num_blocks, B, KVH, D], contiguous      the layer's cache halves (KV_T each)
    table[table_rows[r] * table_row + i]           block of positions [i * B, (i + 1) * B)
-   [start[r], end[r])                             the key positions request r attends to
+   [start[r], end[r])                             the key positions entry r attends to
    out[tok[r] * out_row + h * D + d]              the output (fp32)
    lse[tok[r] * H + h] (if lse is not NULL)       logsumexp of the scaled scores
 
    (all but q, H, the cache, out and lse from the step's `struct decode_step`; with k_new,
    kv_write stores the step's K/V first; without q, that is all.)
-   Query head h reads kv head h / (H / KVH). An entry's keys are cut into parts of PART_KEYS
-   (the last shorter), one task each: a task streams its keys once, chunk by chunk (TMAX
-   keys), keeping a running max m, sum l and unnormalised output acc per head (the online
-   softmax). Each K/V row of a kv head is read as fp32 once (KV_ROW) for the G query heads
-   that use it; all the arithmetic is fp32. An entry of one part is written by its task; the
-   parts of a longer one are merged after all tasks, in part order. The cut depends on the
-   entry's own keys only, never on the other entries or the thread count, so an entry's
-   result is the same bits in any step (a batch-1 decode, a verify step's rows, a batch):
-   parts are what lets one long decode use every thread. D must be a multiple of 8. Tasks
-   are spread over the pool's threads (pool.h). */
 
-enum { TMAX = 32, PART_KEYS = 128 };
+   Query head h reads kv head h / (H / KVH). An entry's keys are cut into parts of PART_KEYS
+   from its start (the last shorter); within a part, its keys go chunk by chunk (TMAX keys),
+   keeping a running max m, sum l and unnormalised output acc per head (the online softmax).
+   All the arithmetic is fp32.
+
+   Consecutive entries of one table row and start (a verify step's rows: a generated token
+   and its drafts, ends one apart) form a group of up to group_rows() entries, and a task is
+   one part of a group: each chunk's K/V rows are gathered (and widened, KV_ROW) once for the
+   group's rows, and a key row loaded once scores two queries. The parts of a group line up
+   (they are cut from the same start), and so do the chunks of a part, so each entry sees the
+   same chunks in a group as alone: its own, the last cut at its end. Every value an entry
+   computes follows the same operations in the same order whatever else its task or call
+   holds: a score is 8 FMA lanes reduced by hsum8's fixed tree; the chunk's max over the
+   entry's keys only; p.v summed in key order. An entry of one part is written by its task;
+   the parts of a longer one are merged after all tasks, in part order. So an entry's result
+   is the same bits in any step (a batch-1 decode, a verify step's rows, a batch) and at any
+   thread count: parts are what lets one long decode use every thread. D must be a multiple
+   of 8. Tasks are spread over the pool's threads (pool.h).
+
+       entries  r0 r1 r2 (one request: a token and 2 drafts; end = e, e + 1, e + 2)
+       keys     | part 0: 128 | part 1: 128 | part 2: e - 256 + (0, 1, 2) |
+       tasks    (group, part 0)  (group, part 1)  (group, part 2)  -> merge r0, r1, r2 */
+
+enum { TMAX = 32, PART_KEYS = 128, GROUP_ROWS = 8, GROUP_FLOATS = 8192 };
+
+/* The most entries a group holds: a task keeps each one's query and sums (2 H D floats) on
+   its thread's stack. */
+static inline int64_t group_rows(int64_t H, int64_t D) {
+    const int64_t n = GROUP_FLOATS / (H * D);
+    return n < 1 ? 1 : n > GROUP_ROWS ? GROUP_ROWS : n;
+}
+
+static inline int64_t entry_parts(int64_t keys) {
+    return keys <= PART_KEYS ? 1 : (keys + PART_KEYS - 1) / PART_KEYS;
+}
 
 /* One call's arguments, for the pool's range function. */
 struct decode_call {
@@ -61,36 +85,133 @@ struct decode_call {
     float *out;
     int64_t out_row;
     float *lse;
-    /* NULL: one task per entry (no entry has more than PART_KEYS keys, or no scratch).
-       Else per task: its entry, its part, and its partial m[H], l[H], acc[H D]. */
-    const int64_t *task_entry, *task_part;
+    /* NULL (no scratch): each entry a group of its own and a task, whole. Else group i is
+       entries [group_first[i], group_first[i + 1]); task t is part task_part[t] of group
+       task_group[t]; an entry of several parts keeps part p's m[H], l[H], acc[H D] at
+       partial + (partial_at[r] + p) * H (2 + D). */
+    const int64_t *group_first, *task_group, *task_part, *partial_at;
     float *partial;
 };
 
-static inline int64_t entry_parts(int64_t keys) {
-    return keys <= PART_KEYS ? 1 : (keys + PART_KEYS - 1) / PART_KEYS;
+/* rows[t] for t in [0, n) (n <= TMAX): kv head j's row of key t as fp32 (16-bit caches
+   widened into wide[t * D ...]), then up to a multiple of 8 more, all key 0's row: a group
+   of 8 keys reads valid rows whatever n is, and its extra lanes are never used. */
+static inline void chunk_rows(const KV_T *const *kv, int64_t n, int64_t j, int64_t D, float *wide,
+                              const float **rows) {
+    for (int64_t t = 0; t < n; t++) rows[t] = KV_ROW(kv[t] + j * D, wide + t * D, D);
+    for (int64_t t = n; t % 8; t++) rows[t] = rows[0];
 }
 
-/* The online softmax of entry r's query over keys [t_begin, t_end): m[h], l[h] and
-   acc[h * NV + i] (unnormalised), from m = -FLT_MAX, l = 0, acc = 0. */
-static void attend(const struct decode_call *c, int64_t r, int64_t t_begin, int64_t t_end,
-                   float *m, float *l, v8 *acc) {
+/* s[x][t] = q[x] . rows[t] for QN <= 2 queries (a constant where inlined) and t < n rounded
+   up to 8: per query, 8 keys' running vectors (one FMA lane chain each, dimensions in order)
+   reduced together by hsum8; each key row loaded once for both queries. */
+static inline __attribute__((always_inline)) void score_tile(const v8 *const *q, float *const *s,
+                                                             int QN, const float *const *rows,
+                                                             int64_t n, int64_t NV) {
+    for (int64_t t = 0; t < n; t += 8) {
+        v8 a[2][8];
+        for (int u = 0; u < 8; u++) {
+            const v8 k = load8(rows[t + u]);
+            for (int x = 0; x < QN; x++) a[x][u] = k * q[x][0];
+        }
+        for (int64_t i = 1; i < NV; i++)
+            for (int u = 0; u < 8; u++) {
+                const v8 k = load8(rows[t + u] + 8 * i);
+                for (int x = 0; x < QN; x++) a[x][u] += k * q[x][i];
+            }
+        for (int x = 0; x < QN; x++) store8(&s[x][t], hsum8(a[x]));
+    }
+}
+
+/* acc[x][0..W) += sum over t < n of p[x][t] * rows[t][8 (off + i) ...], in key order, for
+   QN <= 2 queries and W <= 8 (constants where inlined): the vectors stay in registers across
+   the keys, and each row's vectors are loaded once for both queries. */
+static inline __attribute__((always_inline)) void pv_tile(v8 *const *acc, const float *const *p,
+                                                          int QN, const float *const *rows,
+                                                          int64_t n, int64_t off, int W) {
+    v8 a[2][8];
+    for (int x = 0; x < QN; x++)
+        for (int i = 0; i < W; i++) a[x][i] = acc[x][off + i];
+    for (int64_t t = 0; t < n; t++) {
+        v8 pt[2];
+        for (int x = 0; x < QN; x++) pt[x] = splat(p[x][t]);
+        for (int i = 0; i < W; i++) {
+            const v8 vt = load8(rows[t] + 8 * (off + i));
+            for (int x = 0; x < QN; x++) a[x][i] += vt * pt[x];
+        }
+    }
+    for (int x = 0; x < QN; x++)
+        for (int i = 0; i < W; i++) acc[x][off + i] = a[x][i];
+}
+
+/* acc[x][...] += p[x] . rows for two queries (QN = 2) or one, over n keys, every vector. */
+static void pv_queries(v8 *const *acc, const float *const *p, int QN, const float *const *rows,
+                       int64_t n, int64_t NV) {
+    int64_t i = 0;
+    if (QN == 2) {
+        for (; i + 8 <= NV; i += 8) pv_tile(acc, p, 2, rows, n, i, 8);
+        for (; i < NV; i++) pv_tile(acc, p, 2, rows, n, i, 1);
+    } else {
+        for (; i + 8 <= NV; i += 8) pv_tile(acc, p, 1, rows, n, i, 8);
+        for (; i < NV; i++) pv_tile(acc, p, 1, rows, n, i, 1);
+    }
+}
+
+/* The online softmax's step for one query over a chunk's n scores s[0..n) (in place: they
+   become p = e^(s - m')), with its running m, l and acc[NV]. The max takes lanes of 8 (a
+   max is the same whatever its order); p's sum is 8 lanes of whole groups, then the rest in
+   key order into lane 0. */
+static void softmax_step(float *s, int64_t n, float *m, float *l, v8 *acc, int64_t NV) {
+    v8 mv = splat(*m);
+    for (int64_t t = 0; t < n; t += 8) {
+        v8 x = load8(s + t);
+        if (t + 8 > n)
+            for (int64_t u = n - t; u < 8; u++) x[u] = -FLT_MAX;
+        mv = v8_select(x > mv, x, mv);
+    }
+    float mx = mv[0];
+    for (int u = 1; u < 8; u++) mx = mv[u] > mx ? mv[u] : mx;
+    const float correction = expf(*m - mx);
+    v8 sum = {0};
+    for (int64_t t = 0; t < n; t += 8) {
+        const v8 p = exp8(load8(s + t) - mx);
+        store8(s + t, p);
+        if (t + 8 <= n)
+            sum += p;
+        else
+            for (int64_t u = t; u < n; u++) sum[0] += s[u];
+    }
+    *l = *l * correction + hsum(sum);
+    for (int64_t i = 0; i < NV; i++) acc[i] *= correction;
+    *m = mx;
+}
+
+/* The online softmax of g entries of one group (entries rows[i], keys [t_begin, ends[i]),
+   each ends[i] > t_begin or the whole of an empty entry) into m[i H + h], l[i H + h] and
+   acc[(i H + h) NV + v] (unnormalised), from m = -FLT_MAX, l = 0, acc = 0. */
+static void attend_group(const struct decode_call *c, const int64_t *rows, const int64_t *ends,
+                         int64_t g, int64_t t_begin, float *m, float *l, v8 *acc) {
     const struct decode_step *step = c->step;
     const int64_t H = c->H, KVH = step->KVH, D = step->D, B = step->B;
     const int64_t G = H / KVH, NV = D / 8, row = KVH * D;
     const KV_T *k = c->k, *v = c->v;
-    v8 qv[H][NV];
-    float s[H][TMAX + 8] __attribute__((aligned(32)));
-    float wide[D] __attribute__((aligned(32)));  /* a widened K/V row (16-bit caches) */
-    const int32_t *blocks = step->table + step->table_rows[r] * step->table_row;
-    for (int64_t h = 0; h < H; h++) {
-        const float *qp = c->q + step->tok[r] * c->q_row + h * D;
-        for (int64_t i = 0; i < NV; i++) {
-            qv[h][i] = load8(qp + 8 * i) * c->scale;
-            acc[h * NV + i] = (v8){0};
+    v8 qv[g * H][NV];
+    float s[g * H][TMAX + 8] __attribute__((aligned(32)));
+    float wide[TMAX * D] __attribute__((aligned(32)));  /* a chunk's K/V rows (16-bit caches) */
+    const float *kv_rows[TMAX + 8];
+    const int32_t *blocks = step->table + step->table_rows[rows[0]] * step->table_row;
+    int64_t t_end = t_begin;
+    for (int64_t i = 0; i < g; i++) {
+        t_end = ends[i] > t_end ? ends[i] : t_end;
+        for (int64_t h = 0; h < H; h++) {
+            const float *qp = c->q + step->tok[rows[i]] * c->q_row + h * D;
+            for (int64_t x = 0; x < NV; x++) {
+                qv[i * H + h][x] = load8(qp + 8 * x) * c->scale;
+                acc[(i * H + h) * NV + x] = (v8){0};
+            }
+            m[i * H + h] = -FLT_MAX;
+            l[i * H + h] = 0.f;
         }
-        m[h] = -FLT_MAX;
-        l[h] = 0.f;
     }
     for (int64_t t0 = t_begin; t0 < t_end;) {
         /* The next chunk: row pointers of up to TMAX keys, across block boundaries. */
@@ -107,44 +228,48 @@ static void attend(const struct decode_call *c, int64_t r, int64_t t_begin, int6
             }
             n += count;
         }
-        /* Scores s[h][t] = scale * q_h . k_t, each key row loaded once for its heads. */
-        for (int64_t t = 0; t < n; t++)
-            for (int64_t j = 0; j < KVH; j++) {
-                const float *kp = KV_ROW(kr[t] + j * D, wide, D);
-                for (int64_t h = j * G; h < (j + 1) * G; h++) {
-                    v8 a = load8(kp) * qv[h][0];
-                    for (int64_t i = 1; i < NV; i++) a += load8(kp + 8 * i) * qv[h][i];
-                    s[h][t] = hsum(a);
-                }
-            }
-        /* Online softmax: new running max, rescale what came before, p = e^(s - m). */
-        for (int64_t h = 0; h < H; h++) {
-            float mx = m[h];
-            for (int64_t t = 0; t < n; t++) mx = s[h][t] > mx ? s[h][t] : mx;
-            float correction = expf(m[h] - mx);
-            v8 sum = {0};
-            for (int64_t t = 0; t < n; t += 8) {
-                v8 p = exp8(load8(&s[h][t]) - mx);
-                store8(&s[h][t], p);
-                if (t + 8 <= n)
-                    sum += p;
-                else
-                    for (int64_t u = t; u < n; u++) sum[0] += s[h][u];
-            }
-            l[h] = l[h] * correction + hsum(sum);
-            for (int64_t i = 0; i < NV; i++) acc[h * NV + i] *= correction;
-            m[h] = mx;
+        /* Entry i's keys of this chunk: its own chunk, cut at its end (0: it has ended). */
+        int64_t keys[g];
+        for (int64_t i = 0; i < g; i++) {
+            const int64_t left = ends[i] - t0;
+            keys[i] = left < 0 ? 0 : left < n ? left : n;
         }
-        /* acc_h += p_h[t] * v_t */
-        for (int64_t t = 0; t < n; t++)
-            for (int64_t j = 0; j < KVH; j++) {
-                const float *vp = KV_ROW(vr[t] + j * D, wide, D);
-                for (int64_t h = j * G; h < (j + 1) * G; h++) {
-                    v8 p = {0};
-                    p += s[h][t];
-                    for (int64_t i = 0; i < NV; i++) acc[h * NV + i] += load8(vp + 8 * i) * p;
+        /* Scores s[i H + h][t] = scale * q . k_t over the whole chunk (lanes past an entry's
+           keys are never read), the queries of a kv head two at a time. */
+        for (int64_t j = 0; j < KVH; j++) {
+            chunk_rows(kr, n, j, D, wide, kv_rows);
+            int64_t qs[g * G], nq = 0;
+            for (int64_t i = 0; i < g; i++)
+                for (int64_t h = j * G; keys[i] && h < (j + 1) * G; h++) qs[nq++] = i * H + h;
+            int64_t x = 0;
+            for (; x + 2 <= nq; x += 2) {
+                const v8 *q2[2] = {qv[qs[x]], qv[qs[x + 1]]};
+                float *s2[2] = {s[qs[x]], s[qs[x + 1]]};
+                score_tile(q2, s2, 2, kv_rows, n, NV);
+            }
+            if (x < nq) {
+                const v8 *q1[1] = {qv[qs[x]]};
+                float *s1[1] = {s[qs[x]]};
+                score_tile(q1, s1, 1, kv_rows, n, NV);
+            }
+        }
+        for (int64_t i = 0; i < g; i++)
+            for (int64_t h = 0; keys[i] && h < H; h++)
+                softmax_step(s[i * H + h], keys[i], &m[i * H + h], &l[i * H + h],
+                             acc + (i * H + h) * NV, NV);
+        /* acc += p . v over each entry's own keys, a kv head's queries of an entry in pairs. */
+        for (int64_t j = 0; j < KVH; j++) {
+            chunk_rows(vr, n, j, D, wide, kv_rows);
+            for (int64_t i = 0; i < g; i++) {
+                int64_t h = j * G;
+                for (; keys[i] && h < (j + 1) * G; h += 2) {
+                    const int QN = h + 1 < (j + 1) * G ? 2 : 1;
+                    v8 *a[2] = {acc + (i * H + h) * NV, acc + (i * H + h + QN - 1) * NV};
+                    const float *p[2] = {s[i * H + h], s[i * H + h + QN - 1]};
+                    pv_queries(a, p, QN, kv_rows, keys[i], NV);
                 }
             }
+        }
         t0 += n;
     }
 }
@@ -164,42 +289,57 @@ static void finish(const struct decode_call *c, int64_t r, const float *m, const
 static void decode_tasks(void *ctx, int64_t t0, int64_t t1, int thread) {
     const struct decode_call *c = ctx;
     const struct decode_step *step = c->step;
-    const int64_t H = c->H, NV = step->D / 8;
+    const int64_t H = c->H, NV = step->D / 8, gmax = group_rows(H, step->D);
     (void)thread;
     for (int64_t t = t0; t < t1; t++) {
-        float m[H], l[H];
-        v8 acc[H * NV];
-        const int64_t r = c->task_entry ? c->task_entry[t] : t;
-        if (!c->task_entry || entry_parts(step->end[r] - step->start[r]) == 1) {
-            attend(c, r, step->start[r], step->end[r], m, l, acc);  /* the entry whole */
-            finish(c, r, m, l, acc);
-            continue;
+        float m[gmax * H], l[gmax * H];
+        v8 acc[gmax * H * NV];
+        const int64_t grp = c->task_group ? c->task_group[t] : t;
+        const int64_t first = c->group_first ? c->group_first[grp] : grp;
+        const int64_t last = c->group_first ? c->group_first[grp + 1] : grp + 1;
+        const int64_t part = c->task_group ? c->task_part[t] : 0;
+        const int64_t begin = step->start[first] + part * PART_KEYS;
+        /* The group's entries with a part here, each cut to it (whole without scratch). */
+        int64_t rows[GROUP_ROWS], ends[GROUP_ROWS], g = 0;
+        for (int64_t r = first; r < last; r++) {
+            if (c->task_group && part >= entry_parts(step->end[r] - step->start[r])) continue;
+            const int64_t stop = begin + PART_KEYS;
+            rows[g] = r;
+            ends[g++] = c->task_group && stop < step->end[r] ? stop : step->end[r];
         }
-        const int64_t begin = step->start[r] + c->task_part[t] * PART_KEYS;
-        const int64_t stop = begin + PART_KEYS < step->end[r] ? begin + PART_KEYS : step->end[r];
-        float *p = c->partial + t * H * (2 + NV * 8);
-        attend(c, r, begin, stop, p, p + H, acc);
-        memcpy(p + 2 * H, acc, sizeof(acc));
+        attend_group(c, rows, ends, g, begin, m, l, acc);
+        for (int64_t i = 0; i < g; i++) {
+            const int64_t r = rows[i];
+            if (!c->task_group || entry_parts(step->end[r] - step->start[r]) == 1) {
+                finish(c, r, m + i * H, l + i * H, acc + i * H * NV);  /* the entry whole */
+                continue;
+            }
+            float *p = c->partial + (c->partial_at[r] + part) * H * (2 + step->D);
+            memcpy(p, m + i * H, H * sizeof(float));
+            memcpy(p + H, l + i * H, H * sizeof(float));
+            memcpy(p + 2 * H, acc + i * H * NV, H * NV * sizeof(v8));
+        }
     }
 }
 
-/* The parts of entry r (tasks first .. first + parts - 1) into one: m = max m_p,
+/* The parts of entry r (partial_at[r] .. + parts - 1) into one: m = max m_p,
    l = sum l_p e^(m_p - m), acc = sum acc_p e^(m_p - m), in part order. */
-static void merge_parts(const struct decode_call *c, int64_t r, int64_t first, int64_t parts) {
+static void merge_parts(const struct decode_call *c, int64_t r, int64_t parts) {
     const int64_t H = c->H, NV = c->step->D / 8, stride = H * (2 + NV * 8);
+    const float *partial = c->partial + c->partial_at[r] * stride;
     float m[H], l[H];
     v8 acc[H * NV];
     for (int64_t h = 0; h < H; h++) {
         float mx = -FLT_MAX;
         for (int64_t p = 0; p < parts; p++) {
-            const float mp = c->partial[(first + p) * stride + h];
+            const float mp = partial[p * stride + h];
             mx = mp > mx ? mp : mx;
         }
         float sum = 0.f;
         v8 a[NV];
         for (int64_t i = 0; i < NV; i++) a[i] = (v8){0};
         for (int64_t p = 0; p < parts; p++) {
-            const float *part = c->partial + (first + p) * stride;
+            const float *part = partial + p * stride;
             const float w = expf(part[h] - mx);
             sum += part[H + h] * w;
             for (int64_t i = 0; i < NV; i++) a[i] += load8(part + 2 * H + (h * NV + i) * 8) * w;
@@ -216,43 +356,67 @@ V1_API void PAGED_DECODE(const struct decode_step *step, const float *q, int64_t
                          int64_t v_row, KV_T *cache, float scale, float *out, int64_t out_row,
                          float *lse) {
     if (k_new) kv_write(step, k_new, k_row, v_new, v_row, cache);
-    if (!q) return;
+    if (!q || step->R == 0) return;
     struct decode_call c = {.step = step, .q = q, .q_row = q_row, .H = H, .k = cache,
                             .v = cache + step->half, .scale = scale, .out = out,
                             .out_row = out_row, .lse = lse};
-    int64_t tasks = 0;
-    for (int64_t r = 0; r < step->R; r++) tasks += entry_parts(step->end[r] - step->start[r]);
-    int64_t *task_entry = NULL;
-    if (tasks > step->R) {
-        /* Without scratch, whole entries on one thread each: the same as one part each, but
-           for entries past PART_KEYS the sums run in another order. */
-        task_entry = malloc((size_t)tasks * 2 * sizeof(int64_t));
-        c.partial = malloc((size_t)tasks * (size_t)(H * (2 + step->D)) * sizeof(float));
-        if (!task_entry || !c.partial) {
-            free(task_entry);
-            free(c.partial);
-            task_entry = NULL;
-            c.partial = NULL;
+    const int64_t R = step->R, gmax = group_rows(H, step->D);
+    /* Groups, tasks (a group's most parts) and partial slots (entries of several parts). */
+    int64_t groups = 0, tasks = 0, slots = 0;
+    for (int64_t r = 0, first = 0, most = 0; r < R; r++) {
+        if (r == 0 || r - first == gmax || step->table_rows[r] != step->table_rows[first] ||
+            step->start[r] != step->start[first]) {
+            tasks += most;
+            groups++, first = r, most = 0;
         }
+        const int64_t parts = entry_parts(step->end[r] - step->start[r]);
+        most = parts > most ? parts : most;
+        slots += parts > 1 ? parts : 0;
+        if (r == R - 1) tasks += most;
     }
-    if (!task_entry) {
-        v1_parallel_for((int)step->nthreads, step->R, 1, decode_tasks, &c);
+    int64_t *index = malloc((size_t)(groups + 1 + 2 * tasks + R) * sizeof(int64_t));
+    c.partial = slots ? malloc((size_t)slots * (size_t)(H * (2 + step->D)) * sizeof(float)) : NULL;
+    if (!index || (slots && !c.partial)) {
+        /* Without scratch, whole entries, one task each: the same as one part each, but for
+           entries past PART_KEYS the sums run in another order. */
+        free(index);
+        free(c.partial);
+        c.partial = NULL;
+        v1_parallel_for((int)step->nthreads, R, 1, decode_tasks, &c);
         return;
     }
-    int64_t *task_part = task_entry + tasks;
-    for (int64_t r = 0, t = 0; r < step->R; r++)
-        for (int64_t p = 0, n = entry_parts(step->end[r] - step->start[r]); p < n; p++, t++) {
-            task_entry[t] = r;
+    int64_t *group_first = index, *task_group = index + groups + 1;
+    int64_t *task_part = task_group + tasks, *partial_at = task_part + tasks;
+    for (int64_t r = 0, grp = 0, slot = 0; r < R; r++) {
+        if (r == 0 || r - group_first[grp - 1] == gmax ||
+            step->table_rows[r] != step->table_rows[group_first[grp - 1]] ||
+            step->start[r] != step->start[group_first[grp - 1]])
+            group_first[grp++] = r;
+        const int64_t parts = entry_parts(step->end[r] - step->start[r]);
+        partial_at[r] = parts > 1 ? slot : -1;
+        slot += parts > 1 ? parts : 0;
+    }
+    group_first[groups] = R;
+    for (int64_t grp = 0, t = 0; grp < groups; grp++) {
+        int64_t most = 0;
+        for (int64_t r = group_first[grp]; r < group_first[grp + 1]; r++) {
+            const int64_t parts = entry_parts(step->end[r] - step->start[r]);
+            most = parts > most ? parts : most;
+        }
+        for (int64_t p = 0; p < most; p++, t++) {
+            task_group[t] = grp;
             task_part[t] = p;
         }
-    c.task_entry = task_entry;
-    c.task_part = task_part;
-    v1_parallel_for((int)step->nthreads, tasks, 1, decode_tasks, &c);
-    for (int64_t r = 0, t = 0; r < step->R; r++) {
-        const int64_t n = entry_parts(step->end[r] - step->start[r]);
-        if (n > 1) merge_parts(&c, r, t, n);
-        t += n;
     }
-    free(task_entry);
+    c.group_first = group_first;
+    c.task_group = task_group;
+    c.task_part = task_part;
+    c.partial_at = partial_at;
+    v1_parallel_for((int)step->nthreads, tasks, 1, decode_tasks, &c);
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t parts = entry_parts(step->end[r] - step->start[r]);
+        if (parts > 1) merge_parts(&c, r, parts);
+    }
+    free(index);
     free(c.partial);
 }

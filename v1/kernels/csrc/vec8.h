@@ -14,6 +14,25 @@ static inline v8 load8(const float *p) { v8 x; __builtin_memcpy(&x, p, 32); retu
 static inline void store8(float *p, v8 x) { __builtin_memcpy(p, &x, 32); }
 static inline float hsum(v8 x) { return x[0] + x[1] + x[2] + x[3] + x[4] + x[5] + x[6] + x[7]; }
 
+/* Lane pairs' sums of a and b, in vhaddps's order: {a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7,
+   b4+b5, b6+b7} (two in-lane shuffles and an add: no SSE2 or AVX op is needed beyond those). */
+static inline v8 pair_sums(v8 a, v8 b) {
+    return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
+           __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+}
+
+/* The sums of x[0..7] at once, lane u = x[u]'s: one transposed reduction (7 pair_sums'
+   worth of shuffles and adds for 8 sums, where hsum costs 7 scalar adds each). Every lane sums
+   by the same tree, ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)), so a sum does not depend on
+   its lane nor on the other vectors. */
+static inline v8 hsum8(const v8 x[8]) {
+    v8 a = pair_sums(pair_sums(x[0], x[1]), pair_sums(x[2], x[3]));
+    v8 b = pair_sums(pair_sums(x[4], x[5]), pair_sums(x[6], x[7]));
+    /* a: x[0..3]'s sums of lanes 0-3, then of lanes 4-7; b: the same for x[4..7]. */
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
 static inline v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
 /* a where mask (lanes of -1 or 0), else b. */
 static inline v8 v8_select(v8i mask, v8 a, v8 b) {
