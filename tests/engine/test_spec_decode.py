@@ -165,3 +165,44 @@ def test_suffix_drafts_an_earlier_answer(default_model, reference):
         # after the first); only the plain prompts' first rounds drafted without it.
         assert accepted >= 0.9 * drafted and accepted >= len(PROMPTS) * (MAX_TOKENS // 2)
         assert_drafts_accepted(llm)
+
+
+SEEDED = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=MAX_TOKENS, seed=seed, logprobs=1)
+          for seed in range(len(PROMPTS))]
+
+
+@pytest.mark.parametrize(
+    "spec, options",
+    [
+        ({**NGRAM, "num_speculative_tokens": 4}, {}),
+        ({**NGRAM, "num_speculative_tokens": 3}, {"async_scheduling": True, "max_num_seqs": 3}),
+        ({"method": "suffix", "num_speculative_tokens": 4}, {}),
+    ],
+    ids=["ngram", "ngram-async-batch3", "suffix"],
+)
+def test_seeded_sampling_does_not_depend_on_drafts(default_model, spec, options):
+    """A seeded request samples its i-th output token with the generator's i-th draw,
+    whatever was drafted: with drafts, its tokens (and logprobs) equal those without, and
+    every run gives them again; with suffix drafts also once the index holds the earlier
+    answers (other drafts, same tokens)."""
+    with LLM(loaded_model=default_model, num_gpu_blocks=64, max_model_len=512) as llm:
+        ref = generate_seeded(llm)
+    with LLM(loaded_model=default_model, num_gpu_blocks=64, max_model_len=512,
+             speculative_config=spec, **options) as llm:
+        first = generate_seeded(llm)
+        before = llm.get_stats()
+        again = generate_seeded(llm)
+        after = llm.get_stats()
+        assert_drafts_accepted(llm)
+        # Drafts were rejected too, so the generator had rows to give back.
+        rejected = (after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+                    - after.spec_decode_num_accepted_tokens
+                    + before.spec_decode_num_accepted_tokens)
+        assert rejected > 0
+    assert_same(first, ref)
+    assert_same(again, ref)
+
+
+def generate_seeded(llm: LLM) -> list[tuple[list[int], list]]:
+    outs = llm.generate(PROMPTS, SEEDED, use_tqdm=False)
+    return [(c.token_ids, c.logprobs) for o in outs for c in o.outputs]

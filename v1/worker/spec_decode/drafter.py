@@ -25,12 +25,13 @@ from dataclasses import dataclass
 from typing import cast
 
 import numpy as np
+import torch
 
 from v1.config import SpeculativeConfig
 from v1.outputs import TokenLogprobs
 from v1.sampling_params import SamplingParams
 from v1.worker.input_batch import InputBatch
-from v1.worker.rejection_sampler import accept_drafts
+from v1.worker.rejection_sampler import accept_drafts, keep_draws
 from v1.worker.spec_decode.proposer import DraftProposer, make_proposer
 
 MAX_SKIP = 16
@@ -129,6 +130,20 @@ class Drafter:
             num_drafts[i] = len(drafts)
             drafts_by_index[i] = drafts
 
+    @staticmethod
+    def generator_states(
+        batch: InputBatch, req_ids: list[str], drafts_by_index: dict[int, list[int]]
+    ) -> dict[int, torch.Tensor]:
+        """Before sampling: the generator state of each drafted request that draws from its
+        own generator (seeded, not greedy), by request index, for `accept` to rewind to."""
+        states = {}
+        for i in drafts_by_index:
+            generator = batch.generators.get(req_ids[i])
+            params = batch.sampling_params[batch.req_id_to_index[req_ids[i]]]
+            if generator is not None and params is not None and not params.greedy:
+                states[i] = generator.get_state()
+        return states
+
     def accept(
         self,
         batch: InputBatch,
@@ -139,13 +154,16 @@ class Drafter:
         token_ids: list[int],
         token_logprobs: list[TokenLogprobs | None] | None,
         drafts_by_index: dict[int, list[int]],
+        generator_states: dict[int, torch.Tensor],
         sampled_rows: list[list[int]],
         logprobs_rows: list[list[TokenLogprobs] | None] | None,
         num_rejected: np.ndarray,
     ) -> None:
         """Checks each sampling request's rows (`first_logit_row[n]` on, for the n-th) against
         its drafts and stores what it accepted in the batch and the output rows (its one
-        sampled token when it had no drafts); `num_rejected[i]`: its rejected drafts."""
+        sampled token when it had no drafts); `num_rejected[i]`: its rejected drafts. A seeded
+        request that rejected drafts gets its generator back to where its kept rows leave it
+        (its state from `generator_states`)."""
         for n, i in enumerate(sample_idx.tolist()):
             first, end = int(first_logit_row[n]), int(first_logit_row[n + 1])
             tokens = token_ids[first:end]
@@ -154,6 +172,8 @@ class Drafter:
                 tokens = accept_drafts(tokens, drafts)
                 num_rejected[i] = len(drafts) + 1 - len(tokens)
                 self.observe(req_ids[i], drafts, len(tokens) - 1)
+                if num_rejected[i] and i in generator_states:
+                    keep_draws(batch.generators[req_ids[i]], generator_states[i], len(tokens))
             row = rows[i]
             start = int(batch.num_tokens[row])
             batch.token_ids[row, start : start + len(tokens)] = tokens
