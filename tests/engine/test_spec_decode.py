@@ -206,3 +206,35 @@ def test_seeded_sampling_does_not_depend_on_drafts(default_model, spec, options)
 def generate_seeded(llm: LLM) -> list[tuple[list[int], list]]:
     outs = llm.generate(PROMPTS, SEEDED, use_tqdm=False)
     return [(c.token_ids, c.logprobs) for o in outs for c in o.outputs]
+
+
+# Per prompt: stop strings met within MAX_TOKENS, most over two or more tokens (" blue" ","
+# " red"; " two" " four"; "El" "ara" "."), some inside a run of accepted drafts (the first
+# prompt's answer is drafted from its own words), and some never met.
+STOPS = [["blue, red", "never met"], ["b +"], ["is:\nA"], ["two four"], ["2018-"],
+         ["n *", "return 1"], ["Elara."], ["list of", "nowhere"]]
+
+
+@pytest.mark.parametrize("include", [False, True], ids=["cut", "included"])
+def test_stop_strings_with_drafts_cut_tokens_and_logprobs(default_model, include):
+    """A stop string met inside a verified step ends the output at the token that completes
+    it: token ids, logprobs, text and finish reason equal those without drafts."""
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2, stop=stop,
+                             include_stop_str_in_output=include) for stop in STOPS]
+    results = []
+    for spec in (None, {**NGRAM, "num_speculative_tokens": 4}):
+        with LLM(loaded_model=default_model, num_gpu_blocks=64, max_model_len=512,
+                 speculative_config=spec) as llm:
+            outs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+            results.append(outs)
+            if spec is not None:
+                assert_drafts_accepted(llm)
+    ref, got = results
+    assert all(c.stop_reason in stop for c, stop in zip(ref, STOPS, strict=True))
+    assert_same([(c.token_ids, c.logprobs) for c in got], [(c.token_ids, c.logprobs) for c in ref])
+    assert [(c.text, c.finish_reason, c.stop_reason) for c in got] == [
+        (c.text, c.finish_reason, c.stop_reason) for c in ref
+    ]
+    assert [c.cumulative_logprob for c in got] == pytest.approx(
+        [c.cumulative_logprob for c in ref], abs=1e-3
+    )

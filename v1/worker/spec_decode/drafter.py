@@ -9,11 +9,11 @@ scheduling the scheduler sends -1 placeholders, which `drafts_for_step` fills.
 Not drafted (the proposal is dropped): requests whose sampling depends on the tokens before it
 in ways one step's rows would not see: penalties and bad words (counts and tails of the
 output so far), `min_tokens` not yet reached (a row would ban stop tokens another may not),
-structured output (the grammar's bitmask covers one token: the simplest correct choice
-is not drafting those requests), and stop strings (the frontend cuts the text where one ends,
-but not yet the tokens and logprobs of a verified step that run past it). Logprobs, logit
-bias, allowed token ids, temperature and the top-k/top-p/min-p filters are the same on every
-row, so those requests draft.
+and structured output (the grammar's bitmask covers one token: the simplest correct choice
+is not drafting those requests). Logprobs, logit bias, allowed token ids, temperature and the
+top-k/top-p/min-p filters are the same on every row, so those requests draft; so do requests
+with stop strings: the frontend ends their output at the token that completes one, dropping
+the verified tokens after it (`v1.engine.detokenizer.IncrementalDetokenizer.update`).
 
 Adaptive: a request whose drafts were all rejected halves its draft length and skips the next
 1, 2, 4, ... steps (up to `MAX_SKIP`); an accepted draft resets the back-off and grows the
@@ -50,7 +50,6 @@ def can_draft(params: SamplingParams, num_output: int) -> bool:
         params.structured_outputs is None
         and not params.has_penalties
         and not params.bad_words_token_ids
-        and not params.stop
         and num_output >= params.min_tokens
     )
 
