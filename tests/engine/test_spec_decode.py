@@ -171,24 +171,32 @@ SEEDED = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=MAX_TOKENS, see
           for seed in range(len(PROMPTS))]
 
 
+@pytest.fixture(scope="module")
+def seeded_reference(default_model):
+    with LLM(loaded_model=default_model, num_gpu_blocks=64, max_model_len=512) as llm:
+        return generate_seeded(llm)
+
+
 @pytest.mark.parametrize(
     "spec, options",
     [
         ({**NGRAM, "num_speculative_tokens": 4}, {}),
         ({**NGRAM, "num_speculative_tokens": 3}, {"async_scheduling": True, "max_num_seqs": 3}),
+        ({**NGRAM, "num_speculative_tokens": 2},
+         {"async_scheduling": True, "num_gpu_blocks": 8, "max_model_len": 128}),
         ({"method": "suffix", "num_speculative_tokens": 4}, {}),
     ],
-    ids=["ngram", "ngram-async-batch3", "suffix"],
+    ids=["ngram", "ngram-async-batch3", "ngram-async-preempt", "suffix"],
 )
-def test_seeded_sampling_does_not_depend_on_drafts(default_model, spec, options):
+def test_seeded_sampling_does_not_depend_on_drafts(default_model, seeded_reference, spec,
+                                                   options):
     """A seeded request samples its i-th output token with the generator's i-th draw,
     whatever was drafted: with drafts, its tokens (and logprobs) equal those without, and
     every run gives them again; with suffix drafts also once the index holds the earlier
     answers (other drafts, same tokens)."""
-    with LLM(loaded_model=default_model, num_gpu_blocks=64, max_model_len=512) as llm:
-        ref = generate_seeded(llm)
-    with LLM(loaded_model=default_model, num_gpu_blocks=64, max_model_len=512,
-             speculative_config=spec, **options) as llm:
+    ref = seeded_reference
+    options = {"num_gpu_blocks": 64, "max_model_len": 512, **options}
+    with LLM(loaded_model=default_model, speculative_config=spec, **options) as llm:
         first = generate_seeded(llm)
         before = llm.get_stats()
         again = generate_seeded(llm)
@@ -199,6 +207,8 @@ def test_seeded_sampling_does_not_depend_on_drafts(default_model, spec, options)
                     - after.spec_decode_num_accepted_tokens
                     + before.spec_decode_num_accepted_tokens)
         assert rejected > 0
+        if options["num_gpu_blocks"] < 64:
+            assert after.num_preemptions > 0
     assert_same(first, ref)
     assert_same(again, ref)
 

@@ -420,7 +420,7 @@ class ModelRunner:
                     [sample_pos[r] for r in out.structured_output_request_ids],
                 )
             metadata_s = self._get_sampling_metadata(req_ids, rows, logit_req)
-            generator_states = {}
+            generator_states: dict[int, torch.Tensor] = {}
             if drafts_by_index:
                 assert self.drafter is not None
                 generator_states = self.drafter.generator_states(batch, req_ids, drafts_by_index)
