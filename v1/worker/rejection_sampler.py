@@ -26,9 +26,9 @@ not depend on its drafts (how many, which, accepted or not), hence neither on th
 on other requests, on batch composition nor on async scheduling: with or without
 speculation, equal. (vLLM draws each request's draft positions from its generator whatever
 is accepted, and its recovered and bonus tokens more, so there the generator's state after a
-step depends on the drafts.) Replay over a generator derived from (seed, position): it
-keeps the one generator a request already has, and costs nothing in steps that reject
-nothing.
+step depends on the drafts.) Replay rather than a generator seeded per output position from
+(seed, position): the request keeps its one generator (output without drafts is unchanged),
+and only a step that rejects a seeded request's drafts costs the replay (a few draws).
 """
 
 import torch
