@@ -5,6 +5,8 @@ import pytest
 
 from v1.config import EngineArgs, SpeculativeConfig
 from v1.entrypoints.openai.api_server import make_parser
+from v1.speculative_config import DEFAULT_SUFFIX_MAX_CACHED_TOKENS
+from v1.worker.spec_decode.proposer import make_proposer
 
 
 def test_ngram_defaults_as_vllm():
@@ -16,6 +18,10 @@ def test_ngram_defaults_as_vllm():
     assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (4, 4)
     suffix = SpeculativeConfig.from_dict({"method": "suffix"})
     assert suffix.num_speculative_tokens == suffix.suffix_decoding_max_tree_depth == 24
+    # v1's own key (vLLM bounds the shared tree by requests only) reaches the proposer.
+    assert make_proposer(suffix).max_cached_tokens == DEFAULT_SUFFIX_MAX_CACHED_TOKENS
+    capped = {"method": "suffix", "suffix_decoding_max_cached_tokens": 5000}
+    assert make_proposer(SpeculativeConfig.from_dict(capped)).max_cached_tokens == 5000
     args = EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     assert args.speculative() == SpeculativeConfig("ngram", 2, 5, 5)
     assert EngineArgs().speculative() is None
@@ -38,6 +44,8 @@ def test_ngram_defaults_as_vllm():
           "prompt_lookup_max": 2}, r"prompt_lookup_min \(4\) must be <= prompt_lookup_max"),
         ({"method": "suffix", "suffix_decoding_min_token_prob": 2}, "min_token_prob"),
         ({"method": "suffix", "suffix_decoding_max_spec_factor": 0}, "max_spec_factor"),
+        ({"method": "suffix", "suffix_decoding_max_cached_tokens": -1},
+         "max_cached_tokens must be an integer >= 0"),
         ({"method": "suffix", "suffix_decoding_max_spec_factor": float("inf")}, "finite"),
         ({"method": "suffix", "suffix_decoding_max_spec_factor": float("nan")}, "finite"),
         ({"method": "suffix", "suffix_decoding_min_token_prob": float("nan")}, "min_token_prob"),

@@ -12,6 +12,9 @@ SPECULATIVE_METHODS = ("ngram", "suffix")
 # The most drafts one step verifies per request: each costs a query row of every layer.
 MAX_SPECULATIVE_TOKENS = 64
 MAX_SUFFIX_TREE_DEPTH = 256  # vLLM's default is 24
+# The suffix method's shared tree holds at most this many tokens (~185-250 MB): v1's own key,
+# as vLLM bounds it by requests only (see SuffixProposer).
+DEFAULT_SUFFIX_MAX_CACHED_TOKENS = 1_000_000
 
 
 @dataclass(slots=True)
@@ -21,7 +24,8 @@ class SpeculativeConfig:
     ngram: `prompt_lookup_max`/`prompt_lookup_min` bound the n-gram (the request's last n
     tokens) looked up earlier in its own tokens; either defaults to the other, both to 5
     (vLLM's). suffix: the `suffix_decoding_*` keys are `SuffixProposer`'s keywords;
-    `num_speculative_tokens` defaults to `suffix_decoding_max_tree_depth` (vLLM's).
+    `num_speculative_tokens` defaults to `suffix_decoding_max_tree_depth` (vLLM's);
+    `suffix_decoding_max_cached_tokens` is v1's own (vLLM has no bound in tokens).
     """
 
     method: str
@@ -32,6 +36,7 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    suffix_decoding_max_cached_tokens: int = DEFAULT_SUFFIX_MAX_CACHED_TOKENS
 
     @classmethod
     def from_dict(cls, config: "dict[str, Any] | SpeculativeConfig") -> "SpeculativeConfig":
@@ -100,6 +105,7 @@ class SpeculativeConfig:
             # A draft's cost grows with the depth (candidates per match length).
             check_int("suffix_decoding_max_tree_depth", 1, MAX_SUFFIX_TREE_DEPTH)
             check_int("suffix_decoding_max_cached_requests", 0)
+            check_int("suffix_decoding_max_cached_tokens", 0)
             factor, prob = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
             if not isinstance(factor, int | float) or not 0 < factor < math.inf:
                 raise ValueError(

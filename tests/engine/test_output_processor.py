@@ -222,6 +222,41 @@ def test_earliest_stop_string_wins(tokenizer) -> None:
         assert (completion.text, completion.stop_reason) == (" alpha ", "beta gam")
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_inside_a_multi_token_step(tokenizer, include: bool) -> None:
+    """Steps of several tokens (verified drafts) end the output where steps of one token do:
+    token ids, logprobs, cumulative logprob and text up to the token that completes the stop
+    string, the tokens after it in the same step dropped; with min_tokens too."""
+    ids = encode(tokenizer, " x y, beta gamma delta. beta gam more words here")
+    logprobs = [([t, 7], [-0.1 * (i + 1), -0.5], 2) for i, t in enumerate(ids)]
+    rng = random.Random(0)
+
+    def run(chunks: list[int]) -> CompletionOutput:
+        processor = OutputProcessor(tokenizer)
+        add(processor, tokenizer, stop=["delta", "beta gam"], logprobs=1, min_tokens=6,
+            include_stop_str_in_output=include)
+        results, start = [], 0
+        for size in chunks:
+            step = slice(start, start + size)
+            output = EngineCoreOutput("r", ids[step], logprobs[step])
+            results.append(processor.process_outputs([output]))
+            start += size
+            if results[-1].reqs_to_abort:
+                break
+        return only_output(results)
+
+    ref = run([1] * len(ids))
+    # " beta gamma" completes "beta gam" at the 5th token, before min_tokens: " delta" ends it.
+    assert ref.stop_reason == "delta" and len(ref.token_ids) == 6
+    for chunks in ([len(ids)], [3, 9, len(ids) - 12], random_chunks(rng, len(ids))):
+        got = run(chunks)
+        assert (got.token_ids, got.text, got.stop_reason) == (
+            ref.token_ids, ref.text, ref.stop_reason
+        )
+        assert got.logprobs == ref.logprobs
+        assert got.cumulative_logprob == pytest.approx(ref.cumulative_logprob)
+
+
 def test_find_stop_string() -> None:
     # The stop string that completes first wins, even if another one starts earlier.
     assert find_stop_string("xyz", 3, ["xyz", "y"]) == ("y", 1)

@@ -165,3 +165,86 @@ def test_suffix_drafts_an_earlier_answer(default_model, reference):
         # after the first); only the plain prompts' first rounds drafted without it.
         assert accepted >= 0.9 * drafted and accepted >= len(PROMPTS) * (MAX_TOKENS // 2)
         assert_drafts_accepted(llm)
+
+
+SEEDED = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=MAX_TOKENS, seed=seed, logprobs=1)
+          for seed in range(len(PROMPTS))]
+
+
+@pytest.fixture(scope="module")
+def seeded_reference(default_model):
+    with LLM(loaded_model=default_model, num_gpu_blocks=64, max_model_len=512) as llm:
+        return generate_seeded(llm)
+
+
+@pytest.mark.parametrize(
+    "spec, options",
+    [
+        ({**NGRAM, "num_speculative_tokens": 4}, {}),
+        ({**NGRAM, "num_speculative_tokens": 3}, {"async_scheduling": True, "max_num_seqs": 3}),
+        ({**NGRAM, "num_speculative_tokens": 2},
+         {"async_scheduling": True, "num_gpu_blocks": 8, "max_model_len": 128}),
+        ({"method": "suffix", "num_speculative_tokens": 4}, {}),
+    ],
+    ids=["ngram", "ngram-async-batch3", "ngram-async-preempt", "suffix"],
+)
+def test_seeded_sampling_does_not_depend_on_drafts(default_model, seeded_reference, spec,
+                                                   options):
+    """A seeded request samples its i-th output token with the generator's i-th draw,
+    whatever was drafted: with drafts, its tokens (and logprobs) equal those without, and
+    every run gives them again; with suffix drafts also once the index holds the earlier
+    answers (other drafts, same tokens)."""
+    ref = seeded_reference
+    options = {"num_gpu_blocks": 64, "max_model_len": 512, **options}
+    with LLM(loaded_model=default_model, speculative_config=spec, **options) as llm:
+        first = generate_seeded(llm)
+        before = llm.get_stats()
+        again = generate_seeded(llm)
+        after = llm.get_stats()
+        assert_drafts_accepted(llm)
+        # Drafts were rejected too, so the generator had rows to give back.
+        rejected = (after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+                    - after.spec_decode_num_accepted_tokens
+                    + before.spec_decode_num_accepted_tokens)
+        assert rejected > 0
+        if options["num_gpu_blocks"] < 64:
+            assert after.num_preemptions > 0
+    assert_same(first, ref)
+    assert_same(again, ref)
+
+
+def generate_seeded(llm: LLM) -> list[tuple[list[int], list]]:
+    outs = llm.generate(PROMPTS, SEEDED, use_tqdm=False)
+    return [(c.token_ids, c.logprobs) for o in outs for c in o.outputs]
+
+
+# Per prompt: stop strings met within MAX_TOKENS, most over two or more tokens (" blue" ","
+# " red"; " two" " four"; "El" "ara" "."), some inside a run of accepted drafts (the first
+# prompt's answer is drafted from its own words), and some never met.
+STOPS = [["blue, red", "never met"], ["b +"], ["is:\nA"], ["two four"], ["2018-"],
+         ["n *", "return 1"], ["Elara."], ["list of", "nowhere"]]
+
+
+@pytest.mark.parametrize("include", [False, True], ids=["cut", "included"])
+def test_stop_strings_with_drafts_cut_tokens_and_logprobs(default_model, include):
+    """A stop string met inside a verified step ends the output at the token that completes
+    it: token ids, logprobs, text and finish reason equal those without drafts."""
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2, stop=stop,
+                             include_stop_str_in_output=include) for stop in STOPS]
+    results = []
+    for spec in (None, {**NGRAM, "num_speculative_tokens": 4}):
+        with LLM(loaded_model=default_model, num_gpu_blocks=64, max_model_len=512,
+                 speculative_config=spec) as llm:
+            outs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+            results.append(outs)
+            if spec is not None:
+                assert_drafts_accepted(llm)
+    ref, got = results
+    assert all(c.stop_reason in stop for c, stop in zip(ref, STOPS, strict=True))
+    assert_same([(c.token_ids, c.logprobs) for c in got], [(c.token_ids, c.logprobs) for c in ref])
+    assert [(c.text, c.finish_reason, c.stop_reason) for c in got] == [
+        (c.text, c.finish_reason, c.stop_reason) for c in ref
+    ]
+    assert [c.cumulative_logprob for c in got] == pytest.approx(
+        [c.cumulative_logprob for c in ref], abs=1e-3
+    )

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from v1.sampling_params import SamplingParams
-from v1.worker.rejection_sampler import accept_drafts
+from v1.worker.rejection_sampler import accept_drafts, keep_draws
 from v1.worker.sampler import Sampler, SamplingMetadata
 
 VOCAB = 8
@@ -64,3 +64,26 @@ def test_greedy_accepts_exactly_the_argmax_prefix():
     assert accept_drafts([5, 9, 7, 8], [5, 6, 7]) == [5, 9]
     assert accept_drafts([4, 6, 7, 8], [5, 6, 7]) == [4]
     assert accept_drafts([0, 1], [-1]) == [0]  # a placeholder without a draft never matches
+
+
+def test_seeded_rows_draw_as_one_step_per_token():
+    """A seeded request's k + 1 rows sample with its generator's next k + 1 draws, in order,
+    and `keep_draws` leaves it where the kept rows do: the next step's rows continue the
+    sequence that one row per step draws."""
+    params = SamplingParams(temperature=1.0, seed=7)
+    logits = torch.randn(1, 50_000)
+
+    def one_step_per_token(num: int) -> list[int]:
+        generator = torch.Generator().manual_seed(7)
+        metadata = SamplingMetadata.from_params([params], {0: generator})
+        return [int(Sampler()(logits.clone(), metadata).sampled_token_ids) for _ in range(num)]
+
+    generator = torch.Generator().manual_seed(7)
+    metadata = SamplingMetadata.from_params([params] * 4, {i: generator for i in range(4)})
+    state = generator.get_state()
+    rows = Sampler()(logits.repeat(4, 1), metadata).sampled_token_ids.tolist()
+    assert rows == one_step_per_token(4)
+    keep_draws(generator, state, 2)  # two rows kept: a draft and the token after it
+    metadata = SamplingMetadata.from_params([params] * 3, {i: generator for i in range(3)})
+    rows = Sampler()(logits.repeat(3, 1), metadata).sampled_token_ids.tolist()
+    assert rows == one_step_per_token(5)[2:]

@@ -28,7 +28,7 @@ def test_requests_whose_rows_differ_are_not_drafted():
     assert can_draft(SamplingParams(temperature=0.8, logprobs=2), num_output=0)
     assert not can_draft(SamplingParams(repetition_penalty=1.2), num_output=0)
     assert not can_draft(SamplingParams(min_tokens=4), num_output=3)
-    assert not can_draft(SamplingParams(stop=["four one"]), num_output=0)
+    assert can_draft(SamplingParams(stop=["four one"]), num_output=0)  # the frontend cuts
     assert can_draft(SamplingParams(min_tokens=4), num_output=4)
 
 
@@ -66,7 +66,7 @@ def test_drafts_that_keep_failing_back_off():
         skipped.append(n)
         assert drafter.proposer.calls == calls + 1  # not asked while skipping
     assert skipped == [1, 2, 4, 8, MAX_SKIP, MAX_SKIP]
-    assert drafter.propose("s", tokens, SamplingParams(stop=["x"]), 1) == []
+    assert drafter.propose("s", tokens, SamplingParams(repetition_penalty=1.2), 1) == []
     assert "s" in drafter.pending and drafter.proposer.calls == calls + 1  # nor when it can't
     drafts = drafter.propose("r", tokens, params, 1)
     assert len(drafts) == 1  # halved each time, down to one

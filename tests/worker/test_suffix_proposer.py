@@ -163,18 +163,31 @@ def random_answers(rng: random.Random, n: int, vocab: int, length: int) -> list[
     return [[rng.randrange(vocab) for _ in range(rng.randrange(1, length))] for _ in range(n)]
 
 
-def test_eviction_is_exact() -> None:
-    """After evicting the oldest requests, the shared trie is the one built without them
-    (node for node, counts and leaves), and drafts are the same."""
+@pytest.mark.parametrize("keep, max_tokens", [(5, None), (1000, 90)], ids=["requests", "tokens"])
+def test_eviction_is_exact(keep: int, max_tokens: int | None) -> None:
+    """After evicting the oldest requests (beyond `keep` requests, or `max_tokens` tokens in
+    the shared tree), the shared trie is the one built without them (node for node, counts
+    and leaves), and drafts are the same."""
     rng = random.Random(0)
-    depth, keep = 6, 5
-    p = SuffixProposer(max_tree_depth=depth, max_cached_requests=keep)
+    depth = 6
+    caps = {} if max_tokens is None else {"max_cached_tokens": max_tokens}
+    p = SuffixProposer(max_tree_depth=depth, max_cached_requests=keep, **caps)
     prompt = [7, 7, 1]
     # A small vocabulary: answers share many windows, so eviction must split counts right.
     answers = random_answers(rng, 40, 4, 30) + [[1, 2, 3]] * 3  # identical ones too
+    added: list[list[int]] = []  # what each request put in the shared tree
     for i, answer in enumerate(answers):
         run_request(p, f"r{i}", prompt, answer)
-        rebuilt = SuffixProposer(max_tree_depth=depth, max_cached_requests=keep)
+        added.append(prompt[-(depth - 1) :] + answer)
+        # The newest sequences that fit both caps, no more and no fewer.
+        kept, total = [], 0
+        for seq in reversed(added[-keep:]):
+            if max_tokens is not None and total + len(seq) > max_tokens:
+                break
+            kept.insert(0, seq)
+            total += len(seq)
+        assert list(p._cached) == kept
+        rebuilt = SuffixProposer(max_tree_depth=depth, max_cached_requests=keep, **caps)
         rebuilt._cached.extend(rebuilt._global.add(seq) for seq in p._cached)
         assert dump(p._global.root, depth) == dump(rebuilt._global.root, depth)
         check_tree(p._global.root, depth, exact_ends=True)
@@ -182,7 +195,18 @@ def test_eviction_is_exact() -> None:
         for j in range(5):
             ctx = [rng.randrange(4) for _ in range(rng.randrange(1, 12))]
             assert p.propose(f"q{i}.{j}", ctx, 5) == rebuilt.propose(f"q{i}.{j}", ctx, 5)
-    assert len(p._cached) == keep
+    if max_tokens is None:
+        assert len(p._cached) == keep
+    else:
+        assert 3 < len(p._cached) < keep and p.num_cached_tokens <= max_tokens
+
+
+def test_an_answer_longer_than_the_token_cap_is_not_cached() -> None:
+    p = SuffixProposer(max_tree_depth=4, max_cached_tokens=40)
+    run_request(p, "a", PROMPT, ANSWER[:20])
+    kept = list(p._cached)
+    run_request(p, "b", PROMPT, list(range(5000, 5040)))  # 3 + 40 tokens: more than the cap
+    assert list(p._cached) == kept and p.num_cached_tokens == 23
 
 
 def test_memory_stays_bounded() -> None:
@@ -279,6 +303,7 @@ def test_drafts_match_a_plain_trie(seed: int) -> None:
     [
         {"max_tree_depth": 0},
         {"max_cached_requests": -1},
+        {"max_cached_tokens": -1},
         {"max_spec_factor": 0.0},
         {"min_token_prob": 1.5},
     ],

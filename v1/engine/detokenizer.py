@@ -54,28 +54,45 @@ class IncrementalDetokenizer:
         self._num_chars_sent = 0  # of output_text, for delta outputs
         self.output_text = ""
 
-    def update(self, new_token_ids: list[int], stop_terminated: bool, finished: bool) -> str | None:
-        """Adds a step's tokens; returns the stop string that ended the text, if one did.
+    def update(
+        self, new_token_ids: list[int], stop_terminated: bool, finished: bool
+    ) -> tuple[str, int] | None:
+        """Adds a step's tokens; when a stop string ended the text, returns it and how many of
+        the step's tokens the output keeps: up to the one whose text completes it (a verified
+        step of speculative decoding may bring tokens past it).
 
-        `stop_terminated`: the core stopped on EOS or a stop token id, which is the last of
-        `new_token_ids`; like vLLM, its text is left out unless include_stop_str_in_output.
+        With stop strings the tokens are added one at a time, as steps of one token each add
+        them, so the text, the match and the cut do not depend on how many tokens a step
+        brings. `stop_terminated`: the core stopped on EOS or a stop token id, which is the
+        last of `new_token_ids`; like vLLM, its text is left out unless
+        include_stop_str_in_output.
         """
-        self._num_tokens += len(new_token_ids)
+        text_ids = new_token_ids
         if stop_terminated and not self._include_stop:
-            new_token_ids = new_token_ids[:-1]
-        offset = len(self.output_text)
-        self.output_text += self._step(new_token_ids)
+            text_ids = new_token_ids[:-1]
+        if not self._stop:
+            self._num_tokens += len(new_token_ids)
+            self._add_text(text_ids, finished)
+            return None
+        for i in range(len(new_token_ids)):
+            self._num_tokens += 1
+            offset = len(self.output_text)
+            self._add_text(text_ids[i : i + 1], finished and i == len(new_token_ids) - 1)
+            if self._num_tokens < self._min_tokens:
+                continue
+            match = find_stop_string(self.output_text, len(self.output_text) - offset, self._stop)
+            if match is not None:
+                stop, start = match
+                end = start + len(stop) if self._include_stop else start
+                self.output_text = self.output_text[:end]
+                return stop, i + 1
+        return None
+
+    def _add_text(self, token_ids: list[int], finished: bool) -> None:
+        self.output_text += self._step(token_ids)
         if finished and self._pending:
             # The output ends inside a character: show what tokenizer.decode shows (U+FFFD).
             self.output_text += self._decode_in_context([])
-        if not self._stop or self._num_tokens < self._min_tokens:
-            return None
-        match = find_stop_string(self.output_text, len(self.output_text) - offset, self._stop)
-        if match is None:
-            return None
-        stop, start = match
-        self.output_text = self.output_text[: start + len(stop) if self._include_stop else start]
-        return stop
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         """The text to show now: all of it, or only what was not shown before (delta)."""

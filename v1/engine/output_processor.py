@@ -194,7 +194,19 @@ class RequestState:
 
     def update(self, output: EngineCoreOutput, now: float, stats: IterationStats | None) -> bool:
         """Applies one core output; True when a stop string finished the request here."""
-        new_ids = output.new_token_ids
+        new_ids, new_logprobs = output.new_token_ids, output.new_logprobs
+        stop = None
+        if self.detokenizer is not None:
+            stop = self.detokenizer.update(
+                new_ids,
+                stop_terminated=output.finish_reason == "stop",
+                finished=output.finish_reason is not None,
+            )
+        if stop is not None:
+            # Tokens after the one that completed the stop string are not output.
+            new_ids = new_ids[: stop[1]]
+            if new_logprobs:
+                new_logprobs = new_logprobs[: stop[1]]
         metrics = self.metrics
         if new_ids:
             if metrics.first_token_time is None:
@@ -210,22 +222,15 @@ class RequestState:
             metrics.time_in_queue = output.queue_time
         if output.num_cached_tokens:
             self.num_cached_tokens = output.num_cached_tokens
-        if self.logprobs is not None and output.new_logprobs:
-            self._add_logprobs(output.new_logprobs)
+        if self.logprobs is not None and new_logprobs:
+            self._add_logprobs(new_logprobs)
         if output.new_prompt_logprobs is not None:
             self.prompt_logprobs = [None]
             self.prompt_logprobs += map(self._logprob_dict, output.new_prompt_logprobs)
 
         self.finish_reason, self.stop_reason = output.finish_reason, output.stop_reason
-        stop_string = None
-        if self.detokenizer is not None:
-            stop_string = self.detokenizer.update(
-                new_ids,
-                stop_terminated=output.finish_reason == "stop",
-                finished=output.finish_reason is not None,
-            )
-        if stop_string is not None:
-            self.finish_reason, self.stop_reason = "stop", stop_string
+        if stop is not None:
+            self.finish_reason, self.stop_reason = "stop", stop[0]
         if self.finish_reason is not None:
             metrics.finished_time = now
             if stats is not None:
@@ -235,7 +240,7 @@ class RequestState:
                         len(self.prompt_token_ids), len(self.token_ids),
                     )
                 )
-        return stop_string is not None
+        return stop is not None
 
     def make_completion_output(self) -> CompletionOutput | None:
         """This request's output now, shaped by its kind; None when there is none to show."""

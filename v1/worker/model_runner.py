@@ -420,6 +420,10 @@ class ModelRunner:
                     [sample_pos[r] for r in out.structured_output_request_ids],
                 )
             metadata_s = self._get_sampling_metadata(req_ids, rows, logit_req)
+            generator_states: dict[int, torch.Tensor] = {}
+            if drafts_by_index:
+                assert self.drafter is not None
+                generator_states = self.drafter.generator_states(batch, req_ids, drafts_by_index)
             banned = self._min_tokens_stop_ids(sample_rows)
             if metadata_s.bad_words is not None:
                 self._add_bad_word_bans(banned, metadata_s.bad_words, sample_rows)
@@ -447,7 +451,7 @@ class ModelRunner:
                 assert self.drafter is not None
                 self.drafter.accept(
                     batch, req_ids, sample_idx, first_logit_row, rows, token_ids, token_logprobs,
-                    drafts_by_index, sampled_rows, logprobs_rows, num_rejected,
+                    drafts_by_index, generator_states, sampled_rows, logprobs_rows, num_rejected,
                 )
         batch.num_computed_tokens[rows] = seq_lens - num_rejected
         spec_token_ids = None

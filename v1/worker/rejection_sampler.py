@@ -16,7 +16,24 @@ drawn from the target distribution given the tokens before it, as without drafts
 sample the argmax, so a draft is accepted iff it is the argmax: the tokens equal those
 without speculation. A draft of -1 (a placeholder the runner had no draft for) is never
 accepted.
+
+Seeded requests. A seeded request's rows draw their uniform numbers from its generator one
+after another, in row order: row i gets the generator's next draws as output position n + i
+would without drafts. Its accepted rows sampled exactly the tokens a step-by-step run
+samples (same context, same draw); then `keep_draws` puts the generator back to where the
+kept rows leave it, as if the rejected rows had never drawn. So a seeded request's tokens do
+not depend on its drafts (how many, which, accepted or not), hence neither on the proposer,
+on other requests, on batch composition nor on async scheduling: with or without
+speculation, equal. (vLLM draws each request's draft positions from its generator whatever
+is accepted, and its recovered and bonus tokens more, so there the generator's state after a
+step depends on the drafts.) Replay rather than a generator seeded per output position from
+(seed, position): the request keeps its one generator (output without drafts is unchanged),
+and only a step that rejects a seeded request's drafts costs the replay (a few draws).
 """
+
+import torch
+
+from v1.worker.sampler import draw_uniform
 
 
 def accept_drafts(sampled: list[int], drafts: list[int]) -> list[int]:
@@ -26,3 +43,11 @@ def accept_drafts(sampled: list[int], drafts: list[int]) -> list[int]:
         if sampled[i] != draft:
             return sampled[: i + 1]
     return sampled[: len(drafts) + 1]
+
+
+def keep_draws(generator: torch.Generator, state: torch.Tensor, num_kept: int) -> None:
+    """Leaves `generator`, whose state before the step's sampling was `state`, where only
+    its first `num_kept` rows' draws leave it (the sampler's own call, replayed)."""
+    generator.set_state(state)
+    for _ in range(num_kept):
+        draw_uniform(generator, generator.device)

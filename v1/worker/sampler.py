@@ -348,13 +348,20 @@ def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
 
     uniform = torch.rand(logits.shape[0], 1, dtype=torch.float64, device=logits.device)
     for row, generator in metadata.generators.items():
-        uniform[row] = torch.rand(1, dtype=torch.float64, device=logits.device, generator=generator)
+        uniform[row] = draw_uniform(generator, logits.device)
     # fp64 so that late, tiny probabilities still move the running sum (fp32 would drop them).
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)
     # right=True: the first index whose cdf exceeds the target, so zero-probability tokens
     # (equal cdf to their left neighbour) are never picked.
     sampled = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(-1)
     return sampled.clamp_(max=logits.shape[-1] - 1)
+
+
+def draw_uniform(generator: torch.Generator, device: torch.device | str) -> torch.Tensor:
+    """A seeded row's uniform number: one draw from its request's generator. The only way a
+    seeded row draws, so that replaying n calls leaves a generator exactly where n sampled
+    rows leave it (`v1.worker.rejection_sampler.keep_draws`)."""
+    return torch.rand(1, dtype=torch.float64, device=device, generator=generator)
 
 
 def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:

@@ -9,11 +9,11 @@ scheduling the scheduler sends -1 placeholders, which `drafts_for_step` fills.
 Not drafted (the proposal is dropped): requests whose sampling depends on the tokens before it
 in ways one step's rows would not see: penalties and bad words (counts and tails of the
 output so far), `min_tokens` not yet reached (a row would ban stop tokens another may not),
-structured output (the grammar's bitmask covers one token: the simplest correct choice
-is not drafting those requests), and stop strings (the frontend cuts the text where one ends,
-but not yet the tokens and logprobs of a verified step that run past it). Logprobs, logit
-bias, allowed token ids, temperature and the top-k/top-p/min-p filters are the same on every
-row, so those requests draft.
+and structured output (the grammar's bitmask covers one token: the simplest correct choice
+is not drafting those requests). Logprobs, logit bias, allowed token ids, temperature and the
+top-k/top-p/min-p filters are the same on every row, so those requests draft; so do requests
+with stop strings: the frontend ends their output at the token that completes one, dropping
+the verified tokens after it (`v1.engine.detokenizer.IncrementalDetokenizer.update`).
 
 Adaptive: a request whose drafts were all rejected halves its draft length and skips the next
 1, 2, 4, ... steps (up to `MAX_SKIP`); an accepted draft resets the back-off and grows the
@@ -25,12 +25,13 @@ from dataclasses import dataclass
 from typing import cast
 
 import numpy as np
+import torch
 
 from v1.config import SpeculativeConfig
 from v1.outputs import TokenLogprobs
 from v1.sampling_params import SamplingParams
 from v1.worker.input_batch import InputBatch
-from v1.worker.rejection_sampler import accept_drafts
+from v1.worker.rejection_sampler import accept_drafts, keep_draws
 from v1.worker.spec_decode.proposer import DraftProposer, make_proposer
 
 MAX_SKIP = 16
@@ -49,7 +50,6 @@ def can_draft(params: SamplingParams, num_output: int) -> bool:
         params.structured_outputs is None
         and not params.has_penalties
         and not params.bad_words_token_ids
-        and not params.stop
         and num_output >= params.min_tokens
     )
 
@@ -129,6 +129,20 @@ class Drafter:
             num_drafts[i] = len(drafts)
             drafts_by_index[i] = drafts
 
+    @staticmethod
+    def generator_states(
+        batch: InputBatch, req_ids: list[str], drafts_by_index: dict[int, list[int]]
+    ) -> dict[int, torch.Tensor]:
+        """Before sampling: the generator state of each drafted request that draws from its
+        own generator (seeded, not greedy), by request index, for `accept` to rewind to."""
+        states = {}
+        for i in drafts_by_index:
+            generator = batch.generators.get(req_ids[i])
+            params = batch.sampling_params[batch.req_id_to_index[req_ids[i]]]
+            if generator is not None and params is not None and not params.greedy:
+                states[i] = generator.get_state()
+        return states
+
     def accept(
         self,
         batch: InputBatch,
@@ -139,13 +153,16 @@ class Drafter:
         token_ids: list[int],
         token_logprobs: list[TokenLogprobs | None] | None,
         drafts_by_index: dict[int, list[int]],
+        generator_states: dict[int, torch.Tensor],
         sampled_rows: list[list[int]],
         logprobs_rows: list[list[TokenLogprobs] | None] | None,
         num_rejected: np.ndarray,
     ) -> None:
         """Checks each sampling request's rows (`first_logit_row[n]` on, for the n-th) against
         its drafts and stores what it accepted in the batch and the output rows (its one
-        sampled token when it had no drafts); `num_rejected[i]`: its rejected drafts."""
+        sampled token when it had no drafts); `num_rejected[i]`: its rejected drafts. A seeded
+        request that rejected drafts gets its generator back to where its kept rows leave it
+        (its state from `generator_states`)."""
         for n, i in enumerate(sample_idx.tolist()):
             first, end = int(first_logit_row[n]), int(first_logit_row[n + 1])
             tokens = token_ids[first:end]
@@ -154,6 +171,8 @@ class Drafter:
                 tokens = accept_drafts(tokens, drafts)
                 num_rejected[i] = len(drafts) + 1 - len(tokens)
                 self.observe(req_ids[i], drafts, len(tokens) - 1)
+                if num_rejected[i] and i in generator_states:
+                    keep_draws(batch.generators[req_ids[i]], generator_states[i], len(tokens))
             row = rows[i]
             start = int(batch.num_tokens[row])
             batch.token_ids[row, start : start + len(tokens)] = tokens

@@ -46,5 +46,6 @@ def make_proposer(config: SpeculativeConfig) -> DraftProposer:
             max_cached_requests=config.suffix_decoding_max_cached_requests,
             max_spec_factor=config.suffix_decoding_max_spec_factor,
             min_token_prob=config.suffix_decoding_min_token_prob,
+            max_cached_tokens=config.suffix_decoding_max_cached_tokens,
         )
     raise ValueError(f"unknown speculative method {config.method!r}")

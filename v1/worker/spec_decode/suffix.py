@@ -22,6 +22,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from v1.speculative_config import DEFAULT_SUFFIX_MAX_CACHED_TOKENS
+
 # A leaf: the window seq[start : start + depth] (or to the end of seq), alone on its path.
 _Leaf = tuple[list[int], int]
 
@@ -480,14 +482,20 @@ class SuffixProposer:
       max_cached_requests: finished requests kept in the shared tree; the oldest is evicted
         (exactly: the tree is then as if it had never held it) beyond this. 0 disables the
         shared tree (each request's own tree is still used). 10000.
+      max_cached_tokens (v1's own, `suffix_decoding_max_cached_tokens`; vLLM bounds requests
+        only): the most tokens the shared tree indexes; the oldest requests are evicted
+        beyond it, and an answer longer than it on its own is not cached. 1,000,000 tokens,
+        which caps the shared tree at ~185-250 MB (see Memory): 10000 short answers fit,
+        10000 long ones (10000 x 2000 tokens would be 4-5 GB) do not. 0 disables the shared
+        tree.
       max_spec_factor: a match of m tokens drafts at most int(max_spec_factor * m) tokens (and
         at most the caller's k): longer evidence, longer drafts. 1.0.
       min_token_prob: a drafted token's estimated probability (the product of
         child.count / parent.count along the draft) must be at least this. 0.1.
 
-    Memory: about one leaf and at most one node per indexed token, ~185 bytes per token of
-    the shared tree (so ~280 MB at the default 10000 requests of ~150 tokens); it holds at
-    most `max_cached_requests` sequences. Cost (bench/bench_suffix_index.py, CPU time on the
+    Memory: about one leaf and at most one node per indexed token, ~185-250 bytes per token
+    of the shared tree; it holds at most `max_cached_requests` sequences of
+    `max_cached_tokens` tokens in all. Cost (bench/bench_suffix_index.py, CPU time on the
     loaded 2-core dev machine): ~3 ms to index a 1500-token prompt at its first call; per
     decode step ~20-25 us, ~60 us while the output copies its own prompt (every growing
     window then advances through shared text); ~1-4 ms per `finish` (the answer added, the
@@ -500,6 +508,7 @@ class SuffixProposer:
         max_cached_requests: int = 10000,
         max_spec_factor: float = 1.0,
         min_token_prob: float = 0.1,
+        max_cached_tokens: int = DEFAULT_SUFFIX_MAX_CACHED_TOKENS,
     ) -> None:
         if max_tree_depth < 1:
             raise ValueError(f"suffix_decoding_max_tree_depth={max_tree_depth} must be >= 1")
@@ -507,17 +516,24 @@ class SuffixProposer:
             raise ValueError(
                 f"suffix_decoding_max_cached_requests={max_cached_requests} must be >= 0"
             )
+        if max_cached_tokens < 0:
+            raise ValueError(
+                f"suffix_decoding_max_cached_tokens={max_cached_tokens} must be >= 0"
+            )
         if not max_spec_factor > 0:
             raise ValueError(f"suffix_decoding_max_spec_factor={max_spec_factor} must be > 0")
         if not 0.0 <= min_token_prob <= 1.0:
             raise ValueError(f"suffix_decoding_min_token_prob={min_token_prob} must be in [0, 1]")
         self.max_tree_depth = max_tree_depth
         self.max_cached_requests = max_cached_requests
+        self.max_cached_tokens = max_cached_tokens
+        self._shared = max_cached_requests > 0 and max_cached_tokens > 0  # a shared tree
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
         self._requests: dict[str, _Request] = {}
         self._global = _GlobalTree(max_tree_depth)
         self._cached: deque[list[int]] = deque()  # the shared tree's sequences, oldest first
+        self.num_cached_tokens = 0  # their total length
 
     def propose(self, req_id: str, token_ids: Sequence[int], k: int) -> list[int]:
         req = self._requests.get(req_id)
@@ -530,7 +546,7 @@ class SuffixProposer:
         # int(): the runner passes numpy arrays, whose scalars hash and compare slower.
         new = [int(t) for t in token_ids[len(tree.seq) :]]
         tree.extend(new)
-        if self.max_cached_requests:
+        if self._shared:
             shared = self._global
             if req.version != shared.version or len(new) >= self.max_tree_depth:
                 req.version, req.matches = shared.version, []
@@ -540,7 +556,7 @@ class SuffixProposer:
         if k <= 0:
             return []
         score, draft = tree.speculate(tree.matches(), k, self.max_spec_factor, self.min_token_prob)
-        if self.max_cached_requests:
+        if self._shared:
             # A match must leave a token of the context before it (as Arctic's).
             matches = req.matches[: len(tree.seq) - 1]
             shared_score, shared_draft = self._global.speculate(
@@ -555,9 +571,17 @@ class SuffixProposer:
 
     def finish(self, req_id: str) -> None:
         req = self._requests.pop(req_id, None)
-        if req is None or not self.max_cached_requests:
+        if req is None or not self._shared:
             return
-        context = max(0, req.first_len - self.max_tree_depth)
-        self._cached.append(self._global.add(req.tree.seq[context:]))
-        if len(self._cached) > self.max_cached_requests:
-            self._global.remove(self._cached.popleft())
+        tokens = req.tree.seq[max(0, req.first_len - self.max_tree_depth) :]
+        if len(tokens) > self.max_cached_tokens:
+            return  # it would evict everything, itself included
+        self._cached.append(self._global.add(tokens))
+        self.num_cached_tokens += len(tokens)
+        while (
+            len(self._cached) > self.max_cached_requests
+            or self.num_cached_tokens > self.max_cached_tokens
+        ):
+            oldest = self._cached.popleft()
+            self.num_cached_tokens -= len(oldest)
+            self._global.remove(oldest)
