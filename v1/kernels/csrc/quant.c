@@ -430,6 +430,28 @@ static inline v16 fma16(v16 a, v16 b, v16 c) {
 #endif
 }
 
+/* The larger of a and b in each lane. */
+static inline v16i max16i2(v16i a, v16i b) {
+    const v16i gt = a > b;
+    return (a & gt) | (b & ~gt);
+}
+
+/* The largest lane, and the sum of the lanes, by halving trees: element loops compiled to
+   one extract per lane, which made quantize_row most of a few-row call's cost outside the
+   tiles. (Integers: any order gives the same result.) */
+static inline int32_t max16i(v16i x) {
+    x = max16i2(x, __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    x = max16i2(x, __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    x = max16i2(x, __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    return x[0] > x[1] ? x[0] : x[1];
+}
+static inline int32_t sum16i(v16i x) {
+    x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    return x[0] + x[1];
+}
+
 /* Row `row` of x quantized, in the layout for `lanes` rows; 1 if it holds a value that is not
    finite (its blocks are then stored as 0: the caller recomputes the row), else 0. */
 static int quantize_row(const float *x, int64_t nb, int64_t row, int64_t lanes, int32_t *A,
@@ -439,9 +461,7 @@ static int quantize_row(const float *x, int64_t nb, int64_t row, int64_t lanes, 
     for (int64_t b = 0; b < nb; b++) {
         v16 x0 = load16(x + b * QK), x1 = load16(x + b * QK + 16);
         const v16i a0 = (v16i)x0 & 0x7fffffff, a1 = (v16i)x1 & 0x7fffffff;
-        const v16i gt = a0 > a1, m = (a0 & gt) | (a1 & ~gt);  /* |x| compare as integers */
-        int32_t amax_bits = 0;
-        for (int i = 0; i < 16; i++) amax_bits = m[i] > amax_bits ? m[i] : amax_bits;
+        int32_t amax_bits = max16i(max16i2(a0, a1));  /* |x| compare as integers */
         if (amax_bits >= 0x7f800000) {  /* inf or NaN */
             nonfinite = 1;
             amax_bits = 0;
@@ -451,9 +471,7 @@ static int quantize_row(const float *x, int64_t nb, int64_t row, int64_t lanes, 
         memcpy(&amax, &amax_bits, 4);
         const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
         const v16i q0 = round16(x0 * id), q1 = round16(x1 * id);
-        const v16i s = q0 + q1;
-        int32_t sum = 0;
-        for (int i = 0; i < 16; i++) sum += s[i];
+        const int32_t sum = sum16i(q0 + q1);
         uint8_t q[QK];
         const u8x16 b0 = __builtin_convertvector(q0 & 255, u8x16);
         const u8x16 b1 = __builtin_convertvector(q1 & 255, u8x16);
