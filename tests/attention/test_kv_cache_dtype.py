@@ -39,7 +39,8 @@ def path(request, monkeypatch):
     """Decodes and short prefills through the C kernel, or everything through torch."""
     if request.param == "sdpa":
         monkeypatch.setenv("V1_CPU_KERNELS", "0")
-    monkeypatch.setattr(torch_plan, "MIN_CASCADE_SAVING", 0)  # cascade the short prefixes
+    for name in ("MIN_CASCADE_SAVING", "MIN_CASCADE_SAVING_NATIVE"):
+        monkeypatch.setattr(torch_plan, name, 0)  # cascade the short prefixes
     return request.param
 
 

@@ -173,7 +173,8 @@ def decode_impl(request, monkeypatch):
 @pytest.fixture
 def always_cascade(monkeypatch):
     """Cascade any shared prefix, however small the saving (the tests' prefixes are short)."""
-    monkeypatch.setattr(torch_plan, "MIN_CASCADE_SAVING", 0)
+    for name in ("MIN_CASCADE_SAVING", "MIN_CASCADE_SAVING_NATIVE"):
+        monkeypatch.setattr(torch_plan, name, 0)
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
@@ -282,6 +283,19 @@ def test_padded_slots_through_the_backend():
 def test_small_shared_prefixes_are_not_worth_a_cascade():
     batch = Batch(*SCENARIOS["two-groups"], 9, 3, 64, 16)
     assert not AttentionPlan.build(batch.metadata, 16).groups
+
+
+def test_the_c_kernel_rereads_what_sdpa_would_cascade():
+    """Five decodes sharing 192 tokens save 768 reads in a cascade: worth an SDPA call when
+    SDPA serves the decodes, not beside the C kernel, whose entries reread the prefix for
+    less than the cascade's call and merge cost."""
+    batch = Batch([(1, 200 + i, 0) for i in range(5)], {0: 192}, 9, 3, 64, 16)
+    assert len(AttentionPlan.build(batch.metadata, 16).groups) == 1
+    kernel = paged_decode_kernel(batch.kv_cache, 9)
+    if kernel is None:
+        pytest.skip("the native decode kernel is not available (no C compiler?)")
+    plan = AttentionPlan.build(batch.metadata, 16, kernel=kernel)
+    assert not plan.groups and plan.native.start.tolist() == [0] * 5
 
 
 def test_native_kernel_serves_decodes_and_short_prefills(decode_impl, always_cascade,

@@ -9,7 +9,7 @@ derived once from the step's metadata (host side) and shared by the layers (`Att
   else to their gathered context, one SDPA call each.
 - Cascade: requests whose leading blocks are the same physical blocks (a shared system prompt
   hit in the prefix cache) form a group that attends to that prefix together
-  (MIN_CASCADE_SAVING).
+  (MIN_CASCADE_SAVING, MIN_CASCADE_SAVING_NATIVE).
 - With the C kernel (`v1.kernels.attention`), decodes and short prefill chunks (at most
   NATIVE_PREFILL_MAX_KEYS keys after their prefix, and verify steps of at most
   NATIVE_MAX_QUERIES tokens) become its entries instead: per entry
@@ -37,8 +37,14 @@ import torch
 from v1.attention.backends.abstract import AttentionMetadata
 from v1.kernels.attention import BoundStep, PagedDecodeKernel, paged_decode_kernel
 
-# Share a prefix only when it saves at least this many token reads in total.
+# Share a prefix only when it saves at least this many token reads in total: with the C
+# kernel MIN_CASCADE_SAVING_NATIVE, since a cascade group costs an SDPA call and a merge per
+# layer, more than the kernel's entries take to reread a short shared prefix. (bench_spec's
+# repetitive workload at 64 requests, groups of ~5 sharing ~150-200 tokens: 1.8x the
+# tokens/s at 4096 than at 256; a 1,000-token system prompt over 64 requests cascades either
+# way; bench_throughput unchanged.)
 MIN_CASCADE_SAVING = 256
+MIN_CASCADE_SAVING_NATIVE = 4096
 # Decodes are padded to the longest of their bucket. A decode starts a new bucket (one more
 # SDPA call) only when the bucket's shortest member would be padded by more than this many
 # tokens and by more than BUCKET_RATIO times its own length.
@@ -230,6 +236,7 @@ class AttentionPlan:
         # Cascade groups: requests whose leading blocks are the same physical blocks (not
         # with a window).
         prefix = np.zeros(num_reqs, dtype=np.int64)  # shared prefix blocks per request
+        min_saving = MIN_CASCADE_SAVING if kernel is None else MIN_CASCADE_SAVING_NATIVE
         active = np.flatnonzero((q_lens > 0) & (ctx_blocks > 0))
         if len(active) > 1 and w is None:
             first = table[active, 0]
@@ -247,7 +254,7 @@ class AttentionPlan:
                 order = np.argsort(-lcp, kind="stable")
                 saving = lcp[order] * np.arange(len(order))  # (n - 1) * k for the top n
                 best = int(np.argmax(saving))
-                if saving[best] * B < MIN_CASCADE_SAVING:
+                if saving[best] * B < min_saving:
                     continue
                 k = int(lcp[order[best]])
                 chosen = np.sort(members[order[: best + 1]])
