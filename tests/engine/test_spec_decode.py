@@ -198,17 +198,13 @@ def test_seeded_sampling_does_not_depend_on_drafts(default_model, seeded_referen
     options = {"num_gpu_blocks": 64, "max_model_len": 512, **options}
     with LLM(loaded_model=default_model, speculative_config=spec, **options) as llm:
         first = generate_seeded(llm)
-        before = llm.get_stats()
         again = generate_seeded(llm)
-        after = llm.get_stats()
+        stats = llm.get_stats()
         assert_drafts_accepted(llm)
         # Drafts were rejected too, so the generator had rows to give back.
-        rejected = (after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
-                    - after.spec_decode_num_accepted_tokens
-                    + before.spec_decode_num_accepted_tokens)
-        assert rejected > 0
+        assert stats.spec_decode_num_draft_tokens > stats.spec_decode_num_accepted_tokens
         if options["num_gpu_blocks"] < 64:
-            assert after.num_preemptions > 0
+            assert stats.num_preemptions > 0
     assert_same(first, ref)
     assert_same(again, ref)
 
