@@ -21,14 +21,17 @@ Seeded requests. A seeded request's rows draw their uniform numbers from its gen
 after another, in row order: row i gets the generator's next draws as output position n + i
 would without drafts. Its accepted rows sampled exactly the tokens a step-by-step run
 samples (same context, same draw); then `keep_draws` puts the generator back to where the
-kept rows leave it, as if the rejected rows had never drawn. So a seeded request's tokens do
+kept rows leave it, as if the rejected rows had never drawn. So a seeded request's draws do
 not depend on its drafts (how many, which, accepted or not), hence neither on the proposer,
-on other requests, on batch composition nor on async scheduling: with or without
-speculation, equal. (vLLM draws each request's draft positions from its generator whatever
-is accepted, and its recovered and bonus tokens more, so there the generator's state after a
-step depends on the drafts.) Replay rather than a generator seeded per output position from
-(seed, position): the request keeps its one generator (output without drafts is unchanged),
-and only a step that rejects a seeded request's drafts costs the replay (a few draws).
+on other requests, on batch composition nor on async scheduling; its tokens are equal with
+or without speculation as far as its logits are (the same bits where the attention and
+matmul kernels give a row the same bits in any step; a cascade over a long shared prefix
+does not, see docs/speculative.md). (vLLM draws each request's draft positions from its
+generator whatever is accepted, and its recovered and bonus tokens more, so there the
+generator's state after a step depends on the drafts.) Replay rather than a generator
+seeded per output position from (seed, position): the request keeps its one generator
+(output without drafts is unchanged), and only a step that rejects a seeded request's drafts
+costs the replay (a few draws).
 """
 
 import torch
