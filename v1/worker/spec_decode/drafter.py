@@ -19,10 +19,10 @@ Adaptive: a request whose drafts were all rejected halves its draft length; in a
 (more than `CHEAP_ROWS` rows) it also skips drafting for its next 1, 2, 4, ... steps (up to
 `MAX_SKIP`); an accepted draft resets the back-off and grows the length again (to the accepted
 count + 1, or double when all were accepted). A draft row is cheap while a step's rows share
-one read of the weights (the int8 tiles take up to 16 rows at once: at batch 1 on the dev
-machine a row cost ~1.1 ms of a 7.3 ms step, so a draft pays from ~15% acceptance and a
-length of one keeps failures cheap), dear once the step is compute-bound, where a failed row
-costs what another request's token does (see docs/speculative.md for the figures).
+one read of the weights (the int8 tiles take up to 16 rows at once, so at batch 1 a draft
+row costs a fraction of the step it rides on: a draft pays at low acceptance, and a length of
+one keeps failures cheap), dear once the step is compute-bound, where a failed row costs what
+another request's token does (see docs/speculative.md for the figures).
 """
 
 from dataclasses import dataclass
