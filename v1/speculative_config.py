@@ -12,7 +12,7 @@ SPECULATIVE_METHODS = ("ngram", "suffix")
 # The most drafts one step verifies per request: each costs a query row of every layer.
 MAX_SPECULATIVE_TOKENS = 64
 MAX_SUFFIX_TREE_DEPTH = 256  # vLLM's default is 24
-# The suffix method's shared tree holds at most this many tokens (~185-250 MB): v1's own key,
+# The suffix method's shared tree holds at most this many tokens (~190 MB): v1's own key,
 # as vLLM bounds it by requests only (see SuffixProposer).
 DEFAULT_SUFFIX_MAX_CACHED_TOKENS = 1_000_000
 

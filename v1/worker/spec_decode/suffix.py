@@ -485,15 +485,15 @@ class SuffixProposer:
       max_cached_tokens (v1's own, `suffix_decoding_max_cached_tokens`; vLLM bounds requests
         only): the most tokens the shared tree indexes; the oldest requests are evicted
         beyond it, and an answer longer than it on its own is not cached. 1,000,000 tokens,
-        which caps the shared tree at ~185-250 MB (see Memory): 10000 short answers fit,
-        10000 long ones (10000 x 2000 tokens would be 4-5 GB) do not. 0 disables the shared
-        tree.
+        which caps the shared tree at ~190 MB of natural text (see Memory): 10000 short
+        answers fit, 10000 long ones (10000 x 2000 tokens would be ~3.7 GB) do not. 0
+        disables the shared tree.
       max_spec_factor: a match of m tokens drafts at most int(max_spec_factor * m) tokens (and
         at most the caller's k): longer evidence, longer drafts. 1.0.
       min_token_prob: a drafted token's estimated probability (the product of
         child.count / parent.count along the draft) must be at least this. 0.1.
 
-    Memory: about one leaf and at most one node per indexed token, ~185-250 bytes per token
+    Memory: about one leaf and at most one node per indexed token, ~187 bytes per token
     of the shared tree; it holds at most `max_cached_requests` sequences of
     `max_cached_tokens` tokens in all. Cost (bench/bench_suffix_index.py, CPU time on the
     loaded 2-core dev machine): ~3 ms to index a 1500-token prompt at its first call; per
