@@ -71,7 +71,9 @@ static inline int64_t group_rows(int64_t H, int64_t D) {
     return n < 1 ? 1 : n > GROUP_ROWS ? GROUP_ROWS : n;
 }
 
-static inline int64_t entry_parts(int64_t keys) {
+/* Entry r's parts: its keys cut into PART_KEYS from its start (an empty entry has one). */
+static inline int64_t entry_parts(const struct decode_step *step, int64_t r) {
+    const int64_t keys = step->end[r] - step->start[r];
     return keys <= PART_KEYS ? 1 : (keys + PART_KEYS - 1) / PART_KEYS;
 }
 
@@ -302,7 +304,7 @@ static void decode_tasks(void *ctx, int64_t t0, int64_t t1, int thread) {
         /* The group's entries with a part here, each cut to it (whole without scratch). */
         int64_t rows[GROUP_ROWS], ends[GROUP_ROWS], g = 0;
         for (int64_t r = first; r < last; r++) {
-            if (c->task_group && part >= entry_parts(step->end[r] - step->start[r])) continue;
+            if (c->task_group && part >= entry_parts(step, r)) continue;
             const int64_t stop = begin + PART_KEYS;
             rows[g] = r;
             ends[g++] = c->task_group && stop < step->end[r] ? stop : step->end[r];
@@ -310,7 +312,7 @@ static void decode_tasks(void *ctx, int64_t t0, int64_t t1, int thread) {
         attend_group(c, rows, ends, g, begin, m, l, acc);
         for (int64_t i = 0; i < g; i++) {
             const int64_t r = rows[i];
-            if (!c->task_group || entry_parts(step->end[r] - step->start[r]) == 1) {
+            if (!c->task_group || c->partial_at[r] < 0) {
                 finish(c, r, m + i * H, l + i * H, acc + i * H * NV);  /* the entry whole */
                 continue;
             }
@@ -361,20 +363,15 @@ V1_API void PAGED_DECODE(const struct decode_step *step, const float *q, int64_t
                             .v = cache + step->half, .scale = scale, .out = out,
                             .out_row = out_row, .lse = lse};
     const int64_t R = step->R, gmax = group_rows(H, step->D);
-    /* Groups, tasks (a group's most parts) and partial slots (entries of several parts). */
-    int64_t groups = 0, tasks = 0, slots = 0;
-    for (int64_t r = 0, first = 0, most = 0; r < R; r++) {
-        if (r == 0 || r - first == gmax || step->table_rows[r] != step->table_rows[first] ||
-            step->start[r] != step->start[first]) {
-            tasks += most;
-            groups++, first = r, most = 0;
-        }
-        const int64_t parts = entry_parts(step->end[r] - step->start[r]);
-        most = parts > most ? parts : most;
+    /* Scratch: at most R groups and as many tasks as parts, partial slots for the entries of
+       several parts. */
+    int64_t parts_in_all = 0, slots = 0;
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t parts = entry_parts(step, r);
+        parts_in_all += parts;
         slots += parts > 1 ? parts : 0;
-        if (r == R - 1) tasks += most;
     }
-    int64_t *index = malloc((size_t)(groups + 1 + 2 * tasks + R) * sizeof(int64_t));
+    int64_t *index = malloc((size_t)(R + 1 + 2 * parts_in_all + R) * sizeof(int64_t));
     c.partial = slots ? malloc((size_t)slots * (size_t)(H * (2 + step->D)) * sizeof(float)) : NULL;
     if (!index || (slots && !c.partial)) {
         /* Without scratch, whole entries, one task each: the same as one part each, but for
@@ -385,27 +382,31 @@ V1_API void PAGED_DECODE(const struct decode_step *step, const float *q, int64_t
         v1_parallel_for((int)step->nthreads, R, 1, decode_tasks, &c);
         return;
     }
-    int64_t *group_first = index, *task_group = index + groups + 1;
-    int64_t *task_part = task_group + tasks, *partial_at = task_part + tasks;
-    for (int64_t r = 0, grp = 0, slot = 0; r < R; r++) {
-        if (r == 0 || r - group_first[grp - 1] == gmax ||
-            step->table_rows[r] != step->table_rows[group_first[grp - 1]] ||
-            step->start[r] != step->start[group_first[grp - 1]])
-            group_first[grp++] = r;
-        const int64_t parts = entry_parts(step->end[r] - step->start[r]);
+    int64_t *group_first = index, *task_group = index + R + 1;
+    int64_t *task_part = task_group + parts_in_all, *partial_at = task_part + parts_in_all;
+    /* Groups: runs of up to gmax entries of one table row and start. */
+    int64_t groups = 0;
+    for (int64_t r = 0, slot = 0; r < R; r++) {
+        const int64_t first = groups ? group_first[groups - 1] : 0;
+        if (!groups || r - first == gmax || step->table_rows[r] != step->table_rows[first] ||
+            step->start[r] != step->start[first])
+            group_first[groups++] = r;
+        const int64_t parts = entry_parts(step, r);
         partial_at[r] = parts > 1 ? slot : -1;
         slot += parts > 1 ? parts : 0;
     }
     group_first[groups] = R;
-    for (int64_t grp = 0, t = 0; grp < groups; grp++) {
+    /* Tasks: each part of each group that some entry of it has. */
+    int64_t tasks = 0;
+    for (int64_t grp = 0; grp < groups; grp++) {
         int64_t most = 0;
         for (int64_t r = group_first[grp]; r < group_first[grp + 1]; r++) {
-            const int64_t parts = entry_parts(step->end[r] - step->start[r]);
+            const int64_t parts = entry_parts(step, r);
             most = parts > most ? parts : most;
         }
-        for (int64_t p = 0; p < most; p++, t++) {
-            task_group[t] = grp;
-            task_part[t] = p;
+        for (int64_t p = 0; p < most; p++, tasks++) {
+            task_group[tasks] = grp;
+            task_part[tasks] = p;
         }
     }
     c.group_first = group_first;
@@ -413,10 +414,8 @@ V1_API void PAGED_DECODE(const struct decode_step *step, const float *q, int64_t
     c.task_part = task_part;
     c.partial_at = partial_at;
     v1_parallel_for((int)step->nthreads, tasks, 1, decode_tasks, &c);
-    for (int64_t r = 0; r < R; r++) {
-        const int64_t parts = entry_parts(step->end[r] - step->start[r]);
-        if (parts > 1) merge_parts(&c, r, parts);
-    }
+    for (int64_t r = 0; r < R; r++)
+        if (partial_at[r] >= 0) merge_parts(&c, r, entry_parts(step, r));
     free(index);
     free(c.partial);
 }
