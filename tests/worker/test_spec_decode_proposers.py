@@ -58,14 +58,14 @@ def test_drafts_that_keep_failing_back_off():
     # In a step that shares one read of the weights, failures only halve the length.
     for k in (4, 2, 1, 1):
         drafts = drafter.propose("r", tokens, params, 1)
-        drafter.observe("r", drafts, 0, step_rows=1 + len(drafts))
+        drafter.observe("r", drafts, 0, step_tokens=1 + len(drafts))
         assert len(drafter.propose("r", tokens, params, 1)) == k
-    drafter.observe("r", drafts, 1, step_rows=2)  # an acceptance resets the failures
+    drafter.observe("r", drafts, 1, step_tokens=2)  # an acceptance resets the failures
     skipped = []
     for _ in range(6):  # every draft rejected, in crowded steps
         drafts = drafter.propose("r", tokens, params, 1)
         assert drafts
-        drafter.observe("r", drafts, 0, step_rows=CHEAP_ROWS + 1)
+        drafter.observe("r", drafts, 0, step_tokens=CHEAP_ROWS + 1)
         n, calls = 0, drafter.proposer.calls
         while not drafter.propose("r", tokens, params, 1):
             n += 1
@@ -76,7 +76,7 @@ def test_drafts_that_keep_failing_back_off():
     assert "s" in drafter.pending and drafter.proposer.calls == calls + 1  # nor when it can't
     drafts = drafter.propose("r", tokens, params, 1)
     assert len(drafts) == 1  # halved each time, down to one
-    drafter.observe("r", drafts, 1, step_rows=CHEAP_ROWS + 1)
+    drafter.observe("r", drafts, 1, step_tokens=CHEAP_ROWS + 1)
     assert len(drafter.propose("r", tokens, params, 1)) == 2  # all accepted: doubled
     # Async placeholders are filled from the last proposal; the rest stay -1.
     assert drafter.drafts_for_step("r", [-1, -1, -1]) == [0, 1, -1]

@@ -452,6 +452,7 @@ class ModelRunner:
                 self.drafter.accept(
                     batch, req_ids, sample_idx, first_logit_row, rows, token_ids, token_logprobs,
                     drafts_by_index, generator_states, sampled_rows, logprobs_rows, num_rejected,
+                    out.total_num_scheduled_tokens,
                 )
         batch.num_computed_tokens[rows] = seq_lens - num_rejected
         spec_token_ids = None

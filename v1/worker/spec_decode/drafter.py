@@ -16,13 +16,14 @@ with stop strings: the frontend ends their output at the token that completes on
 the verified tokens after it (`v1.engine.detokenizer.IncrementalDetokenizer.update`).
 
 Adaptive: a request whose drafts were all rejected halves its draft length; in a crowded step
-(more than `CHEAP_ROWS` rows) it also skips drafting for its next 1, 2, 4, ... steps (up to
-`MAX_SKIP`); an accepted draft resets the back-off and grows the length again (to the accepted
-count + 1, or double when all were accepted). A draft row is cheap while a step's rows share
-one read of the weights (the int8 tiles take up to 16 rows at once, so at batch 1 a draft
-row costs a fraction of the step it rides on: a draft pays at low acceptance, and a length of
-one keeps failures cheap), dear once the step is compute-bound, where a failed row costs what
-another request's token does (see docs/speculative.md for the figures).
+(more than `CHEAP_ROWS` tokens, prompt chunks' included) it also skips drafting for its next
+1, 2, 4, ... steps (up to `MAX_SKIP`); an accepted draft resets the back-off and grows the
+length again (to the accepted count + 1, or double when all were accepted). A draft row is
+cheap while a step's rows share one read of the weights (the int8 tiles take up to 16 rows at
+once, so at batch 1 a draft row costs a fraction of the step it rides on: a draft pays at low
+acceptance, and a length of one keeps failures cheap), dear once the step is compute-bound,
+where a failed row costs what another request's token does (see docs/speculative.md for the
+figures).
 """
 
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from v1.worker.rejection_sampler import accept_drafts, keep_draws
 from v1.worker.spec_decode.proposer import DraftProposer, make_proposer
 
 MAX_SKIP = 16
-# A step of at most this many rows is weight-bound: a draft there is nearly free (see above).
+# A step of at most this many tokens is weight-bound: a draft there is nearly free (above).
 CHEAP_ROWS = 16
 
 
@@ -98,16 +99,16 @@ class Drafter:
         return pending + [-1] * (len(scheduled) - len(pending))
 
     def observe(
-        self, req_id: str, drafts: list[int], num_accepted: int, step_rows: int
+        self, req_id: str, drafts: list[int], num_accepted: int, step_tokens: int
     ) -> None:
-        """Adapt to a verified step's outcome; `step_rows`: the rows the step sampled."""
+        """Adapt to a verified step's outcome; `step_tokens`: the step's scheduled tokens."""
         state = self._adaptive.get(req_id)
         num_drafts = len(drafts) - drafts.count(-1)
         if state is None or not num_drafts:
             return
         if num_accepted == 0:
             state.failures += 1
-            if step_rows > CHEAP_ROWS:
+            if step_tokens > CHEAP_ROWS:
                 state.skip = min(1 << (state.failures - 1), MAX_SKIP)
             state.k = max(1, state.k // 2)
         else:
@@ -166,10 +167,12 @@ class Drafter:
         sampled_rows: list[list[int]],
         logprobs_rows: list[list[TokenLogprobs] | None] | None,
         num_rejected: np.ndarray,
+        step_tokens: int,
     ) -> None:
         """Checks each sampling request's rows (`first_logit_row[n]` on, for the n-th) against
         its drafts and stores what it accepted in the batch and the output rows (its one
-        sampled token when it had no drafts); `num_rejected[i]`: its rejected drafts. A seeded
+        sampled token when it had no drafts); `num_rejected[i]`: its rejected drafts;
+        `step_tokens`: the step's scheduled tokens, for the back-off. A seeded
         request that rejected drafts gets its generator back to where its kept rows leave it
         (its state from `generator_states`)."""
         for n, i in enumerate(sample_idx.tolist()):
@@ -179,7 +182,7 @@ class Drafter:
             if drafts:
                 tokens = accept_drafts(tokens, drafts)
                 num_rejected[i] = len(drafts) + 1 - len(tokens)
-                self.observe(req_ids[i], drafts, len(tokens) - 1, len(token_ids))
+                self.observe(req_ids[i], drafts, len(tokens) - 1, step_tokens)
                 if num_rejected[i] and i in generator_states:
                     keep_draws(batch.generators[req_ids[i]], generator_states[i], len(tokens))
             row = rows[i]
