@@ -19,9 +19,17 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2)
 NGRAM = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
-def generate(llm: LLM, params: SamplingParams = GREEDY) -> list[tuple[list[int], list]]:
+def generate(
+    llm: LLM, params: SamplingParams | list[SamplingParams] = GREEDY
+) -> list[tuple[list[int], list]]:
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     return [(c.token_ids, c.logprobs) for o in outs for c in o.outputs]
+
+
+def without_drafts(default_model, params: SamplingParams | list[SamplingParams]):
+    """The reference: `generate` on an engine without speculative decoding."""
+    with LLM(loaded_model=default_model, num_gpu_blocks=64, max_model_len=512) as llm:
+        return generate(llm, params)
 
 
 def assert_same(spec, ref) -> None:
@@ -48,8 +56,7 @@ def assert_drafts_accepted(llm: LLM) -> None:
 
 @pytest.fixture(scope="module")
 def reference(default_model):
-    with LLM(loaded_model=default_model, num_gpu_blocks=64, max_model_len=512) as llm:
-        return generate(llm)
+    return without_drafts(default_model, GREEDY)
 
 
 @pytest.mark.parametrize(
@@ -173,8 +180,7 @@ SEEDED = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=MAX_TOKENS, see
 
 @pytest.fixture(scope="module")
 def seeded_reference(default_model):
-    with LLM(loaded_model=default_model, num_gpu_blocks=64, max_model_len=512) as llm:
-        return generate_seeded(llm)
+    return without_drafts(default_model, SEEDED)
 
 
 @pytest.mark.parametrize(
@@ -197,8 +203,8 @@ def test_seeded_sampling_does_not_depend_on_drafts(default_model, seeded_referen
     ref = seeded_reference
     options = {"num_gpu_blocks": 64, "max_model_len": 512, **options}
     with LLM(loaded_model=default_model, speculative_config=spec, **options) as llm:
-        first = generate_seeded(llm)
-        again = generate_seeded(llm)
+        first = generate(llm, SEEDED)
+        again = generate(llm, SEEDED)
         stats = llm.get_stats()
         assert_drafts_accepted(llm)
         # Drafts were rejected too, so the generator had rows to give back.
@@ -207,11 +213,6 @@ def test_seeded_sampling_does_not_depend_on_drafts(default_model, seeded_referen
             assert stats.num_preemptions > 0
     assert_same(first, ref)
     assert_same(again, ref)
-
-
-def generate_seeded(llm: LLM) -> list[tuple[list[int], list]]:
-    outs = llm.generate(PROMPTS, SEEDED, use_tqdm=False)
-    return [(c.token_ids, c.logprobs) for o in outs for c in o.outputs]
 
 
 # Per prompt: stop strings met within MAX_TOKENS, most over two or more tokens (" blue" ","
