@@ -1,0 +1,144 @@
+"""The environment variables v1 reads, all of them, and the only module that reads them.
+
+Each variable is declared once in `VARIABLES` (name, default, what it does) with its parser,
+which raises ValueError naming the variable and what it accepts. `read()` parses the whole
+environment into one frozen `Environment`; callers take it once, where they are built (an
+engine, a model runner, the kernel library's loader), and pass the values they need down as
+plain arguments. Nothing on a step's path reads the environment.
+
+`docs/architecture.md` lists the variables (`python -m v1.envs` prints the same table).
+"""
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_ON = ("", "1", "true", "yes", "on")  # "" (set but empty) means the default: on
+_OFF = ("0", "false", "no", "off")
+
+
+def _flag(name: str, value: str) -> bool:
+    v = value.strip().lower()
+    if v in _ON:
+        return True
+    if v in _OFF:
+        return False
+    raise ValueError(f"{name}={value!r}: expected 0 or 1 (or on/off)")
+
+
+def _min_rows(name: str, value: str) -> int | None:
+    v = value.strip()
+    if not v:
+        return None
+    if not v.isdigit() or int(v) < 1:
+        raise ValueError(f"{name}={value!r}: expected an integer >= 1 or empty")
+    return int(v)
+
+
+def _cpu_kernels(name: str, value: str) -> str:
+    # Which names are valid depends on the machine: v1.kernels.library checks them.
+    return value.strip().lower()
+
+
+def _start_method(name: str, value: str) -> str:
+    v = value.strip() or "fork"
+    if v not in ("fork", "spawn"):
+        raise ValueError(
+            f"{name}={value!r} is not a start method for the engine process: use 'fork' or "
+            "'spawn'"
+        )
+    return v
+
+
+def _cache_dir(name: str, value: str) -> Path:
+    return Path(value.strip() or Path.home() / ".cache" / "v1").expanduser()
+
+
+def _hook(name: str, value: str) -> str | None:
+    v = value.strip()
+    if v and ":" not in v:
+        raise ValueError(f"{name}={value!r}: expected 'module:function'")
+    return v or None
+
+
+def _mebibytes(name: str, value: str) -> int:
+    v = value.strip()
+    if not v.isdigit():
+        raise ValueError(f"{name} must be a whole number of MiB (>= 0), got {value!r}")
+    return int(v)
+
+
+@dataclass(frozen=True, slots=True)
+class Variable:
+    name: str
+    field: str  # the Environment attribute it fills
+    default: str  # as it would be written in the environment
+    parse: Callable[[str, str], Any]
+    doc: str
+
+
+VARIABLES: tuple[Variable, ...] = (
+    Variable("V1_CPU_KERNELS", "cpu_kernels", "", _cpu_kernels,
+             "C kernel library: unset/1 the best variant for this CPU, 0 none (torch paths), "
+             "native, asan, or a variant name (x86_64_v4, x86_64_v3, portable, ...)"),
+    Variable("V1_FUSED_DECODE", "fused_decode", "1", _flag,
+             "1: decode steps that qualify run the decoder layers as one C call; 0: per-op"),
+    Variable("V1_QUANT_ALL_INT8", "quant_all_int8", "1", _flag,
+             "1: every row of a GGUF-block matmul takes the int8-activation path; 0: rows by "
+             "kind and count (see V1_QUANT_PROMPT_INT8, V1_QUANT_INT8_MIN_ROWS)"),
+    Variable("V1_QUANT_PROMPT_INT8", "quant_prompt_int8", "1", _flag,
+             "with V1_QUANT_ALL_INT8=0: prompt tokens' rows take int8 (1) or go by count (0)"),
+    Variable("V1_QUANT_INT8_MIN_ROWS", "quant_int8_min_rows", "", _min_rows,
+             "with V1_QUANT_ALL_INT8=0: calls of at least this many rows take int8"),
+    Variable("V1_CACHE_DIR", "cache_dir", "~/.cache/v1", _cache_dir,
+             "where converted weights and calibration results are kept"),
+    Variable("V1_ENABLE_MULTIPROCESSING", "enable_multiprocessing", "1", _flag,
+             "0: LLM and LLMEngine run the engine core in the calling process"),
+    Variable("V1_WORKER_MULTIPROC_METHOD", "worker_multiproc_method", "fork", _start_method,
+             "how engine-core processes start: fork or spawn (vLLM's "
+             "VLLM_WORKER_MULTIPROC_METHOD)"),
+    Variable("V1_ENGINE_CORE_HOOK", "engine_core_hook", "", _hook,
+             "tests only: 'module:function' called with the EngineCore in its process"),
+    Variable("VLLM_XGRAMMAR_CACHE_MB", "xgrammar_cache_mb", "512", _mebibytes,
+             "compiled-grammar cache size in MiB (vLLM's variable; 0 keeps nothing)"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Environment:
+    """The parsed values of `VARIABLES`, one attribute each."""
+
+    cpu_kernels: str
+    fused_decode: bool
+    quant_all_int8: bool
+    quant_prompt_int8: bool
+    quant_int8_min_rows: int | None
+    cache_dir: Path
+    enable_multiprocessing: bool
+    worker_multiproc_method: str
+    engine_core_hook: str | None
+    xgrammar_cache_mb: int
+
+
+def read(environ: Mapping[str, str] | None = None) -> Environment:
+    """Every variable parsed from `environ` (default: this process's environment, now);
+    ValueError naming the first bad one."""
+    env = os.environ if environ is None else environ
+    values = {}
+    for var in VARIABLES:
+        raw = env.get(var.name)
+        values[var.field] = var.parse(var.name, var.default if raw is None else raw)
+    return Environment(**values)
+
+
+def table() -> str:
+    """The variables as a Markdown table (for docs/architecture.md)."""
+    lines = ["| variable | default | what it does |", "|---|---|---|"]
+    lines += [f"| `{v.name}` | `{v.default}` | {v.doc} |" for v in VARIABLES]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(table())
