@@ -20,6 +20,7 @@ from tests.bench.script_help import Help, run_help
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 
+import bench_ab  # noqa: E402
 import bench_hostile  # noqa: E402
 import bench_llamacpp  # noqa: E402
 import bench_prefix_cache  # noqa: E402
@@ -182,7 +183,7 @@ HELP_SCRIPTS = ["bench_prefix_cache", "bench_throughput", "bench_serving", "benc
                 "bench_async", "bench_step_breakdown", "bench_grammar", "bench_structured",
                 "bench_dp", "bench_kv_cache_dtype", "bench_quant", "bench_quant_kernels",
                 "bench_linear", "bench_hostile", "bench_suffix_index", "bench_llamacpp",
-                "bench_spec", "bench_trees", "bench_kernel_variants"]
+                "bench_spec", "bench_trees", "bench_kernel_variants", "bench_ab"]
 
 
 @pytest.fixture(scope="module")
@@ -197,6 +198,17 @@ def test_help(helps: dict[str, Help], name: str) -> None:
     out = helps[name]
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage:")
+
+
+def test_ab_contenders_name_a_tree_and_its_settings(tmp_path):
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "v1" / "__init__.py").touch()
+    name, tree, env = bench_ab.parse_contender(f"v3={tmp_path},V1_CPU_KERNELS=x86_64_v3,A=")
+    assert (name, tree, env) == ("v3", tmp_path.resolve(), {"V1_CPU_KERNELS": "x86_64_v3",
+                                                              "A": ""})
+    for bad in ("noequals", "=tree", "a=", f"a={tmp_path},novalue", f"a={tmp_path / 'v1'}"):
+        with pytest.raises(ValueError, match="contender"):
+            bench_ab.parse_contender(bad)
 
 
 def test_helpdesk_questions_repeat_earlier_ones_verbatim():
