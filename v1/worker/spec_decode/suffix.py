@@ -490,11 +490,7 @@ class SuffixProposer:
 
     Memory: about one leaf and at most one node per indexed token, ~187 bytes per token
     of the shared tree; it holds at most `max_cached_requests` sequences of
-    `max_cached_tokens` tokens in all. Cost (bench/bench_suffix_index.py, CPU time on the
-    loaded 2-core dev machine): ~3 ms to index a 1500-token prompt at its first call; per
-    decode step ~20-25 us, ~60 us while the output copies its own prompt (every growing
-    window then advances through shared text); ~1-4 ms per `finish` (the answer added, the
-    oldest evicted).
+    `max_cached_tokens` tokens in all. Its costs per call: docs/benchmarks.md (suffix index).
     """
 
     def __init__(
