@@ -1,19 +1,11 @@
-"""Check the engine on a CUDA machine: `make gpu-check` (or `python -m v1.tools.gpu_check`).
-No model file is needed: the models have random weights.
-
-Three checks, each reported on its own, none stopping the others:
-- kernels: the Triton ops (cache write + unified attention) against
-  `paged_attention_reference` at the default model's attention shapes, fp32/bf16/fp16,
-  decodes, prefills with and without context, mixed batches, sliding windows; empty cache
-  slots and the output start as NaN, so an unmasked read or unwritten row fails. Timed on CUDA.
-- parity: a small random Llama through `LLM` (Triton backend) and transformers, greedy: fp32
-  tokens equal and logprobs within 1e-3; the full-size model in bf16: first tokens agree >= 90%.
-- timing: the full-size model in bf16: prefill tok/s and decode tok/s at several batch sizes.
-
-Output: a table, then one JSON line (the last line of stdout) with every figure. Exit code 1
-when a check fails or breaks, 2 when CUDA was asked for and is missing. `--device cpu` runs
-the same logic at tiny sizes in Triton's interpreter (CI: tests/test_gpu_check.py).
-docs/benchmarks.md (on a GPU) has the details and how to run it on an offline machine.
+"""Check the engine on a CUDA machine: `make gpu-check` (or `python -m v1.tools.gpu_check`),
+with random-weight models. Three checks, each reported on its own: kernels (the Triton ops
+against `paged_attention_reference`, NaN-poisoned so an unmasked read or unwritten row fails;
+timed on CUDA), parity (a small random Llama through `LLM` and transformers, greedy: fp32
+tokens equal and logprobs within 1e-3; the full-size model in bf16: first tokens agree >= 90%),
+timing (full-size bf16 prefill and decode tok/s). Output: a table, then one JSON line; exit code
+1 when a check fails or breaks, 2 when CUDA was asked for and is missing. `--device cpu` runs
+the same logic at tiny sizes in Triton's interpreter (CI). Details: docs/benchmarks.md.
 """
 
 import argparse
