@@ -1,4 +1,4 @@
-"""The package's one rule between layers (DESIGN.md, README "Layout"): imports go only down,
+"""The package's one rule between layers (docs/design.md): imports go only down,
 
     entrypoints -> engine -> core | worker -> models -> attention -> kernels
 

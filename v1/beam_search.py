@@ -1,29 +1,15 @@
 """Beam search, as vLLM's `LLM.beam_search`: the `beam_width` most likely sequences per prompt.
 
-How it runs on the engine. A search step extends every live beam of every prompt by one
-token: each beam becomes one request (its tokens as the prompt, `max_tokens=1`,
-`logprobs=2 * beam_width`), and the step's requests of all prompts (up to
-`concurrency_limit` prompts) go to the engine together, so the scheduler runs them in its
-ordinary batched steps. A beam's candidates are its top 2 * beam_width next tokens (with
-`temperature > 0` also the sampled one when it is not among them); 2 * beam_width per beam,
-as transformers, so that at least beam_width candidates are left whatever the end-of-text
-tokens among them. Per prompt, a candidate ending in an end-of-text token (unless
-`ignore_eos`) is finished (`finish_reason` "stop"); of the others the beam_width with the
-best cumulative logprob become the next step's beams (they all have the same length, so
-this is also their order by score). Beams still live after `max_tokens` steps, or once they
-fill `max_model_len`, finish with "length". At the end each prompt's finished sequences are
-ranked by `get_beam_search_score` (vLLM's length penalty) and the best beam_width returned.
-
-Why beams share their KV blocks. The prefix cache finds a full block by its hash, which
-chains the parent block's hash with the block's token ids (and the cache salt), so it depends
-on nothing but the tokens from the start of the sequence to the end of that block. All beams
-of a prompt start with the prompt's tokens and siblings share the tokens their common
-ancestor generated: their requests have equal hashes for every full block of that common
-prefix, so each step's requests find those blocks cached (computed by the previous step's
-requests, kept after they finished, as freed hashed blocks are evicted lazily) and share
-them (ref-counted) instead of recomputing them. A step computes per beam only its last
-partial block and the new token, and the KV held is one copy of the common prefix plus
-each beam's own tail.
+A search step extends every live beam of every prompt by one token: each beam becomes one
+request (its tokens as the prompt, `max_tokens=1`, `logprobs=2 * beam_width`), and the step's
+requests of up to `concurrency_limit` prompts go to the engine together. A beam's candidates
+are its top 2 * beam_width next tokens (with `temperature > 0` also the sampled one), so at
+least beam_width remain whatever end-of-text tokens are among them. A candidate ending in
+end-of-text (unless `ignore_eos`) finishes with "stop"; of the others the beam_width with the
+best cumulative logprob are the next beams; beams alive after `max_tokens` steps or at
+`max_model_len` finish with "length". Each prompt's finished sequences are ranked by
+`get_beam_search_score` (vLLM's length penalty). Beams share their common prefix's KV blocks
+through the prefix cache (docs/serving.md, beam search).
 """
 
 import math

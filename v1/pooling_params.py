@@ -1,11 +1,8 @@
-"""Pooling parameters (embeddings, classification, scores), validated like vLLM's, and what
-a frontend knows of a pooling model's pooler.
-
-A pooling request runs its prompt through the model once (prefill only, chunked like any
-prompt) and returns one vector pooled from the prompt's final hidden states instead of
-sampling tokens. `PoolingParams` says what to do with that vector; `PoolerInfo` is the
-engine's pooler as the frontend checks requests against it (the engine core resolves it
-from the model, see `v1.models.pooler`).
+"""Pooling parameters (embeddings, classification, scores), validated like vLLM's, and what a
+frontend knows of a pooling model's pooler. A pooling request prefills its prompt once and
+returns one vector pooled from its final hidden states; `PoolingParams` says what to do with
+it, `PoolerInfo` is the engine's pooler as the frontend checks requests against it
+(resolved by the engine core, `v1.models.pooler`).
 """
 
 from dataclasses import dataclass

@@ -3,7 +3,7 @@ real structure (GQA, explicit head_dim where the architecture has one, biases, q
 Gemma's four norms, sliding windows shorter than the prompts, a RoPE scaling type each).
 
 Per architecture, one model (module-scoped) is built with transformers, saved as safetensors,
-loaded by v1 from that directory and held to DESIGN.md's correctness bar: greedy outputs equal
+loaded by v1 from that directory and held to docs/design.md's correctness bar: greedy outputs equal
 to transformers' token for token (fp32 on CPU: exact), in the default configuration, with
 chunked prefill (budget 16), on a second pass that hits the prefix cache, and under
 preemption in a tiny KV pool. Weights are drawn wide (std 0.2, norms included) so that the

@@ -9,12 +9,8 @@ The free list is a doubly linked list of `KVCacheBlock`s in eviction order:
 - A free block keeps its hash: it stays findable in `cached_block_hash_to_block` until
   `get_new_blocks` hands it out (lazy eviction).
 - A cache hit on a free block ("touch") unlinks it from the middle of the list in O(1).
-
-Pinned blocks (declared prefixes, `--preload-prompts`): a pinned block holds one extra
-reference for as long as the pool lives, so it is never in the free list and never evicted;
-requests hit it like any cached block. `reset_prefix_cache` forgets every other block and
-keeps the pinned ones (they are declared, not learned), so it succeeds once no request holds
-a block: free + pinned == all.
+- A pinned block (a declared prefix) holds one extra reference for the pool's life: never free,
+  never evicted, kept by `reset_prefix_cache`, which succeeds once free + pinned == all.
 
 Invariants (checked by `check_integrity`): a block is in the free list iff `ref_cnt == 0`;
 every hashed block is in the index under its hash and vice versa; a pinned block is hashed

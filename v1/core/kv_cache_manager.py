@@ -8,31 +8,19 @@ A request's blocks, in token order (block_size 4, 10 tokens computed or schedule
 
 The first `num_cached_block[id]` blocks are indexed in the pool's prefix cache.
 
-When a block becomes findable (the visibility rule). `allocate_slots` indexes the full
-blocks a step will fill as soon as that step is scheduled, so a request admitted later in
-the same `schedule()` can share them (every layer writes the step's K/V before attending),
-and a request scheduled while that step runs (async) reads them only after it. That is
-sound only if the scheduling is never undone, and `schedule()` undoes one thing: it may
-preempt a request it scheduled earlier in the same call. Hence:
+Visibility: `allocate_slots` indexes the full blocks a step will fill as soon as the step is
+scheduled, so a request admitted later in the same `schedule()` shares them (every layer
+writes the step's K/V before attending). That holds only if the scheduling is never undone,
+and `schedule()` may preempt a request it scheduled earlier in the same call. Hence:
+- `free()` un-hashes a request's blocks past its computed tokens before releasing them
+  (inside `schedule()` these are exactly the blocks an undone step was to write);
+- the scheduler never preempts a request whose unwritten blocks another request already
+  shares (`has_shared_unwritten_blocks`).
 
-- `free()` un-hashes a request's blocks past its computed tokens before releasing them:
-  outside `schedule()` there are none (every hashed block is computed or scheduled in a step
-  already handed to the runner); inside, they are exactly the blocks an undone step was to
-  write, so nobody finds K/V that is never written.
-- The scheduler never preempts a request whose unwritten blocks another request already
-  shares (`has_shared_unwritten_blocks`): that sharer would attend to them.
-
-Declared prefixes (`--preload-prompts`, v1/engine/preload.py): `check_preload` refuses them
-before any is computed, `pin_prefix` pins one's blocks in the pool once computed. The cap on
-pinned blocks: at most `preload_max_fraction` of the pool, and never so many that the other
-blocks cannot hold one request of `max_model_len` tokens (it could never run: it would
-preempt itself for ever).
-
-Blocks read back from the disk tier (`allocate_for_load`, then `finish_load`) are the
-request's but not indexed while the read is under way: they become findable only once the
-runner has reported them written, like computed blocks; then the request lets them go (to
-the LRU end of the free list, cached) and finds them again as prefix hits when admitted, so
-a waiting request never holds blocks past its read (two such could starve each other).
+Declared prefixes: `check_preload` refuses them before any is computed, `pin_prefix` pins
+one's blocks once computed, at most `preload_max_fraction` of the pool and never so many that
+one request of `max_model_len` tokens no longer fits. Blocks read from the disk tier
+(`allocate_for_load`, `finish_load`) become findable only once the runner reports them written.
 """
 
 from collections import deque

@@ -1,12 +1,10 @@
 """The disk tier's index, as the scheduler keeps it: which block hashes are on disk, in LRU
 order, bounded by bytes. Pure bookkeeping: the files are the worker's
-(`v1.worker.kv_disk_store`), which scans them at start-up and reports every write.
+(`v1.worker.kv_disk_store`), which scans them at start-up and reports every write. Every file
+holds one block of `block_bytes`, so the bound is `max_blocks = capacity_bytes // block_bytes`.
 
-Every file holds one full block of one fixed size (`block_bytes`, for one cache key), so the
-byte bound is a bound on the number of files: `max_blocks = capacity_bytes // block_bytes`.
-
-The protocol with the worker (each message rides on the step's SchedulerOutput or
-ModelRunnerOutput, so it holds with the runner on another thread or in another process):
+The protocol with the worker (each message rides on SchedulerOutput or ModelRunnerOutput, so
+it holds with the runner on another thread or in another process):
 
     scheduler                                   worker
     want_store(h) -> True: h is `storing`   ->  copies the block after its step's forward,
@@ -17,9 +15,9 @@ ModelRunnerOutput, so it holds with the runner on another thread or in another p
     count_prefix / touch: lookups               reads h's file when told to load it
     drop(h)                                 <-  h's file was missing or corrupt
 
-Invariants: `storing` and the index are disjoint; len(index) <= max_blocks; a hash handed
-out in `take_deletes` is no longer indexed (a later store of it comes after the delete in the
-writer's FIFO, so the file it leaves is the new one).
+Invariants: `storing` and the index are disjoint; len(index) <= max_blocks; a hash handed out
+in `take_deletes` is no longer indexed (a later store of it follows the delete in the writer's
+FIFO).
 """
 
 from collections import OrderedDict

@@ -1,29 +1,20 @@
 """`AsyncLLM`: the asyncio frontend of the engine, for servers.
 
 The engine core runs in its own process (`AsyncMPClient`). One output-handler task, started
-on first use, turns each `EngineCoreOutputs` into `RequestOutput`s (the `OutputProcessor`, of
-each request's `output_kind`) and puts each into its request's asyncio queue, from which
-`generate` yields.
-The output side runs on the event loop's thread, so nothing needs a lock. The event loop only
-routes: per-request CPU work on the way in (tokenizing, chat templates, `bad_words`,
-structured-output checks) runs on a small thread pool, `run_in_pool`, so one heavy request
-does not stall every stream and `/health` (the Rust tokenizer and xgrammar release the GIL;
-Jinja templates hold it, but a thread gives it up every switch interval). Requests go by
-the caller's id here; the engine core knows them by internal ids (see `EngineCoreRequest`),
-so an id may be used again as soon as its request is aborted or finished.
+on first use, turns each `EngineCoreOutputs` into `RequestOutput`s (`OutputProcessor`) and
+puts each into its request's asyncio queue, from which `generate` yields; it runs on the event
+loop's thread, so nothing needs a lock. Per-request CPU work on the way in (tokenizing, chat
+templates, `bad_words`, structured-output checks) runs on a small thread pool (`run_in_pool`),
+so one heavy request does not stall every stream. Requests go by the caller's id here (the
+core uses internal ids), so an id may be reused once its request is aborted or finished.
 
-    engine = AsyncLLM.from_engine_args(EngineArgs())   # in a running event loop, or not
+    engine = AsyncLLM.from_engine_args(EngineArgs())
     params = SamplingParams(max_tokens=8, output_kind=RequestOutputKind.DELTA)
     async for out in engine.generate("Hello", params, "req-1"):
-        print(out.outputs[0].text, end="")               # the new text only
+        print(out.outputs[0].text, end="")
 
-A second frontend process joins an engine core running at ADDRESS with
-`AsyncLLM(AsyncMPClient(address=ADDRESS, client_index=1))`.
-
-With `data_parallel_size` > 1 the client is a `DPAsyncMPClient` (several engine cores):
-`generate(..., data_parallel_rank=i)` pins a request to core i; a core that dies fails the
-requests it held with `EngineCoreDeadError` (an EngineDeadError) and the others serve on;
-`check_health` raises while any core is down (`dead_engines` says which).
+With `data_parallel_size` > 1 the client is a `DPAsyncMPClient`: `data_parallel_rank=i` pins
+a request; `check_health` raises while any core is down.
 """
 
 import asyncio

@@ -1,31 +1,19 @@
-"""Data parallelism on one host: N engine-core processes behind one client, as vLLM's DP.
+"""Data parallelism: N engine-core processes behind one client, as vLLM's DP.
 
 `DPSyncMPClient` (for `LLM`) and `DPAsyncMPClient` (for `AsyncLLM`) start
-`EngineArgs.data_parallel_size` engine-core processes at once, each an ordinary
-`EngineCoreProc` (today's protocol, its own scheduler and KV cache) at its own ipc address,
-with torch threads = its share of this machine's cores (cores // N, at least 1), set
-explicitly. Each core has its own connection (`MPClient`: sockets, receiver thread, death
-watch); the client merges their outputs into one stream, so `LLMEngine` and `AsyncLLM` use
-it as they use a single-core client. Cores may also live elsewhere: with
-`data_parallel_size_local` < N the others register from headless hosts
-(`v1.engine.dp_headless`), and with `data_parallel_backend="ray"` all of them are Ray actors
-(`v1.engine.dp_ray`); either way they are connected over TCP and treated alike.
+`data_parallel_size` ordinary `EngineCoreProc`s at once, each with its own scheduler, KV cache
+and address, and torch threads = cores // N (at least 1). Each core has its own connection
+(`MPClient`); the client merges their outputs into one stream, so callers use it as a
+single-core client. Cores registered from other hosts (`dp_headless`) or run as Ray actors
+(`dp_ray`) are connected over TCP and treated alike.
 
-Routing: `v1.engine.dp_router.DPRouter` picks the core for each request (prefix affinity
-with a load guard, or round robin, or least loaded; `data_parallel_rank` pins one), from
-the prompt's block hashes and the load figures the cores publish with their outputs. The
-client remembers each live request's core, so aborts go to the core that holds it.
-
-Faults: when a core dies (its process exits, or its busy loop fails), the requests it held
-fail with `EngineCoreDeadError` (an `EngineDeadError`) within ~0.1 s, delivered in the
-output stream (`get_output` raises it: the frontend fails just those requests); the router
-never sends to that core again and the others serve on. `dead_engines` says which are down
-(a server's /health reports it). Only when every core is dead is the client dead (a plain
-`EngineDeadError`, as a single core's). Shutdown terminates every core process, whatever
-state each is in; each also watches this process and exits when it dies.
-
-Utilities go to every live core: `get_stats` returns a `DPSchedulerStats` (the total, with
-each core's own), `reset_prefix_cache` is true when every core reset its cache.
+Contract: `DPRouter` picks each request's core (`data_parallel_rank` pins one); the client
+remembers each live request's core, so aborts go where it is. A core that dies fails only the
+requests it held, with `EngineCoreDeadError` in the output stream, and is never routed to
+again (`dead_engines`); the client is dead only when every core is. Utilities go to every live
+core: `get_stats` returns a `DPSchedulerStats` (the total, with each core's own),
+`reset_prefix_cache` is true when every core reset. Shutdown terminates every core; each core
+also exits when this process dies.
 """
 
 import asyncio

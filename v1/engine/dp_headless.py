@@ -1,24 +1,13 @@
 """Data-parallel engine cores on another host, without Ray: vLLM's `--headless`.
 
-The frontend host runs `data_parallel_size_local` of the `data_parallel_size` cores itself
-(ranks 0..local-1) and waits, at `tcp://data_parallel_address:data_parallel_rpc_port`, for
-the others to register. Each other host runs
-
-    python -m v1 serve --headless --data-parallel-size N --data-parallel-size-local L \\
-        --data-parallel-start-rank R --data-parallel-address FRONTEND_HOST \\
-        --data-parallel-rpc-port PORT [engine options...]
-
-which starts its L cores (ranks R..R+L-1), each an ordinary `EngineCoreProc` bound to
-`tcp://ITS_IP:PORT` (ITS_IP: the address this host reaches the frontend from), then
-connects to the frontend's registration socket and sends REGISTER [(rank, address), ...].
-The frontend connects to each as to any engine core (today's protocol, over TCP) and routes
-to all N. ZMQ carries the data in every case.
-
-Lifecycle: the headless process keeps its registration connection open. When the frontend
-goes away (shut down, or killed), that connection drops and the headless process stops its
-cores and exits; on SIGTERM/SIGINT it does the same; its cores also exit if it dies. The
-frontend sees a headless core that dies as a disconnection: that core's requests fail
-(EngineCoreDeadError) and the others serve on, as with local cores.
+The frontend runs ranks 0..data_parallel_size_local-1 itself and waits at
+`tcp://data_parallel_address:data_parallel_rpc_port` for the others. Each other host runs
+`python -m v1 serve --headless --data-parallel-start-rank R ...` (docs/data-parallel.md),
+which starts its L cores, each an `EngineCoreProc` bound to `tcp://ITS_IP:PORT` (the address
+this host reaches the frontend from), and sends REGISTER [(rank, address), ...]; the frontend
+connects to each as to any core. The registration connection stays open: when the frontend
+goes away, or on SIGTERM/SIGINT, the headless process stops its cores and exits (they exit if
+it dies too). A headless core that dies fails only its own requests.
 """
 
 import logging

@@ -1,18 +1,13 @@
-"""Data-parallel engine cores as Ray actors: `data_parallel_backend="ray"` (vLLM's
-`--data-parallel-backend ray`), for cores on more than one host.
+"""Data-parallel engine cores as Ray actors: `data_parallel_backend="ray"` (vLLM's), for cores
+on more than one host.
 
-The client connects to whatever Ray cluster `ray.init()` finds (RAY_ADDRESS, a cluster
-started with `ray start`, or, failing those, a local instance it starts and later stops),
-reserves a placement group of `data_parallel_size` bundles of {"CPU": T} (T = the cluster's
-CPUs // N; Ray puts the bundles wherever they fit, across nodes if need be) and starts one
-`EngineCoreActor` in each. An actor builds an ordinary `EngineCore` and serves it with
-`EngineCoreProc` (today's protocol) on `tcp://ITS_NODE_IP:PORT`; the client connects to
-each address as to any engine core. Ray places the cores; ZMQ carries the data.
-
-Ray restarts nothing (max_restarts=0): an actor that dies is a core whose requests fail
-(`EngineCoreDeadError`, seen as the TCP connection dropping) and that the router avoids from
-then on. Shutdown kills the actors and removes the placement group; if the frontend process
-dies, Ray kills the actors it owned.
+The client joins whatever cluster `ray.init()` finds (or a local one it starts and stops),
+reserves a placement group of `data_parallel_size` bundles of {"CPU": cluster CPUs // N} and
+starts one `EngineCoreActor` in each: an ordinary `EngineCore` served by `EngineCoreProc` on
+`tcp://ITS_NODE_IP:PORT`, connected to as any core. Ray places the cores; ZMQ carries the data.
+Ray restarts nothing (max_restarts=0): a dead actor is a dead core, its requests failing with
+`EngineCoreDeadError`. Shutdown kills the actors and removes the group; Ray kills them too if
+the frontend dies.
 """
 
 import logging

@@ -1,89 +1,26 @@
 """Which data-parallel engine core gets a request (pure Python: no torch, no sockets).
 
-Each engine core has its own KV cache, so a prompt's prefix is cached only on the cores that
-ran it. vLLM balances its DP cores by load alone, so a shared system prompt gets recomputed
-on every core, and the cores together cache no more distinct prefixes than one. This router
-sends a request where its prefix most likely is, unless that core is too busy.
+Each core has its own KV cache, so the router sends a request where its prefix most likely
+is cached, unless that core is too busy; docs/data-parallel.md gives the reasoning and the
+defaults' reasons.
 
-Affinity. The router hashes the prompt's full blocks exactly as the KV cache does
-(`v1.core.kv_cache_utils.hash_block_tokens`: chained xxh3-128, `cache_salt` mixed into the
-first block, the cores' block size), and keeps, per core, an approximate mirror of that
-core's cache: an LRU of the block hashes it sent there, as large as the core's KV cache in
-blocks (so memory is bounded by the cluster's blocks, 16-byte keys), touched tail first as
-the cache frees a request's blocks, so that a prefix's head outlives its tail in both. The
-prefix a core holds is the run of the prompt's leading hashes found in its mirror (a chained
-hash stands for its whole prefix). The request goes to the core with the longest run. A
-prompt shorter than a block is keyed by all its tokens (and salt). The mirror is
-approximate: it does not see generated tokens' blocks, other frontends' requests, or
-evictions the core makes sooner; a wrong guess costs only a prefix recomputation.
+- Affinity: the prompt's full blocks are hashed as the KV cache hashes them
+  (`hash_block_tokens`, the cores' block size, `cache_salt` in the first block). Per core,
+  `mirrors[i]` is an LRU of the hashes sent there, at most that core's blocks, touched tail
+  first; the request goes to the core whose mirror holds the longest run of its leading
+  hashes. A prompt shorter than a block is keyed by all its tokens.
+- Homes: a prefix (keyed by its first block's hash) has one home core, `homes[key] =
+  (core, blocks)`; a new prefix goes where it leaves the least footprint per cache block,
+  ties broken by rendezvous order of its key.
+- Load guard (`LoadGuard`): affinity yields to the least-loaded core when score(chosen) >
+  ratio x score(least) + slack + saved blocks, or when the chosen core's KV cache would pass
+  `kv_threshold` while another's would not; score = 4 x waiting + running.
 
-Homes by capacity. A prefix (keyed by its first block's hash) has one home: the core its
-first request was routed to, recorded in `homes`, an LRU of key -> (core, blocks), where
-blocks is the longest prompt seen there under that key, in full blocks, at most that core's
-cache. A core's footprint is the sum of its homes' blocks: the part of the cluster's hot
-prefixes it is expected to hold. The entries' blocks together stay within the cluster's
-cache (the least recently used home is dropped beyond it, as the caches would drop its
-blocks), so the state is bounded by the cluster's blocks and the footprints forget
-prefixes nobody asks for any more. A new prefix (on no core's mirror, with no home) goes to
-the core where it leaves the least footprint for the size of its cache, (footprint + its
-blocks) / cache blocks; equal ones by rendezvous order of its key (highest xxh3-64 of key +
-core index), so the choice is deterministic. Rendezvous hashing alone is blind to size: four
-equal prefixes of 0.75 of a core's cache each land 3/1 (or 4/0) on two cores 5 times in 8,
-where one core then thrashes (or the load guard spreads a prefix over both); by footprint
-they land 2/2, and the cluster caches what one core with the cluster's blocks would. Unique
-prompts are new prefixes each, so footprints balance them by blocks. Invariants:
-
-- one home per prefix: among cores holding equal runs, the prefix's home wins (then
-  rendezvous order), not the less loaded, so a prefix the guard spread over two cores comes
-  back home and the caches stay partitioned; a prefix whose blocks a mirror forgot still
-  goes home. Only the first request of a key sets its home (routed, pinned or sent by the
-  guard: where its blocks are); later requests elsewhere do not move it.
-- footprint[i] == the sum of the blocks of the homes on core i; a dead core, or one whose
-  cache was reset, has no homes (its prefixes get new ones when they come back).
-- dead cores are never chosen; prompts shorter than a block cache nothing and have no
-  home: they go by rendezvous order alone, which spreads them evenly.
-
-The load guard. Cores publish their waiting/running counts and KV usage with every output
-(`EngineCoreOutputs.scheduler_stats`). A core's load score is 4 x waiting + running, vLLM's
-DP balancing score: a waiting request delays everything behind it by its whole prefill,
-while one more running request costs the others a share of each batched step. Between two
-publications the router adds the requests it sent since (never fewer than its own requests
-there that the figures do not show), so that a burst does not all land on one core before
-the first figures come back: as running if the core had room when it last published (no
-queue, KV usage under the threshold: the scheduler admits them at its next step, chunked
-prefill sharing the token budget), as waiting if it was already queueing. (vLLM counts
-them all as waiting; on a CPU core whose prefill steps take a second, a closed loop's next
-few arrivals then look like a queue that never forms, and break affinity for nothing.) The
-affinity choice yields to the least-loaded core when
-
-- score(chosen) > ratio x score(least) + slack + saved, defaults ratio 2 and slack 8. A
-  cache hit saves recomputing the prefix: worth making a request wait for a core that is up
-  to twice as loaded as the idlest, not more (past 2x, the idle core's spare compute, here a
-  whole core's, is worth more than the saved prefill). The slack (two waiting requests, or
-  eight running) keeps small absolute differences, normal in any stream of arrivals, from
-  breaking affinity: 9 vs 0 running breaks it; 6 vs 0 does not. `saved` is the cached
-  blocks the request would lose on the least-loaded core (`saved_block_weight`, 1, each):
-  prefilling a block of 16 tokens there costs its batch about what one more running
-  request does over a short answer's decode steps, so a 36-block prefix holds against 36
-  more running requests (9 waiting). Without it, a core homing one prefix more than
-  another (odd prefix counts) queues a little at its KV's limit, and each request the
-  guard then sends away recomputes a prefix on the other core and evicts another's
-  there. A unique prompt saves nothing, so unique prompts still balance at ratio and
-  slack alone.
-- or the chosen core's KV cache would pass kv_threshold (default 0.95) of its blocks with
-  this request's uncached blocks (plus one) added to those in use at its last publication
-  and those the requests sent since will take, while some core's would not: the least
-  loaded of those gets it if score(chosen) + 4 (the request would wait there for blocks)
-  > its score + saved. Admitting more into a full cache means waiting, or preempting
-  (recomputing) running requests, dearer than recomputing a prefix elsewhere; but a
-  request whose prefix the full core holds needs only its tail there and frees soon, so
-  it waits at home unless that core is busier by more than the prefix is worth. (Judged
-  on KV usage alone, a prefix home that fills its core with its prefixes would send
-  requests away at every step.)
-
-`round_robin` and `least_loaded` (lowest score, ties rotating) ignore prefixes: the
-baselines of bench/bench_dp.py. A request may pin a core (`data_parallel_rank`, as vLLM);
-a pinned request updates that core's mirror too. Dead cores are never chosen.
+Invariants: one home per prefix, set only by its key's first request (among equal runs the
+home wins, then rendezvous order); footprint[i] == the sum of the blocks of core i's homes;
+the homes' blocks stay within the cluster's cache (LRU beyond); a dead or reset core has no
+homes; dead cores are never chosen. `round_robin` and `least_loaded` ignore prefixes (the
+baselines of bench/bench_dp.py); `data_parallel_rank` pins a core, and updates its mirror.
 """
 
 import numbers
@@ -103,7 +40,7 @@ WAITING_WEIGHT = 4
 
 @dataclass(slots=True)
 class LoadGuard:
-    """When affinity yields to load (see the module docstring for the defaults' reasons)."""
+    """When affinity yields to load (docs/data-parallel.md gives the defaults' reasons)."""
 
     ratio: float = 2.0
     slack: float = 8.0

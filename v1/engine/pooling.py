@@ -1,15 +1,12 @@
-"""Setting up a pooling engine (runner="pooling"): the runner resolved, the pooler resolved from
-the model, and the scheduler and cache settings pooling needs.
+"""Setting up a pooling engine (runner="pooling"): the runner and pooler resolved from the
+model, and the scheduler and cache settings pooling needs.
 
-- The runner: "auto" pools checkpoints without an LM head (`registry.is_pooling_only`), as
-  vLLM's does; "generate" refuses them.
-- Prefix caching is kept only for causal models pooled by their last token: a prefix-cache
-  hit skips computing the hidden states of the cached tokens, which MEAN and CLS pool, and a
-  bidirectional model's K/V of a prefix depends on what follows it.
-- Bidirectional models (BERT family) see the whole prompt in one forward: no chunked prefill
-  (every prompt must fit the step's token budget, raised to max_model_len if need be).
-- No async scheduling (it would schedule a token after the prompt), no speculative decoding,
-  no disk tier.
+- "auto" pools checkpoints without an LM head (`registry.is_pooling_only`); "generate"
+  refuses them.
+- Prefix caching only for causal models pooled by their last token (a hit skips the hidden
+  states MEAN and CLS read, and a bidirectional prefix's K/V depends on what follows).
+- Bidirectional models see the whole prompt in one forward: no chunked prefill (the token
+  budget is raised to max_model_len if need be); no async scheduling, drafts or disk tier.
 """
 
 import logging

@@ -1,18 +1,12 @@
 """Declared prefixes (`--preload-prompts FILE`, `LLM(preload_prompts=[...])`): system prompts
-known in advance, computed when the engine core starts and pinned in its prefix cache.
+computed when the engine core starts and pinned in its prefix cache.
 
-Each prompt is one of:
-- a string: tokenized as a completion prompt is (special tokens added, as the processor's
-  `encode`), so it is the prefix of completion prompts that start with it;
-- a list of chat messages (`{"role": ..., "content": ...}`): rendered by the model's chat
-  template without a generation prompt and tokenized as a conversation is, so a system
-  message declared alone is the prefix of every conversation that starts with it;
-- a list of token ids, as is (each checked against the vocabulary, as the processor does).
-
-The file is a JSON list of such prompts, read when the engine arguments are made
-(`v1.config.load_preload_prompts`), before the model loads. Only full blocks are pinned (a
-partial last block is never cached); `EngineCore.preload` computes the prompts one at a
-time, pinning each before the next, so a later one never evicts an earlier one.
+Each prompt is a string (tokenized as a completion prompt, special tokens added), a list of
+chat messages (rendered by the chat template without a generation prompt, so a system message
+declared alone prefixes every conversation starting with it), or token ids (checked against the
+vocabulary). The file, a JSON list of them, is read with the engine arguments, before the model
+loads. Only full blocks are pinned; `EngineCore.preload` computes and pins one prompt at a time,
+so a later one never evicts an earlier one.
 """
 
 from typing import Any

@@ -1,11 +1,6 @@
-"""`LLM`'s pooling calls (an engine made with runner="pooling"), as vLLM's: `encode`, `embed`,
-`classify` and `score`.
-
-Each call sends one pooling request per prompt through the same scheduler as generation
-(prefill only, chunked under the token budget where attention is causal) and returns one
-output per prompt, in order. `score` pairs texts: with an embedding model it is the cosine
-similarity of the two embeddings; with a cross-encoder (a classification head with one
-label) the model reads each pair as one input and its head gives the score.
+"""`LLM`'s pooling calls (runner="pooling"), as vLLM's: `encode`, `embed`, `classify`, `score`.
+One pooling request per prompt through the same scheduler as generation, one output per
+prompt, in order; `score` pairs texts (`score_utils`).
 """
 
 import dataclasses

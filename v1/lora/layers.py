@@ -1,23 +1,19 @@
 """The model's linear layers with LoRA: one batched pass adds every row's adapter delta.
 
 Each adapted `Linear` (qkv_proj, o_proj, gate_up_proj, down_proj) is wrapped in a
-`LinearWithLoRA` holding `max_loras` slots of adapter weights. A fused projection (q|k|v,
-gate|up) keeps its sub-projections' A matrices stacked along the rank ("shrink" weights,
-[slots, n * R, in]) and their B matrices block-diagonal ("expand" weights, [slots, n * R,
-out]: sub i's rank rows write only its output columns), R = max_lora_rank, ranks below R
-padded with zeros and the scale folded into B. For the step's rows x and the first k slots
-(those in use; the manager fills slots from 0):
+`LinearWithLoRA` holding `max_loras` slots. A fused projection keeps its sub-projections' A
+matrices stacked along the rank ("shrink", [slots, n * R, in]) and their B matrices
+block-diagonal ("expand", [slots, n * R, out]), R = max_lora_rank, smaller ranks zero-padded,
+the scale folded into B. For the step's rows x and the first k slots in use:
 
     h     = x @ shrink[:k].T                 [T, k * n * R]    (one GEMM: every slot at once)
     h    *= mask                             the row's own slot kept, the others zeroed
     y     = base(x) + h @ expand[:k]         (one GEMM)
 
-which is vLLM's punica shrink / expand (bgmv) with the per-row adapter index turned into a
-mask: no gather of weights per row, no loop over adapters, and a row without an adapter
-(mask all zero) gets base(x) + 0 exactly. The zeros added for the other slots do not change
-a row's sum, so a row's result does not depend on what else runs in its step. A step without
-any adapter row skips the LoRA path (k = 0). The base layer is untouched, so the delta (in the
-model's dtype, fp32 on CPU) adds to whatever form its weight has: packed, or GGUF blocks.
+vLLM's punica shrink/expand with the per-row adapter index as a mask: no per-row gather, no
+loop over adapters. A row without an adapter gets base(x) + 0 exactly, and a row's result does
+not depend on the rest of its step; a step without adapter rows skips LoRA (k = 0). The base
+layer is untouched, so the delta adds to whatever form its weight has.
 """
 
 from dataclasses import dataclass

@@ -1,18 +1,11 @@
-"""The engine's Prometheus metrics, under vLLM's metric names and labels, so that vLLM's
-Grafana dashboard and scrape configs work unchanged: the server's GET /metrics, and
-`LLM.get_metrics()` (through `v1.metrics.reader`).
+"""The engine's Prometheus metrics, under vLLM's names and labels so that its dashboards and
+scrape configs work unchanged: the server's GET /metrics and `LLM.get_metrics()`.
 
-Two sources: the engine core's `SchedulerStats` (queue sizes, KV cache usage, prefix-cache
-and token counters, all cumulative since the core started), fetched at each scrape; and the
-frontend's per-request latencies (`IterationStats`), recorded as the outputs arrive.
-
-With data parallelism the engine-core figures come per core, labelled `engine` (the core's
-index, as vLLM labels them), and a dead core's series disappear; totals are a `sum without
-(engine)` away (`LLM.get_stats()` returns the total itself). The latencies are the frontend's,
-over all cores, without an engine label.
-
-Each server (or `LLM`) has its own `CollectorRegistry`: several may run in one process
-(tests), and the global registry would refuse a second set of the same names.
+Two sources: the engine core's `SchedulerStats` (cumulative since the core started), fetched
+at each scrape, and the frontend's per-request latencies (`IterationStats`), recorded as
+outputs arrive. With data parallelism the engine-core series come per core, labelled `engine`
+(a dead core's disappear); latencies are over all cores, unlabelled. Each server (or `LLM`)
+has its own `CollectorRegistry`, so several may live in one process.
 """
 
 from collections.abc import Iterator

@@ -1,14 +1,8 @@
-"""Model architectures over the paged KV cache, the registry that picks one per checkpoint,
-and loading them.
-
-`registry.get_model_cls(hf_config)` maps `config.json`'s `architectures` to a class;
-`decoder.py` is the decoder they all are, `layers/` the pieces they share (elementwise ops
-included), and each `<arch>.py` holds only what its architecture changes. `loader.py` finds
-a model and loads its weights, config and tokenizer; `gguf_conversion.py` turns a GGUF file
-into an HF directory.
-
-Below the worker, above attention and the kernels: nothing here imports `v1.worker` (the
-runner hands a model its step's attention metadata and ops, never itself).
+"""Model architectures over the paged KV cache, the registry that picks one per checkpoint
+(`registry.get_model_cls`), and loading them (`loader`, `gguf_conversion`). `decoder.py` is the
+decoder they all are, `layers/` the pieces they share, each `<arch>.py` only what its
+architecture changes. Nothing here imports `v1.worker`: the runner hands a model its step's
+attention metadata and ops, never itself.
 """
 
 from v1.models.decoder import DecoderForCausalLM, head_dim_of, num_kv_heads_of

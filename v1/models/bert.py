@@ -1,23 +1,16 @@
 """The BERT family as pooling models: `BertModel`, `XLMRobertaModel` (and RoBERTa), and
-`BertForSequenceClassification` / `XLMRobertaForSequenceClassification` (a cross-encoder or
-classifier head: bge-reranker and ms-marco cross-encoders are of these).
+`BertForSequenceClassification` / `XLMRobertaForSequenceClassification` (cross-encoders and
+classifiers such as bge-reranker).
 
-An encoder: bidirectional attention (the backend's ENCODER_ONLY mode: every sequence whole
-in its step, no KV cache, so no chunked prefill and no prefix caching: `v1.engine.pooling`
-turns them off), learned absolute position embeddings (RoBERTa's start after the padding id:
-position p reads row pad_token_id + 1 + p), token-type embeddings, post-norm layers
-(x = LayerNorm(x + attn(x)); x = LayerNorm(x + ffn(x))) with GELU. `forward` returns the
-last hidden states, which the pooler reads (CLS or MEAN); a classification model's
-`classify` maps the pooled CLS state through BERT's pooler (dense + tanh) and classifier,
-or RoBERTa's classification head (dense, tanh, out_proj).
+An encoder: bidirectional attention (ENCODER_ONLY: every sequence whole in its step, no KV
+cache, so `v1.engine.pooling` turns chunked prefill and prefix caching off), learned absolute
+positions (RoBERTa's start at pad_token_id + 1), token-type embeddings, post-norm layers with
+GELU. `forward` returns the last hidden states for the pooler; `classify` maps the pooled CLS
+state through BERT's pooler and classifier, or RoBERTa's classification head.
 
-Token types: 0 for a single text. A text pair (a cross-encoder's input, `[CLS] a [SEP] b
-[SEP]`) has type 1 from the token after its first [SEP] on, as BERT's tokenizers assign them;
-the model derives them from the token ids (`sep_token_id`, which the loader takes from the
-tokenizer), since requests carry token ids only.
-
-Layout differences from transformers: q/k/v are one fused `qkv_proj` matmul; module names are
-shorter (`_RENAMES`); `load_weights` maps HF names onto them.
+Token types: 0 for a single text; in a pair (`[CLS] a [SEP] b [SEP]`) 1 from the token after
+the first [SEP] on, derived from the token ids (`sep_token_id`), since requests carry ids only.
+q/k/v are one fused `qkv_proj`; `load_weights` maps HF names onto the shorter ones (`_RENAMES`).
 """
 
 from collections.abc import Iterable

@@ -2,24 +2,16 @@
 KV cache.
 
 One forward runs every scheduled token of the step (prefill chunks and decodes of many
-requests, packed into one flat [T] batch); the attention backend sorts out which token sees
-which context through the paged KV cache and `AttentionMetadata`. Everything else in the model
-is per token, so it needs no notion of requests at all.
+requests, packed into one flat [T] batch); only attention needs to know which token sees which
+context (the backend, through `AttentionMetadata`), everything else is per token.
 
 An architecture (`v1/models/<arch>.py`) is a `DecoderForCausalLM` subclass that says what its
-layers look like (`layer_spec`, one `LayerSpec` per layer: biases, norms, activation, scale,
-sliding window, which RoPE table) and, where its block is not the usual pre-norm one, its own
-`layer_cls`. Embedding, final norm, LM head, RoPE tables and weight loading live here, once.
-
-Layout differences from transformers, all for speed:
-- q/k/v projections are one `qkv_proj` matmul and gate/up one `gate_up_proj` matmul;
-  `load_weights` takes HF-named tensors and copies each into its slice of the fused weight.
-- RoPE reads a cos/sin table precomputed for every position instead of recomputing it.
-- Each residual add is fused into the norm after it (`RMSNorm` takes the residual stream).
-Parameters are created uninitialised (`torch.empty`, `skip_init`): an inference model always
-gets its weights from a checkpoint, and random init of 135M parameters would cost a second per
-load. Weight matrices are `Linear`s (the vocabulary matrix a `VocabEmbedding`), which keep one
-copy of their weight: packed for oneDNN in fp32 on CPU, or quantized blocks (see linear.py).
+layers look like (`layer_spec`, one `LayerSpec` per layer) and, where its block is not the
+usual pre-norm one, its own `layer_cls`. Embedding, final norm, LM head, RoPE tables and weight
+loading live here, once. Layout differences from transformers, for speed: fused `qkv_proj` and
+`gate_up_proj` (`load_weights` copies each HF tensor into its slice), a precomputed cos/sin
+table, each residual add fused into the norm after it. Parameters are created uninitialised:
+weights always come from a checkpoint; each weight matrix is a `Linear` (see linear.py).
 """
 
 from collections.abc import Iterable

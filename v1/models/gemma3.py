@@ -1,21 +1,14 @@
-"""Gemma 3, text only (`Gemma3ForCausalLM`: gemma-3-1b and -270m; the larger multimodal
-checkpoints are `Gemma3ForConditionalGeneration`, not supported).
+"""Gemma 3, text only (`Gemma3ForCausalLM`: gemma-3-1b and -270m; the multimodal
+`Gemma3ForConditionalGeneration` is not supported).
 
-What differs from Llama:
-- token embeddings are multiplied by sqrt(hidden_size) (rounded to the model dtype);
-- every RMSNorm is `(1 + w) * norm(x)`, computed in fp32 (`RMSNorm(unit_offset=True)`);
-- four norms per layer: the attention and MLP outputs are normalised too before their
-  residual adds (`Gemma3DecoderLayer`);
-- per-head RMSNorm of q and k before RoPE;
-- the MLP gate is gelu (tanh approximation, `hidden_activation`);
-- scores are scaled by query_pre_attn_scalar ** -0.5, not head_dim ** -0.5;
-- layers alternate: `layer_types` (or every `sliding_window_pattern`-th layer global, the
-  rest local) says which attend within `sliding_window` tokens, and local layers rotate with
-  their own RoPE base (`rope_local_base_freq`, 10k) while global ones use `rope_theta` (1M)
-  and any `rope_scaling`;
-- optional final logit soft-capping: cap * tanh(logits / cap).
-Attention-score soft-capping (`attn_logit_softcapping`, Gemma 2's) is not in our kernels:
-a config that sets it is refused, as is `use_bidirectional_attention`.
+What differs from Llama: embeddings scaled by sqrt(hidden_size) (rounded to the model dtype);
+every RMSNorm is `(1 + w) * norm(x)` in fp32; four norms per layer (attention and MLP outputs
+normalised before their residual adds); per-head RMSNorm of q and k before RoPE; a gelu-tanh
+gate; scores scaled by query_pre_attn_scalar ** -0.5; local layers (`layer_types`, or all but
+every `sliding_window_pattern`-th) attend within `sliding_window` with their own RoPE base
+(`rope_local_base_freq`), global ones use `rope_theta` and `rope_scaling`; optional final
+logit soft-capping. Configs setting `attn_logit_softcapping` or `use_bidirectional_attention`
+are refused.
 """
 
 from dataclasses import replace

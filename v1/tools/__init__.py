@@ -1,1 +1,1 @@
-"""Tools run as modules: `python -m v1.tools.gpu_check` (issue 14 §7) and `v1.tools.wheels`."""
+"""Tools run as modules: `python -m v1.tools.gpu_check` and `v1.tools.wheels`."""

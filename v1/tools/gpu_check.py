@@ -1,42 +1,11 @@
-"""One command to check the engine on a CUDA machine: `make gpu-check` (or
-`python -m v1.tools.gpu_check`). No model file is needed: the models are random.
-
-Three checks, each reported on its own and none stopping the others:
-
-- kernels: the Triton kernels (`v1.attention.ops`: cache write + unified attention) against the
-  torch reference (`paged_attention_reference`, fp32 on the CPU), at the default model's
-  attention shapes (9 query heads, 3 kv heads, head 64, block 16), in fp32, bf16 and fp16,
-  for decodes, prefills without and with cached context, mixed batches, and sliding windows.
-  Every cache slot that holds no token is NaN and the output starts as NaN, so an unmasked
-  read or an unwritten row fails the check. With CUDA each case is timed (median, do_bench),
-  with the K/V bytes it must read per microsecond beside it.
-- parity: a random-weight Llama of the default model's shapes (fewer layers and a smaller
-  vocabulary, so that it is quick) saved as an HF checkpoint, run through the engine
-  (`LLM(...)`, in-process, with the Triton attention backend: on CPU in the interpreter, so
-  the GPU's attention path through the whole engine is exercised there too) and through
-  transformers on the same weights, greedy: in fp32 the tokens must be the same and the
-  sampled tokens' logprobs within 1e-3. Then the full-size model (SmolLM2-135M-Instruct's
-  config, random weights) in bf16 with the engine's own backend: bf16 rounding may flip a
-  near-tie, so only the first token of each prompt is held to 90% agreement; the share of
-  equal positions is reported.
-- timing: the full-size model in bf16 through the engine: prefill tok/s (distinct prompts, one
-  token each) and decode tok/s at several batch sizes (the difference of two runs that differ
-  only in output length, so prefill and start-up cancel).
-
-Output: a short table, then one JSON line (the last line of stdout) with every figure;
-exit code 1 when a check fails or breaks, 2 when CUDA was asked for and is not there.
-
-`--device cpu` runs the same logic at tiny sizes (the kernels in Triton's interpreter,
-TRITON_INTERPRET=1, set here unless the ops were imported already): that is how CI runs it
-(tests/test_gpu_check.py). The CPU figures say nothing about speed.
-
-On a lent GPU machine (python3 with torch, triton, transformers, xxhash; no network): run
-`make gpu-wheels` here first, carry `.whl`, and run `make gpu-check` (or, without make,
-`bash v1/tools/gpu_check.sh`) there: it installs the engine's other packages from the wheels
-(`v1.tools.wheels`) and runs this. A full run takes a few minutes.
-
-Not done yet: CUDA graphs for decode steps (issue 14 §7). They need a GPU to build and verify;
-once they exist, the timing check should report decode tok/s with and without them.
+"""Check the engine on a CUDA machine: `make gpu-check` (or `python -m v1.tools.gpu_check`),
+with random-weight models. Three checks, each reported on its own: kernels (the Triton ops
+against `paged_attention_reference`, NaN-poisoned so an unmasked read or unwritten row fails;
+timed on CUDA), parity (a small random Llama through `LLM` and transformers, greedy: fp32
+tokens equal and logprobs within 1e-3; the full-size model in bf16: first tokens agree >= 90%),
+timing (full-size bf16 prefill and decode tok/s). Output: a table, then one JSON line; exit code
+1 when a check fails or breaks, 2 when CUDA was asked for and is missing. `--device cpu` runs
+the same logic at tiny sizes in Triton's interpreter (CI). Details: docs/benchmarks.md.
 """
 
 import argparse

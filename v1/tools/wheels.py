@@ -1,22 +1,14 @@
 """The wheels a bare CUDA machine needs to run the engine, brought along for an offline install.
 
-Such a machine (see `make gpu-check`) has torch, triton, transformers and xxhash, but not the
-engine's own messaging and structured-output packages, and no network. Here (with network):
+Such a machine (`make gpu-check`) has torch, triton, transformers and xxhash but no network.
+Here: `python3 -m v1.tools.wheels download --python-version 3.12 --dest .whl` fetches
+manylinux x86-64 wheels of every package below for that CPython (several versions may share
+the folder); there: `python3 -m v1.tools.wheels install --wheels .whl --target DIR` installs
+those whose module is missing into DIR, which then goes on PYTHONPATH.
 
-    python3 -m v1.tools.wheels download --python-version 3.12 --dest .whl
-
-fetches manylinux x86-64 wheels of every package below for that CPython into `.whl/` (git
-ignores it); there (offline):
-
-    python3 -m v1.tools.wheels install --wheels .whl --target /tmp/v1-gpu-site
-
-installs those whose module is missing into `--target`, which then goes on PYTHONPATH. Wheels
-for several Python versions can share the folder: pip picks the ones that fit the interpreter.
-
-The pins are the versions the project's venv was tested with. msgspec (the engine's message
-structs, `v1.request`, `v1.outputs`) and pyzmq (`v1.engine.core`) are imported by the engine
-core even in-process; xgrammar (imported by the engine core for structured output) needs
-pydantic and apache-tvm-ffi; gguf is only read when a GGUF file is loaded.
+The pins are the versions the project's venv was tested with: msgspec and pyzmq (imported by
+the engine core even in-process), xgrammar with pydantic and apache-tvm-ffi (structured
+output), gguf (read only when a GGUF file is loaded).
 """
 
 import argparse

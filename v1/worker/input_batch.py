@@ -1,18 +1,14 @@
 """The persistent batch: per-request state in numpy rows that live across steps.
 
 Requests are added when first scheduled and removed when finished or preempted; between,
-steps only send deltas (new block ids, computed counts). Rows are kept dense
-(`condense()` moves the last rows into holes) so that the arrays' first `num_reqs` rows are
-the batch. `version` changes with every add, remove or move of a row, so caches built from
-the rows (the runner's sampling metadata) know when to rebuild. Tokens sampled by the runner
-are written here at once: the runner never waits for the scheduler to tell it what it
-sampled (which is what lets the scheduler run ahead).
+steps send only deltas. Rows are kept dense (`condense()` fills holes from the end), so the
+first `num_reqs` rows are the batch, and `version` changes with every add, remove or move, so
+caches built from the rows know when to rebuild. Sampled tokens are written here at once: the
+runner never waits for the scheduler to echo them back (which lets the scheduler run ahead).
 
-Requests with a repetition, frequency or presence penalty also keep token counts here, on the
-model's device: which tokens the prompt has and how often each was sampled. A row is filled
-from all its tokens when added (so a resumed request's counts include what it generated
-before preemption) and the runner adds each sampled token. The tensors are allocated with the
-first such request: a batch that never uses penalties pays nothing.
+Requests with repetition, frequency or presence penalties also keep token counts here, on the
+model's device, filled from all their tokens when added (a resumed request's included) and
+updated per sampled token; the tensors exist only once such a request does.
 """
 
 import numpy as np

@@ -2,54 +2,24 @@
 directory keyed by everything that changes K/V. The scheduler's index
 (`v1.core.kv_disk_index`) decides what to read, write and delete; this does the I/O.
 
-Layout. `kv_cache_dir/<key>/` where <key> is the hex xxh3-128 of `cache_key_facts`: a
-fingerprint of the weights (size and a digest of the first and last MiB of every weight file),
-the architecture, layer and head counts, head size, dtype, KV cache dtype, quantization and
-block size (the facts are in `meta.json` there, for people). Another model or setting has
-another directory, so it never reads these files. `cache_salt` is in the first block's hash,
-so salted prefixes are other files. Each block is `<32 hex digits of its hash>.kv`:
+Layout. `kv_cache_dir/<key>/`, <key> the hex xxh3-128 of `cache_key_facts` (a fingerprint of
+the weight files, architecture, layer and head counts, head size, dtype, KV cache dtype,
+quantization, block size; written to `meta.json` for people). Each block is
+`<32 hex digits of its hash>.kv`:
 
     header (24 bytes): magic b"v1kvblk1", payload length (u64), xxh3-64 of the payload (u64)
     payload: the block's K and V of every layer, [layers, 2, block_size, kv_heads, head_size]
              in the KV cache dtype, raw
 
-A raw file per block rather than a library's container: the layout is fixed by the directory
-key, so there is nothing to describe per file, and a block moves with one `preadv`/`writev`
-scattered from/to its place in a layer-major batch (torch.save/np.save would add a pickle or
-a header to parse per block, and a contiguous per-block buffer costs a transposing copy: 458
-ms against 10 ms for 82 blocks here; a memmap of one big file would need a free-space
-allocator and cross-process locking that the file system gives per file). Measured in
-bench/bench_disk_tier.py (part 4).
-
-Crash safety: a block is written under a temporary name and renamed over its final name
-(`os.replace`, atomic on POSIX), so a reader sees a complete file or none; a file whose size,
-magic or checksum is wrong (a torn write after a power loss: no fsync is done) is never used
-and is removed when read. Sharing one directory between processes (e.g. data-parallel cores,
-or a restarted server beside the old one): writes of the same hash are identical and the
-rename makes either win; a file removed by another process fails its read, which the
-scheduler takes as the end of the hit; each process indexes what it found at start-up plus
-what it wrote, so the byte bound holds per process and is approximate for the directory as a
-whole (several processes may together exceed it by what each wrote that another does not
-index). Temporary files older than `STALE_TMP_S` (a crashed writer's) are removed at start-up.
-
-Write-on-compute, not on eviction. Every full block is written once, when the step that
-computes it is done (blocks already on disk, or read from it, are not written again). On a
-workload that never hits the tier this costs the step loop only the copy-out (0.15-0.7% of
-its execute time, `bench/bench_disk_tier.py` part 3; the writes are the writer thread's: 15-70 ms
-per 82 blocks). Writing on
-eviction would copy the same bytes once the pool is full (a workload evicts what it computes)
-but at the worst moment (an allocation waiting for the block), would lose everything RAM
-holds on a crash or kill -9, and would have to flush the whole pool on a clean shutdown
-(2 GiB by default on CPU: seconds); written on compute, a block survives any restart after
-the step that computed it.
-
-Writes never block a step: `save` copies the blocks (right after the forward that computed
-them, before any later step can reuse a block) and queues them for the writer thread; a
-queue over `max_queue_bytes` drops the write (reported unwritten). Reads are synchronous,
-before the forward of the step that hands them out (`load`): a read of 83 blocks (a
-1,342-token prompt) took 30 ms of a 0.125 s restart TTFT where computing them took 2.1 s
-(bench/bench_disk_tier.py part 1: bench/results/disk_tier.txt), and reading on the step's
-own thread needs no lock on the KV cache.
+Contract: a block is written under a temporary name and renamed (`os.replace`), so a reader
+sees a complete file or none; a file whose size, magic or checksum is wrong is never used and
+is removed when read; temporary files older than `STALE_TMP_S` are removed at start-up. Every
+full block is written once, when the step that computes it is done: `save` copies the blocks
+right after that forward and queues them for the writer thread (over `max_queue_bytes` the
+write is dropped and reported unwritten), so writes never block a step. `load` reads
+synchronously, before the forward of the step that hands the blocks out, on the step's own
+thread (no lock on the KV cache). Several processes may share the directory; each bounds the
+bytes it indexes. Why raw files, write-on-compute and this sharing model: docs/prefix-cache.md.
 """
 
 import json

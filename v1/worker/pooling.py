@@ -1,12 +1,8 @@
-"""The model runner's pooling side (runner="pooling"): what it keeps per pooling request, and
-a step's pooled vectors.
-
-A pooling request is a prompt prefilled like any other (in chunks under the token budget);
-instead of sampling, every step hands its final hidden states to the model's `Pooler`, which
-keeps what it needs between chunks, and on the step that computes a request's last prompt
-token the vector goes through the request's task head (embedding: Matryoshka truncation and
-normalization; classification: the model's head and softmax; score: its one logit through a
-sigmoid) and back to the scheduler, which finishes the request.
+"""The model runner's pooling side (runner="pooling"): per-request pooling state, and a step's
+pooled vectors. Every step hands its final hidden states to the model's `Pooler`; on the step
+that computes a request's last prompt token its vector goes through the request's task head
+(embedding: Matryoshka truncation and normalization; classification: head and softmax; score:
+one logit through a sigmoid) and back to the scheduler, which finishes the request.
 """
 
 import numpy as np

@@ -7,31 +7,11 @@ processors, temperature, top-k/p, min-p, generator), giving s0..sk, and the step
 
     d1..da, then s_a      where a is the first i with s_i != d_{i+1} (a = k: all accepted)
 
-Why this is exact. Our drafts are point masses (a proposer names a token, no distribution),
-for which rejection sampling (Leviathan et al.) reads: accept d with probability p(d); on a
-rejection sample from p with d removed and renormalised; after k acceptances sample from p.
-Sampling s ~ p and accepting iff s == d does exactly that: P(accept) = p(d), and given
-s != d, s is distributed as p(t) / (1 - p(d)) over t != d. Each output token is therefore
-drawn from the target distribution given the tokens before it, as without drafts. Greedy rows
-sample the argmax, so a draft is accepted iff it is the argmax: the tokens equal those
-without speculation. A draft of -1 (a placeholder the runner had no draft for) is never
-accepted.
-
-Seeded requests. A seeded request's rows draw their uniform numbers from its generator one
-after another, in row order: row i gets the generator's next draws as output position n + i
-would without drafts. Its accepted rows sampled exactly the tokens a step-by-step run
-samples (same context, same draw); then `keep_draws` puts the generator back to where the
-kept rows leave it, as if the rejected rows had never drawn. So a seeded request's draws do
-not depend on its drafts (how many, which, accepted or not), hence neither on the proposer,
-on other requests, on batch composition nor on async scheduling; its tokens are equal with
-or without speculation as far as its logits are (the same bits where the attention and
-matmul kernels give a row the same bits in any step; a cascade over a long shared prefix
-does not, see docs/speculative.md). (vLLM draws each request's draft positions from its
-generator whatever is accepted, and its recovered and bonus tokens more, so there the
-generator's state after a step depends on the drafts.) Replay rather than a generator
-seeded per output position from (seed, position): the request keeps its one generator
-(output without drafts is unchanged), and only a step that rejects a seeded request's drafts
-costs the replay (a few draws).
+For point-mass drafts this is exactly rejection sampling, so each token is drawn from the
+target distribution; greedy rows accept a draft iff it is the argmax. A draft of -1 (no draft)
+is never accepted. A seeded request's rows draw from its generator in row order, and
+`keep_draws` rewinds it past the rejected rows' draws, so its draws do not depend on its
+drafts. docs/speculative.md has the proof and the seeded-replay reasoning.
 """
 
 import torch

@@ -2,21 +2,14 @@
 
 Greedy rows take the argmax of the raw logits, so they match HF token for token. Random rows
 go through temperature, top-k, top-p and min-p, then inverse-CDF sampling: one uniform number
-per row against the row's cumulative distribution. That needs one random draw per row instead
-of one per vocabulary entry (the exponential-race trick), which on CPU is ~40x cheaper, and a
-row with a seed draws its number from its own generator, so its tokens do not depend on what
-else is in the batch.
+per row (far cheaper on CPU than a draw per vocabulary entry), drawn from the row's own
+generator when it has a seed, so its tokens do not depend on the rest of the batch.
 
-Before any of that, as vLLM, the logits processors: the `allowed_token_ids` mask, banned
-tokens (`min_tokens`' stop tokens and `bad_words`' completions), `logit_bias`, then the
-repetition, frequency and presence penalties. Each is one batched tensor op over the rows that
-use it, and is skipped entirely (its metadata is None) when no row does. The penalties read
-token counts that the persistent batch keeps up to date, so nothing is rebuilt per step.
-
-Logprobs follow vLLM's default `logprobs_mode="raw_logprobs"`: the log-softmax of the model's
-logits as they come in, before any processing (the `min_tokens` mask, temperature, top-k,
-top-p, min-p). So a stop token that `min_tokens` forbids still shows its real logprob, and a
-sampled token's rank is its rank under the model.
+Before that, as vLLM, the logits processors: the `allowed_token_ids` mask, banned tokens
+(`min_tokens`' stop tokens, `bad_words`), `logit_bias`, then the repetition, frequency and
+presence penalties; each is one batched op over the rows that use it, skipped when none does.
+Logprobs are vLLM's default `raw_logprobs`: the log-softmax of the logits before any
+processing, so a token `min_tokens` forbids still shows its real logprob.
 """
 
 from collections.abc import Sequence

@@ -7,29 +7,17 @@ The paged KV cache of one layer is one tensor:
 Token `t` of a request lives in block `block_table[req, t // block_size]` at offset
 `t % block_size`; `slot_mapping[i] = block * block_size + offset` for each new token `i`.
 Queries of all requests are packed: request `r` owns rows
-`query_start_loc[r] : query_start_loc[r + 1]`, which are its last `q_len` positions out of
-`seq_lens[r]` (cached context first, then the new tokens). A decode is `q_len == 1`; a
-prefill chunk with cached context has `q_len < seq_len`. Attention is causal within the new
-tokens and sees all of the context. There are no dense masks.
+`query_start_loc[r] : query_start_loc[r + 1]`, its last `q_len` positions out of
+`seq_lens[r]` (cached context first, then the new tokens). A decode is `q_len == 1`.
+Attention is causal within the new tokens and sees all of the context; no dense masks.
 
-Sliding window (per layer, `AttentionImpl(..., sliding_window=w)`): a query at absolute
-position i attends to the keys at positions j with i - w < j <= i, that is `i - j < w`: itself
-and the w - 1 positions before it. `None` (the default) is global causal attention; a window
-of at least the sequence length is the same thing. This is transformers' meaning of
-`sliding_window` in config.json (Mistral, Qwen2, Gemma 3): `masking_utils.sliding_window_overlay`
-keeps `kv_idx > q_idx - sliding_window`, and-ed with the causal `kv_idx <= q_idx`
-(`sliding_window_causal_mask_function`), and its flash-attention path passes
-`window_size=(sliding_window - 1, ...)`, the same set. The window only masks: out-of-window
-blocks stay allocated in the cache (freeing them is the KV manager's business, not done yet),
-but the backends never let them change a result and read as few of them as they can.
+Sliding window (`AttentionImpl(..., sliding_window=w)`): a query at position i sees keys
+i - w < j <= i, transformers' meaning of `sliding_window`; `None` is global. The window only
+masks: out-of-window blocks stay allocated, and backends read as few of them as they can.
 
-Attention types (vLLM's `AttentionType`, per layer: `AttentionImpl(..., attn_type=...)`):
-DECODER is the causal attention above; ENCODER_ONLY is bidirectional (BERT family: every
-token of a sequence sees every other), for pooling models. An encoder-only step must hold
-each sequence whole, as its only chunk (`q_len == seq_len`: the engine turns chunked prefill
-and prefix caching off for such models). The torch backend attends over the step's fresh
-K/V without touching the cache; the Triton kernel writes them and reads them back, as it does
-every step, with the causal mask off.
+Attention types (vLLM's `AttentionType`): DECODER is the causal attention above;
+ENCODER_ONLY is bidirectional (BERT family), each sequence whole in its step (`q_len ==
+seq_len`: the engine turns chunked prefill and prefix caching off for such models).
 """
 
 from abc import ABC, abstractmethod

@@ -1,55 +1,25 @@
 """Attention in plain torch: the CPU backend, and the reference for the Triton kernels.
 
-Two implementations of the same contract (see `abstract.py`):
+Two implementations of the contract in `abstract.py`, equal up to float rounding:
 
 - `paged_attention_reference`: per request, gather its context K/V out of the blocks and run
-  causal SDPA. Short and obviously right; the Triton tests compare against it.
-- `paged_attention`: what `TorchAttentionImpl` runs. Same results up to float rounding, planned
-  once per step (`torch_plan.AttentionPlan`) and shared by every layer:
-  * decodes (one query each) are batched: their K/V blocks are gathered into one padded
-    [R, kv_heads, S, D] view and attended in one SDPA call, in buckets of similar length so
-    that padding stays small;
-  * prefills attend to their fresh K/V directly when they have no context (no cache read),
-    else to their gathered context, one SDPA call each;
-  * cascade: requests whose leading blocks are the same physical blocks (a shared system
-    prompt hit in the prefix cache) attend to that shared prefix together, in one call over
-    all their queries, which reads the prefix once instead of once per request. Each request
-    then attends to the rest of its context alone, and the two partial results are merged
-    with their log-sum-exps: with l_p, l_r the prefix's and the rest's logsumexp of the
-    scaled scores, out = o_r + sigmoid(l_p - l_r) * (o_p - o_r).
+  causal SDPA. Short and obviously right; the other paths are tested against it.
+- `paged_attention`, what `TorchAttentionImpl` runs, planned once per step
+  (`torch_plan.AttentionPlan`) and shared by every layer: decodes in length buckets, one 4-D
+  SDPA call per bucket over their gathered K/V; prefills one SDPA call each (on their fresh
+  K/V when they have no context); cascade for requests sharing leading physical blocks (the
+  shared prefix attended once for all their queries, merged with each request's rest by
+  log-sum-exp: out = o_r + sigmoid(l_p - l_r) * (o_p - o_r)); and, where the C kernels serve
+  the step, decodes through `v1.kernels.attention`'s paged-decode kernel, which reads K/V in
+  place through the block table and writes the step's K/V itself (`kv_write`, the same bits
+  as `write_kv_cache`).
 
-SDPA gets 4-D [batch, heads, len, dim] tensors: on CPU that selects the flash kernel (blocked,
-GQA aware, strided inputs), which is several times faster than the math fallback that 3-D
-inputs get.
-
-Decodes have a faster option still: a small C kernel (`v1/kernels/csrc/paged_decode.h`,
-~150 lines; bindings in `v1.kernels.attention`) that reads each request's K/V in place
-through its block table, with an online softmax, one request per task of the kernels'
-worker pool. SDPA spends most of a decode in per-(request, head) overhead and needs the
-gathered copy; the kernel needs neither and is 3-4x faster at 64 decodes. Without the
-kernels (V1_CPU_KERNELS=0), for other dtypes or shapes, the SDPA path above runs instead.
-In a step it serves, the cache write is C too (`kv_write`, the same bits as
-`write_kv_cache`), in the kernel's call, and what every layer's call shares (the entries,
-slots, shapes) is checked and converted for ctypes once per step: at batch 1 a layer's
-attention is a few microseconds of work, and was mostly call overhead.
-
-The cache may hold a narrower dtype than the model computes in (kv_cache_dtype "bfloat16" or
-"float16" under an fp32 model: half the bytes per token, twice the tokens per pool). The
-cache write converts this step's K/V once (into fp16 saturating at +-65504: an inf key
-would make attention NaN); every read widens exactly what it reads back to the query's
-dtype: the C kernel per K/V row (bf16: a 16-bit shift into the high half of an
-fp32; fp16: F16C's vcvtph2ps), the SDPA paths and the reference after their gather. All the
-arithmetic stays fp32, so a 16-bit cache gives bit for bit the fp32 cache's result on K/V
-that were 16-bit values to begin with. A prefill without context that SDPA runs attends to
-its fresh, unrounded K/V (it reads no cache); one the C kernel takes (a short prompt) reads
-them back from the cache, rounded, as every later step does.
-
-Sliding-window layers (`sliding_window=w`) get a plan of their own (`torch_plan`): every
-path reads from the first block a query can see, and masks what comes before its window.
-
-Encoder-only layers (bidirectional, `attn_type=ENCODER_ONLY`) run `torch_encoder`'s
-`encoder_attention`: each sequence, whole in the step, attends to its own fresh K/V without
-a causal mask, sequences padded into buckets of similar length; no cache is touched.
+The cache may hold a 16-bit dtype under an fp32 model (`kv_cache_dtype`): the write converts
+once (fp16 saturating at +-65504), every read widens what it reads back to the query's dtype,
+and the arithmetic stays fp32. A prefill without context that SDPA runs attends to its fresh,
+unrounded K/V. Sliding-window layers get a plan of their own (`torch_plan`); encoder-only
+layers run `torch_encoder.encoder_attention`, which touches no cache. Why these paths, and
+what each costs: docs/design.md (attention on the CPU).
 """
 
 import torch

@@ -1,20 +1,14 @@
 """Attention on the GPU with Triton: one cache-write kernel and one unified attention kernel.
 
 `forward` writes this step's K/V into the paged cache at `slot_mapping` (negative slots are
-padding and skipped), then runs a single launch of the unified paged-attention kernel over the
-whole packed batch (prefill chunks with cached context and decodes together), masked by the
-layer's sliding window if it has one (a constexpr of the kernel). Same contract as
-`TorchAttentionImpl`, which is its reference. Without a GPU the kernels only run in Triton's
-interpreter (TRITON_INTERPRET=1 set before the ops are imported), on CPU tensors.
+padding, skipped), then runs one launch of the unified kernel over the whole packed batch,
+masked by the layer's sliding window if any; encoder-only layers run it with `causal=False`.
+Same contract as `TorchAttentionImpl`, its reference. Without a GPU the kernels run only in
+Triton's interpreter (TRITON_INTERPRET=1 set before the ops are imported), on CPU tensors.
 
-The cache may hold another dtype than the model's (kv_cache_dtype): the write casts K/V to
-it on store (into fp16, saturating), and attention casts the query to it on load, runs its
-dots in it with fp32 accumulation, and stores the output in the query's dtype. So an fp32
-model with a 16-bit cache attends as a 16-bit model does (query and P rounded too, unlike
-the CPU path).
-
-Encoder-only layers (bidirectional, BERT family) write their K/V the same way and run the
-same kernel without the causal mask (`causal=False`): each sequence is whole in its step.
+With a `kv_cache_dtype` other than the model's, the write casts K/V to it (fp16 saturating) and
+attention casts the query to it, accumulating in fp32 and storing the output in the query's
+dtype: an fp32 model with a 16-bit cache attends as a 16-bit model does (unlike the CPU path).
 """
 
 import torch

@@ -1,42 +1,27 @@
 """One paged-attention kernel for a whole mixed batch: prefill chunks and decodes in one launch.
 
-Inputs (see `v1/attention/backends/abstract.py`):
-  query     [num_tokens, num_heads, head_size], request `r` owns rows
-            `query_start_loc[r] : query_start_loc[r + 1]`, its last `q_len` positions of
-            `seq_lens[r]` (cached context first, then the new tokens).
-  kv_cache  [2, num_blocks, block_size, num_kv_heads, head_size]; token `t` of request `r` is
-            in block `block_table[r, t // block_size]` at offset `t % block_size`.
+Inputs (the contract of `v1/attention/backends/abstract.py`): `query` [num_tokens, num_heads,
+head_size], request `r` owning rows `query_start_loc[r] : query_start_loc[r + 1]`, its last
+`q_len` positions of `seq_lens[r]`; `kv_cache` [2, num_blocks, block_size, num_kv_heads,
+head_size], token `t` of request `r` in block `block_table[r, t // block_size]` at offset
+`t % block_size`.
 
 Grid: one program per (query tile, kv head).
-
-* A query tile is `BLOCK_Q` consecutive new tokens of one request times the
-  `NUM_QUERIES_PER_KV` query heads that share one kv head, flattened into `BLOCK_M` rows
-  (`row = token * NUM_QUERIES_PER_KV + head`, `BLOCK_Q = BLOCK_M // NUM_QUERIES_PER_KV`; the
-  few rows past `BLOCK_Q * NUM_QUERIES_PER_KV` are masked). So the K/V of a kv head are loaded
-  once for all of its query heads (GQA), and a decode (one token) still fills a tile when the
-  GQA ratio is large.
-* Tiles are numbered without any host work: request `r` owns tile numbers starting at
-  `query_start_loc[r] // BLOCK_Q + r`, which is strictly increasing in `r` and leaves every
-  request at least `cdiv(q_len, BLOCK_Q)` numbers. The grid has `num_tokens // BLOCK_Q +
-  num_reqs` tiles along axis 0; a program finds its request by a binary search over
-  `query_start_loc`, and a program past its request's last token exits at once. The grid
-  depends only on tensor shapes (CUDA-graph friendly) and needs no device-to-host sync.
-* Each program walks the keys `[0, kv_end)` its tile can see, `TILE_N` at a time, reading K/V
-  straight from the paged cache: every key position looks up its block in the block table,
-  so `TILE_N` and `block_size` are independent (a tile may span several pages or part of one).
-  Keys visible to every row of the tile (the cached context and the new tokens before the
-  tile's first token) go through an unmasked loop; only the last few tiles apply the causal
-  mask. Softmax is online (flash-attention style) in fp32, with exp2 and a pre-folded scale.
-* Bidirectional (`CAUSAL` False, encoder-only layers): every row sees all of its sequence's
-  keys; only the last tile, past seq_len, is masked.
-* Sliding window (`SLIDING_WINDOW` = w > 0; 0 is global): row at position i sees keys j with
-  i - w < j <= i (see `abstract.py`). The program starts at the tile holding the first key its
-  first row sees, so whole tiles before the window are skipped and a decode reads at most
-  about w keys; keys before that first key are not even loaded (their blocks may hold
-  anything). Tiles every row sees whole still take the unmasked loop; the tiles before them
-  (the window's ragged start) and the causal tail apply both masks. A row may see nothing in
-  the first tiles it meets, so the masked tiles guard the online softmax against -inf - -inf.
-  With w = 0 the kernel is exactly the global one (the window code is compiled out).
+* A query tile is `BLOCK_Q` new tokens of one request times the `NUM_QUERIES_PER_KV` query
+  heads sharing one kv head, flattened into `BLOCK_M` rows (`row = token *
+  NUM_QUERIES_PER_KV + head`): a kv head's K/V are loaded once for all its query heads (GQA).
+* Request `r` owns tile numbers from `query_start_loc[r] // BLOCK_Q + r`; the grid has
+  `num_tokens // BLOCK_Q + num_reqs` tiles on axis 0, a program finds its request by binary
+  search and exits if past its last token. The grid depends only on shapes (CUDA-graph
+  friendly) and needs no device-to-host sync.
+* A program walks the keys it can see `TILE_N` at a time, straight from the paged cache
+  (each key looks up its block, so `TILE_N` and `block_size` are independent): keys every row
+  sees take an unmasked loop, only the last tiles apply the causal mask. Online softmax in
+  fp32, exp2 with a pre-folded scale.
+* `CAUSAL` False (encoder-only): every row sees its whole sequence. `SLIDING_WINDOW` w > 0:
+  row i sees keys i - w < j <= i; tiles before the window are skipped and never loaded, the
+  window's ragged start is masked like the causal tail (guarding the online softmax against
+  rows that see nothing yet); w = 0 compiles the window code out.
 """
 
 import math

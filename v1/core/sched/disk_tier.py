@@ -1,24 +1,19 @@
 """The scheduler's side of the disk tier: starting reads, handing out writes and deletes,
 taking the runner's reports. Pure bookkeeping over `DiskBlockIndex` and `KVCacheManager`.
 
-A request's read, step by step (the runner may report it in the step it was handed out, as
-this runner does, or any later one):
+A request's read (the runner may report it in the step it was handed out, or any later one):
 
     start_load   WAITING, no blocks held; its RAM hits h blocks, then n blocks on disk:
                  it takes the h hits and n fresh blocks (not indexed), num_computed_tokens
                  = h * B, status WAITING_FOR_REMOTE_KVS; a `KVLoad` goes out with the step
     update       the runner read the first k <= n: those are indexed, then all its blocks
                  released (cached, at the LRU end), num_computed_tokens = 0, status WAITING:
-                 its admission finds them as prefix hits (a waiting request holding blocks
-                 past its read could starve another such, with nobody running to free any)
+                 its admission finds them as prefix hits
 
 A request aborted meanwhile (`aborted_loads`) keeps its blocks until its read is reported:
-the runner may be writing into them, so none may be handed to another request before.
-
-Writes: every block a scheduled step indexes (it computes it) and the index has neither on
-disk nor being written goes out as a store with that step; the runner copies it after the
-forward and writes it on its own thread (write-on-compute: bench/bench_disk_tier.py and
-v1/worker/kv_disk_store.py say why not on eviction).
+the runner may be writing into them. Writes: every block a scheduled step indexes that is
+neither on disk nor being written goes out as a store with that step (write-on-compute;
+docs/prefix-cache.md says why).
 """
 
 from v1.core.kv_cache_manager import KVCacheManager

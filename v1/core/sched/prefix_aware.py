@@ -1,33 +1,20 @@
 """Prefix-aware admission: the order in which the scheduler tries a window of waiting requests.
 
-SGLang's cache-aware ("longest prefix match") policy, bounded so that nobody starves
+SGLang's cache-aware policy, bounded so that nobody starves
 (`SchedulerConfig.enable_prefix_aware_scheduling`; the loop is `Scheduler._schedule_waiting`):
-
-- Ranking. A waiting request's cached prefix is the run of its leading full blocks in the
-  prefix cache (computed, or scheduled earlier in this step). The scheduler takes the first
-  `prefix_aware_window` waiting requests and tries the longest cached prefix first, queue
-  order among equals; it re-ranks after each admission, whose scheduled blocks become others'
-  prefixes. (Blocks a running request will compute later do not rank: a request whose next
-  block is one of them is deferred wherever it ranks, so its rank would change nothing.)
-- Deferral. A request whose first block missing from the prefix cache is one a running
-  request will compute (`PrefillIndex`) waits for it, set aside without blocking anyone,
-  instead of computing it a second time in parallel; once the owner has scheduled that
-  block, it hits it.
-- Fit. A request that does not fit (seats, blocks, or the budget with chunking off) stops
-  admission if it is the earliest one left in queue order, as under FCFS. If it was tried out
-  of queue order, the rest of the window is tried in queue order: the head is admitted
-  whenever it fits, as FCFS would admit it.
-- The bound. A step counts in a request's `num_passed_over` (reset on admission) if a
-  request behind it in the queue is admitted while it is not, or if it is deferred for a
-  block whose owner was not scheduled in that step (a waiter whose owner advances is being
-  served: it waits at most as long as the owner takes to compute what it waits for). A window
-  holding a request with `prefix_aware_max_skips` or more is tried in plain queue order with
-  no deferral, so nobody behind that request is admitted before it.
-- Cost. Admission stops once a window's worth of requests has been deferred in a step, so a
-  step examines O(window + admitted) requests whatever the queue's length; a request's cached
-  prefix is walked once per step (re-ranking resumes where the walk stopped).
-- No deadlock. Only running requests own awaited blocks and the index is rebuilt every
-  step, so a preempted or aborted owner is not waited for.
+- Ranking: of the first `prefix_aware_window` waiting requests, the longest cached prefix
+  (leading full blocks computed, or scheduled earlier in this step) first, queue order among
+  equals; re-ranked after each admission.
+- Deferral: a request whose first uncached block a running request will compute
+  (`PrefillIndex`) waits for it, set aside, instead of computing it twice.
+- Fit: the earliest request left in queue order that does not fit stops admission, as FCFS;
+  after a misfit tried out of order, the rest of the window goes in queue order.
+- Bound: a step counts in `num_passed_over` when a request behind is admitted instead, or the
+  block it waits for was not scheduled; at `prefix_aware_max_skips` the window is tried in
+  plain queue order, no deferral.
+- Cost: O(window + admitted) requests examined per step. No deadlock: only running requests
+  own awaited blocks, and the index is rebuilt every step.
+docs/prefix-cache.md (prefix-aware admission) explains each rule.
 """
 
 from v1.core.kv_cache_utils import max_hit_blocks

@@ -1,10 +1,11 @@
 """The unified token-budget scheduler.
 
-There are no separate prefill and decode phases. Each request has `num_computed_tokens` and
-`num_tokens` (prompt + output, plus output placeholders under async scheduling); each step
-gives every request some of the difference, under a budget of `max_num_batched_tokens`
-tokens and `max_num_seqs` requests. A decode is a request one token behind; a prefill chunk
-is one many tokens behind. Running requests are served first, then waiting ones.
+There are no prefill and decode phases. Each step gives every request some of
+`num_tokens - num_computed_tokens` (prompt + output, plus output placeholders under async
+scheduling), under a budget of `max_num_batched_tokens` tokens and `max_num_seqs` requests:
+a decode is a request one token behind, a prefill chunk one many tokens behind. Running
+requests are served first, then waiting ones, admitted by `WaitingAdmission` (in queue order,
+or grouped by cached prefix: `prefix_aware`).
 
 Invariants, every step:
 - sum(num_scheduled_tokens) <= max_num_batched_tokens; len(running) <= max_num_seqs;
@@ -15,32 +16,13 @@ Invariants, every step:
   always `running[-1]`, and a running request is never preempted after this step scheduled
   it (only a waiting request's admission may do that, see `_plan_admission`);
 - a request is preempted for a waiting one only if that one is then admitted;
-- with LoRA (`max_loras` > 0), the running requests use at most `max_loras` distinct
-  adapters: a waiting request of another adapter is passed over until one finishes.
+- with LoRA (`max_loras` > 0), the running requests use at most `max_loras` distinct adapters.
 
-Waiting requests are admitted by `WaitingAdmission` (v1.core.sched.admission), in queue
-order or, with prefix-aware admission, grouped by cached prefix (v1.core.sched.prefix_aware).
-
-Structured output: a request with `structured_outputs` waits in WAITING_FOR_FSM until its
-grammar is compiled (by the manager, off the step loop); the waiting loop sets it aside
-meanwhile, so it blocks nobody. Each step asks the manager for the token bitmask of the
-structured requests that sample. Under async scheduling a structured request whose token
-is still in flight is not scheduled again: its next mask needs that token.
-
-Speculative decoding (`v1.core.sched.spec_decode`): a decode step of a request with drafts
-(`Request.spec_token_ids`, proposed by the runner) also computes them, within the same budget
-and KV allocation (`SchedulerOutput.scheduled_spec_decode_tokens`); the output rolls
-`num_computed_tokens` back past the rejected ones. A request mid-prefill is never drafted.
-
-Pooling (runner="pooling"): a request with `pooling_params` is a prompt only. It is
-scheduled like any prefill, chunked under the budget; the step that computes its last prompt
-token returns its pooled vector (`ModelRunnerOutput.pooler_output`) instead of a token, and
-`_finish_pooled` finishes it then and frees its blocks.
-
-The disk tier (`v1.core.sched.disk_tier`; None: no tier, and nothing here costs anything):
-a new request whose RAM prefix hits stop short of blocks on disk waits in
-WAITING_FOR_REMOTE_KVS, set aside like WAITING_FOR_FSM, while the runner reads them; then it
-is WAITING again and the blocks are in the prefix cache, where its admission finds them.
+Requests set aside without blocking the queue: WAITING_FOR_FSM (grammar compiling; a
+structured request whose token is in flight is not scheduled again), WAITING_FOR_REMOTE_KVS
+(blocks being read from the disk tier, `disk_tier`). Drafts (`spec_decode`) share the decode's
+budget and allocation; rejected ones roll `num_computed_tokens` back. A pooling request is a
+prompt only: the step computing its last token returns its vector and `_finish_pooled` frees it.
 """
 
 import time

@@ -1,24 +1,14 @@
 """`v1 serve [MODEL]` (or `python -m v1 serve`): an OpenAI-compatible HTTP server over AsyncLLM
-(FastAPI + uvicorn). Its options are the server's own, then EngineArgs' (`add_cli_args`).
+(FastAPI + uvicorn); its options are the server's own, then EngineArgs'. docs/serving.md
+lists the endpoints (OpenAI's completions, chat, responses, models; vLLM's health, metrics,
+tokenize, detokenize, version; pooling and LoRA routes when enabled).
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions and POST /v1/responses (OpenAI's
-Responses API: text, stateless; all three also streamed as server-sent events), GET /v1/models,
-GET /health (200, or 503 when the engine is dead; with --data-parallel-size N, 503 with a JSON
-body naming the dead cores while any is down, the others still serving), GET /metrics
-(Prometheus, under vLLM's metric names; per engine core, labelled `engine`, with data
-parallelism), and vLLM's POST /tokenize, POST /detokenize and GET /version. A pooling server
-(--runner pooling) serves POST /v1/embeddings (OpenAI's), /pooling, /score (/v1/score) and
-/rerank (/v1/rerank, /v2/rerank) as vLLM's instead (`serving_pooling`). With --enable-lora,
-POST /v1/load_lora_adapter and /v1/unload_lora_adapter, as vLLM's.
-With --api-key, the /v1 routes need `Authorization: Bearer KEY` (else 401), as in vLLM.
-
-Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: invalid requests
-(malformed JSON and wrong types included, which FastAPI would answer with 422) get 400
-BadRequestError, and so do a field this server does not implement set to anything but its
-default, a prompt whose length plus max_tokens exceeds max_model_len, and a request over one
-of the request limits (the "request limits" flags: `InputLimits`, `ServerLimits`); an unknown
-model name gets 404 NotFoundError, as OpenAI and vLLM answer it; a dead engine gets 500. A
-client that disconnects aborts its request in the engine.
+Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for invalid
+requests (malformed JSON and wrong types included, which FastAPI would answer with 422),
+unimplemented fields set to a non-default, prompts over `max_model_len` and requests over a
+limit (`InputLimits`, `ServerLimits`); 404 for an unknown model name; 401 without the
+`--api-key`; 500 for a dead engine (/health: 503, with the dead cores under data parallelism).
+A client that disconnects aborts its request.
 """
 
 import argparse

@@ -1,15 +1,11 @@
 """Request and response models of the OpenAI API subset this server implements.
 
-Pydantic checks types (strictly: "5" is not an integer, as in OpenAI's API) and that every
-integer fits an int64 (what the engine carries); value ranges are checked once, by
-`SamplingParams` and the engine's processor (with its `InputLimits`), whose ValueErrors the
-server answers with 400. A null field means "not given", as many clients send it.
-
-Nothing a request asks for is silently dropped. The models declare the fields of OpenAI's and
-vLLM's APIs that change what is generated; those this server does not implement are marked
-`Unsupported`, and a request that sets one to anything but its default gets a 400 naming it.
-Fields we do not know, and those that do not change the output (`user`, `store`, `metadata`,
-`service_tier`), are ignored with a warning in the log, as vLLM does.
+Types are strict ("5" is not an integer) and every integer fits an int64; value ranges are
+checked once, by `SamplingParams` and the processor, whose ValueErrors become 400s. Null means
+"not given". Fields of OpenAI's and vLLM's APIs that change the output but are not implemented
+are `Unsupported`: set to anything but their default, a 400 naming them. Unknown fields and
+those that do not change the output (`user`, `store`, `metadata`, `service_tier`) are ignored
+with a warning, as vLLM does.
 """
 
 import json

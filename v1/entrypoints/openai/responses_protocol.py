@@ -1,13 +1,10 @@
-"""Request, response and stream-event models of OpenAI's Responses API (POST /v1/responses),
-the text-in, text-out subset this server implements, stateless as vLLM's is by default.
+"""Request, response and stream-event models of OpenAI's Responses API (POST /v1/responses): the
+stateless text-in, text-out subset, as vLLM serves it by default.
 
-The request's input is a string (one user message) or a list of message items, each with a
-role (user, system, developer, assistant) and string content or `input_text` /
-`output_text` parts; `instructions` become a system message before them. Other item and
-part kinds (images, files, function calls, reasoning) get a 400 naming them, as do tools
-and fields that need stored responses (`previous_response_id`, `background`,
-`conversation`). `store: true` (OpenAI's default) is accepted and not honoured, as vLLM
-does with its store disabled (the default): the response says `"store": false`.
+Input is a string or message items (user, system, developer, assistant; string content or
+`input_text` / `output_text` parts), `instructions` a system message before them. Other item
+kinds, tools and fields needing stored responses get a 400 naming them; `store: true` is
+accepted and not honoured (the response says `"store": false`).
 """
 
 from typing import Annotated, Any, ClassVar, Literal

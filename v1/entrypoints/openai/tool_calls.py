@@ -1,24 +1,18 @@
 """Tool calling for chat completions: OpenAI's `tools` and `tool_choice`, as vLLM serves them.
 
 - `"none"`: the tools still reach the chat template; the output is plain text.
-- a named function: the output is constrained (structured output) to the function's
-  `parameters` schema, so it *is* the call's arguments.
-- `"required"`: constrained to a JSON array of `{"name": ..., "parameters": {...}}`, each
-  one of the tools with its own schema; at least one call.
-- `"auto"` (the default when tools are given; needs `--enable-auto-tool-choice
-  --tool-call-parser hermes`): the model writes freely and a parser lifts Hermes-style
-  blocks out of its text:
+- a named function: the output is constrained to its `parameters` schema: it *is* the
+  call's arguments.
+- `"required"`: constrained to a JSON array of `{"name": ..., "parameters": {...}}`, each one
+  of the tools with its schema; at least one call.
+- `"auto"` (needs `--enable-auto-tool-choice --tool-call-parser hermes`): the model writes
+  freely and a parser lifts Hermes-style `<tool_call>{"name": ..., "arguments": ...}
+  </tool_call>` blocks out of its text; `strict` functions are held to their name and schema
+  there by a structural tag.
 
-      Let me look that up.<tool_call>
-      {"name": "get_weather", "arguments": {"city": "Paris"}}
-      </tool_call>
-
-  Functions marked `strict` are enforced there too: a structural tag (structured output)
-  leaves the text free but holds every opened call to a tool's name and schema.
-
-Each choice's text goes through one incremental extractor (`feed` the text deltas, then
-`finish`), which returns content and tool-call deltas in OpenAI's streaming shape. A
-non-streamed response is the sum of the same deltas, so both agree on every output.
+Each choice's text goes through one incremental extractor (`feed` deltas, then `finish`),
+returning content and tool-call deltas in OpenAI's streaming shape; a non-streamed response is
+the sum of the same deltas, so both agree.
 """
 
 import dataclasses

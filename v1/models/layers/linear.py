@@ -1,20 +1,15 @@
 """The layers that hold a weight matrix, `Linear` and `VocabEmbedding`, each keeping exactly one
 copy of its weight, in the form its matmul reads:
-
-- fp32 on CPU: a oneDNN-packed copy (`PackedWeight`), and no plain one. MKL (behind F.linear)
-  repacks the weight on every call and takes slower code paths on this AMD CPU; oneDNN against
-  a copy packed once took 0.4-0.6x F.linear's time from 4 to 2048 rows for the default model's
-  shapes (bench/bench_linear.py), so the packed copy serves every batch size;
-- the vocabulary matrix in fp32 (`VocabEmbedding`): plain, since lookups read its rows; as the
-  tied LM head it goes through oneDNN too (0.6-1.0x the packed copy's time, 0.3-0.6x
-  F.linear's: one copy of 113 MB for the default model instead of two);
-- quantized (`quantization="gguf"` / `"int8"`): `QuantizedWeight` blocks, as the GGUF file
-  stores them or made at load (Q8_0), and no fp32 copy at all;
+- fp32 on CPU: a oneDNN-packed copy (`PackedWeight`), no plain one (faster than F.linear at
+  every batch size here: docs/benchmarks.md, linear layers);
+- the vocabulary matrix in fp32: plain, since lookups read its rows; as the tied LM head it
+  goes through oneDNN too, so the model keeps one copy;
+- quantized (`quantization="gguf"` / `"int8"`): `QuantizedWeight` blocks, no fp32 copy;
 - anything else (CUDA, 16-bit dtypes): the plain weight, through F.linear.
 
-Loading: the model writes checkpoint rows into `weight` (a Parameter; fused projections arrive
-in pieces) and, once the last row is in, calls `finish_loading`, which turns it into its final
-form and frees the plain weight; GGUF blocks go in through `load_blocks` instead.
+Loading: the model writes checkpoint rows into `weight` (fused projections arrive in pieces)
+and, once the last row is in, calls `finish_loading`, which makes the final form and frees the
+plain weight; GGUF blocks go in through `load_blocks`.
 """
 
 import torch

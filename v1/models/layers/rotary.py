@@ -1,15 +1,10 @@
-"""Rotary position embeddings: the frequencies of each `rope_type`, as transformers computes
-them, and a cos/sin table for every position the model can see.
+"""Rotary position embeddings: the frequencies of each `rope_type` (default, linear, dynamic,
+llama3, yarn), computed with transformers' own operations in the same order so the tables
+match it bit for bit in fp32, and a cos/sin table for every position the model can see.
 
-Supported `rope_type`s: default, linear, dynamic (NTK), llama3, yarn. Every frequency is
-computed with transformers' own operations in the same order, so the tables (and hence the
-logits) match it bit for bit in fp32.
-
-`dynamic` needs a word: transformers recomputes its frequencies only once a sequence grows
-past `max_position_embeddings`, and `max_model_len` never exceeds that, so within what the
-engine runs it is the unscaled table (computed by transformers' formula at that length, which
-leaves the base unchanged). `longrope` (Phi-3 128k) switches tables by the current batch's
-length, which a prefix cache cannot follow (a cached key would need re-rotating): refused.
+`dynamic` is the unscaled table here: transformers rescales only past
+`max_position_embeddings`, which `max_model_len` never exceeds. `longrope` (Phi-3 128k) is
+refused: it switches tables by the batch's length, which cached keys cannot follow.
 """
 
 import math

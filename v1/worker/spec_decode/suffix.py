@@ -1,21 +1,16 @@
 """Suffix decoding's draft source: suffix trees over this request's tokens and recent requests.
 
-SuffixDecoding (Snowflake's Arctic Inference, vLLM's `method: "suffix"`) keeps two indexes:
-one over the running request's own prompt and output (prompt lookup, but counted), and one
-shared by all requests over earlier requests' answers, so a question asked before gets the
-earlier answer as its draft. Each index is a trie of the windows `seq[i : i + max_tree_depth]`
-starting at every position, each trie node counting the windows that pass through it. A draft
-matches the context's last tokens in a trie and follows the most frequent child while the
-running product of `child.count / node.count` stays at or above `min_token_prob`.
+SuffixDecoding (Arctic Inference, vLLM's `method: "suffix"`) keeps two indexes: one over the
+running request's own prompt and output, and one shared over earlier requests' answers, so a
+question asked before gets the earlier answer as its draft. Each indexes the windows
+`seq[i : i + max_tree_depth]` at every position, each node counting the windows through it. A
+draft matches the context's last tokens and follows the most frequent child while the running
+product of `child.count / node.count` stays at or above `min_token_prob`.
 
-The structure, chosen by measurement (bench/bench_suffix_index.py): a plain trie of depth 24
-costs a Python object per (position, depth): ~55 ms and ~36k objects to index a 1500-token
-prompt, and as many again for every repeated stretch. Here the trie is compressed, as a
-suffix tree: a chain of trie nodes with one count is one `_Node` whose tokens are a slice of a
-sequence it indexes (`seq[lo:hi]`), and a path only one window takes is a leaf, the tuple
-`(seq, start)` naming that window. So a token costs about one leaf and at most one node
-whether or not its text repeats, and adding one token to a sequence takes one step per window
-still growing (the last `max_tree_depth - 1`), each O(1).
+The trie is compressed: a chain of nodes with one count is one `_Node` holding a slice of a
+sequence (`seq[lo:hi]`), and a path only one window takes is a leaf `(seq, start)`. A token
+costs about one leaf and at most one node, and appending one takes O(1) per window still
+growing (a plain trie's cost: docs/benchmarks.md, suffix index).
 """
 
 from collections import deque
@@ -495,11 +490,7 @@ class SuffixProposer:
 
     Memory: about one leaf and at most one node per indexed token, ~187 bytes per token
     of the shared tree; it holds at most `max_cached_requests` sequences of
-    `max_cached_tokens` tokens in all. Cost (bench/bench_suffix_index.py, CPU time on the
-    loaded 2-core dev machine): ~3 ms to index a 1500-token prompt at its first call; per
-    decode step ~20-25 us, ~60 us while the output copies its own prompt (every growing
-    window then advances through shared text); ~1-4 ms per `finish` (the answer added, the
-    oldest evicted).
+    `max_cached_tokens` tokens in all. Its costs per call: docs/benchmarks.md (suffix index).
     """
 
     def __init__(
