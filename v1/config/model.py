@@ -111,7 +111,7 @@ class ModelConfig:
     quantization: str | None = None  # None: chosen by the loader for the model's files
     seed: int = 0
     runner: str = "generate"
-    pooler_config: PoolerConfig | None = None
+    pooler_config: PoolerConfig | dict[str, Any] | None = None  # a dict: made a PoolerConfig
 
     def __post_init__(self) -> None:
         check_device(self.device)
