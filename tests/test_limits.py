@@ -1,4 +1,4 @@
-"""`v1.limits`: the cheap checks that run before tokenizing or parsing a grammar."""
+"""`v1.config.limits`: the cheap checks that run before tokenizing or parsing a grammar."""
 
 import json
 
@@ -7,7 +7,7 @@ from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from v1.config import EngineArgs
-from v1.limits import (
+from v1.config.limits import (
     InputLimits,
     check_json_spec,
     check_text,

@@ -4,8 +4,8 @@ through EngineArgs, LLM and `serve --speculative-config`."""
 import pytest
 
 from v1.config import EngineArgs, SpeculativeConfig
+from v1.config.speculative import DEFAULT_SUFFIX_MAX_CACHED_TOKENS
 from v1.entrypoints.openai.api_server import make_parser
-from v1.speculative_config import DEFAULT_SUFFIX_MAX_CACHED_TOKENS
 from v1.worker.spec_decode.proposer import make_proposer
 
 

@@ -23,6 +23,8 @@ def looks_like_repo_id(model: str) -> bool:
 def hub_cache_dir() -> Path:
     """Where huggingface_hub keeps models, as it reads its environment variables (read now, not
     at import, so that a changed environment counts)."""
+    # huggingface_hub's own variables, read as it reads them so that both find one cache:
+    # not v1's, so not in v1.envs (which holds v1's settings).
     env = os.environ
     cache = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE")
     if not cache:

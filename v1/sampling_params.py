@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from v1.limits import INT64_MAX, INT64_MIN, InputLimits, check_json_spec, check_text
+from v1.config.limits import INT64_MAX, INT64_MIN, InputLimits, check_json_spec, check_text
 
 _GREEDY_EPS = 1e-5
 _INF = float("inf")

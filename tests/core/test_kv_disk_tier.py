@@ -276,12 +276,15 @@ def test_without_a_tier_nothing_is_handed_out():
 
 def test_a_directory_that_cannot_be_written_is_refused(tmp_path):
     from v1.config import EngineArgs
+    from v1.worker.kv_disk_store import open_kv_cache_dir
 
     a_file = tmp_path / "a_file"
     a_file.write_text("")
     for bad in (a_file, a_file / "below"):  # (root may write anywhere: no chmod here)
         with pytest.raises(ValueError, match=f"kv_cache_dir '{bad}' cannot be created"):
-            EngineArgs(kv_cache_dir=str(bad))
+            open_kv_cache_dir(str(bad))
+    assert open_kv_cache_dir(str(tmp_path / "new" / "dir")) == tmp_path / "new" / "dir"
+    assert (tmp_path / "new" / "dir").is_dir()
     with pytest.raises(ValueError, match="kv_cache_disk_bytes needs kv_cache_dir"):
         EngineArgs(kv_cache_disk_bytes=1 << 30)
     with pytest.raises(ValueError, match="kv_cache_disk_bytes must be an integer >= 1, got 0"):

@@ -164,3 +164,14 @@ def test_other_requests_keep_running_while_one_reads(default_model, tmp_path):
 def test_bad_bounds_are_refused(default_model, tmp_path, options, message):
     with pytest.raises(ValueError, match=message):
         engine(default_model, tmp_path, **options)
+
+
+
+def test_a_directory_that_cannot_be_written_fails_before_the_model_loads(
+    default_model_path, tmp_path, monkeypatch
+):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    monkeypatch.setattr("v1.engine.core.load_model", lambda *a, **k: pytest.fail("loaded"))
+    with pytest.raises(ValueError, match=f"kv_cache_dir '{a_file}' cannot be created"):
+        LLM(str(default_model_path), kv_cache_dir=str(a_file), multiprocess=False)

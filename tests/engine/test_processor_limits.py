@@ -4,8 +4,8 @@ get it as it is, the server as a 400."""
 
 import pytest
 
+from v1.config.limits import InputLimits
 from v1.engine.processor import Processor
-from v1.limits import InputLimits
 from v1.sampling_params import SamplingParams, StructuredOutputsParams
 
 SMALL = InputLimits(

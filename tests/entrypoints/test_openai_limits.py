@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from v1.limits import InputLimits
+from v1.config.limits import InputLimits
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 

@@ -28,11 +28,11 @@ from v1 import (
     TextPrompt,
     TokensPrompt,
 )
+from v1.config.ignored_options import IGNORED_OPTIONS
 from v1.distributed import cleanup_dist_env_and_memory
 from v1.engine.arg_utils import AsyncEngineArgs
 from v1.engine.async_llm import AsyncLLM
 from v1.entrypoints.llm import LLM
-from v1.ignored_options import IGNORED_OPTIONS
 from v1.metrics.reader import Counter, Gauge, Histogram, Vector, get_metrics_snapshot
 from v1.platforms import current_platform
 from v1.utils import random_uuid

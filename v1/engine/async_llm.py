@@ -26,13 +26,13 @@ from contextlib import aclosing
 from typing import Any, ParamSpec, TypeVar
 
 from v1.config import EngineArgs
+from v1.config.limits import DEFAULT_LIMITS, InputLimits
 from v1.engine.core_client import AsyncMPClient
 from v1.engine.dp_client import DPAsyncMPClient
 from v1.engine.dp_router import check_data_parallel_rank
 from v1.engine.exceptions import EngineCoreDeadError, EngineDeadError
 from v1.engine.output_processor import IterationStats, OutputProcessor
 from v1.engine.processor import Processor, PromptType
-from v1.limits import DEFAULT_LIMITS, InputLimits
 from v1.lora.request import LoRARequest
 from v1.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput, SchedulerStats
 from v1.pooling_params import PoolingParams

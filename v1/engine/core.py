@@ -79,7 +79,7 @@ import torch
 import zmq
 
 from v1 import heap
-from v1.config import EngineArgs, check_kv_cache_dir
+from v1.config import EngineArgs
 from v1.core.kv_disk_index import DiskBlockIndex
 from v1.core.sched.output import SchedulerOutput
 from v1.core.sched.scheduler import Scheduler
@@ -88,11 +88,18 @@ from v1.engine.preload import preload_token_ids
 from v1.engine.structured_output import StructuredOutputManager
 from v1.lora.request import LoRARequest
 from v1.lora.worker_manager import LoRAWorkerManager
-from v1.models.loader import LoadedModel, load_model, resolve_model, resolve_quantization
+from v1.models.loader import (
+    LoadedModel,
+    load_model,
+    resolve_device_and_dtype,
+    resolve_model,
+    resolve_quantization,
+)
 from v1.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerStats
 from v1.pooling_params import PoolerInfo
 from v1.request import EngineCoreRequest
 from v1.sampling_params import SamplingParams
+from v1.worker.kv_disk_store import open_kv_cache_dir
 from v1.worker.model_runner import ModelRunner, attention_impl_for
 
 logger = logging.getLogger("v1")
@@ -108,26 +115,11 @@ UTILITY_METHODS = frozenset({
     "list_loras",
 })
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device_and_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
-    dev = torch.device(device)
-    if dtype == "auto":
-        # bf16 matmul on CPU is many times slower than fp32.
-        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
-    return dev, _DTYPES[dtype]
-
-
 class EngineCore:
     def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None) -> None:
         device, dtype = resolve_device_and_dtype(args.device, args.dtype)
+        # A disk tier that cannot be written fails before the model loads.
+        kv_dir = None if args.kv_cache_dir is None else open_kv_cache_dir(args.kv_cache_dir)
         torch.manual_seed(args.seed)
         if loaded is None:
             path = resolve_model(args.model, args.revision)
@@ -165,12 +157,13 @@ class EngineCore:
             else None
         )
         disk_index = None
-        if args.kv_cache_dir is not None:
-            store = self.model_runner.open_kv_disk(check_kv_cache_dir(args.kv_cache_dir))
-            disk_index = DiskBlockIndex(args.disk_bytes(), store.file_bytes, store.scan())
+        if kv_dir is not None:
+            store = self.model_runner.open_kv_disk(kv_dir)
+            disk_bytes = cache_config.disk_bytes()
+            disk_index = DiskBlockIndex(disk_bytes, store.file_bytes, store.scan())
             logger.info(
                 "disk KV tier: %s, %d blocks of %d bytes on disk, bound %d bytes",
-                store.directory, len(disk_index), store.file_bytes, args.disk_bytes(),
+                store.directory, len(disk_index), store.file_bytes, disk_bytes,
             )
         self.scheduler = Scheduler(
             scheduler_config, cache_config, num_blocks, self.structured_output_manager,

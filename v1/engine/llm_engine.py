@@ -22,13 +22,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from v1.config import EngineArgs
+from v1.config.limits import DEFAULT_LIMITS, InputLimits
 from v1.engine.core_client import EngineCoreClient, InprocClient, SyncMPClient
 from v1.engine.dp_client import DPSyncMPClient
 from v1.engine.dp_router import check_data_parallel_rank
 from v1.engine.exceptions import EngineCoreDeadError
 from v1.engine.output_processor import IterationStats, OutputProcessor
 from v1.engine.processor import Processor, PromptType
-from v1.limits import DEFAULT_LIMITS, InputLimits
 from v1.lora.request import LoRARequest
 from v1.metrics.prometheus import PrometheusMetrics
 from v1.metrics.reader import Metric, get_metrics_snapshot

@@ -1,7 +1,7 @@
 """Frontend input processing: prompts in, validated `EngineCoreRequest`s out.
 
 Every check that can fail on user input happens here, with a ValueError that names the
-value and the limit, before the engine core sees the request: `v1.limits`' among them, each
+value and the limit, before the engine core sees the request: `v1.config.limits`' among them, each
 before the work it bounds. Text becomes token ids only through `encode`, which refuses text
 that is not valid Unicode and a text too long for max_model_len before tokenizing it. It
 also gives each request its internal id (see `EngineCoreRequest`).
@@ -15,9 +15,7 @@ from typing import Any
 
 import jinja2
 
-from v1.engine.structured_output import validate_structured_output_params
-from v1.inputs import PromptType
-from v1.limits import (
+from v1.config.limits import (
     DEFAULT_LIMITS,
     INT64_MAX,
     INT64_MIN,
@@ -25,6 +23,8 @@ from v1.limits import (
     check_text,
     max_chars_per_token,
 )
+from v1.engine.structured_output import validate_structured_output_params
+from v1.inputs import PromptType
 from v1.lora.request import LoRARequest
 from v1.pooling_params import PoolerInfo, PoolingParams
 from v1.request import POOLING_SAMPLING_PARAMS, EngineCoreRequest

@@ -31,7 +31,7 @@ class LLM(PoolingMixin):
     >>> out[0].outputs[0].text
 
     Keyword arguments are the engine options of `EngineArgs` (vLLM's names; those of vLLM's
-    that mean nothing here are accepted as `v1.ignored_options` says). As in vLLM, metrics
+    that mean nothing here are accepted as `v1.config.ignored_options` says). As in vLLM, metrics
     are off unless `disable_log_stats=False`; then `get_metrics()` reads them.
     As in vLLM, the engine core runs in its own process (`SyncMPClient`), which `shutdown()`
     (or leaving a `with` block, or the interpreter's exit) terminates. `multiprocess=False`,

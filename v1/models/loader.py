@@ -34,9 +34,9 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
 
-from v1 import hub
+from v1 import envs, hub
 from v1.attention.backends.abstract import AttentionImpl
-from v1.config import NO_QUANTIZATION, QUANTIZATION_METHODS, cache_root
+from v1.config import NO_QUANTIZATION, QUANTIZATION_METHODS
 from v1.kernels.quant import kernels as quant_kernels
 from v1.models import DecoderForCausalLM, get_model_cls, gguf_conversion
 from v1.models.bert import BertModel
@@ -68,6 +68,21 @@ class LoadedModel:
 
 
 # ---- resolving ----------------------------------------------------------------------------
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device_and_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """The torch device and dtype of ModelConfig's names (checked there): "auto" is CUDA when
+    there is one, and float32 on CPU (bf16 matmuls are many times slower there), bfloat16 on
+    a GPU."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dtype == "auto":
+        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
+    return dev, _DTYPES[dtype]
 
 
 def resolve_model(model: str | os.PathLike[str] | None, revision: str | None = None) -> Path:
@@ -280,7 +295,7 @@ def converted_dir(gguf_path: Path) -> Path:
     st = gguf_path.stat()
     key = f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v{_CONVERSION_VERSION}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return cache_root() / "gguf" / f"{gguf_path.stem}-{digest}"
+    return envs.read().cache_dir / "gguf" / f"{gguf_path.stem}-{digest}"
 
 
 def convert_gguf(gguf_path: Path) -> Path:

@@ -93,6 +93,19 @@ def cache_key_facts(
     }
 
 
+def open_kv_cache_dir(path: str) -> Path:
+    """The disk tier's root directory `path` (kv_cache_dir), created if need be; ValueError
+    naming it when it cannot be written. The engine calls this before the model loads."""
+    root = Path(path).expanduser()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"kv_cache_dir {path!r} cannot be created: {e}") from e
+    if not root.is_dir() or not os.access(root, os.W_OK | os.X_OK):
+        raise ValueError(f"kv_cache_dir {path!r} is not a writable directory")
+    return root
+
+
 class DiskKVStore:
     """The block files of one cache key. `load`, `save`, `delete`, `take_stored` and
     `clear` are called from the step's thread; the writer thread does the writes and

@@ -188,8 +188,13 @@ class ModelRunner:
         budget = cache_config.kv_cache_memory
         if budget is None:
             if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * 0.85)
+                # The weights are loaded by now: they count in what is not free.
+                free, total = torch.cuda.mem_get_info(self.device)
+                utilization = cache_config.gpu_memory_utilization
+                budget = (
+                    int(free * 0.85) if utilization is None
+                    else int(total * utilization) - (total - free)
+                )
             else:
                 budget = _DEFAULT_CPU_KV_CACHE_BYTES
         num_blocks = budget // self.kv_cache_block_bytes()

@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from v1.limits import DEFAULT_LIMITS, INT64_MAX, INT64_MIN, InputLimits, check_json_spec
+from v1.config.limits import DEFAULT_LIMITS, INT64_MAX, INT64_MIN, InputLimits, check_json_spec
 from v1.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("v1.entrypoints.openai")

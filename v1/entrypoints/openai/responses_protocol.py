@@ -11,6 +11,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
+from v1.config.limits import DEFAULT_LIMITS, InputLimits, check_json_spec
 from v1.entrypoints.openai.protocol import (
     EngineRequest,
     Int64,
@@ -18,7 +19,6 @@ from v1.entrypoints.openai.protocol import (
     Unsupported,
     token_id_biases,
 )
-from v1.limits import DEFAULT_LIMITS, InputLimits, check_json_spec
 from v1.sampling_params import SamplingParams, StructuredOutputsParams
 
 # OpenAI's bounds on `metadata`: what a client may attach to a response, echoed back.

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ValidationError
 
+from v1.config.limits import check_limit_fields, limit_field
 from v1.engine.async_llm import AsyncLLM
 from v1.engine.exceptions import EngineDeadError
 from v1.engine.processor import PromptType
@@ -51,7 +52,6 @@ from v1.entrypoints.openai.tool_calls import (
     merge_tool_calls,
     tool_call_extractor,
 )
-from v1.limits import check_limit_fields, limit_field
 from v1.lora.request import LoRARequest
 from v1.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from v1.sampling_params import RequestOutputKind, SamplingParams

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from v1.speculative_config import DEFAULT_SUFFIX_MAX_CACHED_TOKENS
+from v1.config.speculative import DEFAULT_SUFFIX_MAX_CACHED_TOKENS
 
 # A leaf: the window seq[start : start + depth] (or to the end of seq), alone on its path.
 _Leaf = tuple[list[int], int]

@@ -1,9 +1,11 @@
-"""vLLM's `speculative_config` for the draft-free methods: what `EngineArgs.speculative()`
-validates and the model runner's proposers read. Plain data."""
+"""The speculative-decoding group: vLLM's `speculative_config` for the draft-free methods, as
+`EngineArgs.speculative()` validates it and the model runner's proposers read it."""
 
 import math
 from dataclasses import dataclass, fields
 from typing import Any
+
+from v1.config import checks
 
 # speculative_config's methods (vLLM's names): "ngram", drafts from the request's own tokens
 # (prompt lookup); "suffix", drafts from a suffix index over recent requests' prompts and
@@ -44,11 +46,7 @@ class SpeculativeConfig:
         if not isinstance(config, dict | SpeculativeConfig):
             raise ValueError(f"speculative_config must be a dict, got {config!r}")
         method = config.method if isinstance(config, SpeculativeConfig) else config.get("method")
-        if method not in SPECULATIVE_METHODS:
-            raise ValueError(
-                f"speculative_config method must be one of {', '.join(SPECULATIVE_METHODS)}, "
-                f"got {method!r}"
-            )
+        checks.check_choice("speculative_config method", method, SPECULATIVE_METHODS)
         if isinstance(config, SpeculativeConfig):  # built directly: checked all the same
             config._validate()
             return config
@@ -76,14 +74,7 @@ class SpeculativeConfig:
 
     def _validate(self) -> None:
         def check_int(name: str, low: int, high: int | None = None) -> None:
-            value = getattr(self, name)
-            if (
-                not isinstance(value, int) or isinstance(value, bool) or value < low
-                or (high is not None and value > high)
-            ):
-                bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-                raise ValueError(f"speculative_config {name} must be an integer {bound}, "
-                                 f"got {value!r}")
+            checks.check_int(f"speculative_config {name}", getattr(self, name), low, high)
 
         check_int("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
         if self.method == "ngram":

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, NoReturn
 
+from v1.config.checks import check_ints
+
 # The range of the integers the engine core's msgpack messages (and torch) carry.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -27,10 +29,7 @@ def limit_field(default: int, help: str) -> Any:
 
 def check_limit_fields(limits: Any) -> None:
     """Every field of a limits dataclass is an integer >= 1."""
-    for f in fields(limits):
-        value = getattr(limits, f.name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{f.name} must be an integer >= 1, got {value!r}")
+    check_ints(limits, tuple(f.name for f in fields(limits)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ import typing
 from dataclasses import fields
 from typing import Any
 
-from v1.limits import InputLimits
+from v1.config.limits import InputLimits
 
 ENGINE_GROUP = "engine options"
 LIMITS_GROUP = "request limits"

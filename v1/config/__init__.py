@@ -1,0 +1,46 @@
+"""The engine's configuration: one validated dataclass per group, and `EngineArgs`, vLLM's flat
+options, which builds them.
+
+- `model.ModelConfig` (and `PoolerConfig`), `cache.CacheConfig`, `scheduler.SchedulerConfig`,
+  `parallel.ParallelConfig`, `speculative.SpeculativeConfig`, `limits.InputLimits`,
+  `lora.LoRAConfig`: each checks its own values when made (ValueError naming the option, its
+  bound and the value), and only there.
+- `engine_args.EngineArgs`: vLLM's option names and defaults, mapped onto the groups;
+  `cli_args` makes its command line, `ignored_options` lists vLLM's options that mean nothing
+  here.
+
+Plain data: no torch (dtypes are names; the worker and loader make torch dtypes of them), no
+environment reads (v1.envs) and no directories made (the disk tier's opener does that).
+Every layer may import it.
+"""
+
+from v1.config.cache import (
+    DEFAULT_KV_CACHE_DISK_BYTES,
+    KV_CACHE_DTYPES,
+    CacheConfig,
+    kv_cache_dtype_name,
+    load_preload_prompts,
+)
+from v1.config.engine_args import EngineArgs
+from v1.config.limits import DEFAULT_LIMITS, InputLimits
+from v1.config.lora import LoRAConfig
+from v1.config.model import (
+    DTYPES,
+    NO_QUANTIZATION,
+    QUANTIZATION_METHODS,
+    RUNNER_TYPES,
+    ModelConfig,
+    PoolerConfig,
+    dtype_name,
+)
+from v1.config.parallel import DP_ROUTING_POLICIES, ParallelConfig
+from v1.config.scheduler import SCHEDULING_POLICIES, SchedulerConfig
+from v1.config.speculative import SpeculativeConfig
+
+__all__ = [
+    "DEFAULT_KV_CACHE_DISK_BYTES", "DEFAULT_LIMITS", "DP_ROUTING_POLICIES", "DTYPES",
+    "KV_CACHE_DTYPES", "NO_QUANTIZATION", "QUANTIZATION_METHODS", "RUNNER_TYPES",
+    "SCHEDULING_POLICIES", "CacheConfig", "EngineArgs", "InputLimits", "LoRAConfig",
+    "ModelConfig", "ParallelConfig", "PoolerConfig", "SchedulerConfig", "SpeculativeConfig",
+    "dtype_name", "kv_cache_dtype_name", "load_preload_prompts",
+]
