@@ -78,7 +78,7 @@ import msgspec
 import torch
 import zmq
 
-from v1 import heap
+from v1 import memory_trim
 from v1.config import EngineArgs, check_kv_cache_dir
 from v1.core.kv_disk_index import DiskBlockIndex
 from v1.core.sched.output import SchedulerOutput
@@ -439,7 +439,7 @@ class EngineCoreProc:
         self.clients: set[int] = set()  # said HELLO; they get the death notice
         # Whenever the core goes idle: what large requests freed (their grammars, prompts'
         # activations) goes back to the OS, rather than stay in malloc's arenas for good.
-        self._idle_trim = heap.IdleTrim()
+        self._idle_trim = memory_trim.IdleTrim()
         # Clients whose READY our output socket could not route yet -> when to give up.
         self._unready: dict[int, float] = {}
         self._encoder = msgspec.msgpack.Encoder()

@@ -43,7 +43,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
-from v1 import heap
+from v1 import memory_trim
 from v1.config import EngineArgs
 from v1.engine.async_llm import AsyncLLM
 from v1.engine.dp_headless import run_headless
@@ -354,13 +354,14 @@ class _BodySizeLimit:
 
 
 class _TrimWhenIdle:
-    """Whenever the last request in flight ends, `heap.trim` gives what the requests freed back
-    to the OS (a 5 MB /tokenize left ~400 MB in malloc's arenas). On a worker thread, as a
-    trim after a large request takes ~0.1 s; one at a time, and once more after one that was
-    still running when the server went idle again. Unlike the engine core (`heap.IdleTrim`,
-    which waits for growth past a slack), the frontend trims at every idle moment: its
-    ordinary requests free little, so a trim costs ~0.1 ms; and a trim that ran while the
-    next request was already at work must not make the next idle moment skip its own."""
+    """Whenever the last request in flight ends, `memory_trim.trim` gives what the requests
+    freed back to the OS (a 5 MB /tokenize left ~400 MB in malloc's arenas). On a worker
+    thread, as a trim after a large request takes ~0.1 s; one at a time, and once more after
+    one that was still running when the server went idle again. Unlike the engine core
+    (`memory_trim.IdleTrim`, which waits for growth past a slack), the frontend trims at
+    every idle moment: its ordinary requests free little, so a trim costs ~0.1 ms; and a
+    trim that ran while the next request was already at work must not make the next idle
+    moment skip its own."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -385,7 +386,7 @@ class _TrimWhenIdle:
             self._idle_again = True
             return
         self._idle_again = False
-        self._trimming = asyncio.get_running_loop().run_in_executor(None, heap.trim)
+        self._trimming = asyncio.get_running_loop().run_in_executor(None, memory_trim.trim)
         self._trimming.add_done_callback(self._trimmed)
 
     def _trimmed(self, _: "asyncio.Future[bool]") -> None:  # on the event loop
