@@ -14,8 +14,8 @@ installs those whose module is missing into `--target`, which then goes on PYTHO
 for several Python versions can share the folder: pip picks the ones that fit the interpreter.
 
 The pins are the versions the project's venv was tested with. msgspec (the engine's message
-structs, `v1.request`, `v1.outputs`) and pyzmq (`v1.engine.core`) are imported by the engine
-core even in-process; xgrammar (imported by the engine core for structured output) needs
+structs, `v1.request`, `v1.outputs`) and pyzmq (`v1.engine.core_client`) are imported by the
+engine even in-process; xgrammar (imported by the engine core for structured output) needs
 pydantic and apache-tvm-ffi; gguf is only read when a GGUF file is loaded.
 """
 
