@@ -1,7 +1,8 @@
 """Prefix-aware admission: the order in which the scheduler tries a window of waiting requests.
 
 SGLang's cache-aware ("longest prefix match") policy, bounded so that nobody starves
-(`SchedulerConfig.enable_prefix_aware_scheduling`; the loop is `Scheduler._schedule_waiting`):
+(`SchedulerConfig.enable_prefix_aware_scheduling`; the loop is
+`WaitingAdmission.schedule_waiting`):
 
 - Ranking. A waiting request's cached prefix is the run of its leading full blocks in the
   prefix cache (computed, or scheduled earlier in this step). The scheduler takes the first
