@@ -44,6 +44,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
 from v1 import memory_trim
+from v1.compat.utils import FlexibleArgumentParser
 from v1.config import EngineArgs
 from v1.engine.async_llm import AsyncLLM
 from v1.engine.dp_headless import run_headless
@@ -82,8 +83,6 @@ from v1.entrypoints.openai.serving_responses import OpenAIServingResponses
 from v1.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from v1.metrics.prometheus import PrometheusMetrics
 from v1.models.loader import resolve_model
-from v1.utils.argparse_utils import FlexibleArgumentParser
-from v1.utils.network_utils import tcp_port
 
 T = TypeVar("T")
 
@@ -465,6 +464,18 @@ def build_app(
         app.add_middleware(_APIKeyCheck, api_key=api_key)
     app.add_middleware(_TrimWhenIdle)
     return app
+
+
+def tcp_port(text: str) -> int:
+    """A command-line TCP port (`--port`): argparse reports anything but 1..65535 as a
+    usage error naming the value."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = 0
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"must be a TCP port (1-65535), got {text!r}")
+    return port
 
 
 def make_parser(prog: str = "v1 serve") -> argparse.ArgumentParser:
