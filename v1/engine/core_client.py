@@ -16,7 +16,6 @@ it at once. Importing this module changes nothing in the process's environment.
 
 import asyncio
 import itertools
-import logging
 import queue
 import shutil
 import tempfile
@@ -50,8 +49,6 @@ from v1.models.loader import LoadedModel, load_tokenizer
 from v1.outputs import EngineCoreOutputs
 from v1.pooling_params import PoolerInfo
 from v1.request import EngineCoreRequest
-
-logger = logging.getLogger("v1")
 
 
 class ModelInfo(NamedTuple):
