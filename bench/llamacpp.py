@@ -10,9 +10,9 @@ Two ways to run it, both on the GGUF file the engine runs:
 - `server`: `llama-server` with `parallel` slots (continuous batching), OpenAI-compatible.
 
 Clean environment: both start without the OMP_*/GOMP_*/KMP_* variables of this process.
-`import v1` (v1.engine.core_client) and bench/common.py put OMP_WAIT_POLICY=PASSIVE in
-os.environ for the engine's own libgomp; llama.cpp's OpenMP threads then sleep between its
-many small parallel regions and a llama.cpp started with it ran ~3x slower here. llama.cpp
+bench/common.py (as the `v1` command) puts OMP_WAIT_POLICY=PASSIVE in os.environ for the
+engine's own libgomp; llama.cpp's OpenMP threads then sleep between its many small parallel
+regions and a llama.cpp started with it ran ~3x slower here. llama.cpp
 runs under its own defaults instead, with all cores (`threads`: os.cpu_count() unless given;
 llama-cpp-python's own default is half of them).
 

@@ -225,7 +225,7 @@ def test_helpdesk_questions_repeat_earlier_ones_verbatim():
 
 
 def test_llamacpp_starts_without_this_process_openmp_settings(monkeypatch):
-    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # what `import v1` sets
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # what bench/common.py sets
     monkeypatch.setenv("GOMP_SPINCOUNT", "0")
     env = llamacpp.clean_env()
     assert not [k for k in env if k.startswith(("OMP_", "GOMP_"))]

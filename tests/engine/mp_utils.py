@@ -11,8 +11,8 @@ import pytest
 import zmq
 
 from v1 import LLM, SamplingParams
-from v1.engine.core import output_address
 from v1.engine.exceptions import EngineCoreDeadError
+from v1.engine.protocol import output_address
 
 # Small KV caches: engine processes start fast and several fit in memory at once.
 # Float weights ("none", not the .gguf file's default blocks): the engine processes these tests

@@ -22,9 +22,10 @@ from tests.engine.mp_utils import (
 )
 from tests.entrypoints.conftest import QUESTIONS, SYSTEM
 from v1 import LLM
-from v1.engine.core import EngineCore, output_address
+from v1.engine.core import EngineCore
 from v1.engine.dp_client import DPSchedulerStats, DPSyncMPClient
 from v1.engine.exceptions import EngineCoreDeadError, EngineDeadError
+from v1.engine.protocol import output_address
 
 pytestmark = pytest.mark.model
 

@@ -296,6 +296,6 @@ def test_startup_failure_is_the_engines_value_error():
 
 
 def test_connect_to_nothing_times_out(monkeypatch, tmp_path):
-    monkeypatch.setattr("v1.engine.core_client.CONNECT_TIMEOUT_S", 0.3)
+    monkeypatch.setattr("v1.engine.transport.CONNECT_TIMEOUT_S", 0.3)
     with pytest.raises(TimeoutError, match="no engine core answered"):
         SyncMPClient(address=f"ipc://{tmp_path}/nothing")

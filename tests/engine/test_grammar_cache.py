@@ -4,11 +4,8 @@ from concurrent.futures import Future
 
 import pytest
 
-from v1.engine.structured_output import (
-    CACHE_MB_ENV,
-    StructuredOutputManager,
-    cache_limit_bytes_from_env,
-)
+from v1 import envs
+from v1.engine.structured_output import StructuredOutputManager
 from v1.request import Request
 from v1.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -93,12 +90,15 @@ def test_a_compilation_in_flight_is_reused_and_never_evicted(manager):
     assert len(m.cache) == 0  # weighed once done: over the limit, dropped
 
 
+CACHE_MB_ENV = "VLLM_XGRAMMAR_CACHE_MB"
+
+
 def test_limit_from_the_environment(monkeypatch):
     monkeypatch.delenv(CACHE_MB_ENV, raising=False)
-    assert cache_limit_bytes_from_env() == 512 << 20  # vLLM's default
+    assert envs.read().xgrammar_cache_mb == 512  # vLLM's default
     monkeypatch.setenv(CACHE_MB_ENV, "3")
-    assert cache_limit_bytes_from_env() == 3 << 20
+    assert envs.read().xgrammar_cache_mb == 3
     for bad in ("-1", "1.5", "lots"):
         monkeypatch.setenv(CACHE_MB_ENV, bad)
         with pytest.raises(ValueError, match=CACHE_MB_ENV):
-            cache_limit_bytes_from_env()
+            envs.read()

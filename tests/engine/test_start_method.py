@@ -24,7 +24,7 @@ from tests.engine.mp_utils import (
 )
 from v1 import LLM, SamplingParams
 from v1.config import EngineArgs
-from v1.engine import core_client
+from v1.engine import launch
 from v1.engine.core_client import AsyncMPClient, SyncMPClient
 
 METHOD_ENV = "V1_WORKER_MULTIPROC_METHOD"
@@ -132,19 +132,19 @@ def test_both_methods_match_inproc_and_end_with_their_script(inproc_tokens):
 
 def test_unknown_method_is_a_value_error(monkeypatch):
     monkeypatch.setenv(METHOD_ENV, "forkserver")
-    with pytest.raises(ValueError, match=f"{METHOD_ENV}='forkserver'.*'fork', 'spawn'"):
+    with pytest.raises(ValueError, match=f"{METHOD_ENV}='forkserver'.*'fork' or 'spawn'"):
         SyncMPClient(EngineArgs(model="/no/such/model"))
 
 
 @pytest.mark.parametrize("asked", [None, "fork"])
 def test_fork_falls_back_to_spawn_once_cuda_is_initialised(asked, monkeypatch, caplog):
     monkeypatch.delenv(METHOD_ENV, raising=False)
-    assert core_client.engine_start_method().name == "fork"
+    assert launch.engine_start_method().name == "fork"
     if asked:
         monkeypatch.setenv(METHOD_ENV, asked)
     monkeypatch.setattr("torch.cuda.is_initialized", lambda: True)
     with caplog.at_level(logging.WARNING, logger="v1"):
-        method = core_client.engine_start_method()
+        method = launch.engine_start_method()
     assert method.name == "spawn" and "CUDA is initialised" in method.reason
     assert "'spawn', not 'fork'" in caplog.text and "CUDA is initialised" in caplog.text
 
@@ -177,8 +177,8 @@ def test_forked_engine_leaves_the_parents_signal_handlers_alone(default_model_pa
 
 
 # Reports the OpenMP wait policy in the environment as torch loads (libgomp reads it then),
-# after `from v1 import LLM`, in a subprocess the script starts after that, and in the
-# environment a spawned engine process starts with.
+# after `from v1 import LLM`, in a subprocess the script starts after that, in the
+# environment a spawned engine process starts with, and after that start.
 POLICY_AT_TORCH_LOAD = """
 import os, subprocess, sys
 
@@ -192,25 +192,51 @@ sys.meta_path.insert(0, Spy())
 from v1 import LLM
 print(os.environ.get("OMP_WAIT_POLICY"))
 subprocess.run([sys.executable, "-c", "import os; print(os.environ.get('OMP_WAIT_POLICY'))"])
-from v1.engine.core_client import _engine_environment
-with _engine_environment():
+from v1.engine.launch import spawn_environment
+with spawn_environment():
     print(os.environ.get("OMP_WAIT_POLICY"))
 print(os.environ.get("OMP_WAIT_POLICY"))
 """
 
+# The same spy around the `v1` command (`v1 serve --help` loads the server, torch with it).
+POLICY_OF_THE_COMMAND = """
+import os, sys
 
-def test_openmp_waits_passively_unless_told_otherwise():
-    # Forked engines inherit the policy torch loaded with, spawned ones get it in their
-    # environment: a spinning one takes the CPU from the frontend (generation 5x slower on 2
-    # cores). The user's own subprocesses do not: the environment is as it was (a llama.cpp
-    # under PASSIVE ran ~3x slower).
-    for policy, expected in [(None, ["PASSIVE", "None", "None", "PASSIVE", "None"]),
-                             ("ACTIVE", ["ACTIVE"] * 5)]:
-        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-        if policy is not None:
-            env["OMP_WAIT_POLICY"] = policy
-        out = subprocess.run(
-            [sys.executable, "-c", POLICY_AT_TORCH_LOAD], env=env, capture_output=True,
-            text=True, timeout=120, check=True,
-        ).stdout
-        assert out.split() == expected
+class Spy:
+    def find_spec(self, name, path, target=None):
+        if name == "torch":
+            print(os.environ.get("OMP_WAIT_POLICY"), flush=True)
+            sys.meta_path.remove(self)
+
+sys.meta_path.insert(0, Spy())
+from v1.__main__ import main
+main(["serve", "--help"])
+"""
+
+
+def policies(script: str, policy: str | None) -> list[str]:
+    """What `script` prints, run with OMP_WAIT_POLICY=policy (None: unset)."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if policy is not None:
+        env["OMP_WAIT_POLICY"] = policy
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120,
+        check=True,
+    ).stdout
+    return out.split()
+
+
+def test_openmp_waits_passively_in_engines_unless_told_otherwise():
+    # A spawned engine gets the passive policy in its environment: a spinning one takes the
+    # CPU from the frontend (generation 5x slower on 2 cores). The library leaves the
+    # caller's environment as it is, at import too, and so do its own subprocesses (a
+    # llama.cpp under PASSIVE ran ~3x slower); a policy the user set is kept everywhere.
+    assert policies(POLICY_AT_TORCH_LOAD, None) == ["None", "None", "None", "PASSIVE", "None"]
+    assert policies(POLICY_AT_TORCH_LOAD, "ACTIVE") == ["ACTIVE"] * 5
+
+
+def test_the_v1_command_loads_torch_with_the_passive_policy():
+    # A program of ours (the server) owns its process: its torch, and the engines it forks,
+    # wait passively.
+    assert policies(POLICY_OF_THE_COMMAND, None)[0] == "PASSIVE"
+    assert policies(POLICY_OF_THE_COMMAND, "ACTIVE")[0] == "ACTIVE"

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from v1 import LLM, SamplingParams
-from v1.engine.core_client import engine_start_method
+from v1.engine.launch import engine_start_method
 from v1.hub import hub_cache_dir
 from v1.models.loader import resolve_model
 

@@ -1,22 +1,5 @@
-"""vLLM's `vllm.distributed` names that scripts use between engines. An engine core runs in
-one process on one device, so there is no process group to tear down."""
+"""vLLM's `vllm.distributed`: re-exported from `v1.compat.distributed`."""
 
-import gc
+from v1.compat.distributed import cleanup_dist_env_and_memory
 
-
-def cleanup_dist_env_and_memory(shutdown_ray: bool = False) -> None:
-    """vLLM's: release what engines already dropped (`del llm`) before the next starts. A
-    collection runs the dropped engines' finalizers, which terminate their engine-core
-    processes, then the CUDA caching allocator (if any) returns its free memory. With
-    `shutdown_ray`, Ray (if this process started it) is shut down too."""
-    gc.collect()
-    import torch  # here: importing v1.distributed stays cheap
-
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    if shutdown_ray:
-        try:
-            import ray
-        except ImportError:
-            return
-        ray.shutdown()
+__all__ = ["cleanup_dist_env_and_memory"]

@@ -28,11 +28,9 @@ from concurrent.futures import Future
 from typing import Any
 
 from v1.config import EngineArgs
-from v1.engine.core import remove_socket_files
 from v1.engine.core_client import (
     AsyncDelivery,
     EngineCoreClient,
-    EngineLaunch,
     ModelInfo,
     MPClient,
     SyncDelivery,
@@ -41,6 +39,8 @@ from v1.engine.dp_headless import RegistrationServer
 from v1.engine.dp_launch import cores_for, wait_all
 from v1.engine.dp_router import DPRouter, LoadGuard
 from v1.engine.exceptions import EngineCoreDeadError, EngineDeadError
+from v1.engine.launch import EngineLaunch
+from v1.engine.protocol import remove_socket_files
 from v1.outputs import EngineCoreOutputs, SchedulerStats
 from v1.request import EngineCoreRequest
 

@@ -87,7 +87,7 @@ class RegistrationServer:
 def run_headless(args: EngineArgs) -> None:
     """`python -m v1 serve --headless`: start this host's cores, register them with the
     frontend, serve until the frontend goes away or a signal comes."""
-    from v1.engine.core_client import EngineLaunch, _stop_process
+    from v1.engine.launch import EngineLaunch, stop_process
 
     local = args.data_parallel_size_local
     if local is None or local < 1:
@@ -140,5 +140,5 @@ def run_headless(args: EngineArgs) -> None:
             if proc.is_alive():
                 proc.terminate()
         for proc in procs:
-            _stop_process(proc)
+            stop_process(proc)
         ctx.destroy(linger=0)

@@ -9,7 +9,7 @@ from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # a type only: this module stays light (no torch) for dp_headless
-    from v1.engine.core_client import EngineLaunch
+    from v1.engine.launch import EngineLaunch
 
 
 def cores_for(num_engines: int) -> int:

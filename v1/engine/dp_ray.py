@@ -30,7 +30,8 @@ class EngineCoreActor:
         import ray
         import torch
 
-        from v1.engine.core import EngineCore, EngineCoreProc
+        from v1.engine.core import EngineCore
+        from v1.engine.core_proc import EngineCoreProc
         from v1.engine.dp_launch import free_port_pair
 
         torch.set_num_threads(num_threads)

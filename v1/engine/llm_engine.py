@@ -16,11 +16,11 @@ and a core that dies fails the requests it held: `step()` raises its `EngineCore
 once it has forgotten them; the engine serves on with the other cores.
 """
 
-import os
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from v1 import envs
 from v1.config import EngineArgs
 from v1.config.limits import DEFAULT_LIMITS, InputLimits
 from v1.engine.core_client import EngineCoreClient, InprocClient, SyncMPClient
@@ -88,7 +88,7 @@ class LLMEngine:
         process, is given: its weights are reused, in this process)."""
         if enable_multiprocessing is None:
             enable_multiprocessing = (
-                loaded_model is None and os.environ.get("V1_ENABLE_MULTIPROCESSING", "1") != "0"
+                loaded_model is None and envs.read().enable_multiprocessing
             )
         if enable_multiprocessing and loaded_model is not None:
             raise ValueError(

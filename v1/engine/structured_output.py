@@ -9,15 +9,14 @@ The scheduler sees this manager through `StructuredOutputManagerProtocol` (torch
 calls `grammar_init` when a request arrives (the request waits in WAITING_FOR_FSM until its
 `grammar_future` is done) and `grammar_bitmask` for the step's structured rows.
 
-Compiled grammars are kept for reuse in an LRU bounded by bytes, as vLLM's: 512 MiB by default,
-`VLLM_XGRAMMAR_CACHE_MB` in the environment (vLLM's variable) sets another size. Not
+Compiled grammars are kept for reuse in an LRU bounded by bytes, as vLLM's (the engine core
+sizes it from `VLLM_XGRAMMAR_CACHE_MB`, vLLM's variable, 512 MiB by default: `v1.envs`). Not
 xgrammar's own cache (`GrammarCompiler(cache_limit_bytes=...)`): it can only be asked by
 compiling, on the grammar thread, so a request whose grammar is cached would wait there
 behind another request's long compilation; ours answers on the scheduler's thread.
 """
 
 import json
-import os
 import sys
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -32,18 +31,6 @@ from v1.sampling_params import StructuredOutputsParams
 
 # (kind, spec text): what a compiled grammar is cached by.
 GrammarKey = tuple[str, str]
-CACHE_MB_ENV = "VLLM_XGRAMMAR_CACHE_MB"
-DEFAULT_CACHE_MB = 512  # vLLM's
-
-
-def cache_limit_bytes_from_env() -> int:
-    """`VLLM_XGRAMMAR_CACHE_MB` (MiB, 0: keep nothing) in bytes; the default when unset."""
-    value = os.environ.get(CACHE_MB_ENV, "").strip() or str(DEFAULT_CACHE_MB)
-    if not value.isdigit():
-        raise ValueError(f"{CACHE_MB_ENV} must be a whole number of MiB (>= 0), got {value!r}")
-    return int(value) << 20
-
-
 def _choice_ebnf(choices: list[str]) -> str:
     # JSON string literals are valid EBNF string literals (same escapes), but not JSON's
     # surrogate-pair escapes: keep non-ASCII characters as they are.
@@ -167,18 +154,15 @@ class GrammarCache:
 class StructuredOutputManager:
     def __init__(
         self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
-        cache_limit_bytes: int | None = None,
+        cache_limit_bytes: int,
     ) -> None:
-        """`cache_limit_bytes`: the compiled grammars kept for reuse, in bytes (None: from
-        `VLLM_XGRAMMAR_CACHE_MB`)."""
+        """`cache_limit_bytes`: the compiled grammars kept for reuse, in bytes (0: none)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
         # One thread: compilations queue behind each other, never behind the step loop.
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="v1-grammar")
         self._compiler: xgr.GrammarCompiler | None = None
-        if cache_limit_bytes is None:
-            cache_limit_bytes = cache_limit_bytes_from_env()
         self.cache = GrammarCache(cache_limit_bytes)
 
     def _compile(self, key: GrammarKey) -> xgr.CompiledGrammar:

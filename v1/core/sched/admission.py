@@ -1,4 +1,9 @@
-"""Phase 2 of `Scheduler.schedule()`: admitting waiting requests (a mixin of `Scheduler`).
+"""Phase 2 of `Scheduler.schedule()`: admitting waiting requests.
+
+`WaitingAdmission` is owned by the `Scheduler`, which gives it what it works on: the waiting
+queue and the running list (the same objects the scheduler keeps; it changes them in place),
+the KV cache manager, the disk tier, the limits (`AdmissionPolicy`), and the two scheduler
+operations it may call: preempt a running request, and drop a waiting one that can never run.
 
 Waiting requests leave the queue a window at a time (one at a time without prefix-aware
 admission), are tried in the window's order (`WindowOrder`: queue order, or the prefix-aware
@@ -13,12 +18,14 @@ is then admitted; the earliest request left in queue order that does not fit end
 
 import bisect
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
+from v1.config import CacheConfig, SchedulerConfig
 from v1.core.block_pool import KVCacheBlock
 from v1.core.kv_cache_manager import FreedBlocks, KVCacheManager
+from v1.core.sched.disk_tier import DiskTierScheduling
 from v1.core.sched.prefix_aware import PrefillIndex, WindowOrder
 from v1.core.sched.request_queue import RequestQueue
 from v1.request import Request, RequestStatus
@@ -60,50 +67,92 @@ def rank(request: Request) -> tuple[int, float]:
     return request.priority, request.arrival_time
 
 
-class WaitingAdmission:
-    """The `Scheduler` methods of phase 2 (the attributes below are the scheduler's)."""
+@dataclass(frozen=True, slots=True)
+class AdmissionPolicy:
+    """The limits and switches admission goes by, from the scheduler's and cache's configs."""
 
-    kv_cache_manager: KVCacheManager
-    waiting: RequestQueue
-    running: list[Request]
-    config: Any  # SchedulerConfig
     max_num_seqs: int
     long_prefill_token_threshold: int
     chunked_prefill: bool
     priority_policy: bool
-    prefix_aware: bool
-    window_size: int
+    prefix_aware: bool  # prefix-aware order (needs the prefix cache)
+    window_size: int  # requests taken from the queue at a time (1: FCFS)
     block_size: int
-    disk_tier: Any  # DiskTierScheduling | None
-    _ignored: list[Request]
+    max_skips: int  # prefix-aware: steps a request that fits may be passed over
+    max_loras: int  # distinct LoRA adapters per step (0: no limit)
 
-    def _preempt(self, st: StepState, victim: Request) -> None: ...
-    def _free_request(self, request: Request) -> None: ...
+    @classmethod
+    def of(cls, config: SchedulerConfig, cache_config: CacheConfig) -> "AdmissionPolicy":
+        prefix_aware = (
+            config.enable_prefix_aware_scheduling and cache_config.enable_prefix_caching
+        )
+        return cls(
+            max_num_seqs=config.max_num_seqs,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            chunked_prefill=config.enable_chunked_prefill,
+            priority_policy=config.policy == "priority",
+            prefix_aware=prefix_aware,
+            window_size=config.prefix_aware_window if prefix_aware else 1,
+            block_size=cache_config.block_size,
+            max_skips=config.prefix_aware_max_skips,
+            max_loras=config.max_loras,
+        )
 
-    def _schedule_waiting(self, st: StepState) -> None:
+
+class WaitingAdmission:
+    """Admits waiting requests into a step (`schedule_waiting`).
+
+    `preempt(st, victim)` evicts a running request (undoing its scheduling in `st`) and puts
+    it back in the waiting queue; `drop(request)` finishes a waiting request that can never
+    run (its grammar failed to compile): its blocks freed, reported with the next outputs.
+    """
+
+    def __init__(
+        self,
+        policy: AdmissionPolicy,
+        kv_cache_manager: KVCacheManager,
+        waiting: RequestQueue,
+        running: list[Request],
+        disk_tier: DiskTierScheduling | None,
+        preempt: Callable[[StepState, Request], None],
+        drop: Callable[[Request], None],
+    ) -> None:
+        self.policy = policy
+        self.kv_cache_manager = kv_cache_manager
+        self.waiting = waiting
+        self.running = running
+        self.disk_tier = disk_tier
+        self._preempt = preempt
+        self._drop = drop
+
+    def schedule_waiting(self, st: StepState) -> None:
+        """Admit what fits of the waiting queue into the step `st` (see the module's
+        invariants); those not admitted stay in the queue, in queue order."""
         kv = self.kv_cache_manager
-        aware = self.prefix_aware
+        policy = self.policy
+        aware = policy.prefix_aware
+        window_size = policy.window_size
         prefill = PrefillIndex(self.running, kv.num_cached_block) if aware else None
         cached = kv.block_pool.cached_block_hash_to_block
-        max_skips = self.config.prefix_aware_max_skips
+        max_skips = policy.max_skips
         taken: list[Request] = []  # left the queue in this step, in queue order
         admitted: set[int] = set()  # their positions in `taken`
         deferred: dict[int, Request] = {}  # position -> the owner of the block it waits for
         stop = False
         # LoRA: the adapters of the step so far (running requests all run); a waiting
         # request of another adapter waits once there are max_loras (vLLM's rule).
-        max_loras = self.config.max_loras
+        max_loras = policy.max_loras
         loras = (
             {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
             if max_loras else None
         )
         # At most a window's worth of deferrals per step: the step's cost stays bounded.
-        while not stop and self.waiting and len(deferred) < self.window_size:
-            window = self.waiting.pop_window(self.window_size)
+        while not stop and self.waiting and len(deferred) < window_size:
+            window = self.waiting.pop_window(window_size)
             base = len(taken)
             taken += window
             order = (
-                WindowOrder.ranked(window, cached, prefill, self.block_size, max_skips)
+                WindowOrder.ranked(window, cached, prefill, policy.block_size, max_skips)
                 if prefill is not None else WindowOrder.fcfs(window)
             )
             while order.remaining:
@@ -172,7 +221,7 @@ class WaitingAdmission:
         victims: list[Request] = []
         freed = FreedBlocks()
         candidates = self._victim_candidates(request, st.scheduled_admitted)
-        while (plan := self._plan_admission(
+        while (plan := self.plan(
             request, st.token_budget, len(victims), freed
         )) is None:
             victim = next(candidates, None)
@@ -204,14 +253,15 @@ class WaitingAdmission:
         st.token_budget -= num_new_tokens
         return victims
 
-    def _plan_admission(
+    def plan(
         self, request: Request, token_budget: int, num_victims: int, freed: FreedBlocks
     ) -> Admission | None:
         """What admitting a waiting request takes once the `freed` victims are preempted;
         None if it has no seat or not enough blocks then. `num_new_tokens` 0: it does not
         fit the token budget (chunked prefill off), which no preemption changes (victims'
         budget is not counted, so nobody is preempted for budget). Changes nothing."""
-        if len(self.running) - num_victims >= self.max_num_seqs:
+        policy = self.policy
+        if len(self.running) - num_victims >= policy.max_num_seqs:
             return None
         kv = self.kv_cache_manager
         if request.sampling_params.prompt_logprobs is None:
@@ -226,14 +276,14 @@ class WaitingAdmission:
             for i, block in enumerate(hit_blocks):
                 if block in freed.unwritten:
                     hit_blocks = hit_blocks[:i]
-                    num_hit_tokens = i * self.block_size
+                    num_hit_tokens = i * policy.block_size
                     break
         num_new_tokens = request.num_tokens - num_hit_tokens
-        threshold = self.long_prefill_token_threshold
+        threshold = policy.long_prefill_token_threshold
         if 0 < threshold < num_new_tokens:
             num_new_tokens = threshold
         if num_new_tokens > token_budget:
-            if not self.chunked_prefill:
+            if not policy.chunked_prefill:
                 # Do not skip a long prompt in favour of shorter ones.
                 return Admission(hit_blocks, num_hit_tokens, 0)
             num_new_tokens = token_budget
@@ -249,7 +299,7 @@ class WaitingAdmission:
         has not seen it: it cannot be reported preempted; prefix-aware admission may admit
         a later arrival of the same priority before an earlier one), nor one whose unwritten
         blocks another request already shares in this step (that request will read them)."""
-        if not self.priority_policy:
+        if not self.policy.priority_policy:
             return
         request_rank = rank(request)
         kv = self.kv_cache_manager
@@ -260,7 +310,7 @@ class WaitingAdmission:
                 yield candidate
 
     def _add_running(self, request: Request) -> None:
-        if self.priority_policy:
+        if self.policy.priority_policy:
             bisect.insort(self.running, request, key=rank)
         else:
             self.running.append(request)
@@ -276,8 +326,7 @@ class WaitingAdmission:
         if exc is not None:
             request.status = FINISHED_ABORTED
             request.stop_reason = f"structured output grammar failed to compile: {exc}"
-            self._free_request(request)
-            self._ignored.append(request)
+            self._drop(request)
             return False
         request.grammar = future.result()
         request.grammar_future = None

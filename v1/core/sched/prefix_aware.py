@@ -1,7 +1,8 @@
 """Prefix-aware admission: the order in which the scheduler tries a window of waiting requests.
 
 SGLang's cache-aware policy, bounded so that nobody starves
-(`SchedulerConfig.enable_prefix_aware_scheduling`; the loop is `Scheduler._schedule_waiting`):
+(`SchedulerConfig.enable_prefix_aware_scheduling`; the loop is
+`WaitingAdmission.schedule_waiting`):
 - Ranking: of the first `prefix_aware_window` waiting requests, the longest cached prefix
   (leading full blocks computed, or scheduled earlier in this step) first, queue order among
   equals; re-ranked after each admission.

@@ -14,9 +14,12 @@ Invariants, every step:
 - no waiting request is admitted in a step that preempted for lack of blocks;
 - under the priority policy `running` is sorted by (priority, arrival_time), so the victim is
   always `running[-1]`, and a running request is never preempted after this step scheduled
-  it (only a waiting request's admission may do that, see `_plan_admission`);
+  it (only a waiting request's admission may do that, see `WaitingAdmission.plan`);
 - a request is preempted for a waiting one only if that one is then admitted;
 - with LoRA (`max_loras` > 0), the running requests use at most `max_loras` distinct adapters.
+
+Waiting requests are admitted by the scheduler's `WaitingAdmission` (v1.core.sched.admission),
+in queue order or grouped by cached prefix (v1.core.sched.prefix_aware).
 
 Requests set aside without blocking the queue: WAITING_FOR_FSM (grammar compiling; a
 structured request whose token is in flight is not scheduled again), WAITING_FOR_REMOTE_KVS
@@ -33,7 +36,7 @@ from v1.config import CacheConfig, SchedulerConfig
 from v1.core.kv_cache_manager import KVCacheManager
 from v1.core.kv_cache_utils import make_block_hasher
 from v1.core.kv_disk_index import DiskBlockIndex
-from v1.core.sched.admission import StepState, WaitingAdmission
+from v1.core.sched.admission import AdmissionPolicy, StepState, WaitingAdmission
 from v1.core.sched.disk_tier import DiskTierScheduling
 from v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from v1.core.sched.request_queue import create_request_queue
@@ -77,7 +80,7 @@ def _queue_time(request: Request) -> float | None:
     return request.scheduled_time - request.queued_time
 
 
-class Scheduler(WaitingAdmission):
+class Scheduler:
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -88,20 +91,11 @@ class Scheduler(WaitingAdmission):
     ) -> None:
         if disk_index is not None and not cache_config.enable_prefix_caching:
             raise ValueError("a disk tier (kv_cache_dir) needs enable_prefix_caching")
-        self.config = scheduler_config
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
-        self.chunked_prefill = scheduler_config.enable_chunked_prefill
-        self.priority_policy = scheduler_config.policy == "priority"
         self.async_scheduling = scheduler_config.async_scheduling
-        # Prefix-aware admission (v1.core.sched.prefix_aware) needs the prefix cache.
-        self.prefix_aware = (
-            scheduler_config.enable_prefix_aware_scheduling
-            and cache_config.enable_prefix_caching
-        )
-        self.window_size = scheduler_config.prefix_aware_window if self.prefix_aware else 1
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
@@ -121,6 +115,7 @@ class Scheduler(WaitingAdmission):
         # How many of `requests` are structured: no per-step scan for them when none is.
         self.num_structured_requests = 0
         self.waiting = create_request_queue(scheduler_config.policy)
+        # Changed in place only: the admission holds it too.
         self.running: list[Request] = []
         # Left the batch since the last schedule(): the runner must forget them.
         self.finished_req_ids: set[str] = set()
@@ -130,6 +125,10 @@ class Scheduler(WaitingAdmission):
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.spec_stats = SpecDecodingStats()
+        self.admission = WaitingAdmission(
+            AdmissionPolicy.of(scheduler_config, cache_config), self.kv_cache_manager,
+            self.waiting, self.running, self.disk_tier, self._preempt, self._drop_waiting,
+        )
 
     # -- requests in and out -------------------------------------------------------------
 
@@ -197,13 +196,18 @@ class Scheduler(WaitingAdmission):
             else:
                 self._free_request(request)
         if doomed_running:
-            self.running = [r for r in self.running if r.request_id not in doomed_running]
+            self.running[:] = [r for r in self.running if r.request_id not in doomed_running]
         if doomed_waiting:
             self.waiting.remove_requests(doomed_waiting)
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         self._forget_request(request)
+
+    def _drop_waiting(self, request: Request) -> None:
+        """Finish a waiting request that can never run: reported with the next outputs."""
+        self._free_request(request)
+        self._ignored.append(request)
 
     def _forget_request(self, request: Request) -> None:
         self.finished_req_ids.add(request.request_id)
@@ -302,7 +306,7 @@ class Scheduler(WaitingAdmission):
         # 2. Waiting requests, unless this step had to preempt (v1.core.sched.admission).
         st.token_budget = token_budget
         if not st.preempted and self.waiting and token_budget > 0:
-            self._schedule_waiting(st)
+            self.admission.schedule_waiting(st)
         token_budget = st.token_budget
         scheduled_admitted = st.scheduled_admitted
 
@@ -476,7 +480,7 @@ class Scheduler(WaitingAdmission):
                 client_outputs = outputs.setdefault(client_index, [])
             client_outputs.append(out)
         if stopped:
-            self.running = [r for r in self.running if r.status == RUNNING]
+            self.running[:] = [r for r in self.running if r.status == RUNNING]
         for request in self._ignored:
             outputs.setdefault(request.client_index, []).append(
                 EngineCoreOutput(

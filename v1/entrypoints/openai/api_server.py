@@ -33,7 +33,8 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
-from v1 import heap
+from v1 import memory_trim
+from v1.compat.utils import FlexibleArgumentParser
 from v1.config import EngineArgs
 from v1.engine.async_llm import AsyncLLM
 from v1.engine.dp_headless import run_headless
@@ -72,8 +73,6 @@ from v1.entrypoints.openai.serving_responses import OpenAIServingResponses
 from v1.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from v1.metrics.prometheus import PrometheusMetrics
 from v1.models.loader import resolve_model
-from v1.utils.argparse_utils import FlexibleArgumentParser
-from v1.utils.network_utils import tcp_port
 
 T = TypeVar("T")
 
@@ -344,13 +343,14 @@ class _BodySizeLimit:
 
 
 class _TrimWhenIdle:
-    """Whenever the last request in flight ends, `heap.trim` gives what the requests freed back
-    to the OS (a 5 MB /tokenize left ~400 MB in malloc's arenas). On a worker thread, as a
-    trim after a large request takes ~0.1 s; one at a time, and once more after one that was
-    still running when the server went idle again. Unlike the engine core (`heap.IdleTrim`,
-    which waits for growth past a slack), the frontend trims at every idle moment: its
-    ordinary requests free little, so a trim costs ~0.1 ms; and a trim that ran while the
-    next request was already at work must not make the next idle moment skip its own."""
+    """Whenever the last request in flight ends, `memory_trim.trim` gives what the requests
+    freed back to the OS (a 5 MB /tokenize left ~400 MB in malloc's arenas). On a worker
+    thread, as a trim after a large request takes ~0.1 s; one at a time, and once more after
+    one that was still running when the server went idle again. Unlike the engine core
+    (`memory_trim.IdleTrim`, which waits for growth past a slack), the frontend trims at
+    every idle moment: its ordinary requests free little, so a trim costs ~0.1 ms; and a
+    trim that ran while the next request was already at work must not make the next idle
+    moment skip its own."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -375,7 +375,7 @@ class _TrimWhenIdle:
             self._idle_again = True
             return
         self._idle_again = False
-        self._trimming = asyncio.get_running_loop().run_in_executor(None, heap.trim)
+        self._trimming = asyncio.get_running_loop().run_in_executor(None, memory_trim.trim)
         self._trimming.add_done_callback(self._trimmed)
 
     def _trimmed(self, _: "asyncio.Future[bool]") -> None:  # on the event loop
@@ -454,6 +454,18 @@ def build_app(
         app.add_middleware(_APIKeyCheck, api_key=api_key)
     app.add_middleware(_TrimWhenIdle)
     return app
+
+
+def tcp_port(text: str) -> int:
+    """A command-line TCP port (`--port`): argparse reports anything but 1..65535 as a
+    usage error naming the value."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = 0
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"must be a TCP port (1-65535), got {text!r}")
+    return port
 
 
 def make_parser(prog: str = "v1 serve") -> argparse.ArgumentParser:

@@ -1,19 +1,11 @@
-"""Giving the memory a process freed back to the operating system.
+"""Giving the memory a process freed back to the operating system (glibc's `malloc_trim`).
 
-glibc's malloc keeps freed memory in its arenas for reuse and returns only the free top of a
-heap. A large request's many small allocations (tokenizing a 5 MB prompt: ~570 MB, on the
-threads that ran it) leave free holes all over the arenas once freed, so the process's resident
-memory stayed hundreds of MB above its baseline for good (447 -> 873 MB for the server's
-frontend). `malloc_trim(0)` hands the free pages of every arena back: ~0.4 ms per MB it returns
-(~130 ms after that 5 MB prompt), ~0.05 ms when there is nothing to return.
-
-The server trims whenever a process goes idle: the frontend when no request is in flight
-(`v1.entrypoints.openai.api_server`), the engine core when its busy loop has no request left,
-there through `IdleTrim`: only if the process grew by more than a slack since its last trim,
-so that ordinary traffic pays nothing (a trim would hand back the step's activation buffers,
-which the next request faults in again); after a large request it returns to its baseline.
-
-Without glibc (musl, macOS) there is no malloc_trim, and nothing is trimmed.
+glibc's malloc keeps freed memory in its arenas and returns only the free top of a heap, so
+after a large request the process's resident memory stays high for good. `trim()` hands the
+free pages of every arena back; `IdleTrim` does so when the process goes idle, only if it grew
+by more than a slack since its last trim (ordinary traffic pays nothing). Without glibc (musl,
+macOS) there is no malloc_trim and nothing is trimmed. Measurements: docs/serving.md, "The
+engine process".
 """
 
 import ctypes

@@ -1,4 +1,4 @@
-"""Freed memory goes back to the OS (`v1.heap`), and the server's frontend does it when idle.
+"""Freed memory goes back to the OS (`v1.memory_trim`), and the server's frontend does it when idle.
 
 The figures are this process's resident memory, compared with generous margins: a large
 request's allocations are simulated by ~100 MB of 1 KB blocks on a worker thread (its own malloc
@@ -15,7 +15,7 @@ from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from v1 import heap
+from v1 import memory_trim
 
 MB = 1 << 20
 CHURN_BYTES = 100 * MB
@@ -38,29 +38,29 @@ def churn_on_a_thread() -> list[bytearray]:
 
 @pytest.fixture
 def glibc() -> None:
-    if not heap.trim():
+    if not memory_trim.trim():
         pytest.skip("no malloc_trim in this C library")
 
 
 def test_trim_gives_freed_holes_back(glibc: None) -> None:
-    start = heap.rss_bytes()
+    start = memory_trim.rss_bytes()
     kept = churn_on_a_thread()
-    held = heap.rss_bytes() - start
+    held = memory_trim.rss_bytes() - start
     assert held > CHURN_BYTES // 2  # malloc keeps the freed blocks: what this is about
-    assert heap.trim()
-    assert heap.rss_bytes() - start < held // 4
+    assert memory_trim.trim()
+    assert memory_trim.rss_bytes() - start < held // 4
     del kept
 
 
 def test_idle_trim_waits_for_growth_beyond_its_slack(glibc: None) -> None:
-    lenient = heap.IdleTrim(slack_bytes=4 * CHURN_BYTES)
-    strict = heap.IdleTrim(slack_bytes=CHURN_BYTES // 4)
-    start = heap.rss_bytes()
+    lenient = memory_trim.IdleTrim(slack_bytes=4 * CHURN_BYTES)
+    strict = memory_trim.IdleTrim(slack_bytes=CHURN_BYTES // 4)
+    start = memory_trim.rss_bytes()
     kept = churn_on_a_thread()
     assert not lenient.on_idle()  # within its slack: ordinary traffic pays nothing
-    assert heap.rss_bytes() - start > CHURN_BYTES // 2
+    assert memory_trim.rss_bytes() - start > CHURN_BYTES // 2
     assert strict.on_idle()
-    assert heap.rss_bytes() - start < CHURN_BYTES // 4
+    assert memory_trim.rss_bytes() - start < CHURN_BYTES // 4
     assert not strict.on_idle()  # nothing grew since
     del kept
 
@@ -74,9 +74,9 @@ def test_the_frontend_trims_once_idle(glibc: None) -> None:
     held: list[int] = []  # the request's growth, measured before it ends (then a trim may run)
 
     async def large(request: object) -> PlainTextResponse:
-        start = heap.rss_bytes()
+        start = memory_trim.rss_bytes()
         kept.append(await asyncio.to_thread(churn_on_a_thread))
-        held.append(heap.rss_bytes() - start)
+        held.append(memory_trim.rss_bytes() - start)
         return PlainTextResponse("done")
 
     app = _TrimWhenIdle(Starlette(routes=[Route("/large", large)]))
@@ -84,12 +84,12 @@ def test_the_frontend_trims_once_idle(glibc: None) -> None:
     async def scenario() -> tuple[int, int]:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            start = heap.rss_bytes()
+            start = memory_trim.rss_bytes()
             assert (await client.get("/large")).text == "done"
             deadline = time.monotonic() + TIMEOUT_S
-            while heap.rss_bytes() - start > held[0] // 4 and time.monotonic() < deadline:
+            while memory_trim.rss_bytes() - start > held[0] // 4 and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            return start, heap.rss_bytes()
+            return start, memory_trim.rss_bytes()
 
     start, end = asyncio.run(scenario())
     assert held[0] > CHURN_BYTES // 2
@@ -111,7 +111,7 @@ def test_the_frontend_trims_again_when_idle_again_during_a_trim(
             assert release.wait(TIMEOUT_S)
         return True
 
-    monkeypatch.setattr(heap, "trim", slow_trim)
+    monkeypatch.setattr(memory_trim, "trim", slow_trim)
 
     async def ok(request: object) -> PlainTextResponse:
         return PlainTextResponse("ok")

@@ -1,0 +1,189 @@
+"""Starting and stopping engine-core processes.
+
+`EngineLaunch` starts one (`EngineCoreProc.run_engine_core` is its main) and `wait()`s for its
+model to load; several launches load their models at once (data parallelism).
+`launch_engine_core` is both in one call. A failure to start (a bad model path, an address in
+use) is raised in the caller as the engine raised it: a ValueError stays a ValueError with the
+same message.
+
+Start method (`engine_start_method`): `fork` (a script needs no `if __name__ == "__main__":`
+guard) unless V1_WORKER_MULTIPROC_METHOD=spawn, or fork is unsafe here (CUDA initialised),
+where it is `spawn`, which runs the main script again, and a warning says why.
+
+OpenMP's wait policy: a spawned engine starts with OMP_WAIT_POLICY=PASSIVE in its environment
+unless the caller's environment sets one; a forked engine keeps the OpenMP runtime of this
+process as torch loaded it. Nothing here changes the environment at import (why, and what it
+costs: docs/serving.md, "The engine process").
+"""
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
+from typing import NamedTuple
+
+from v1 import envs
+from v1.config import EngineArgs
+from v1.engine.core_proc import EngineCoreProc
+from v1.engine.exceptions import error_from_remote
+
+logger = logging.getLogger("v1")
+
+MULTIPROC_METHOD_ENV = "V1_WORKER_MULTIPROC_METHOD"
+OPENMP_POLICY_ENV = "OMP_WAIT_POLICY"
+
+
+class StartMethod(NamedTuple):
+    name: str  # "fork" or "spawn"
+    reason: str  # why spawn, for messages ("" for fork)
+
+
+def engine_start_method() -> StartMethod:
+    """fork, unless V1_WORKER_MULTIPROC_METHOD=spawn or fork is unsafe in this process (then
+    spawn, with a warning that says why); a ValueError naming the variable for any other
+    value."""
+    if envs.read().worker_multiproc_method == "spawn":
+        return StartMethod("spawn", f"{MULTIPROC_METHOD_ENV}=spawn")
+    torch = sys.modules.get("torch")  # not loaded: CUDA cannot be initialised either
+    if torch is not None and torch.cuda.is_initialized():
+        reason = "CUDA is initialised in this process, and a forked child cannot use it"
+        logger.warning(
+            "starting the engine core process with 'spawn', not 'fork': %s. spawn runs the "
+            'main script again: create the engine under `if __name__ == "__main__":`', reason
+        )
+        return StartMethod("spawn", reason)
+    return StartMethod("fork", "")
+
+
+def launch_engine_core(
+    args: EngineArgs, address: str, num_threads: int | None = None
+) -> BaseProcess:
+    """Start an engine process serving at `address`; return once its model is loaded."""
+    return EngineLaunch(args, address, num_threads).wait()
+
+
+class EngineLaunch:
+    """An engine process being started: `wait()` for its model to load, or `cancel()` it."""
+
+    def __init__(
+        self,
+        args: EngineArgs,
+        address: str,
+        num_threads: int | None = None,
+        name: str = "v1-engine-core",
+    ) -> None:
+        self.address = address
+        self.method = method = engine_start_method()
+        ctx = multiprocessing.get_context(method.name)
+        self.reader, writer = ctx.Pipe(duplex=False)
+        hook = envs.read().engine_core_hook
+        self.proc = proc = ctx.Process(
+            target=EngineCoreProc.run_engine_core,
+            args=(args, address, writer, os.getpid(), num_threads, hook),
+            name=name,
+            daemon=True,  # multiprocessing terminates it at exit, should all else fail
+        )
+        try:
+            if method.name == "fork":
+                _fork_from_fresh_thread(proc)
+            else:
+                with spawn_environment():
+                    proc.start()
+        except BaseException:
+            self.reader.close()
+            raise
+        finally:
+            writer.close()  # the child's copy is the only one left: EOF when it dies
+
+    def cancel(self) -> None:
+        """Stop the process (started or not yet ready)."""
+        self.reader.close()
+        stop_process(self.proc)
+
+    def wait(self) -> BaseProcess:
+        proc, reader, method = self.proc, self.reader, self.method
+        try:
+            wait([reader, proc.sentinel])
+            try:
+                status, error_type, message = reader.recv()
+            except EOFError:
+                status, error_type, message = "died", "", ""
+        except BaseException:  # e.g. Ctrl-C while the model loads
+            stop_process(proc)
+            raise
+        finally:
+            reader.close()
+        if status == "ready":
+            return proc
+        proc.join(10)  # after reporting, it exits by itself
+        stop_process(proc)
+        if status == "error":
+            raise error_from_remote(error_type, message)
+        hint = ""
+        if method.name == "spawn":
+            hint = (
+                f" It started with 'spawn' ({method.reason}), which runs the main script "
+                'again: a script that starts an engine must do so under `if __name__ == '
+                '"__main__":` (or use LLM(..., multiprocess=False))'
+            )
+        raise RuntimeError(
+            f"the engine core process exited during startup ({exit_status(proc)}).{hint}"
+        )
+
+
+@contextlib.contextmanager
+def spawn_environment() -> Iterator[None]:
+    """os.environ as a spawned engine process should start with, for the moment it is
+    started: OMP_WAIT_POLICY=PASSIVE unless one is set (OpenMP's threads then sleep after
+    each parallel region instead of spinning; the child's torch loads with it)."""
+    if OPENMP_POLICY_ENV in os.environ:
+        yield
+        return
+    os.environ[OPENMP_POLICY_ENV] = "PASSIVE"
+    try:
+        yield
+    finally:
+        os.environ.pop(OPENMP_POLICY_ENV, None)
+
+
+def _fork_from_fresh_thread(proc: BaseProcess) -> None:
+    """Start `proc` (a fork context's) from a new thread. The child is a copy of the forking
+    thread alone, and a thread that ran torch ops owns an OpenMP pool (libgomp) whose threads
+    the copy would wait for at its first parallel op, forever; a fresh thread owns none. (Not
+    a ThreadPoolExecutor's thread: the child would exit with status 1.)"""
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            proc.start()
+        except BaseException as e:  # raised in the caller's thread below
+            errors.append(e)
+
+    forker = threading.Thread(target=start, name="v1-fork")
+    forker.start()
+    forker.join()
+    if errors:
+        raise errors[0]
+
+
+def stop_process(proc: BaseProcess) -> None:
+    """Terminate an engine process (it notifies its clients and exits), kill it if it
+    lingers, and reap it."""
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(10)
+    if proc.is_alive():
+        proc.kill()
+    proc.join()
+
+
+def exit_status(proc: BaseProcess) -> str:
+    """How an exited process ended, for messages."""
+    proc.join(1)  # its sentinel fires as it exits, a moment before its status is known
+    code = proc.exitcode
+    return f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"

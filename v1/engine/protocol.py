@@ -1,0 +1,127 @@
+"""The wire protocol between an engine core process and its clients (msgspec over ZMQ).
+
+An engine core at ADDRESS (`ipc://PATH`, by default in a fresh temp dir, or
+`tcp://HOST:PORT`) binds two sockets:
+
+- input: a PULL socket at ADDRESS. Clients PUSH two frames, [EngineCoreRequestType, msgpack]:
+    HELLO    client_index: int      answered by READY
+    ADD      EngineCoreRequest      answered by OUTPUTS, step by step, until it finishes
+    ABORT    list[str] request ids  no answer (the client has forgotten them already)
+    UTILITY  UtilityRequest         answered by UTILITY_RESULT (an error there is the
+                                    caller's, e.g. a failed check_integrity; the core serves on)
+- output: a ROUTER socket at `output_address(ADDRESS)` (PATH + "-out", or PORT + 1).
+  Client i connects a DEALER with routing id `client_routing_id(i)` and receives only its
+  own messages, two frames [EngineCoreOutputType, msgpack]:
+    READY           EngineCoreReady: the model facts a frontend needs (it loads only the
+                    tokenizer, from `model_dir`), and the KV cache's shape (block size,
+                    number of blocks, prefix caching on or off: a data-parallel client
+                    routes by it, see `v1.engine.dp_router`)
+    OUTPUTS         EngineCoreOutputs of this client's requests, with the core's
+                    `scheduler_stats` (waiting/running counts, KV usage) as of that step:
+                    the load figures a data-parallel client balances by; with
+                    `engine_error` set it is the death notice, sent to every client when the
+                    busy loop ends (an exception, e.g. in the model, or shutdown), and the
+                    last message
+    UTILITY_RESULT  UtilityResult
+
+A client connects its DEALER, then sends HELLO and waits for READY. Request ids (in ADD,
+ABORT and OUTPUTS) are the frontends' internal ids, the caller's id plus a uuid (see
+`EngineCoreRequest`), so they are unique across the clients of one engine and for its life;
+an id already in the core is refused. When a client is gone (its DEALER disconnected),
+the core aborts its requests.
+"""
+
+import enum
+import os
+from typing import Any
+
+import msgspec
+
+from v1.outputs import SchedulerStats
+from v1.pooling_params import PoolerInfo
+
+
+class EngineCoreRequestType(bytes, enum.Enum):
+    """First frame of a client -> core message."""
+
+    HELLO = b"\x00"
+    ADD = b"\x01"
+    ABORT = b"\x02"
+    UTILITY = b"\x03"
+
+
+class EngineCoreOutputType(bytes, enum.Enum):
+    """First frame of a core -> client message."""
+
+    READY = b"\x00"
+    OUTPUTS = b"\x01"
+    UTILITY_RESULT = b"\x02"
+
+
+class UtilityRequest(msgspec.Struct, array_like=True):
+    client_index: int
+    call_id: int
+    method: str
+    args: tuple[Any, ...] = ()
+
+
+class UtilityResult(msgspec.Struct, array_like=True):
+    call_id: int
+    result: msgspec.Raw = msgspec.Raw(b"\xc0")  # msgpack-encoded; the caller knows the type
+    error: tuple[str, str] | None = None  # (exception type name, message)
+
+
+# The decoded type of each utility's result (others: plain msgpack values).
+UTILITY_RESULT_TYPES: dict[str, Any] = {
+    "get_stats": SchedulerStats, "reset_prefix_cache": bool, "add_lora": bool,
+    "remove_lora": bool, "list_loras": set[int],
+}
+
+
+class EngineCoreReady(msgspec.Struct, array_like=True):
+    """What a frontend needs to know of the model, from the core that loaded it."""
+
+    model_name: str
+    model_dir: str  # HF-format directory holding the tokenizer files
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int | None
+    stop_token_ids: tuple[int, ...]
+    # The KV cache (defaults: a core that predates these fields).
+    block_size: int = 16
+    num_gpu_blocks: int = 0
+    enable_prefix_caching: bool = True
+    # "fcfs" or "priority": a frontend refuses a request's priority under fcfs.
+    scheduling_policy: str = "fcfs"
+    # A pooling engine's pooler (runner="pooling"); None: the engine generates.
+    pooler: PoolerInfo | None = None
+
+
+def output_address(address: str) -> str:
+    """The output socket's address, derived from the engine's (input) address."""
+    if address.startswith("ipc://"):
+        return address + "-out"
+    if address.startswith("tcp://"):
+        host, _, port = address[len("tcp://"):].rpartition(":")
+        if port.isdigit() and int(port) > 0:
+            return f"tcp://{host}:{int(port) + 1}"
+    raise ValueError(
+        f"engine address {address!r} must be ipc://PATH or tcp://HOST:PORT (PORT > 0; the "
+        "output socket takes PORT + 1)"
+    )
+
+
+def remove_socket_files(address: str) -> None:
+    """Remove an ipc:// engine address's two socket files, which ZMQ leaves behind (an
+    engine that was killed could not remove them itself)."""
+    if not address.startswith("ipc://"):
+        return
+    for addr in (address, output_address(address)):
+        try:
+            os.unlink(addr[len("ipc://"):])
+        except OSError:  # already gone (or not ours): nothing to tidy
+            pass
+
+
+def client_routing_id(client_index: int) -> bytes:
+    return b"client-%d" % client_index
