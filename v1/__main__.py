@@ -4,7 +4,6 @@ server, as `vllm serve`), `v1 demo` (the main job). `v1 COMMAND --help` lists it
 
 import importlib
 import importlib.metadata
-import os
 import sys
 
 # command -> (module with main(argv, prog), what it does)
@@ -28,10 +27,6 @@ def main(argv: list[str] | None = None, prog: str = "v1") -> None:
         print("\n".join(lines), file=sys.stdout if asked else sys.stderr)
         sys.exit(0 if asked else 2)
     module, _ = COMMANDS[argv[0]]
-    # This program owns its process: its OpenMP threads, and those of the engines it forks,
-    # sleep after each parallel region instead of spinning (libgomp reads the policy as torch
-    # loads; docs/serving.md, "The engine process"). A policy the user set is kept.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     importlib.import_module(module).main(argv[1:], f"{prog} {argv[0]}")
 
 

@@ -227,16 +227,16 @@ def policies(script: str, policy: str | None) -> list[str]:
 
 
 def test_openmp_waits_passively_in_engines_unless_told_otherwise():
-    # A spawned engine gets the passive policy in its environment: a spinning one takes the
-    # CPU from the frontend (generation 5x slower on 2 cores). The library leaves the
-    # caller's environment as it is, at import too, and so do its own subprocesses (a
-    # llama.cpp under PASSIVE ran ~3x slower); a policy the user set is kept everywhere.
-    assert policies(POLICY_AT_TORCH_LOAD, None) == ["None", "None", "None", "PASSIVE", "None"]
+    # torch loads under the passive policy (v1.engine.openmp): a spinning OpenMP thread takes
+    # the CPU from the kernels' pool and the frontend (a shared-prompt batch 6.7x slower on
+    # 2 busy cores). The environment is the caller's again after the import, so its own
+    # subprocesses do not inherit the policy (a llama.cpp under PASSIVE ran ~3x slower); a
+    # spawned engine gets it; a policy the user set is kept everywhere.
+    assert policies(POLICY_AT_TORCH_LOAD, None) == ["PASSIVE", "None", "None", "PASSIVE", "None"]
     assert policies(POLICY_AT_TORCH_LOAD, "ACTIVE") == ["ACTIVE"] * 5
 
 
 def test_the_v1_command_loads_torch_with_the_passive_policy():
-    # A program of ours (the server) owns its process: its torch, and the engines it forks,
-    # wait passively.
+    # A program of ours (the server): its torch, and the engines it forks, wait passively.
     assert policies(POLICY_OF_THE_COMMAND, None)[0] == "PASSIVE"
     assert policies(POLICY_OF_THE_COMMAND, "ACTIVE")[0] == "ACTIVE"

@@ -12,8 +12,7 @@ where it is `spawn`, which runs the main script again, and a warning says why.
 
 OpenMP's wait policy: a spawned engine starts with OMP_WAIT_POLICY=PASSIVE in its environment
 unless the caller's environment sets one; a forked engine keeps the OpenMP runtime of this
-process as torch loaded it. Nothing here changes the environment at import (why, and what it
-costs: docs/serving.md, "The engine process").
+process, which `v1.engine` loaded passively (`v1.engine.openmp`; docs/serving.md).
 """
 
 import contextlib
@@ -31,11 +30,11 @@ from v1 import envs
 from v1.config import EngineArgs
 from v1.engine.core_proc import EngineCoreProc
 from v1.engine.exceptions import error_from_remote
+from v1.engine.openmp import POLICY_ENV
 
 logger = logging.getLogger("v1")
 
 MULTIPROC_METHOD_ENV = "V1_WORKER_MULTIPROC_METHOD"
-OPENMP_POLICY_ENV = "OMP_WAIT_POLICY"
 
 
 class StartMethod(NamedTuple):
@@ -141,14 +140,14 @@ def spawn_environment() -> Iterator[None]:
     """os.environ as a spawned engine process should start with, for the moment it is
     started: OMP_WAIT_POLICY=PASSIVE unless one is set (OpenMP's threads then sleep after
     each parallel region instead of spinning; the child's torch loads with it)."""
-    if OPENMP_POLICY_ENV in os.environ:
+    if POLICY_ENV in os.environ:
         yield
         return
-    os.environ[OPENMP_POLICY_ENV] = "PASSIVE"
+    os.environ[POLICY_ENV] = "PASSIVE"
     try:
         yield
     finally:
-        os.environ.pop(OPENMP_POLICY_ENV, None)
+        os.environ.pop(POLICY_ENV, None)
 
 
 def _fork_from_fresh_thread(proc: BaseProcess) -> None:
