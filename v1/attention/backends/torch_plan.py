@@ -28,7 +28,6 @@ of the step is longer than is no window at all and shares the global plan. Other
     different queries would need different parts of it).
 """
 
-import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -155,39 +154,32 @@ class AttentionPlan:
     groups: list[_Group] = field(default_factory=list)
     sliding_window: int | None = None  # the window this plan masks by (None: global)
 
-    _local = threading.local()
-
     @classmethod
     def for_step(
         cls, metadata: AttentionMetadata, kv_cache: torch.Tensor, num_heads: int,
         sliding_window: int | None = None, query_dtype: torch.dtype = torch.float32,
     ) -> "AttentionPlan":
-        """The plan of this metadata and window, built by the first layer that needs it and
-        reused by the others (every layer's cache has the same shape): one plan per distinct
-        window in the step, where a window longer than every sequence shares the global one.
-        `query_dtype`: the activations' (the C kernel serves fp32 ones only)."""
+        """The plan of this step and window, kept in `metadata.plans`: made once (by the
+        runner's step plan, before the forward) and reused by every layer, whose caches
+        share one shape. One plan per distinct window; a window longer than every sequence
+        shares the global plan. `query_dtype`: the activations' (the C kernel serves fp32)."""
         # Contiguity too: the C kernel (chosen, or not, per key) addresses and writes a
         # cache by its shape alone, so a same-shaped strided cache needs a plan without it.
         key = (kv_cache.shape, kv_cache.dtype, kv_cache.device, kv_cache.is_contiguous(),
                num_heads, query_dtype)
-        cached = getattr(cls._local, "cached", None)
-        if cached is not None and cached[0] is metadata and cached[1] == key:
-            plans = cached[2]
-            plan = plans.get(sliding_window)
-            if plan is not None:
-                return plan
-        else:
-            plans = {}
-            cls._local.cached = (metadata, key, plans)
+        plans = metadata.plans
+        plan = plans.get((key, sliding_window))
+        if plan is not None:
+            return plan
         window = _effective_window(sliding_window, metadata.seq_lens_cpu)
-        plan = plans.get(window)
+        plan = plans.get((key, window))
         if plan is None:
             # Gathers are sized by what SDPA reads: the blocks widened to the query's dtype.
             block_bytes = kv_cache[:, 0].numel() * query_dtype.itemsize
             plan = cls.build(metadata, kv_cache.shape[2], block_bytes,
                              paged_decode_kernel(kv_cache, num_heads, query_dtype), window)
-            plans[window] = plan
-        plans[sliding_window] = plan
+            plans[(key, window)] = plan
+        plans[(key, sliding_window)] = plan
         return plan
 
     @classmethod
