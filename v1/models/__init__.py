@@ -8,7 +8,7 @@ a model and loads its weights, config and tokenizer; `gguf_conversion.py` turns 
 into an HF directory.
 
 Below the worker, above attention and the kernels: nothing here imports `v1.worker` (the
-runner hands a model its step's attention metadata and ops, never itself).
+runner hands a model its step's plan, `step_plan.StepPlan`, never itself).
 """
 
 from v1.models.decoder import DecoderForCausalLM, head_dim_of, num_kv_heads_of

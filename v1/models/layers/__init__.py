@@ -2,8 +2,8 @@
 
 - `linear`: `Linear` and `VocabEmbedding`, each holding one copy of its weight: oneDNN-packed
   fp32 (`PackedWeight`), GGUF blocks (`QuantizedWeight`), or plain;
-- `quant`: `QuantizedWeight`, Q4_1 / Q8_0 blocks and the paths (C kernels, torch) that
-  multiply with them;
+- `quantized`: `QuantizedWeight`, Q4_1 / Q8_0 blocks and the paths (C kernels, torch) that
+  multiply with them, and `MatmulPolicy`, the rule that gives each row its path;
 - `ops`: the step's elementwise ops (RMSNorm, RoPE, SiLU-and-mul), torch or C;
 - `norm`: `RMSNorm`, Llama's `w * x` and Gemma's `(1 + w) * x` flavours;
 - `rotary`: RoPE tables for the `rope_scaling` types transformers defines;
