@@ -42,7 +42,7 @@ import torch
 from v1 import envs
 from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata, kv_cache_shape
 from v1.config import CacheConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
-from v1.core.sched.output import SchedulerOutput
+from v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from v1.lora.worker_manager import LoRAWorkerManager
 from v1.models import head_dim_of, num_kv_heads_of
 from v1.models.loader import LoadedModel
@@ -271,52 +271,65 @@ class ModelRunner:
     # -- one step ---------------------------------------------------------------------
 
     def _update_states(self, out: SchedulerOutput) -> None:
-        batch = self.input_batch
-        in_progress = self.in_progress_prompt_logprobs
-        drafter = self.drafter
+        """The persistent batch brought to the step: finished and preempted requests out,
+        new and resumed ones in, the others' new blocks appended."""
         for req_id in out.finished_req_ids:
-            if drafter is not None and req_id in batch.req_id_to_index:
-                drafter.finish(req_id)
-            batch.remove_request(req_id)
-            self._preempted.pop(req_id, None)
-            in_progress.pop(req_id, None)
-            if self.lora is not None:
-                self.lora.finish_request(req_id)
-            if self.pooling is not None:
-                self.pooling.finish(req_id)
+            self._finish_request(req_id)
         for req_id in out.preempted_req_ids:
-            # Out of the batch until resumed; its params and seeded generator wait here.
-            row = batch.req_id_to_index[req_id]
-            params = batch.sampling_params[row]
-            assert params is not None
-            self._preempted[req_id] = (
-                params, int(batch.num_prompt_tokens[row]), batch.generators.get(req_id)
-            )
-            batch.remove_request(req_id)
-            if drafter is not None:
-                drafter.finish(req_id, preempted=True)
-            if req_id in in_progress:  # it resumes from its first token: collect anew
-                in_progress[req_id] = []
-            if self.pooling is not None:
-                self.pooling.preempt(req_id)
-        batch.condense()
+            self._preempt_request(req_id)
+        self.input_batch.condense()
         for new in out.scheduled_new_reqs:
-            params = new.sampling_params
-            generator = None
-            if params.seed is not None:
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed(params.seed)
-            batch.add_request(
-                new.req_id, new.prompt_token_ids, len(new.prompt_token_ids),
-                new.num_computed_tokens, new.block_ids, params, generator,
-            )
-            if params.prompt_logprobs is not None:
-                in_progress[new.req_id] = []
-            if self.lora is not None:
-                self.lora.add_request(new.req_id, new.lora_request)
-            if self.pooling is not None:
-                self.pooling.add(new.req_id, new.pooling_params)
-        cached = out.scheduled_cached_reqs
+            self._add_request(new)
+        self._update_cached(out.scheduled_cached_reqs)
+
+    def _finish_request(self, req_id: str) -> None:
+        batch = self.input_batch
+        if self.drafter is not None and req_id in batch.req_id_to_index:
+            self.drafter.finish(req_id)
+        batch.remove_request(req_id)
+        self._preempted.pop(req_id, None)
+        self.in_progress_prompt_logprobs.pop(req_id, None)
+        if self.lora is not None:
+            self.lora.finish_request(req_id)
+        if self.pooling is not None:
+            self.pooling.finish(req_id)
+
+    def _preempt_request(self, req_id: str) -> None:
+        """Out of the batch until resumed; its params and seeded generator wait here."""
+        batch = self.input_batch
+        row = batch.req_id_to_index[req_id]
+        params = batch.sampling_params[row]
+        assert params is not None
+        self._preempted[req_id] = (
+            params, int(batch.num_prompt_tokens[row]), batch.generators.get(req_id)
+        )
+        batch.remove_request(req_id)
+        if self.drafter is not None:
+            self.drafter.finish(req_id, preempted=True)
+        if req_id in self.in_progress_prompt_logprobs:  # it resumes from its first token
+            self.in_progress_prompt_logprobs[req_id] = []
+        if self.pooling is not None:
+            self.pooling.preempt(req_id)
+
+    def _add_request(self, new: NewRequestData) -> None:
+        params = new.sampling_params
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        self.input_batch.add_request(
+            new.req_id, new.prompt_token_ids, len(new.prompt_token_ids),
+            new.num_computed_tokens, new.block_ids, params, generator,
+        )
+        if params.prompt_logprobs is not None:
+            self.in_progress_prompt_logprobs[new.req_id] = []
+        if self.lora is not None:
+            self.lora.add_request(new.req_id, new.lora_request)
+        if self.pooling is not None:
+            self.pooling.add(new.req_id, new.pooling_params)
+
+    def _update_cached(self, cached: CachedRequestData) -> None:
+        batch = self.input_batch
         for i, req_id in enumerate(cached.req_ids):
             if cached.resumed_from_preemption[i]:
                 tokens = cached.resumed_token_ids[i]
@@ -329,7 +342,7 @@ class ModelRunner:
             else:
                 row = batch.req_id_to_index[req_id]
                 batch.block_table.append_row(row, cached.new_block_ids[i])
-                if drafter is None:
+                if self.drafter is None:
                     batch.num_computed_tokens[row] = cached.num_computed_tokens[i]
                 # else ours is right: under async the scheduler's counts drafts still in
                 # flight as accepted (it rolls them back when their output comes)
