@@ -1,4 +1,11 @@
-"""Runs one scheduled step: update the persistent batch, build inputs, forward, sample.
+"""Runs one scheduled step: update the persistent batch, prepare the inputs and the step's
+plan, forward, then pool or sample (verifying drafts), and the disk tier's stores.
+
+`execute_model` is that sequence of named calls, each returning a small typed value
+(`StepInputs`, hidden states, `StepTokens`, `ModelRunnerOutput`). The step's plan
+(`v1.models.step_plan.StepPlan`: op set, matmul path per row, attention plans, fused or not)
+is built here once per step from settings read once, when the runner is built, and passed to
+the model; `StepPlan.path` says which paths ran (logged at DEBUG).
 
 Input preparation is numpy over whole arrays: for tokens t of the step, with r(t) the row of
 the request t belongs to,
@@ -11,21 +18,18 @@ Only the last token of a request whose known tokens are all computed after this 
 sampled; a prefill chunk that stops short of the end of its prompt samples nothing.
 
 A request with `prompt_logprobs` also gets logits at every prompt position of its chunks (the
-scheduler gives it no prefix-cache hits, so every position is computed here): each chunk's
-logprobs of the next prompt tokens are kept until the step that finishes the prompt, which
-returns them all.
+scheduler gives it no prefix-cache hits): each chunk's logprobs of the next prompt tokens are
+kept until the step that finishes the prompt, which returns them all.
 
 Speculative decoding (`v1.worker.spec_decode`): a request scheduled with k drafts has them
-written after its last token and computed in the same forward pass as every other request's;
-its last k + 1 rows are sampled and checked (`v1.worker.rejection_sampler`), its accepted
-tokens stored, and `num_computed_tokens` kept past the accepted ones only. Then the proposer
-drafts for every request that sampled, for the next step.
+written after its last token and computed in the same forward pass; its last k + 1 rows are
+sampled and checked (`Drafter.accept`), its accepted tokens stored, and `num_computed_tokens`
+kept past the accepted ones only. Then the proposer drafts for every request that sampled.
 
 The disk tier (`kv_disk`, a `DiskKVStore`; None: off, and nothing here costs anything): a
 step's `kv_loads` are read into their blocks before its forward and reported in its output
-(`kv_loaded`); its `kv_stores` are copied out after the forward, when the blocks hold the
-step's K/V, and written by the store's thread; finished writes are reported with the next
-output (`kv_stored`).
+(`kv_loaded`); its `kv_stores` are copied out after the forward and written by the store's
+thread; finished writes are reported with the next output (`kv_stored`).
 """
 
 import contextlib
@@ -70,14 +74,9 @@ _DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 
 def tune_cpu_malloc() -> bool:
     """Keep freed activation memory in the process (glibc malloc) instead of returning it to
-    the OS after every step.
-
-    glibc serves big allocations with mmap and gives them back on free, so each step's
-    multi-megabyte activations are page-faulted (and zeroed by the kernel) anew: ~1.5 GB of
-    faults per 4,000 prefill tokens here, about 6% of the CPU time. Raising the mmap and
-    trim thresholds makes such blocks come from, and go back to, the heap. Blocks of 64 MiB
-    and more (the KV cache) are still mapped and unmapped as before. Returns whether applied.
-    """
+    the OS after every step: raises the mmap and trim thresholds so blocks under 64 MiB come
+    from, and go back to, the heap (the KV cache is still mapped). Returns whether applied.
+    Why: docs/benchmarks.md, "Model runner: malloc and grammar masks"."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt
@@ -91,16 +90,10 @@ def apply_grammar_bitmask(
     logits: torch.Tensor, bitmask: np.ndarray, logit_rows: list[int]
 ) -> None:
     """Set to -inf the logits of tokens the grammar forbids: bitmask row i (32 tokens per
-    int32 word, bit set: allowed) masks logits row `logit_rows[i]`, before any sampling.
-
-    On CPU: numpy unpacks the forbidden bits to one bool per token (little-endian words, so
-    byte b's bit j is token 8b + j) and writes -inf through them row by row, in place. For
-    16 rows of the default model's 49,152 tokens, with masks recorded from
-    bench/bench_structured.py's grammars: 0.73 ms here, against 1.74 ms unpacking with torch
-    ops and a gathered masked_fill (what this did before) and 2.3 ms for xgrammar's CPU
-    kernel (`apply_token_bitmask_inplace`); in that benchmark's decode steps, 2.1 -> 1.0 ms.
-    Elsewhere (a GPU) the words go over as they are and torch unpacks them there.
-    """
+    int32 word, bit set: allowed) masks logits row `logit_rows[i]`, in place, before any
+    sampling. On CPU numpy unpacks the words (little-endian: byte b's bit j is token 8b + j),
+    the fastest of the ways measured (docs/benchmarks.md); elsewhere torch unpacks them on the
+    device."""
     vocab_size = logits.shape[1]
     if logits.device.type == "cpu" and logits.dtype in _NUMPY_FLOATS and _LITTLE_ENDIAN:
         forbidden = np.unpackbits(

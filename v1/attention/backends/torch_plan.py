@@ -38,10 +38,8 @@ from v1.kernels.attention import BoundStep, PagedDecodeKernel, paged_decode_kern
 
 # Share a prefix only when it saves at least this many token reads in total: with the C
 # kernel MIN_CASCADE_SAVING_NATIVE, since a cascade group costs an SDPA call and a merge per
-# layer, more than the kernel's entries take to reread a short shared prefix. (bench_spec's
-# repetitive workload at 64 requests, groups of ~5 sharing ~150-200 tokens: 1.8x the
-# tokens/s at 4096 than at 256, docs/benchmarks.md; a 1,000-token system prompt over 64
-# requests, ~63,000 saved reads, cascades either way.)
+# layer, more than the kernel's entries take to reread a short shared prefix (figures:
+# docs/speculative.md, docs/benchmarks.md).
 MIN_CASCADE_SAVING = 256
 MIN_CASCADE_SAVING_NATIVE = 4096
 # Decodes are padded to the longest of their bucket. A decode starts a new bucket (one more

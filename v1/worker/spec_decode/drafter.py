@@ -1,29 +1,17 @@
 """The model runner's side of speculative decoding: which requests draft, how many tokens
-each, and the drafts it proposed last.
+each, the drafts it proposed last, and checking a step's sampled tokens against its drafts.
 
 After sampling, the runner asks the proposer for every request that sampled (so an index
 such as the suffix one sees every request's tokens); the drafts go back to the scheduler,
 which schedules them with the request's next decode step, and are kept here: under async
 scheduling the scheduler sends -1 placeholders, which `drafts_for_step` fills.
 
-Not drafted (the proposal is dropped): requests whose sampling depends on the tokens before it
-in ways one step's rows would not see: penalties and bad words (counts and tails of the
-output so far), `min_tokens` not yet reached (a row would ban stop tokens another may not),
-and structured output (the grammar's bitmask covers one token: the simplest correct choice
-is not drafting those requests). Logprobs, logit bias, allowed token ids, temperature and the
-top-k/top-p/min-p filters are the same on every row, so those requests draft; so do requests
-with stop strings: the frontend ends their output at the token that completes one, dropping
-the verified tokens after it (`v1.engine.detokenizer.IncrementalDetokenizer.update`).
-
-Adaptive: a request whose drafts were all rejected halves its draft length; in a crowded step
-(more than `CHEAP_ROWS` tokens, prompt chunks' included) it also skips drafting for its next
-1, 2, 4, ... steps (up to `MAX_SKIP`); an accepted draft resets the back-off and grows the
-length again (to the accepted count + 1, or double when all were accepted). A draft row is
-cheap while a step's rows share one read of the weights (the int8 tiles take up to 16 rows at
-once, so at batch 1 a draft row costs a fraction of the step it rides on: a draft pays at low
-acceptance, and a length of one keeps failures cheap), dear once the step is compute-bound,
-where a failed row costs what another request's token does (see docs/speculative.md for the
-figures).
+Not drafted: requests whose sampling depends on the tokens before it in ways one step's rows
+would not see (`can_draft`: penalties, bad words, `min_tokens` not yet reached, structured
+output). Adaptive: a request whose drafts were all rejected halves its draft length, and in a
+step of more than `CHEAP_ROWS` tokens (compute-bound) also skips drafting for its next 1, 2,
+4, ... steps (up to `MAX_SKIP`); an accepted draft resets the back-off and grows the length
+again. Why these rules, with figures: docs/speculative.md.
 """
 
 from dataclasses import dataclass
