@@ -14,6 +14,7 @@ from tests.worker.test_model_runner import PROMPT, make_runner, prefill
 from v1.kernels import attention as kernels_attention
 from v1.kernels import decoder as kernels_decoder
 from v1.kernels import quant as kernels_quant
+from v1.lora.layers import LinearWithLoRA, LoRABatch
 from v1.models.layers.quantized import DEFAULT_POLICY, MatmulPolicy
 from v1.models.step_plan import PlanOptions, StepPath, StepPlanner
 from v1.sampling_params import SamplingParams
@@ -133,3 +134,26 @@ def test_the_runner_reads_the_settings_once_and_logs_each_step(default_model, mo
     expected = str(StepPath("per-op", "kernel", "none", "native"))
     assert [r.getMessage() for r in caplog.records if "step of" in r.getMessage()] == [
         f"step of {len(PROMPT)} tokens: {expected}"]
+
+
+def test_the_fused_decision_is_logged_with_its_reason(gguf_model, default_model,  # noqa: F811
+                                                      caplog):
+    attn = gguf_model.model.layers[3].self_attn
+    base = attn.qkv_proj
+    with caplog.at_level(logging.INFO, logger="v1"):
+        gguf_model.replan()
+        attn.qkv_proj = LinearWithLoRA(base, (576, 192, 192), LoRABatch(), 1, 8)
+        try:
+            gguf_model.replan()
+        finally:
+            attn.qkv_proj = base
+            gguf_model.replan()
+        default_model.model.replan()
+    assert [r.getMessage() for r in caplog.records if "fused decode" in r.getMessage()] == [
+        f"fused decode step: on ({LAYERS} layers)",
+        "fused decode step: off (layer 3 (PreNormDecoderLayer): its projections are not GGUF "
+        "blocks in plain Linears (float weights, LoRA))",
+        f"fused decode step: on ({LAYERS} layers)",
+        "fused decode step: off (layer 0 (PreNormDecoderLayer): its projections are not GGUF "
+        "blocks in plain Linears (float weights, LoRA))",
+    ]

@@ -20,6 +20,8 @@ from torch import nn
 
 from v1.kernels.attention import BoundStep, PagedDecodeKernel
 from v1.kernels.decoder import DecoderLayers, FusedDecoder, LayerWeights, fused_decoder
+from v1.models.layers.linear import Linear
+from v1.models.layers.quantized import QuantizedWeight
 
 logger = logging.getLogger("v1")
 
@@ -75,8 +77,7 @@ class FusedDecode:
             fused_weights = getattr(layer, "fused_weights", None)
             layer_weights = fused_weights() if fused_weights is not None else None
             if layer_weights is None:
-                return None, (f"layer {i} ({type(layer).__name__}) is not a plain pre-norm "
-                              "layer of GGUF blocks (LoRA, q/k norms, another activation?)")
+                return None, f"layer {i} ({type(layer).__name__}): {_why_not(layer)}"
             weights.append(layer_weights)
         rope_keys = {layer.rope_key for layer in self._layers}
         impls = [layer.self_attn.attn for layer in self._layers]
@@ -88,3 +89,15 @@ class FusedDecode:
         self.attention = sorted({(impl.num_heads, impl.sliding_window) for impl in impls},
                                 key=repr)
         return DecoderLayers(weights, num_heads, num_kv_heads, head_dim), ""
+
+
+def _why_not(layer: nn.Module) -> str:
+    """Why a layer's `fused_weights` gave None, in words."""
+    projections = [getattr(getattr(layer, part, None), name, None)
+                   for part, name in (("self_attn", "qkv_proj"), ("self_attn", "o_proj"),
+                                      ("mlp", "gate_up_proj"), ("mlp", "down_proj"))]
+    if not all(type(p) is Linear and isinstance(p.kernel, QuantizedWeight)
+               for p in projections):
+        return "its projections are not GGUF blocks in plain Linears (float weights, LoRA)"
+    return ("not a plain pre-norm block with silu and no q/k or unit-offset norms on the "
+            "torch attention backend")
