@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import environment, print_table  # noqa: E402
 from v1.kernels import library  # noqa: E402
 from v1.kernels.quant import KIND_CODE  # noqa: E402
-from v1.models.layers.quant import QuantizedWeight  # noqa: E402
+from v1.models.layers.quantized import QuantizedWeight  # noqa: E402
 
 # [out, in] of the default model's layer weights (q4_1 in its GGUF).
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))

@@ -1,4 +1,4 @@
-"""GGUF block kernels (v1.models.layers.quant) against fp32 matmuls, per batch size.
+"""GGUF block kernels (v1.models.layers.quantized) against fp32 matmuls, per batch size.
 
 For each of the default model's weight shapes (SmolLM2-135M: fused qkv, o, gate_up, down and
 the tied LM head) and each batch of M rows, times
@@ -35,8 +35,9 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import environment, print_table, time_call, write_outputs  # noqa: E402
+from v1 import envs  # noqa: E402
 from v1.kernels.quant import kernels  # noqa: E402
-from v1.models.layers import quant  # noqa: E402
+from v1.models.layers import quantized as quant  # noqa: E402
 from v1.models.layers.linear import PackedWeight  # noqa: E402
 
 # [out, in] of the default model's weights, and the block kind its GGUF stores them in.
@@ -148,7 +149,8 @@ def main() -> None:
                 print(f"  M={r['rows']:3d} {r['path']:5s} {r['ms']:9.3f} ms  {r['vs_onednn']:.3f}")
     print(text.getvalue(), end="")
     summary = {"bench": "quant_kernels", "int8_isa": kernels().int8_isa,
-               "int8_min_rows": quant.INT8_MIN_ROWS, **environment(), "results": results}
+               "int8_min_rows": envs.read().quant_int8_min_rows, **environment(),
+               "results": results}
     print(json.dumps(summary))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ from v1.attention.backends.torch_attn import TorchAttentionImpl
 from v1.attention.backends.torch_plan import AttentionPlan
 from v1.kernels.elementwise import native_ops
 from v1.kernels.library import library
-from v1.models.layers.quant import QuantizedWeight
+from v1.models.layers.quantized import QuantizedWeight
 
 pytestmark = pytest.mark.skipif(library() is None, reason="no C kernels")
 

@@ -21,7 +21,7 @@ _RUN_TIME = """
 import logging, sys, torch
 logging.basicConfig(level=logging.WARNING)
 from v1.kernels.library import library
-from v1.models.layers.quant import QuantizedWeight
+from v1.models.layers.quantized import QuantizedWeight
 lib = library()
 print(lib._name if lib is not None else None)
 q = QuantizedWeight.quantize(torch.randn(256, 512), "q4_1")

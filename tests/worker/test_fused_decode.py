@@ -16,9 +16,9 @@ from v1.kernels import decoder as kernels_decoder
 from v1.kernels.attention import paged_decode_kernel
 from v1.kernels.decoder import DecoderLayers, LayerWeights, Projection, fused_decoder
 from v1.lora.layers import LinearWithLoRA, LoRABatch
-from v1.models.layers import quant
-from v1.models.layers.quant import prompt_rows
+from v1.models.layers.quantized import DEFAULT_POLICY, MatmulPolicy
 from v1.models.loader import load_model
+from v1.models.step_plan import PlanOptions, StepPlanner
 
 pytestmark = pytest.mark.model
 
@@ -45,22 +45,28 @@ def fused_calls(monkeypatch) -> list[int]:
     return calls
 
 
-def forward(model, kv_caches, chunks, fused: bool, monkeypatch) -> torch.Tensor:
-    monkeypatch.setenv("V1_FUSED_DECODE", "1" if fused else "0")
+def forward(model, kv_caches, chunks, fused: bool, matmul: MatmulPolicy = DEFAULT_POLICY,
+            is_prompt: np.ndarray | None = None) -> torch.Tensor:
+    """One step planned as the runner plans it, with V1_FUSED_DECODE=`fused` and the rows'
+    policy `matmul`; `is_prompt`: which rows are prompt tokens'."""
     input_ids, positions, metadata = step_inputs(chunks)
+    planner = StepPlanner(model, torch.float32, torch.device("cpu"),
+                          PlanOptions(fused_decode=fused, matmul=matmul))
     with torch.inference_mode():
-        return model(input_ids, positions, kv_caches, metadata)
+        step = planner.plan(metadata, kv_caches, is_prompt)
+        assert step.path.decoder == ("fused" if step.fused is not None else "per-op")
+        return model(input_ids, positions, kv_caches, metadata, step)
 
 
 TABLES = ([3, 1, 6], [0, 4], [7, 2, 5])
 
 
 def prefilled(
-    model, prompts: list[list[int]], monkeypatch, kv_dtype: torch.dtype = torch.float32
+    model, prompts: list[list[int]], kv_dtype: torch.dtype = torch.float32
 ) -> list[torch.Tensor]:
     kv_caches = [c.to(kv_dtype) for c in new_kv_caches(model, 8)]
     chunks = [Chunk(p, 0, t) for p, t in zip(prompts, TABLES)]
-    forward(model, kv_caches, chunks, False, monkeypatch)
+    forward(model, kv_caches, chunks, False)
     return kv_caches
 
 
@@ -79,96 +85,98 @@ BATCH3 = [(1, 20), (1, 9), (1, 30)]
     ],
     ids=["batch1", "batch3", "drafts", "drafts-and-decode", "batch3-bf16", "batch3-fp16"],
 )
-def test_fused_step_is_the_per_op_step(gguf_model, fused_calls, monkeypatch, step, kv_dtype):
+def test_fused_step_is_the_per_op_step(gguf_model, fused_calls, step, kv_dtype):
     """Hidden states and the K/V written: the same bits either way, for each cache dtype."""
     prompts = [[(7 * i + 3 * r) % 5000 + 10 for i in range(n)] for r, (_, n) in enumerate(step)]
-    kv_caches = prefilled(gguf_model, prompts, monkeypatch, kv_dtype)
+    kv_caches = prefilled(gguf_model, prompts, kv_dtype)
     if paged_decode_kernel(kv_caches[0], 9) is None:
         pytest.skip(f"this library has no {kv_dtype} decode kernel (portable: no fp16)")
     chunks = [Chunk([11 + r] * q, n, t) for r, ((q, n), t) in enumerate(zip(step, TABLES))]
     caches_a = [c.clone() for c in kv_caches]
     fused_calls.clear()
-    fused = forward(gguf_model, caches_a, chunks, True, monkeypatch)
+    fused = forward(gguf_model, caches_a, chunks, True)
     assert len(fused_calls) == 1
-    per_op = forward(gguf_model, kv_caches, chunks, False, monkeypatch)
+    per_op = forward(gguf_model, kv_caches, chunks, False)
     assert len(fused_calls) == 1
     assert torch.equal(fused, per_op)
     assert all(torch.equal(a, b) for a, b in zip(caches_a, kv_caches))
 
 
-def test_steps_that_do_not_qualify_run_per_op(gguf_model, fused_calls, monkeypatch):
+def test_steps_that_do_not_qualify_run_per_op(gguf_model, fused_calls):
     prompt = list(range(100, 120))
-    kv_caches = prefilled(gguf_model, [prompt], monkeypatch)
+    kv_caches = prefilled(gguf_model, [prompt])
     decode = [Chunk([5], 20, TABLES[0])]
     # Prompt rows beside generated ones where they take different matmul paths
     # (V1_QUANT_ALL_INT8=0): per op, as without the mark it is fused.
     chunk = [Chunk([6, 7], 20, TABLES[0])]
-    monkeypatch.setattr(quant, "ALL_INT8", False)
-    with prompt_rows(np.array([True, False])):
-        forward(gguf_model, kv_caches, chunk, True, monkeypatch)
+    by_kind = MatmulPolicy(all_int8=False)
+    forward(gguf_model, kv_caches, chunk, True, by_kind, np.array([True, False]))
     assert not fused_calls
-    forward(gguf_model, kv_caches, chunk, True, monkeypatch)
+    forward(gguf_model, kv_caches, chunk, True, by_kind)
     assert len(fused_calls) == 1
     # Under the default every row takes int8, prompt rows too: fused, the per-op bits.
-    monkeypatch.setattr(quant, "ALL_INT8", True)
     caches_a = [c.clone() for c in kv_caches]
-    with prompt_rows(np.array([True, True])):
-        fused = forward(gguf_model, caches_a, chunk, True, monkeypatch)
-        assert len(fused_calls) == 2
-        per_op = forward(gguf_model, kv_caches, chunk, False, monkeypatch)
+    prompt = np.array([True, True])
+    fused = forward(gguf_model, caches_a, chunk, True, is_prompt=prompt)
+    assert len(fused_calls) == 2
+    per_op = forward(gguf_model, kv_caches, chunk, False, is_prompt=prompt)
     assert torch.equal(fused, per_op)
     # A prefill that SDPA attends (no native plan), then the switch off.
     fused_calls.clear()
     forward(gguf_model, new_kv_caches(gguf_model, 40), [Chunk(list(range(300)), 0,
                                                                list(range(19)))],
-            True, monkeypatch)
-    forward(gguf_model, kv_caches, decode, False, monkeypatch)
+            True)
+    forward(gguf_model, kv_caches, decode, False)
     assert not fused_calls
-    # LoRA's wrapper around a projection: per op until it is taken off again.
+    # LoRA's wrapper around a projection (and the re-plan its manager calls): per op until
+    # it is taken off again (and the model re-planned).
     attn = gguf_model.model.layers[3].self_attn
     base = attn.qkv_proj
     attn.qkv_proj = LinearWithLoRA(base, (576, 192, 192), LoRABatch(), 1, 8)
     try:
-        forward(gguf_model, kv_caches, decode, True, monkeypatch)
+        gguf_model.replan()
+        forward(gguf_model, kv_caches, decode, True)
         assert not fused_calls
     finally:
         attn.qkv_proj = base
-    forward(gguf_model, kv_caches, decode, True, monkeypatch)
+        gguf_model.replan()
+    forward(gguf_model, kv_caches, decode, True)
     assert len(fused_calls) == 1
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-def test_the_int8_rule_is_followed(gguf_model, fused_calls, monkeypatch, rows):
+def test_the_int8_rule_is_followed(gguf_model, fused_calls, rows):
     """Whichever path the rule gives decode rows (int8 by default, fp32 under
     V1_QUANT_ALL_INT8=0), the fused and per-op steps both take it: the same bits, and not
     the other path's."""
-    kv_caches = prefilled(gguf_model, [list(range(300, 316))], monkeypatch)
+    kv_caches = prefilled(gguf_model, [list(range(300, 316))])
     chunks = [Chunk([8] * rows, 16, TABLES[0])]
     caches = [[c.clone() for c in kv_caches] for _ in range(2)]
-    monkeypatch.setattr(quant, "ALL_INT8", False)
-    fp32 = forward(gguf_model, caches[0], chunks, True, monkeypatch)
-    monkeypatch.setattr(quant, "ALL_INT8", True)
-    fused = forward(gguf_model, caches[1], chunks, True, monkeypatch)
-    per_op = forward(gguf_model, kv_caches, chunks, False, monkeypatch)
+    fp32 = forward(gguf_model, caches[0], chunks, True, MatmulPolicy(all_int8=False))
+    fused = forward(gguf_model, caches[1], chunks, True)
+    per_op = forward(gguf_model, kv_caches, chunks, False)
     assert len(fused_calls) == 2
     assert torch.equal(fused, per_op) and not torch.equal(fused, fp32)
 
 
-def test_new_weights_are_read(gguf_model, fused_calls, monkeypatch):
-    """A norm's weight replaced: the descriptors are made again, the step still equal."""
+def test_new_weights_are_read(gguf_model, fused_calls):
+    """A norm's weight replaced, and the model re-planned: the descriptors are made again,
+    the step still equal."""
     norm = gguf_model.model.layers[5].post_attention_layernorm
     old = norm.weight
     norm.weight = torch.nn.Parameter(old.detach() * 1.5, requires_grad=False)
+    gguf_model.replan()
     try:
-        kv_caches = prefilled(gguf_model, [list(range(200, 212))], monkeypatch)
+        kv_caches = prefilled(gguf_model, [list(range(200, 212))])
         chunks = [Chunk([9], 12, TABLES[0])]
         caches_a = [c.clone() for c in kv_caches]
-        fused = forward(gguf_model, caches_a, chunks, True, monkeypatch)
-        per_op = forward(gguf_model, kv_caches, chunks, False, monkeypatch)
+        fused = forward(gguf_model, caches_a, chunks, True)
+        per_op = forward(gguf_model, kv_caches, chunks, False)
         assert len(fused_calls) == 1
         assert torch.equal(fused, per_op)
     finally:
         norm.weight = old
+        gguf_model.replan()
 
 
 @pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3,
@@ -176,13 +184,12 @@ def test_new_weights_are_read(gguf_model, fused_calls, monkeypatch):
 def test_greedy_tokens_equal_through_llm(default_model_path, fused_calls, monkeypatch, spec):
     prompts = ["The capital of France is", "1, 2, 3, 4, 5,", "Write a haiku about the sea:"]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    with LLM(str(default_model_path), multiprocess=False, num_gpu_blocks=64,
-             max_model_len=256, speculative_config=spec) as llm:
-        outputs = {}
-        for flag in ("1", "0"):
-            monkeypatch.setenv("V1_FUSED_DECODE", flag)
+    outputs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("V1_FUSED_DECODE", flag)  # read when the engine is built
+        with LLM(str(default_model_path), multiprocess=False, num_gpu_blocks=64,
+                 max_model_len=256, speculative_config=spec) as llm:
             fused_calls.clear()
-            llm.reset_prefix_cache()
             outs = llm.generate(prompts, params, use_tqdm=False)
             outputs[flag] = [o.outputs[0].token_ids for o in outs]
             assert bool(fused_calls) == (flag == "1")
@@ -220,11 +227,11 @@ def _fields(w: LayerWeights) -> dict:
     return {name: getattr(w, name) for name in LayerWeights.__slots__}
 
 
-def test_bad_step_arguments_raise(gguf_model, one_layer, monkeypatch):
+def test_bad_step_arguments_raise(gguf_model, one_layer):
     fused = fused_decoder()
     assert fused is not None
     layers = _layers(one_layer)
-    kv_caches = prefilled(gguf_model, [[1, 2, 3]], monkeypatch)[:1]
+    kv_caches = prefilled(gguf_model, [[1, 2, 3]])[:1]
     _, _, metadata = step_inputs([Chunk([4], 3, TABLES[0])])
     native = AttentionPlan.for_step(metadata, kv_caches[0], 9).native_only()
     step = native.bound(kv_caches[0])

@@ -12,8 +12,10 @@ from v1.attention.backends.abstract import AttentionMetadata, kv_cache_shape
 from v1.attention.backends.torch_attn import TorchAttentionImpl
 from v1.models import DecoderForCausalLM, head_dim_of
 from v1.models import loader as model_loader
+from v1.models.layers.quantized import MatmulPolicy
 from v1.models.layers.rotary import rope_inv_freq, rope_parameters
 from v1.models.loader import load_model, resolve_model
+from v1.models.step_plan import PlanOptions, StepPlanner
 
 BLOCK_SIZE = 16
 
@@ -74,21 +76,31 @@ def step_inputs(
 
 
 def run_step(
-    model: DecoderForCausalLM, kv_caches: list[torch.Tensor], chunks: list[Chunk]
+    model: DecoderForCausalLM, kv_caches: list[torch.Tensor], chunks: list[Chunk],
+    matmul: MatmulPolicy | None = None,
 ) -> list[torch.Tensor]:
-    """One packed forward over all chunks; returns each chunk's logits [len(tokens), vocab]."""
+    """One packed forward over all chunks; returns each chunk's logits [len(tokens), vocab].
+    `matmul`: the GGUF rows' policy (None: the default)."""
     input_ids, positions, metadata = step_inputs(chunks)
     query_lens = [len(c.tokens) for c in chunks]
     with torch.inference_mode():
-        hidden = model(input_ids, positions, kv_caches, metadata)
-        logits = model.compute_logits(hidden)
+        if matmul is None:
+            hidden = model(input_ids, positions, kv_caches, metadata)
+            logits = model.compute_logits(hidden)
+        else:
+            planner = StepPlanner(model, torch.float32, torch.device("cpu"),
+                                  PlanOptions(matmul=matmul))
+            step = planner.plan(metadata, kv_caches)
+            hidden = model(input_ids, positions, kv_caches, metadata, step)
+            logits = model.compute_logits(hidden, planner.head_rows)
     assert logits.dtype == torch.float32
     return list(logits.split(query_lens))
 
 
-def prefill(model: DecoderForCausalLM, tokens: list[int], block_table: list[int]) -> torch.Tensor:
+def prefill(model: DecoderForCausalLM, tokens: list[int], block_table: list[int],
+            matmul: MatmulPolicy | None = None) -> torch.Tensor:
     kv_caches = new_kv_caches(model, max(block_table) + 1)
-    return run_step(model, kv_caches, [Chunk(tokens, 0, block_table)])[0]
+    return run_step(model, kv_caches, [Chunk(tokens, 0, block_table)], matmul)[0]
 
 
 def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from v1.kernels import elementwise
 from v1.kernels.elementwise import NativeOps
 from v1.models.layers import ops
 from v1.models.layers.ops import TorchOps, ops_for_step
@@ -10,7 +11,7 @@ from v1.models.layers.ops import TorchOps, ops_for_step
 
 @pytest.fixture(scope="module")
 def native_ops() -> NativeOps:
-    op = ops_for_step(torch.zeros(4, 8))
+    op = ops_for_step(torch.device("cpu"), torch.float32, 4, elementwise.native_ops())
     if not isinstance(op, NativeOps):
         pytest.skip("the C elementwise kernels are not available (no C compiler?)")
     return op
@@ -64,13 +65,16 @@ def test_silu_and_mul(native_ops, n):
 def test_which_ops_a_step_gets(monkeypatch, native_ops):
     small, big = torch.zeros(ops.SMALL_STEP_MAX_TOKENS, 8), torch.zeros(200, 8)
     # fp32 with the kernels: every step (a row's numbers must not depend on its step's size)
-    assert ops_for_step(small) is native_ops and ops_for_step(big) is native_ops
-    bf16 = ops_for_step(small.bfloat16())
+    def ops_for(x: torch.Tensor) -> ops.StepOps:
+        return ops_for_step(x.device, x.dtype, x.shape[0], elementwise.native_ops())
+
+    assert ops_for(small) is native_ops and ops_for(big) is native_ops
+    bf16 = ops_for(small.bfloat16())
     assert isinstance(bf16, TorchOps) and bf16.serial == (torch.get_num_threads() > 1)
-    assert ops_for_step(big.bfloat16()) is ops.TORCH_OPS  # prefill-sized: torch, all threads
+    assert ops_for(big.bfloat16()) is ops.TORCH_OPS  # prefill-sized: torch, all threads
     monkeypatch.setenv("V1_CPU_KERNELS", "0")
-    assert isinstance(ops_for_step(small), TorchOps)
-    assert ops_for_step(big) is ops.TORCH_OPS
+    assert isinstance(ops_for(small), TorchOps)
+    assert ops_for(big) is ops.TORCH_OPS
 
 
 def test_serial_torch_ops_restore_the_thread_count():

@@ -17,7 +17,7 @@ from quant_eval import Mode  # noqa: E402
 
 MODES = ("gguf", "int8", "fp32+bf16", "fp32+fp16", "gguf+bf16", "gguf+fp16", "int8+bf16")
 # A slice, one window: the perplexity's share of a mode's time stays small. 384 tokens were
-# too few to resolve the gate: with every row int8 (quant.ALL_INT8) gguf+fp16 measured 1.0102x
+# too few to resolve the gate: with every row int8 (V1_QUANT_ALL_INT8) gguf+fp16 measured 1.0102x
 # there, 1.0047x on 768 tokens and 1.0021x on the whole text (bench_quant.py).
 PPL_TOKENS = 768
 ENGINE = dict(num_gpu_blocks=96, max_model_len=1024, **quant_eval.ACCURACY_ENGINE_ARGS)

@@ -1,4 +1,4 @@
-"""GGUF block weights (v1.models.layers.quant): the bit layout against the gguf package, ggml's
+"""GGUF block weights (v1.models.layers.quantized): the bit layout against the gguf package, ggml's
 rounding, and each multiplication path against the torch reference."""
 
 import multiprocessing
@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 import torch
 
+from v1 import envs
 from v1.kernels import library
 from v1.kernels.quant import QuantBlocks, QuantKernels, kernels
-from v1.models.layers import quant
-from v1.models.layers.quant import QuantizedWeight
+from v1.models.layers import quantized as quant
+from v1.models.layers.quantized import MatmulPolicy, QuantizedWeight
 
 KINDS = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
 
@@ -136,7 +137,7 @@ def test_int8_path_matches_quantized_activations(kind: str) -> None:
 
 @needs_kernels
 def test_every_row_takes_int8_by_default() -> None:
-    """quant.ALL_INT8 (the default): without a `path`, every batch size runs "int8"."""
+    """MatmulPolicy.all_int8 (the default): without a `path`, every batch size runs "int8"."""
     q = QuantizedWeight.quantize(weight(37, 96), "q4_1")
     for m in (1, 3, 17, 300):
         x = torch.randn(m, 96)
@@ -145,34 +146,38 @@ def test_every_row_takes_int8_by_default() -> None:
 
 
 @pytest.fixture
-def by_batch_size(monkeypatch: pytest.MonkeyPatch) -> None:
+def by_batch_size() -> MatmulPolicy:
     """V1_QUANT_ALL_INT8=0: paths by batch size (and prompt rows)."""
-    monkeypatch.setattr(quant, "ALL_INT8", False)
+    return MatmulPolicy(all_int8=False)
+
+
+def by_rule(q: QuantizedWeight, x: torch.Tensor, policy: MatmulPolicy) -> torch.Tensor:
+    """`q.linear` on the path the policy gives a call of x's rows (`MatmulRows.linear`)."""
+    return policy.rows(None).linear(q, x, None)
 
 
 @needs_kernels
-def test_path_by_batch_size(monkeypatch: pytest.MonkeyPatch, by_batch_size: None) -> None:
+def test_path_by_batch_size(by_batch_size: MatmulPolicy) -> None:
     q = QuantizedWeight.quantize(weight(16, 64), "q8_0")
     x = torch.randn(8, 64)
     assert not torch.equal(q.linear(x, path="int8"), q.linear(x, path="fp32"))
-    monkeypatch.setattr(quant, "INT8_MIN_ROWS", 4)
-    assert torch.equal(q.linear(x[:3]), q.linear(x[:3], path="fp32"))
-    assert torch.equal(q.linear(x), q.linear(x, path="int8"))
-    monkeypatch.setattr(quant, "INT8_MIN_ROWS", None)
-    assert torch.equal(q.linear(x), q.linear(x, path="fp32"))
-    monkeypatch.setattr(quant, "DENSE_MIN_ROWS", 4)
+    min4 = MatmulPolicy(all_int8=False, int8_min_rows=4)
+    assert torch.equal(by_rule(q, x[:3], min4), q.linear(x[:3], path="fp32"))
+    assert torch.equal(by_rule(q, x, min4), q.linear(x, path="int8"))
+    assert torch.equal(by_rule(q, x, by_batch_size), q.linear(x, path="fp32"))
+    dense4 = MatmulPolicy(all_int8=False, dense_min_rows=4)
     assert not torch.equal(q.linear(x, path="dense"), q.linear(x, path="fp32"))
-    assert torch.equal(q.linear(x[:3]), q.linear(x[:3], path="fp32"))
-    assert torch.equal(q.linear(x), q.linear(x, path="dense"))
+    assert torch.equal(by_rule(q, x[:3], dense4), q.linear(x[:3], path="fp32"))
+    assert torch.equal(by_rule(q, x, dense4), q.linear(x, path="dense"))
 
 
 @needs_kernels
-def test_small_batches_run_the_c_fp32_kernel(fp32_kernel_calls: list, by_batch_size: None
-                                            ) -> None:
+def test_small_batches_run_the_c_fp32_kernel(fp32_kernel_calls: list,
+                                            by_batch_size: MatmulPolicy) -> None:
     """Decode-sized batches (the default path below DENSE_MIN_ROWS rows) are the C kernel's."""
     q = QuantizedWeight.quantize(weight(37, 96), "q4_1")
     for m in (1, 3, 17):
-        q.linear(torch.randn(m, 96))
+        by_rule(q, torch.randn(m, 96), by_batch_size)
     q.linear(torch.randn(2, 96), path="torch")
     assert fp32_kernel_calls == [(37, 96, 1), (37, 96, 3), (37, 96, 17)]
 
@@ -188,19 +193,25 @@ def test_dense_path_dequantizes_in_c(kind: str) -> None:
     torch.testing.assert_close(w, q.dequantize(), rtol=1e-6, atol=1e-6)
 
 
+def policy_of(**environ: str) -> MatmulPolicy:
+    return MatmulPolicy.from_env(envs.read(environ))
+
+
 def test_all_int8_from_environment() -> None:
-    assert quant._all_int8(None) and quant._all_int8("") and quant._all_int8("1")
-    assert not quant._all_int8("0")
-    with pytest.raises(ValueError, match="V1_QUANT_ALL_INT8='yes'"):
-        quant._all_int8("yes")
+    assert policy_of().all_int8 and policy_of(V1_QUANT_ALL_INT8="").all_int8
+    assert policy_of(V1_QUANT_ALL_INT8="1").all_int8
+    assert not policy_of(V1_QUANT_ALL_INT8="0").all_int8
+    with pytest.raises(ValueError, match="V1_QUANT_ALL_INT8='2'"):
+        policy_of(V1_QUANT_ALL_INT8="2")
 
 
 def test_int8_min_rows_from_environment() -> None:
-    assert quant._int8_min_rows(None) is None and quant._int8_min_rows("") is None
-    assert quant._int8_min_rows("16") == 16
+    assert policy_of().int8_min_rows is None
+    assert policy_of(V1_QUANT_INT8_MIN_ROWS="").int8_min_rows is None
+    assert policy_of(V1_QUANT_INT8_MIN_ROWS="16").int8_min_rows == 16
     for bad in ("0", "-3", "x"):
         with pytest.raises(ValueError, match=f"V1_QUANT_INT8_MIN_ROWS='{bad}'.*>= 1"):
-            quant._int8_min_rows(bad)
+            policy_of(V1_QUANT_INT8_MIN_ROWS=bad)
 
 
 @needs_kernels
@@ -339,7 +350,7 @@ def test_pool_after_fork(two_threads: None) -> None:
 _LATE_WORKER = """
 import os, subprocess, sys, time
 import torch
-from v1.models.layers.quant import QuantizedWeight
+from v1.models.layers.quantized import QuantizedWeight
 torch.set_num_threads(2)
 q = QuantizedWeight.quantize(torch.randn(1536, 576), "q4_1")
 x = torch.randn(1, 576)
@@ -429,7 +440,7 @@ def test_bad_shapes() -> None:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_int8_rows_do_not_depend_on_their_neighbours(kind: str) -> None:
-    """What per-row int8 prompt rows rest on (quant.PROMPT_INT8): a row's int8 result is bit
+    """What per-row int8 prompt rows rest on (MatmulPolicy.prompt_int8): a row's int8 result is bit
     for bit the same alone, in any batch size (tiles of 16 rows and their remainders), gathered
     by index, and on 1 or 2 threads."""
     q = QuantizedWeight.quantize(weight(96, 288), kind)

@@ -14,7 +14,6 @@
 import dataclasses
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
@@ -33,9 +32,8 @@ from v1.attention.backends.torch_attn import TorchAttentionImpl
 from v1.config import EngineArgs
 from v1.kernels.quant import QuantKernels
 from v1.models import loader as loader_module
-from v1.models.layers import quant as quant_layer
 from v1.models.layers.linear import Linear
-from v1.models.layers.quant import QuantizedWeight
+from v1.models.layers.quantized import MatmulPolicy, QuantizedWeight
 from v1.models.loader import LoadedModel, load_model, resolve_quantization
 
 CPU = torch.device("cpu")
@@ -92,8 +90,8 @@ def logits_of(loaded: LoadedModel) -> list[torch.Tensor]:
     """Prefill logits of the prompts, block matrices through the fp32 path (as
     V1_QUANT_ALL_INT8=0 outside a forward's prompt rows): the weights' own error, without
     int8 activations' rounding."""
-    with mock.patch.object(quant_layer, "ALL_INT8", False):
-        return [prefill(loaded.model, tokens, BLOCK) for tokens in prompts()]
+    by_count = MatmulPolicy(all_int8=False)
+    return [prefill(loaded.model, tokens, BLOCK, by_count) for tokens in prompts()]
 
 
 def assert_close(
@@ -165,8 +163,8 @@ def test_gguf_without_prompt_int8_is_fp32_exactly(tied_gguf, fp32_kernel_calls, 
     path, whose calls the bindings count (the fused decode step calls the same kernel from
     C, the same bits: tests/worker/test_fused_decode.py)."""
     monkeypatch.setenv("V1_FUSED_DECODE", "0")
-    monkeypatch.setattr(quant_layer, "ALL_INT8", False)
-    monkeypatch.setattr(quant_layer, "PROMPT_INT8", False)
+    monkeypatch.setenv("V1_QUANT_ALL_INT8", "0")
+    monkeypatch.setenv("V1_QUANT_PROMPT_INT8", "0")
     fp32, _, _ = greedy_runs(tied_gguf, "none", [prompts()])
     fp32_kernel_calls.clear()
     gguf, _, loaded = greedy_runs(tied_gguf, "gguf", [prompts()])
@@ -178,12 +176,12 @@ def test_gguf_without_prompt_int8_is_fp32_exactly(tied_gguf, fp32_kernel_calls, 
 @pytest.mark.parametrize("all_int8", [True, False])
 def test_prompt_rows_take_int8_whatever_the_batch(tied_gguf, monkeypatch, all_int8):
     """Prompt tokens' rows run int8 activations, and so do generated tokens' (the default,
-    quant.ALL_INT8), else they take the fp32 path; since int8's rows do not depend on each
+    MatmulPolicy.all_int8), else they take the fp32 path; since int8's rows do not depend on each
     other, a prompt's greedy tokens are the same alone, in a batch, in 7-token chunks and
     after a prefix-cache hit on its own prompt. The per-op path, whose calls the bindings
     count (the fused step takes the same paths from C: tests/worker/test_fused_decode.py)."""
     monkeypatch.setenv("V1_FUSED_DECODE", "0")
-    monkeypatch.setattr(quant_layer, "ALL_INT8", all_int8)
+    monkeypatch.setenv("V1_QUANT_ALL_INT8", "1" if all_int8 else "0")
     calls: list[tuple[bool, int]] = []
     linear = QuantKernels.linear
 

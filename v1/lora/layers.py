@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from v1.models.layers.linear import Linear
+from v1.models.layers.quantized import MatmulRows
 
 
 @dataclass(slots=True)
@@ -73,8 +74,8 @@ class LinearWithLoRA(nn.Module):
             return layer.weight.device, layer.weight.dtype
         return torch.device("cpu"), torch.float32  # packed or blocks: CPU fp32 only
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base_layer(x)
+    def forward(self, x: torch.Tensor, rows: MatmulRows | None = None) -> torch.Tensor:
+        y = self.base_layer(x, rows)
         k = self.batch.num_slots
         if k == 0:
             return y

@@ -22,6 +22,7 @@ from v1.config import LoRAConfig
 from v1.lora.layers import LinearWithLoRA, LoRABatch
 from v1.lora.peft import LoRAModel, load_adapter
 from v1.lora.request import LoRARequest
+from v1.models.decoder import DecoderForCausalLM
 
 # Where each adapted projection sits in a decoder layer: (module path, the HF projections
 # its fused weight stacks, in order).
@@ -34,7 +35,9 @@ _TARGETS = (
 
 
 class LoRAWorkerManager:
-    def __init__(self, model: nn.Module, config: LoRAConfig, dtype: torch.dtype) -> None:
+    def __init__(
+        self, model: DecoderForCausalLM, config: LoRAConfig, dtype: torch.dtype
+    ) -> None:
         self.config = config
         self.dtype = dtype
         self.batch = LoRABatch()
@@ -57,6 +60,7 @@ class LoRAWorkerManager:
                 self.wrapped.append((wrapped, projections, index))
                 for i, (proj, size) in enumerate(zip(projections, sizes, strict=True)):
                     self.targets[(index, proj)] = (wrapped, i, base.in_features, size)
+        model.replan()  # wrapped projections: the fused decode step no longer applies
         self.loaded: OrderedDict[int, LoRAModel] = OrderedDict()  # LRU, oldest first
         self.slots: list[int | None] = [None] * config.max_loras  # slot -> lora id
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, LRU order

@@ -2,7 +2,7 @@
 (`registry.get_model_cls`), and loading them (`loader`, `gguf_conversion`). `decoder.py` is the
 decoder they all are, `layers/` the pieces they share, each `<arch>.py` only what its
 architecture changes. Nothing here imports `v1.worker`: the runner hands a model its step's
-attention metadata and ops, never itself.
+plan (`step_plan.StepPlan`), never itself.
 """
 
 from v1.models.decoder import DecoderForCausalLM, head_dim_of, num_kv_heads_of

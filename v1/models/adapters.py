@@ -9,7 +9,7 @@ from collections.abc import Iterable
 import torch
 
 from v1.models.decoder import DecoderForCausalLM
-from v1.models.layers.quant import QuantizedWeight
+from v1.models.layers.quantized import QuantizedWeight
 
 _PREFIX = "model."
 

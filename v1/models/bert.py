@@ -22,7 +22,8 @@ from torch import nn
 
 from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata, AttentionType
 from v1.models.layers.linear import Linear, VocabEmbedding
-from v1.models.layers.quant import QuantizedWeight
+from v1.models.layers.quantized import MatmulRows, QuantizedWeight
+from v1.models.step_plan import StepPlan
 
 # transformers' activation names -> the function.
 _ACTIVATIONS = {
@@ -88,12 +89,13 @@ class BertLayer(nn.Module):
         self.act = _ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor, kv_cache: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
+                attn_metadata: AttentionMetadata, rows: MatmulRows | None) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).view(num_tokens, 3, self.num_heads, self.head_dim).unbind(1)
+        qkv = self.qkv_proj(x, rows)
+        q, k, v = qkv.view(num_tokens, 3, self.num_heads, self.head_dim).unbind(1)
         a = self.attn.forward(q, k, v, kv_cache, attn_metadata)
-        x = self.attn_norm(x + self.attn_out(a.reshape(num_tokens, -1)))
-        return self.output_norm(x + self.output(self.act(self.intermediate(x))))
+        x = self.attn_norm(x + self.attn_out(a.reshape(num_tokens, -1), rows))
+        return self.output_norm(x + self.output(self.act(self.intermediate(x, rows)), rows))
 
 
 class BertEncoder(nn.Module):
@@ -165,10 +167,13 @@ class BertModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
+        step: StepPlan | None = None,
     ) -> torch.Tensor:
+        """`step`: the runner's plan of the step (its matmul rows; None: the defaults)."""
+        rows = None if step is None else step.rows
         x = self.embeddings(input_ids, positions, self.token_types(input_ids, positions))
         for layer, kv_cache in zip(self.encoder.layer, kv_caches, strict=True):
-            x = layer(x, kv_cache, attn_metadata)
+            x = layer(x, kv_cache, attn_metadata, rows)
         return x
 
     # ---- weight loading -------------------------------------------------------------------

@@ -29,9 +29,9 @@ from v1.models.layers.attention import Attention
 from v1.models.layers.linear import Linear, VocabEmbedding
 from v1.models.layers.mlp import GatedMLP
 from v1.models.layers.norm import RMSNorm
-from v1.models.layers.ops import StepOps, ops_for_step
-from v1.models.layers.quant import QuantizedWeight
+from v1.models.layers.quantized import MatmulRows, QuantizedWeight
 from v1.models.layers.rotary import RotaryEmbedding, rope_parameters
+from v1.models.step_plan import StepPlan, StepPlanner
 
 DEFAULT_ROPE = "default"
 
@@ -124,15 +124,14 @@ class PreNormDecoderLayer(nn.Module):
         hidden_states: torch.Tensor,
         residual: torch.Tensor | None,
         kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        ops: StepOps,
+        step: StepPlan,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Takes and returns (block output, residual stream before that output is added), each
         residual add moved into the norm after it; the first layer gets residual None."""
-        x, residual = self.input_layernorm(hidden_states, residual, ops)
-        x = self.self_attn(rope, x, kv_cache, attn_metadata, ops)
-        x, residual = self.post_attention_layernorm(x, residual, ops)
-        return self.mlp(x, ops), residual
+        x, residual = self.input_layernorm(hidden_states, residual, step.ops)
+        x = self.self_attn(rope, x, kv_cache, step)
+        x, residual = self.post_attention_layernorm(x, residual, step.ops)
+        return self.mlp(x, step), residual
 
     def fused_weights(self) -> LayerWeights | None:
         """This layer as the fused decode step runs it (`v1.models.fused_decode`), or None
@@ -195,27 +194,29 @@ class DecoderModel(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
-        attn_metadata: AttentionMetadata,
+        step: StepPlan,
     ) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             hidden_states = hidden_states * self.embed_scale
-        ops = ops_for_step(hidden_states)
         # One table per RoPE kind per step: positions are the same in every layer.
         ropes = {
             key: emb.cos_sin(positions, hidden_states.dtype)
             for key, emb in self.rotary_embs.items()
         }
-        fused = self.fused_decode(hidden_states, ropes, kv_caches, attn_metadata, ops)
-        if fused is not None:
-            hidden_states, residual = fused
+        if (fused := step.fused) is not None:
+            residual = hidden_states  # the C step leaves the residual stream there
+            hidden_states = self.fused_decode.run(
+                hidden_states, ropes[self.fused_decode.rope_key], kv_caches, fused.kernel,
+                fused.entries, fused.int8,
+            )
         else:
             residual = None
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 hidden_states, residual = layer(
-                    ropes[layer.rope_key], hidden_states, residual, kv_cache, attn_metadata, ops
+                    ropes[layer.rope_key], hidden_states, residual, kv_cache, step
                 )
-        return self.norm(hidden_states, residual, ops)[0]
+        return self.norm(hidden_states, residual, step.ops)[0]
 
 
 class DecoderForCausalLM(nn.Module):
@@ -301,12 +302,31 @@ class DecoderForCausalLM(nn.Module):
         positions: torch.Tensor,  # int64 [T]
         kv_caches: list[torch.Tensor],  # one per layer, kv_cache_shape(...)
         attn_metadata: AttentionMetadata,
+        step: StepPlan | None = None,
     ) -> torch.Tensor:  # [T, hidden]
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        """`step`: the step's plan, for `attn_metadata` (None: planned here with the default
+        options, as for a caller without a runner)."""
+        if step is None:
+            step = self.default_planner().plan(attn_metadata, kv_caches)
+        assert step.metadata is attn_metadata
+        return self.model(input_ids, positions, kv_caches, step)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:  # fp32 [N, vocab]
+    def default_planner(self) -> StepPlanner:
+        """A planner with the default options, for callers without a runner."""
+        params = next(self.parameters())
+        return StepPlanner(self, params.dtype, params.device)
+
+    def replan(self) -> None:
+        """Decide again whether the layers run as the fused decode step: after changing
+        their modules or weights (LoRA's wrappers)."""
+        self.model.fused_decode.replan()
+
+    def compute_logits(
+        self, hidden_states: torch.Tensor, rows: MatmulRows | None = None
+    ) -> torch.Tensor:  # fp32 [N, vocab]
+        """`rows`: the matmul rule for GGUF head rows (the runner's; None: the default)."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        logits = head.linear(hidden_states)
+        logits = head.linear(hidden_states, rows)
         cap = self.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
@@ -396,3 +416,4 @@ class DecoderForCausalLM(nn.Module):
         missing = sorted(name for name, rows_left in pending.items() if rows_left != 0)
         if missing:
             raise ValueError(f"checkpoint lacks (or repeats) weights for: {missing}")
+        self.replan()

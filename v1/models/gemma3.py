@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata
+from v1.attention.backends.abstract import AttentionImpl
 from v1.models.decoder import LayerSpec, PreNormDecoderLayer, build_norm
-from v1.models.layers.ops import StepOps
 from v1.models.layers.rotary import rope_parameters
 from v1.models.llama import LlamaForCausalLM
+from v1.models.step_plan import StepPlan
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -57,14 +57,14 @@ class Gemma3DecoderLayer(PreNormDecoderLayer):
         hidden_states: torch.Tensor,
         residual: torch.Tensor | None,
         kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        ops: StepOps,
+        step: StepPlan,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        ops = step.ops
         x, residual = self.input_layernorm(hidden_states, residual, ops)
-        x = self.self_attn(rope, x, kv_cache, attn_metadata, ops)
+        x = self.self_attn(rope, x, kv_cache, step)
         x = self.post_attention_layernorm(x, None, ops)[0]
         x, residual = self.pre_feedforward_layernorm(x, residual, ops)
-        x = self.mlp(x, ops)
+        x = self.mlp(x, step)
         return self.post_feedforward_layernorm(x, None, ops)[0], residual
 
 

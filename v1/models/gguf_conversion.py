@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from v1.models.layers.quant import QuantizedWeight
+from v1.models.layers.quantized import QuantizedWeight
 
 logger = logging.getLogger("v1")
 

@@ -1,4 +1,11 @@
-"""Runs one scheduled step: update the persistent batch, build inputs, forward, sample.
+"""Runs one scheduled step: update the persistent batch, prepare the inputs and the step's
+plan, forward, then pool or sample (verifying drafts), and the disk tier's stores.
+
+`execute_model` is that sequence of named calls, each returning a small typed value
+(`StepInputs`, hidden states, `StepTokens`, `ModelRunnerOutput`). The step's plan
+(`v1.models.step_plan.StepPlan`: op set, matmul path per row, attention plans, fused or not)
+is built here once per step from settings read once, when the runner is built, and passed to
+the model; `StepPlan.path` says which paths ran (logged at DEBUG).
 
 Input preparation is numpy over whole arrays: for tokens t of the step, with r(t) the row of
 the request t belongs to,
@@ -11,21 +18,18 @@ Only the last token of a request whose known tokens are all computed after this 
 sampled; a prefill chunk that stops short of the end of its prompt samples nothing.
 
 A request with `prompt_logprobs` also gets logits at every prompt position of its chunks (the
-scheduler gives it no prefix-cache hits, so every position is computed here): each chunk's
-logprobs of the next prompt tokens are kept until the step that finishes the prompt, which
-returns them all.
+scheduler gives it no prefix-cache hits): each chunk's logprobs of the next prompt tokens are
+kept until the step that finishes the prompt, which returns them all.
 
 Speculative decoding (`v1.worker.spec_decode`): a request scheduled with k drafts has them
-written after its last token and computed in the same forward pass as every other request's;
-its last k + 1 rows are sampled and checked (`v1.worker.rejection_sampler`), its accepted
-tokens stored, and `num_computed_tokens` kept past the accepted ones only. Then the proposer
-drafts for every request that sampled, for the next step.
+written after its last token and computed in the same forward pass; its last k + 1 rows are
+sampled and checked (`Drafter.accept`), its accepted tokens stored, and `num_computed_tokens`
+kept past the accepted ones only. Then the proposer drafts for every request that sampled.
 
 The disk tier (`kv_disk`, a `DiskKVStore`; None: off, and nothing here costs anything): a
 step's `kv_loads` are read into their blocks before its forward and reported in its output
-(`kv_loaded`); its `kv_stores` are copied out after the forward, when the blocks hold the
-step's K/V, and written by the store's thread; finished writes are reported with the next
-output (`kv_stored`).
+(`kv_loaded`); its `kv_stores` are copied out after the forward and written by the store's
+thread; finished writes are reported with the next output (`kv_stored`).
 """
 
 import contextlib
@@ -34,26 +38,34 @@ import ctypes.util
 import logging
 import sys
 from pathlib import Path
-from typing import cast
+from typing import NamedTuple, cast
 
 import numpy as np
 import torch
 
+from v1 import envs
 from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata, kv_cache_shape
 from v1.config import CacheConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
-from v1.core.sched.output import SchedulerOutput
+from v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from v1.lora.worker_manager import LoRAWorkerManager
 from v1.models import head_dim_of, num_kv_heads_of
-from v1.models.layers.quant import prompt_rows
 from v1.models.loader import LoadedModel
 from v1.models.pooler import Pooler
+from v1.models.step_plan import PlanOptions, StepPlan, StepPlanner
 from v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, TokenLogprobs
 from v1.sampling_params import SamplingParams
 from v1.worker.input_batch import InputBatch
 from v1.worker.kv_disk_store import DiskKVStore, cache_key_facts
 from v1.worker.pooling import RunnerPooling
-from v1.worker.sampler import BadWords, Sampler, SamplingMetadata, TokenCounts, gather_logprobs
-from v1.worker.spec_decode.drafter import Drafter
+from v1.worker.sampler import (
+    BadWords,
+    Sampler,
+    SamplingMetadata,
+    StepTokens,
+    TokenCounts,
+    gather_logprobs,
+)
+from v1.worker.spec_decode.drafter import Drafter, StepDrafts, Verification
 
 logger = logging.getLogger("v1")
 
@@ -62,14 +74,9 @@ _DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 
 def tune_cpu_malloc() -> bool:
     """Keep freed activation memory in the process (glibc malloc) instead of returning it to
-    the OS after every step.
-
-    glibc serves big allocations with mmap and gives them back on free, so each step's
-    multi-megabyte activations are page-faulted (and zeroed by the kernel) anew: ~1.5 GB of
-    faults per 4,000 prefill tokens here, about 6% of the CPU time. Raising the mmap and
-    trim thresholds makes such blocks come from, and go back to, the heap. Blocks of 64 MiB
-    and more (the KV cache) are still mapped and unmapped as before. Returns whether applied.
-    """
+    the OS after every step: raises the mmap and trim thresholds so blocks under 64 MiB come
+    from, and go back to, the heap (the KV cache is still mapped). Returns whether applied.
+    Why: docs/benchmarks.md, "Model runner: malloc and grammar masks"."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt
@@ -83,16 +90,10 @@ def apply_grammar_bitmask(
     logits: torch.Tensor, bitmask: np.ndarray, logit_rows: list[int]
 ) -> None:
     """Set to -inf the logits of tokens the grammar forbids: bitmask row i (32 tokens per
-    int32 word, bit set: allowed) masks logits row `logit_rows[i]`, before any sampling.
-
-    On CPU: numpy unpacks the forbidden bits to one bool per token (little-endian words, so
-    byte b's bit j is token 8b + j) and writes -inf through them row by row, in place. For
-    16 rows of the default model's 49,152 tokens, with masks recorded from
-    bench/bench_structured.py's grammars: 0.73 ms here, against 1.74 ms unpacking with torch
-    ops and a gathered masked_fill (what this did before) and 2.3 ms for xgrammar's CPU
-    kernel (`apply_token_bitmask_inplace`); in that benchmark's decode steps, 2.1 -> 1.0 ms.
-    Elsewhere (a GPU) the words go over as they are and torch unpacks them there.
-    """
+    int32 word, bit set: allowed) masks logits row `logit_rows[i]`, in place, before any
+    sampling. On CPU numpy unpacks the words (little-endian: byte b's bit j is token 8b + j),
+    the fastest of the ways measured (docs/benchmarks.md); elsewhere torch unpacks them on the
+    device."""
     vocab_size = logits.shape[1]
     if logits.device.type == "cpu" and logits.dtype in _NUMPY_FLOATS and _LITTLE_ENDIAN:
         forbidden = np.unpackbits(
@@ -112,6 +113,21 @@ def apply_grammar_bitmask(
 # Logits dtypes that numpy can view in place (not bfloat16).
 _NUMPY_FLOATS = (torch.float32, torch.float16, torch.float64)
 _LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+class StepInputs(NamedTuple):
+    """One step's inputs, per request in the scheduler's order (host arrays) and per token."""
+
+    req_ids: list[str]
+    rows: np.ndarray  # each request's batch row
+    num_scheduled: np.ndarray
+    num_computed: np.ndarray  # before this step
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray  # after this step
+    drafts: StepDrafts
+    input_ids: np.ndarray  # per token
+    positions: np.ndarray
+    plan: StepPlan
 
 
 def attention_impl_for(device: torch.device) -> type[AttentionImpl]:
@@ -135,7 +151,9 @@ class ModelRunner:
         speculative_config: SpeculativeConfig | None = None,
         lora_config: LoRAConfig | None = None,
         pooler: Pooler | None = None,
+        plan_options: PlanOptions | None = None,
     ) -> None:
+        """`plan_options`: how steps are planned (None: from the environment, read here)."""
         self.device = device
         self.drafter = Drafter(speculative_config) if speculative_config is not None else None
         self.dtype = dtype
@@ -172,6 +190,9 @@ class ModelRunner:
         )
         # A pooling engine (runner="pooling", v1.worker.pooling): it pools, never samples.
         self.pooling = RunnerPooling(pooler, self.model) if pooler is not None else None
+        if plan_options is None:
+            plan_options = PlanOptions.from_env(envs.read())
+        self.planner = StepPlanner(self.model, dtype, device, plan_options)
 
     # -- KV cache ---------------------------------------------------------------------
 
@@ -248,52 +269,65 @@ class ModelRunner:
     # -- one step ---------------------------------------------------------------------
 
     def _update_states(self, out: SchedulerOutput) -> None:
-        batch = self.input_batch
-        in_progress = self.in_progress_prompt_logprobs
-        drafter = self.drafter
+        """The persistent batch brought to the step: finished and preempted requests out,
+        new and resumed ones in, the others' new blocks appended."""
         for req_id in out.finished_req_ids:
-            if drafter is not None and req_id in batch.req_id_to_index:
-                drafter.finish(req_id)
-            batch.remove_request(req_id)
-            self._preempted.pop(req_id, None)
-            in_progress.pop(req_id, None)
-            if self.lora is not None:
-                self.lora.finish_request(req_id)
-            if self.pooling is not None:
-                self.pooling.finish(req_id)
+            self._finish_request(req_id)
         for req_id in out.preempted_req_ids:
-            # Out of the batch until resumed; its params and seeded generator wait here.
-            row = batch.req_id_to_index[req_id]
-            params = batch.sampling_params[row]
-            assert params is not None
-            self._preempted[req_id] = (
-                params, int(batch.num_prompt_tokens[row]), batch.generators.get(req_id)
-            )
-            batch.remove_request(req_id)
-            if drafter is not None:
-                drafter.finish(req_id, preempted=True)
-            if req_id in in_progress:  # it resumes from its first token: collect anew
-                in_progress[req_id] = []
-            if self.pooling is not None:
-                self.pooling.preempt(req_id)
-        batch.condense()
+            self._preempt_request(req_id)
+        self.input_batch.condense()
         for new in out.scheduled_new_reqs:
-            params = new.sampling_params
-            generator = None
-            if params.seed is not None:
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed(params.seed)
-            batch.add_request(
-                new.req_id, new.prompt_token_ids, len(new.prompt_token_ids),
-                new.num_computed_tokens, new.block_ids, params, generator,
-            )
-            if params.prompt_logprobs is not None:
-                in_progress[new.req_id] = []
-            if self.lora is not None:
-                self.lora.add_request(new.req_id, new.lora_request)
-            if self.pooling is not None:
-                self.pooling.add(new.req_id, new.pooling_params)
-        cached = out.scheduled_cached_reqs
+            self._add_request(new)
+        self._update_cached(out.scheduled_cached_reqs)
+
+    def _finish_request(self, req_id: str) -> None:
+        batch = self.input_batch
+        if self.drafter is not None and req_id in batch.req_id_to_index:
+            self.drafter.finish(req_id)
+        batch.remove_request(req_id)
+        self._preempted.pop(req_id, None)
+        self.in_progress_prompt_logprobs.pop(req_id, None)
+        if self.lora is not None:
+            self.lora.finish_request(req_id)
+        if self.pooling is not None:
+            self.pooling.finish(req_id)
+
+    def _preempt_request(self, req_id: str) -> None:
+        """Out of the batch until resumed; its params and seeded generator wait here."""
+        batch = self.input_batch
+        row = batch.req_id_to_index[req_id]
+        params = batch.sampling_params[row]
+        assert params is not None
+        self._preempted[req_id] = (
+            params, int(batch.num_prompt_tokens[row]), batch.generators.get(req_id)
+        )
+        batch.remove_request(req_id)
+        if self.drafter is not None:
+            self.drafter.finish(req_id, preempted=True)
+        if req_id in self.in_progress_prompt_logprobs:  # it resumes from its first token
+            self.in_progress_prompt_logprobs[req_id] = []
+        if self.pooling is not None:
+            self.pooling.preempt(req_id)
+
+    def _add_request(self, new: NewRequestData) -> None:
+        params = new.sampling_params
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        self.input_batch.add_request(
+            new.req_id, new.prompt_token_ids, len(new.prompt_token_ids),
+            new.num_computed_tokens, new.block_ids, params, generator,
+        )
+        if params.prompt_logprobs is not None:
+            self.in_progress_prompt_logprobs[new.req_id] = []
+        if self.lora is not None:
+            self.lora.add_request(new.req_id, new.lora_request)
+        if self.pooling is not None:
+            self.pooling.add(new.req_id, new.pooling_params)
+
+    def _update_cached(self, cached: CachedRequestData) -> None:
+        batch = self.input_batch
         for i, req_id in enumerate(cached.req_ids):
             if cached.resumed_from_preemption[i]:
                 tokens = cached.resumed_token_ids[i]
@@ -306,7 +340,7 @@ class ModelRunner:
             else:
                 row = batch.req_id_to_index[req_id]
                 batch.block_table.append_row(row, cached.new_block_ids[i])
-                if drafter is None:
+                if self.drafter is None:
                     batch.num_computed_tokens[row] = cached.num_computed_tokens[i]
                 # else ours is right: under async the scheduler's counts drafts still in
                 # flight as accepted (it rolls them back when their output comes)
@@ -314,50 +348,75 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(out)
-        kv_loaded: dict[str, int] | None = None
-        if out.kv_loads:
-            kv_loaded = {}
-            assert self.kv_disk is not None
-            for load in out.kv_loads:
-                kv_loaded[load.req_id] = self.kv_disk.load(
-                    self.kv_caches, load.block_ids, load.block_hashes
-                )
+        kv_loaded = self._load_from_disk(out)
         if out.total_num_scheduled_tokens == 0:
             if self.kv_disk is None:
                 return EMPTY_MODEL_RUNNER_OUTPUT
             return self._disk_io_after_forward(out, ModelRunnerOutput([], []), kv_loaded)
+        step = self._prepare_inputs(out)
+        hidden = self._forward(step)
+        if self.pooling is not None:  # pooled vectors instead of sampled tokens
+            return self._pool(step, hidden)
+        result = self._generate(out, step, hidden)
+        if self.kv_disk is not None:
+            return self._disk_io_after_forward(out, result, kv_loaded)
+        return result
+
+    def _load_from_disk(self, out: SchedulerOutput) -> dict[str, int] | None:
+        """Reads the step's disk-tier loads into their blocks; tokens loaded per request."""
+        if not out.kv_loads:
+            return None
+        assert self.kv_disk is not None
+        return {load.req_id: self.kv_disk.load(self.kv_caches, load.block_ids,
+                                               load.block_hashes)
+                for load in out.kv_loads}
+
+    def _prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
+        """The step's token rows (module docstring), its attention metadata and its plan."""
         batch = self.input_batch
         req_ids = list(out.num_scheduled_tokens)
         rows = np.fromiter((batch.req_id_to_index[r] for r in req_ids), np.int64, len(req_ids))
         num_scheduled = np.fromiter(out.num_scheduled_tokens.values(), np.int32, len(req_ids))
         num_computed = batch.num_computed_tokens[rows]
-        num_drafts = np.zeros(len(req_ids), dtype=np.int32)
-        drafts_by_index: dict[int, list[int]] = {}
+        drafts = StepDrafts(np.zeros(len(req_ids), dtype=np.int32), {})
         if out.scheduled_spec_decode_tokens:
             assert self.drafter is not None
-            self.drafter.write_drafts(
-                batch, out.scheduled_spec_decode_tokens, req_ids, num_drafts, drafts_by_index
-            )
-
+            drafts = self.drafter.write_drafts(batch, out.scheduled_spec_decode_tokens, req_ids)
         query_start_loc = np.zeros(len(req_ids) + 1, dtype=np.int32)
         np.cumsum(num_scheduled, out=query_start_loc[1:])
-        total = int(query_start_loc[-1])
         token_req = np.repeat(np.arange(len(req_ids)), num_scheduled)
         positions = (
-            np.arange(total, dtype=np.int64)
+            np.arange(int(query_start_loc[-1]), dtype=np.int64)
             - query_start_loc[:-1][token_req]
             + num_computed[token_req]
         )
         token_rows = rows[token_req]
-        input_ids = batch.token_ids[token_rows, positions]
-        slot_mapping = batch.block_table.slot_mapping(token_rows, positions)
         seq_lens = num_computed + num_scheduled
+        metadata = self._attention_metadata(rows, token_rows, positions, query_start_loc,
+                                            seq_lens, num_scheduled, num_computed)
+        # Quantized weights: prompt tokens' rows may take their own matmul path (the plan's
+        # rows, `MatmulPolicy`); the LM head is outside.
+        is_prompt = (
+            positions < batch.num_prompt_tokens[token_rows]
+            if self.loaded.quantization is not None else None
+        )
+        return StepInputs(
+            req_ids, rows, num_scheduled, num_computed, query_start_loc, seq_lens, drafts,
+            batch.token_ids[token_rows, positions], positions,
+            self.planner.plan(metadata, self.kv_caches, is_prompt),
+        )
+
+    def _attention_metadata(
+        self, rows: np.ndarray, token_rows: np.ndarray, positions: np.ndarray,
+        query_start_loc: np.ndarray, seq_lens: np.ndarray, num_scheduled: np.ndarray,
+        num_computed: np.ndarray,
+    ) -> AttentionMetadata:
+        batch, dev = self.input_batch, self.device
+        slot_mapping = batch.block_table.slot_mapping(token_rows, positions)
         max_blocks = int(batch.block_table.num_blocks[rows].max())
         block_table = batch.block_table.table[rows, :max_blocks]
-
-        dev = self.device
-        metadata = AttentionMetadata(
-            num_actual_tokens=total,
+        return AttentionMetadata(
+            num_actual_tokens=int(query_start_loc[-1]),
             max_query_len=int(num_scheduled.max()),
             max_seq_len=int(seq_lens.max()),
             query_start_loc=torch.from_numpy(query_start_loc).to(dev, non_blocking=True),
@@ -368,109 +427,133 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
             generated_cpu=num_computed >= batch.num_prompt_tokens[rows],
         )
-        # Quantized weights: prompt tokens' rows through int8 activations (see
-        # v1.models.layers.quant.PROMPT_INT8); the LM head, below, is outside.
-        is_prompt = (
-            positions < batch.num_prompt_tokens[token_rows]
-            if self.loaded.quantization is not None else None
-        )
+
+    def _forward(self, step: StepInputs) -> torch.Tensor:
+        """The model over the step's tokens (LoRA's rows set for it): hidden states [T, H]."""
+        dev = self.device
         lora_rows = (
-            self.lora.step_rows(req_ids, num_scheduled, dev) if self.lora is not None
-            else contextlib.nullcontext()
+            self.lora.step_rows(step.req_ids, step.num_scheduled, dev)
+            if self.lora is not None else contextlib.nullcontext()
         )
-        with prompt_rows(is_prompt), lora_rows:
-            hidden = self.model(
-                torch.from_numpy(input_ids).to(dev, non_blocking=True),
-                torch.from_numpy(positions).to(dev, non_blocking=True),
-                self.kv_caches,
-                metadata,
+        with lora_rows:
+            return self.model(
+                torch.from_numpy(step.input_ids).to(dev, non_blocking=True),
+                torch.from_numpy(step.positions).to(dev, non_blocking=True),
+                self.kv_caches, step.plan.metadata, step.plan,
             )
-        if self.pooling is not None:  # pooled vectors instead of sampled tokens
-            batch.num_computed_tokens[rows] = seq_lens
-            return ModelRunnerOutput(
-                req_ids, [[] for _ in req_ids], pooler_output=self.pooling.step(
-                    hidden, req_ids, query_start_loc, num_computed, batch.num_prompt_tokens[rows]
-                ),
-            )
-        prompt_logprobs_dict = (
-            self._get_prompt_logprobs_dict(hidden, req_ids, num_computed, num_scheduled)
-            if self.in_progress_prompt_logprobs
-            else {}
+
+    def _pool(self, step: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
+        assert self.pooling is not None
+        batch = self.input_batch
+        batch.num_computed_tokens[step.rows] = step.seq_lens
+        return ModelRunnerOutput(
+            step.req_ids, [[] for _ in step.req_ids], pooler_output=self.pooling.step(
+                hidden, step.req_ids, step.query_start_loc, step.num_computed,
+                batch.num_prompt_tokens[step.rows],
+            ),
         )
 
+    def _generate(
+        self, out: SchedulerOutput, step: StepInputs, hidden: torch.Tensor
+    ) -> ModelRunnerOutput:
+        """Prompt logprobs, sampling, drafts verified and proposed: the step's output."""
+        batch = self.input_batch
+        prompt_logprobs = (
+            self._get_prompt_logprobs_dict(hidden, step.req_ids, step.num_computed,
+                                           step.num_scheduled)
+            if self.in_progress_prompt_logprobs else {}
+        )
         # Requests that sample: every known token is computed after this step; each samples
         # its last 1 + k rows (k drafts).
-        samples = seq_lens - num_drafts >= batch.num_tokens[rows]
-        sample_idx = np.flatnonzero(samples)
-        sampled_rows: list[list[int]] = [[] for _ in req_ids]
-        logprobs_rows = None
-        num_rejected = np.zeros(len(req_ids), dtype=np.int32)
-        if len(sample_idx):
-            num_logit_rows = 1 + num_drafts[sample_idx]
-            logit_req = np.repeat(sample_idx, num_logit_rows)  # request index per logits row
-            first_logit_row = np.zeros(len(sample_idx) + 1, dtype=np.int64)
-            np.cumsum(num_logit_rows, out=first_logit_row[1:])
-            # Logits row j of request i reads query row end_i - (1 + k_i) + j.
-            logits_idx = np.repeat(
-                query_start_loc[1:][sample_idx] - num_logit_rows - first_logit_row[:-1],
-                num_logit_rows,
-            ) + np.arange(len(logit_req))
-            logits = self.model.compute_logits(hidden[torch.from_numpy(logits_idx).to(dev)])
-            sample_rows = rows[logit_req]
-            if out.grammar_bitmask is not None:
-                # Structured requests are never drafted: one logits row each.
-                sample_pos = {req_ids[j]: i for i, j in enumerate(logit_req.tolist())}
-                apply_grammar_bitmask(
-                    logits, out.grammar_bitmask,
-                    [sample_pos[r] for r in out.structured_output_request_ids],
-                )
-            metadata_s = self._get_sampling_metadata(req_ids, rows, logit_req)
-            generator_states: dict[int, torch.Tensor] = {}
-            if drafts_by_index:
-                assert self.drafter is not None
-                generator_states = self.drafter.generator_states(batch, req_ids, drafts_by_index)
-            banned = self._min_tokens_stop_ids(sample_rows)
-            if metadata_s.bad_words is not None:
-                self._add_bad_word_bans(banned, metadata_s.bad_words, sample_rows)
-            sampler_out = self.sampler(logits, metadata_s, banned)
-            if (penalties := metadata_s.penalties) is not None:
-                sampled = sampler_out.sampled_token_ids[penalties.sample_idx]
-                batch.count_sampled(penalties.counts.rows, sampled)
-            token_ids = sampler_out.sampled_token_ids.tolist()
-            token_logprobs = None
-            if sampler_out.logprobs_tensors is not None:
-                logprobs_rows = [None] * len(req_ids)
-                num_lp = [batch.sampling_params[r].logprobs for r in sample_rows.tolist()]
-                token_logprobs = sampler_out.logprobs_tensors.to_token_logprobs(num_lp)
-            if not drafts_by_index:
-                # Store the sampled tokens now: the next step's inputs come from here.
-                sample_rows = rows[sample_idx]
-                batch.token_ids[sample_rows, batch.num_tokens[sample_rows]] = token_ids
-                batch.num_tokens[sample_rows] += 1
-                for i, tok in zip(sample_idx.tolist(), token_ids):
-                    sampled_rows[i] = [tok]
-                if token_logprobs is not None and logprobs_rows is not None:
-                    for i, lp in zip(sample_idx.tolist(), token_logprobs):
-                        logprobs_rows[i] = None if lp is None else [lp]
-            else:
-                assert self.drafter is not None
-                self.drafter.accept(
-                    batch, req_ids, sample_idx, first_logit_row, rows, token_ids, token_logprobs,
-                    drafts_by_index, generator_states, sampled_rows, logprobs_rows, num_rejected,
-                    out.total_num_scheduled_tokens,
-                )
-        batch.num_computed_tokens[rows] = seq_lens - num_rejected
+        sample_idx = np.flatnonzero(
+            step.seq_lens - step.drafts.num >= batch.num_tokens[step.rows]
+        )
+        tokens = (self._sample(out, step, hidden, sample_idx) if len(sample_idx)
+                  else StepTokens.empty(len(step.req_ids)))
+        batch.num_computed_tokens[step.rows] = step.seq_lens - tokens.num_rejected
         spec_token_ids = None
         if self.drafter is not None:
-            spec_token_ids = self.drafter.propose_all(batch, req_ids, rows, sample_idx)
-        unfilled = {req_ids[i]: n for i, drafts in drafts_by_index.items()
+            spec_token_ids = self.drafter.propose_all(batch, step.req_ids, step.rows,
+                                                      sample_idx)
+        unfilled = {step.req_ids[i]: n for i, drafts in step.drafts.by_index.items()
                     if (n := drafts.count(-1))}
-        result = ModelRunnerOutput(
-            req_ids, sampled_rows, logprobs_rows, prompt_logprobs_dict, spec_token_ids, unfilled
+        return ModelRunnerOutput(step.req_ids, tokens.sampled, tokens.logprobs,
+                                 prompt_logprobs, spec_token_ids, unfilled)
+
+    def _sample(
+        self, out: SchedulerOutput, step: StepInputs, hidden: torch.Tensor,
+        sample_idx: np.ndarray,
+    ) -> StepTokens:
+        """Samples the last 1 + k rows of each request in `sample_idx` and stores its new
+        tokens (drafted requests: those that `Drafter.accept` keeps)."""
+        batch, req_ids = self.input_batch, step.req_ids
+        num_logit_rows = 1 + step.drafts.num[sample_idx]
+        logit_req = np.repeat(sample_idx, num_logit_rows)  # request index per logits row
+        first_logit_row = np.zeros(len(sample_idx) + 1, dtype=np.int64)
+        np.cumsum(num_logit_rows, out=first_logit_row[1:])
+        # Logits row j of request i reads query row end_i - (1 + k_i) + j.
+        logits_idx = np.repeat(
+            step.query_start_loc[1:][sample_idx] - num_logit_rows - first_logit_row[:-1],
+            num_logit_rows,
+        ) + np.arange(len(logit_req))
+        logits = self.model.compute_logits(
+            hidden[torch.from_numpy(logits_idx).to(self.device)], self.planner.head_rows
         )
-        if self.kv_disk is not None:
-            return self._disk_io_after_forward(out, result, kv_loaded)
-        return result
+        if out.grammar_bitmask is not None:
+            # Structured requests are never drafted: one logits row each.
+            sample_pos = {req_ids[j]: i for i, j in enumerate(logit_req.tolist())}
+            apply_grammar_bitmask(logits, out.grammar_bitmask,
+                                  [sample_pos[r] for r in out.structured_output_request_ids])
+        generator_states: dict[int, torch.Tensor] = {}
+        if step.drafts.by_index:
+            assert self.drafter is not None
+            generator_states = self.drafter.generator_states(batch, req_ids, step.drafts)
+        token_ids, token_logprobs = self._run_sampler(logits, req_ids, step.rows, logit_req)
+        if not step.drafts.by_index:
+            return self._store_sampled(step.rows, sample_idx, token_ids, token_logprobs)
+        assert self.drafter is not None
+        return self.drafter.accept(batch, Verification(
+            req_ids, step.rows, sample_idx, first_logit_row, token_ids, token_logprobs,
+            step.drafts, generator_states, out.total_num_scheduled_tokens,
+        ))
+
+    def _run_sampler(
+        self, logits: torch.Tensor, req_ids: list[str], rows: np.ndarray, logit_req: np.ndarray
+    ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+        """The sampler over the logits rows (bans, penalties' counts): tokens, logprobs."""
+        batch = self.input_batch
+        sample_rows = rows[logit_req]
+        metadata = self._get_sampling_metadata(req_ids, rows, logit_req)
+        banned = self._min_tokens_stop_ids(sample_rows)
+        if metadata.bad_words is not None:
+            self._add_bad_word_bans(banned, metadata.bad_words, sample_rows)
+        sampler_out = self.sampler(logits, metadata, banned)
+        if (penalties := metadata.penalties) is not None:
+            sampled = sampler_out.sampled_token_ids[penalties.sample_idx]
+            batch.count_sampled(penalties.counts.rows, sampled)
+        token_logprobs = None
+        if sampler_out.logprobs_tensors is not None:
+            num_lp = [batch.sampling_params[r].logprobs for r in sample_rows.tolist()]
+            token_logprobs = sampler_out.logprobs_tensors.to_token_logprobs(num_lp)
+        return sampler_out.sampled_token_ids.tolist(), token_logprobs
+
+    def _store_sampled(
+        self, rows: np.ndarray, sample_idx: np.ndarray, token_ids: list[int],
+        token_logprobs: list[TokenLogprobs | None] | None,
+    ) -> StepTokens:
+        """Stores one sampled token per sampling request now: the next step's inputs come
+        from here."""
+        batch = self.input_batch
+        tokens = StepTokens.empty(len(rows), token_logprobs is not None)
+        sample_rows = rows[sample_idx]
+        batch.token_ids[sample_rows, batch.num_tokens[sample_rows]] = token_ids
+        batch.num_tokens[sample_rows] += 1
+        for i, tok in zip(sample_idx.tolist(), token_ids):
+            tokens.sampled[i] = [tok]
+        if token_logprobs is not None and tokens.logprobs is not None:
+            for i, lp in zip(sample_idx.tolist(), token_logprobs):
+                tokens.logprobs[i] = None if lp is None else [lp]
+        return tokens
 
     def _get_prompt_logprobs_dict(
         self,

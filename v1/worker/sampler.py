@@ -232,6 +232,21 @@ class SamplerOutput(NamedTuple):
     logprobs_tensors: LogprobsTensors | None  # None unless some row asked for logprobs
 
 
+@dataclass(slots=True)
+class StepTokens:
+    """A step's new tokens per request index (`sampled`, [] where it did not sample), their
+    logprobs (None: none asked for), and the drafts each rejected."""
+
+    sampled: list[list[int]]
+    logprobs: list[list[TokenLogprobs] | None] | None
+    num_rejected: np.ndarray  # int32
+
+    @classmethod
+    def empty(cls, num_reqs: int, logprobs: bool = False) -> "StepTokens":
+        return cls([[] for _ in range(num_reqs)], [None] * num_reqs if logprobs else None,
+                   np.zeros(num_reqs, dtype=np.int32))
+
+
 class Sampler:
     """Stateless; `sampler(logits, metadata)` is `sampler.sample(logits, metadata)`."""
 

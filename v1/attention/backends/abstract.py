@@ -21,7 +21,8 @@ seq_len`: the engine turns chunked prefill and prefix caching off for such model
 """
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,6 +43,10 @@ class AttentionMetadata:
     # Per request: whether the step's tokens are all generated ones (a decode, or a verify
     # step's token and drafts), not prompt tokens; None: unknown (taken as prompt tokens).
     generated_cpu: np.ndarray | None = None
+    # The backend's plans of this step (what every layer's call shares), keyed by what they
+    # depend on: made once per step, before the forward where the runner plans the step,
+    # and read by every layer. They live and die with this value: no cache outside it.
+    plans: dict[Any, Any] = field(default_factory=dict)
 
     @classmethod
     def build(

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata, AttentionType
 from v1.attention.backends.torch_encoder import encoder_attention
-from v1.attention.backends.torch_plan import AttentionPlan
+from v1.attention.backends.torch_plan import AttentionPlan, CascadeGroup, DecodeBucket, PrefillCall
 
 # fp16's largest finite value. K/V beyond it are stored saturated, as vLLM's fp8 cache writes
 # saturate: an inf key or value would make the softmax, and every later output, NaN.
@@ -194,71 +194,93 @@ def paged_attention(
     in the cache, or with `write` (where `plan.native_write` allows it) stored by the C
     kernel's call first. Matches `paged_attention_reference` up to float rounding; like it,
     it never lets a slot past a sequence's end change the result."""
-    num_heads, head_dim = query.shape[1], query.shape[2]
     # Contiguous whatever the query's strides (empty_like would keep a permuted query's).
     out = query.new_empty(*query.shape)
     lse = None
     if plan.groups:
-        lse = torch.empty(query.shape[0], num_heads, dtype=torch.float32, device=query.device)
-
-    num_kv_heads = kv_cache.shape[3]
+        lse = torch.empty(query.shape[0], query.shape[1], dtype=torch.float32,
+                          device=query.device)
     if (native_decodes := plan.native) is not None:
         native_decodes.kernel(native_decodes.bound(kv_cache), query, kv_cache, out, lse, scale,
                               *((key, value) if write else ()))
     for bucket in plan.decodes:
-        # A decode's query heads that share a kv head are the rows of one [g, d] query of
-        # that kv head: SDPA then reads each K/V row once per kv head, not once per head.
-        q = bucket.rows.take(query)
-        R = q.shape[0]
-        q = q.view(R, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        k, v = _gather(kv_cache, bucket.blocks, query.dtype)
-        if bucket.pad_rows is not None:
-            k.view(k.shape[0], -1).index_fill_(0, bucket.pad_rows, 0.0)
-            v.view(v.shape[0], -1).index_fill_(0, bucket.pad_rows, 0.0)
-        # [R, kvh, S, d], strided views of the gathered rows
-        k = k.view(R, -1, num_kv_heads, head_dim).transpose(1, 2)
-        v = v.view(R, -1, num_kv_heads, head_dim).transpose(1, 2)
-        if lse is None:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=bucket.mask, scale=scale)
-        else:
-            o, o_lse = _sdpa_lse(q, k, v, bucket.mask, scale)
-            bucket.rows.put(lse, o_lse.reshape(R, num_heads))
-        bucket.rows.put(out, o.reshape(R, num_heads, head_dim))
-
+        _decode_bucket(query, kv_cache, bucket, scale, out, lse)
     for p in plan.prefills:
-        q = query[p.q_start : p.q_end].transpose(0, 1).unsqueeze(0)  # [1, h, q_len, d]
-        if p.blocks is None:  # no context: the fresh K/V are the whole sequence
-            k, v = key[p.q_start : p.q_end], value[p.q_start : p.q_end]
-        else:
-            k, v = _gather(kv_cache, p.blocks, query.dtype)
-            k, v = k[: p.seq_len - p.start], v[: p.seq_len - p.start]
-        k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-        if p.need_lse:
-            assert lse is not None
-            o, o_lse = _sdpa_lse(q, k, v, p.mask, scale)
-            lse[p.q_start : p.q_end] = o_lse[0].transpose(0, 1)
-        else:
-            o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=p.mask, is_causal=p.mask is None, scale=scale,
-                enable_gqa=True,
-            )
-        out[p.q_start : p.q_end] = o[0].transpose(0, 1)
-
-    group_size = num_heads // num_kv_heads
+        _prefill(query, key, value, kv_cache, p, scale, out, lse)
     for g in plan.groups:
         assert lse is not None
-        k, v = _gather(kv_cache, g.blocks, query.dtype)
-        k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-        # No mask here, so the query heads of one kv head can be stacked into one longer
-        # query [group_size * Tg, d] of that kv head: fewer, bigger blocks for the kernel.
-        q = g.rows.take(query)
-        Tg = q.shape[0]
-        q = q.view(Tg, num_kv_heads, group_size, head_dim).permute(1, 2, 0, 3)
-        q = q.reshape(1, num_kv_heads, group_size * Tg, head_dim)
-        o_p, l_p = _sdpa_lse(q, k, v, None, scale)
-        o_p = o_p.view(num_kv_heads, group_size, Tg, head_dim).permute(2, 0, 1, 3)
-        o_p = o_p.reshape(Tg, num_heads, head_dim)
-        l_p = l_p.view(num_kv_heads, group_size, Tg).permute(2, 0, 1).reshape(Tg, num_heads)
-        o_r, l_r = g.rows.take(out), g.rows.take(lse)
-        g.rows.put(out, torch.lerp(o_r, o_p, torch.sigmoid(l_p - l_r).unsqueeze(-1)))
+        _cascade_group(query, kv_cache, g, scale, out, lse)
     return out
+
+
+def _decode_bucket(
+    query: torch.Tensor, kv_cache: torch.Tensor, bucket: DecodeBucket, scale: float,
+    out: torch.Tensor, lse: torch.Tensor | None,
+) -> None:
+    """One SDPA call for a bucket of decodes (their gathered, padded K/V)."""
+    num_heads, head_dim, num_kv_heads = query.shape[1], query.shape[2], kv_cache.shape[3]
+    # A decode's query heads that share a kv head are the rows of one [g, d] query of
+    # that kv head: SDPA then reads each K/V row once per kv head, not once per head.
+    q = bucket.rows.take(query)
+    R = q.shape[0]
+    q = q.view(R, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    k, v = _gather(kv_cache, bucket.blocks, query.dtype)
+    if bucket.pad_rows is not None:
+        k.view(k.shape[0], -1).index_fill_(0, bucket.pad_rows, 0.0)
+        v.view(v.shape[0], -1).index_fill_(0, bucket.pad_rows, 0.0)
+    # [R, kvh, S, d], strided views of the gathered rows
+    k = k.view(R, -1, num_kv_heads, head_dim).transpose(1, 2)
+    v = v.view(R, -1, num_kv_heads, head_dim).transpose(1, 2)
+    if lse is None:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=bucket.mask, scale=scale)
+    else:
+        o, o_lse = _sdpa_lse(q, k, v, bucket.mask, scale)
+        bucket.rows.put(lse, o_lse.reshape(R, num_heads))
+    bucket.rows.put(out, o.reshape(R, num_heads, head_dim))
+
+
+def _prefill(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+    p: PrefillCall, scale: float, out: torch.Tensor, lse: torch.Tensor | None,
+) -> None:
+    """One SDPA call for a prefill chunk: its fresh K/V, or its gathered context."""
+    q = query[p.q_start : p.q_end].transpose(0, 1).unsqueeze(0)  # [1, h, q_len, d]
+    if p.blocks is None:  # no context: the fresh K/V are the whole sequence
+        k, v = key[p.q_start : p.q_end], value[p.q_start : p.q_end]
+    else:
+        k, v = _gather(kv_cache, p.blocks, query.dtype)
+        k, v = k[: p.seq_len - p.start], v[: p.seq_len - p.start]
+    k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    if p.need_lse:
+        assert lse is not None
+        o, o_lse = _sdpa_lse(q, k, v, p.mask, scale)
+        lse[p.q_start : p.q_end] = o_lse[0].transpose(0, 1)
+    else:
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True,
+        )
+    out[p.q_start : p.q_end] = o[0].transpose(0, 1)
+
+
+def _cascade_group(
+    query: torch.Tensor, kv_cache: torch.Tensor, g: CascadeGroup, scale: float, out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """A cascade group's shared prefix, attended once for all its queries and merged into
+    what each request's own part gave (by their log-sum-exps)."""
+    num_heads, head_dim, num_kv_heads = query.shape[1], query.shape[2], kv_cache.shape[3]
+    group_size = num_heads // num_kv_heads
+    k, v = _gather(kv_cache, g.blocks, query.dtype)
+    k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    # No mask here, so the query heads of one kv head can be stacked into one longer
+    # query [group_size * Tg, d] of that kv head: fewer, bigger blocks for the kernel.
+    q = g.rows.take(query)
+    Tg = q.shape[0]
+    q = q.view(Tg, num_kv_heads, group_size, head_dim).permute(1, 2, 0, 3)
+    q = q.reshape(1, num_kv_heads, group_size * Tg, head_dim)
+    o_p, l_p = _sdpa_lse(q, k, v, None, scale)
+    o_p = o_p.view(num_kv_heads, group_size, Tg, head_dim).permute(2, 0, 1, 3)
+    o_p = o_p.reshape(Tg, num_heads, head_dim)
+    l_p = l_p.view(num_kv_heads, group_size, Tg).permute(2, 0, 1).reshape(Tg, num_heads)
+    o_r, l_r = g.rows.take(out), g.rows.take(lse)
+    g.rows.put(out, torch.lerp(o_r, o_p, torch.sigmoid(l_p - l_r).unsqueeze(-1)))

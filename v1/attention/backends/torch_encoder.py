@@ -5,14 +5,12 @@ Every sequence is whole in the step and attends to its own fresh K/V, no mask wi
 KV cache is not touched. Sequences are batched as sentence-transformers batches them: sorted
 by length and padded into buckets (at most MAX_PAD_FRACTION of a bucket's slots padding, at
 most BUCKET_TOKENS slots), one SDPA call per bucket, a key-padding mask hiding the padding.
-One SDPA call per sequence cost ~3x the attention time on a 12-layer encoder (per-call
-overhead and the strided copies of each sequence's q/k/v).
+(One SDPA call per sequence cost ~3x the attention time on a 12-layer encoder.)
 
-The buckets are planned once per step (host side, from the metadata) and shared by every
-layer, as `torch_plan.AttentionPlan` is.
+The buckets are planned once per step (host side, from the metadata), kept in the step's
+`AttentionMetadata.plans` and shared by every layer, as `torch_plan.AttentionPlan` is.
 """
 
-import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,13 +35,13 @@ class _Bucket:
     mask: torch.Tensor | None  # bool [num_seqs, 1, 1, seq_len], True: a real key (None: none)
 
 
-_local = threading.local()
+_PLAN_KEY = "encoder buckets"  # in `AttentionMetadata.plans`
 
 
 def _plan(metadata: AttentionMetadata, device: torch.device) -> list[_Bucket]:
-    cached = getattr(_local, "cached", None)
-    if cached is not None and cached[0] is metadata:
-        return cached[1]
+    cached = metadata.plans.get(_PLAN_KEY)
+    if cached is not None:
+        return cached
     starts = np.asarray(metadata.query_start_loc_cpu, dtype=np.int64)
     lens = starts[1:] - starts[:-1]
     if (lens != metadata.seq_lens_cpu).any():
@@ -65,7 +63,7 @@ def _plan(metadata: AttentionMetadata, device: torch.device) -> list[_Bucket]:
             real += n
         i += len(members)
         buckets.append(_bucket(members, starts, lens, longest, device))
-    _local.cached = (metadata, buckets)
+    metadata.plans[_PLAN_KEY] = buckets
     return buckets
 
 

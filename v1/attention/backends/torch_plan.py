@@ -28,7 +28,6 @@ of the step is longer than is no window at all and shares the global plan. Other
     different queries would need different parts of it).
 """
 
-import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,10 +38,8 @@ from v1.kernels.attention import BoundStep, PagedDecodeKernel, paged_decode_kern
 
 # Share a prefix only when it saves at least this many token reads in total: with the C
 # kernel MIN_CASCADE_SAVING_NATIVE, since a cascade group costs an SDPA call and a merge per
-# layer, more than the kernel's entries take to reread a short shared prefix. (bench_spec's
-# repetitive workload at 64 requests, groups of ~5 sharing ~150-200 tokens: 1.8x the
-# tokens/s at 4096 than at 256, docs/benchmarks.md; a 1,000-token system prompt over 64
-# requests, ~63,000 saved reads, cascades either way.)
+# layer, more than the kernel's entries take to reread a short shared prefix (figures:
+# docs/speculative.md, docs/benchmarks.md).
 MIN_CASCADE_SAVING = 256
 MIN_CASCADE_SAVING_NATIVE = 4096
 # Decodes are padded to the longest of their bucket. A decode starts a new bucket (one more
@@ -90,7 +87,7 @@ class _Rows:
 
 
 @dataclass(slots=True)
-class _Prefill:
+class PrefillCall:
     q_start: int
     q_end: int
     seq_len: int
@@ -102,7 +99,7 @@ class _Prefill:
 
 
 @dataclass(slots=True)
-class _DecodeBucket:
+class DecodeBucket:
     rows: _Rows  # the query rows of these decodes
     blocks: torch.Tensor  # int64 [R * nb]: their blocks after their group's prefix, padded
     mask: torch.Tensor | None  # float [R, 1, 1, nb * B], -inf on padding; None: no padding
@@ -137,7 +134,7 @@ class _NativeDecodes:
 
 
 @dataclass(slots=True)
-class _Group:
+class CascadeGroup:
     rows: _Rows  # the query rows of all members
     blocks: torch.Tensor  # int64 [k]: the shared prefix blocks
 
@@ -149,45 +146,38 @@ class AttentionPlan:
     num_tokens: int
     block_size: int
     any_padding_slot: bool
-    prefills: list[_Prefill] = field(default_factory=list)
-    decodes: list[_DecodeBucket] = field(default_factory=list)  # SDPA path
+    prefills: list[PrefillCall] = field(default_factory=list)
+    decodes: list[DecodeBucket] = field(default_factory=list)  # SDPA path
     native: _NativeDecodes | None = None  # C kernel path (then `decodes` is empty)
-    groups: list[_Group] = field(default_factory=list)
+    groups: list[CascadeGroup] = field(default_factory=list)
     sliding_window: int | None = None  # the window this plan masks by (None: global)
-
-    _local = threading.local()
 
     @classmethod
     def for_step(
         cls, metadata: AttentionMetadata, kv_cache: torch.Tensor, num_heads: int,
         sliding_window: int | None = None, query_dtype: torch.dtype = torch.float32,
     ) -> "AttentionPlan":
-        """The plan of this metadata and window, built by the first layer that needs it and
-        reused by the others (every layer's cache has the same shape): one plan per distinct
-        window in the step, where a window longer than every sequence shares the global one.
-        `query_dtype`: the activations' (the C kernel serves fp32 ones only)."""
+        """The plan of this step and window, kept in `metadata.plans`: made once (by the
+        runner's step plan, before the forward) and reused by every layer, whose caches
+        share one shape. One plan per distinct window; a window longer than every sequence
+        shares the global plan. `query_dtype`: the activations' (the C kernel serves fp32)."""
         # Contiguity too: the C kernel (chosen, or not, per key) addresses and writes a
         # cache by its shape alone, so a same-shaped strided cache needs a plan without it.
         key = (kv_cache.shape, kv_cache.dtype, kv_cache.device, kv_cache.is_contiguous(),
                num_heads, query_dtype)
-        cached = getattr(cls._local, "cached", None)
-        if cached is not None and cached[0] is metadata and cached[1] == key:
-            plans = cached[2]
-            plan = plans.get(sliding_window)
-            if plan is not None:
-                return plan
-        else:
-            plans = {}
-            cls._local.cached = (metadata, key, plans)
+        plans = metadata.plans
+        plan = plans.get((key, sliding_window))
+        if plan is not None:
+            return plan
         window = _effective_window(sliding_window, metadata.seq_lens_cpu)
-        plan = plans.get(window)
+        plan = plans.get((key, window))
         if plan is None:
             # Gathers are sized by what SDPA reads: the blocks widened to the query's dtype.
             block_bytes = kv_cache[:, 0].numel() * query_dtype.itemsize
             plan = cls.build(metadata, kv_cache.shape[2], block_bytes,
                              paged_decode_kernel(kv_cache, num_heads, query_dtype), window)
-            plans[window] = plan
-        plans[sliding_window] = plan
+            plans[(key, window)] = plan
+        plans[(key, sliding_window)] = plan
         return plan
 
     @classmethod
@@ -198,8 +188,6 @@ class AttentionPlan:
         """`block_bytes`: one block's K and V together, to size the decode gathers;
         `kernel`: plan the decodes for this C kernel instead; `sliding_window`: hide keys
         that many positions back or further."""
-        dev = metadata.slot_mapping.device
-        B = block_size
         qsl = np.asarray(metadata.query_start_loc_cpu, dtype=np.int64)
         seq_lens = np.asarray(metadata.seq_lens_cpu, dtype=np.int64)
         num_reqs = len(seq_lens)
@@ -207,139 +195,29 @@ class AttentionPlan:
         w = _effective_window(sliding_window, seq_lens)
         plan = cls(
             num_tokens=int(qsl[num_reqs]),
-            block_size=B,
+            block_size=block_size,
             any_padding_slot=bool(slots.numel()) and bool((slots < 0).any()),
             sliding_window=w,
         )
         if kernel is not None and num_reqs == 1 and qsl[1] - qsl[0] == 1:
-            # A lone decode (batch-1 generation, where this runs once per token): one kernel
-            # entry, no cascade. Built directly: the general planning below is ~30 numpy
-            # calls on 1-element arrays, ~40 us a step, as much as a few layers' attention.
-            seq_len = int(seq_lens[0])
-            start = 0 if w is None else seq_len - w
-            # Its table row, query row, start and end, as 1-element views of one tensor.
-            entry = torch.tensor([0, int(qsl[0]), start, seq_len], dtype=torch.int64).to(dev)
-            plan.native = _NativeDecodes(
-                kernel, metadata.block_table.to(torch.int32).contiguous(),
-                *(entry[i : i + 1] for i in range(4)),
-                slots, slots.to(torch.int64).contiguous(),
-            )
+            plan.native = _lone_decode(metadata, kernel, int(qsl[0]), int(seq_lens[0]), w)
             return plan
-        q_lens = qsl[1 : num_reqs + 1] - qsl[:num_reqs]
-        table = metadata.block_table.cpu().numpy()
-        num_blocks = -(-seq_lens // B)
-        ctx_blocks = (seq_lens - q_lens) // B  # full blocks entirely before the queries
-
-        def tensor(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(dev)
-
-        # Cascade groups: requests whose leading blocks are the same physical blocks (not
-        # with a window).
-        prefix = np.zeros(num_reqs, dtype=np.int64)  # shared prefix blocks per request
+        step = _Step(metadata, block_size, qsl, seq_lens, w)
         min_saving = MIN_CASCADE_SAVING if kernel is None else MIN_CASCADE_SAVING_NATIVE
-        active = np.flatnonzero((q_lens > 0) & (ctx_blocks > 0))
-        if len(active) > 1 and w is None:
-            first = table[active, 0]
-            for b in np.unique(first):
-                members = active[first == b]
-                if len(members) < 2:
-                    continue
-                ref = members[np.argmax(ctx_blocks[members])]
-                width = int(ctx_blocks[members].max())
-                same = table[members, :width] == table[ref, :width]
-                same &= np.arange(width)[None, :] < ctx_blocks[members][:, None]
-                # lcp[i]: leading blocks member i shares with the reference row.
-                lcp = np.where(same.all(1), width, np.argmin(same, axis=1))
-                # Keep the members and prefix length that save the most reads.
-                order = np.argsort(-lcp, kind="stable")
-                saving = lcp[order] * np.arange(len(order))  # (n - 1) * k for the top n
-                best = int(np.argmax(saving))
-                if saving[best] * B < min_saving:
-                    continue
-                k = int(lcp[order[best]])
-                chosen = np.sort(members[order[: best + 1]])
-                prefix[chosen] = k
-                tokens = np.concatenate([np.arange(qsl[r], qsl[r + 1]) for r in chosen])
-                plan.groups.append(_Group(_Rows(tokens, dev), tensor(table[ref, :k])))
-
+        prefix = _cascade_groups(plan, step, min_saving)
         # The first key each request reads itself: after its shared prefix; with a window,
         # the first key its first query sees (in blocks: the block holding that key).
         if w is None:
-            key_lo = prefix * B
+            key_lo = prefix * block_size
         else:
-            key_lo = np.maximum(seq_lens - q_lens - w + 1, 0)
-        first_blk = key_lo // B
-
-        # Decodes: batched, bucketed by the number of blocks left after their prefix.
-        dec = np.flatnonzero(q_lens == 1)
-        short = np.zeros(num_reqs, dtype=bool)
+            key_lo = np.maximum(seq_lens - step.q_lens - w + 1, 0)
+        short = np.zeros(num_reqs, dtype=bool)  # prefill chunks the kernel takes
         if kernel is not None:
-            # The kernel attends one query at a time, so a prefill chunk with few keys
-            # left after its prefix (a prompt that hit the cache) goes there too, as one
-            # decode-like entry per query token: token i of the chunk sees [start, its own
-            # position]. Long ones stay with SDPA (per-token entries would reread keys).
-            # (An entry reads at most `w` keys with a window.)
-            keys = seq_lens - prefix * B if w is None else np.minimum(seq_lens, w)
-            verify = (
-                np.zeros(num_reqs, dtype=bool) if metadata.generated_cpu is None
-                else metadata.generated_cpu & (q_lens <= NATIVE_MAX_QUERIES)
-            )
-            short = (q_lens > 1) & ((keys <= NATIVE_PREFILL_MAX_KEYS) | verify)
-            rows = np.flatnonzero((q_lens == 1) | short)
-            if len(rows):
-                n = q_lens[rows]
-                owner = np.repeat(rows, n)  # request of each entry
-                i = np.arange(len(owner)) - np.repeat(np.cumsum(n) - n, n)  # index in chunk
-                end = seq_lens[owner] - q_lens[owner] + i + 1
-                start = prefix[owner] * B if w is None else np.maximum(end - w, 0)
-                plan.native = _NativeDecodes(
-                    kernel, metadata.block_table.to(torch.int32).contiguous(), tensor(owner),
-                    tensor(qsl[owner] + i), tensor(start), tensor(end),
-                    slots, slots.to(torch.int64).contiguous(),
-                )
-        elif len(dec):
-            rest = num_blocks[dec] - first_blk[dec]
-            order = np.argsort(rest, kind="stable")
-            dec, rest = dec[order], rest[order]
-            cut = [0]
-            for i in range(1, len(dec)):
-                pad = rest[i] - rest[cut[-1]]
-                if pad * B > BUCKET_MIN_PAD and rest[i] > BUCKET_RATIO * rest[cut[-1]]:
-                    cut.append(i)
-            cut.append(len(dec))
-            for lo, hi in zip(cut[:-1], cut[1:]):
-                nb = int(rest[hi - 1])
-                keep = np.argsort(dec[lo:hi])  # back in query order: rows may be a slice
-                bucket_rows, bucket_n = dec[lo:hi][keep], rest[lo:hi][keep]
-                # Gather at most MAX_GATHER_BYTES per call: the copy stays in the last-level
-                # cache for SDPA to read, and comes from the heap, not fresh (faulted) pages.
-                per_call = max(1, MAX_GATHER_BYTES // (nb * block_bytes))
-                for c in range(0, len(bucket_rows), per_call):
-                    rows, n = bucket_rows[c : c + per_call], bucket_n[c : c + per_call]
-                    plan.decodes.append(_decode_call(rows, n, nb, key_lo, table, seq_lens,
-                                                     qsl, B, dev, w is not None))
-
-        # Prefill chunks (and anything with more than one query): one call each.
-        for r in np.flatnonzero((q_lens > 1) & ~short).tolist():
-            seq_len, q_len = int(seq_lens[r]), int(q_lens[r])
-            start = int(first_blk[r]) * B
-            blocks = hidden = None
-            if seq_len > q_len:
-                blocks = tensor(table[r, start // B : num_blocks[r]])
-                pos_q = np.arange(seq_len - q_len, seq_len)[:, None]
-                pos_k = np.arange(start, seq_len)[None, :]
-                hidden = pos_k > pos_q
-                if w is not None:
-                    hidden |= pos_q - pos_k >= w
-            elif w is not None and q_len > w:  # no context: the fresh K/V, windowed
-                pos = np.arange(q_len)
-                hidden = (pos[None, :] > pos[:, None]) | (pos[:, None] - pos[None, :] >= w)
-            mask = None
-            if hidden is not None:
-                mask = torch.from_numpy(np.where(hidden, -np.inf, 0).astype(np.float32)).to(dev)
-            plan.prefills.append(_Prefill(
-                int(qsl[r]), int(qsl[r + 1]), seq_len, start, blocks, mask, bool(prefix[r])
-            ))
+            short = _native_entries(plan, step, kernel, prefix)
+        else:
+            _sdpa_decodes(plan, step, key_lo, block_bytes)
+        _prefills(plan, step, np.flatnonzero((step.q_lens > 1) & ~short),
+                  key_lo // block_size, prefix)
         return plan
 
     def native_only(self) -> "_NativeDecodes | None":
@@ -367,10 +245,163 @@ class AttentionPlan:
         return None
 
 
+class _Step:
+    """A step's host arrays, as the planning functions below read them."""
+
+    def __init__(self, metadata: AttentionMetadata, block_size: int, qsl: np.ndarray,
+                 seq_lens: np.ndarray, window: int | None) -> None:
+        num_reqs = len(seq_lens)
+        self.metadata = metadata
+        self.dev = metadata.slot_mapping.device
+        self.B = block_size
+        self.qsl, self.seq_lens, self.w = qsl, seq_lens, window
+        self.q_lens = qsl[1 : num_reqs + 1] - qsl[:num_reqs]
+        self.table = metadata.block_table.cpu().numpy()
+        self.num_blocks = -(-seq_lens // block_size)
+        self.ctx_blocks = (seq_lens - self.q_lens) // block_size  # full blocks before the queries
+
+    def tensor(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.dev)
+
+
+def _lone_decode(metadata: AttentionMetadata, kernel: PagedDecodeKernel, q_row: int,
+                 seq_len: int, w: int | None) -> _NativeDecodes:
+    """A lone decode (batch-1 generation, where this runs once per token): one kernel
+    entry, no cascade. Built directly: the general planning is ~30 numpy calls on 1-element
+    arrays, ~40 us a step, as much as a few layers' attention."""
+    slots = metadata.slot_mapping
+    start = 0 if w is None else seq_len - w
+    # Its table row, query row, start and end, as 1-element views of one tensor.
+    entry = torch.tensor([0, q_row, start, seq_len], dtype=torch.int64).to(slots.device)
+    return _NativeDecodes(
+        kernel, metadata.block_table.to(torch.int32).contiguous(),
+        *(entry[i : i + 1] for i in range(4)), slots, slots.to(torch.int64).contiguous(),
+    )
+
+
+def _cascade_groups(plan: AttentionPlan, s: _Step, min_saving: int) -> np.ndarray:
+    """Adds the cascade groups (requests whose leading blocks are the same physical blocks;
+    not with a window); returns each request's shared prefix, in blocks."""
+    prefix = np.zeros(len(s.seq_lens), dtype=np.int64)
+    active = np.flatnonzero((s.q_lens > 0) & (s.ctx_blocks > 0))
+    if len(active) < 2 or s.w is not None:
+        return prefix
+    table, ctx_blocks = s.table, s.ctx_blocks
+    first = table[active, 0]
+    for b in np.unique(first):
+        members = active[first == b]
+        if len(members) < 2:
+            continue
+        ref = members[np.argmax(ctx_blocks[members])]
+        width = int(ctx_blocks[members].max())
+        same = table[members, :width] == table[ref, :width]
+        same &= np.arange(width)[None, :] < ctx_blocks[members][:, None]
+        # lcp[i]: leading blocks member i shares with the reference row.
+        lcp = np.where(same.all(1), width, np.argmin(same, axis=1))
+        # Keep the members and prefix length that save the most reads.
+        order = np.argsort(-lcp, kind="stable")
+        saving = lcp[order] * np.arange(len(order))  # (n - 1) * k for the top n
+        best = int(np.argmax(saving))
+        if saving[best] * s.B < min_saving:
+            continue
+        k = int(lcp[order[best]])
+        chosen = np.sort(members[order[: best + 1]])
+        prefix[chosen] = k
+        tokens = np.concatenate([np.arange(s.qsl[r], s.qsl[r + 1]) for r in chosen])
+        plan.groups.append(CascadeGroup(_Rows(tokens, s.dev), s.tensor(table[ref, :k])))
+    return prefix
+
+
+def _native_entries(
+    plan: AttentionPlan, s: _Step, kernel: PagedDecodeKernel, prefix: np.ndarray
+) -> np.ndarray:
+    """Makes the C kernel's entries: decodes, and prefill chunks with few keys left after
+    their prefix (a prompt that hit the cache) or verify steps, as one decode-like entry
+    per query token (token i of a chunk sees [start, its own position]); long chunks stay
+    with SDPA (per-token entries would reread keys). Returns which chunks it took."""
+    q_lens, seq_lens, w, B = s.q_lens, s.seq_lens, s.w, s.B
+    # (An entry reads at most `w` keys with a window.)
+    keys = seq_lens - prefix * B if w is None else np.minimum(seq_lens, w)
+    generated = s.metadata.generated_cpu
+    verify = (np.zeros(len(q_lens), dtype=bool) if generated is None
+              else generated & (q_lens <= NATIVE_MAX_QUERIES))
+    short = (q_lens > 1) & ((keys <= NATIVE_PREFILL_MAX_KEYS) | verify)
+    rows = np.flatnonzero((q_lens == 1) | short)
+    if len(rows):
+        n = q_lens[rows]
+        owner = np.repeat(rows, n)  # request of each entry
+        i = np.arange(len(owner)) - np.repeat(np.cumsum(n) - n, n)  # index in chunk
+        end = seq_lens[owner] - q_lens[owner] + i + 1
+        start = prefix[owner] * B if w is None else np.maximum(end - w, 0)
+        slots = s.metadata.slot_mapping
+        plan.native = _NativeDecodes(
+            kernel, s.metadata.block_table.to(torch.int32).contiguous(), s.tensor(owner),
+            s.tensor(s.qsl[owner] + i), s.tensor(start), s.tensor(end),
+            slots, slots.to(torch.int64).contiguous(),
+        )
+    return short
+
+
+def _sdpa_decodes(plan: AttentionPlan, s: _Step, key_lo: np.ndarray, block_bytes: int) -> None:
+    """Adds the decodes' SDPA calls: batched, bucketed by the number of blocks left after
+    their prefix, at most MAX_GATHER_BYTES gathered per call."""
+    dec = np.flatnonzero(s.q_lens == 1)
+    if not len(dec):
+        return
+    B = s.B
+    rest = s.num_blocks[dec] - key_lo[dec] // B
+    order = np.argsort(rest, kind="stable")
+    dec, rest = dec[order], rest[order]
+    cut = [0]
+    for i in range(1, len(dec)):
+        pad = rest[i] - rest[cut[-1]]
+        if pad * B > BUCKET_MIN_PAD and rest[i] > BUCKET_RATIO * rest[cut[-1]]:
+            cut.append(i)
+    cut.append(len(dec))
+    for lo, hi in zip(cut[:-1], cut[1:]):
+        nb = int(rest[hi - 1])
+        keep = np.argsort(dec[lo:hi])  # back in query order: rows may be a slice
+        bucket_rows, bucket_n = dec[lo:hi][keep], rest[lo:hi][keep]
+        # Gather at most MAX_GATHER_BYTES per call: the copy stays in the last-level
+        # cache for SDPA to read, and comes from the heap, not fresh (faulted) pages.
+        per_call = max(1, MAX_GATHER_BYTES // (nb * block_bytes))
+        for c in range(0, len(bucket_rows), per_call):
+            rows, n = bucket_rows[c : c + per_call], bucket_n[c : c + per_call]
+            plan.decodes.append(_decode_call(rows, n, nb, key_lo, s.table, s.seq_lens,
+                                             s.qsl, B, s.dev, s.w is not None))
+
+
+def _prefills(plan: AttentionPlan, s: _Step, requests: np.ndarray, first_blk: np.ndarray,
+              prefix: np.ndarray) -> None:
+    """Adds one SDPA call per prefill chunk (anything with more than one query) in
+    `requests`, reading from block `first_blk[r]`."""
+    w, B = s.w, s.B
+    for r in requests.tolist():
+        seq_len, q_len = int(s.seq_lens[r]), int(s.q_lens[r])
+        start = int(first_blk[r]) * B
+        blocks = hidden = None
+        if seq_len > q_len:
+            blocks = s.tensor(s.table[r, start // B : s.num_blocks[r]])
+            pos_q = np.arange(seq_len - q_len, seq_len)[:, None]
+            pos_k = np.arange(start, seq_len)[None, :]
+            hidden = pos_k > pos_q
+            if w is not None:
+                hidden |= pos_q - pos_k >= w
+        elif w is not None and q_len > w:  # no context: the fresh K/V, windowed
+            pos = np.arange(q_len)
+            hidden = (pos[None, :] > pos[:, None]) | (pos[:, None] - pos[None, :] >= w)
+        mask = None
+        if hidden is not None:
+            mask = torch.from_numpy(np.where(hidden, -np.inf, 0).astype(np.float32)).to(s.dev)
+        plan.prefills.append(PrefillCall(
+            int(s.qsl[r]), int(s.qsl[r + 1]), seq_len, start, blocks, mask, bool(prefix[r])
+        ))
+
+
 def _decode_call(
     rows: np.ndarray, n: np.ndarray, nb: int, first: np.ndarray, table: np.ndarray,
     seq_lens: np.ndarray, qsl: np.ndarray, B: int, dev: torch.device, windowed: bool = False,
-) -> _DecodeBucket:
+) -> DecodeBucket:
     """One SDPA call for decode requests `rows`: each attends to its `n` blocks from the one
     holding key position `first[r]` (after its prefix), padded to `nb` blocks. `windowed`:
     also hide the keys before `first[r]` in that block (else `first` is a block start)."""
@@ -388,7 +419,7 @@ def _decode_call(
         mask = torch.from_numpy(m).to(dev)
         pad_rows = torch.from_numpy(np.flatnonzero(pad)).to(dev)
     block_ids = torch.from_numpy(np.ascontiguousarray(blocks.reshape(-1), dtype=np.int64))
-    return _DecodeBucket(_Rows(qsl[rows], dev), block_ids.to(dev), mask, pad_rows)
+    return DecodeBucket(_Rows(qsl[rows], dev), block_ids.to(dev), mask, pad_rows)
 
 
 def _effective_window(sliding_window: int | None, seq_lens: np.ndarray) -> int | None:

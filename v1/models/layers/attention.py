@@ -10,10 +10,10 @@ import torch
 from torch import nn
 from torch.nn.utils import skip_init
 
-from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata
+from v1.attention.backends.abstract import AttentionImpl
 from v1.models.layers.linear import Linear
 from v1.models.layers.norm import RMSNorm
-from v1.models.layers.ops import StepOps
+from v1.models.step_plan import StepPlan
 
 
 class Attention(nn.Module):
@@ -67,11 +67,11 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         hidden_states: torch.Tensor,
         kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        ops: StepOps,
+        step: StepPlan,
     ) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
-        qkv = self.qkv_proj(hidden_states)
+        ops = step.ops
+        qkv = self.qkv_proj(hidden_states, step.rows)
         qk_end = self.q_size + self.kv_size
         if self.q_norm is None or self.k_norm is None:
             # q and k are adjacent in the fused output: rotate both heads' sets in one go.
@@ -87,5 +87,5 @@ class Attention(nn.Module):
         qk = ops.rope(qk, *rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, qk_end:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = self.attn.forward(q, k, v, kv_cache, attn_metadata)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = self.attn.forward(q, k, v, kv_cache, step.metadata)
+        return self.o_proj(out.reshape(num_tokens, self.q_size), step.rows)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from v1.models.layers.onednn import ONEDNN_LINEAR, onednn_linear
-from v1.models.layers.quant import QK, QuantizedWeight
+from v1.models.layers.quantized import QK, MatmulRows, QuantizedWeight
 
 
 class PackedWeight:
@@ -83,10 +83,14 @@ class Linear(nn.Module):
         )
         self.kernel: PackedWeight | QuantizedWeight | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x)
+    def forward(self, x: torch.Tensor, rows: MatmulRows | None = None) -> torch.Tensor:
+        return self.linear(x, rows)
 
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, rows: MatmulRows | None = None) -> torch.Tensor:
+        """`rows`: the step's matmul path per row, for GGUF blocks (None: by the row count
+        under the default policy); other forms have one path."""
+        if isinstance(self.kernel, QuantizedWeight) and rows is not None:
+            return rows.linear(self.kernel, x, self.bias)
         if self.kernel is not None:
             return self.kernel.linear(x, self.bias)
         assert self.weight is not None

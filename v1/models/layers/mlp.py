@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.utils import skip_init
 
 from v1.models.layers.linear import Linear
-from v1.models.layers.ops import StepOps
+from v1.models.step_plan import StepPlan
 
 # transformers' activation names -> whether we have them (the gelu is tanh-approximated).
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -42,9 +42,9 @@ class GatedMLP(nn.Module):
             Linear, intermediate_size, hidden_size, bias=bias, device=device, dtype=dtype
         )
 
-    def forward(self, x: torch.Tensor, ops: StepOps) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+    def forward(self, x: torch.Tensor, step: StepPlan) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x, step.rows)
         if self.hidden_act == "silu":
-            return self.down_proj(ops.silu_and_mul(gate_up))
+            return self.down_proj(step.ops.silu_and_mul(gate_up), step.rows)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up, step.rows)

@@ -1,27 +1,22 @@
-"""The model's elementwise ops (RMSNorm, RoPE, SiLU-and-mul), chosen once per forward.
+"""The model's elementwise ops (RMSNorm, RoPE, SiLU-and-mul), one set per step
+(`ops_for_step`, called by the step plan's builder).
 
 `TorchOps` is the reference: each op in torch, rounded as transformers rounds it. On CPU:
-- with fp32 activations and the kernels, every step takes `NativeOps` (`v1.kernels.elementwise`):
-  each op one call into a small C kernel, single-threaded, RMSNorm fused with the residual add
-  before it, RoPE in place. RoPE and the add are bit-identical to torch; the norm's sum and
-  SiLU's exp round differently (~1 ulp). Every step, not only decode-sized ones: a row's result
-  must not depend on how many rows its step has, or a prompt prefilled cold (one big step) and
-  the same prompt's uncached tail after a prefix-cache hit (a small one) would give different
-  hidden states, and greedy tokens that differ at a near-tie (issue 22: a 143-token chat did).
-  At a decode-sized step these calls also beat torch's dispatch and OpenMP wake-ups; at a
-  2,048-token prefill step one thread's elementwise work is a few percent of the step.
-- without the kernels (V1_CPU_KERNELS=0) or with 16-bit activations, a decode-sized step (at
-  most SMALL_STEP_MAX_TOKENS rows) runs `TorchOps(serial=True)`, the torch ops on one thread: a
-  parallel op wakes the other OpenMP threads and waits for them, a few us when they spin, ~80 us
-  when they sleep (OMP_WAIT_POLICY=PASSIVE, the sensible setting on a shared machine), up to a
-  time slice on an oversubscribed one; larger steps run them on all threads.
-The GEMMs and attention between these ops keep all threads in every case.
+- fp32 activations with the kernels: `NativeOps` (`v1.kernels.elementwise`) at every step
+  size, RMSNorm fused with the residual add, RoPE in place; RoPE and the add are torch's bits,
+  the norm's sum and SiLU's exp within ~1 ulp. Every step size, because a row's result must
+  not depend on how many rows its step has (a prompt prefilled cold and its uncached tail
+  after a prefix-cache hit must give the same hidden states).
+- otherwise (V1_CPU_KERNELS=0, 16-bit activations): a step of at most SMALL_STEP_MAX_TOKENS
+  rows runs `TorchOps(serial=True)`, on one thread, since waking OpenMP's threads costs more
+  than such ops; larger steps use every thread.
+Why and how much: docs/benchmarks.md, "Elementwise ops".
 """
 
 import torch
 import torch.nn.functional as F
 
-from v1.kernels.elementwise import NativeOps, native_ops
+from v1.kernels.elementwise import NativeOps
 
 SMALL_STEP_MAX_TOKENS = 128
 
@@ -75,12 +70,15 @@ TORCH_OPS = TorchOps()
 StepOps = TorchOps | NativeOps
 
 
-def ops_for_step(hidden_states: torch.Tensor) -> StepOps:
-    """The ops for a forward over `hidden_states` [T, hidden] (see the module docstring)."""
-    if hidden_states.device.type != "cpu":
+def ops_for_step(
+    device: torch.device, dtype: torch.dtype, num_tokens: int, native: NativeOps | None
+) -> StepOps:
+    """The ops of a forward over `num_tokens` activation rows of `dtype` on `device`, given
+    the library's C ops (`native_ops()`, None without kernels; see the module docstring)."""
+    if device.type != "cpu":
         return TORCH_OPS
-    if hidden_states.dtype == torch.float32 and (native := native_ops()) is not None:
+    if dtype == torch.float32 and native is not None:
         return native
-    if hidden_states.shape[0] > SMALL_STEP_MAX_TOKENS:
+    if num_tokens > SMALL_STEP_MAX_TOKENS:
         return TORCH_OPS
     return TorchOps(serial=torch.get_num_threads() > 1)

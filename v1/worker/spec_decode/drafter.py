@@ -1,33 +1,21 @@
 """The model runner's side of speculative decoding: which requests draft, how many tokens
-each, and the drafts it proposed last.
+each, the drafts it proposed last, and checking a step's sampled tokens against its drafts.
 
 After sampling, the runner asks the proposer for every request that sampled (so an index
 such as the suffix one sees every request's tokens); the drafts go back to the scheduler,
 which schedules them with the request's next decode step, and are kept here: under async
 scheduling the scheduler sends -1 placeholders, which `drafts_for_step` fills.
 
-Not drafted (the proposal is dropped): requests whose sampling depends on the tokens before it
-in ways one step's rows would not see: penalties and bad words (counts and tails of the
-output so far), `min_tokens` not yet reached (a row would ban stop tokens another may not),
-and structured output (the grammar's bitmask covers one token: the simplest correct choice
-is not drafting those requests). Logprobs, logit bias, allowed token ids, temperature and the
-top-k/top-p/min-p filters are the same on every row, so those requests draft; so do requests
-with stop strings: the frontend ends their output at the token that completes one, dropping
-the verified tokens after it (`v1.engine.detokenizer.IncrementalDetokenizer.update`).
-
-Adaptive: a request whose drafts were all rejected halves its draft length; in a crowded step
-(more than `CHEAP_ROWS` tokens, prompt chunks' included) it also skips drafting for its next
-1, 2, 4, ... steps (up to `MAX_SKIP`); an accepted draft resets the back-off and grows the
-length again (to the accepted count + 1, or double when all were accepted). A draft row is
-cheap while a step's rows share one read of the weights (the int8 tiles take up to 16 rows at
-once, so at batch 1 a draft row costs a fraction of the step it rides on: a draft pays at low
-acceptance, and a length of one keeps failures cheap), dear once the step is compute-bound,
-where a failed row costs what another request's token does (see docs/speculative.md for the
-figures).
+Not drafted: requests whose sampling depends on the tokens before it in ways one step's rows
+would not see (`can_draft`: penalties, bad words, `min_tokens` not yet reached, structured
+output). Adaptive: a request whose drafts were all rejected halves its draft length, and in a
+step of more than `CHEAP_ROWS` tokens (compute-bound) also skips drafting for its next 1, 2,
+4, ... steps (up to `MAX_SKIP`); an accepted draft resets the back-off and grows the length
+again. Why these rules, with figures: docs/speculative.md.
 """
 
 from dataclasses import dataclass
-from typing import cast
+from typing import NamedTuple, cast
 
 import numpy as np
 import torch
@@ -37,11 +25,36 @@ from v1.outputs import TokenLogprobs
 from v1.sampling_params import SamplingParams
 from v1.worker.input_batch import InputBatch
 from v1.worker.rejection_sampler import accept_drafts, keep_draws
+from v1.worker.sampler import StepTokens
 from v1.worker.spec_decode.proposer import DraftProposer, make_proposer
 
 MAX_SKIP = 16
 # A step of at most this many tokens is weight-bound: a draft there is nearly free (above).
 CHEAP_ROWS = 16
+
+
+@dataclass(slots=True)
+class StepDrafts:
+    """The drafts a step verifies: per request index their count (`num`, 0: none), and
+    them by request index."""
+
+    num: np.ndarray  # int32 [num_reqs]
+    by_index: dict[int, list[int]]
+
+
+class Verification(NamedTuple):
+    """What `Drafter.accept` checks: the step's sampled tokens (`first_logit_row[n]` on for
+    the n-th sampling request, `sample_idx[n]` its request index) against its drafts."""
+
+    req_ids: list[str]
+    rows: np.ndarray  # batch row per request index
+    sample_idx: np.ndarray
+    first_logit_row: np.ndarray
+    token_ids: list[int]
+    token_logprobs: list[TokenLogprobs | None] | None
+    drafts: StepDrafts
+    generator_states: dict[int, torch.Tensor]  # from `generator_states`
+    step_tokens: int  # the step's scheduled tokens, for the back-off
 
 
 @dataclass(slots=True)
@@ -119,80 +132,65 @@ class Drafter:
     # -- the runner's step ----------------------------------------------------------------
 
     def write_drafts(
-        self,
-        batch: InputBatch,
-        spec: dict[str, list[int]],
-        req_ids: list[str],
-        num_drafts: np.ndarray,
-        drafts_by_index: dict[int, list[int]],
-    ) -> None:
+        self, batch: InputBatch, spec: dict[str, list[int]], req_ids: list[str]
+    ) -> StepDrafts:
         """Writes each scheduled request's drafts after its known tokens (the step's inputs
-        are read from there); records their count and them by batch index."""
+        are read from there); returns their count and them by request index."""
+        drafts = StepDrafts(np.zeros(len(req_ids), dtype=np.int32), {})
         index = {req_id: i for i, req_id in enumerate(req_ids)}
         for req_id, scheduled in spec.items():
-            drafts = self.drafts_for_step(req_id, scheduled)
+            step_drafts = self.drafts_for_step(req_id, scheduled)
             i = index[req_id]
             row = batch.req_id_to_index[req_id]
             start = int(batch.num_tokens[row])
             # A -1 (no draft for a placeholder) computes token 0 and is never accepted.
-            batch.token_ids[row, start : start + len(drafts)] = [max(d, 0) for d in drafts]
-            num_drafts[i] = len(drafts)
-            drafts_by_index[i] = drafts
+            batch.token_ids[row, start : start + len(step_drafts)] = [
+                max(d, 0) for d in step_drafts
+            ]
+            drafts.num[i] = len(step_drafts)
+            drafts.by_index[i] = step_drafts
+        return drafts
 
     @staticmethod
     def generator_states(
-        batch: InputBatch, req_ids: list[str], drafts_by_index: dict[int, list[int]]
+        batch: InputBatch, req_ids: list[str], drafts: StepDrafts
     ) -> dict[int, torch.Tensor]:
         """Before sampling: the generator state of each drafted request that draws from its
         own generator (seeded, not greedy), by request index, for `accept` to rewind to."""
         states = {}
-        for i in drafts_by_index:
+        for i in drafts.by_index:
             generator = batch.generators.get(req_ids[i])
             params = batch.sampling_params[batch.req_id_to_index[req_ids[i]]]
             if generator is not None and params is not None and not params.greedy:
                 states[i] = generator.get_state()
         return states
 
-    def accept(
-        self,
-        batch: InputBatch,
-        req_ids: list[str],
-        sample_idx: np.ndarray,
-        first_logit_row: np.ndarray,
-        rows: np.ndarray,
-        token_ids: list[int],
-        token_logprobs: list[TokenLogprobs | None] | None,
-        drafts_by_index: dict[int, list[int]],
-        generator_states: dict[int, torch.Tensor],
-        sampled_rows: list[list[int]],
-        logprobs_rows: list[list[TokenLogprobs] | None] | None,
-        num_rejected: np.ndarray,
-        step_tokens: int,
-    ) -> None:
-        """Checks each sampling request's rows (`first_logit_row[n]` on, for the n-th) against
-        its drafts and stores what it accepted in the batch and the output rows (its one
-        sampled token when it had no drafts); `num_rejected[i]`: its rejected drafts;
-        `step_tokens`: the step's scheduled tokens, for the back-off. A seeded
-        request that rejected drafts gets its generator back to where its kept rows leave it
-        (its state from `generator_states`)."""
-        for n, i in enumerate(sample_idx.tolist()):
-            first, end = int(first_logit_row[n]), int(first_logit_row[n + 1])
-            tokens = token_ids[first:end]
-            drafts = drafts_by_index.get(i)
+    def accept(self, batch: InputBatch, step: Verification) -> StepTokens:
+        """Checks each sampling request's rows against its drafts and stores what it accepted
+        in the batch (its one sampled token when it had no drafts). A seeded request that
+        rejected drafts gets its generator back to where its kept rows leave it."""
+        tokens_out = StepTokens.empty(len(step.req_ids), step.token_logprobs is not None)
+        for n, i in enumerate(step.sample_idx.tolist()):
+            first, end = int(step.first_logit_row[n]), int(step.first_logit_row[n + 1])
+            tokens = step.token_ids[first:end]
+            drafts = step.drafts.by_index.get(i)
             if drafts:
                 tokens = accept_drafts(tokens, drafts)
-                num_rejected[i] = len(drafts) + 1 - len(tokens)
-                self.observe(req_ids[i], drafts, len(tokens) - 1, step_tokens)
-                if num_rejected[i] and i in generator_states:
-                    keep_draws(batch.generators[req_ids[i]], generator_states[i], len(tokens))
-            row = rows[i]
+                rejected = tokens_out.num_rejected[i] = len(drafts) + 1 - len(tokens)
+                self.observe(step.req_ids[i], drafts, len(tokens) - 1, step.step_tokens)
+                if rejected and i in step.generator_states:
+                    keep_draws(batch.generators[step.req_ids[i]], step.generator_states[i],
+                               len(tokens))
+            row = step.rows[i]
             start = int(batch.num_tokens[row])
             batch.token_ids[row, start : start + len(tokens)] = tokens
             batch.num_tokens[row] += len(tokens)
-            sampled_rows[i] = tokens
-            if token_logprobs is not None and logprobs_rows is not None:
-                lps = token_logprobs[first : first + len(tokens)]
-                logprobs_rows[i] = None if lps[0] is None else cast(list[TokenLogprobs], lps)
+            tokens_out.sampled[i] = tokens
+            if step.token_logprobs is not None and tokens_out.logprobs is not None:
+                lps = step.token_logprobs[first : first + len(tokens)]
+                tokens_out.logprobs[i] = (None if lps[0] is None
+                                          else cast(list[TokenLogprobs], lps))
+        return tokens_out
 
     def propose_all(
         self, batch: InputBatch, req_ids: list[str], rows: np.ndarray, sample_idx: np.ndarray

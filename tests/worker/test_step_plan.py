@@ -1,0 +1,159 @@
+"""The step plan (v1.models.step_plan): the path it names for a step is the path the step
+took, checked against the C entry points each path calls, on the default GGUF model; and the
+runner reads the settings once, when it is built."""
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from tests.worker.test_fused_decode import TABLES, gguf_model, prefilled  # noqa: F401
+from tests.worker.test_model import Chunk, new_kv_caches, step_inputs
+from tests.worker.test_model_runner import PROMPT, make_runner, prefill
+from v1.kernels import attention as kernels_attention
+from v1.kernels import decoder as kernels_decoder
+from v1.kernels import quant as kernels_quant
+from v1.lora.layers import LinearWithLoRA, LoRABatch
+from v1.models.layers.quantized import DEFAULT_POLICY, MatmulPolicy
+from v1.models.step_plan import PlanOptions, StepPath, StepPlanner
+from v1.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.model
+
+
+class Calls:
+    """What the step called: fused C steps (their int8 flags), C attention kernel calls,
+    C block matmuls (their int8 flags)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.fused: list[bool] = []
+        self.attention = 0
+        self.matmul: list[bool] = []
+        fused_call = kernels_decoder.FusedDecoder.__call__
+        attention_call = kernels_attention.PagedDecodeKernel.__call__
+        linear = kernels_quant.QuantKernels.linear
+
+        def fused(this, *args, **kwargs):
+            self.fused.append(bool(args[-1]))
+            return fused_call(this, *args, **kwargs)
+
+        def attention(this, *args, **kwargs):
+            self.attention += 1
+            return attention_call(this, *args, **kwargs)
+
+        def matmul(this, w, x, bias, int8=False):
+            self.matmul.append(bool(int8))
+            return linear(this, w, x, bias, int8)
+
+        monkeypatch.setattr(kernels_decoder.FusedDecoder, "__call__", fused)
+        monkeypatch.setattr(kernels_attention.PagedDecodeKernel, "__call__", attention)
+        monkeypatch.setattr(kernels_quant.QuantKernels, "linear", matmul)
+
+
+def run(model, kv_caches, chunks, options: PlanOptions, is_prompt=None) -> StepPath:
+    """Plans and runs one step as the runner does; the path its plan named."""
+    input_ids, positions, metadata = step_inputs(chunks)
+    planner = StepPlanner(model, torch.float32, torch.device("cpu"), options)
+    with torch.inference_mode():
+        step = planner.plan(metadata, kv_caches, is_prompt)
+        model(input_ids, positions, kv_caches, metadata, step)
+    return step.path
+
+
+LAYERS = 30
+DECODE = [Chunk([5], 20, TABLES[0])]
+
+
+def test_a_batch1_decode_is_fused_kernel_int8(gguf_model, monkeypatch):  # noqa: F811
+    kv_caches = prefilled(gguf_model, [list(range(100, 120))])
+    calls = Calls(monkeypatch)
+    assert run(gguf_model, kv_caches, DECODE, PlanOptions()) == StepPath(
+        "fused", "kernel", "int8", "native")
+    assert calls.fused == [True] and not calls.attention and not calls.matmul
+    # V1_FUSED_DECODE=0: the same step per op, each layer's attention the C kernel's.
+    assert run(gguf_model, kv_caches, DECODE, PlanOptions(fused_decode=False)) == StepPath(
+        "per-op", "kernel", "int8", "native")
+    assert calls.fused == [True] and calls.attention == LAYERS
+    assert calls.matmul == [True] * 4 * LAYERS
+
+
+def test_a_long_prompt_chunk_is_per_op_sdpa(gguf_model, monkeypatch):  # noqa: F811
+    calls = Calls(monkeypatch)
+    chunk = [Chunk(list(range(300)), 0, list(range(19)))]
+    path = run(gguf_model, new_kv_caches(gguf_model, 40), chunk, PlanOptions(),
+               np.ones(300, dtype=bool))
+    assert path == StepPath("per-op", "sdpa", "int8", "native")
+    assert not calls.fused and not calls.attention
+    assert calls.matmul == [True] * 4 * LAYERS
+
+
+def test_without_all_int8_a_decode_is_fp32_rows(gguf_model, monkeypatch):  # noqa: F811
+    kv_caches = prefilled(gguf_model, [list(range(100, 120))])
+    calls = Calls(monkeypatch)
+    by_kind = MatmulPolicy(all_int8=False)
+    generated = np.zeros(1, dtype=bool)
+    assert run(gguf_model, kv_caches, DECODE, PlanOptions(matmul=by_kind), generated) == (
+        StepPath("fused", "kernel", "fp32", "native"))
+    assert calls.fused == [False]
+    assert run(gguf_model, kv_caches, DECODE, PlanOptions(False, by_kind), generated) == (
+        StepPath("per-op", "kernel", "fp32", "native"))
+    assert calls.matmul == [False] * 4 * LAYERS
+    # A prompt token beside a generated one: the rows split, int8 and fp32, per op.
+    chunk = [Chunk([6, 7], 20, TABLES[0])]
+    calls.matmul.clear()
+    assert run(gguf_model, kv_caches, chunk, PlanOptions(matmul=by_kind),
+               np.array([True, False])) == StepPath("per-op", "kernel", "int8+fp32", "native")
+    assert calls.fused == [False] and calls.matmul == [True, False] * 4 * LAYERS
+
+
+def test_without_kernels_sdpa_and_torch(gguf_model, monkeypatch):  # noqa: F811
+    kv_caches = prefilled(gguf_model, [list(range(100, 120))])
+    monkeypatch.setenv("V1_CPU_KERNELS", "0")
+    calls = Calls(monkeypatch)
+    path = run(gguf_model, kv_caches, DECODE, PlanOptions())
+    assert path.decoder == "per-op" and path.attention == "sdpa" and path.matmul == "torch"
+    assert path.ops in ("torch", "torch-serial")
+    assert not calls.fused and not calls.attention and not calls.matmul
+
+
+def test_the_runner_reads_the_settings_once_and_logs_each_step(default_model, monkeypatch,
+                                                               caplog):
+    monkeypatch.setenv("V1_FUSED_DECODE", "0")
+    monkeypatch.setenv("V1_QUANT_ALL_INT8", "0")
+    runner = make_runner(default_model)
+    monkeypatch.setenv("V1_FUSED_DECODE", "1")  # after the build: not read again
+    assert runner.planner.options == PlanOptions(False, MatmulPolicy(all_int8=False))
+    assert make_runner(default_model).planner.options == PlanOptions(True, MatmulPolicy(
+        all_int8=False))
+    monkeypatch.delenv("V1_QUANT_ALL_INT8")
+    assert make_runner(default_model).planner.options == PlanOptions(True, DEFAULT_POLICY)
+    with caplog.at_level(logging.DEBUG, logger="v1"):
+        prefill(runner, "a", SamplingParams(temperature=0.0), block_id=0)
+    # fp32 weights (no GGUF blocks): no matmul path to choose.
+    expected = str(StepPath("per-op", "kernel", "none", "native"))
+    assert [r.getMessage() for r in caplog.records if "step of" in r.getMessage()] == [
+        f"step of {len(PROMPT)} tokens: {expected}"]
+
+
+def test_the_fused_decision_is_logged_with_its_reason(gguf_model, default_model,  # noqa: F811
+                                                      caplog):
+    attn = gguf_model.model.layers[3].self_attn
+    base = attn.qkv_proj
+    with caplog.at_level(logging.INFO, logger="v1"):
+        gguf_model.replan()
+        attn.qkv_proj = LinearWithLoRA(base, (576, 192, 192), LoRABatch(), 1, 8)
+        try:
+            gguf_model.replan()
+        finally:
+            attn.qkv_proj = base
+            gguf_model.replan()
+        default_model.model.replan()
+    assert [r.getMessage() for r in caplog.records if "fused decode" in r.getMessage()] == [
+        f"fused decode step: on ({LAYERS} layers)",
+        "fused decode step: off (layer 3 (PreNormDecoderLayer): its projections are not GGUF "
+        "blocks in plain Linears (float weights, LoRA))",
+        f"fused decode step: on ({LAYERS} layers)",
+        "fused decode step: off (layer 0 (PreNormDecoderLayer): its projections are not GGUF "
+        "blocks in plain Linears (float weights, LoRA))",
+    ]

@@ -1,0 +1,248 @@
+"""GGUF block-quantized weights (Q4_1, Q8_0) multiplied as they are stored, and the rule
+that picks each matmul row's path.
+
+A `QuantizedWeight` keeps a weight's blocks bit-exact in the GGUF/ggml layout, one row of
+blocks per output row, so fused projections are plain tensor indexing and `torch.cat` on
+`blocks`. `quantize` rounds as ggml does; `dequantize` computes what gguf's dequantizers do.
+
+`linear(x, bias, path)` on CPU with fp32 activations runs the C kernels (`v1.kernels.quant`);
+otherwise (no kernels, other devices or dtypes, path "torch") the reference, dequantize then
+F.linear. Paths (`PATHS`):
+- "int8": activations quantized per block of 32 (q8_0 rounding), integer dot products. A
+  row's result is the same bits whatever else is in its call and whichever library variant
+  runs, so a token's numbers do not depend on its step's other rows.
+- "fp32": blocks dequantized in registers against fp32 activations: x @ dequantize().T up to
+  fp32 rounding; the summation order depends on the call's row count (1, 2-4, 5+).
+- "dense": the whole weight dequantized once, then oneDNN's fp32 GEMM (prefill-sized calls).
+
+Which path a call takes is decided per step, not here: `MatmulPolicy` (the V1_QUANT_*
+settings, read once where the runner is built) turns a step's rows into `MatmulRows`, which
+the step plan carries down to every `Linear`. Measurements: docs/benchmarks.md, "Matmul paths".
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from v1.envs import Environment
+from v1.kernels.quant import BLOCK_BYTES, QK, QuantBlocks, kernels
+from v1.models.layers.onednn import ONEDNN_LINEAR, onednn_linear
+
+PATHS = ("fp32", "int8", "dense", "torch")
+# Calls of at least this many rows take "dense" when they go by count: from about 256 rows
+# oneDNN's GEMM outruns the fp32 block path by more than the dequantization costs.
+DENSE_MIN_ROWS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class MatmulPolicy:
+    """How rows choose a path. `all_int8` (the default): every row "int8", so a token's numbers
+    never depend on its step's other rows. Otherwise prompt tokens' rows take "int8" when
+    `prompt_int8`, and the rest go by the call's row count (`path_for`)."""
+
+    all_int8: bool = True
+    prompt_int8: bool = True
+    int8_min_rows: int | None = None
+    dense_min_rows: int | None = DENSE_MIN_ROWS
+
+    @classmethod
+    def from_env(cls, env: Environment) -> "MatmulPolicy":
+        return cls(env.quant_all_int8, env.quant_prompt_int8, env.quant_int8_min_rows)
+
+    def path_for(self, m: int) -> str:
+        """The path of an m-row call whose rows are not split by kind: the one default rule."""
+        if self.all_int8 or (self.int8_min_rows is not None and m >= self.int8_min_rows):
+            return "int8"
+        return "dense" if self.dense_min_rows is not None and m >= self.dense_min_rows else "fp32"
+
+    def rows(self, is_prompt: np.ndarray | None) -> "MatmulRows":
+        """One forward's rows, `is_prompt[t]` telling whether row t is a prompt token's (None:
+        none is). Prompt rows are split from the others only where that changes a path."""
+        if is_prompt is None or self.all_int8 or not self.prompt_int8 or not is_prompt.any():
+            return MatmulRows(self)
+        if is_prompt.all():
+            return MatmulRows(self, len(is_prompt))
+        return MatmulRows(self, len(is_prompt), torch.from_numpy(np.flatnonzero(is_prompt)),
+                          torch.from_numpy(np.flatnonzero(~is_prompt)))
+
+
+DEFAULT_POLICY = MatmulPolicy()
+
+
+@dataclass(frozen=True, slots=True)
+class MatmulRows:
+    """One forward's path per activation row. A call with `num_rows` rows (the forward's
+    own layers) runs its prompt rows (`prompt`; None: all rows) through "int8" and the others
+    (`other`) by their count; any other call (the LM head's fewer rows) by its count alone."""
+
+    policy: MatmulPolicy
+    num_rows: int = -1  # -1: no row is split out by kind
+    prompt: torch.Tensor | None = None
+    other: torch.Tensor | None = None
+
+    def path(self, m: int) -> str | None:
+        """The path every row of an m-row call takes; None where prompt rows and the others
+        take different paths (`linear` splits the call)."""
+        if m == self.num_rows:
+            return "int8" if self.prompt is None else None
+        return self.policy.path_for(m)
+
+    def linear(
+        self, weight: "QuantizedWeight", x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`weight.linear(x, bias)` with each row on its path."""
+        m = x.numel() // weight.in_features
+        path = self.path(m)
+        if path is not None:
+            return weight.linear(x, bias, path)
+        assert self.prompt is not None and self.other is not None
+        rows = x.reshape(m, weight.in_features)
+        out = x.new_empty(m, weight.out_features)
+        out[self.prompt] = weight.linear(rows[self.prompt], bias, "int8")
+        out[self.other] = weight.linear(rows[self.other], bias,
+                                        self.policy.path_for(len(self.other)))
+        return out.reshape(*x.shape[:-1], weight.out_features)
+
+
+class QuantizedWeight:
+    """A [out_features, in_features] weight as GGUF blocks (uint8 [out, in / 32 * bytes])."""
+
+    __slots__ = ("kind", "out_features", "in_features", "blocks", "_kernel_blocks")
+
+    def __init__(self, kind: str, blocks: torch.Tensor, out_features: int, in_features: int):
+        if kind not in BLOCK_BYTES:
+            raise ValueError(f"quantization kind {kind!r} is not one of {sorted(BLOCK_BYTES)}")
+        if in_features <= 0 or in_features % QK:
+            raise ValueError(f"in_features={in_features} must be a positive multiple of {QK}")
+        if out_features <= 0:
+            raise ValueError(f"out_features={out_features} must be positive")
+        shape = (out_features, in_features // QK * BLOCK_BYTES[kind])
+        if blocks.dtype != torch.uint8 or tuple(blocks.shape) != shape:
+            raise ValueError(
+                f"{kind} blocks must be uint8 {list(shape)}, got {blocks.dtype} "
+                f"{list(blocks.shape)}"
+            )
+        self.kind = kind
+        self.out_features = out_features
+        self.in_features = in_features
+        self.blocks = blocks.contiguous()
+        self._kernel_blocks: QuantBlocks | None = None  # `blocks`, as the kernels take them
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, kind: str = "q8_0") -> "QuantizedWeight":
+        """Blocks of the fp32 weight `w` [out, in], rounded as ggml's reference quantizers."""
+        if kind not in BLOCK_BYTES:
+            raise ValueError(f"quantization kind {kind!r} is not one of {sorted(BLOCK_BYTES)}")
+        if w.dim() != 2 or w.shape[1] % QK:
+            raise ValueError(
+                f"weight shape {list(w.shape)}: expected [out, in] with in a multiple of {QK}"
+            )
+        out_features, in_features = w.shape
+        x = w.detach().to(torch.float32).reshape(out_features, -1, QK)
+        if kind == "q8_0":
+            d = x.abs().amax(-1, keepdim=True) / 127
+            q = _roundf(x * _inverse(d)).to(torch.int8).view(torch.uint8)
+            parts = [_fp16_bytes(d), q]
+        else:
+            lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+            d = (hi - lo) / 15
+            # ggml: MIN(15, (int8_t)((x - min) * id + 0.5f)), a truncation of a value >= 0.
+            q = ((x - lo) * _inverse(d) + 0.5).trunc().clamp(0, 15).to(torch.uint8)
+            parts = [_fp16_bytes(d), _fp16_bytes(lo), q[..., :16] | (q[..., 16:] << 4)]
+        blocks = torch.cat(parts, -1).reshape(out_features, -1)
+        return cls(kind, blocks, out_features, in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight [out, in], computed as gguf's reference dequantizers do."""
+        return _dequantize(self.kind, self.blocks)
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 rows [*ids.shape, in] for token ids: only the rows asked for are dequantized."""
+        rows = _dequantize(self.kind, self.blocks[ids.reshape(-1)])
+        return rows.reshape(*ids.shape, self.in_features)
+
+    def linear(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, path: str | None = None
+    ) -> torch.Tensor:
+        """x [..., in] @ weight.T (+ bias [out]) -> [..., out] on `path` (one of PATHS; None:
+        `DEFAULT_POLICY.path_for` the row count). The C kernels serve fp32 CPU activations
+        when there are kernels; anything else takes the torch reference."""
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"input has {x.shape[-1]} features, the weight takes {self.in_features}"
+            )
+        # Exactly [out] on every path: the kernels read out_features values.
+        if bias is not None and bias.shape != (self.out_features,):
+            raise ValueError(f"bias has shape {list(bias.shape)}, expected [{self.out_features}]")
+        if path is not None and path not in PATHS:
+            raise ValueError(f"path {path!r} is not one of {PATHS}")
+        m = x.numel() // self.in_features
+        if path is None:
+            path = DEFAULT_POLICY.path_for(m)
+        native = (path != "torch" and m > 0 and x.dtype == torch.float32 and x.is_cpu
+                  and self.blocks.is_cpu)
+        q = kernels() if native else None
+        if q is None:
+            return F.linear(x, self.dequantize().to(x.dtype), bias)
+        if bias is not None:
+            bias = bias.contiguous()
+        kb = self.kernel_blocks()
+        if path == "dense":
+            w = q.dequantize(kb)
+            if ONEDNN_LINEAR:
+                return onednn_linear(x, w, bias, self.out_features)
+            return F.linear(x, w, bias)
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = q.linear(kb, rows, bias, int8=path == "int8")
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
+
+    def kernel_blocks(self) -> QuantBlocks:
+        """`blocks` as the kernels take them (made again where `blocks` was replaced)."""
+        kb = self._kernel_blocks
+        if kb is None or kb.tensor is not self.blocks:
+            kb = self._kernel_blocks = QuantBlocks(self.kind, self.blocks)
+        return kb
+
+    def __repr__(self) -> str:
+        return f"QuantizedWeight({self.kind}, {self.out_features}x{self.in_features})"
+
+
+def _inverse(d: torch.Tensor) -> torch.Tensor:
+    """1 / d, and 0 where d is 0 (a block of equal values), as ggml."""
+    return torch.where(d == 0, 0.0, 1.0 / d)
+
+
+def _roundf(x: torch.Tensor) -> torch.Tensor:
+    """C's roundf (halves away from zero), exactly: torch.round rounds halves to even."""
+    a = x.abs()
+    whole = a.floor()
+    return torch.sign(x) * (whole + (2 * (a - whole)).floor())
+
+
+def _fp16_bytes(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float16).view(torch.uint8)
+
+
+def _fp16(b: torch.Tensor) -> torch.Tensor:
+    return b.contiguous().view(torch.float16).to(torch.float32)
+
+
+def _dequantize(kind: str, blocks: torch.Tensor) -> torch.Tensor:
+    rows, nb = blocks.shape[0], blocks.shape[1] // BLOCK_BYTES[kind]
+    b = blocks.reshape(rows, nb, BLOCK_BYTES[kind])  # nb named: rows may be 0 (no token ids)
+    d = _fp16(b[..., 0:2])
+    if kind == "q8_0":
+        w = b[..., 2:].contiguous().view(torch.int8).to(torch.float32) * d
+    else:
+        qs = b[..., 4:]
+        q = torch.cat((qs & 15, qs >> 4), -1).to(torch.float32)
+        w = d * q + _fp16(b[..., 2:4])
+    return w.reshape(rows, nb * QK)

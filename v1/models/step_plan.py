@@ -1,0 +1,146 @@
+"""The plan of one step: which path each part of its forward takes, decided once before the
+forward and passed down to every layer (layers read it from their arguments; nothing on a
+step's path reads a thread-local or the environment).
+
+`StepPlanner` is made once per model runner with the settings read from the environment
+(`PlanOptions.from_env`); `plan(metadata, kv_caches, is_prompt)` gives the step's `StepPlan`:
+the op set, each matmul row's path, the attention plans (kept in `metadata.plans`), and
+whether the decoder layers run as one fused C call. `StepPlan.path` names the paths taken, for
+tests and the DEBUG log.
+"""
+
+import logging
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from v1.attention.backends.abstract import AttentionMetadata, AttentionType
+from v1.attention.backends.torch_attn import TorchAttentionImpl
+from v1.attention.backends.torch_plan import AttentionPlan
+from v1.envs import Environment
+from v1.kernels.attention import BoundStep, PagedDecodeKernel
+from v1.kernels.elementwise import NativeOps, native_ops
+from v1.kernels.quant import kernels
+from v1.models.fused_decode import FusedDecode
+from v1.models.layers.ops import StepOps, TorchOps, ops_for_step
+from v1.models.layers.quantized import DEFAULT_POLICY, MatmulPolicy, MatmulRows, QuantizedWeight
+
+logger = logging.getLogger("v1")
+
+
+@dataclass(frozen=True, slots=True)
+class PlanOptions:
+    """The settings steps are planned by (V1_FUSED_DECODE and V1_QUANT_*), read once."""
+
+    fused_decode: bool = True
+    matmul: MatmulPolicy = DEFAULT_POLICY
+
+    @classmethod
+    def from_env(cls, env: Environment) -> "PlanOptions":
+        return cls(env.fused_decode, MatmulPolicy.from_env(env))
+
+
+class StepPath(NamedTuple):
+    """Which path a step's forward took, by part."""
+
+    decoder: str  # "fused" (one C call for every layer) or "per-op"
+    attention: str  # "kernel" (the C decode kernel), "sdpa", "kernel+sdpa", or "backend"
+    matmul: str  # GGUF rows: "int8", "fp32", "dense", "int8+<path>" (prompt rows split
+    # out), "torch" (no kernels), or "none" (no block weights)
+    ops: str  # "native", "torch" or "torch-serial"
+
+
+class FusedStep(NamedTuple):
+    """What the fused decode step takes from the step: the C attention kernel, its entries
+    bound to the caches, and the matmul path of every row."""
+
+    kernel: PagedDecodeKernel
+    entries: BoundStep
+    int8: bool
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What every layer of one step reads: `metadata` (with its attention plans), `ops`, the
+    matmul `rows`, and the fused step's attention entries where the step runs fused."""
+
+    metadata: AttentionMetadata
+    ops: StepOps
+    rows: MatmulRows
+    path: StepPath
+    fused: FusedStep | None = None  # None: the layers run one by one
+
+
+class StepPlanner:
+    """Plans the steps of one model (see the module docstring). `model`: a decoder
+    (`layers`, with `fused_decode`) or any model whose attention plans itself."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype, device: torch.device,
+                 options: PlanOptions = PlanOptions()) -> None:
+        self.options = options
+        self.dtype, self.device = dtype, device
+        self.native_ops = native_ops()
+        self.head_rows = MatmulRows(options.matmul)  # the LM head's: by count alone
+        self._fused: FusedDecode | None = next(
+            (m.fused_decode for m in model.modules() if isinstance(
+                getattr(m, "fused_decode", None), FusedDecode)), None)
+        impls = [m.attn for m in model.modules() if hasattr(m, "attn")
+                 and isinstance(m.attn, TorchAttentionImpl)
+                 and m.attn.attn_type == AttentionType.DECODER]
+        # The distinct (heads, window) of the layers the torch backend plans for.
+        self._layouts = sorted({(i.num_heads, i.sliding_window) for i in impls}, key=repr)
+        has_blocks = any(isinstance(getattr(m, "kernel", None), QuantizedWeight)
+                         for m in model.modules())
+        self._blocks = ("none" if not has_blocks
+                        else "torch" if kernels() is None or dtype != torch.float32
+                        or device.type != "cpu" else "")
+
+    def plan(self, metadata: AttentionMetadata, kv_caches: list[torch.Tensor],
+             is_prompt: np.ndarray | None = None) -> StepPlan:
+        """The step's plan; `is_prompt[t]`: whether token t is a prompt token (None: no
+        token's kind matters)."""
+        num_tokens = metadata.num_actual_tokens
+        ops = ops_for_step(self.device, self.dtype, num_tokens, self.native_ops)
+        rows = self.options.matmul.rows(is_prompt)
+        plans = [AttentionPlan.for_step(metadata, kv_caches[0], heads, window, self.dtype)
+                 for heads, window in self._layouts]
+        native = (plans[0].native_only() if plans and all(p is plans[0] for p in plans)
+                  else None)
+        matmul = self._blocks or _rows_path(rows, num_tokens)
+        fused = None
+        fd = self._fused
+        if (
+            self.options.fused_decode and fd is not None and native is not None
+            and isinstance(ops, NativeOps) and matmul in ("fp32", "int8")
+            and fd.current() is not None
+        ):
+            fused = FusedStep(native.kernel, native.bound(kv_caches[0]), matmul == "int8")
+        path = StepPath(
+            "fused" if fused is not None else "per-op", _attention_path(plans), matmul,
+            "native" if isinstance(ops, NativeOps)
+            else "torch-serial" if isinstance(ops, TorchOps) and ops.serial else "torch",
+        )
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("step of %d tokens: %s", num_tokens, path)
+        return StepPlan(metadata, ops, rows, path, fused)
+
+
+def _rows_path(rows: MatmulRows, num_tokens: int) -> str:
+    path = rows.path(num_tokens)
+    if path is not None:
+        return path
+    assert rows.other is not None
+    return "int8+" + rows.policy.path_for(len(rows.other))
+
+
+def _attention_path(plans: list[AttentionPlan]) -> str:
+    if not plans:
+        return "backend"
+    kernel = [p.native is not None for p in plans]
+    sdpa = [bool(p.decodes or p.prefills or p.groups) for p in plans]
+    if all(kernel) and not any(sdpa):
+        return "kernel"
+    return "kernel+sdpa" if any(kernel) else "sdpa"
