@@ -35,7 +35,7 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import environment, print_table, time_call, write_outputs  # noqa: E402
-from v1.kernels.quant import kernels  # noqa: E402
+from v1.kernels.block_matmul import kernels  # noqa: E402
 from v1.models.layers import quant  # noqa: E402
 from v1.models.layers.linear import PackedWeight  # noqa: E402
 

@@ -22,16 +22,25 @@ from pathlib import Path
 # Source files of csrc/ compiled into every library, with flags of their own.
 SOURCES: dict[str, tuple[str, ...]] = {
     "pool.c": (),
-    "quant.c": (),
+    "layout.c": (),
+    # The kernel table (block_types.h): its rows, its entry points, each type's tuned
+    # kernels and the plain C references.
+    "block_types.c": (),
+    "block_matmul.c": (),
+    "block_q4_1.c": (),
+    "block_q8_0.c": (),
+    "block_ref.c": (),
     # a * b + c rounded twice, as the torch ops it must match bit for bit do.
     "elementwise.c": ("-ffp-contract=off",),
     "paged_decode_f32.c": (),
     "paged_decode_bf16.c": (),
     "paged_decode_f16.c": (),
     # Calls the others' entry points only (no arithmetic of its own to round).
-    "decoder.c": (),
+    "fused_decode_step.c": (),
 }
-HEADERS = ("kernels.h", "kv_rows.h", "paged_decode.h", "pool.h", "v1.h", "vec8.h")
+HEADERS = ("block_tiles.h", "block_types.h", "fused_decode_step.h", "isa.h", "isa_generic.h",
+           "isa_x86.h", "kernels.h", "kv_rows.h", "paged_decode.h", "pool.h", "v1.h", "vec8.h",
+           "vec16.h")
 
 COMMON_FLAGS = ("-std=gnu11", "-fPIC", "-fvisibility=hidden", "-pthread", "-Wall", "-Wextra",
                 "-Wno-psabi")  # psabi: GCC notes that 64-byte vectors pass differently

@@ -42,8 +42,8 @@ from torch.nn.modules.module import (
 
 from v1.attention.backends.abstract import AttentionMetadata
 from v1.attention.backends.torch_plan import AttentionPlan
-from v1.kernels.decoder import DecoderLayers, LayerWeights, fused_decoder
 from v1.kernels.elementwise import NativeOps
+from v1.kernels.fused_step import DecoderLayers, LayerWeights, fused_decoder
 from v1.models.layers.linear import Linear
 from v1.models.layers.ops import StepOps
 from v1.models.layers.quant import QuantizedWeight, path_for_rows

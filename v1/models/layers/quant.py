@@ -102,7 +102,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from v1.kernels.quant import BLOCK_BYTES, QK, QuantBlocks, kernels
+from v1.kernels.block_matmul import BLOCK_BYTES, QK, QuantBlocks, kernels
 from v1.models.layers.onednn import ONEDNN_LINEAR, onednn_linear
 
 # How `linear` multiplies on CPU: "fp32" (blocks dequantized in registers, fp32 activations),
