@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from v1.kernels.library import library
-from v1.kernels.structs import CStruct, View, c_layout, check_layout
+from v1.kernels.structs import CStruct, View, c_layout, check_layout, packer
 
 _F32 = torch.float32
 
@@ -56,6 +56,10 @@ class PagedDecodeIO(CStruct):
                 ("lse", ctypes.c_void_p), ("cache", ctypes.c_void_p), ("scale", ctypes.c_float)]
 
 
+# q, k, v, out (views: data, rows, cols, stride), lse, cache, scale
+_IO = packer(PagedDecodeIO)
+
+
 @dataclass(slots=True)
 class BoundStep:
     """A step's entries checked against caches of one shape (`PagedDecodeKernel.bind`). It
@@ -74,7 +78,7 @@ class PagedDecodeKernel:
     the block table, and stores the step's new K/V first if given."""
 
     def __init__(self, decode: ctypes._CFuncPtr, kv_dtype: torch.dtype) -> None:
-        decode.argtypes = [ctypes.c_void_p, ctypes.POINTER(PagedDecodeIO)]  # (step, io)
+        decode.argtypes = [ctypes.c_void_p, ctypes.c_char_p]  # (step, _IO's bytes)
         decode.restype = None
         self._decode = decode
         self.kv_dtype = kv_dtype
@@ -152,7 +156,8 @@ class PagedDecodeKernel:
         one `t.shape` costs ~0.2 us, and a batch-1 layer's attention ~10.)"""
         self.check_cache(kv_cache, step.cache_shape)
         _, _, _, num_kv_heads, head_dim = step.cache_shape
-        io = PagedDecodeIO(cache=kv_cache.data_ptr(), scale=scale)
+        k = v = q = o = (0, 0, 0, 0)
+        lse_ptr = 0
         if key is not None or value is not None:
             if key is None or value is None:
                 raise ValueError("key and value go together")
@@ -167,8 +172,8 @@ class PagedDecodeKernel:
                                      f"{num_kv_heads}, {head_dim}], got {t.dtype} {list(shape)}")
             key, value = rows_contiguous(key, head_dim), rows_contiguous(value, head_dim)
             width = num_kv_heads * head_dim
-            io.k = View(key.data_ptr(), key.shape[0], width, key.stride(0))
-            io.v = View(value.data_ptr(), value.shape[0], width, value.stride(0))
+            k = (key.data_ptr(), key.shape[0], width, key.stride(0))
+            v = (value.data_ptr(), value.shape[0], width, value.stride(0))
         if query is not None:
             shape = query.shape
             if query.dtype is not _F32 or not query.is_cpu or len(shape) != 3 or (
@@ -192,10 +197,10 @@ class PagedDecodeKernel:
                                  f"{lse.dtype} {list(lse.shape)}")
             query = rows_contiguous(query, head_dim)
             width = shape[1] * head_dim
-            io.q = View(query.data_ptr(), shape[0], width, query.stride(0))
-            io.out = View(out.data_ptr(), shape[0], width, out_strides[0])
-            io.lse = _address(lse)
-        self._decode(step.address, io)
+            q = (query.data_ptr(), shape[0], width, query.stride(0))
+            o = (out.data_ptr(), shape[0], width, out_strides[0])
+            lse_ptr = 0 if lse is None else lse.data_ptr()
+        self._decode(step.address, _IO.pack(*q, *k, *v, *o, lse_ptr, kv_cache.data_ptr(), scale))
 
     def check_cache(self, kv_cache: torch.Tensor, shape: torch.Size) -> None:
         """`kv_cache` contiguous, of this kernel's dtype and of `shape` [2, num_blocks,
@@ -218,10 +223,6 @@ def rows_contiguous(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     if strides[2] != 1 or strides[1] != head_dim:
         return x.contiguous()
     return x
-
-
-def _address(x: torch.Tensor | None) -> int | None:
-    return None if x is None else x.data_ptr()
 
 
 def paged_decode_kernel(

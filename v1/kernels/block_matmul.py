@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from v1.kernels.library import library
-from v1.kernels.structs import CStruct, LayoutError, View, c_layout, check_layout
+from v1.kernels.structs import CStruct, LayoutError, View, c_layout, check_layout, packer
 from v1.kernels.tensors import stamp
 
 # The GGUF formats the torch side implements too (v1.models.layers.quant quantizes and
@@ -39,6 +39,9 @@ class Matmul(CStruct):
     c_name = "v1_matmul"
     _fields_ = [("w", View), ("x", View), ("bias", ctypes.c_void_p), ("out", View),
                 ("type", ctypes.c_int32), ("nthreads", ctypes.c_int32)]
+
+
+_MATMUL = packer(Matmul)  # w, x (views: data, rows, cols, stride), bias, out, type, nthreads
 
 
 def _row_mirror(kernel_count: int) -> type[CStruct]:
@@ -113,7 +116,7 @@ class QuantKernels:
         self._index = {name: i for i, name in enumerate(names)}
         self._reference = int(reference)
         self._run = lib.v1_block_run  # (kernel, reference, struct v1_matmul *)
-        self._run.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p]
+        self._run.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_char_p]  # _MATMUL's
         self._run.restype = ctypes.c_int32
         lib.v1_block_int8_isa.restype = ctypes.c_int32
         self.int8_isa = INT8_ISAS[lib.v1_block_int8_isa()]
@@ -142,9 +145,9 @@ class QuantKernels:
         out = x.new_empty(M, N)  # x's dtype, fp32, whatever torch's default
         if M == 0:
             return out
-        call = Matmul(View(w_ptr, N, K, w.row_bytes), View(x.data_ptr(), M, K, strides[0]),
-                      None if bias is None else bias.data_ptr(), View(out.data_ptr(), M, N, N),
-                      w.code, torch.get_num_threads())
+        call = _MATMUL.pack(w_ptr, N, K, w.row_bytes, x.data_ptr(), M, K, strides[0],
+                            0 if bias is None else bias.data_ptr(), out.data_ptr(), M, N, N,
+                            w.code, torch.get_num_threads())
         self._call("linear_i8" if int8 else "linear_f32", w, call, f"a {M} x {K} matmul")
         return out
 
@@ -152,13 +155,13 @@ class QuantKernels:
         """The weight `w` holds as a new fp32 [N, K]."""
         w_ptr = w.checked(self.types)
         out = torch.empty(w.N, w.K, dtype=torch.float32)
-        call = Matmul(View(w_ptr, w.N, w.K, w.row_bytes), View(), None,
-                      View(out.data_ptr(), w.N, w.K, w.K), w.code, torch.get_num_threads())
+        call = _MATMUL.pack(w_ptr, w.N, w.K, w.row_bytes, 0, 0, 0, 0, 0, out.data_ptr(), w.N,
+                            w.K, w.K, w.code, torch.get_num_threads())
         self._call("dequantize", w, call, f"dequantizing a {w.N} x {w.K} weight")
         return out
 
-    def _call(self, kernel: str, w: "QuantBlocks", call: Matmul, what: str) -> None:
-        status = self._run(self._index[kernel], self._reference, ctypes.addressof(call))
+    def _call(self, kernel: str, w: "QuantBlocks", call: bytes, what: str) -> None:
+        status = self._run(self._index[kernel], self._reference, call)
         if status == -1:
             raise MemoryError(f"no scratch memory for {what}")
         if status:

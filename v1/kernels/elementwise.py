@@ -14,10 +14,11 @@ import functools
 import torch
 
 from v1.kernels.library import library
-from v1.kernels.structs import View, c_layout, check_layout
+from v1.kernels.structs import View, c_layout, check_layout, packer
 from v1.kernels.tensors import stamp
 
 _F32 = torch.float32
+_VIEW = packer(View)  # data, rows, cols, stride
 
 
 class NativeOps:
@@ -27,7 +28,7 @@ class NativeOps:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         check_layout(c_layout(lib), View)
-        p, view = ctypes.c_void_p, ctypes.POINTER(View)
+        p, view = ctypes.c_void_p, ctypes.c_char_p  # views: _VIEW's bytes
         self._norm = lib.v1_rms_norm  # (x or NULL, residual, weight, eps, out)
         self._norm.argtypes = [view, view, p, ctypes.c_float, view]
         self._rope = lib.v1_rope  # (qk [rows, heads * D], D, cos, sin)
@@ -61,9 +62,9 @@ class NativeOps:
         if residual is None:
             residual, x_view, res_strides = x, None, x_strides
         else:
-            x_view = View(x.data_ptr(), rows, n, x_strides[0])
-        self._norm(x_view, View(residual.data_ptr(), rows, n, res_strides[0]), weight.data_ptr(),
-                   eps, View(out.data_ptr(), rows, n, n))
+            x_view = _VIEW.pack(x.data_ptr(), rows, n, x_strides[0])
+        self._norm(x_view, _VIEW.pack(residual.data_ptr(), rows, n, res_strides[0]),
+                   weight.data_ptr(), eps, _VIEW.pack(out.data_ptr(), rows, n, n))
         return out, residual
 
     def rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -88,7 +89,7 @@ class NativeOps:
                     raise ValueError(f"{name} must be contiguous fp32 [{rows}, 1, {head_dim}] "
                                      f"on the CPU, got {table.dtype} {list(table.shape)}")
             self._tables = (cos, sin, stamps)
-        self._rope(View(qk.data_ptr(), rows, heads * head_dim, strides[0]), head_dim,
+        self._rope(_VIEW.pack(qk.data_ptr(), rows, heads * head_dim, strides[0]), head_dim,
                    cos.data_ptr(), sin.data_ptr())
         return qk
 
@@ -99,8 +100,8 @@ class NativeOps:
         if n2 % 2:
             raise ValueError(f"gate_up has {n2} columns: expected gate and up, n each")
         out = gate_up.new_empty(rows, n2 // 2)
-        self._silu_and_mul(View(gate_up.data_ptr(), rows, n2, strides[0]),
-                           View(out.data_ptr(), rows, n2 // 2, n2 // 2))
+        self._silu_and_mul(_VIEW.pack(gate_up.data_ptr(), rows, n2, strides[0]),
+                           _VIEW.pack(out.data_ptr(), rows, n2 // 2, n2 // 2))
         return out
 
 

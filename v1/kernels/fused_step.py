@@ -1,7 +1,8 @@
-"""Bindings of the fused decode step (csrc/fused_decode_step.c), for `v1.models.fused_decode`: every
-layer of a decoder whose step holds only generated tokens' rows, in one C call that runs the
-per-op path's kernels (RMSNorm, block-quantized matmuls, RoPE, the paged decode kernel,
-SiLU-and-mul) in its order, so its results are the same bits.
+"""Bindings of the fused decode step (csrc/fused_decode_step.c), for
+`v1.models.fused_decode`: every layer of a decoder whose step holds only generated tokens'
+rows, in one C call that runs the per-op path's kernels (RMSNorm, the kernel table's
+block-quantized matmuls, RoPE, the paged decode kernel, SiLU-and-mul) in its order, so its
+results are the same bits.
 
 What the C reads is checked here, raising ValueError naming the argument:
 - `DecoderLayers`, built once per set of weights: each layer's norm weights (contiguous fp32

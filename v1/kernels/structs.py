@@ -1,11 +1,13 @@
 """What the bindings share about the C structs: the tensor view entry points take
-(`struct v1_view`), and the check of every ctypes mirror against the layout the library
-reports (`v1_layout`, csrc/layout.c), so that a library whose structs differ from the
-mirrors (built from other headers) is refused with `LayoutError` at bind time instead of
-reading fields where it wrote others."""
+(`struct v1_view`), the check of every ctypes mirror against the layout the library reports
+(`v1_layout`, csrc/layout.c), so that a library whose structs differ from the mirrors (built
+from other headers) is refused with `LayoutError` at bind time instead of reading fields where
+it wrote others, and `packer`: a mirror's bytes in one `struct.pack` (building ctypes objects
+per call cost more than a batch-1 kernel's own checks)."""
 
 import ctypes
 import functools
+import struct
 
 
 class LayoutError(RuntimeError):
@@ -73,3 +75,37 @@ def check_layout(layout: dict[str, dict[str | None, tuple[int, int]]],
                 f"struct {mirror.c_name}: {mirror.__name__} disagrees with the library's layout "
                 f"on {', '.join(diff)} (ours {ours}, the library's {c}): rebuild the library "
                 f"(`make kernels`) or fix the mirror")
+
+
+# struct codes of the field types the mirrors use (a pointer is passed as its address, 0 for
+# NULL).
+_CODES = {ctypes.c_void_p: "Q", ctypes.c_char_p: "Q", ctypes.c_int64: "q",
+          ctypes.c_int32: "i", ctypes.c_float: "f"}
+
+
+def packer(mirror: type[ctypes.Structure]) -> struct.Struct:
+    """A `struct.Struct` that packs `mirror`'s bytes from its fields' values, nested structs'
+    fields in place, in declaration order (padding as the mirror has it): the bytes can be
+    passed where the C takes a `const struct *` (a `c_char_p` argument)."""
+    fmt: list[str] = []
+    end = 0
+
+    def walk(cls: type[ctypes.Structure], base: int) -> None:
+        nonlocal end
+        for name, ctype, *_ in cls._fields_:
+            offset = base + getattr(cls, name).offset
+            if offset > end:
+                fmt.append(f"{offset - end}x")
+                end = offset
+            if issubclass(ctype, ctypes.Structure):
+                walk(ctype, offset)
+                continue
+            fmt.append(_CODES[ctype])
+            end += ctypes.sizeof(ctype)
+
+    walk(mirror, 0)
+    if ctypes.sizeof(mirror) > end:
+        fmt.append(f"{ctypes.sizeof(mirror) - end}x")
+    packed = struct.Struct("=" + "".join(fmt))
+    assert packed.size == ctypes.sizeof(mirror), (mirror, packed.format)
+    return packed

@@ -50,10 +50,9 @@ _V3 = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave",
        "cx16", "lahf_lm", "popcnt", "pni", "sse4_1", "sse4_2", "ssse3")
 _V4 = (*_V3, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni")
 
-# Tuning (not the instruction set): the machines the kernels were written on are AMD Zen 3
-# and 4, where they used to be built with -march=native. With GCC's generic (or haswell)
-# tuning the int8 path ran 1.4-1.5x slower on a Zen 3, the fp32 path up to 1.2x; znver3 or
-# skylake tuning matched the native build (bench/bench_kernel_variants.py).
+# Tuning (not the instruction set): GCC's generic tuning ran the kernels markedly slower than
+# a -march=native build on the machines they were written on; znver3 matched it
+# (docs/kernels.md).
 _TUNE = "-mtune=znver3"
 
 # name -> (compiler flags, CPU flags required), best first, per architecture.

@@ -423,12 +423,9 @@ static inline __attribute__((always_inline)) void tile_i8_few(
     /* The weight side of a block (its scales' gather, its columns) depends on nothing
        computed, but issued in the block it serves, its latency held up that block's dot
        products and float recurrence. So a block's scales are gathered one block ahead, and
-       q4_1's columns too while the registers allow (4 vectors more beside 2 MF of sums).
-       On the 2-core Sapphire Rapids VM, one thread, against both in their block: scales
-       ahead 0.87-0.93x the time at 2-16 rows; q4_1's columns ahead as well 0.8-0.9x more at
-       1-8 rows, 1.03-1.06x at 13-16 (spills); q8_0's 8 column vectors ahead made the LM head
-       (memory-bound at 1-2 rows) 1.1-1.3x slower there. The last block "gathers ahead" its
-       own scales again (pn = p): nothing is read past the weight. */
+       its columns too where the format asks (BT_COLS_AHEAD) and the registers allow (4
+       vectors more beside 2 MF of sums): docs/kernels.md has the figures. The last block
+       "gathers ahead" its own scales again (pn = p): nothing is read past the weight. */
     const int HALVES = BT_HALVES, AHEAD = BT_COLS_AHEAD && 2 * MF + 8 <= 28;
     v16 acc[FEW_ROWS_MAX];
     for (int m = 0; m < MF; m++) acc[m] = (v16){0};
@@ -449,8 +446,8 @@ static inline __attribute__((always_inline)) void tile_i8_few(
             columns4(w + pn + bt_qs(h), rb, cols_next[h]);
         }
         /* The tile's rows are one run of 16 rb bytes, read at 16 bytes per block: the
-           prefetches run through it at that pace, into the next tiles (4 PREFETCH ahead: in the
-           30 layers + head of bench/bench_quant_kernels.py, 0.8x the time of PREFETCH ahead). */
+           prefetches run through it at that pace, into the next tiles (4 PREFETCH ahead, which
+           beat PREFETCH ahead: docs/kernels.md). */
         for (int64_t i = 0; i < LANES * bytes; i += 64)
             __builtin_prefetch(w + LANES * p + i + 4 * PREFETCH);
         /* CH chains of dot products per row, added at the end (exactly): with one, a row's
