@@ -152,8 +152,7 @@ class PagedDecodeKernel:
         """Attend the step's entries (query [T, H, D] fp32 into out, same shape, and lse
         [T, H] if given; query None: none), after storing key / value (fp32 [n, KVH, D],
         n >= the step's slots) at the step's slots if given: in one call, as a layer's call
-        costs more than its work at batch 1. (Each shape is read once: on a loaded machine
-        one `t.shape` costs ~0.2 us, and a batch-1 layer's attention ~10.)"""
+        costs more than its work at batch 1. (Each shape is read once: docs/kernels.md.)"""
         self.check_cache(kv_cache, step.cache_shape)
         _, _, _, num_kv_heads, head_dim = step.cache_shape
         k = v = q = o = (0, 0, 0, 0)

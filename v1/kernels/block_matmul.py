@@ -171,9 +171,8 @@ class QuantKernels:
 class QuantBlocks:
     """A weight's blocks as the kernels take them: uint8 [N, K / block elems * block bytes],
     contiguous, on the CPU. Checked when first used and again whenever the tensor may have
-    changed in place since (`tensors.stamp`), not on every call: a batch-1 matmul is ~20 us,
-    and the checks were a tenth of it. The tensor is held, so its memory stays the kernels'
-    to read."""
+    changed in place since (`tensors.stamp`), not on every call (the checks were a tenth of
+    a batch-1 matmul). The tensor is held, so its memory stays the kernels' to read."""
 
     __slots__ = ("kind", "tensor", "N", "K", "code", "row_bytes", "_stamp")
 
