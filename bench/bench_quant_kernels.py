@@ -36,7 +36,7 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import environment, print_table, time_call, write_outputs  # noqa: E402
 from v1 import envs  # noqa: E402
-from v1.kernels.quant import kernels  # noqa: E402
+from v1.kernels.block_matmul import kernels  # noqa: E402
 from v1.models.layers import quantized as quant  # noqa: E402
 from v1.models.layers.linear import PackedWeight  # noqa: E402
 

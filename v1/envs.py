@@ -105,6 +105,8 @@ VARIABLES: tuple[Variable, ...] = (
              "compiled-grammar cache size in MiB (vLLM's variable; 0 keeps nothing)"),
 )
 
+_BY_FIELD = {var.field: var for var in VARIABLES}
+
 
 @dataclass(frozen=True, slots=True)
 class Environment:
@@ -131,6 +133,15 @@ def read(environ: Mapping[str, str] | None = None) -> Environment:
         raw = env.get(var.name)
         values[var.field] = var.parse(var.name, var.default if raw is None else raw)
     return Environment(**values)
+
+
+def value(field: str, environ: Mapping[str, str] | None = None) -> Any:
+    """One variable of `read()`'s (by its `Environment` field) parsed alone, for a caller that
+    looks it up often: the kernel library's loader, which follows V1_CPU_KERNELS as it is
+    now (tests switch it) at a microsecond a look, where `read()` parses every variable."""
+    var = _BY_FIELD[field]
+    raw = (os.environ if environ is None else environ).get(var.name)
+    return var.parse(var.name, var.default if raw is None else raw)
 
 
 def table() -> str:

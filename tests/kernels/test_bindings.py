@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from v1.kernels.attention import paged_decode_kernel
+from v1.kernels.block_matmul import QuantBlocks, kernels
 from v1.kernels.elementwise import native_ops
 from v1.kernels.library import library
-from v1.kernels.quant import QuantBlocks, kernels
 from v1.models.layers.quantized import QuantizedWeight
 
 pytestmark = pytest.mark.skipif(library() is None, reason="no C kernels")

@@ -1,4 +1,4 @@
-"""The fused decode step (v1.models.fused_decode, csrc/decoder.c): the same bits as the
+"""The fused decode step (v1.models.fused_decode, csrc/fused_decode_step.c): the same bits as the
 per-op path on the real default model (GGUF blocks), the same greedy tokens through LLM,
 the per-op path wherever a step does not qualify, and ValueError for bad arguments."""
 
@@ -12,9 +12,9 @@ from tests.worker.test_model import Chunk, new_kv_caches, step_inputs
 from v1 import LLM, SamplingParams
 from v1.attention.backends.torch_attn import TorchAttentionImpl
 from v1.attention.backends.torch_plan import AttentionPlan
-from v1.kernels import decoder as kernels_decoder
+from v1.kernels import fused_step as kernels_fused_step
 from v1.kernels.attention import paged_decode_kernel
-from v1.kernels.decoder import DecoderLayers, LayerWeights, Projection, fused_decoder
+from v1.kernels.fused_step import DecoderLayers, LayerWeights, Projection, fused_decoder
 from v1.lora.layers import LinearWithLoRA, LoRABatch
 from v1.models.layers.quantized import DEFAULT_POLICY, MatmulPolicy
 from v1.models.loader import load_model
@@ -35,13 +35,13 @@ def gguf_model(default_model_path):
 def fused_calls(monkeypatch) -> list[int]:
     """Counts the fused C calls (one element per call)."""
     calls: list[int] = []
-    call = kernels_decoder.FusedDecoder.__call__
+    call = kernels_fused_step.FusedDecoder.__call__
 
     def spy(self, *args, **kwargs):
         calls.append(1)
         return call(self, *args, **kwargs)
 
-    monkeypatch.setattr(kernels_decoder.FusedDecoder, "__call__", spy)
+    monkeypatch.setattr(kernels_fused_step.FusedDecoder, "__call__", spy)
     return calls
 
 

@@ -16,7 +16,7 @@ import torch
 
 from v1 import envs
 from v1.kernels import library
-from v1.kernels.quant import QuantBlocks, QuantKernels, kernels
+from v1.kernels.block_matmul import QuantBlocks, QuantKernels, kernels
 from v1.models.layers import quantized as quant
 from v1.models.layers.quantized import MatmulPolicy, QuantizedWeight
 
@@ -228,7 +228,7 @@ def test_strided_and_batched_input() -> None:
     close(q.linear(ld, path="fp32"), ld @ q.dequantize().T, ld, q.dequantize())
 
 
-# The integer dot product each variant's int8 path compiles to (see quant.c's INT8_ISA).
+# The integer dot product each variant's int8 path compiles to (see csrc/isa.h's INT8_ISA).
 VARIANT_INT8_ISA = {"x86_64_v4": "avx512_vnni", "x86_64_v3": "avx2", "portable": "portable"}
 
 

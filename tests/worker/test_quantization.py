@@ -30,7 +30,7 @@ from tests.worker.test_quant_kernels import fp32_kernel_calls  # noqa: F401 (fix
 from v1 import LLM, SamplingParams
 from v1.attention.backends.torch_attn import TorchAttentionImpl
 from v1.config import EngineArgs
-from v1.kernels.quant import QuantKernels
+from v1.kernels.block_matmul import QuantKernels
 from v1.models import loader as loader_module
 from v1.models.layers.linear import Linear
 from v1.models.layers.quantized import MatmulPolicy, QuantizedWeight

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from v1.kernels.library import library
+from v1.kernels.structs import CStruct, View, c_layout, check_layout, packer
 
 _F32 = torch.float32
 
@@ -30,10 +31,12 @@ KV_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 MAX_HEAD_FLOATS = 64 * 128
 
 
-class DecodeStep(ctypes.Structure):
-    """`struct decode_step` (csrc/kv_rows.h): what every layer's call of a step shares,
-    passed by address (converting it per call, as ctypes arguments, was most of what a
-    batch-1 call cost)."""
+class PagedDecodeStep(CStruct):
+    """`struct paged_decode_step` (csrc/kernels.h): what every layer's call of a step
+    shares, passed by address (converting it per call, as ctypes arguments, was most of what
+    a batch-1 call cost)."""
+
+    c_name = "paged_decode_step"
 
     _fields_ = [
         ("table", ctypes.c_void_p), ("table_row", ctypes.c_int64),
@@ -45,12 +48,24 @@ class DecodeStep(ctypes.Structure):
     ]
 
 
+class PagedDecodeIO(CStruct):
+    """`struct paged_decode_io` (csrc/kernels.h): one layer's call."""
+
+    c_name = "paged_decode_io"
+    _fields_ = [("q", View), ("k", View), ("v", View), ("out", View),
+                ("lse", ctypes.c_void_p), ("cache", ctypes.c_void_p), ("scale", ctypes.c_float)]
+
+
+# q, k, v, out (views: data, rows, cols, stride), lse, cache, scale
+_IO = packer(PagedDecodeIO)
+
+
 @dataclass(slots=True)
 class BoundStep:
     """A step's entries checked against caches of one shape (`PagedDecodeKernel.bind`). It
     keeps the tensors the struct points into alive."""
 
-    struct: DecodeStep
+    struct: PagedDecodeStep
     address: int
     cache_shape: torch.Size
     tensors: tuple[torch.Tensor, ...]
@@ -63,8 +78,7 @@ class PagedDecodeKernel:
     the block table, and stores the step's new K/V first if given."""
 
     def __init__(self, decode: ctypes._CFuncPtr, kv_dtype: torch.dtype) -> None:
-        ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        decode.argtypes = [ptr, ptr, i64, i64, ptr, i64, ptr, i64, ptr, f32, ptr, i64, ptr]
+        decode.argtypes = [ctypes.c_void_p, ctypes.c_char_p]  # (step, _IO's bytes)
         decode.restype = None
         self._decode = decode
         self.kv_dtype = kv_dtype
@@ -122,7 +136,7 @@ class PagedDecodeKernel:
                     raise ValueError(f"block id {t_lo if t_lo < 0 else t_hi} is outside the "
                                      f"cache's {num_blocks} blocks")
             max_token = hi[1]
-        struct = DecodeStep(
+        struct = PagedDecodeStep(
             table.data_ptr(), table.stride(0), table_rows.data_ptr(), tokens.data_ptr(),
             start.data_ptr(), end.data_ptr(), max(n, 0), slots.data_ptr(), slots.shape[0],
             num_kv_heads, head_dim, block_size, kv_cache[0].numel(), torch.get_num_threads(),
@@ -138,11 +152,11 @@ class PagedDecodeKernel:
         """Attend the step's entries (query [T, H, D] fp32 into out, same shape, and lse
         [T, H] if given; query None: none), after storing key / value (fp32 [n, KVH, D],
         n >= the step's slots) at the step's slots if given: in one call, as a layer's call
-        costs more than its work at batch 1. (Each shape is read once: on a loaded machine
-        one `t.shape` costs ~0.2 us, and a batch-1 layer's attention ~10.)"""
+        costs more than its work at batch 1. (Each shape is read once: docs/kernels.md.)"""
         self.check_cache(kv_cache, step.cache_shape)
         _, _, _, num_kv_heads, head_dim = step.cache_shape
-        k_row = v_row = 0
+        k = v = q = o = (0, 0, 0, 0)
+        lse_ptr = 0
         if key is not None or value is not None:
             if key is None or value is None:
                 raise ValueError("key and value go together")
@@ -156,8 +170,9 @@ class PagedDecodeKernel:
                     raise ValueError(f"{name} must be fp32 [>= {step.num_slots}, "
                                      f"{num_kv_heads}, {head_dim}], got {t.dtype} {list(shape)}")
             key, value = rows_contiguous(key, head_dim), rows_contiguous(value, head_dim)
-            k_row, v_row = key.stride(0), value.stride(0)
-        num_heads = q_row = out_row = 0
+            width = num_kv_heads * head_dim
+            k = (key.data_ptr(), key.shape[0], width, key.stride(0))
+            v = (value.data_ptr(), value.shape[0], width, value.stride(0))
         if query is not None:
             shape = query.shape
             if query.dtype is not _F32 or not query.is_cpu or len(shape) != 3 or (
@@ -180,13 +195,11 @@ class PagedDecodeKernel:
                 raise ValueError(f"lse must be contiguous fp32 {list(shape[:2])}, got "
                                  f"{lse.dtype} {list(lse.shape)}")
             query = rows_contiguous(query, head_dim)
-            num_heads, q_row, out_row = shape[1], query.stride(0), out_strides[0]
-        self._decode(
-            step.address, _address(query), q_row, num_heads, _address(key), k_row,
-            _address(value), v_row, kv_cache.data_ptr(), scale,
-            _address(out) if query is not None else None, out_row,
-            _address(lse) if query is not None else None,
-        )
+            width = shape[1] * head_dim
+            q = (query.data_ptr(), shape[0], width, query.stride(0))
+            o = (out.data_ptr(), shape[0], width, out_strides[0])
+            lse_ptr = 0 if lse is None else lse.data_ptr()
+        self._decode(step.address, _IO.pack(*q, *k, *v, *o, lse_ptr, kv_cache.data_ptr(), scale))
 
     def check_cache(self, kv_cache: torch.Tensor, shape: torch.Size) -> None:
         """`kv_cache` contiguous, of this kernel's dtype and of `shape` [2, num_blocks,
@@ -209,10 +222,6 @@ def rows_contiguous(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     if strides[2] != 1 or strides[1] != head_dim:
         return x.contiguous()
     return x
-
-
-def _address(x: torch.Tensor | None) -> int | None:
-    return None if x is None else x.data_ptr()
 
 
 def paged_decode_kernel(
@@ -240,4 +249,7 @@ def paged_decode_kernel(
 def _bind(lib: ctypes.CDLL, kv_dtype: torch.dtype) -> PagedDecodeKernel | None:
     """None where the library lacks this dtype's kernel (fp16 without F16C)."""
     decode = getattr(lib, f"v1_paged_decode_{KV_DTYPES[kv_dtype]}", None)
-    return None if decode is None else PagedDecodeKernel(decode, kv_dtype)
+    if decode is None:
+        return None
+    check_layout(c_layout(lib), View, PagedDecodeStep, PagedDecodeIO)
+    return PagedDecodeKernel(decode, kv_dtype)

@@ -14,9 +14,11 @@ import functools
 import torch
 
 from v1.kernels.library import library
+from v1.kernels.structs import View, c_layout, check_layout, packer
 from v1.kernels.tensors import stamp
 
 _F32 = torch.float32
+_VIEW = packer(View)  # data, rows, cols, stride
 
 
 class NativeOps:
@@ -25,13 +27,14 @@ class NativeOps:
     __slots__ = ("_norm", "_rope", "_silu_and_mul", "_tables")
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        self._norm = lib.v1_rms_norm
-        self._norm.argtypes = [p, i64, p, i64, p, f32, p, i64, i64, i64]
-        self._rope = lib.v1_rope
-        self._rope.argtypes = [p, i64, i64, i64, p, p, i64]
-        self._silu_and_mul = lib.v1_silu_and_mul
-        self._silu_and_mul.argtypes = [p, i64, p, i64, i64, i64]
+        check_layout(c_layout(lib), View)
+        p, view = ctypes.c_void_p, ctypes.c_char_p  # views: _VIEW's bytes
+        self._norm = lib.v1_rms_norm  # (x or NULL, residual, weight, eps, out)
+        self._norm.argtypes = [view, view, p, ctypes.c_float, view]
+        self._rope = lib.v1_rope  # (qk [rows, heads * D], D, cos, sin)
+        self._rope.argtypes = [view, ctypes.c_int64, p, p]
+        self._silu_and_mul = lib.v1_silu_and_mul  # (gate_up, out)
+        self._silu_and_mul.argtypes = [view, view]
         for fn in (self._norm, self._rope, self._silu_and_mul):
             fn.restype = None
         # The last rope tables checked: (cos, sin, (their stamps, the qk shape)), held.
@@ -57,11 +60,11 @@ class NativeOps:
                              f"{weight.dtype} {list(weight.shape)} on {weight.device}")
         out = x.new_empty(rows, n)  # x's dtype, fp32, whatever torch's default
         if residual is None:
-            residual, x_ptr, x_row, res_strides = x, None, 0, x_strides
+            residual, x_view, res_strides = x, None, x_strides
         else:
-            x_ptr, x_row = x.data_ptr(), x_strides[0]
-        self._norm(x_ptr, x_row, residual.data_ptr(), res_strides[0], weight.data_ptr(), eps,
-                   out.data_ptr(), n, rows, n)
+            x_view = _VIEW.pack(x.data_ptr(), rows, n, x_strides[0])
+        self._norm(x_view, _VIEW.pack(residual.data_ptr(), rows, n, res_strides[0]),
+                   weight.data_ptr(), eps, _VIEW.pack(out.data_ptr(), rows, n, n))
         return out, residual
 
     def rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -86,8 +89,8 @@ class NativeOps:
                     raise ValueError(f"{name} must be contiguous fp32 [{rows}, 1, {head_dim}] "
                                      f"on the CPU, got {table.dtype} {list(table.shape)}")
             self._tables = (cos, sin, stamps)
-        self._rope(qk.data_ptr(), strides[0], heads, head_dim, cos.data_ptr(), sin.data_ptr(),
-                   rows)
+        self._rope(_VIEW.pack(qk.data_ptr(), rows, heads * head_dim, strides[0]), head_dim,
+                   cos.data_ptr(), sin.data_ptr())
         return qk
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -97,8 +100,8 @@ class NativeOps:
         if n2 % 2:
             raise ValueError(f"gate_up has {n2} columns: expected gate and up, n each")
         out = gate_up.new_empty(rows, n2 // 2)
-        self._silu_and_mul(gate_up.data_ptr(), strides[0], out.data_ptr(), n2 // 2, rows,
-                           n2 // 2)
+        self._silu_and_mul(_VIEW.pack(gate_up.data_ptr(), rows, n2, strides[0]),
+                           _VIEW.pack(out.data_ptr(), rows, n2 // 2, n2 // 2))
         return out
 
 

@@ -6,7 +6,8 @@ a whole ELF file (a truncated one would fault at load); after, it must say it wa
 the C sources beside it (`v1_sources_hash`: an editable install whose C changed since gets a
 warning to rebuild, not a library whose functions take other arguments).
 
-V1_CPU_KERNELS, read on every call (tests switch it):
+`library(setting)`: the setting's library; None means V1_CPU_KERNELS as the environment holds
+it at the call (`v1.envs`; tests switch it):
   unset, 1, on     the best variant this CPU runs (variants.py), the next one if it is missing
   0, off           none: every caller takes its torch path
   native, asan     the -march=native build, or the best sanitizer build (see setup.py)
@@ -21,6 +22,7 @@ import platform
 import threading
 from pathlib import Path
 
+from v1 import envs
 from v1.kernels import variants
 
 logger = logging.getLogger("v1")
@@ -36,11 +38,14 @@ _loaded: dict[str, ctypes.CDLL | None] = {}  # by setting
 _sources_hash: str | None = None
 
 
-def library() -> ctypes.CDLL | None:
-    """The kernels for V1_CPU_KERNELS (see the module docstring), or None: switched off, or
-    no variant could be loaded (then one WARNING, once per setting, says why and what it
-    costs)."""
-    setting = os.environ.get("V1_CPU_KERNELS", "").strip().lower()
+def library(setting: str | None = None) -> ctypes.CDLL | None:
+    """The kernels for `setting` (a V1_CPU_KERNELS value, see the module docstring; None: the
+    environment's), or None: switched off, or no variant could be loaded (then one WARNING,
+    once per setting, says why and what it costs)."""
+    if setting is None:
+        setting = envs.value("cpu_kernels")
+    else:
+        setting = setting.strip().lower()
     if setting in _OFF:
         return None
     lib = _loaded.get(setting, False)

@@ -5,11 +5,11 @@ Every variant is one shared library, `v1/kernels/_v1_<variant>.so`, holding ever
 (one worker pool for all of them). On x86-64 the build makes three, the way llama.cpp's
 GGML_CPU_ALL_VARIANTS does, and the loader takes the best one whose CPU flags
 (`/proc/cpuinfo`) this machine has:
-- x86_64_v4: AVX-512 (F, BW, CD, DQ, VL) and AVX-512 VNNI: the quant kernels' tiles are sized
+- x86_64_v4: AVX-512 (F, BW, CD, DQ, VL) and AVX-512 VNNI: the block kernels' tiles are sized
   for its 32 registers of 16 floats and the int8 path's dot product is vpdpbusd;
 - x86_64_v3: AVX2, FMA, F16C (Haswell and Zen 1 on; also AVX-512 CPUs without VNNI);
 - portable: the architecture's baseline (x86-64: SSE2; no fp16 KV-cache kernel), -O2: at -O3
-  GCC spends minutes on the quant kernels' 64-byte vectors split into SSE registers.
+  GCC spends minutes on the block kernels' 64-byte vectors split into SSE registers.
 Elsewhere only "portable" is built. Two more are built on request, never chosen by
 themselves: "native" (`-march=native`, for development: `make kernels-native`, then
 V1_CPU_KERNELS=native) and the sanitizer builds `<variant>_asan` (AddressSanitizer +
@@ -22,16 +22,25 @@ from pathlib import Path
 # Source files of csrc/ compiled into every library, with flags of their own.
 SOURCES: dict[str, tuple[str, ...]] = {
     "pool.c": (),
-    "quant.c": (),
+    "layout.c": (),
+    # The kernel table (block_types.h): its rows, its entry points, each type's tuned
+    # kernels and the plain C references.
+    "block_types.c": (),
+    "block_matmul.c": (),
+    "block_q4_1.c": (),
+    "block_q8_0.c": (),
+    "block_ref.c": (),
     # a * b + c rounded twice, as the torch ops it must match bit for bit do.
     "elementwise.c": ("-ffp-contract=off",),
     "paged_decode_f32.c": (),
     "paged_decode_bf16.c": (),
     "paged_decode_f16.c": (),
     # Calls the others' entry points only (no arithmetic of its own to round).
-    "decoder.c": (),
+    "fused_decode_step.c": (),
 }
-HEADERS = ("kernels.h", "kv_rows.h", "paged_decode.h", "pool.h", "v1.h", "vec8.h")
+HEADERS = ("block_tiles.h", "block_types.h", "fused_decode_step.h", "isa.h", "isa_generic.h",
+           "isa_x86.h", "kernels.h", "kv_rows.h", "paged_decode.h", "pool.h", "v1.h", "vec8.h",
+           "vec16.h")
 
 COMMON_FLAGS = ("-std=gnu11", "-fPIC", "-fvisibility=hidden", "-pthread", "-Wall", "-Wextra",
                 "-Wno-psabi")  # psabi: GCC notes that 64-byte vectors pass differently
@@ -41,10 +50,9 @@ _V3 = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave",
        "cx16", "lahf_lm", "popcnt", "pni", "sse4_1", "sse4_2", "ssse3")
 _V4 = (*_V3, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni")
 
-# Tuning (not the instruction set): the machines the kernels were written on are AMD Zen 3
-# and 4, where they used to be built with -march=native. With GCC's generic (or haswell)
-# tuning the int8 path ran 1.4-1.5x slower on a Zen 3, the fp32 path up to 1.2x; znver3 or
-# skylake tuning matched the native build (bench/bench_kernel_variants.py).
+# Tuning (not the instruction set): GCC's generic tuning ran the kernels markedly slower than
+# a -march=native build on the machines they were written on; znver3 matched it
+# (docs/kernels.md).
 _TUNE = "-mtune=znver3"
 
 # name -> (compiler flags, CPU flags required), best first, per architecture.

@@ -23,7 +23,7 @@ from torch import nn
 
 from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata, AttentionType
 from v1.attention.backends.torch_attn import TorchAttentionImpl
-from v1.kernels.decoder import LayerWeights, Projection
+from v1.kernels.fused_step import LayerWeights, Projection
 from v1.models.fused_decode import FusedDecode
 from v1.models.layers.attention import Attention
 from v1.models.layers.linear import Linear, VocabEmbedding

@@ -1,4 +1,4 @@
-"""The decoder layers of a decode step as one C call (`v1.kernels.decoder`), computing bit for
+"""The decoder layers of a decode step as one C call (`v1.kernels.fused_step`), computing bit for
 bit what the per-op path computes: the same kernels, in the same order, on the same shapes.
 
 Whether the layers can run fused is decided once, when the weights are loaded (`replan`), and
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from v1.kernels.attention import BoundStep, PagedDecodeKernel
-from v1.kernels.decoder import DecoderLayers, FusedDecoder, LayerWeights, fused_decoder
+from v1.kernels.fused_step import DecoderLayers, FusedDecoder, LayerWeights, fused_decoder
 from v1.models.layers.linear import Linear
 from v1.models.layers.quantized import QuantizedWeight
 

@@ -37,7 +37,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
 from v1 import envs, hub
 from v1.attention.backends.abstract import AttentionImpl
 from v1.config import NO_QUANTIZATION, QUANTIZATION_METHODS
-from v1.kernels.quant import kernels as quant_kernels
+from v1.kernels.block_matmul import kernels as quant_kernels
 from v1.models import DecoderForCausalLM, get_model_cls, gguf_conversion
 from v1.models.bert import BertModel
 

@@ -22,8 +22,8 @@ from v1.attention.backends.torch_attn import TorchAttentionImpl
 from v1.attention.backends.torch_plan import AttentionPlan
 from v1.envs import Environment
 from v1.kernels.attention import BoundStep, PagedDecodeKernel
+from v1.kernels.block_matmul import kernels
 from v1.kernels.elementwise import NativeOps, native_ops
-from v1.kernels.quant import kernels
 from v1.models.fused_decode import FusedDecode
 from v1.models.layers.ops import StepOps, TorchOps, ops_for_step
 from v1.models.layers.quantized import DEFAULT_POLICY, MatmulPolicy, MatmulRows, QuantizedWeight

@@ -1,6 +1,7 @@
-/* The entry points that another kernel calls too (decoder.c runs a decoder layer's ops in
-   one call): declared once here and included where they are defined, so that the compiler
-   checks that the definitions and the calls agree. */
+/* The entry points that another kernel calls too (fused_decode_step.c runs a decoder layer's
+   ops in one call), and the structs they take: declared once here and included where they
+   are defined, so that the compiler checks that the definitions and the calls agree. The
+   block matmuls are reached through the kernel table (block_types.h). */
 #ifndef V1_KERNELS_H
 #define V1_KERNELS_H
 
@@ -8,39 +9,53 @@
 
 #include <stdint.h>
 
-struct decode_step;  /* kv_rows.h */
+/* elementwise.c: fp32 rows, each contiguous, their views' strides apart. */
+/* h = res + x (stored back into res; x NULL: h = res), out = w * (h / rms(h)); [rows, n]. */
+V1_API void v1_rms_norm(const struct v1_view *x, const struct v1_view *res, const float *w,
+                        float eps, const struct v1_view *out);
+/* x [rows, heads * D] rotated in place by the RoPE tables cos, sin [rows, D]. */
+V1_API void v1_rope(const struct v1_view *x, int64_t D, const float *cos, const float *sin);
+/* out [rows, n] = silu(gate) * up, gate_up [rows, 2n] = [gate | up]. */
+V1_API void v1_silu_and_mul(const struct v1_view *gate_up, const struct v1_view *out);
 
-/* elementwise.c */
-V1_API void v1_rms_norm(const float *x, int64_t x_row, float *res, int64_t res_row,
-                        const float *w, float eps, float *out, int64_t out_row, int64_t rows,
-                        int64_t n);
-V1_API void v1_rope(float *x, int64_t x_row, int64_t heads, int64_t D, const float *cos,
-                    const float *sin, int64_t rows);
-V1_API void v1_silu_and_mul(const float *gate_up, int64_t in_row, float *out, int64_t out_row,
-                            int64_t rows, int64_t n);
+/* What the plan fixes for every layer of a step's paged decode (`PagedDecodeStep` mirrors
+   it): the kernel's entries, the step's slots, the shapes. */
+struct paged_decode_step {
+    const int32_t *table;       /* [num_reqs, table_row], the step's block table */
+    int64_t table_row;
+    const int64_t *table_rows;  /* per entry: its request's row of the table */
+    const int64_t *tok;         /* per entry: its query row */
+    const int64_t *start;       /* per entry: the key positions [start, end) it attends to */
+    const int64_t *end;
+    int64_t R;                  /* entries */
+    const int64_t *slots;       /* per new token: its flat cache slot; < 0: padding */
+    int64_t num_slots;
+    int64_t KVH, D, B;
+    int64_t half;               /* elements in one cache half: V = K + half */
+    int64_t nthreads;           /* threads for the entries (torch's thread count) */
+};
 
-/* quant.c: y[M, N] = x[M, K] @ W[N, K].T (+ bias); 0, or -1 without scratch memory. */
-V1_API int32_t v1_q_linear_f32(int32_t kind, const uint8_t *w, int64_t N, int64_t K,
-                               const float *x, int64_t ldx, int64_t M, const float *bias,
-                               float *y, int64_t ldy, int32_t nthreads);
-V1_API int32_t v1_q_linear_i8(int32_t kind, const uint8_t *w, int64_t N, int64_t K,
-                              const float *x, int64_t ldx, int64_t M, const float *bias,
-                              float *y, int64_t ldy, int32_t nthreads);
+/* One layer's call of the paged decode kernel (`PagedDecodeIO` mirrors it): q [T, H D]
+   (data NULL: store only), k, v [n, KVH D] (data NULL: nothing to store), out [T, H D] and
+   lse [T, H] (NULL: not wanted) fp32, the layer's cache [2, num_blocks, B, KVH, D] in the
+   kernel's dtype, the scores' scale. Row strides in floats; H = q.cols / D. */
+struct paged_decode_io {
+    struct v1_view q, k, v, out;
+    float *lse;
+    void *cache;
+    float scale;
+};
 
 /* paged_decode_*.c (paged_decode.h); fp16 only where the compiler targets F16C. */
-V1_API void v1_paged_decode_f32(const struct decode_step *step, const float *q, int64_t q_row,
-                                int64_t H, const float *k_new, int64_t k_row,
-                                const float *v_new, int64_t v_row, float *cache, float scale,
-                                float *out, int64_t out_row, float *lse);
-V1_API void v1_paged_decode_bf16(const struct decode_step *step, const float *q,
-                                 int64_t q_row, int64_t H, const float *k_new, int64_t k_row,
-                                 const float *v_new, int64_t v_row, uint16_t *cache,
-                                 float scale, float *out, int64_t out_row, float *lse);
+typedef void (*v1_paged_decode_fn)(const struct paged_decode_step *step,
+                                   const struct paged_decode_io *io);
+V1_API void v1_paged_decode_f32(const struct paged_decode_step *step,
+                                const struct paged_decode_io *io);
+V1_API void v1_paged_decode_bf16(const struct paged_decode_step *step,
+                                 const struct paged_decode_io *io);
 #ifdef __F16C__
-V1_API void v1_paged_decode_f16(const struct decode_step *step, const float *q, int64_t q_row,
-                                int64_t H, const float *k_new, int64_t k_row,
-                                const float *v_new, int64_t v_row, uint16_t *cache,
-                                float scale, float *out, int64_t out_row, float *lse);
+V1_API void v1_paged_decode_f16(const struct paged_decode_step *step,
+                                const struct paged_decode_io *io);
 #endif
 
 #endif

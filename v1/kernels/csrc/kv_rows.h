@@ -1,6 +1,5 @@
 /* What the paged decode kernel's variants share (see paged_decode.h): reading a K/V row of
-   each cache dtype as fp32 (row_*), storing fp32 rows into it (store_*), and the arguments
-   that the plan fixes for every layer of a step (struct decode_step). */
+   each cache dtype as fp32 (row_*) and storing fp32 rows into it (store_*). */
 #ifndef V1_KV_ROWS_H
 #define V1_KV_ROWS_H
 
@@ -71,22 +70,5 @@ static inline void store_f16(uint16_t *dst, const float *src, int64_t n) {
     }
 }
 #endif
-
-/* What the plan fixes for every layer of a step (`_DecodeStep` mirrors it): the kernel's
-   entries, the step's slots, the shapes. */
-struct decode_step {
-    const int32_t *table;       /* [num_reqs, table_row], the step's block table */
-    int64_t table_row;
-    const int64_t *table_rows;  /* per entry: its request's row of the table */
-    const int64_t *tok;         /* per entry: its query row */
-    const int64_t *start;       /* per entry: the key positions [start, end) it attends to */
-    const int64_t *end;
-    int64_t R;                  /* entries */
-    const int64_t *slots;       /* per new token: its flat cache slot; < 0: padding */
-    int64_t num_slots;
-    int64_t KVH, D, B;
-    int64_t half;               /* elements in one cache half: V = K + half */
-    int64_t nthreads;           /* threads for the entries (torch's thread count) */
-};
 
 #endif

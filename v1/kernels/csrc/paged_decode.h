@@ -17,7 +17,7 @@
    values contiguous) into slot step->slots[i] of the cache [2, num_blocks, B, KVH, D],
    converted once into its dtype. Serial: a step writes a few rows per layer, and parallel
    regions cost more than that to start. */
-static void kv_write(const struct decode_step *step, const float *k, int64_t k_row,
+static void kv_write(const struct paged_decode_step *step, const float *k, int64_t k_row,
                      const float *v, int64_t v_row, KV_T *cache) {
     const int64_t row = step->KVH * step->D;
     for (int64_t i = 0; i < step->num_slots; i++) {
@@ -36,8 +36,9 @@ static void kv_write(const struct decode_step *step, const float *k, int64_t k_r
    out[tok[r] * out_row + h * D + d]              the output (fp32)
    lse[tok[r] * H + h] (if lse is not NULL)       logsumexp of the scaled scores
 
-   (all but q, H, the cache, out and lse from the step's `struct decode_step`; with k_new,
-   kv_write stores the step's K/V first; without q, that is all.)
+   (q, out, lse, the cache and the scale from `struct paged_decode_io`, the rest from the
+   step's `struct paged_decode_step`; with k, kv_write stores the step's K/V first; without
+   q, that is all.)
 
    Query head h reads kv head h / (H / KVH). An entry's keys are cut into parts of PART_KEYS
    from its start (the last shorter); within a part, its keys go chunk by chunk (TMAX keys),
@@ -72,14 +73,14 @@ static inline int64_t group_rows(int64_t H, int64_t D) {
 }
 
 /* Entry r's parts: its keys cut into PART_KEYS from its start (an empty entry has one). */
-static inline int64_t entry_parts(const struct decode_step *step, int64_t r) {
+static inline int64_t entry_parts(const struct paged_decode_step *step, int64_t r) {
     const int64_t keys = step->end[r] - step->start[r];
     return keys <= PART_KEYS ? 1 : (keys + PART_KEYS - 1) / PART_KEYS;
 }
 
 /* One call's arguments, for the pool's range function. */
 struct decode_call {
-    const struct decode_step *step;
+    const struct paged_decode_step *step;
     const float *q;
     int64_t q_row, H;
     const KV_T *k, *v;
@@ -193,7 +194,7 @@ static void softmax_step(float *s, int64_t n, float *m, float *l, v8 *acc, int64
    acc[(i H + h) NV + v] (unnormalised), from m = -FLT_MAX, l = 0, acc = 0. */
 static void attend_group(const struct decode_call *c, const int64_t *rows, const int64_t *ends,
                          int64_t g, int64_t t_begin, float *m, float *l, v8 *acc) {
-    const struct decode_step *step = c->step;
+    const struct paged_decode_step *step = c->step;
     const int64_t H = c->H, KVH = step->KVH, D = step->D, B = step->B;
     const int64_t G = H / KVH, NV = D / 8, row = KVH * D;
     const KV_T *k = c->k, *v = c->v;
@@ -290,7 +291,7 @@ static void finish(const struct decode_call *c, int64_t r, const float *m, const
 
 static void decode_tasks(void *ctx, int64_t t0, int64_t t1, int thread) {
     const struct decode_call *c = ctx;
-    const struct decode_step *step = c->step;
+    const struct paged_decode_step *step = c->step;
     const int64_t H = c->H, NV = step->D / 8, gmax = group_rows(H, step->D);
     (void)thread;
     for (int64_t t = t0; t < t1; t++) {
@@ -353,15 +354,16 @@ static void merge_parts(const struct decode_call *c, int64_t r, int64_t parts) {
     finish(c, r, m, l, acc);
 }
 
-V1_API void PAGED_DECODE(const struct decode_step *step, const float *q, int64_t q_row,
-                         int64_t H, const float *k_new, int64_t k_row, const float *v_new,
-                         int64_t v_row, KV_T *cache, float scale, float *out, int64_t out_row,
-                         float *lse) {
-    if (k_new) kv_write(step, k_new, k_row, v_new, v_row, cache);
-    if (!q || step->R == 0) return;
-    struct decode_call c = {.step = step, .q = q, .q_row = q_row, .H = H, .k = cache,
-                            .v = cache + step->half, .scale = scale, .out = out,
-                            .out_row = out_row, .lse = lse};
+V1_API void PAGED_DECODE(const struct paged_decode_step *step,
+                         const struct paged_decode_io *io) {
+    KV_T *cache = io->cache;
+    if (io->k.data)
+        kv_write(step, io->k.data, io->k.stride, io->v.data, io->v.stride, cache);
+    if (!io->q.data || step->R == 0) return;
+    const int64_t H = io->q.cols / step->D;
+    struct decode_call c = {.step = step, .q = io->q.data, .q_row = io->q.stride, .H = H,
+                            .k = cache, .v = cache + step->half, .scale = io->scale,
+                            .out = io->out.data, .out_row = io->out.stride, .lse = io->lse};
     const int64_t R = step->R, gmax = group_rows(H, step->D);
     /* Scratch: at most R groups and as many tasks as parts, partial slots for the entries of
        several parts. */

@@ -5,7 +5,7 @@ A `QuantizedWeight` keeps a weight's blocks bit-exact in the GGUF/ggml layout, o
 blocks per output row, so fused projections are plain tensor indexing and `torch.cat` on
 `blocks`. `quantize` rounds as ggml does; `dequantize` computes what gguf's dequantizers do.
 
-`linear(x, bias, path)` on CPU with fp32 activations runs the C kernels (`v1.kernels.quant`);
+`linear(x, bias, path)` on CPU with fp32 activations runs the C kernels (`v1.kernels.block_matmul`);
 otherwise (no kernels, other devices or dtypes, path "torch") the reference, dequantize then
 F.linear. Paths (`PATHS`):
 - "int8": activations quantized per block of 32 (q8_0 rounding), integer dot products. A
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from v1.envs import Environment
-from v1.kernels.quant import BLOCK_BYTES, QK, QuantBlocks, kernels
+from v1.kernels.block_matmul import BLOCK_BYTES, QK, QuantBlocks, kernels
 from v1.models.layers.onednn import ONEDNN_LINEAR, onednn_linear
 
 PATHS = ("fp32", "int8", "dense", "torch")

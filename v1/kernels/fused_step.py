@@ -1,7 +1,8 @@
-"""Bindings of the fused decode step (csrc/decoder.c), for `v1.models.fused_decode`: every
-layer of a decoder whose step holds only generated tokens' rows, in one C call that runs the
-per-op path's kernels (RMSNorm, block-quantized matmuls, RoPE, the paged decode kernel,
-SiLU-and-mul) in its order, so its results are the same bits.
+"""Bindings of the fused decode step (csrc/fused_decode_step.c), for
+`v1.models.fused_decode`: every layer of a decoder whose step holds only generated tokens'
+rows, in one C call that runs the per-op path's kernels (RMSNorm, the kernel table's
+block-quantized matmuls, RoPE, the paged decode kernel, SiLU-and-mul) in its order, so its
+results are the same bits.
 
 What the C reads is checked here, raising ValueError naming the argument:
 - `DecoderLayers`, built once per set of weights: each layer's norm weights (contiguous fp32
@@ -25,12 +26,13 @@ from dataclasses import dataclass
 import torch
 
 from v1.kernels.attention import KV_DTYPES, MAX_HEAD_FLOATS, BoundStep, PagedDecodeKernel
+from v1.kernels.block_matmul import QuantBlocks, block_types
 from v1.kernels.library import library
-from v1.kernels.quant import QuantBlocks
+from v1.kernels.structs import CStruct, c_layout, check_layout
 from v1.kernels.tensors import stamp
 
 _F32 = torch.float32
-# The cache dtype codes of decoder.c (its KV_F32, KV_BF16, KV_F16).
+# The cache dtype codes of fused_decode_step.c (its paged_decode kernels' order).
 KV_CODES = {dtype: code for code, dtype in enumerate(KV_DTYPES)}
 
 
@@ -58,13 +60,13 @@ class LayerWeights:
     down: Projection
 
 
-class _Proj(ctypes.Structure):
-    _fields_ = [("w", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("kind", ctypes.c_int32)]
+class _Proj(CStruct):
+    c_name = "decoder_proj"
+    _fields_ = [("w", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("type", ctypes.c_int32)]
 
 
-class _Layer(ctypes.Structure):
-    """`struct decoder_layer`."""
-
+class _Layer(CStruct):
+    c_name = "decoder_layer"
     _fields_ = [
         ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
         ("input_eps", ctypes.c_float), ("post_eps", ctypes.c_float), ("scale", ctypes.c_float),
@@ -72,25 +74,36 @@ class _Layer(ctypes.Structure):
     ]
 
 
-class _Dims(ctypes.Structure):
-    """`struct decoder_dims`."""
-
+class _Dims(CStruct):
+    c_name = "decoder_dims"
     _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "H", "KVH", "D", "I")]
 
 
-class _Scratch(ctypes.Structure):
-    """`struct decoder_scratch`."""
-
+class _Scratch(CStruct):
+    c_name = "decoder_scratch"
     _fields_ = [(name, ctypes.c_void_p) for name in ("x", "qkv", "attn", "h", "gate_up", "act")]
 
 
+class _Call(CStruct):
+    c_name = "fused_step_call"
+    _fields_ = [
+        ("layers", ctypes.c_void_p), ("num_layers", ctypes.c_int64), ("dims", ctypes.c_void_p),
+        ("T", ctypes.c_int64), ("residual", ctypes.c_void_p), ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p), ("step", ctypes.c_void_p), ("kv_caches", ctypes.c_void_p),
+        ("scratch", ctypes.c_void_p), ("kv_dtype", ctypes.c_int32), ("int8", ctypes.c_int32),
+        ("nthreads", ctypes.c_int32),
+    ]
+
+
 class DecoderLayers:
-    """The layers as decoder.c reads them (an array of `struct decoder_layer`), checked once,
-    with what its calls reuse: the scratch buffers, the caches last checked. Holds every
-    tensor it points into."""
+    """The layers as fused_decode_step.c reads them (an array of `struct decoder_layer`),
+    checked once against the kernel table of `lib` (default: this process's library), with
+    what its calls reuse: the scratch buffers, the caches last checked. Holds every tensor it
+    points into."""
 
     def __init__(
-        self, layers: Sequence[LayerWeights], num_heads: int, num_kv_heads: int, head_dim: int
+        self, layers: Sequence[LayerWeights], num_heads: int, num_kv_heads: int, head_dim: int,
+        lib: ctypes.CDLL | None = None,
     ) -> None:
         if not layers:
             raise ValueError("layers: expected at least one layer")
@@ -100,8 +113,12 @@ class DecoderLayers:
         ):
             raise ValueError(f"heads: {num_heads} query heads, {num_kv_heads} kv heads of "
                              f"{head_dim} (a multiple of 8) do not fit the decode kernel")
+        lib = library() if lib is None else lib
+        if lib is None:
+            raise ValueError("no kernel library: the fused decode step needs one")
+        types = block_types(lib)
         first = layers[0]
-        first.qkv.blocks.checked(), first.down.blocks.checked()  # their N and K, checked
+        first.qkv.blocks.checked(types), first.down.blocks.checked(types)  # their N and K
         hidden, inter = first.qkv.blocks.K, first.down.blocks.K
         q_size = num_heads * head_dim
         # (N, K) of each projection.
@@ -113,13 +130,16 @@ class DecoderLayers:
             projs = {}
             for name, (n, k) in shapes.items():
                 proj: Projection = getattr(layer, name)
-                w = proj.blocks.checked()
+                w = proj.blocks.checked(types)
                 if (proj.blocks.N, proj.blocks.K) != (n, k):
                     raise ValueError(f"layers[{i}].{name}: weight [{proj.blocks.N}, "
                                      f"{proj.blocks.K}], expected [{n}, {k}]")
                 self._tensors.append(proj.blocks.tensor)
                 if proj.bias is not None:
                     self._vector(f"layers[{i}].{name}.bias", proj.bias, n)
+                if not {"linear_f32", "linear_i8"} <= types[proj.blocks.kind].kernels:
+                    raise ValueError(f"layers[{i}].{name}: {proj.blocks.kind} blocks lack a "
+                                     f"linear kernel in this library")
                 projs[name] = _Proj(w, None if proj.bias is None else proj.bias.data_ptr(),
                                     proj.blocks.code)
             self._vector(f"layers[{i}].input_norm", layer.input_norm, hidden)
@@ -179,13 +199,13 @@ class DecoderLayers:
 
 
 class FusedDecoder:
-    """`v1_decoder_decode` of one library."""
+    """`v1_fused_decode_step` of one library."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
-        self._fn = lib.v1_decoder_decode
-        self._fn.argtypes = [p, i64, p, i64, p, p, p, p, p, i32, p, i32, i32]
-        self._fn.restype = i32
+        check_layout(c_layout(lib), _Proj, _Layer, _Dims, _Scratch, _Call)
+        self._fn = lib.v1_fused_decode_step
+        self._fn.argtypes = [ctypes.POINTER(_Call)]
+        self._fn.restype = ctypes.c_int32
 
     def __call__(
         self, layers: DecoderLayers, hidden: torch.Tensor, cos: torch.Tensor,
@@ -223,12 +243,12 @@ class FusedDecoder:
                              f"{dims.KVH} kv heads of {dims.D} and at most {rows} rows")
         caches = layers.caches(kv_caches, cache_shape, kernel)
         h = layers.scratch_for(rows)
-        status = self._fn(
+        status = self._fn(_Call(
             ctypes.addressof(layers.array), layers.num_layers, ctypes.addressof(dims), rows,
-            hidden.data_ptr(), cos.data_ptr(), sin.data_ptr(), step.address, caches,
-            KV_CODES[kernel.kv_dtype], ctypes.addressof(layers.scratch), int8,
-            torch.get_num_threads(),
-        )
+            hidden.data_ptr(), cos.data_ptr(), sin.data_ptr(), step.address,
+            ctypes.addressof(caches), ctypes.addressof(layers.scratch),
+            KV_CODES[kernel.kv_dtype], int8, torch.get_num_threads(),
+        ))
         if status == -1:
             raise MemoryError(f"no scratch memory for a {rows}-row decode step's matmuls")
         if status:

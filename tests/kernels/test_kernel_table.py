@@ -1,0 +1,137 @@
+"""The kernel table (csrc/block_types.h) and the structs the entry points take: the bindings'
+ctypes mirrors match the C layouts (a mirror that does not is refused), the bindings take
+each weight type's block layout and kernels from the C table, and every tuned kernel agrees
+with its plain C reference (the int8 path bit for bit) in every variant this CPU runs."""
+
+import ctypes
+import dataclasses
+import platform
+
+import pytest
+import torch
+
+from v1.kernels import block_matmul, fused_step, library
+from v1.kernels.attention import PagedDecodeIO, PagedDecodeStep
+from v1.kernels.block_matmul import (
+    BLOCK_BYTES,
+    QK,
+    Matmul,
+    QuantBlocks,
+    QuantKernels,
+    block_types,
+    kernels,
+)
+from v1.kernels.structs import CStruct, LayoutError, View, c_layout, check_layout
+from v1.models.layers.quantized import QuantizedWeight
+
+pytestmark = pytest.mark.skipif(library.library() is None, reason="no C kernels")
+
+MIRRORS = (View, Matmul, PagedDecodeStep, PagedDecodeIO, fused_step._Proj, fused_step._Layer,
+           fused_step._Dims, fused_step._Scratch, fused_step._Call)
+
+
+def variants() -> list[ctypes.CDLL]:
+    names = library.candidates("", platform.machine(), library.cpu_flags())
+    libs = [library.load_variant(name) for name in names]
+    return [lib for lib in libs if not isinstance(lib, str)]
+
+
+@pytest.mark.parametrize("lib", variants(), ids=lambda lib: lib._name.rsplit("/", 1)[-1])
+def test_every_mirror_matches_its_struct(lib: ctypes.CDLL) -> None:
+    layout = c_layout(lib)
+    table_row = block_matmul._row_mirror(len(block_matmul._table(lib)[1]))
+    check_layout(layout, *MIRRORS, table_row)
+    # Every struct the C describes has its mirror here, and each mirror is what it names.
+    assert set(layout) == {m.c_name for m in (*MIRRORS, table_row)}
+    assert layout["v1_matmul"]["w"] == (0, ctypes.sizeof(View))
+
+
+def test_a_mirror_that_disagrees_is_refused() -> None:
+    layout = c_layout(library.library())
+
+    class Swapped(CStruct):  # rows and cols swapped: same size, other offsets
+        c_name = "v1_view"
+        _fields_ = [("data", ctypes.c_void_p), ("cols", ctypes.c_int64),
+                    ("rows", ctypes.c_int64), ("stride", ctypes.c_int64)]
+
+    class Narrow(CStruct):  # an int32 where the C has an int64
+        c_name = "v1_view"
+        _fields_ = [("data", ctypes.c_void_p), ("rows", ctypes.c_int32),
+                    ("cols", ctypes.c_int64), ("stride", ctypes.c_int64)]
+
+    class Missing(CStruct):  # a field short
+        c_name = "v1_view"
+        _fields_ = [("data", ctypes.c_void_p), ("rows", ctypes.c_int64),
+                    ("cols", ctypes.c_int64)]
+
+    class Unknown(CStruct):
+        c_name = "v1_no_such_struct"
+        _fields_ = [("data", ctypes.c_void_p)]
+
+    for mirror in (Swapped, Narrow, Missing):
+        with pytest.raises(LayoutError, match="struct v1_view"):
+            check_layout(layout, mirror)
+    with pytest.raises(LayoutError, match="no struct v1_no_such_struct"):
+        check_layout(layout, Unknown)
+    # The library's side moved: a field at another offset than the mirror's.
+    moved = {**layout, "v1_matmul": {**layout["v1_matmul"], "type": (4, 4)}}
+    with pytest.raises(LayoutError, match="v1_matmul.*type"):
+        check_layout(moved, Matmul)
+
+
+def test_the_bindings_read_the_table() -> None:
+    lib = library.library()
+    q = kernels(lib)
+    types = block_types(lib)
+    assert q.types is types
+    # The C's rows, in its order: GGUF's layouts, every kernel, tuned and reference.
+    assert list(types) == ["q4_1", "q8_0"]
+    for code, (name, t) in enumerate(types.items()):
+        assert (t.name, t.code, t.block_elems, t.block_bytes) == (name, code, QK,
+                                                                  BLOCK_BYTES[name])
+        assert t.kernels == t.reference == {"linear_f32", "linear_i8", "dequantize"}
+    # A weight's shape is read through its row: other block bytes, another K.
+    blocks = torch.zeros(3, 40, dtype=torch.uint8)
+    w = QuantBlocks("q4_1", blocks)
+    w.checked(types)
+    assert (w.N, w.K, w.code, w.row_bytes) == (3, 64, 0, 40)
+    other = {"q4_1": dataclasses.replace(types["q4_1"], block_bytes=10, block_elems=16)}
+    w = QuantBlocks("q4_1", blocks)
+    w.checked(other)
+    assert (w.N, w.K) == (3, 64)  # 4 blocks of 10 bytes, 16 values each
+    with pytest.raises(ValueError, match="not one of"):
+        QuantBlocks("q8_0", blocks).checked(other)
+
+
+def _weights(kind: str, n: int, k: int, gen: torch.Generator) -> QuantBlocks:
+    return QuantBlocks(kind, QuantizedWeight.quantize(torch.randn(n, k, generator=gen),
+                                                      kind).blocks)
+
+
+@pytest.mark.parametrize("lib", variants(), ids=lambda lib: lib._name.rsplit("/", 1)[-1])
+def test_tuned_kernels_match_their_reference(lib: ctypes.CDLL) -> None:
+    tuned, reference = kernels(lib), QuantKernels(lib, reference=True)
+    gen = torch.Generator().manual_seed(0)
+    for kind in block_types(lib):
+        for n, k in ((1, 32), (17, 64), (33, 96)):
+            w = _weights(kind, n, k, gen)
+            deq = reference.dequantize(w)
+            torch.testing.assert_close(tuned.dequantize(w), deq, rtol=1e-6, atol=1e-6)
+            for m in (1, 3, 5, 16, 17, 40):
+                x, bias = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
+                # The int8 path: the same bits, whichever tile serves the rows.
+                assert torch.equal(tuned.linear(w, x, bias, int8=True),
+                                   reference.linear(w, x, bias, int8=True)), (kind, n, k, m)
+                torch.testing.assert_close(tuned.linear(w, x, None),
+                                           reference.linear(w, x, None), rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(reference.linear(w, x, bias), x @ deq.T + bias,
+                                           rtol=1e-4, atol=1e-4)
+
+
+def test_library_takes_an_explicit_setting(monkeypatch) -> None:
+    monkeypatch.setenv("V1_CPU_KERNELS", "0")
+    assert library.library() is None
+    assert library.library(" OFF ") is None
+    assert library.library("1") is not None  # the argument, not the environment
+    monkeypatch.setenv("V1_CPU_KERNELS", "1")
+    assert library.library() is library.library("1")

@@ -1,0 +1,135 @@
+/* The reference kernels of the table: plain C, one value at a time, as the GGUF formats
+   define the arithmetic. They are what a tuned kernel is tested against (the int8 path
+   bit for bit, the fp32 one within rounding) and what a new type's row can start with. */
+#include "block_types.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { QK = 32 };
+
+/* A block read as integers: x_j = d q_j + m. */
+struct block_ints {
+    float d, m;
+    int32_t q[QK];
+};
+
+/* IEEE half at p as float (no ISA: F16C converts the same). */
+static float half(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, man = h & 0x3ff;
+    if (e == 0) {
+        const float f = (float)man * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    const uint32_t bits = sign | (e == 0x1f ? 0x7f800000u : (e + 112) << 23) | (man << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static void read_q4_1(const uint8_t *p, struct block_ints *b) {
+    b->d = half(p);
+    b->m = half(p + 2);
+    for (int j = 0; j < QK / 2; j++) {
+        b->q[j] = p[4 + j] & 15;
+        b->q[j + QK / 2] = p[4 + j] >> 4;
+    }
+}
+
+static void read_q8_0(const uint8_t *p, struct block_ints *b) {
+    b->d = half(p);
+    b->m = 0.f;
+    for (int j = 0; j < QK; j++) b->q[j] = (int8_t)p[2 + j];
+}
+
+typedef void (*block_reader)(const uint8_t *p, struct block_ints *b);
+
+static const uint8_t *block_at(const struct v1_matmul *c, int64_t n, int64_t b, int bytes) {
+    return (const uint8_t *)c->w.data + n * c->w.stride + b * bytes;
+}
+
+static int32_t dequantize(const struct v1_matmul *c, block_reader read, int bytes) {
+    const int64_t K = c->w.cols;
+    for (int64_t n = 0; n < c->w.rows; n++)
+        for (int64_t b = 0; b < K / QK; b++) {
+            struct block_ints blk;
+            read(block_at(c, n, b, bytes), &blk);
+            float *o = (float *)c->out.data + n * c->out.stride + b * QK;
+            for (int j = 0; j < QK; j++) o[j] = blk.d * (float)blk.q[j] + blk.m;
+        }
+    return 0;
+}
+
+static int32_t linear_f32(const struct v1_matmul *c, block_reader read, int bytes) {
+    const int64_t K = c->w.cols;
+    for (int64_t m = 0; m < c->x.rows; m++) {
+        const float *x = (const float *)c->x.data + m * c->x.stride;
+        float *y = (float *)c->out.data + m * c->out.stride;
+        for (int64_t n = 0; n < c->w.rows; n++) {
+            float acc = 0.f;
+            for (int64_t b = 0; b < K / QK; b++) {
+                struct block_ints blk;
+                read(block_at(c, n, b, bytes), &blk);
+                for (int j = 0; j < QK; j++) acc += (blk.d * (float)blk.q[j] + blk.m) * x[b * QK + j];
+            }
+            y[n] = acc + (c->bias ? c->bias[n] : 0.f);
+        }
+    }
+    return 0;
+}
+
+/* The int8 path's definition: per block of 32 activations, dx = max|x| / 127,
+   q = roundf(x / dx) (as x * (1 / dx)), then per (row, weight row), over the blocks in order,
+   acc = fma(q . qw, dx d, fma(dx sum(q), m, acc)) (m = 0 without a min: the inner fma is then
+   acc exactly); y = acc + bias. A row holding inf or NaN takes linear_f32. */
+static int32_t linear_i8(const struct v1_matmul *c, block_reader read, int bytes) {
+    const int64_t K = c->w.cols;
+    for (int64_t m = 0; m < c->x.rows; m++) {
+        const float *x = (const float *)c->x.data + m * c->x.stride;
+        float *y = (float *)c->out.data + m * c->out.stride;
+        int finite = 1;
+        for (int64_t k = 0; k < K; k++) finite &= isfinite(x[k]) != 0;
+        if (!finite) {
+            struct v1_matmul row = *c;
+            row.x.data = (void *)x;
+            row.x.rows = row.out.rows = 1;
+            row.out.data = y;
+            linear_f32(&row, read, bytes);
+            continue;
+        }
+        for (int64_t n = 0; n < c->w.rows; n++) {
+            float acc = 0.f;
+            for (int64_t b = 0; b < K / QK; b++) {
+                const float *xb = x + b * QK;
+                float amax = 0.f;
+                for (int j = 0; j < QK; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
+                const float dx = amax / 127.f, id = dx > 0.f ? 1.f / dx : 0.f;
+                int32_t qx[QK], sum = 0;
+                for (int j = 0; j < QK; j++) sum += qx[j] = (int32_t)roundf(xb[j] * id);
+                struct block_ints blk;
+                read(block_at(c, n, b, bytes), &blk);
+                int32_t isum = 0;
+                for (int j = 0; j < QK; j++) isum += blk.q[j] * qx[j];
+                acc = fmaf((float)isum, dx * blk.d, fmaf(dx * (float)sum, blk.m, acc));
+            }
+            y[n] = acc + (c->bias ? c->bias[n] : 0.f);
+        }
+    }
+    return 0;
+}
+
+#define REFERENCE(TYPE, BYTES)                                                              \
+    int32_t ref_##TYPE##_linear_f32(const struct v1_matmul *c) {                           \
+        return linear_f32(c, read_##TYPE, BYTES);                                          \
+    }                                                                                      \
+    int32_t ref_##TYPE##_linear_i8(const struct v1_matmul *c) {                            \
+        return linear_i8(c, read_##TYPE, BYTES);                                           \
+    }                                                                                      \
+    int32_t ref_##TYPE##_dequantize(const struct v1_matmul *c) {                           \
+        return dequantize(c, read_##TYPE, BYTES);                                          \
+    }
+REFERENCE(q4_1, 20)
+REFERENCE(q8_0, 34)

@@ -1,0 +1,58 @@
+/* The kernel table: per weight type, its block layout and its kernels (tuned for this
+   build's ISA, and a plain C reference of each), the one description of the block formats
+   that the C dispatch (block_matmul.c, fused_decode_step.c) and the Python bindings
+   (v1/kernels/block_matmul.py, which reads it through v1_block_types) both go by. Adding a
+   weight type is adding its kernel functions and a row in block_types.c; docs/kernels.md
+   says how. */
+#ifndef V1_BLOCK_TYPES_H
+#define V1_BLOCK_TYPES_H
+
+#include "v1.h"
+
+#include <stdint.h>
+
+/* One call of a block kernel. w: the weight's blocks, rows N, cols K (values, a multiple of
+   the type's block_elems), stride the bytes per row (K / block_elems * block_bytes);
+   x: fp32 activations [M, K] (stride in floats); bias: fp32 [N] or NULL; out: fp32 [M, N]
+   (stride in floats). dequantize reads w and writes out [N, K] (x, bias unused). */
+struct v1_matmul {
+    struct v1_view w, x;
+    const float *bias;
+    struct v1_view out;
+    int32_t type;      /* the row of the table */
+    int32_t nthreads;  /* the worker pool's threads for this call (pool.h) */
+};
+
+/* 0; -1 when scratch memory cannot be had. */
+typedef int32_t (*v1_block_kernel)(const struct v1_matmul *call);
+
+/* The kernels a type may have: out = x @ W.T (+ bias) through fp32 activations, through
+   activations quantized to int8 per block (the same bits for a row whatever M and whichever
+   variant: see block_tiles.h), and W itself as fp32. */
+enum { V1_LINEAR_F32 = 0, V1_LINEAR_I8 = 1, V1_DEQUANTIZE = 2, V1_KERNEL_COUNT = 3 };
+
+struct v1_block_type {
+    const char *name;                          /* GGUF's name of the type */
+    int32_t block_elems, block_bytes;          /* values per block, bytes per block */
+    v1_block_kernel kernels[V1_KERNEL_COUNT];  /* tuned; NULL: none */
+    v1_block_kernel reference[V1_KERNEL_COUNT];/* plain C (block_ref.c); NULL: none */
+};
+
+extern const struct v1_block_type v1_block_table[];
+extern const int32_t v1_block_table_size;
+
+/* The kernels of each type: block_<type>.c (tuned), block_ref.c (reference). */
+int32_t block_q4_1_linear_f32(const struct v1_matmul *call);
+int32_t block_q4_1_linear_i8(const struct v1_matmul *call);
+int32_t block_q4_1_dequantize(const struct v1_matmul *call);
+int32_t block_q8_0_linear_f32(const struct v1_matmul *call);
+int32_t block_q8_0_linear_i8(const struct v1_matmul *call);
+int32_t block_q8_0_dequantize(const struct v1_matmul *call);
+int32_t ref_q4_1_linear_f32(const struct v1_matmul *call);
+int32_t ref_q4_1_linear_i8(const struct v1_matmul *call);
+int32_t ref_q4_1_dequantize(const struct v1_matmul *call);
+int32_t ref_q8_0_linear_f32(const struct v1_matmul *call);
+int32_t ref_q8_0_linear_i8(const struct v1_matmul *call);
+int32_t ref_q8_0_dequantize(const struct v1_matmul *call);
+
+#endif

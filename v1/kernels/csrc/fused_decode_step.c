@@ -1,0 +1,84 @@
+/* Every decoder layer of an all-decode step in one call: the ops of
+   v1.models.decoder.PreNormDecoderLayer (pre-norm, silu-gated MLP, no q/k norms, one RoPE
+   table, block-quantized projections), each through the same kernel the per-op path calls
+   from Python, in the same order and on the same shapes, so the results are the same bits.
+   At batch 1 a layer is ~10 calls of a few to ~25 us each, and the Python around them costs
+   about as much again; here it is paid once per step. The bindings
+   (v1/kernels/fused_step.py) check everything below before the call. */
+#include "fused_decode_step.h"
+#include "block_types.h"
+#include "kernels.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* The paged decode kernels by cache dtype code: f32, bf16, f16 (none without F16C). */
+static const v1_paged_decode_fn paged_decode[] = {
+    v1_paged_decode_f32,
+    v1_paged_decode_bf16,
+#ifdef __F16C__
+    v1_paged_decode_f16,
+#else
+    NULL,
+#endif
+};
+enum { KV_DTYPES = sizeof paged_decode / sizeof paged_decode[0] };
+
+static struct v1_view rows(void *data, int64_t T, int64_t cols) {
+    return (struct v1_view){.data = data, .rows = T, .cols = cols, .stride = cols};
+}
+
+/* out [T, N] = x [T, K] @ p's weight.T (+ bias), by its type's kernel: 0, -1 without scratch
+   memory, -3 where the type has no such kernel. */
+static int32_t project(const struct decoder_proj *p, int32_t kernel, float *x, int64_t K,
+                       float *out, int64_t N, const struct fused_step_call *c) {
+    const struct v1_block_type *t = &v1_block_table[p->type];
+    const v1_block_kernel fn = t->kernels[kernel];
+    if (!fn) return -3;
+    const struct v1_matmul m = {
+        .w = {.data = (void *)p->w, .rows = N, .cols = K,
+              .stride = K / t->block_elems * t->block_bytes},
+        .x = rows(x, c->T, K), .bias = p->bias, .out = rows(out, c->T, N),
+        .type = p->type, .nthreads = c->nthreads};
+    return fn(&m);
+}
+
+/* 0; -1 when a matmul had no scratch memory, -3 when a projection's type lacks the kernel
+   (the layers before it are done: the caller gives up on the step); -2 for a cache dtype
+   this build has no kernel for (nothing done). */
+V1_API int32_t v1_fused_decode_step(const struct fused_step_call *c) {
+    if (c->kv_dtype < 0 || c->kv_dtype >= KV_DTYPES || !paged_decode[c->kv_dtype]) return -2;
+    const v1_paged_decode_fn decode = paged_decode[c->kv_dtype];
+    const struct decoder_scratch *s = c->scratch;
+    const int64_t n = c->dims->hidden, H = c->dims->H, KVH = c->dims->KVH, D = c->dims->D;
+    const int64_t I = c->dims->I, T = c->T, nqkv = (H + 2 * KVH) * D;
+    const int32_t kernel = c->int8 ? V1_LINEAR_I8 : V1_LINEAR_F32;
+    const struct v1_view residual = rows(c->residual, T, n), x = rows(s->x, T, n);
+    const struct v1_view h = rows(s->h, T, n);
+    const struct v1_view gate_up = rows(s->gate_up, T, 2 * I), act = rows(s->act, T, I);
+    /* q | k | v as views of qkv: rows nqkv apart. */
+    const struct v1_view q = {s->qkv, T, H * D, nqkv}, k = {s->qkv + H * D, T, KVH * D, nqkv};
+    const struct v1_view v = {s->qkv + (H + KVH) * D, T, KVH * D, nqkv};
+    const struct v1_view q_and_k = {s->qkv, T, (H + KVH) * D, nqkv};
+    int32_t status;
+    for (int64_t l = 0; l < c->num_layers; l++) {
+        const struct decoder_layer *y = c->layers + l;
+        /* Attention: x = norm(residual += h) (the first layer: norm(residual)), q | k | v,
+           RoPE on q and k in place, the kernel stores k and v and attends, o_proj. */
+        v1_rms_norm(l ? &h : NULL, &residual, y->input_norm, y->input_eps, &x);
+        if ((status = project(&y->qkv, kernel, s->x, n, s->qkv, nqkv, c))) return status;
+        v1_rope(&q_and_k, D, c->cos, c->sin);
+        const struct paged_decode_io io = {.q = q, .k = k, .v = v,
+                                           .out = rows(s->attn, T, H * D),
+                                           .cache = c->kv_caches[l], .scale = y->scale};
+        decode(c->step, &io);
+        if ((status = project(&y->o, kernel, s->attn, H * D, s->h, n, c))) return status;
+        /* MLP: x = norm(residual += h), down(silu(gate) * up). */
+        v1_rms_norm(&h, &residual, y->post_norm, y->post_eps, &x);
+        if ((status = project(&y->gate_up, kernel, s->x, n, s->gate_up, 2 * I, c)))
+            return status;
+        v1_silu_and_mul(&gate_up, &act);
+        if ((status = project(&y->down, kernel, s->act, I, s->h, n, c))) return status;
+    }
+    return 0;
+}

@@ -1,0 +1,57 @@
+/* The fused decode step's structs (fused_decode_step.c; fused_step.py mirrors them). */
+#ifndef V1_FUSED_DECODE_STEP_H
+#define V1_FUSED_DECODE_STEP_H
+
+#include "kernels.h"
+
+#include <stdint.h>
+
+/* One projection: its blocks [N, K / block_elems * block_bytes] of the kernel table's row
+   `type`, its bias [N] or NULL. */
+struct decoder_proj {
+    const uint8_t *w;
+    const float *bias;
+    int32_t type;
+};
+
+/* One layer (`LayerStruct` mirrors it): its norms' weights [hidden] and eps, its
+   projections, its attention's score scale. */
+struct decoder_layer {
+    const float *input_norm, *post_norm;
+    float input_eps, post_eps, scale;
+    struct decoder_proj qkv, o, gate_up, down;
+};
+
+/* The shapes every layer shares. */
+struct decoder_dims {
+    int64_t hidden, H, KVH, D, I;
+};
+
+/* Per-step buffers of T rows each (row strides: their widths): x [hidden] a norm's output,
+   qkv [(H + 2 KVH) D], attn [H D], h [hidden] a block's output (o_proj's, then down's),
+   gate_up [2 I], act [I]. */
+struct decoder_scratch {
+    float *x, *qkv, *attn, *h, *gate_up, *act;
+};
+
+/* One call: the layers on T rows. `residual` [T, hidden] holds the embeddings on entry and
+   the residual stream before the last layer's block output on return; that output is left in
+   scratch->h (the caller's final norm adds the two). cos, sin [T, D] per row (the RoPE
+   tables), `step` the paged decode kernel's bound step (every query row an entry of it, its
+   K/V written by it: the step's slots are rows 0 .. num_slots - 1), kv_caches[l] layer l's
+   cache of dtype kv_dtype (KV_CODES in fused_step.py). int8: every projection through its
+   type's linear_i8, else linear_f32 (the rows' path, from the step plan: v1.models.step_plan). */
+struct fused_step_call {
+    const struct decoder_layer *layers;
+    int64_t num_layers;
+    const struct decoder_dims *dims;
+    int64_t T;
+    float *residual;
+    const float *cos, *sin;
+    const struct paged_decode_step *step;
+    void *const *kv_caches;
+    const struct decoder_scratch *scratch;
+    int32_t kv_dtype, int8, nthreads;
+};
+
+#endif
