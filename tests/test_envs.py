@@ -101,7 +101,6 @@ def test_the_reader_sees_each_kind_of_read():
     ]
 
 
-@pytest.mark.xfail(strict=False, reason="other areas convert in parallel")
 def test_only_envs_reads_v1_variables():
     """Every V1_* variable is read by v1.envs, and by no other module under v1/."""
     package = Path(envs.__file__).parent

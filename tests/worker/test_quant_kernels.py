@@ -153,7 +153,7 @@ def by_batch_size() -> MatmulPolicy:
 
 def by_rule(q: QuantizedWeight, x: torch.Tensor, policy: MatmulPolicy) -> torch.Tensor:
     """`q.linear` on the path the policy gives a call of x's rows (`MatmulRows.linear`)."""
-    return policy.rows(None).linear(q, x, None)
+    return policy.rows(None, kernels()).linear(q, x, None)
 
 
 @needs_kernels

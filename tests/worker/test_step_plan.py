@@ -12,8 +12,8 @@ from tests.worker.test_fused_decode import TABLES, gguf_model, prefilled  # noqa
 from tests.worker.test_model import Chunk, new_kv_caches, step_inputs
 from tests.worker.test_model_runner import PROMPT, make_runner, prefill
 from v1.kernels import attention as kernels_attention
-from v1.kernels import decoder as kernels_decoder
-from v1.kernels import quant as kernels_quant
+from v1.kernels import block_matmul as kernels_block_matmul
+from v1.kernels import fused_step as kernels_fused_step
 from v1.lora.layers import LinearWithLoRA, LoRABatch
 from v1.models.layers.quantized import DEFAULT_POLICY, MatmulPolicy
 from v1.models.step_plan import PlanOptions, StepPath, StepPlanner
@@ -30,9 +30,9 @@ class Calls:
         self.fused: list[bool] = []
         self.attention = 0
         self.matmul: list[bool] = []
-        fused_call = kernels_decoder.FusedDecoder.__call__
+        fused_call = kernels_fused_step.FusedDecoder.__call__
         attention_call = kernels_attention.PagedDecodeKernel.__call__
-        linear = kernels_quant.QuantKernels.linear
+        linear = kernels_block_matmul.QuantKernels.linear
 
         def fused(this, *args, **kwargs):
             self.fused.append(bool(args[-1]))
@@ -46,9 +46,9 @@ class Calls:
             self.matmul.append(bool(int8))
             return linear(this, w, x, bias, int8)
 
-        monkeypatch.setattr(kernels_decoder.FusedDecoder, "__call__", fused)
+        monkeypatch.setattr(kernels_fused_step.FusedDecoder, "__call__", fused)
         monkeypatch.setattr(kernels_attention.PagedDecodeKernel, "__call__", attention)
-        monkeypatch.setattr(kernels_quant.QuantKernels, "linear", matmul)
+        monkeypatch.setattr(kernels_block_matmul.QuantKernels, "linear", matmul)
 
 
 def run(model, kv_caches, chunks, options: PlanOptions, is_prompt=None) -> StepPath:
@@ -109,9 +109,8 @@ def test_without_all_int8_a_decode_is_fp32_rows(gguf_model, monkeypatch):  # noq
 
 def test_without_kernels_sdpa_and_torch(gguf_model, monkeypatch):  # noqa: F811
     kv_caches = prefilled(gguf_model, [list(range(100, 120))])
-    monkeypatch.setenv("V1_CPU_KERNELS", "0")
     calls = Calls(monkeypatch)
-    path = run(gguf_model, kv_caches, DECODE, PlanOptions())
+    path = run(gguf_model, kv_caches, DECODE, PlanOptions(cpu_kernels="0"))
     assert path.decoder == "per-op" and path.attention == "sdpa" and path.matmul == "torch"
     assert path.ops in ("torch", "torch-serial")
     assert not calls.fused and not calls.attention and not calls.matmul
@@ -134,6 +133,15 @@ def test_the_runner_reads_the_settings_once_and_logs_each_step(default_model, mo
     expected = str(StepPath("per-op", "kernel", "none", "native"))
     assert [r.getMessage() for r in caplog.records if "step of" in r.getMessage()] == [
         f"step of {len(PROMPT)} tokens: {expected}"]
+
+
+def test_the_runner_takes_the_kernel_library_once(default_model, monkeypatch):
+    monkeypatch.setenv("V1_CPU_KERNELS", "0")
+    runner = make_runner(default_model)
+    monkeypatch.delenv("V1_CPU_KERNELS")  # after the build: not looked up again
+    assert runner.planner.options.cpu_kernels == "0"
+    assert runner.planner.lib is None and runner.planner.native_ops is None
+    assert make_runner(default_model).planner.lib is not None
 
 
 def test_the_fused_decision_is_logged_with_its_reason(gguf_model, default_model,  # noqa: F811

@@ -14,6 +14,7 @@ that binds the step.
 import ctypes
 import functools
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -225,11 +226,13 @@ def rows_contiguous(x: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 def paged_decode_kernel(
-    kv_cache: torch.Tensor, num_heads: int, query_dtype: torch.dtype = torch.float32
+    kv_cache: torch.Tensor, num_heads: int, query_dtype: torch.dtype = torch.float32,
+    lib: ctypes.CDLL | None | Literal["process"] = "process",
 ) -> PagedDecodeKernel | None:
     """The kernel for this cache (CPU, fp32 / bf16 / fp16 where the library has it,
     contiguous, head size a multiple of 8, not too many heads) and fp32 queries, if this
-    process has kernels (`v1.kernels.library`); else None."""
+    process has kernels (`lib`: a library, None for none, or "process": this process's,
+    looked up with `v1.kernels.library`); else None."""
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
     if (
         kv_cache.device.type != "cpu"
@@ -241,7 +244,8 @@ def paged_decode_kernel(
         or num_heads * head_dim > MAX_HEAD_FLOATS
     ):
         return None
-    lib = library()
+    if lib == "process":
+        lib = library()
     return None if lib is None else _bind(lib, kv_cache.dtype)
 
 

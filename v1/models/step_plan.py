@@ -24,6 +24,7 @@ from v1.envs import Environment
 from v1.kernels.attention import BoundStep, PagedDecodeKernel
 from v1.kernels.block_matmul import kernels
 from v1.kernels.elementwise import NativeOps, native_ops
+from v1.kernels.library import library
 from v1.models.fused_decode import FusedDecode
 from v1.models.layers.ops import StepOps, TorchOps, ops_for_step
 from v1.models.layers.quantized import DEFAULT_POLICY, MatmulPolicy, MatmulRows, QuantizedWeight
@@ -33,14 +34,16 @@ logger = logging.getLogger("v1")
 
 @dataclass(frozen=True, slots=True)
 class PlanOptions:
-    """The settings steps are planned by (V1_FUSED_DECODE and V1_QUANT_*), read once."""
+    """The settings steps are planned by (V1_FUSED_DECODE, V1_QUANT_*, V1_CPU_KERNELS), read
+    once."""
 
     fused_decode: bool = True
     matmul: MatmulPolicy = DEFAULT_POLICY
+    cpu_kernels: str = ""  # a V1_CPU_KERNELS value ("": the best library for this CPU)
 
     @classmethod
     def from_env(cls, env: Environment) -> "PlanOptions":
-        return cls(env.fused_decode, MatmulPolicy.from_env(env))
+        return cls(env.fused_decode, MatmulPolicy.from_env(env), env.cpu_kernels)
 
 
 class StepPath(NamedTuple):
@@ -82,8 +85,11 @@ class StepPlanner:
                  options: PlanOptions = PlanOptions()) -> None:
         self.options = options
         self.dtype, self.device = dtype, device
-        self.native_ops = native_ops()
-        self.head_rows = MatmulRows(options.matmul)  # the LM head's: by count alone
+        # The kernel library, once: nothing on a step's path looks it up again.
+        self.lib = library(options.cpu_kernels)
+        self.native_ops = native_ops(self.lib) if self.lib is not None else None
+        self.block_kernels = kernels(self.lib) if self.lib is not None else None
+        self.head_rows = MatmulRows(options.matmul, self.block_kernels)  # by count alone
         self._fused: FusedDecode | None = next(
             (m.fused_decode for m in model.modules() if isinstance(
                 getattr(m, "fused_decode", None), FusedDecode)), None)
@@ -95,7 +101,7 @@ class StepPlanner:
         has_blocks = any(isinstance(getattr(m, "kernel", None), QuantizedWeight)
                          for m in model.modules())
         self._blocks = ("none" if not has_blocks
-                        else "torch" if kernels() is None or dtype != torch.float32
+                        else "torch" if self.block_kernels is None or dtype != torch.float32
                         or device.type != "cpu" else "")
 
     def plan(self, metadata: AttentionMetadata, kv_caches: list[torch.Tensor],
@@ -104,9 +110,9 @@ class StepPlanner:
         token's kind matters)."""
         num_tokens = metadata.num_actual_tokens
         ops = ops_for_step(self.device, self.dtype, num_tokens, self.native_ops)
-        rows = self.options.matmul.rows(is_prompt)
-        plans = [AttentionPlan.for_step(metadata, kv_caches[0], heads, window, self.dtype)
-                 for heads, window in self._layouts]
+        rows = self.options.matmul.rows(is_prompt, self.block_kernels)
+        plans = [AttentionPlan.for_step(metadata, kv_caches[0], heads, window, self.dtype,
+                                        self.lib) for heads, window in self._layouts]
         native = (plans[0].native_only() if plans and all(p is plans[0] for p in plans)
                   else None)
         matmul = self._blocks or _rows_path(rows, num_tokens)

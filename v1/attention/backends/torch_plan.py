@@ -28,7 +28,9 @@ of the step is longer than is no window at all and shares the global plan. Other
     different queries would need different parts of it).
 """
 
+import ctypes
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import torch
@@ -156,11 +158,13 @@ class AttentionPlan:
     def for_step(
         cls, metadata: AttentionMetadata, kv_cache: torch.Tensor, num_heads: int,
         sliding_window: int | None = None, query_dtype: torch.dtype = torch.float32,
+        lib: ctypes.CDLL | None | Literal["process"] = "process",
     ) -> "AttentionPlan":
         """The plan of this step and window, kept in `metadata.plans`: made once (by the
         runner's step plan, before the forward) and reused by every layer, whose caches
         share one shape. One plan per distinct window; a window longer than every sequence
-        shares the global plan. `query_dtype`: the activations' (the C kernel serves fp32)."""
+        shares the global plan. `query_dtype`: the activations' (the C kernel serves fp32);
+        `lib`: the kernel library (as `paged_decode_kernel` takes it)."""
         # Contiguity too: the C kernel (chosen, or not, per key) addresses and writes a
         # cache by its shape alone, so a same-shaped strided cache needs a plan without it.
         key = (kv_cache.shape, kv_cache.dtype, kv_cache.device, kv_cache.is_contiguous(),
@@ -175,7 +179,7 @@ class AttentionPlan:
             # Gathers are sized by what SDPA reads: the blocks widened to the query's dtype.
             block_bytes = kv_cache[:, 0].numel() * query_dtype.itemsize
             plan = cls.build(metadata, kv_cache.shape[2], block_bytes,
-                             paged_decode_kernel(kv_cache, num_heads, query_dtype), window)
+                             paged_decode_kernel(kv_cache, num_heads, query_dtype, lib), window)
             plans[(key, window)] = plan
         plans[(key, sliding_window)] = plan
         return plan

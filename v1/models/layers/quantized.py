@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from v1.envs import Environment
-from v1.kernels.block_matmul import BLOCK_BYTES, QK, QuantBlocks, kernels
+from v1.kernels.block_matmul import BLOCK_BYTES, QK, QuantBlocks, QuantKernels, kernels
 from v1.models.layers.onednn import ONEDNN_LINEAR, onednn_linear
 
 PATHS = ("fp32", "int8", "dense", "torch")
@@ -57,14 +57,15 @@ class MatmulPolicy:
             return "int8"
         return "dense" if self.dense_min_rows is not None and m >= self.dense_min_rows else "fp32"
 
-    def rows(self, is_prompt: np.ndarray | None) -> "MatmulRows":
+    def rows(self, is_prompt: np.ndarray | None, q: QuantKernels | None) -> "MatmulRows":
         """One forward's rows, `is_prompt[t]` telling whether row t is a prompt token's (None:
-        none is). Prompt rows are split from the others only where that changes a path."""
+        none is), multiplied by the block kernels `q` (None: the torch reference). Prompt rows
+        are split from the others only where that changes a path."""
         if is_prompt is None or self.all_int8 or not self.prompt_int8 or not is_prompt.any():
-            return MatmulRows(self)
+            return MatmulRows(self, q)
         if is_prompt.all():
-            return MatmulRows(self, len(is_prompt))
-        return MatmulRows(self, len(is_prompt), torch.from_numpy(np.flatnonzero(is_prompt)),
+            return MatmulRows(self, q, len(is_prompt))
+        return MatmulRows(self, q, len(is_prompt), torch.from_numpy(np.flatnonzero(is_prompt)),
                           torch.from_numpy(np.flatnonzero(~is_prompt)))
 
 
@@ -78,6 +79,7 @@ class MatmulRows:
     (`other`) by their count; any other call (the LM head's fewer rows) by its count alone."""
 
     policy: MatmulPolicy
+    q: QuantKernels | None  # the step's block kernels; None: the torch reference
     num_rows: int = -1  # -1: no row is split out by kind
     prompt: torch.Tensor | None = None
     other: torch.Tensor | None = None
@@ -94,15 +96,17 @@ class MatmulRows:
     ) -> torch.Tensor:
         """`weight.linear(x, bias)` with each row on its path."""
         m = x.numel() // weight.in_features
+        if self.q is None:
+            return weight.linear(x, bias, "torch")
         path = self.path(m)
         if path is not None:
-            return weight.linear(x, bias, path)
+            return weight.linear(x, bias, path, self.q)
         assert self.prompt is not None and self.other is not None
         rows = x.reshape(m, weight.in_features)
         out = x.new_empty(m, weight.out_features)
-        out[self.prompt] = weight.linear(rows[self.prompt], bias, "int8")
+        out[self.prompt] = weight.linear(rows[self.prompt], bias, "int8", self.q)
         out[self.other] = weight.linear(rows[self.other], bias,
-                                        self.policy.path_for(len(self.other)))
+                                        self.policy.path_for(len(self.other)), self.q)
         return out.reshape(*x.shape[:-1], weight.out_features)
 
 
@@ -168,11 +172,13 @@ class QuantizedWeight:
         return rows.reshape(*ids.shape, self.in_features)
 
     def linear(
-        self, x: torch.Tensor, bias: torch.Tensor | None = None, path: str | None = None
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, path: str | None = None,
+        q: QuantKernels | None = None,
     ) -> torch.Tensor:
         """x [..., in] @ weight.T (+ bias [out]) -> [..., out] on `path` (one of PATHS; None:
-        `DEFAULT_POLICY.path_for` the row count). The C kernels serve fp32 CPU activations
-        when there are kernels; anything else takes the torch reference."""
+        `DEFAULT_POLICY.path_for` the row count). The C kernels (`q`; None: this process's
+        library, looked up) serve fp32 CPU activations; anything else takes the torch
+        reference."""
         if x.shape[-1] != self.in_features:
             raise ValueError(
                 f"input has {x.shape[-1]} features, the weight takes {self.in_features}"
@@ -187,7 +193,10 @@ class QuantizedWeight:
             path = DEFAULT_POLICY.path_for(m)
         native = (path != "torch" and m > 0 and x.dtype == torch.float32 and x.is_cpu
                   and self.blocks.is_cpu)
-        q = kernels() if native else None
+        if not native:
+            q = None
+        elif q is None:
+            q = kernels()
         if q is None:
             return F.linear(x, self.dequantize().to(x.dtype), bias)
         if bias is not None:
