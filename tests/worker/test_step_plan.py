@@ -165,3 +165,19 @@ def test_the_fused_decision_is_logged_with_its_reason(gguf_model, default_model,
         "fused decode step: off (layer 0 (PreNormDecoderLayer): its projections are not GGUF "
         "blocks in plain Linears (float weights, LoRA))",
     ]
+
+
+def test_prompt_logprobs_take_the_runners_head_rows(default_model, monkeypatch):
+    """The LM head's rows follow the runner's settings for prompt logprobs as for sampling."""
+    runner = make_runner(default_model)
+    seen = []
+    compute_logits = runner.model.compute_logits
+
+    def spy(hidden, rows=None):
+        seen.append(rows)
+        return compute_logits(hidden, rows)
+
+    monkeypatch.setattr(runner.model, "compute_logits", spy)
+    out = prefill(runner, "a", SamplingParams(temperature=0.0, prompt_logprobs=1), block_id=0)
+    assert out.prompt_logprobs_dict["a"]
+    assert len(seen) == 2 and all(rows is runner.planner.head_rows for rows in seen)

@@ -579,7 +579,7 @@ class ModelRunner:
                     assert params is not None and params.prompt_logprobs is not None
                     k = params.prompt_logprobs
                     chunk = hidden[token_start : token_start + end - start]
-                    logits = self.model.compute_logits(chunk)
+                    logits = self.model.compute_logits(chunk, self.planner.head_rows)
                     next_ids = torch.from_numpy(batch.token_ids[row, start + 1 : end + 1])
                     logprobs = gather_logprobs(
                         logits.log_softmax(dim=-1), next_ids.to(self.device), k
