@@ -166,7 +166,6 @@ def test_bad_bounds_are_refused(default_model, tmp_path, options, message):
         engine(default_model, tmp_path, **options)
 
 
-
 def test_a_directory_that_cannot_be_written_fails_before_the_model_loads(
     default_model_path, tmp_path, monkeypatch
 ):
