@@ -207,9 +207,7 @@ class DecoderModel(nn.Module):
         if (fused := step.fused) is not None:
             residual = hidden_states  # the C step leaves the residual stream there
             hidden_states = self.fused_decode.run(
-                hidden_states, ropes[self.fused_decode.rope_key], kv_caches, fused.kernel,
-                fused.entries, fused.int8,
-            )
+                hidden_states, ropes[self.fused_decode.rope_key], kv_caches, fused)
         else:
             residual = None
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

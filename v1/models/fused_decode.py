@@ -14,14 +14,17 @@ checked there. Why: at batch 1 the per-op path's Python costs about as much as i
 
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from v1.kernels.attention import BoundStep, PagedDecodeKernel
-from v1.kernels.fused_step import DecoderLayers, FusedDecoder, LayerWeights, fused_decoder
+from v1.kernels.fused_step import DecoderLayers, LayerWeights, fused_decoder
 from v1.models.layers.linear import Linear
 from v1.models.layers.quantized import QuantizedWeight
+
+if TYPE_CHECKING:
+    from v1.models.step_plan import FusedStep
 
 logger = logging.getLogger("v1")
 
@@ -35,7 +38,6 @@ class FusedDecode:
         self._layers = layers
         self.layers: DecoderLayers | None = None  # None: the layers do not qualify
         self.reason = "the weights are not loaded"  # why not, where they do not
-        self.decoder: FusedDecoder | None = None
         self.rope_key = ""
         # The layers' distinct (heads, window): the attention plans the step needs.
         self.attention: list[tuple[int, int | None]] = []
@@ -51,26 +53,27 @@ class FusedDecode:
 
     def current(self) -> DecoderLayers | None:
         """The descriptors, made again where a tensor they point to moved (`unchanged`:
-        their memory stays valid, but the layers would read stale weights)."""
+        their memory stays valid). A weight object replaced after load is not seen here:
+        whoever replaces one calls `replan` (the contract; per-step identity checks of every
+        module cost ~0.1-0.3 ms a step)."""
         if self.layers is not None and not self.layers.unchanged():
             self.replan()
         return self.layers
 
     def run(
         self, hidden_states: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-        kv_caches: list[torch.Tensor], kernel: PagedDecodeKernel, step: BoundStep, int8: bool,
+        kv_caches: list[torch.Tensor], fused: "FusedStep",
     ) -> torch.Tensor:
         """Every layer on `hidden_states` (left, in place, the residual stream before the
-        last block output, which is returned) through the step's bound C attention entries
-        `step`; K/V stored into `kv_caches`."""
-        assert self.layers is not None and self.decoder is not None
+        last block output, which is returned) through the step's bound C attention entries;
+        K/V stored into `kv_caches`."""
+        assert self.layers is not None
         cos, sin = rope
-        return self.decoder(self.layers, hidden_states, cos, sin, step, kernel, kv_caches,
-                            int8)
+        return fused.decoder(self.layers, hidden_states, cos, sin, fused.entries, fused.kernel,
+                             kv_caches, fused.int8)
 
     def _make(self) -> tuple[DecoderLayers | None, str]:
-        self.decoder = fused_decoder()
-        if self.decoder is None:
+        if fused_decoder() is None:
             return None, "the kernel library has no fused decode step"
         weights: list[LayerWeights] = []
         for i, layer in enumerate(self._layers):

@@ -24,6 +24,7 @@ from v1.envs import Environment
 from v1.kernels.attention import BoundStep, PagedDecodeKernel
 from v1.kernels.block_matmul import kernels
 from v1.kernels.elementwise import NativeOps, native_ops
+from v1.kernels.fused_step import FusedDecoder, fused_decoder
 from v1.kernels.library import library
 from v1.models.fused_decode import FusedDecode
 from v1.models.layers.ops import StepOps, TorchOps, ops_for_step
@@ -57,9 +58,11 @@ class StepPath(NamedTuple):
 
 
 class FusedStep(NamedTuple):
-    """What the fused decode step takes from the step: the C attention kernel, its entries
-    bound to the caches, and the matmul path of every row."""
+    """What the fused decode step takes from the step: the planner's library's entry point,
+    the C attention kernel, its entries bound to the caches, and the matmul path of every
+    row."""
 
+    decoder: FusedDecoder
     kernel: PagedDecodeKernel
     entries: BoundStep
     int8: bool
@@ -89,6 +92,7 @@ class StepPlanner:
         self.lib = library(options.cpu_kernels)
         self.native_ops = native_ops(self.lib) if self.lib is not None else None
         self.block_kernels = kernels(self.lib) if self.lib is not None else None
+        self.fused_decoder = fused_decoder(self.lib) if self.lib is not None else None
         self.head_rows = MatmulRows(options.matmul, self.block_kernels)  # by count alone
         self._fused: FusedDecode | None = next(
             (m.fused_decode for m in model.modules() if isinstance(
@@ -120,10 +124,11 @@ class StepPlanner:
         fd = self._fused
         if (
             self.options.fused_decode and fd is not None and native is not None
-            and isinstance(ops, NativeOps) and matmul in ("fp32", "int8")
-            and fd.current() is not None
+            and self.fused_decoder is not None and isinstance(ops, NativeOps)
+            and matmul in ("fp32", "int8") and fd.current() is not None
         ):
-            fused = FusedStep(native.kernel, native.bound(kv_caches[0]), matmul == "int8")
+            fused = FusedStep(self.fused_decoder, native.kernel, native.bound(kv_caches[0]),
+                              matmul == "int8")
         path = StepPath(
             "fused" if fused is not None else "per-op", _attention_path(plans), matmul,
             "native" if isinstance(ops, NativeOps)
