@@ -1,4 +1,4 @@
-"""Quantized weights run as stored, and one copy of each weight (no fp32 copy kept beside the blocks).
+"""Quantized weights run as stored, and one copy of each weight (no fp32 copy beside blocks).
 
 - quantization="gguf": a small random Llama written as a GGUF with Q4_1 projections and a Q8_0
   tied embedding (the default model's layout) runs those blocks as they are: every matrix is
