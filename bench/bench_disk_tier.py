@@ -1,4 +1,4 @@
-"""The disk tier under the RAM prefix cache (kv_cache_dir): issue 23's targets.
+"""The disk tier under the RAM prefix cache (kv_cache_dir), against its targets.
 
 1. restart: a cached ~--system-len-token system prompt (chat template), a new question. TTFT
    (generate with max_tokens=1) on a cold engine against an engine started on a kv_cache_dir

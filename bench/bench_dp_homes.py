@@ -1,7 +1,7 @@
 """Prefix homes across data-parallel cores: DP=N's prefix-cache hit rate against one core with
 N times the blocks, for 2..16 prefix groups arriving at once, with homes chosen by capacity
 (the router's), by rendezvous hashing alone (the same load guard), and by the router as it
-was before issue 23 (rendezvous homes, a load guard blind to what a spill loses), side by
+was before homes by capacity (rendezvous homes, a load guard blind to what a spill loses), side by
 side.
 
 Simulated at the scheduler level, no model: each core is a real `Scheduler` (prefix cache,
@@ -17,7 +17,7 @@ interleaved (g0, g1, ..., g0, ...), `--concurrency` in flight at a time (a close
 `--output-len` tokens generated each. Each DP core has round(G x shared blocks /
 `--kv-ratio`) blocks, so that the shared prefixes fit in the cluster's KV but not in one
 core's; the one-core baseline has N times that. The defaults (~37-block prompts, kv-ratio
-1.5, 32 in flight) are issue 23's four prompts on 96-block cores at G = 4. `--seeds`
+1.5, 32 in flight) are four prompts on 96-block cores at G = 4. `--seeds`
 workloads per group count (other prompts, so other rendezvous draws): the table gives the
 mean hit rates, the worst gap to one core over the seeds, the requests the load guard sent
 away from their prefix's core (spills, summed over seeds), and "largest share": the
@@ -59,7 +59,7 @@ class RendezvousHomes(DPRouter):
 
 
 class Before(RendezvousHomes):
-    """The router before issue 23: rendezvous homes, and a load guard that neither weighs
+    """The router before homes by capacity: rendezvous homes, and a load guard that neither weighs
     the cached blocks a request would lose elsewhere nor counts what it needs of a full
     core's KV cache (it trips at the core's KV usage alone)."""
 
@@ -70,7 +70,7 @@ class Before(RendezvousHomes):
 
 
 # DP=N routers: the router's homes by capacity; rendezvous homes with the same load guard;
-# the router before issue 23.
+# the router before homes by capacity.
 POLICIES: dict[str, type[DPRouter]] = {
     "capacity": DPRouter, "rendezvous": RendezvousHomes, "before": Before,
 }

@@ -1,4 +1,4 @@
-"""Numerics modes against fp32: accuracy, decode speed and memory (issue 14).
+"""Numerics modes against fp32: accuracy, decode speed and memory.
 
 Modes (`--modes`): fp32, gguf (the GGUF file's Q4_1/Q8_0 blocks run as they are), int8
 (Q8_0-style groups of 32 made at load), each optionally with a 16-bit KV cache ("+bf16",

@@ -6,7 +6,7 @@ two have in common it prints each tree's median and the median over rounds of th
 ratio B / A (each round's ratio in the JSON line).
 
 Each tree's own `v1` is imported (PYTHONPATH=TREE, run from TREE/bench): its kernels are
-whatever that tree builds (the library in place, or, before issue 21, its first-use cache).
+whatever that tree builds (the library in place, or, in older trees, its first-use cache).
 
     git worktree add /tmp/old bdb476d
     .venv/bin/python bench/bench_trees.py --a /tmp/old --b . --rounds 3 -- \\

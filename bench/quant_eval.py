@@ -39,7 +39,7 @@ ACCURACY_ENGINE_ARGS = {"long_prefill_token_threshold": PPL_CHUNK}
 # What the benchmarks run unless told otherwise: fp32, both weight formats, 16-bit KV caches.
 DEFAULT_MODES = ("fp32", "gguf", "int8", "fp32+bf16", "gguf+bf16", "gguf+fp16", "int8+bf16",
                  "int8+fp16")
-# The gate (issue 14, and issue 22 for the default): every mode within +1% of fp32's
+# The gate (for every mode, the default included): every mode within +1% of fp32's
 # perplexity. Greedy agreement is stated, not gated: every mode rounds differently somewhere
 # (gguf, the default for .gguf files, runs prompt rows through int8 activations), and once a
 # near-tie flips one token the rest of that output is another text.

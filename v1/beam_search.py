@@ -1,15 +1,10 @@
 """Beam search, as vLLM's `LLM.beam_search`: the `beam_width` most likely sequences per prompt.
 
-A search step extends every live beam of every prompt by one token: each beam becomes one
-request (its tokens as the prompt, `max_tokens=1`, `logprobs=2 * beam_width`), and the step's
-requests of up to `concurrency_limit` prompts go to the engine together. A beam's candidates
-are its top 2 * beam_width next tokens (with `temperature > 0` also the sampled one), so at
-least beam_width remain whatever end-of-text tokens are among them. A candidate ending in
-end-of-text (unless `ignore_eos`) finishes with "stop"; of the others the beam_width with the
-best cumulative logprob are the next beams; beams alive after `max_tokens` steps or at
-`max_model_len` finish with "length". Each prompt's finished sequences are ranked by
-`get_beam_search_score` (vLLM's length penalty). Beams share their common prefix's KV blocks
-through the prefix cache (docs/serving.md, beam search).
+Each search step extends every live beam by one token, each beam one request (`max_tokens=1`,
+`logprobs=2 * beam_width`), up to `concurrency_limit` prompts at once; the best beam_width
+candidates by cumulative logprob go on, end-of-text candidates finish with "stop", and beams
+alive after `max_tokens` or at `max_model_len` with "length"; finished sequences are ranked by
+`get_beam_search_score`. The rules in full: docs/serving.md, "Beam search".
 """
 
 import math

@@ -1,12 +1,9 @@
 """The environment variables v1 reads, all of them, and the only module that reads them.
 
-Each variable is declared once in `VARIABLES` (name, default, what it does) with its parser,
-which raises ValueError naming the variable and what it accepts. `read()` parses the whole
-environment into one frozen `Environment`; callers take it once, where they are built (an
-engine, a model runner, the kernel library's loader), and pass the values they need down as
-plain arguments. Nothing on a step's path reads the environment.
-
-`docs/architecture.md` lists the variables (`python -m v1.envs` prints the same table).
+Each is declared once in `VARIABLES` (name, default, meaning, parser raising ValueError).
+`read()` gives one frozen `Environment`; callers take it where they are built and pass the
+values down, so nothing on a step's path reads the environment. The table:
+docs/architecture.md (`python -m v1.envs` prints it).
 """
 
 import os

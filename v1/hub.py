@@ -1,11 +1,8 @@
-"""Hugging Face Hub ids ("org/name"), found in the local Hugging Face cache.
+"""Hugging Face Hub ids ("org/name"), found in the local Hugging Face cache (v1 never downloads).
 
-As `vllm serve Qwen/Qwen2.5-0.5B-Instruct` does, a model may be named by its hub id; v1 never
-downloads, so the id must be in the local cache already (put there by `hf download` or any
-transformers / vLLM run). The cache is the one huggingface_hub uses, found at call time from
-the environment: $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub. A cached
-model is a snapshot directory, `models--org--name/snapshots/<commit>/`, whose files link into
-`blobs/`; `refs/<branch or tag>` holds the commit a revision names.
+The cache is huggingface_hub's, found at call time: $HF_HUB_CACHE, else $HF_HOME/hub, else
+~/.cache/huggingface/hub. A cached model is `models--org--name/snapshots/<commit>/`, whose
+files link into `blobs/`; `refs/<branch or tag>` holds the commit a revision names.
 """
 
 import os

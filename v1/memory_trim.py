@@ -1,11 +1,8 @@
 """Giving the memory a process freed back to the operating system (glibc's `malloc_trim`).
 
-glibc's malloc keeps freed memory in its arenas and returns only the free top of a heap, so
-after a large request the process's resident memory stays high for good. `trim()` hands the
-free pages of every arena back; `IdleTrim` does so when the process goes idle, only if it grew
-by more than a slack since its last trim (ordinary traffic pays nothing). Without glibc (musl,
-macOS) there is no malloc_trim and nothing is trimmed. Measurements: docs/serving.md, "The
-engine process".
+`trim()` hands the free pages of every arena back; `IdleTrim` does so when the process goes
+idle, only if it grew by more than a slack since its last trim. Without glibc nothing is
+trimmed. Why and measurements: docs/serving.md, "Memory back to the OS".
 """
 
 import ctypes

@@ -1,4 +1,4 @@
-"""The per-step shortcuts of the scheduler and the KV cache manager (issue 14 §4): decodes
+"""The per-step shortcuts of the scheduler and the KV cache manager: decodes
 that need no `allocate_slots` call, appends that skip the block hasher, and the batch-order
 slices of the step's output. Each test checks that a shortcut is taken, and that it is exact
 across the transitions that change it (new block, full block, placeholder, preemption,

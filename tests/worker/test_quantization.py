@@ -1,4 +1,4 @@
-"""Quantized weights (issue 14 §1) and one copy of each weight (§6).
+"""Quantized weights run as stored, and one copy of each weight (no fp32 copy beside blocks).
 
 - quantization="gguf": a small random Llama written as a GGUF with Q4_1 projections and a Q8_0
   tied embedding (the default model's layout) runs those blocks as they are: every matrix is
@@ -293,7 +293,7 @@ def test_int8_quantizes_every_matrix_at_load(tmp_path, tied):
     fp32, ours = load(tmp_path), load(tmp_path, "int8")
     assert {m.weight_form for m in matrices(ours).values()} == {"q8_0"}
     assert all(m.weight is None for m in matrices(ours).values())
-    # 8.5 bits per weight: well under half of fp32 (issue 14 §6).
+    # 8.5 bits per weight: well under half of fp32.
     assert weight_bytes(ours) < 0.5 * weight_bytes(fp32)
     for name, m in matrices(fp32).items():
         w, q = m.float_weight(), matrices(ours)[name].float_weight()

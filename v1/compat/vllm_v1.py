@@ -1,11 +1,7 @@
-"""vLLM's `vllm.v1.*` module paths, where vLLM's V1 scripts import from
-(`from vllm.v1.engine.async_llm import AsyncLLM`, `from vllm.v1.metrics.reader import
-Counter`): with `vllm` replaced by `v1` they import `v1.v1.<path>`, which is `v1.<path>`
-itself, the same module object (so its classes are the same classes), not a copy.
-
-`install()` (called by the package `v1.v1` as it is imported) puts a finder for the names
-under `v1.v1` on `sys.meta_path`, once; `v1.v1.<path>` for a `<path>` that `v1` lacks is a
-ModuleNotFoundError, as for any missing module.
+"""vLLM's `vllm.v1.*` module paths (`from vllm.v1.engine.async_llm import AsyncLLM`): with
+`vllm` read as `v1`, `v1.v1.<path>` is `v1.<path>` itself, the same module object, not a copy.
+`install()` (run as `v1.v1` is imported) puts a finder for `v1.v1.*` on `sys.meta_path` once;
+a `<path>` that `v1` lacks is a ModuleNotFoundError.
 """
 
 import importlib

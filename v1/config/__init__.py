@@ -1,17 +1,10 @@
-"""The engine's configuration: one validated dataclass per group, and `EngineArgs`, vLLM's flat
-options, which builds them.
+"""The engine's configuration: one validated dataclass per group (`ModelConfig`, `CacheConfig`,
+`SchedulerConfig`, `ParallelConfig`, `SpeculativeConfig`, `InputLimits`, `LoRAConfig`), each
+checking its own values when made (ValueError naming the option, its bound and the value), and
+`EngineArgs`, vLLM's flat option names mapped onto them.
 
-- `model.ModelConfig` (and `PoolerConfig`), `cache.CacheConfig`, `scheduler.SchedulerConfig`,
-  `parallel.ParallelConfig`, `speculative.SpeculativeConfig`, `limits.InputLimits`,
-  `lora.LoRAConfig`: each checks its own values when made (ValueError naming the option, its
-  bound and the value), and only there.
-- `engine_args.EngineArgs`: vLLM's option names and defaults, mapped onto the groups;
-  `cli_args` makes its command line, `ignored_options` lists vLLM's options that mean nothing
-  here.
-
-Plain data: no torch (dtypes are names; the worker and loader make torch dtypes of them), no
-environment reads (v1.envs) and no directories made (the disk tier's opener does that).
-Every layer may import it.
+Plain data: no torch, no environment reads (`v1.envs`), no directories made; every layer may
+import it.
 """
 
 from v1.config.cache import (

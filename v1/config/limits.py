@@ -1,13 +1,10 @@
-"""What one request may ask for: the limits that keep a single request from costing the
-engine (or the server) without bound, and the cheap checks against them.
+"""What one request may ask for (`InputLimits`, set by `EngineArgs` fields of the same names), and
+the cheap checks against it.
 
-Every check runs before the costly work it guards (tokenizing, parsing a JSON schema with
-xgrammar, compiling a grammar) and raises a ValueError naming the field, the value and the
-limit, which the server answers with a 400. The configurable limits are `InputLimits`, set
-by `EngineArgs` fields (server flags) of the same names; the others follow from the engine:
-integers must fit the int64 the engine core's messages carry, text must be valid Unicode,
-and a prompt longer in characters than `max_model_len` tokens could ever cover is refused
-before it is tokenized (`max_chars_per_token`).
+Every check runs before the costly work it guards (tokenizing, parsing a schema, compiling a
+grammar) and raises a ValueError naming the field, the value and the limit (a 400 from the
+server). Fixed limits: integers fit int64, text is valid Unicode, and a prompt longer in
+characters than `max_model_len` tokens could cover is refused untokenized (`max_chars_per_token`).
 """
 
 import json

@@ -4,17 +4,12 @@ The free list is a doubly linked list of `KVCacheBlock`s in eviction order:
 
     head <-> [next to hand out] <-> ... <-> [most recently freed, cached] <-> tail
 
-- Freeing a block whose hash is set appends it at the tail (LRU order); freeing one without a
-  hash puts it at the head, to be reused before any cached block.
-- A free block keeps its hash: it stays findable in `cached_block_hash_to_block` until
-  `get_new_blocks` hands it out (lazy eviction).
-- A cache hit on a free block ("touch") unlinks it from the middle of the list in O(1).
-- A pinned block (a declared prefix) holds one extra reference for the pool's life: never free,
-  never evicted, kept by `reset_prefix_cache`, which succeeds once free + pinned == all.
-
-Invariants (checked by `check_integrity`): a block is in the free list iff `ref_cnt == 0`;
-every hashed block is in the index under its hash and vice versa; a pinned block is hashed
-and referenced.
+Freed hashed blocks go to the tail (LRU), unhashed ones to the head; a free block stays
+findable in `cached_block_hash_to_block` until `get_new_blocks` hands it out (lazy eviction); a
+hit on a free block unlinks it in O(1). A pinned block (a declared prefix) holds one extra
+reference for the pool's life. Invariants (`check_integrity`): a block is in the free list iff
+`ref_cnt == 0`; every hashed block is in the index under its hash and vice versa; a pinned
+block is hashed and referenced.
 """
 
 from collections.abc import Iterable

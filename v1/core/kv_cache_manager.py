@@ -6,21 +6,12 @@ A request's blocks, in token order (block_size 4, 10 tokens computed or schedule
                           0-3  4-7  8-9 (partial: never hashed, never shared)
     request.block_hashes = [h0, h1]        num_cached_block[id] = 2
 
-The first `num_cached_block[id]` blocks are indexed in the pool's prefix cache.
-
-Visibility: `allocate_slots` indexes the full blocks a step will fill as soon as the step is
-scheduled, so a request admitted later in the same `schedule()` shares them (every layer
-writes the step's K/V before attending). That holds only if the scheduling is never undone,
-and `schedule()` may preempt a request it scheduled earlier in the same call. Hence:
-- `free()` un-hashes a request's blocks past its computed tokens before releasing them
-  (inside `schedule()` these are exactly the blocks an undone step was to write);
-- the scheduler never preempts a request whose unwritten blocks another request already
-  shares (`has_shared_unwritten_blocks`).
-
-Declared prefixes: `check_preload` refuses them before any is computed, `pin_prefix` pins
-one's blocks once computed, at most `preload_max_fraction` of the pool and never so many that
-one request of `max_model_len` tokens no longer fits. Blocks read from the disk tier
-(`allocate_for_load`, `finish_load`) become findable only once the runner reports them written.
+The first `num_cached_block[id]` blocks are indexed in the pool's prefix cache, from the step
+that fills them being scheduled (docs/design.md, "The KV cache", visibility). Hence `free()`
+un-hashes a request's blocks past its computed tokens, and the scheduler never preempts a
+request whose unwritten blocks another already shares (`has_shared_unwritten_blocks`).
+Declared prefixes (`check_preload`, `pin_prefix`): docs/prefix-cache.md, "Preloaded prompts".
+Blocks read from the disk tier become findable only once the runner reports them written.
 """
 
 from collections import deque

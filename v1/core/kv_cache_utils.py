@@ -2,13 +2,9 @@
 
     block i's hash = H(block i-1's hash, token ids of block i, extra keys of block i)
 
-The chain makes a hash stand for the whole prefix up to the end of its block, so equal
-hashes mean equal prefixes. H is xxh3-128: at 128 bits a collision is not a practical
-worry (birthday bound ~2^64 blocks), so a hit is trusted without comparing token ids.
-Extra keys are anything besides the tokens that changes the K/V: here `cache_salt` and the
-LoRA adapter's id (`lora_int_id`; vLLM keys by the adapter too), mixed into the first block
-only, so requests with different salts or adapters never share any block.
-Only full blocks are hashed; a partial last block is never shared.
+H is xxh3-128, so a hit is trusted without comparing tokens; extra keys (`cache_salt`, the
+LoRA adapter's id) go into the first block only. Only full blocks are hashed. Why:
+docs/design.md, "The KV cache".
 """
 
 from array import array

@@ -1,23 +1,17 @@
 """The disk tier's index, as the scheduler keeps it: which block hashes are on disk, in LRU
-order, bounded by bytes. Pure bookkeeping: the files are the worker's
-(`v1.worker.kv_disk_store`), which scans them at start-up and reports every write. Every file
-holds one block of `block_bytes`, so the bound is `max_blocks = capacity_bytes // block_bytes`.
-
-The protocol with the worker (each message rides on SchedulerOutput or ModelRunnerOutput, so
-it holds with the runner on another thread or in another process):
+order, bounded by bytes (`max_blocks = capacity_bytes // block_bytes`). Pure bookkeeping: the
+files are the worker's (`v1.worker.kv_disk_store`), which scans them at start-up and reports
+every write. The protocol (messages ride on SchedulerOutput / ModelRunnerOutput):
 
     scheduler                                   worker
-    want_store(h) -> True: h is `storing`   ->  copies the block after its step's forward,
-                                                writes h's file on its writer thread
-    stored(h, ok)                           <-  h's file is complete (ok) or was not written
-      ok: h is indexed, most recent; the oldest beyond `max_blocks` become deletes
+    want_store(h) -> True: h is `storing`   ->  copies the block after the forward, writes it
+    stored(h, ok)                           <-  ok: h indexed, most recent; the oldest
+                                                beyond `max_blocks` become deletes
     take_deletes()                          ->  unlinks those files (FIFO after the writes)
-    count_prefix / touch: lookups               reads h's file when told to load it
     drop(h)                                 <-  h's file was missing or corrupt
 
 Invariants: `storing` and the index are disjoint; len(index) <= max_blocks; a hash handed out
-in `take_deletes` is no longer indexed (a later store of it follows the delete in the writer's
-FIFO).
+in `take_deletes` is no longer indexed.
 """
 
 from collections import OrderedDict

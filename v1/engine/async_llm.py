@@ -1,20 +1,11 @@
 """`AsyncLLM`: the asyncio frontend of the engine, for servers.
 
-The engine core runs in its own process (`AsyncMPClient`). One output-handler task, started
-on first use, turns each `EngineCoreOutputs` into `RequestOutput`s (`OutputProcessor`) and
-puts each into its request's asyncio queue, from which `generate` yields; it runs on the event
-loop's thread, so nothing needs a lock. Per-request CPU work on the way in (tokenizing, chat
-templates, `bad_words`, structured-output checks) runs on a small thread pool (`run_in_pool`),
-so one heavy request does not stall every stream. Requests go by the caller's id here (the
-core uses internal ids), so an id may be reused once its request is aborted or finished.
-
-    engine = AsyncLLM.from_engine_args(EngineArgs())
-    params = SamplingParams(max_tokens=8, output_kind=RequestOutputKind.DELTA)
-    async for out in engine.generate("Hello", params, "req-1"):
-        print(out.outputs[0].text, end="")
-
-With `data_parallel_size` > 1 the client is a `DPAsyncMPClient`: `data_parallel_rank=i` pins
-a request; `check_health` raises while any core is down.
+The engine core runs in its own process (`AsyncMPClient`, or `DPAsyncMPClient` with data
+parallelism). One output-handler task on the event loop's thread turns each
+`EngineCoreOutputs` into `RequestOutput`s and feeds each request's asyncio queue, from which
+`generate` yields (no locks). Per-request CPU work on the way in (tokenizing, chat templates,
+checks) runs on a small thread pool (`run_in_pool`), so one heavy request does not stall every
+stream. Requests go by the caller's id here; an id may be reused once its request is done.
 """
 
 import asyncio

@@ -1,12 +1,9 @@
-"""The engine core: scheduler + model runner, stepped by whoever owns it.
+"""The engine core: scheduler + model runner, stepped by whoever owns it (`InprocClient`, or
+`v1.engine.core_proc` in its own process).
 
-`EngineCore.step()` is synchronous: schedule, execute, update, returning each client's
-`EngineCoreOutputs`. With async scheduling, `step_with_batch_queue()` keeps a batch queue of
-two: step N+1 is scheduled while step N executes on the runner's thread, with output
-placeholders standing for the tokens N has not returned yet; outputs are the same as
-synchronous steps'. Clients call the utilities in `UTILITY_METHODS` by name
-(`call_utility`). The core runs in the frontend's process (`InprocClient`) or in its own
-(`v1.engine.core_proc`).
+`step()` is synchronous: schedule, execute, update, returning each client's
+`EngineCoreOutputs`. `step_with_batch_queue()` (async scheduling) schedules step N+1 while N
+executes, with output placeholders; outputs are the same. Utilities: `UTILITY_METHODS` by name.
 """
 
 import logging

@@ -1,17 +1,10 @@
 """Clients of the engine core: the frontend talks to the core only through these.
 
-- `InprocClient`: the core in this process; `get_output()` steps it.
-- `SyncMPClient` (for `LLM`) and `AsyncMPClient` (for `AsyncLLM`): the core in its own
-  process (`v1.engine.core_proc`), over ZMQ (`v1.engine.transport`). Given `EngineArgs`, a
-  client starts the engine process (`v1.engine.launch`), owns it (is client 0) and
-  terminates it on shutdown; given only `address=` (and a `client_index` unique among the
-  engine's clients), it connects to an engine core already running there:
-
-      client = SyncMPClient(address="ipc:///tmp/v1-engine-x/engine", client_index=1)
-
-A background thread receives the client's messages and watches the engine. When the engine
-dies, every waiting call raises `EngineDeadError` within ~0.1 s and every later call raises
-it at once. Importing this module changes nothing in the process's environment.
+`InprocClient` steps a core in this process. `SyncMPClient` (for `LLM`) and `AsyncMPClient`
+(for `AsyncLLM`) talk to one in its own process over ZMQ: given `EngineArgs` they start it
+(`v1.engine.launch`), own it (client 0) and terminate it on shutdown; given `address=` and a
+unique `client_index`, they connect to a running one. When the engine dies, waiting calls raise
+`EngineDeadError` within ~0.1 s and later calls at once. Importing this changes no environment.
 """
 
 import asyncio

@@ -1,15 +1,11 @@
 """An `EngineCore` in its own process, serving any number of frontend processes over ZMQ
-(the wire protocol: `v1.engine.protocol`).
+(`v1.engine.protocol`).
 
-`EngineCoreProc.run_engine_core` is the process's main (started by `v1.engine.launch`, with
-fork or spawn): it builds the core, reports ready or the startup error through a pipe, then
-serves until terminated. One thread does it all: the busy loop handles the messages waiting
-at the input socket, steps the core and sends the outputs, and blocks on the socket only
-when the core is idle (why one thread: docs/serving.md, "The engine process").
-
-The process exits when the process that started it terminates it or dies (it watches its
-parent pid), so none is ever orphaned; it removes its ipc socket files when it exits. A
-client that has gone away (its DEALER disconnected) has its requests aborted.
+`EngineCoreProc.run_engine_core` is the process's main (started by `v1.engine.launch`): it
+builds the core, reports ready or the startup error through a pipe, then runs one busy loop
+(messages, step, outputs; blocking only when idle) until terminated. It exits when its parent
+terminates it or dies (never orphaned) and removes its ipc socket files; a client gone away has
+its requests aborted. Why one thread: docs/serving.md, "One thread in the engine process".
 """
 
 import ctypes

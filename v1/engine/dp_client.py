@@ -1,19 +1,12 @@
 """Data parallelism: N engine-core processes behind one client, as vLLM's DP.
 
-`DPSyncMPClient` (for `LLM`) and `DPAsyncMPClient` (for `AsyncLLM`) start
-`data_parallel_size` ordinary `EngineCoreProc`s at once, each with its own scheduler, KV cache
-and address, and torch threads = cores // N (at least 1). Each core has its own connection
-(`MPClient`); the client merges their outputs into one stream, so callers use it as a
-single-core client. Cores registered from other hosts (`dp_headless`) or run as Ray actors
-(`dp_ray`) are connected over TCP and treated alike.
+`DPSyncMPClient` (for `LLM`) and `DPAsyncMPClient` (for `AsyncLLM`) start `data_parallel_size`
+ordinary `EngineCoreProc`s (torch threads = cores // N), or connect cores from other hosts
+(`dp_headless`) or Ray actors (`dp_ray`) over TCP, and merge their outputs into one stream.
 
-Contract: `DPRouter` picks each request's core (`data_parallel_rank` pins one); the client
-remembers each live request's core, so aborts go where it is. A core that dies fails only the
-requests it held, with `EngineCoreDeadError` in the output stream, and is never routed to
-again (`dead_engines`); the client is dead only when every core is. Utilities go to every live
-core: `get_stats` returns a `DPSchedulerStats` (the total, with each core's own),
-`reset_prefix_cache` is true when every core reset. Shutdown terminates every core; each core
-also exits when this process dies.
+Contract: `DPRouter` picks each request's core, and aborts go where it is; a dead core fails
+only its requests (`EngineCoreDeadError`) and is never routed to again; the client is dead only
+when every core is. Utilities go to every live core (`get_stats`: a `DPSchedulerStats`).
 """
 
 import asyncio

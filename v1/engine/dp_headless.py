@@ -1,13 +1,10 @@
 """Data-parallel engine cores on another host, without Ray: vLLM's `--headless`.
 
-The frontend runs ranks 0..data_parallel_size_local-1 itself and waits at
-`tcp://data_parallel_address:data_parallel_rpc_port` for the others. Each other host runs
-`python -m v1 serve --headless --data-parallel-start-rank R ...` (docs/data-parallel.md),
-which starts its L cores, each an `EngineCoreProc` bound to `tcp://ITS_IP:PORT` (the address
-this host reaches the frontend from), and sends REGISTER [(rank, address), ...]; the frontend
-connects to each as to any core. The registration connection stays open: when the frontend
-goes away, or on SIGTERM/SIGINT, the headless process stops its cores and exits (they exit if
-it dies too). A headless core that dies fails only its own requests.
+The frontend runs its local ranks and waits at `tcp://data_parallel_address:
+data_parallel_rpc_port`; each other host (`serve --headless --data-parallel-start-rank R`)
+starts its cores on `tcp://ITS_IP:PORT` and sends REGISTER [(rank, address), ...]. The
+registration connection stays open: when the frontend goes away, or on SIGTERM/SIGINT, the
+headless process stops its cores and exits. Details: docs/data-parallel.md.
 """
 
 import logging

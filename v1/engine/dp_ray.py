@@ -1,13 +1,10 @@
 """Data-parallel engine cores as Ray actors: `data_parallel_backend="ray"` (vLLM's), for cores
 on more than one host.
 
-The client joins whatever cluster `ray.init()` finds (or a local one it starts and stops),
-reserves a placement group of `data_parallel_size` bundles of {"CPU": cluster CPUs // N} and
-starts one `EngineCoreActor` in each: an ordinary `EngineCore` served by `EngineCoreProc` on
-`tcp://ITS_NODE_IP:PORT`, connected to as any core. Ray places the cores; ZMQ carries the data.
-Ray restarts nothing (max_restarts=0): a dead actor is a dead core, its requests failing with
-`EngineCoreDeadError`. Shutdown kills the actors and removes the group; Ray kills them too if
-the frontend dies.
+A placement group of `data_parallel_size` bundles, one `EngineCoreActor` in each: an ordinary
+`EngineCoreProc` on `tcp://ITS_NODE_IP:PORT`, connected to as any core (Ray places, ZMQ carries).
+Ray restarts nothing: a dead actor is a dead core. Shutdown kills the actors and removes the
+group. Details: docs/data-parallel.md.
 """
 
 import logging

@@ -1,26 +1,15 @@
 """Which data-parallel engine core gets a request (pure Python: no torch, no sockets).
 
-Each core has its own KV cache, so the router sends a request where its prefix most likely
-is cached, unless that core is too busy; docs/data-parallel.md gives the reasoning and the
-defaults' reasons.
+Each core has its own KV cache, so a request goes where its prefix most likely is cached
+(`mirrors[i]`: an LRU of the block hashes sent to core i, hashed as the KV cache does), a new
+prefix to a home core chosen by footprint per cache block, unless `LoadGuard` finds the chosen
+core too busy (score = 4 x waiting + running). The rules and their reasons:
+docs/data-parallel.md, "How the router chooses a core".
 
-- Affinity: the prompt's full blocks are hashed as the KV cache hashes them
-  (`hash_block_tokens`, the cores' block size, `cache_salt` in the first block). Per core,
-  `mirrors[i]` is an LRU of the hashes sent there, at most that core's blocks, touched tail
-  first; the request goes to the core whose mirror holds the longest run of its leading
-  hashes. A prompt shorter than a block is keyed by all its tokens.
-- Homes: a prefix (keyed by its first block's hash) has one home core, `homes[key] =
-  (core, blocks)`; a new prefix goes where it leaves the least footprint per cache block,
-  ties broken by rendezvous order of its key.
-- Load guard (`LoadGuard`): affinity yields to the least-loaded core when score(chosen) >
-  ratio x score(least) + slack + saved blocks, or when the chosen core's KV cache would pass
-  `kv_threshold` while another's would not; score = 4 x waiting + running.
-
-Invariants: one home per prefix, set only by its key's first request (among equal runs the
-home wins, then rendezvous order); footprint[i] == the sum of the blocks of core i's homes;
-the homes' blocks stay within the cluster's cache (LRU beyond); a dead or reset core has no
-homes; dead cores are never chosen. `round_robin` and `least_loaded` ignore prefixes (the
-baselines of bench/bench_dp.py); `data_parallel_rank` pins a core, and updates its mirror.
+Invariants: one home per prefix, set only by its key's first request; footprint[i] == the
+sum of the blocks of core i's homes; the homes' blocks stay within the cluster's cache (LRU
+beyond); a dead or reset core has no homes; dead cores are never chosen. `round_robin` and
+`least_loaded` ignore prefixes; `data_parallel_rank` pins a core, and updates its mirror.
 """
 
 import numbers

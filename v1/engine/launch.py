@@ -1,18 +1,11 @@
 """Starting and stopping engine-core processes.
 
 `EngineLaunch` starts one (`EngineCoreProc.run_engine_core` is its main) and `wait()`s for its
-model to load; several launches load their models at once (data parallelism).
-`launch_engine_core` is both in one call. A failure to start (a bad model path, an address in
-use) is raised in the caller as the engine raised it: a ValueError stays a ValueError with the
-same message.
-
-Start method (`engine_start_method`): `fork` (a script needs no `if __name__ == "__main__":`
-guard) unless V1_WORKER_MULTIPROC_METHOD=spawn, or fork is unsafe here (CUDA initialised),
-where it is `spawn`, which runs the main script again, and a warning says why.
-
-OpenMP's wait policy: a spawned engine starts with OMP_WAIT_POLICY=PASSIVE in its environment
-unless the caller's environment sets one; a forked engine keeps the OpenMP runtime of this
-process, which `v1.engine` loaded passively (`v1.engine.openmp`; docs/serving.md).
+model to load, so several launches load at once (data parallelism); `launch_engine_core` is
+both in one call. A failure to start is raised in the caller as the engine raised it (same type
+and message). The start method is `fork` unless V1_WORKER_MULTIPROC_METHOD=spawn or CUDA is
+initialised (then `spawn`, with a warning); a spawned engine gets OMP_WAIT_POLICY=PASSIVE unless
+the caller's environment sets one (docs/serving.md, "The engine process").
 """
 
 import contextlib

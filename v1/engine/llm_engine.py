@@ -1,19 +1,10 @@
-"""The synchronous frontend: processor -> engine core client -> output processor, used as
-vLLM's `LLMEngine`:
+"""The synchronous frontend, vLLM's `LLMEngine`: processor -> engine core client -> output
+processor (`add_request`, then `step()` while `has_unfinished_requests()`).
 
-    engine = LLMEngine.from_engine_args(EngineArgs())
-    engine.add_request("r1", "Hello", SamplingParams(max_tokens=8))
-    while engine.has_unfinished_requests():
-        for out in engine.step():       # each request's outputs, of its params' output_kind
-            ...
-
-Callers name requests by their own ids; the engine core knows each request by the internal
-id the processor gives it (see `EngineCoreRequest`). With `log_stats`, each step's
-per-request latencies go to the Prometheus metrics that `get_metrics()` reads.
-
-With data parallelism (a `DPSyncMPClient`), `data_parallel_rank` pins a request to a core,
-and a core that dies fails the requests it held: `step()` raises its `EngineCoreDeadError`
-once it has forgotten them; the engine serves on with the other cores.
+Callers name requests by their own ids; the core knows each by the internal id the processor
+gives it. With `log_stats`, per-request latencies go to the metrics `get_metrics()` reads. With
+data parallelism a core that dies fails only its requests: `step()` raises its
+`EngineCoreDeadError` once it has forgotten them, and the engine serves on.
 """
 
 import weakref

@@ -1,12 +1,10 @@
 """Torch loaded under OpenMP's passive wait policy, for a process that will run an engine.
 
 libgomp reads `OMP_WAIT_POLICY` once, as torch loads, and a forked engine keeps its parent's
-runtime. Unless passive, OpenMP's threads spin after each parallel region and take the CPU
-from the kernels' worker pool and the frontend: on 2 busy cores, a batch of prompts sharing a
-system prompt ran 6.7x slower (`bench/bench_ab.py passive=. unset=.,OMP_WAIT_POLICY=
---workloads prefix`). The policy is in the environment only while torch loads: afterwards
-the environment is as before, so the caller's own subprocesses (a llama.cpp, another torch
-job) do not inherit it. A policy the caller set, or a torch already loaded, is left alone.
+runtime; spinning OpenMP threads take the CPU from the kernels' pool and the frontend. The
+policy is in the environment only while torch loads (the caller's subprocesses do not inherit
+it); a policy the caller set, or a torch already loaded, is left alone. Measurements:
+docs/serving.md, "OpenMP's wait policy".
 """
 
 import os

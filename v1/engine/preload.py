@@ -1,12 +1,9 @@
 """Declared prefixes (`--preload-prompts FILE`, `LLM(preload_prompts=[...])`): system prompts
-computed when the engine core starts and pinned in its prefix cache.
+computed when the engine core starts and pinned in its prefix cache (docs/prefix-cache.md).
 
-Each prompt is a string (tokenized as a completion prompt, special tokens added), a list of
-chat messages (rendered by the chat template without a generation prompt, so a system message
-declared alone prefixes every conversation starting with it), or token ids (checked against the
-vocabulary). The file, a JSON list of them, is read with the engine arguments, before the model
-loads. Only full blocks are pinned; `EngineCore.preload` computes and pins one prompt at a time,
-so a later one never evicts an earlier one.
+A prompt is a string (a completion prompt), chat messages (the template without a generation
+prompt, so a system message prefixes every conversation starting with it) or token ids. The
+file is read with the engine arguments; prompts are pinned one at a time, full blocks only.
 """
 
 from typing import Any

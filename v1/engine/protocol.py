@@ -1,34 +1,17 @@
 """The wire protocol between an engine core process and its clients (msgspec over ZMQ).
 
-An engine core at ADDRESS (`ipc://PATH`, by default in a fresh temp dir, or
-`tcp://HOST:PORT`) binds two sockets:
+A core at ADDRESS (`ipc://PATH` or `tcp://HOST:PORT`) binds a PULL socket there for input and
+a ROUTER at `output_address(ADDRESS)` for output; client i connects a DEALER with routing id
+`client_routing_id(i)` and receives only its own messages. Every message is two frames,
+[type, msgpack]:
 
-- input: a PULL socket at ADDRESS. Clients PUSH two frames, [EngineCoreRequestType, msgpack]:
-    HELLO    client_index: int      answered by READY
-    ADD      EngineCoreRequest      answered by OUTPUTS, step by step, until it finishes
-    ABORT    list[str] request ids  no answer (the client has forgotten them already)
-    UTILITY  UtilityRequest         answered by UTILITY_RESULT (an error there is the
-                                    caller's, e.g. a failed check_integrity; the core serves on)
-- output: a ROUTER socket at `output_address(ADDRESS)` (PATH + "-out", or PORT + 1).
-  Client i connects a DEALER with routing id `client_routing_id(i)` and receives only its
-  own messages, two frames [EngineCoreOutputType, msgpack]:
-    READY           EngineCoreReady: the model facts a frontend needs (it loads only the
-                    tokenizer, from `model_dir`), and the KV cache's shape (block size,
-                    number of blocks, prefix caching on or off: a data-parallel client
-                    routes by it, see `v1.engine.dp_router`)
-    OUTPUTS         EngineCoreOutputs of this client's requests, with the core's
-                    `scheduler_stats` (waiting/running counts, KV usage) as of that step:
-                    the load figures a data-parallel client balances by; with
-                    `engine_error` set it is the death notice, sent to every client when the
-                    busy loop ends (an exception, e.g. in the model, or shutdown), and the
-                    last message
-    UTILITY_RESULT  UtilityResult
+    in:  HELLO -> READY; ADD -> OUTPUTS, step by step; ABORT (no answer);
+         UTILITY -> UTILITY_RESULT (an error there is the caller's; the core serves on)
+    out: OUTPUTS carry `scheduler_stats`; with `engine_error` set, the last message
 
-A client connects its DEALER, then sends HELLO and waits for READY. Request ids (in ADD,
-ABORT and OUTPUTS) are the frontends' internal ids, the caller's id plus a uuid (see
-`EngineCoreRequest`), so they are unique across the clients of one engine and for its life;
-an id already in the core is refused. When a client is gone (its DEALER disconnected),
-the core aborts its requests.
+Request ids are the frontends' internal ids, unique per engine for its life (a duplicate is
+refused); a client's requests are aborted when its DEALER disconnects. Each message in full:
+docs/serving.md, "The wire protocol".
 """
 
 import enum

@@ -1,19 +1,10 @@
 """Structured output with xgrammar: compile grammars off the step loop, fill token bitmasks.
 
-xgrammar over llguidance, by `bench/bench_grammar.py` (the default model's 49152-token
-vocabulary, a small JSON schema): xgrammar compiles in ~5 ms and fills a mask in ~10 us per
-token; llguidance compiles in ~1 ms but fills a mask in ~75 us. The mask is filled every step
-for every structured request, so it is what counts.
-
-The scheduler sees this manager through `StructuredOutputManagerProtocol` (torch-free): it
-calls `grammar_init` when a request arrives (the request waits in WAITING_FOR_FSM until its
-`grammar_future` is done) and `grammar_bitmask` for the step's structured rows.
-
-Compiled grammars are kept for reuse in an LRU bounded by bytes, as vLLM's (the engine core
-sizes it from `VLLM_XGRAMMAR_CACHE_MB`, vLLM's variable, 512 MiB by default: `v1.envs`). Not
-xgrammar's own cache (`GrammarCompiler(cache_limit_bytes=...)`): it can only be asked by
-compiling, on the grammar thread, so a request whose grammar is cached would wait there
-behind another request's long compilation; ours answers on the scheduler's thread.
+The scheduler sees this manager through `StructuredOutputManagerProtocol` (torch-free):
+`grammar_init` when a request arrives (it waits in WAITING_FOR_FSM until its `grammar_future`
+is done) and `grammar_bitmask` for the step's structured rows. Compiled grammars are kept in
+our own byte-bounded LRU (`VLLM_XGRAMMAR_CACHE_MB`), answered on the scheduler's thread. Why
+xgrammar, and why not its own cache: docs/serving.md, "Structured output".
 """
 
 import json

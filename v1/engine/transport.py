@@ -1,12 +1,9 @@
 """One client's connection to an engine core process over ZMQ (`v1.engine.protocol`).
 
-`EngineConnection` owns the client's two sockets: a PUSH to the core's input and a DEALER on
-its output, with a monitor that sees the DEALER's disconnection. `hello()` makes the
-handshake (HELLO, then READY within `CONNECT_TIMEOUT_S` for an engine this client did not
-start); `send()` sends one message; `receive()` is the body of the client's receiver thread:
-it hands each message to its callbacks and raises `EngineDeadError` when the engine is gone
-(its death notice, a disconnection, or, for an engine this client started, the process's
-exit). Sends and receives happen on different threads; each socket is used by one.
+`EngineConnection` owns a PUSH to the core's input and a DEALER on its output (monitored for
+disconnection): `hello()` handshakes, `send()` sends, and `receive()`, the receiver thread's
+body, hands messages to callbacks and raises `EngineDeadError` when the engine is gone. Each
+socket is used by one thread.
 """
 
 import threading

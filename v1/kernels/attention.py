@@ -1,14 +1,11 @@
 """Bindings of the paged decode kernel and cache write (csrc/paged_decode.h), for the torch
-attention backend (`v1.attention.backends.torch_attn`, whose docstring says what it serves).
+attention backend (`v1.attention.backends.torch_attn`).
 
-A step's entries (which query row attends to which key positions through which block-table
-row) are checked once per step and cache shape by `PagedDecodeKernel.bind`: the table's
-block ids against the cache, its width against the longest entry, the slots against the
-cache's capacity, every index against what it indexes. Each layer's call then checks the
-tensors (dtypes, shapes, that each row's heads are contiguous: a row that is not is copied),
-and outputs must be fp32 with contiguous rows. Anything else raises ValueError naming the
-argument. Entries run on the library's worker pool, torch.get_num_threads() of the thread
-that binds the step.
+`PagedDecodeKernel.bind` checks a step's entries once per step and cache shape (block ids
+against the cache, the table's width against the longest entry, slots against its capacity,
+every index against what it indexes); each layer's call then checks its tensors (dtypes, shapes,
+contiguous heads per row, else copied; fp32 outputs with contiguous rows). Anything else raises
+ValueError naming the argument.
 """
 
 import ctypes

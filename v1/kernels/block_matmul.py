@@ -1,15 +1,12 @@
 """Bindings of the kernel table's block-quantized matmuls (csrc/block_types.h), for
-`v1.models.layers.quantized.QuantizedWeight`, whose docstring says which path serves which batch.
+`v1.models.layers.quantized.QuantizedWeight`.
 
-The table is read from the library at bind time: each weight type's name, block layout and
-kernels (`BlockType`); a library whose table disagrees with the GGUF formats below, or whose
-structs disagree with the mirrors here (`structs.check_layout`), is refused with
-`LayoutError`. Each call checks what the C assumes, raising ValueError naming the argument:
-blocks uint8, contiguous, [N, K / block elems * block bytes] (`QuantBlocks`: once, and again
-when they change); activations fp32 [M, K] whose rows are each contiguous (any distance
-apart); bias fp32 [N] exactly (a broadcastable one would be read past its end); all on the
-CPU. Outputs are allocated here, fp32 whatever torch's default dtype. The pool's threads:
-torch.get_num_threads() of the calling thread, per call.
+The table is read from the library at bind time (`BlockType`: each weight type's name, block
+layout and kernels); a library whose table disagrees with the GGUF formats, or whose structs
+disagree with the mirrors (`structs.check_layout`), is refused with `LayoutError`. Each call
+checks what the C assumes (ValueError naming the argument): uint8 contiguous blocks
+[N, K / block elems * block bytes]; fp32 activations [M, K], each row contiguous; fp32 bias of
+exactly [N] (a broadcastable one would be read past its end); all on the CPU. Outputs are fp32.
 """
 
 import ctypes

@@ -1,11 +1,8 @@
 """Bindings of the elementwise ops (csrc/elementwise.c): RMSNorm fused with the residual add,
-RoPE in place, SiLU-and-mul, for `v1.models.layers.ops`, whose `TorchOps` is the reference
-they match (RoPE and the add bit for bit; the norm's sum and SiLU's exp within ~1 ulp).
-
-Each op takes fp32 CPU tensors whose rows are each contiguous (rows any distance apart, as
-in views of a fused projection); anything else raises ValueError naming the argument.
-Outputs are allocated here: fp32 and contiguous, whatever the inputs' strides or torch's
-default dtype.
+RoPE in place, SiLU-and-mul, matching `v1.models.layers.ops.TorchOps` (docs/benchmarks.md,
+"Elementwise ops"). Each op takes fp32 CPU tensors whose rows are each contiguous (any
+distance apart, as in views of a fused projection), else ValueError naming the argument, and
+allocates fp32 contiguous outputs.
 """
 
 import ctypes

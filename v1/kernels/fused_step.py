@@ -1,21 +1,12 @@
-"""Bindings of the fused decode step (csrc/fused_decode_step.c), for
-`v1.models.fused_decode`: every layer of a decoder whose step holds only generated tokens'
-rows, in one C call that runs the per-op path's kernels (RMSNorm, the kernel table's
-block-quantized matmuls, RoPE, the paged decode kernel, SiLU-and-mul) in its order, so its
-results are the same bits.
+"""Bindings of the fused decode step (csrc/fused_decode_step.c) for `v1.models.fused_decode`:
+every layer of an all-decode step in one C call, running the per-op path's kernels in its
+order, so its results are the same bits.
 
-What the C reads is checked here, raising ValueError naming the argument:
-- `DecoderLayers`, built once per set of weights: each layer's norm weights (contiguous fp32
-  [hidden]), projections (`QuantBlocks` of the shapes the heads and sizes imply) and biases
-  (contiguous fp32 [N], or none), all on the CPU. `unchanged()` says whether every tensor still
-  has the stamp it was checked with (`tensors.stamp`); the caller builds a new one otherwise.
-- per call: the hidden states (contiguous fp32 [T, hidden]), the RoPE tables (contiguous fp32
-  [T, 1, head_dim]), the attention step (`PagedDecodeKernel.bind`'s, for caches of this head
-  layout, its entries reading query rows below T and its slots at most T), one cache per
-  layer (contiguous, the kernel's dtype, the step's shape), checked again only when their
-  stamps or the step's shape change (they are the same tensors every step).
-The scratch buffers (norm outputs, projections' outputs) are `DecoderLayers`' own, grown to
-the step's rows and reused: one call at a time per `DecoderLayers` (one per model).
+What the C reads is checked here (ValueError naming the argument): `DecoderLayers`, built once
+per set of weights (norms, `QuantBlocks` projections, biases; `unchanged()` compares the
+tensors' stamps), and per call the hidden states, RoPE tables, attention step and caches
+(checked again only when their stamps or the step's shape change). The scratch buffers are
+`DecoderLayers`' own: one call at a time per `DecoderLayers` (one per model).
 """
 
 import ctypes

@@ -1,18 +1,13 @@
 """The kernel library of this process: the best variant for this CPU, checked, loaded once.
 
-The libraries are built with the package (setup.py, variants in `variants.py`) and sit beside
-this file; nothing is compiled at run time. Before a library is loaded with ctypes it must be
-a whole ELF file (a truncated one would fault at load); after, it must say it was built from
-the C sources beside it (`v1_sources_hash`: an editable install whose C changed since gets a
-warning to rebuild, not a library whose functions take other arguments).
+The libraries are built with the package (`variants.py`) and sit beside this file; nothing is
+compiled at run time. A library is loaded only if it is a whole ELF file, and must report the
+hash of the C sources beside it (`v1_sources_hash`; a stale editable build gets a warning).
 
 `library(setting)`: the setting's library; None means V1_CPU_KERNELS as the environment holds
-it at the call (`v1.envs`; tests switch it):
-  unset, 1, on     the best variant this CPU runs (variants.py), the next one if it is missing
-  0, off           none: every caller takes its torch path
-  native, asan     the -march=native build, or the best sanitizer build (see setup.py)
-  a variant name   that one (x86_64_v3, portable_asan, ...)
-Without a library the callers run torch, several times slower: one WARNING says so, once.
+it at the call (`v1.envs`): unset/1/on the best variant this CPU runs (the next if missing),
+0/off none (callers take their torch path; one WARNING), native or asan those builds, or a
+variant's name.
 """
 
 import ctypes

@@ -1,19 +1,11 @@
 """What the kernel libraries are built from and for which CPUs: read by `setup.py` (the build)
 and by `v1.kernels.library` (the choice at import), so it imports nothing of v1's.
 
-Every variant is one shared library, `v1/kernels/_v1_<variant>.so`, holding every kernel
-(one worker pool for all of them). On x86-64 the build makes three, the way llama.cpp's
-GGML_CPU_ALL_VARIANTS does, and the loader takes the best one whose CPU flags
-(`/proc/cpuinfo`) this machine has:
-- x86_64_v4: AVX-512 (F, BW, CD, DQ, VL) and AVX-512 VNNI: the block kernels' tiles are sized
-  for its 32 registers of 16 floats and the int8 path's dot product is vpdpbusd;
-- x86_64_v3: AVX2, FMA, F16C (Haswell and Zen 1 on; also AVX-512 CPUs without VNNI);
-- portable: the architecture's baseline (x86-64: SSE2; no fp16 KV-cache kernel), -O2: at -O3
-  GCC spends minutes on the block kernels' 64-byte vectors split into SSE registers.
-Elsewhere only "portable" is built. Two more are built on request, never chosen by
-themselves: "native" (`-march=native`, for development: `make kernels-native`, then
-V1_CPU_KERNELS=native) and the sanitizer builds `<variant>_asan` (AddressSanitizer +
-UBSan: `make sanitize`).
+Every variant is one shared library, `v1/kernels/_v1_<variant>.so`, holding every kernel. On
+x86-64 the build makes x86_64_v4 (AVX-512 + VNNI), x86_64_v3 (AVX2, FMA, F16C) and portable
+(the baseline, -O2); elsewhere only portable. "native" and the `<variant>_asan` sanitizer builds
+are made on request and never chosen by themselves. Why these: docs/kernels.md,
+"Adding an instruction set".
 """
 
 import hashlib

@@ -1,19 +1,15 @@
 """The model's linear layers with LoRA: one batched pass adds every row's adapter delta.
 
-Each adapted `Linear` (qkv_proj, o_proj, gate_up_proj, down_proj) is wrapped in a
-`LinearWithLoRA` holding `max_loras` slots. A fused projection keeps its sub-projections' A
-matrices stacked along the rank ("shrink", [slots, n * R, in]) and their B matrices
-block-diagonal ("expand", [slots, n * R, out]), R = max_lora_rank, smaller ranks zero-padded,
-the scale folded into B. For the step's rows x and the first k slots in use:
+Each adapted `Linear` is wrapped in a `LinearWithLoRA` of `max_loras` slots: A matrices
+stacked along the rank ("shrink", [slots, n * R, in]), B block-diagonal ("expand",
+[slots, n * R, out]), R = max_lora_rank, smaller ranks zero-padded, the scale folded into B.
+For the step's rows x and the first k slots in use:
 
     h     = x @ shrink[:k].T                 [T, k * n * R]    (one GEMM: every slot at once)
     h    *= mask                             the row's own slot kept, the others zeroed
     y     = base(x) + h @ expand[:k]         (one GEMM)
 
-vLLM's punica shrink/expand with the per-row adapter index as a mask: no per-row gather, no
-loop over adapters. A row without an adapter gets base(x) + 0 exactly, and a row's result does
-not depend on the rest of its step; a step without adapter rows skips LoRA (k = 0). The base
-layer is untouched, so the delta adds to whatever form its weight has.
+A row without an adapter gets base(x) + 0 exactly; a step without adapter rows skips LoRA.
 """
 
 from dataclasses import dataclass

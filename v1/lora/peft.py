@@ -1,12 +1,10 @@
 """PEFT adapter folders: `adapter_config.json` beside `adapter_model.safetensors`, as
 `peft`'s `save_pretrained` writes them.
 
-What is read: `r`, `lora_alpha`, `use_rslora` (scale alpha / sqrt(r) instead of alpha / r)
-and the tensors `base_model.model.model.layers.<i>.<self_attn|mlp>.<proj>.lora_<A|B>.weight`
-for the projections of `TARGET_MODULES`; a module's rank is its A's rows, so `rank_pattern`
-needs nothing more. What changes the model in ways this engine does not apply is refused
-with a ValueError naming it (DoRA, trained biases, `modules_to_save`, `alpha_pattern`,
-adapters on the embeddings or the LM head), rather than served wrong.
+Read: `r`, `lora_alpha`, `use_rslora` (alpha / sqrt(r)) and the A/B tensors of
+`TARGET_MODULES`, a module's rank being its A's rows (so `rank_pattern` works). What this engine
+cannot apply is a ValueError naming it (DoRA, trained biases, `modules_to_save`,
+`alpha_pattern`, embedding or LM-head adapters), rather than served wrong.
 """
 
 import json

@@ -1,11 +1,8 @@
-"""The engine's Prometheus metrics, under vLLM's names and labels so that its dashboards and
-scrape configs work unchanged: the server's GET /metrics and `LLM.get_metrics()`.
-
-Two sources: the engine core's `SchedulerStats` (cumulative since the core started), fetched
-at each scrape, and the frontend's per-request latencies (`IterationStats`), recorded as
-outputs arrive. With data parallelism the engine-core series come per core, labelled `engine`
-(a dead core's disappear); latencies are over all cores, unlabelled. Each server (or `LLM`)
-has its own `CollectorRegistry`, so several may live in one process.
+"""The engine's Prometheus metrics under vLLM's names and labels (its dashboards work unchanged),
+for GET /metrics and `LLM.get_metrics()`: the core's cumulative `SchedulerStats`, fetched at
+each scrape, and the frontend's per-request latencies (`IterationStats`). Under data
+parallelism core series are labelled `engine` (a dead core's disappear). Each server or `LLM`
+has its own `CollectorRegistry`.
 """
 
 from collections.abc import Iterator

@@ -1,16 +1,10 @@
-"""The BERT family as pooling models: `BertModel`, `XLMRobertaModel` (and RoBERTa), and
-`BertForSequenceClassification` / `XLMRobertaForSequenceClassification` (cross-encoders and
-classifiers such as bge-reranker).
+"""The BERT family as pooling models: `BertModel`, `XLMRobertaModel` (and RoBERTa), and their
+`...ForSequenceClassification` (cross-encoders, classifiers such as bge-reranker).
 
-An encoder: bidirectional attention (ENCODER_ONLY: every sequence whole in its step, no KV
-cache, so `v1.engine.pooling` turns chunked prefill and prefix caching off), learned absolute
-positions (RoBERTa's start at pad_token_id + 1), token-type embeddings, post-norm layers with
-GELU. `forward` returns the last hidden states for the pooler; `classify` maps the pooled CLS
-state through BERT's pooler and classifier, or RoBERTa's classification head.
-
-Token types: 0 for a single text; in a pair (`[CLS] a [SEP] b [SEP]`) 1 from the token after
-the first [SEP] on, derived from the token ids (`sep_token_id`), since requests carry ids only.
-q/k/v are one fused `qkv_proj`; `load_weights` maps HF names onto the shorter ones (`_RENAMES`).
+An encoder (ENCODER_ONLY attention, no KV cache; learned positions, RoBERTa's from
+pad_token_id + 1; post-norm GELU layers). `forward` returns the last hidden states; `classify`
+maps the pooled CLS state through the pooler and classifier. Token types are derived from the
+ids: 1 from the token after the first [SEP] of a pair on, since requests carry ids only.
 """
 
 from collections.abc import Iterable

@@ -1,17 +1,11 @@
 """The decoder-only transformer every supported architecture is an instance of, over the paged
 KV cache.
 
-One forward runs every scheduled token of the step (prefill chunks and decodes of many
-requests, packed into one flat [T] batch); only attention needs to know which token sees which
-context (the backend, through `AttentionMetadata`), everything else is per token.
-
-An architecture (`v1/models/<arch>.py`) is a `DecoderForCausalLM` subclass that says what its
-layers look like (`layer_spec`, one `LayerSpec` per layer) and, where its block is not the
-usual pre-norm one, its own `layer_cls`. Embedding, final norm, LM head, RoPE tables and weight
-loading live here, once. Layout differences from transformers, for speed: fused `qkv_proj` and
-`gate_up_proj` (`load_weights` copies each HF tensor into its slice), a precomputed cos/sin
-table, each residual add fused into the norm after it. Parameters are created uninitialised:
-weights always come from a checkpoint; each weight matrix is a `Linear` (see linear.py).
+One forward runs every scheduled token of the step, packed into one flat [T] batch; only
+attention knows which token sees which context (`AttentionMetadata`). An architecture
+(`v1/models/<arch>.py`) subclasses `DecoderForCausalLM` with its `layer_spec` and, where its
+block is not the usual pre-norm one, its `layer_cls`; embedding, final norm, LM head, RoPE and
+weight loading live here. Layout differences from transformers: docs/models.md, "Architectures".
 """
 
 from collections.abc import Iterable

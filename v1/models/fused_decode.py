@@ -1,15 +1,9 @@
-"""The decoder layers of a decode step as one C call (`v1.kernels.fused_step`), computing bit for
-bit what the per-op path computes: the same kernels, in the same order, on the same shapes.
+"""The decoder layers of a decode step as one C call (`v1.kernels.fused_step`), bit for bit what
+the per-op path computes: the same kernels, in the same order, on the same shapes.
 
-Whether the layers can run fused is decided once, when the weights are loaded (`replan`), and
-again only by an explicit `replan` when something changes the layers' modules or weights
-(LoRA's wrappers: `v1.lora.worker_manager` calls it). The layers qualify when every one is a
-plain pre-norm layer (`PreNormDecoderLayer.fused_weights`: silu MLP, no q/k or unit-offset
-norms, GGUF blocks in plain `Linear`s), they share one RoPE table and one head shape, and the
-library has the fused entry point; when they do not, one INFO line says why. Which steps run
-fused is the step plan's business (`v1.models.step_plan`): only what depends on the step is
-checked there. Why: at batch 1 the per-op path's Python costs about as much as its C calls
-(docs/benchmarks.md, "Fused decode step").
+Whether the layers can run fused is decided once, at load (`replan`), and again only by an
+explicit `replan` (LoRA's wrappers); when they cannot, one INFO line says why. Which steps run
+fused is the step plan's business. Why: docs/benchmarks.md, "Fused decode step".
 """
 
 import logging

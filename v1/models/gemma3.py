@@ -1,14 +1,10 @@
 """Gemma 3, text only (`Gemma3ForCausalLM`: gemma-3-1b and -270m; the multimodal
 `Gemma3ForConditionalGeneration` is not supported).
 
-What differs from Llama: embeddings scaled by sqrt(hidden_size) (rounded to the model dtype);
-every RMSNorm is `(1 + w) * norm(x)` in fp32; four norms per layer (attention and MLP outputs
-normalised before their residual adds); per-head RMSNorm of q and k before RoPE; a gelu-tanh
-gate; scores scaled by query_pre_attn_scalar ** -0.5; local layers (`layer_types`, or all but
-every `sliding_window_pattern`-th) attend within `sliding_window` with their own RoPE base
-(`rope_local_base_freq`), global ones use `rope_theta` and `rope_scaling`; optional final
-logit soft-capping. Configs setting `attn_logit_softcapping` or `use_bidirectional_attention`
-are refused.
+What differs from Llama (docs/models.md, "Architectures"): scaled embeddings, `(1 + w)` fp32
+RMSNorms, four norms per layer, q/k norms, a gelu-tanh gate, local (windowed, own RoPE base) and
+global layers, optional final logit soft-capping. Configs setting `attn_logit_softcapping` or
+`use_bidirectional_attention` are refused.
 """
 
 from dataclasses import replace

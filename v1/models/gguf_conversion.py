@@ -1,17 +1,11 @@
 """A GGUF file (llama.cpp's format) as an HF checkpoint: config, tensor names, and the weight
-changes llama.cpp's converter made, undone.
+changes llama.cpp's converter made, undone (llama, Mistral, qwen2, qwen3, gemma3, phi3).
 
-Architectures: llama (Mistral too), qwen2, qwen3, gemma3, phi3. Per architecture, conversion
-undoes:
-- tensor names: `blk.N.attn_q` is `model.layers.N.self_attn.q_proj`, and so on; the map
-  differs by architecture (`ffn_norm` is Llama's post-attention norm, Gemma 3's
-  pre-feed-forward one);
-- q/k row order: for llama only, llama.cpp permutes each head's q and k rows (and biases) for
-  its interleaved RoPE; the others it converts as NEOX-RoPE models and leaves alone;
-- Gemma norms: llama.cpp stores `1 + w`, HF (and `RMSNorm(unit_offset)`) `w`.
-Config keys missing from a GGUF's metadata take the values llama.cpp assumes. `iter_hf_tensors`
-yields the HF-named tensors once for both uses: the cached fp32 checkpoint, and
-quantization="gguf", whose blocks the row un-permutation moves whole.
+Undone per architecture: tensor names (`blk.N.attn_q` -> `model.layers.N.self_attn.q_proj`;
+`ffn_norm` is Llama's post-attention norm, Gemma 3's pre-feed-forward one); llama's per-head
+permutation of q/k rows and biases (for its interleaved RoPE); Gemma's stored `1 + w` norms.
+Missing config keys take llama.cpp's values. `iter_hf_tensors` serves both the cached fp32
+checkpoint and quantization="gguf", whose blocks the row un-permutation moves whole.
 """
 
 import logging

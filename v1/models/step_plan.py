@@ -1,12 +1,9 @@
 """The plan of one step: which path each part of its forward takes, decided once before the
-forward and passed down to every layer (layers read it from their arguments; nothing on a
-step's path reads a thread-local or the environment).
+forward and passed down to every layer (no thread-local or environment read on the step path).
 
-`StepPlanner` is made once per model runner with the settings read from the environment
-(`PlanOptions.from_env`); `plan(metadata, kv_caches, is_prompt)` gives the step's `StepPlan`:
-the op set, each matmul row's path, the attention plans (kept in `metadata.plans`), and
-whether the decoder layers run as one fused C call. `StepPlan.path` names the paths taken, for
-tests and the DEBUG log.
+`StepPlanner` is made once per model runner (`PlanOptions.from_env`); `plan(metadata,
+kv_caches, is_prompt)` gives the `StepPlan`: op set, each matmul row's path, attention plans
+(in `metadata.plans`), fused or not. `StepPlan.path` names the paths taken (tests, DEBUG log).
 """
 
 import logging

@@ -1,11 +1,8 @@
 """Check the engine on a CUDA machine: `make gpu-check` (or `python -m v1.tools.gpu_check`),
-with random-weight models. Three checks, each reported on its own: kernels (the Triton ops
-against `paged_attention_reference`, NaN-poisoned so an unmasked read or unwritten row fails;
-timed on CUDA), parity (a small random Llama through `LLM` and transformers, greedy: fp32
-tokens equal and logprobs within 1e-3; the full-size model in bf16: first tokens agree >= 90%),
-timing (full-size bf16 prefill and decode tok/s). Output: a table, then one JSON line; exit code
-1 when a check fails or breaks, 2 when CUDA was asked for and is missing. `--device cpu` runs
-the same logic at tiny sizes in Triton's interpreter (CI). Details: docs/benchmarks.md.
+with random-weight models: kernels (Triton against `paged_attention_reference`), parity (fp32
+tokens equal transformers', bf16 first tokens agree >= 90%) and timing, each reported on its
+own. Exit code 1 when a check fails, 2 when CUDA was asked for and is missing; `--device cpu`
+runs it tiny in Triton's interpreter. Details: docs/benchmarks.md, "On a GPU".
 """
 
 import argparse

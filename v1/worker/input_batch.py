@@ -1,14 +1,10 @@
 """The persistent batch: per-request state in numpy rows that live across steps.
 
-Requests are added when first scheduled and removed when finished or preempted; between,
-steps send only deltas. Rows are kept dense (`condense()` fills holes from the end), so the
-first `num_reqs` rows are the batch, and `version` changes with every add, remove or move, so
-caches built from the rows know when to rebuild. Sampled tokens are written here at once: the
-runner never waits for the scheduler to echo them back (which lets the scheduler run ahead).
-
-Requests with repetition, frequency or presence penalties also keep token counts here, on the
-model's device, filled from all their tokens when added (a resumed request's included) and
-updated per sampled token; the tensors exist only once such a request does.
+Requests are added when first scheduled and removed when finished or preempted; between, steps
+send only deltas. Rows stay dense (`condense()`), so the first `num_reqs` rows are the batch,
+and `version` changes with every add, remove or move. Sampled tokens are written here at once,
+so the runner never waits for the scheduler to echo them. Penalty token counts live here too,
+on the model's device, only while a request with penalties exists.
 """
 
 import numpy as np

@@ -2,24 +2,17 @@
 directory keyed by everything that changes K/V. The scheduler's index
 (`v1.core.kv_disk_index`) decides what to read, write and delete; this does the I/O.
 
-Layout. `kv_cache_dir/<key>/`, <key> the hex xxh3-128 of `cache_key_facts` (a fingerprint of
-the weight files, architecture, layer and head counts, head size, dtype, KV cache dtype,
-quantization, block size; written to `meta.json` for people). Each block is
-`<32 hex digits of its hash>.kv`:
+Layout: `kv_cache_dir/<xxh3-128 of cache_key_facts>/<32 hex digits of the hash>.kv`
+(`meta.json` holds the facts, for people):
 
     header (24 bytes): magic b"v1kvblk1", payload length (u64), xxh3-64 of the payload (u64)
     payload: the block's K and V of every layer, [layers, 2, block_size, kv_heads, head_size]
              in the KV cache dtype, raw
 
-Contract: a block is written under a temporary name and renamed (`os.replace`), so a reader
-sees a complete file or none; a file whose size, magic or checksum is wrong is never used and
-is removed when read; temporary files older than `STALE_TMP_S` are removed at start-up. Every
-full block is written once, when the step that computes it is done: `save` copies the blocks
-right after that forward and queues them for the writer thread (over `max_queue_bytes` the
-write is dropped and reported unwritten), so writes never block a step. `load` reads
-synchronously, before the forward of the step that hands the blocks out, on the step's own
-thread (no lock on the KV cache). Several processes may share the directory; each bounds the
-bytes it indexes. Why raw files, write-on-compute and this sharing model: docs/prefix-cache.md.
+Contract: files appear by rename (complete or absent); a bad file is never used and is removed;
+`save` copies after the forward and queues for the writer thread (dropped, reported unwritten,
+over `max_queue_bytes`); `load` reads on the step's thread before its forward. The rest of the
+contract and why: docs/prefix-cache.md, "The prefix cache on disk".
 """
 
 import json

@@ -1,35 +1,15 @@
 """Runs one scheduled step: update the persistent batch, prepare the inputs and the step's
-plan, forward, then pool or sample (verifying drafts), and the disk tier's stores.
+plan, forward, then pool or sample (verifying drafts), and the disk tier's loads and stores.
 
 `execute_model` is that sequence of named calls, each returning a small typed value
 (`StepInputs`, hidden states, `StepTokens`, `ModelRunnerOutput`). The step's plan
-(`v1.models.step_plan.StepPlan`: op set, matmul path per row, attention plans, fused or not)
-is built here once per step from settings read once, when the runner is built, and passed to
-the model; `StepPlan.path` says which paths ran (logged at DEBUG).
-
-Input preparation is numpy over whole arrays: for tokens t of the step, with r(t) the row of
-the request t belongs to,
-
-    positions[t]    = num_computed[r(t)] + (t - query_start[r(t)])
-    input_ids[t]    = token_ids[r(t), positions[t]]
-    slot_mapping[t] = block_table[r(t), positions[t] // B] * B + positions[t] % B
+(`v1.models.step_plan.StepPlan`) is built here once per step from settings read once, when the
+runner is built, and passed to the model; `StepPlan.path` says which paths ran (DEBUG log).
 
 Only the last token of a request whose known tokens are all computed after this step is
-sampled; a prefill chunk that stops short of the end of its prompt samples nothing.
-
-A request with `prompt_logprobs` also gets logits at every prompt position of its chunks (the
-scheduler gives it no prefix-cache hits): each chunk's logprobs of the next prompt tokens are
-kept until the step that finishes the prompt, which returns them all.
-
-Speculative decoding (`v1.worker.spec_decode`): a request scheduled with k drafts has them
-written after its last token and computed in the same forward pass; its last k + 1 rows are
-sampled and checked (`Drafter.accept`), its accepted tokens stored, and `num_computed_tokens`
-kept past the accepted ones only. Then the proposer drafts for every request that sampled.
-
-The disk tier (`kv_disk`, a `DiskKVStore`; None: off, and nothing here costs anything): a
-step's `kv_loads` are read into their blocks before its forward and reported in its output
-(`kv_loaded`); its `kv_stores` are copied out after the forward and written by the store's
-thread; finished writes are reported with the next output (`kv_stored`).
+sampled; a request with k drafts has its last k + 1 rows sampled and verified, and keeps
+`num_computed_tokens` past its accepted tokens only. The input formulas, prompt logprobs,
+drafts and the disk tier's order of work: docs/design.md, "The model runner's step".
 """
 
 import contextlib

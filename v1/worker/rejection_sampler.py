@@ -1,17 +1,14 @@
 """Verifying draft tokens (speculative decoding) so that the output keeps the target model's
 distribution exactly.
 
-A request's step computes its last token and drafts d1..dk: k + 1 rows of logits, row i
-conditioned on the tokens before it and d1..di. Every row is sampled as usual (same
-processors, temperature, top-k/p, min-p, generator), giving s0..sk, and the step outputs
+A step with drafts d1..dk has k + 1 rows of logits; every row is sampled as usual, giving
+s0..sk, and the step outputs
 
     d1..da, then s_a      where a is the first i with s_i != d_{i+1} (a = k: all accepted)
 
-For point-mass drafts this is exactly rejection sampling, so each token is drawn from the
-target distribution; greedy rows accept a draft iff it is the argmax. A draft of -1 (no draft)
-is never accepted. A seeded request's rows draw from its generator in row order, and
-`keep_draws` rewinds it past the rejected rows' draws, so its draws do not depend on its
-drafts. docs/speculative.md has the proof and the seeded-replay reasoning.
+A draft of -1 (no draft) is never accepted; `keep_draws` rewinds a seeded request's generator
+past the rejected rows' draws. Why this is exact rejection sampling, and the seeded replay:
+docs/speculative.md.
 """
 
 import torch

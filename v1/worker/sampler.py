@@ -1,15 +1,9 @@
 """Turns one step's logits into sampled tokens (and their logprobs), one row per request.
 
-Greedy rows take the argmax of the raw logits, so they match HF token for token. Random rows
-go through temperature, top-k, top-p and min-p, then inverse-CDF sampling: one uniform number
-per row (far cheaper on CPU than a draw per vocabulary entry), drawn from the row's own
-generator when it has a seed, so its tokens do not depend on the rest of the batch.
-
-Before that, as vLLM, the logits processors: the `allowed_token_ids` mask, banned tokens
-(`min_tokens`' stop tokens, `bad_words`), `logit_bias`, then the repetition, frequency and
-presence penalties; each is one batched op over the rows that use it, skipped when none does.
-Logprobs are vLLM's default `raw_logprobs`: the log-softmax of the logits before any
-processing, so a token `min_tokens` forbids still shows its real logprob.
+Greedy rows take the argmax of the raw logits (HF's tokens). Random rows go through the logits
+processors (as vLLM: allowed ids, bans, `logit_bias`, penalties; each one batched op, skipped
+when unused), temperature, top-k/p, min-p, then inverse-CDF sampling with one uniform per row
+from the row's own generator when seeded. Logprobs are `raw_logprobs`: before any processing.
 """
 
 from collections.abc import Sequence

@@ -6,18 +6,10 @@ The paged KV cache of one layer is one tensor:
 
 Token `t` of a request lives in block `block_table[req, t // block_size]` at offset
 `t % block_size`; `slot_mapping[i] = block * block_size + offset` for each new token `i`.
-Queries of all requests are packed: request `r` owns rows
-`query_start_loc[r] : query_start_loc[r + 1]`, its last `q_len` positions out of
-`seq_lens[r]` (cached context first, then the new tokens). A decode is `q_len == 1`.
-Attention is causal within the new tokens and sees all of the context; no dense masks.
-
-Sliding window (`AttentionImpl(..., sliding_window=w)`): a query at position i sees keys
-i - w < j <= i, transformers' meaning of `sliding_window`; `None` is global. The window only
-masks: out-of-window blocks stay allocated, and backends read as few of them as they can.
-
-Attention types (vLLM's `AttentionType`): DECODER is the causal attention above;
-ENCODER_ONLY is bidirectional (BERT family), each sequence whole in its step (`q_len ==
-seq_len`: the engine turns chunked prefill and prefix caching off for such models).
+Request `r` owns query rows `query_start_loc[r] : query_start_loc[r + 1]`, its last `q_len`
+positions of `seq_lens[r]`. DECODER attention is causal within the new tokens and sees all the
+context; ENCODER_ONLY is bidirectional, each sequence whole in its step. With
+`sliding_window=w` a query at i sees keys i - w < j <= i (transformers' meaning; it only masks).
 """
 
 from abc import ABC, abstractmethod

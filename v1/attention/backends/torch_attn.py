@@ -1,25 +1,13 @@
 """Attention in plain torch: the CPU backend, and the reference for the Triton kernels.
 
 Two implementations of the contract in `abstract.py`, equal up to float rounding:
-
-- `paged_attention_reference`: per request, gather its context K/V out of the blocks and run
-  causal SDPA. Short and obviously right; the other paths are tested against it.
-- `paged_attention`, what `TorchAttentionImpl` runs, planned once per step
-  (`torch_plan.AttentionPlan`) and shared by every layer: decodes in length buckets, one 4-D
-  SDPA call per bucket over their gathered K/V; prefills one SDPA call each (on their fresh
-  K/V when they have no context); cascade for requests sharing leading physical blocks (the
-  shared prefix attended once for all their queries, merged with each request's rest by
-  log-sum-exp: out = o_r + sigmoid(l_p - l_r) * (o_p - o_r)); and, where the C kernels serve
-  the step, decodes through `v1.kernels.attention`'s paged-decode kernel, which reads K/V in
-  place through the block table and writes the step's K/V itself (`kv_write`, the same bits
-  as `write_kv_cache`).
-
-The cache may hold a 16-bit dtype under an fp32 model (`kv_cache_dtype`): the write converts
-once (fp16 saturating at +-65504), every read widens what it reads back to the query's dtype,
-and the arithmetic stays fp32. A prefill without context that SDPA runs attends to its fresh,
-unrounded K/V. Sliding-window layers get a plan of their own (`torch_plan`); encoder-only
-layers run `torch_encoder.encoder_attention`, which touches no cache. Why these paths, and
-what each costs: docs/design.md (attention on the CPU).
+`paged_attention_reference` (per request, gather its context K/V and run causal SDPA: short,
+obviously right, the others are tested against it) and `paged_attention`, what
+`TorchAttentionImpl` runs: planned once per step (`torch_plan.AttentionPlan`), with decode
+buckets, cascade, and the C paged-decode kernel (`v1.kernels.attention`, which also writes the
+step's K/V, the same bits as `write_kv_cache`) where it serves the step. A 16-bit cache under an
+fp32 model is widened on every read; arithmetic stays fp32. Encoder-only layers run
+`torch_encoder.encoder_attention`. Each path and its cost: docs/design.md, "Attention on the CPU".
 """
 
 import torch

@@ -1,14 +1,10 @@
-"""Encoder-only (bidirectional) attention in torch: the torch backend's ENCODER_ONLY mode (see
-`abstract.AttentionType`), and the reference of the Triton kernel's bidirectional variant.
+"""Encoder-only (bidirectional) attention in torch: the torch backend's ENCODER_ONLY mode, and
+the reference of the Triton kernel's bidirectional variant.
 
-Every sequence is whole in the step and attends to its own fresh K/V, no mask within it; the
-KV cache is not touched. Sequences are batched as sentence-transformers batches them: sorted
-by length and padded into buckets (at most MAX_PAD_FRACTION of a bucket's slots padding, at
-most BUCKET_TOKENS slots), one SDPA call per bucket, a key-padding mask hiding the padding.
-(One SDPA call per sequence cost ~3x the attention time on a 12-layer encoder.)
-
-The buckets are planned once per step (host side, from the metadata), kept in the step's
-`AttentionMetadata.plans` and shared by every layer, as `torch_plan.AttentionPlan` is.
+Every sequence is whole in its step and attends to its own fresh K/V; the KV cache is not
+touched. Sequences are sorted by length and padded into buckets (MAX_PAD_FRACTION,
+BUCKET_TOKENS), one SDPA call per bucket under a key-padding mask, planned once per step in
+`AttentionMetadata.plans` (docs/design.md, "Attention on the CPU").
 """
 
 from dataclasses import dataclass

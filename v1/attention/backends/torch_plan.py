@@ -1,31 +1,14 @@
-"""The torch backend's plan of a step: what every layer's attention in one step needs,
-derived once from the step's metadata (host side) and shared by the layers (`AttentionPlan`;
-`torch_attn.paged_attention` runs it).
+"""The torch backend's plan of a step (`AttentionPlan`): what every layer's attention needs,
+derived once from the step's metadata on the host, shared by the layers and run by
+`torch_attn.paged_attention`.
 
-- Decodes (one query each) are batched: their K/V blocks are gathered into one padded
-  [R, kv_heads, S, D] view per call, in buckets of similar length so that padding stays
-  small, at most MAX_GATHER_BYTES per call.
-- Prefills attend to their fresh K/V directly when they have no context (no cache read),
-  else to their gathered context, one SDPA call each.
-- Cascade: requests whose leading blocks are the same physical blocks (a shared system prompt
-  hit in the prefix cache) form a group that attends to that prefix together
-  (MIN_CASCADE_SAVING, MIN_CASCADE_SAVING_NATIVE).
-- With the C kernel (`v1.kernels.attention`), decodes and short prefill chunks (at most
-  NATIVE_PREFILL_MAX_KEYS keys after their prefix, and verify steps of at most
-  NATIVE_MAX_QUERIES tokens) become its entries instead: per entry
-  its block-table row, query row and the key positions [start, end) it attends to; a lone
-  decode (batch 1) gets its entry built directly.
-
-Sliding-window layers (`sliding_window=w`, see `abstract.py`: query i sees keys j with
-i - w < j <= i) get a plan of their own, built once per step and window. A window no sequence
-of the step is longer than is no window at all and shares the global plan. Otherwise:
-  * every path starts reading at the block of the first key its queries can see, so whole
-    blocks before the window are never read (a decode reads at most ceil(w / B) + 1 blocks);
-  * the C kernel's entries attend to [start, end) with start = max(0, end - w);
-  * SDPA decodes and prefill chunks mask the keys before each query's window in the first
-    block they gather (those rows are zeroed too, like padding);
-  * there is no cascade (a shared prefix is mostly out of the window, and where it is not,
-    different queries would need different parts of it).
+Decodes are gathered in length buckets (at most MAX_GATHER_BYTES per call); prefills attend
+to their fresh K/V without context, else to their gathered context; requests sharing leading
+physical blocks form cascade groups (MIN_CASCADE_SAVING, MIN_CASCADE_SAVING_NATIVE). With the
+C kernel, decodes and short chunks (NATIVE_PREFILL_MAX_KEYS, NATIVE_MAX_QUERIES) become its
+entries: block-table row, query row, key range [start, end). Sliding-window layers get a plan
+per window (the global one when no sequence is longer than the window). Each path, and how a
+window is read: docs/design.md, "Attention on the CPU".
 """
 
 import ctypes

@@ -1,14 +1,10 @@
 """Attention on the GPU with Triton: one cache-write kernel and one unified attention kernel.
 
-`forward` writes this step's K/V into the paged cache at `slot_mapping` (negative slots are
-padding, skipped), then runs one launch of the unified kernel over the whole packed batch,
-masked by the layer's sliding window if any; encoder-only layers run it with `causal=False`.
-Same contract as `TorchAttentionImpl`, its reference. Without a GPU the kernels run only in
-Triton's interpreter (TRITON_INTERPRET=1 set before the ops are imported), on CPU tensors.
-
-With a `kv_cache_dtype` other than the model's, the write casts K/V to it (fp16 saturating) and
-attention casts the query to it, accumulating in fp32 and storing the output in the query's
-dtype: an fp32 model with a 16-bit cache attends as a 16-bit model does (unlike the CPU path).
+`forward` writes this step's K/V at `slot_mapping` (negative slots are padding, skipped), then
+runs one launch of the unified kernel over the packed batch (windowed if the layer is;
+`causal=False` for encoder-only layers). Same contract as `TorchAttentionImpl`, its reference;
+without a GPU it runs in Triton's interpreter (TRITON_INTERPRET=1). A 16-bit `kv_cache_dtype`
+under an fp32 model attends as a 16-bit model does, unlike the CPU path (docs/models.md).
 """
 
 import torch

@@ -6,22 +6,12 @@ head_size], request `r` owning rows `query_start_loc[r] : query_start_loc[r + 1]
 head_size], token `t` of request `r` in block `block_table[r, t // block_size]` at offset
 `t % block_size`.
 
-Grid: one program per (query tile, kv head).
-* A query tile is `BLOCK_Q` new tokens of one request times the `NUM_QUERIES_PER_KV` query
-  heads sharing one kv head, flattened into `BLOCK_M` rows (`row = token *
-  NUM_QUERIES_PER_KV + head`): a kv head's K/V are loaded once for all its query heads (GQA).
-* Request `r` owns tile numbers from `query_start_loc[r] // BLOCK_Q + r`; the grid has
-  `num_tokens // BLOCK_Q + num_reqs` tiles on axis 0, a program finds its request by binary
-  search and exits if past its last token. The grid depends only on shapes (CUDA-graph
-  friendly) and needs no device-to-host sync.
-* A program walks the keys it can see `TILE_N` at a time, straight from the paged cache
-  (each key looks up its block, so `TILE_N` and `block_size` are independent): keys every row
-  sees take an unmasked loop, only the last tiles apply the causal mask. Online softmax in
-  fp32, exp2 with a pre-folded scale.
-* `CAUSAL` False (encoder-only): every row sees its whole sequence. `SLIDING_WINDOW` w > 0:
-  row i sees keys i - w < j <= i; tiles before the window are skipped and never loaded, the
-  window's ragged start is masked like the causal tail (guarding the online softmax against
-  rows that see nothing yet); w = 0 compiles the window code out.
+Grid: one program per (query tile, kv head); a tile is `BLOCK_Q` tokens of one request times
+the `NUM_QUERIES_PER_KV` query heads of one kv head (`row = token * NUM_QUERIES_PER_KV +
+head`). The grid depends only on shapes (CUDA-graph friendly, no device-to-host sync).
+`CAUSAL` False: every row sees its whole sequence; `SLIDING_WINDOW` w > 0: row i sees keys
+i - w < j <= i (w = 0 compiles the window out). How tiles find their request, walk the keys
+and skip the window: docs/design.md, "Attention on a GPU: the Triton kernel".
 """
 
 import math

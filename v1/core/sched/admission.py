@@ -1,19 +1,12 @@
 """Phase 2 of `Scheduler.schedule()`: admitting waiting requests.
 
-`WaitingAdmission` is owned by the `Scheduler`, which gives it what it works on: the waiting
-queue and the running list (the same objects the scheduler keeps; it changes them in place),
-the KV cache manager, the disk tier, the limits (`AdmissionPolicy`), and the two scheduler
-operations it may call: preempt a running request, and drop a waiting one that can never run.
-
-Waiting requests leave the queue a window at a time (one at a time without prefix-aware
-admission), are tried in the window's order (`WindowOrder`: queue order, or the prefix-aware
-order of v1.core.sched.prefix_aware), and those not admitted go back in queue order.
-Admitting one request: plan it (its prefix-cache hits and the tokens it computes), under the
-priority policy find victims that make it fit, preempt them, allocate, account.
-
-Invariants: no waiting request is admitted in a step that preempted for lack of blocks
-(`schedule()` skips this phase); a request is preempted for a waiting one only if that one
-is then admitted; the earliest request left in queue order that does not fit ends admission.
+`WaitingAdmission` is owned by the `Scheduler`, which gives it the waiting queue and running
+list (changed in place), the KV cache manager, the disk tier, the limits (`AdmissionPolicy`),
+and two operations: preempt a running request, drop a waiting one that can never run. Waiting
+requests are tried a window at a time in `WindowOrder` (queue or prefix-aware order); those not
+admitted go back in queue order. Invariants: nothing is admitted in a step that preempted for
+lack of blocks; a request is preempted for a waiting one only if that one is then admitted; the
+earliest request left in queue order that does not fit ends admission.
 """
 
 import bisect

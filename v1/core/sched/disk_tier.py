@@ -1,19 +1,14 @@
 """The scheduler's side of the disk tier: starting reads, handing out writes and deletes,
 taking the runner's reports. Pure bookkeeping over `DiskBlockIndex` and `KVCacheManager`.
 
-A request's read (the runner may report it in the step it was handed out, or any later one):
+    start_load   a WAITING request with h RAM hits, then n blocks on disk: takes the hits and
+                 n fresh blocks, num_computed_tokens = h * B, WAITING_FOR_REMOTE_KVS; a
+                 `KVLoad` goes out with the step
+    update       the runner read the first k <= n: those are indexed, all its blocks
+                 released, num_computed_tokens = 0, WAITING: admission finds them as hits
 
-    start_load   WAITING, no blocks held; its RAM hits h blocks, then n blocks on disk:
-                 it takes the h hits and n fresh blocks (not indexed), num_computed_tokens
-                 = h * B, status WAITING_FOR_REMOTE_KVS; a `KVLoad` goes out with the step
-    update       the runner read the first k <= n: those are indexed, then all its blocks
-                 released (cached, at the LRU end), num_computed_tokens = 0, status WAITING:
-                 its admission finds them as prefix hits
-
-A request aborted meanwhile (`aborted_loads`) keeps its blocks until its read is reported:
-the runner may be writing into them. Writes: every block a scheduled step indexes that is
-neither on disk nor being written goes out as a store with that step (write-on-compute;
-docs/prefix-cache.md says why).
+A request aborted meanwhile keeps its blocks until its read is reported (`aborted_loads`).
+Every block a step indexes that is neither on disk nor being written goes out as a store.
 """
 
 from v1.core.kv_cache_manager import KVCacheManager

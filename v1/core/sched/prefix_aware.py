@@ -1,21 +1,12 @@
-"""Prefix-aware admission: the order in which the scheduler tries a window of waiting requests.
+"""Prefix-aware admission: the order in which the scheduler tries a window of waiting requests
+(`SchedulerConfig.enable_prefix_aware_scheduling`; the loop is `WaitingAdmission`'s).
 
-SGLang's cache-aware policy, bounded so that nobody starves
-(`SchedulerConfig.enable_prefix_aware_scheduling`; the loop is
-`WaitingAdmission.schedule_waiting`):
-- Ranking: of the first `prefix_aware_window` waiting requests, the longest cached prefix
-  (leading full blocks computed, or scheduled earlier in this step) first, queue order among
-  equals; re-ranked after each admission.
-- Deferral: a request whose first uncached block a running request will compute
-  (`PrefillIndex`) waits for it, set aside, instead of computing it twice.
-- Fit: the earliest request left in queue order that does not fit stops admission, as FCFS;
-  after a misfit tried out of order, the rest of the window goes in queue order.
-- Bound: a step counts in `num_passed_over` when a request behind is admitted instead, or the
-  block it waits for was not scheduled; at `prefix_aware_max_skips` the window is tried in
-  plain queue order, no deferral.
-- Cost: O(window + admitted) requests examined per step. No deadlock: only running requests
-  own awaited blocks, and the index is rebuilt every step.
-docs/prefix-cache.md (prefix-aware admission) explains each rule.
+Of the first `prefix_aware_window` waiting requests, the longest cached prefix goes first
+(queue order among equals); a request whose first uncached block a running request will
+compute (`PrefillIndex`) waits for it; the earliest request that does not fit stops
+admission; after `prefix_aware_max_skips` passed-over steps the window goes in queue order.
+O(window + admitted) per step, no deadlock. Each rule and why: docs/prefix-cache.md,
+"The admission rules, and why".
 """
 
 from v1.core.kv_cache_utils import max_hit_blocks

@@ -1,11 +1,9 @@
-"""The unified token-budget scheduler.
+"""The unified token-budget scheduler: no prefill and decode phases.
 
-There are no prefill and decode phases. Each step gives every request some of
-`num_tokens - num_computed_tokens` (prompt + output, plus output placeholders under async
-scheduling), under a budget of `max_num_batched_tokens` tokens and `max_num_seqs` requests:
-a decode is a request one token behind, a prefill chunk one many tokens behind. Running
-requests are served first, then waiting ones, admitted by `WaitingAdmission` (in queue order,
-or grouped by cached prefix: `prefix_aware`).
+Each step gives every request some of `num_tokens - num_computed_tokens` (output placeholders
+included under async scheduling), under `max_num_batched_tokens` tokens and `max_num_seqs`
+requests: running requests first, then waiting ones, admitted by `WaitingAdmission`
+(v1.core.sched.admission). How preemption, drafts and pooling fit: docs/design.md, "The scheduler".
 
 Invariants, every step:
 - sum(num_scheduled_tokens) <= max_num_batched_tokens; len(running) <= max_num_seqs;
@@ -13,19 +11,12 @@ Invariants, every step:
 - a request's blocks cover its computed tokens plus those scheduled this step;
 - no waiting request is admitted in a step that preempted for lack of blocks;
 - under the priority policy `running` is sorted by (priority, arrival_time), so the victim is
-  always `running[-1]`, and a running request is never preempted after this step scheduled
-  it (only a waiting request's admission may do that, see `WaitingAdmission.plan`);
+  `running[-1]`; a running request is never preempted after this step scheduled it;
 - a request is preempted for a waiting one only if that one is then admitted;
-- with LoRA (`max_loras` > 0), the running requests use at most `max_loras` distinct adapters.
+- with LoRA (`max_loras` > 0), the running requests use at most `max_loras` adapters.
 
-Waiting requests are admitted by the scheduler's `WaitingAdmission` (v1.core.sched.admission),
-in queue order or grouped by cached prefix (v1.core.sched.prefix_aware).
-
-Requests set aside without blocking the queue: WAITING_FOR_FSM (grammar compiling; a
-structured request whose token is in flight is not scheduled again), WAITING_FOR_REMOTE_KVS
-(blocks being read from the disk tier, `disk_tier`). Drafts (`spec_decode`) share the decode's
-budget and allocation; rejected ones roll `num_computed_tokens` back. A pooling request is a
-prompt only: the step computing its last token returns its vector and `_finish_pooled` frees it.
+Set aside without blocking the queue: WAITING_FOR_FSM (grammar compiling; a structured request
+whose token is in flight is not scheduled again) and WAITING_FOR_REMOTE_KVS (disk-tier reads).
 """
 
 import time

@@ -1,13 +1,9 @@
 """The scheduler's side of speculative decoding: how many drafts a decode step verifies,
 what a verified step gives back, and the acceptance counters. Torch-free, as the core is.
 
-A decode step of a request with drafts d1..dk computes its last token and the k drafts
-(1 + k tokens, KV slots for all of them). The runner accepts a prefix of a drafts and adds one
-token of its own, so the step returns a + 1 tokens; the k - a rejected positions are
-computed no more: `num_computed_tokens` goes back by k - a (their slots are overwritten by
-the next step) and, under async scheduling, all 1 + k placeholders resolve. Blocks are
-hashed from `all_token_ids` only, which never holds a draft, so a block enters the prefix
-cache only once all its tokens are accepted.
+A step with k drafts computes 1 + k tokens; the runner accepts a of them and adds one, so it
+returns a + 1 tokens and `num_computed_tokens` goes back by k - a (under async scheduling all
+1 + k placeholders resolve). Blocks hash only `all_token_ids`, which never holds a draft.
 """
 
 from collections.abc import Callable

@@ -1,14 +1,11 @@
 """`v1 serve [MODEL]` (or `python -m v1 serve`): an OpenAI-compatible HTTP server over AsyncLLM
-(FastAPI + uvicorn); its options are the server's own, then EngineArgs'. docs/serving.md
-lists the endpoints (OpenAI's completions, chat, responses, models; vLLM's health, metrics,
-tokenize, detokenize, version; pooling and LoRA routes when enabled).
+(FastAPI + uvicorn); its options are the server's own, then EngineArgs'. Endpoints and limits:
+docs/serving.md.
 
 Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for invalid
-requests (malformed JSON and wrong types included, which FastAPI would answer with 422),
-unimplemented fields set to a non-default, prompts over `max_model_len` and requests over a
-limit (`InputLimits`, `ServerLimits`); 404 for an unknown model name; 401 without the
-`--api-key`; 500 for a dead engine (/health: 503, with the dead cores under data parallelism).
-A client that disconnects aborts its request.
+requests (malformed JSON and wrong types too, not FastAPI's 422), 404 for an unknown model,
+401 without the `--api-key`, 500 for a dead engine (/health: 503). A client that disconnects
+aborts its request.
 """
 
 import argparse

@@ -1,18 +1,11 @@
 """Tool calling for chat completions: OpenAI's `tools` and `tool_choice`, as vLLM serves them.
 
-- `"none"`: the tools still reach the chat template; the output is plain text.
-- a named function: the output is constrained to its `parameters` schema: it *is* the
-  call's arguments.
-- `"required"`: constrained to a JSON array of `{"name": ..., "parameters": {...}}`, each one
-  of the tools with its schema; at least one call.
-- `"auto"` (needs `--enable-auto-tool-choice --tool-call-parser hermes`): the model writes
-  freely and a parser lifts Hermes-style `<tool_call>{"name": ..., "arguments": ...}
-  </tool_call>` blocks out of its text; `strict` functions are held to their name and schema
-  there by a structural tag.
-
-Each choice's text goes through one incremental extractor (`feed` deltas, then `finish`),
-returning content and tool-call deltas in OpenAI's streaming shape; a non-streamed response is
-the sum of the same deltas, so both agree.
+"none" (plain text), a named function (the output constrained to its `parameters` schema),
+"required" (a JSON array of calls, each one of the tools with its schema) and "auto" (the
+hermes parser lifts `<tool_call>` blocks out of free text; `strict` functions held to their
+schema by a structural tag): docs/serving.md. Each choice's text goes through one incremental
+extractor (`feed` deltas, then `finish`), so a non-streamed response is the sum of the same
+deltas as the streamed one.
 """
 
 import dataclasses

@@ -1,15 +1,8 @@
 """The layers that hold a weight matrix, `Linear` and `VocabEmbedding`, each keeping exactly one
-copy of its weight, in the form its matmul reads:
-- fp32 on CPU: a oneDNN-packed copy (`PackedWeight`), no plain one (faster than F.linear at
-  every batch size here: docs/benchmarks.md, linear layers);
-- the vocabulary matrix in fp32: plain, since lookups read its rows; as the tied LM head it
-  goes through oneDNN too, so the model keeps one copy;
-- quantized (`quantization="gguf"` / `"int8"`): `QuantizedWeight` blocks, no fp32 copy;
-- anything else (CUDA, 16-bit dtypes): the plain weight, through F.linear.
-
-Loading: the model writes checkpoint rows into `weight` (fused projections arrive in pieces)
-and, once the last row is in, calls `finish_loading`, which makes the final form and frees the
-plain weight; GGUF blocks go in through `load_blocks`.
+copy of its weight, in the form its matmul reads: oneDNN-packed fp32 on CPU (`PackedWeight`),
+`QuantizedWeight` blocks when quantized, else the plain weight (the vocabulary matrix too, its
+tied LM head going through oneDNN). Checkpoint rows are written into `weight`, then
+`finish_loading` makes the final form and frees the plain one; GGUF blocks: `load_blocks`.
 """
 
 import torch

@@ -1,11 +1,7 @@
-"""RMSNorm, in the two flavours the supported architectures use.
-
-- Llama, Qwen, Mistral, Phi-3: `w * norm(x)`, the weight stored as is.
-- Gemma: `(1 + w) * norm(x)`, computed in fp32 before the cast back to the model dtype; the
-  checkpoint stores `w` centred on 0 (`unit_offset=True`).
-
-Both take the residual stream too: `norm(residual + x)` with the add fused into the norm
-(see `StepOps.rms_norm`), so a decoder layer never materialises the sum separately.
+"""RMSNorm, in the two flavours the supported architectures use: `w * norm(x)` (Llama, Qwen,
+Mistral, Phi-3) and Gemma's `(1 + w) * norm(x)` in fp32 (`unit_offset=True`, the checkpoint's
+`w` centred on 0). Both take the residual stream too: `norm(residual + x)`, the add fused into
+the norm (`StepOps.rms_norm`).
 """
 
 import torch

@@ -1,16 +1,10 @@
-"""The model's elementwise ops (RMSNorm, RoPE, SiLU-and-mul), one set per step
-(`ops_for_step`, called by the step plan's builder).
+"""The model's elementwise ops (RMSNorm, RoPE, SiLU-and-mul), one set per step (`ops_for_step`,
+called by the step plan's builder).
 
-`TorchOps` is the reference: each op in torch, rounded as transformers rounds it. On CPU:
-- fp32 activations with the kernels: `NativeOps` (`v1.kernels.elementwise`) at every step
-  size, RMSNorm fused with the residual add, RoPE in place; RoPE and the add are torch's bits,
-  the norm's sum and SiLU's exp within ~1 ulp. Every step size, because a row's result must
-  not depend on how many rows its step has (a prompt prefilled cold and its uncached tail
-  after a prefix-cache hit must give the same hidden states).
-- otherwise (V1_CPU_KERNELS=0, 16-bit activations): a step of at most SMALL_STEP_MAX_TOKENS
-  rows runs `TorchOps(serial=True)`, on one thread, since waking OpenMP's threads costs more
-  than such ops; larger steps use every thread.
-Why and how much: docs/benchmarks.md, "Elementwise ops".
+`TorchOps` is the reference, rounded as transformers rounds. fp32 on CPU with the kernels runs
+`NativeOps` at every step size (a row's result must not depend on its step's size); otherwise
+steps of at most SMALL_STEP_MAX_TOKENS rows run `TorchOps(serial=True)` on one thread. Why and
+how much: docs/benchmarks.md, "Elementwise ops".
 """
 
 import torch

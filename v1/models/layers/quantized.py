@@ -1,23 +1,15 @@
-"""GGUF block-quantized weights (Q4_1, Q8_0) multiplied as they are stored, and the rule
-that picks each matmul row's path.
+"""GGUF block-quantized weights (Q4_1, Q8_0) multiplied as they are stored.
 
 A `QuantizedWeight` keeps a weight's blocks bit-exact in the GGUF/ggml layout, one row of
 blocks per output row, so fused projections are plain tensor indexing and `torch.cat` on
 `blocks`. `quantize` rounds as ggml does; `dequantize` computes what gguf's dequantizers do.
 
 `linear(x, bias, path)` on CPU with fp32 activations runs the C kernels (`v1.kernels.block_matmul`);
-otherwise (no kernels, other devices or dtypes, path "torch") the reference, dequantize then
-F.linear. Paths (`PATHS`):
-- "int8": activations quantized per block of 32 (q8_0 rounding), integer dot products. A
-  row's result is the same bits whatever else is in its call and whichever library variant
-  runs, so a token's numbers do not depend on its step's other rows.
-- "fp32": blocks dequantized in registers against fp32 activations: x @ dequantize().T up to
-  fp32 rounding; the summation order depends on the call's row count (1, 2-4, 5+).
-- "dense": the whole weight dequantized once, then oneDNN's fp32 GEMM (prefill-sized calls).
-
-Which path a call takes is decided per step, not here: `MatmulPolicy` (the V1_QUANT_*
-settings, read once where the runner is built) turns a step's rows into `MatmulRows`, which
-the step plan carries down to every `Linear`. Measurements: docs/benchmarks.md, "Matmul paths".
+otherwise the reference, dequantize then F.linear. Paths (`PATHS`): "int8" (activations
+quantized per block of 32; a row's result is the same bits whatever else is in its call),
+"fp32" (blocks dequantized in registers; summation order depends on the call's row count),
+"dense" (dequantized once, oneDNN GEMM). The step plan picks each row's path (`MatmulPolicy`).
+Paths and measurements: docs/benchmarks.md, "Matmul paths".
 """
 
 from dataclasses import dataclass

@@ -1,16 +1,11 @@
 """Suffix decoding's draft source: suffix trees over this request's tokens and recent requests.
 
-SuffixDecoding (Arctic Inference, vLLM's `method: "suffix"`) keeps two indexes: one over the
-running request's own prompt and output, and one shared over earlier requests' answers, so a
-question asked before gets the earlier answer as its draft. Each indexes the windows
-`seq[i : i + max_tree_depth]` at every position, each node counting the windows through it. A
-draft matches the context's last tokens and follows the most frequent child while the running
-product of `child.count / node.count` stays at or above `min_token_prob`.
-
-The trie is compressed: a chain of nodes with one count is one `_Node` holding a slice of a
-sequence (`seq[lo:hi]`), and a path only one window takes is a leaf `(seq, start)`. A token
-costs about one leaf and at most one node, and appending one takes O(1) per window still
-growing (a plain trie's cost: docs/benchmarks.md, suffix index).
+Two indexes (vLLM's `method: "suffix"`): the running request's own prompt and output, and one
+shared over earlier requests' answers. Each indexes the windows `seq[i : i + max_tree_depth]`,
+each node counting the windows through it; a draft follows the most frequent child while the
+product of `child.count / node.count` stays >= `min_token_prob`. The trie is compressed: a
+one-count chain is one `_Node` over `seq[lo:hi]`, a one-window path a leaf `(seq, start)`, so a
+token costs O(1) per growing window (docs/benchmarks.md, "Suffix index").
 """
 
 from collections import deque
