@@ -440,17 +440,14 @@ def test_vllms_v1_module_paths_are_the_same_modules() -> None:
     `vllm` replaced by `v1`, the same modules and classes as v1's own."""
     from v1.v1.engine.async_llm import AsyncLLM as V1AsyncLLM
     from v1.v1.engine.core import EngineCore as V1EngineCore
-    from v1.v1.engine.core import EngineCoreProc as V1EngineCoreProc
     from v1.v1.engine.llm_engine import LLMEngine as V1LLMEngine
     from v1.v1.metrics.reader import Counter as V1Counter
 
     from v1.engine.async_llm_engine import AsyncLLMEngine
     from v1.engine.core import EngineCore
-    from v1.engine.core_proc import EngineCoreProc
 
     assert V1AsyncLLM is AsyncLLM is AsyncLLMEngine
-    # vLLM keeps the process main beside the core (`vllm.v1.engine.core.EngineCoreProc`).
-    assert V1EngineCore is EngineCore and V1EngineCoreProc is EngineCoreProc
+    assert V1EngineCore is EngineCore
     assert V1LLMEngine is LLMEngine and V1Counter is Counter
     assert sys.modules["v1.v1.engine.async_llm"] is sys.modules["v1.engine.async_llm"]
     # The real module keeps its own name and spec.

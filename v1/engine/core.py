@@ -258,12 +258,3 @@ class EngineCore:
             kv_disk.delete(disk_tier.index.take_deletes())
             kv_disk.close()
 
-
-def __getattr__(name: str) -> object:
-    """vLLM's path of the process main (`vllm.v1.engine.core.EngineCoreProc`), which lives in
-    `v1.engine.core_proc` (it imports this module)."""
-    if name == "EngineCoreProc":
-        from v1.engine.core_proc import EngineCoreProc
-
-        return EngineCoreProc
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

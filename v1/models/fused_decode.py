@@ -8,19 +8,28 @@ fused is the step plan's business. Why: docs/benchmarks.md, "Fused decode step".
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from v1.kernels.fused_step import DecoderLayers, LayerWeights, fused_decoder
+from v1.kernels.attention import BoundStep, PagedDecodeKernel
+from v1.kernels.fused_step import DecoderLayers, FusedDecoder, LayerWeights, fused_decoder
 from v1.models.layers.linear import Linear
 from v1.models.layers.quantized import QuantizedWeight
 
-if TYPE_CHECKING:
-    from v1.models.step_plan import FusedStep
-
 logger = logging.getLogger("v1")
+
+
+class FusedStep(NamedTuple):
+    """What the fused decode step takes from the step: the planner's library's entry point,
+    the C attention kernel, its entries bound to the caches, and the matmul path of every
+    row."""
+
+    decoder: FusedDecoder
+    kernel: PagedDecodeKernel
+    entries: BoundStep
+    int8: bool
 
 
 class FusedDecode:
@@ -56,7 +65,7 @@ class FusedDecode:
 
     def run(
         self, hidden_states: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-        kv_caches: list[torch.Tensor], fused: "FusedStep",
+        kv_caches: list[torch.Tensor], fused: FusedStep,
     ) -> torch.Tensor:
         """Every layer on `hidden_states` (left, in place, the residual stream before the
         last block output, which is returned) through the step's bound C attention entries;

@@ -18,12 +18,11 @@ from v1.attention.backends.abstract import AttentionMetadata, AttentionType
 from v1.attention.backends.torch_attn import TorchAttentionImpl
 from v1.attention.backends.torch_plan import AttentionPlan
 from v1.envs import Environment
-from v1.kernels.attention import BoundStep, PagedDecodeKernel
 from v1.kernels.block_matmul import kernels
 from v1.kernels.elementwise import NativeOps, native_ops
-from v1.kernels.fused_step import FusedDecoder, fused_decoder
+from v1.kernels.fused_step import fused_decoder
 from v1.kernels.library import library
-from v1.models.fused_decode import FusedDecode
+from v1.models.fused_decode import FusedDecode, FusedStep
 from v1.models.layers.ops import StepOps, TorchOps, ops_for_step
 from v1.models.layers.quantized import DEFAULT_POLICY, MatmulPolicy, MatmulRows, QuantizedWeight
 
@@ -52,17 +51,6 @@ class StepPath(NamedTuple):
     matmul: str  # GGUF rows: "int8", "fp32", "dense", "int8+<path>" (prompt rows split
     # out), "torch" (no kernels), or "none" (no block weights)
     ops: str  # "native", "torch" or "torch-serial"
-
-
-class FusedStep(NamedTuple):
-    """What the fused decode step takes from the step: the planner's library's entry point,
-    the C attention kernel, its entries bound to the caches, and the matmul path of every
-    row."""
-
-    decoder: FusedDecoder
-    kernel: PagedDecodeKernel
-    entries: BoundStep
-    int8: bool
 
 
 @dataclass(slots=True)
