@@ -550,14 +550,18 @@ def main() -> None:
             print_part(f"bench {test}: v1 against llama-bench (tok/s; ratio: median of rounds)",
                        b[test], ["tok_s_median", "vs_llama.cpp", "tok_s"])
 
+    panels = [(part, result[part]["rows"]) for part in ("decode", "helpdesk") if part in result]
+    if "bench_llamacpp" in result:
+        b = result["bench_llamacpp"]
+        panels += [(f"bench {test}", b[test])
+                   for test in (f"tg{b['tg_tokens']}", f"pp{b['pp_tokens']}")]
+
     def plot(fig: Any) -> None:
-        parts = [p for p in ("decode", "helpdesk") if p in result]
-        for i, part in enumerate(parts):
-            ax = fig.add_subplot(1, len(parts), i + 1)
-            rows = result[part]["rows"]
+        for i, (title, rows) in enumerate(panels):
+            ax = fig.add_subplot(1, len(panels), i + 1)
             ax.barh(list(rows), [row["tok_s_median"] for row in rows.values()])
             ax.set_xlabel("tok/s (median of rounds)")
-            ax.set_title(part)
+            ax.set_title(title)
 
     write_outputs(args.out, args.name, result, plot)
     print(json.dumps(result))
