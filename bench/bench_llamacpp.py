@@ -510,6 +510,7 @@ def main() -> None:
         result["bench_llamacpp"] = part_bench(args, path, tokenizer)
         result["v1_kernels"] = result["bench_llamacpp"]["v1_kernels"]
 
+    result["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
     cpu = result["cpu"]
     print(f"CPU: {cpu['model']} ({cpu['vendor']} {cpu['family_model_stepping']}), flags: "
           f"{' '.join(cpu['flags']) or 'none of ' + ' '.join(CPU_FLAGS)}")
@@ -519,6 +520,8 @@ def main() -> None:
           f"threads; v1 env: {' '.join(f'{k}={v}' for k, v in v1_env.items()) or '(defaults)'}"
           + (f"; v1 kernels loaded: {' '.join(result['v1_kernels']) or 'none'}"
              if "v1_kernels" in result else ""))
+    print(f"load average (1 min): {result['loadavg_1m']} at the start, "
+          f"{result['loadavg_1m_end']} at the end")
 
     if "decode" in result:
         print_part(f"decode: one request, {result['decode']['prompt_tokens']}-token prompt, "
