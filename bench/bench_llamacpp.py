@@ -423,7 +423,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0, help="the help-desk question order")
     parser.add_argument("--threads", type=int, default=None,
-                        help="llama.cpp threads (default: all cores, as v1's torch)")
+                        help="threads of llama.cpp and of the v1 engines this script makes "
+                             "(they fork with its torch threads; the serving part's `v1 serve` "
+                             "keeps its default); default: all cores, both")
     parser.add_argument("--llamacpp-build", choices=list(llamacpp.BUILDS), default="native",
                         help="the llama.cpp build every part runs (see bench/llamacpp.py)")
     parser.add_argument("--v1-env", action="append", default=[], metavar="VAR=VALUE",
@@ -464,6 +466,10 @@ def main() -> None:
     os.environ.update(v1_env)  # before v1 is imported: its engines read them (v1/envs.py)
     # SIGTERM as an exception too, so the worker, engines and servers are stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     args.speculative_config = args.speculative_config or list(DEFAULT_SPEC_CONFIGS)
     for config in args.speculative_config:
         if not isinstance(json.loads(config), dict):
