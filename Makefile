@@ -100,17 +100,21 @@ gpu-check:
 	PYTHON=$(GPU_PYTHON) V1_GPU_SITE=$(GPU_SITE) bash v1/tools/gpu_check.sh $(GPU_CHECK_ARGS)
 
 # llama.cpp for bench/bench_llamacpp.py; not part of `setup` (it compiles for minutes). Only
-# package registries are reachable: llama-cpp-python's sdist vendors llama.cpp's source, and one
-# CPU build of that tree (Release, -march=native, shared libraries) gives both `llama-server` and
-# the libraries that llama-cpp-python, installed into its own venv without building them again
-# (LLAMA_BUILD=OFF), loads through LLAMA_CPP_LIB_PATH. Everything lands in .llamacpp/
-# (git-ignored); each step is a file target, so a second `make bench-llamacpp` does nothing.
+# package registries are reachable: llama-cpp-python's sdist vendors llama.cpp's source. One CPU
+# build of that tree (Release, -march=native, shared libraries) gives `llama-server`, `llama-bench`,
+# `llama-quantize`, `llama-perplexity` and the libraries that llama-cpp-python, installed into its
+# own venv without building them again (LLAMA_BUILD=OFF), loads through LLAMA_CPP_LIB_PATH.
+# `bench-llamacpp-avx2` builds the same tree a second time for the AVX2 class (x86-64-v3: AVX2, FMA,
+# F16C, BMI2; no AVX-512, AVX-VNNI or AMX), so one AVX-512 machine measures both classes. Everything
+# lands in .llamacpp/ (git-ignored); each step is a file target, so a second make does nothing.
 LLAMACPP_VERSION := 0.3.36
 LLAMACPP := .llamacpp
 LLAMACPP_SRC := $(LLAMACPP)/llama_cpp_python-$(LLAMACPP_VERSION)
 LLAMACPP_JOBS ?= 2
-.PHONY: bench-llamacpp
-bench-llamacpp: $(LLAMACPP)/build/bin/llama-server $(LLAMACPP)/venv/.installed
+LLAMACPP_TOOLS := llama-server llama-bench llama-quantize llama-perplexity
+.PHONY: bench-llamacpp bench-llamacpp-avx2
+bench-llamacpp: $(addprefix $(LLAMACPP)/build/bin/,$(LLAMACPP_TOOLS)) $(LLAMACPP)/venv/.installed
+bench-llamacpp-avx2: $(addprefix $(LLAMACPP)/build-avx2/bin/,llama-bench llama-server)
 
 $(LLAMACPP_SRC)/.unpacked:
 	mkdir -p $(LLAMACPP)
@@ -121,14 +125,27 @@ $(LLAMACPP_SRC)/.unpacked:
 
 # No curl/OpenSSL (local models only) and no web UI download. No AMX: a CPU may list it (Sapphire
 # Rapids) where the kernel or VM does not grant its state, and its tile code then dies of SIGILL.
+LLAMACPP_CMAKE := -S $(LLAMACPP_SRC)/vendor/llama.cpp -DCMAKE_BUILD_TYPE=Release \
+	-DBUILD_SHARED_LIBS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON \
+	-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF \
+	-DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
 LLAMACPP_NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
-$(LLAMACPP)/build/bin/llama-server: $(LLAMACPP_SRC)/.unpacked
-	cmake -S $(LLAMACPP_SRC)/vendor/llama.cpp -B $(LLAMACPP)/build -DCMAKE_BUILD_TYPE=Release \
-		-DBUILD_SHARED_LIBS=ON -DGGML_NATIVE=ON -DLLAMA_BUILD_SERVER=ON \
-		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF \
-		-DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+$(LLAMACPP)/build/.configured: $(LLAMACPP_SRC)/.unpacked
+	cmake $(LLAMACPP_CMAKE) -B $(@D) -DGGML_NATIVE=ON \
 		"-DCMAKE_C_FLAGS=$(LLAMACPP_NO_AMX)" "-DCMAKE_CXX_FLAGS=$(LLAMACPP_NO_AMX)"
-	nice cmake --build $(LLAMACPP)/build --target llama-server -j$(LLAMACPP_JOBS)
+	touch $@
+# Every instruction-set option this llama.cpp's ggml/CMakeLists.txt has, set explicitly.
+$(LLAMACPP)/build-avx2/.configured: $(LLAMACPP_SRC)/.unpacked
+	cmake $(LLAMACPP_CMAKE) -B $(@D) -DGGML_NATIVE=OFF \
+		-DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+		-DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF \
+		-DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+	touch $@
+# One binary per make target; the libraries they share are built once, by the first.
+$(LLAMACPP)/build/bin/llama-%: $(LLAMACPP)/build/.configured
+	nice cmake --build $(<D) --target llama-$* -j$(LLAMACPP_JOBS)
+$(LLAMACPP)/build-avx2/bin/llama-%: $(LLAMACPP)/build-avx2/.configured
+	nice cmake --build $(<D) --target llama-$* -j$(LLAMACPP_JOBS)
 
 $(LLAMACPP)/venv/.installed: $(LLAMACPP_SRC)/.unpacked
 	test -x $(LLAMACPP)/venv/bin/python || python3 -m venv $(LLAMACPP)/venv

@@ -1,14 +1,37 @@
 """v1 against llama.cpp on the same GGUF file, alternating in one run.
 
 llama.cpp comes from `make bench-llamacpp` (bench/llamacpp.py: llama-cpp-python in its own
-venv, and `llama-server`, one build of the llama.cpp source llama-cpp-python vendors). Without
-it the script says so and exits 0. llama.cpp processes start with a clean environment: without
+venv, `llama-server` and `llama-bench`, one -march=native build of the llama.cpp source
+llama-cpp-python vendors) or, with `--llamacpp-build avx2`, from `make bench-llamacpp-avx2`
+(the same source built for AVX2 without AVX-512: the other CPU class, measured on an AVX-512
+machine beside `--v1-env V1_CPU_KERNELS=x86_64_v3`). Without it a part says so and is
+skipped (exit 0). llama.cpp processes start with a clean environment: without
 the OMP_WAIT_POLICY=PASSIVE that `import v1` and bench/common.py put in os.environ (under it
 llama.cpp ran ~3x slower here); both sides use all cores.
 
 Each part runs `--rounds` rounds; in a round every contender runs once, right after one
 another (the order reversed every other round), so a round's runs saw the same machine. A
-ratio is the median over rounds of that round's ratio.
+ratio is the median over rounds of that round's ratio. `--v1-env VAR=VALUE` settings are in
+os.environ before anything of v1 is imported, so every engine (and `v1 serve`) this script
+starts reads them. The output names the CPU (model, family/model numbers, the flags that
+decide which kernels run), the llama.cpp build and its instruction-set options, and the v1
+kernel library the engine process really mapped.
+
+- bench: v1 (defaults, one engine) against llama.cpp's own `llama-bench`, same GGUF, same
+  threads. A round runs `llama-bench -p 512 -n 128 -r 1` once (its pp512 and tg128 tests,
+  each after its own untimed warm-up) and v1 once for each test (the order of the two sides
+  reversed every other round). What is timed:
+  - tg128: llama-bench times 128 one-token decodes into an empty context (llama_decode and
+    synchronize; random tokens, no sampling). v1 times `LLM.generate` of one request whose
+    prompt is one token, 128 greedy tokens (EOS ignored), from an empty prefix cache: 128
+    forward passes of one token (the first one the prompt's), with sampling and the
+    frontend/engine-process round trips.
+  - pp512: llama-bench times one 512-token batch (random tokens) into an empty context. v1
+    times `LLM.generate` of one 512-token prompt (seeded random token ids) with max_tokens=1
+    from an empty prefix cache: the prefill (chunked as the engine's defaults chunk it), the
+    one sampled token and the round trips, as a time to first token.
+  tok/s is tokens over those seconds (llama-bench's own figure for its side); a ratio is
+  v1's tok/s over llama-bench's in the same round, its median over rounds reported.
 
 - decode: one request, a short chat prompt, `--decode-tokens` greedy tokens (EOS ignored):
   tok/s of v1 with `LLM()`'s defaults (a .gguf file's blocks), v1 with float weights
@@ -36,10 +59,15 @@ Prints each part's table, then one JSON line; `--out DIR` writes llamacpp.json/.
     make bench-llamacpp
     .venv/bin/python bench/bench_llamacpp.py --out bench/results | tee bench/results/llamacpp.txt
     .venv/bin/python bench/bench_llamacpp.py --parts decode --rounds 5
+    make bench-llamacpp-avx2
+    .venv/bin/python bench/bench_llamacpp.py --parts bench --rounds 5 --llamacpp-build avx2 \
+        --v1-env V1_CPU_KERNELS=x86_64_v3
 """
 
 import argparse
 import json
+import os
+import platform
 import random
 import shlex
 import signal
@@ -50,7 +78,7 @@ from pathlib import Path
 from typing import Any
 
 import llamacpp
-from common import agreement, environment, median, print_table, write_outputs
+from common import agreement, engine_core_pid, environment, median, print_table, write_outputs
 
 BENCH = Path(__file__).resolve().parent
 HELPDESK = BENCH / "data" / "helpdesk.json"
@@ -60,7 +88,12 @@ DEFAULT_SPEC_CONFIGS = (
     '"prompt_lookup_max": 4}',
     '{"method": "suffix"}',
 )
-PARTS = ("decode", "helpdesk", "serving")
+PARTS = ("decode", "helpdesk", "serving", "bench")
+# What each part needs of llama.cpp (llamacpp.missing): None is the llama-cpp-python worker.
+PART_TOOLS = {"decode": None, "helpdesk": None, "serving": "llama-server", "bench": "llama-bench"}
+# The CPU flags that decide which kernels run (v1's variants and llama.cpp's native build).
+CPU_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512_vnni",
+             "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16", "asimd", "asimddp")
 
 
 def chat_prompt(tokenizer: Any, question: str, system: str | None = None) -> list[int]:
@@ -86,6 +119,59 @@ def helpdesk_questions(questions: list[str], num_requests: int, repeat_fraction:
         asked.append(rng.choice(asked) if asked and rng.random() < repeat_fraction
                      else next(fresh))
     return asked
+
+
+def parse_env_setting(text: str) -> tuple[str, str]:
+    """--v1-env's VAR=VALUE (VALUE may be empty) -> (VAR, VALUE); ValueError if malformed."""
+    var, sep, value = text.partition("=")
+    if not sep or not var.isidentifier():
+        raise ValueError(f"--v1-env {text!r}: expected VAR=VALUE")
+    return var, value
+
+
+def cpu_info(cpuinfo: str) -> dict[str, Any]:
+    """The CPU of a /proc/cpuinfo text (its first processor): model name, vendor, family,
+    model and stepping numbers (a VM may hide the name, not those), and which of `CPU_FLAGS`
+    it has."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if not sep:
+            if fields:  # the blank line after the first processor
+                break
+            continue
+        fields.setdefault(key.strip(), value.strip())
+    flags = set((fields.get("flags") or fields.get("Features", "")).split())
+    numbers = ("cpu family", "model", "stepping")
+    return {"model": fields.get("model name", platform.processor() or platform.machine()),
+            "vendor": fields.get("vendor_id", ""),
+            "family_model_stepping": "/".join(fields.get(k, "?") for k in numbers),
+            "flags": [f for f in CPU_FLAGS if f in flags]}
+
+
+def kernel_libraries(maps: str) -> list[str]:
+    """The v1 kernel libraries (v1/kernels/_v1_<variant>.so) a /proc/PID/maps text maps."""
+    names = {Path(line.split()[-1]).name for line in maps.splitlines()
+             if len(line.split()) >= 6 and "/v1/kernels/_v1_" in line}
+    return sorted(n for n in names if n.endswith(".so"))
+
+
+def engine_kernels() -> list[str]:
+    """The kernel libraries the engine process started by this one has mapped."""
+    pid = engine_core_pid(os.getpid())
+    if pid is None:
+        return []
+    try:
+        return kernel_libraries(Path(f"/proc/{pid}/maps").read_text())
+    except OSError:
+        return []
+
+
+def random_prompt(length: int, vocab_size: int, seed: int) -> list[int]:
+    """`length` token ids drawn from the vocabulary, the same for a seed: a prompt whose
+    content does not matter, only its length, as llama-bench's."""
+    rng = random.Random(seed)
+    return [rng.randrange(vocab_size) for _ in range(length)]
 
 
 def make_engine(path: Path, **kwargs: Any) -> Any:
@@ -271,7 +357,8 @@ def part_serving(args: argparse.Namespace, path: Path) -> dict[str, Any]:
         for name in rounds_order(names, r):
             if name == "llama-server":
                 with llamacpp.server(path, args.parallel, args.ctx_per_slot,
-                                     extra_args=shlex.split(args.llama_server_args)) as base:
+                                     extra_args=shlex.split(args.llama_server_args),
+                                     build=args.llamacpp_build) as base:
                     runs[name].append(serving_run(args, path, ["--base-url", base]))
             else:
                 runs[name].append(serving_run(
@@ -286,6 +373,39 @@ def part_serving(args: argparse.Namespace, path: Path) -> dict[str, Any]:
     return {"parallel": args.parallel, "requests": args.serving_prompts,
             "system_len": args.serving_system_len, "tokens_per_request": args.serving_tokens,
             "rows": rows, "runs": runs}
+
+
+def part_bench(args: argparse.Namespace, path: Path, tokenizer: Any) -> dict[str, Any]:
+    gen, prefill = args.decode_tokens, args.prefill_tokens
+    gen_prompt = random_prompt(1, len(tokenizer), args.seed)
+    prefill_prompt = random_prompt(prefill, len(tokenizer), args.seed + 1)
+    llm = make_engine(path)
+    kernels = engine_kernels()
+    names = ["llama.cpp", "v1"]
+    seconds: dict[str, dict[str, list[float]]] = {test: {n: [] for n in names}
+                                                  for test in ("tg", "pp")}
+    commit = None
+    try:
+        for r in range(args.rounds):
+            for name in rounds_order(names, r):
+                if name == "llama.cpp":
+                    tests = llamacpp.llama_bench(path, args.threads, args.llamacpp_build,
+                                                 prefill, gen, repetitions=1)
+                    seconds["tg"][name].append(tests[f"tg{gen}"]["seconds"])
+                    seconds["pp"][name].append(tests[f"pp{prefill}"]["seconds"])
+                    commit = tests[f"tg{gen}"]["build_commit"]
+                else:
+                    seconds["tg"][name].append(engine_run(llm, [gen_prompt], gen)[0])
+                    seconds["pp"][name].append(engine_run(llm, [prefill_prompt], 1)[0])
+                print(f"bench round {r}: {name} tg{gen} {gen / seconds['tg'][name][-1]:.1f} "
+                      f"tok/s, pp{prefill} {prefill / seconds['pp'][name][-1]:.1f} tok/s",
+                      file=sys.stderr)
+    finally:
+        llm.shutdown()
+    return {"tg_tokens": gen, "pp_tokens": prefill, "v1_kernels": kernels,
+            "llamacpp_build_commit": commit,
+            f"tg{gen}": summarize(seconds["tg"], gen, ["llama.cpp"]),
+            f"pp{prefill}": summarize(seconds["pp"], prefill, ["llama.cpp"])}
 
 
 def print_part(title: str, rows: dict[str, dict[str, Any]], columns: list[str]) -> None:
@@ -303,8 +423,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0, help="the help-desk question order")
     parser.add_argument("--threads", type=int, default=None,
-                        help="llama.cpp threads (default: all cores, as v1's torch)")
-    parser.add_argument("--decode-tokens", type=int, default=128)
+                        help="threads of llama.cpp and of the v1 engines this script makes "
+                             "(they fork with its torch threads; the serving part's `v1 serve` "
+                             "keeps its default); default: all cores, both")
+    parser.add_argument("--llamacpp-build", choices=list(llamacpp.BUILDS), default="native",
+                        help="the llama.cpp build every part runs (see bench/llamacpp.py)")
+    parser.add_argument("--v1-env", action="append", default=[], metavar="VAR=VALUE",
+                        type=parse_env_setting,
+                        help="an environment variable for v1's engines, repeatable "
+                             "(V1_CPU_KERNELS=x86_64_v3: the AVX2 kernels)")
+    parser.add_argument("--decode-tokens", type=int, default=128,
+                        help="greedy tokens per request of decode, and bench's tg test")
+    parser.add_argument("--prefill-tokens", type=int, default=512,
+                        help="bench's pp test: the prompt's length")
     parser.add_argument("--helpdesk-requests", type=int, default=24)
     parser.add_argument("--repeat-fraction", type=float, default=0.35)
     parser.add_argument("--helpdesk-tokens", type=int, default=128)
@@ -331,30 +462,44 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="directory for NAME.json and NAME.png")
     parser.add_argument("--name", default="llamacpp", help="the output files' name")
     args = parser.parse_args()
+    v1_env = dict(args.v1_env)
+    os.environ.update(v1_env)  # before v1 is imported: its engines read them (v1/envs.py)
     # SIGTERM as an exception too, so the worker, engines and servers are stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     args.speculative_config = args.speculative_config or list(DEFAULT_SPEC_CONFIGS)
     for config in args.speculative_config:
         if not isinstance(json.loads(config), dict):
             raise ValueError(f"--speculative-config must be a JSON object, got {config!r}")
 
+    from v1 import envs
     from v1.models.loader import hf_dir_of, load_tokenizer, resolve_model
 
+    envs.read()  # a V1_* value it refuses fails here, not in an engine process
     path = resolve_model(args.model)
     if path.suffix != ".gguf":
         raise ValueError(f"bench_llamacpp needs a .gguf model, got {path}")
     for part in list(args.parts):
-        if reason := llamacpp.missing(server=part == "serving"):
+        if reason := llamacpp.missing(PART_TOOLS[part], args.llamacpp_build):
             print(f"{part}: skipped: {reason}")
             args.parts.remove(part)
     if not args.parts:
         return
     tokenizer = load_tokenizer(hf_dir_of(path))
-    result: dict[str, Any] = {"bench": "llamacpp", "model": path.name, "rounds": args.rounds,
-                              "llamacpp_threads": llamacpp.default_threads(args.threads),
-                              "llamacpp_version": llamacpp.version(), **environment()}
+    result: dict[str, Any] = {
+        "bench": "llamacpp", "command": shlex.join([sys.executable, *sys.argv]),
+        "model": path.name, "rounds": args.rounds,
+        "cpu": cpu_info(Path("/proc/cpuinfo").read_text()), "v1_env": v1_env,
+        "llamacpp_build": args.llamacpp_build,
+        "llamacpp_build_options": llamacpp.build_options(args.llamacpp_build),
+        "llamacpp_threads": llamacpp.default_threads(args.threads),
+        "llamacpp_version": llamacpp.version(), **environment()}
     needs_worker = {"decode", "helpdesk"} & set(args.parts)
-    worker = llamacpp.Worker(path, 2048, args.threads) if needs_worker else None
+    worker = (llamacpp.Worker(path, 2048, args.threads, args.llamacpp_build)
+              if needs_worker else None)
     try:
         if "decode" in args.parts:
             assert worker is not None
@@ -367,6 +512,22 @@ def main() -> None:
             worker.close()
     if "serving" in args.parts:
         result["serving"] = part_serving(args, path)
+    if "bench" in args.parts:
+        result["bench_llamacpp"] = part_bench(args, path, tokenizer)
+        result["v1_kernels"] = result["bench_llamacpp"]["v1_kernels"]
+
+    result["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
+    cpu = result["cpu"]
+    print(f"CPU: {cpu['model']} ({cpu['vendor']} {cpu['family_model_stepping']}), flags: "
+          f"{' '.join(cpu['flags']) or 'none of ' + ' '.join(CPU_FLAGS)}")
+    options = result["llamacpp_build_options"]
+    print(f"llama.cpp {result['llamacpp_version']}, build {args.llamacpp_build}: "
+          f"{' '.join(f'{k}={v}' for k, v in options.items())}; {result['llamacpp_threads']} "
+          f"threads; v1 env: {' '.join(f'{k}={v}' for k, v in v1_env.items()) or '(defaults)'}"
+          + (f"; v1 kernels loaded: {' '.join(result['v1_kernels']) or 'none'}"
+             if "v1_kernels" in result else ""))
+    print(f"load average (1 min): {result['loadavg_1m']} at the start, "
+          f"{result['loadavg_1m_end']} at the end")
 
     if "decode" in result:
         print_part(f"decode: one request, {result['decode']['prompt_tokens']}-token prompt, "
@@ -392,14 +553,24 @@ def main() -> None:
                    ["duration_s", "out_tok_s", "ttft_ms_p50", "tpot_ms_p50", "hit_rate",
                     "speedup_vs_llama_server"])
 
+    if "bench_llamacpp" in result:
+        b = result["bench_llamacpp"]
+        for test in (f"tg{b['tg_tokens']}", f"pp{b['pp_tokens']}"):
+            print_part(f"bench {test}: v1 against llama-bench (tok/s; ratio: median of rounds)",
+                       b[test], ["tok_s_median", "vs_llama.cpp", "tok_s"])
+
+    panels = [(part, result[part]["rows"]) for part in ("decode", "helpdesk") if part in result]
+    if "bench_llamacpp" in result:
+        b = result["bench_llamacpp"]
+        panels += [(f"bench {test}", b[test])
+                   for test in (f"tg{b['tg_tokens']}", f"pp{b['pp_tokens']}")]
+
     def plot(fig: Any) -> None:
-        parts = [p for p in ("decode", "helpdesk") if p in result]
-        for i, part in enumerate(parts):
-            ax = fig.add_subplot(1, len(parts), i + 1)
-            rows = result[part]["rows"]
+        for i, (title, rows) in enumerate(panels):
+            ax = fig.add_subplot(1, len(panels), i + 1)
             ax.barh(list(rows), [row["tok_s_median"] for row in rows.values()])
             ax.set_xlabel("tok/s (median of rounds)")
-            ax.set_title(part)
+            ax.set_title(title)
 
     write_outputs(args.out, args.name, result, plot)
     print(json.dumps(result))

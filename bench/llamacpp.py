@@ -1,6 +1,11 @@
 """llama.cpp as the benchmarks' baseline, as `make bench-llamacpp` builds it under .llamacpp/.
 
-Two ways to run it, both on the GGUF file the engine runs:
+Builds (`BUILDS`): "native" (.llamacpp/build, -march=native without AMX: `make
+bench-llamacpp`) and "avx2" (.llamacpp/build-avx2, the x86-64-v3 class: AVX2, FMA, F16C, no
+AVX-512, AVX-VNNI or AMX: `make bench-llamacpp-avx2`), so that an AVX-512 machine measures
+both CPU classes. Every runner below takes the build to use.
+
+Three ways to run it, all on the GGUF file the engine runs:
 - `Worker`: llama-cpp-python in a process of its own venv (.llamacpp/venv, loading the
   libraries of the same build), one request after another, greedy, exactly `max_tokens`
   tokens each (EOS included, as ignore_eos), optionally with its prompt-lookup drafting
@@ -8,11 +13,12 @@ Two ways to run it, both on the GGUF file the engine runs:
   keeps the KV of the longest prefix the new prompt shares with what it evaluated last
   (reset=True does that, despite the name): its fastest mode for one user's requests.
 - `server`: `llama-server` with `parallel` slots (continuous batching), OpenAI-compatible.
+- `llama_bench`: llama.cpp's own benchmark, `llama-bench` (pp<n> and tg<n> tok/s).
 
-Clean environment: both start without the OMP_*/GOMP_*/KMP_* variables of this process.
-bench/common.py (as the `v1` command) puts OMP_WAIT_POLICY=PASSIVE in os.environ for the
-engine's own libgomp; llama.cpp's OpenMP threads then sleep between its many small parallel
-regions and a llama.cpp started with it ran ~3x slower here. llama.cpp
+Clean environment: all start without the OMP_*/GOMP_*/KMP_* variables of this process.
+bench/common.py puts OMP_WAIT_POLICY=PASSIVE in os.environ for the engine's own libgomp;
+llama.cpp's OpenMP threads then sleep between its many small parallel regions and a
+llama.cpp started with it ran ~3x slower here. llama.cpp
 runs under its own defaults instead, with all cores (`threads`: os.cpu_count() unless given;
 llama-cpp-python's own default is half of them).
 
@@ -37,19 +43,56 @@ from served import served
 
 ROOT = Path(__file__).resolve().parent.parent
 HOME = ROOT / ".llamacpp"
-BIN = HOME / "build" / "bin"  # llama-server and the shared libraries llama-cpp-python loads
-SERVER = BIN / "llama-server"
+# Build name -> (its CMake build directory, the make target that builds it).
+BUILDS = {"native": (HOME / "build", "bench-llamacpp"),
+          "avx2": (HOME / "build-avx2", "bench-llamacpp-avx2")}
 PYTHON = HOME / "venv" / "bin" / "python"
+# The instruction-set options of this llama.cpp's ggml/CMakeLists.txt, as a build records them.
+ISA_OPTIONS = ("GGML_NATIVE", "GGML_SSE42", "GGML_AVX", "GGML_AVX2", "GGML_FMA", "GGML_F16C",
+               "GGML_BMI2", "GGML_AVX_VNNI", "GGML_AVX512", "GGML_AVX512_VBMI",
+               "GGML_AVX512_VNNI", "GGML_AVX512_BF16", "GGML_AMX_TILE", "GGML_AMX_INT8",
+               "GGML_AMX_BF16")
 
 
-def missing(server: bool = False) -> str | None:
-    """Why llama.cpp cannot run here (not built), or None: the worker needs the venv and the
-    library, `server=True` llama-server."""
-    needed = [SERVER] if server else [PYTHON, BIN / "libllama.so"]
+def bin_dir(build: str = "native") -> Path:
+    """A build's programs and the shared libraries they (and llama-cpp-python) load."""
+    return BUILDS[build][0] / "bin"
+
+
+def missing(tool: str | None = None, build: str = "native") -> str | None:
+    """Why llama.cpp cannot run here (not built), or None: `tool` None is the worker (the
+    venv and the build's library), else that program of the build (llama-server,
+    llama-bench, ...)."""
+    binaries = bin_dir(build)
+    needed = [PYTHON, binaries / "libllama.so"] if tool is None else [binaries / tool]
     absent = [str(p.relative_to(ROOT)) for p in needed if not p.exists()]
-    if absent:
-        return f"llama.cpp is not built ({', '.join(absent)} missing): run `make bench-llamacpp`"
-    return None
+    if not absent:
+        return None
+    targets = {"bench-llamacpp" if tool is None else BUILDS[build][1], BUILDS[build][1]}
+    return (f"llama.cpp is not built ({', '.join(absent)} missing): run "
+            f"`make {' '.join(sorted(targets))}`")
+
+
+def build_options(build: str = "native") -> dict[str, str]:
+    """How a build was configured: its instruction-set options that are ON (`ISA_OPTIONS`)
+    and its extra compiler flags, from its CMakeCache.txt ({} where it is not configured)."""
+    try:
+        cache = (BUILDS[build][0] / "CMakeCache.txt").read_text()
+    except OSError:
+        return {}
+    return parse_cmake_cache(cache, (*ISA_OPTIONS, "CMAKE_C_FLAGS"))
+
+
+def parse_cmake_cache(text: str, names: Sequence[str]) -> dict[str, str]:
+    """The values of `names` in a CMakeCache.txt (lines NAME:TYPE=VALUE), those whose value is
+    empty or OFF left out."""
+    values = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        name = key.partition(":")[0]
+        if sep and name in names and value and value.upper() != "OFF":
+            values[name] = value
+    return values
 
 
 def version() -> str | None:
@@ -58,11 +101,11 @@ def version() -> str | None:
     return found[-1].name.removeprefix("llama_cpp_python-") if found else None
 
 
-def clean_env() -> dict[str, str]:
+def clean_env(build: str = "native") -> dict[str, str]:
     """This process's environment without its OpenMP settings (see the module docstring),
-    with llama-cpp-python pointed at the build's libraries."""
+    with llama-cpp-python pointed at `build`'s libraries."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "KMP_"))}
-    env["LLAMA_CPP_LIB_PATH"] = str(BIN)
+    env["LLAMA_CPP_LIB_PATH"] = str(bin_dir(build))
     return env
 
 
@@ -74,9 +117,10 @@ class Worker:
     """llama-cpp-python on `model` in its own process; `run` is one timed sequence of
     requests. The worker keeps one llama.cpp context per drafting configuration."""
 
-    def __init__(self, model: Path, n_ctx: int, threads: int | None = None) -> None:
+    def __init__(self, model: Path, n_ctx: int, threads: int | None = None,
+                 build: str = "native") -> None:
         cmd = [str(PYTHON), __file__, str(model), str(n_ctx), str(default_threads(threads))]
-        self._proc = subprocess.Popen(cmd, env=clean_env(), stdin=subprocess.PIPE,
+        self._proc = subprocess.Popen(cmd, env=clean_env(build), stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, text=True)
 
     def run(self, prompts: Sequence[Sequence[int]], max_tokens: int,
@@ -120,16 +164,49 @@ def free_port() -> int:
 
 @contextmanager
 def server(model: Path, parallel: int, ctx_per_slot: int, threads: int | None = None,
-           extra_args: Sequence[str] = ()) -> Iterator[str]:
-    """The base URL of a `llama-server` on `model` with `parallel` slots of `ctx_per_slot`
-    tokens each (its -c is the total), stopped on the way out. Its output goes to stderr."""
+           extra_args: Sequence[str] = (), build: str = "native") -> Iterator[str]:
+    """The base URL of `build`'s `llama-server` on `model` with `parallel` slots of
+    `ctx_per_slot` tokens each (its -c is the total), stopped on the way out. Its output goes
+    to stderr."""
     port = free_port()
     threads = default_threads(threads)
-    cmd = [str(SERVER), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-           "-t", str(threads), "-tb", str(threads), "-np", str(parallel),
+    cmd = [str(bin_dir(build) / "llama-server"), "-m", str(model), "--host", "127.0.0.1",
+           "--port", str(port), "-t", str(threads), "-tb", str(threads), "-np", str(parallel),
            "-c", str(parallel * ctx_per_slot), "--metrics", *extra_args]
-    with served(cmd, port, 120, env=clean_env(), stderr=sys.stderr) as base:
+    with served(cmd, port, 120, env=clean_env(build), stderr=sys.stderr) as base:
         yield base
+
+
+def llama_bench(model: Path, threads: int | None = None, build: str = "native",
+                prompt_tokens: int = 512, gen_tokens: int = 128, repetitions: int = 1,
+                extra_args: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
+    """`build`'s llama-bench on `model`: its pp`prompt_tokens` test (one batch of that many
+    tokens into an empty context) and its tg`gen_tokens` test (that many one-token decodes
+    from an empty context), each `repetitions` times after its own untimed warm-up, as
+    `parse_llama_bench` reads them. Its log goes to stderr."""
+    cmd = [str(bin_dir(build) / "llama-bench"), "-m", str(model),
+           "-t", str(default_threads(threads)), "-p", str(prompt_tokens),
+           "-n", str(gen_tokens), "-r", str(repetitions), "-o", "json", *extra_args]
+    out = subprocess.run(cmd, env=clean_env(build), stdout=subprocess.PIPE, text=True,
+                         check=True).stdout
+    return parse_llama_bench(out)
+
+
+def parse_llama_bench(text: str) -> dict[str, dict[str, Any]]:
+    """llama-bench's `-o json` output by test, named as llama-bench's own table names them
+    (pp512, tg128, pp512+tg128, with @d<depth> for a test at a depth): the mean and standard
+    deviation over repetitions of its tok/s (`tok_s`, `tok_s_stddev`), the mean seconds of one
+    repetition, the per-repetition tok/s, its threads and the llama.cpp commit it was built
+    from."""
+    tests = {}
+    for test in json.loads(text):
+        parts = [f"pp{test['n_prompt']}"] if test["n_prompt"] else []
+        parts += [f"tg{test['n_gen']}"] if test["n_gen"] else []
+        name = "+".join(parts) + (f"@d{test['n_depth']}" if test.get("n_depth") else "")
+        tests[name] = {"tok_s": test["avg_ts"], "tok_s_stddev": test["stddev_ts"],
+                       "seconds": test["avg_ns"] / 1e9, "samples_tok_s": test["samples_ts"],
+                       "threads": test["n_threads"], "build_commit": test["build_commit"]}
+    return tests
 
 
 def _worker_main(model: str, n_ctx: int, threads: int) -> None:

@@ -230,7 +230,181 @@ def test_llamacpp_starts_without_this_process_openmp_settings(monkeypatch):
     env = llamacpp.clean_env()
     assert not [k for k in env if k.startswith(("OMP_", "GOMP_"))]
     assert env["PATH"] == os.environ["PATH"]
-    assert env["LLAMA_CPP_LIB_PATH"] == str(llamacpp.BIN)
+    assert env["LLAMA_CPP_LIB_PATH"] == str(llamacpp.ROOT / ".llamacpp" / "build" / "bin")
+    avx2 = llamacpp.clean_env("avx2")
+    assert avx2["LLAMA_CPP_LIB_PATH"] == str(llamacpp.ROOT / ".llamacpp" / "build-avx2" / "bin")
+
+
+# Two tests of `llama-bench -p 512 -n 128 -r 2 -o json` as it prints them (some fields cut).
+LLAMA_BENCH_JSON = """[
+  {
+    "build_commit": "1a2b3c4",
+    "build_number": 1,
+    "cpu_info": "Intel(R) Xeon(R) Processor",
+    "gpu_info": "",
+    "backends": "CPU",
+    "model_filename": "/m/SmolLM2-135M-Instruct-Q4_1.gguf",
+    "model_type": "llama ?B Q4_1",
+    "model_size": 96805760,
+    "model_n_params": 134515008,
+    "n_batch": 2048,
+    "n_ubatch": 512,
+    "n_threads": 2,
+    "type_k": "f16",
+    "type_v": "f16",
+    "n_prompt": 512,
+    "n_gen": 0,
+    "n_depth": 0,
+    "test_time": "2026-11-29T03:00:00Z",
+    "avg_ns": 2700000000,
+    "stddev_ns": 100000000,
+    "avg_ts": 189.7,
+    "stddev_ts": 7.1,
+    "samples_ns": [ 2600000000, 2800000000 ],
+    "samples_ts": [ 196.9, 182.8 ]
+  },
+  {
+    "build_commit": "1a2b3c4",
+    "build_number": 1,
+    "cpu_info": "Intel(R) Xeon(R) Processor",
+    "n_threads": 2,
+    "n_prompt": 0,
+    "n_gen": 128,
+    "n_depth": 0,
+    "avg_ns": 1536000000,
+    "stddev_ns": 20000000,
+    "avg_ts": 83.34,
+    "stddev_ts": 1.08,
+    "samples_ns": [ 1516000000, 1556000000 ],
+    "samples_ts": [ 84.43, 82.26 ]
+  },
+  {
+    "build_commit": "1a2b3c4",
+    "n_threads": 2,
+    "n_prompt": 0,
+    "n_gen": 32,
+    "n_depth": 4096,
+    "avg_ns": 500000000,
+    "stddev_ns": 0,
+    "avg_ts": 64.0,
+    "stddev_ts": 0.0,
+    "samples_ns": [ 500000000 ],
+    "samples_ts": [ 64.0 ]
+  }
+]
+"""
+
+
+def test_llama_bench_json_reads_as_its_tests_mean_and_stddev():
+    tests = llamacpp.parse_llama_bench(LLAMA_BENCH_JSON)
+    assert list(tests) == ["pp512", "tg128", "tg32@d4096"]
+    assert tests["pp512"] == {"tok_s": 189.7, "tok_s_stddev": 7.1, "seconds": 2.7,
+                              "samples_tok_s": [196.9, 182.8], "threads": 2,
+                              "build_commit": "1a2b3c4"}
+    assert tests["tg128"]["tok_s"] == 83.34 and tests["tg128"]["tok_s_stddev"] == 1.08
+    assert tests["tg128"]["seconds"] == pytest.approx(1.536)
+    both = json.loads(LLAMA_BENCH_JSON)[1] | {"n_prompt": 512}
+    assert list(llamacpp.parse_llama_bench(json.dumps([both]))) == ["pp512+tg128"]
+
+
+def test_llama_bench_runs_its_build_in_the_clean_environment(monkeypatch, tmp_path):
+    monkeypatch.setitem(llamacpp.BUILDS, "avx2", (tmp_path, "bench-llamacpp-avx2"))
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    calls = []
+
+    def run(cmd, env, **kwargs):
+        calls.append((cmd, env))
+        return SimpleNamespace(stdout=LLAMA_BENCH_JSON)
+
+    monkeypatch.setattr(llamacpp.subprocess, "run", run)
+    tests = llamacpp.llama_bench(Path("/m/x.gguf"), threads=3, build="avx2", repetitions=2)
+    assert tests["tg128"]["tok_s"] == 83.34
+    [(cmd, env)] = calls
+    assert cmd == [str(tmp_path / "bin" / "llama-bench"), "-m", "/m/x.gguf", "-t", "3",
+                   "-p", "512", "-n", "128", "-r", "2", "-o", "json"]
+    assert "OMP_WAIT_POLICY" not in env
+
+
+def test_llamacpp_missing_names_the_build_and_its_make_target(monkeypatch, tmp_path):
+    for build in ("native", "avx2"):
+        monkeypatch.setitem(llamacpp.BUILDS, build, (tmp_path / build, f"target-{build}"))
+    monkeypatch.setattr(llamacpp, "ROOT", tmp_path)
+    monkeypatch.setattr(llamacpp, "PYTHON", tmp_path / "venv" / "python")
+    assert llamacpp.missing("llama-bench", "avx2") == (
+        "llama.cpp is not built (avx2/bin/llama-bench missing): run `make target-avx2`")
+    # The worker needs llama-cpp-python's venv (the native target) and the build's library.
+    assert "run `make bench-llamacpp target-avx2`" in llamacpp.missing(None, "avx2")
+    (tmp_path / "avx2" / "bin").mkdir(parents=True)
+    (tmp_path / "avx2" / "bin" / "llama-bench").touch()
+    assert llamacpp.missing("llama-bench", "avx2") is None
+    assert llamacpp.missing("llama-bench", "native") is not None
+
+
+def test_cmake_cache_gives_a_builds_instruction_set_options():
+    cache = ("// comment\nGGML_NATIVE:BOOL=OFF\nGGML_AVX2:BOOL=ON\nGGML_AVX512:BOOL=OFF\n"
+             "GGML_FMA:BOOL=ON\nCMAKE_C_FLAGS:STRING=\nGGML_AVX2-ADVANCED:INTERNAL=1\n"
+             "LLAMA_CURL:BOOL=ON\n")
+    assert llamacpp.parse_cmake_cache(cache, llamacpp.ISA_OPTIONS + ("CMAKE_C_FLAGS",)) == {
+        "GGML_AVX2": "ON", "GGML_FMA": "ON"}
+    assert llamacpp.parse_cmake_cache("CMAKE_C_FLAGS:STRING=-mno-amx-tile\n",
+                                      ["CMAKE_C_FLAGS"]) == {"CMAKE_C_FLAGS": "-mno-amx-tile"}
+
+
+def test_v1_env_settings_parse_as_var_and_value():
+    assert bench_llamacpp.parse_env_setting("V1_CPU_KERNELS=x86_64_v3") == (
+        "V1_CPU_KERNELS", "x86_64_v3")
+    assert bench_llamacpp.parse_env_setting("V1_QUANT_INT8_MIN_ROWS=") == (
+        "V1_QUANT_INT8_MIN_ROWS", "")
+    assert bench_llamacpp.parse_env_setting("A=b=c") == ("A", "b=c")
+    for bad in ("V1_CPU_KERNELS", "=x", "1A=x", "A B=x"):
+        with pytest.raises(ValueError, match="VAR=VALUE"):
+            bench_llamacpp.parse_env_setting(bad)
+
+
+CPUINFO = """processor\t: 0
+vendor_id\t: GenuineIntel
+cpu family\t: 6
+model\t\t: 143
+model name\t: Intel(R) Xeon(R) Processor
+stepping\t: 8
+flags\t\t: fpu sse2 avx fma f16c avx2 avx512f avx512bw avx_vnni avx512_vnni amx_tile amx_int8
+
+processor\t: 1
+vendor_id\t: OtherVendor
+model name\t: Other
+flags\t\t: fpu
+"""
+
+
+def test_cpu_info_names_the_first_cpu_and_its_kernel_flags():
+    assert bench_llamacpp.cpu_info(CPUINFO) == {
+        "model": "Intel(R) Xeon(R) Processor", "vendor": "GenuineIntel",
+        "family_model_stepping": "6/143/8",
+        "flags": ["avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512_vnni",
+                  "amx_tile", "amx_int8"]}
+    zen3 = CPUINFO.replace(" avx512f avx512bw avx_vnni avx512_vnni amx_tile amx_int8", "")
+    assert bench_llamacpp.cpu_info(zen3)["flags"] == ["avx2", "fma", "f16c"]
+    arm = "processor\t: 0\nFeatures\t: fp asimd asimddp\nCPU part\t: 0xd0c\n"
+    assert bench_llamacpp.cpu_info(arm)["flags"] == ["asimd", "asimddp"]
+
+
+def test_kernel_libraries_are_read_from_a_process_maps():
+    maps = (
+        "7f0000000000-7f0000001000 r--p 00000000 08:01 42 /usr/lib/libc.so.6\n"
+        "7f0000002000-7f0000003000 r--p 00000000 08:01 43 /w/v1/kernels/_v1_x86_64_v3.so\n"
+        "7f0000003000-7f0000009000 r-xp 00001000 08:01 43 /w/v1/kernels/_v1_x86_64_v3.so\n"
+        "7f000000a000-7f000000b000 rw-p 00000000 00:00 0 \n"
+        "7f000000c000-7f000000d000 r--p 00000000 08:01 44 /w/v1/kernels/_v1_x86_64_v3.so.partial\n"
+    )
+    assert bench_llamacpp.kernel_libraries(maps) == ["_v1_x86_64_v3.so"]
+    assert bench_llamacpp.kernel_libraries("") == []
+
+
+def test_random_prompt_is_seeded_and_in_the_vocabulary():
+    prompt = bench_llamacpp.random_prompt(512, 100, seed=3)
+    assert len(prompt) == 512 and all(0 <= t < 100 for t in prompt)
+    assert prompt == bench_llamacpp.random_prompt(512, 100, seed=3)
+    assert prompt != bench_llamacpp.random_prompt(512, 100, seed=4)
 
 
 def test_serving_client_reads_a_server_without_cached_counts_or_metrics():
@@ -260,8 +434,8 @@ def test_serving_client_reads_a_server_without_cached_counts_or_metrics():
 @pytest.mark.model
 def test_llamacpp_bench_without_llamacpp_says_so_and_exits_0(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(llamacpp, "ROOT", tmp_path)
-    for name in ("SERVER", "PYTHON", "BIN"):
-        monkeypatch.setattr(llamacpp, name, tmp_path / "absent")
+    monkeypatch.setattr(llamacpp, "PYTHON", tmp_path / "absent")
+    monkeypatch.setitem(llamacpp.BUILDS, "native", (tmp_path / "absent", "bench-llamacpp"))
     monkeypatch.setattr(sys, "argv", ["bench_llamacpp.py"])
     bench_llamacpp.main()  # returns: exit status 0
     out = capsys.readouterr().out
