@@ -32,10 +32,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+# common first: it sets the OpenMP wait policy torch reads as it loads.
+from common import median  # isort: skip
+from bench_llamacpp import DECODE_QUESTION, HELPDESK, chat_prompt
+
 BENCH = Path(__file__).resolve().parent
-HELPDESK = BENCH / "data" / "helpdesk.json"
 WORKLOADS = ("decode", "prefix", "spec")
-DECODE_QUESTION = "Explain in two sentences why the sky is blue."
 
 
 def parse_contender(text: str) -> tuple[str, Path, dict[str, str]]:
@@ -96,15 +98,7 @@ class Child:
 # -- the child side -----------------------------------------------------------------------
 
 
-def _chat(tokenizer: Any, question: str, system: str | None = None) -> list[int]:
-    messages = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": question}]
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
 def child(args: argparse.Namespace) -> None:
-    import common  # noqa: F401  (first: it sets the OpenMP wait policy torch reads at import)
 
     import v1
     from v1 import LLM, SamplingParams
@@ -125,11 +119,11 @@ def child(args: argparse.Namespace) -> None:
     llm = LLM()
     tokenizer = llm.get_tokenizer()
     helpdesk = json.loads(HELPDESK.read_text())
-    decode_prompt = _chat(tokenizer, DECODE_QUESTION)
+    decode_prompt = chat_prompt(tokenizer, DECODE_QUESTION)
     questions = (helpdesk["questions"] * args.spec_requests)[: args.spec_requests]
-    spec_prompts = [_chat(tokenizer, q, helpdesk["system"]) for q in questions]
+    spec_prompts = [chat_prompt(tokenizer, q, helpdesk["system"]) for q in questions]
     shared = (helpdesk["questions"] * args.prefix_requests)[: args.prefix_requests]
-    prefix_prompts = [_chat(tokenizer, f"{q} (ticket {i})", helpdesk["system"])
+    prefix_prompts = [chat_prompt(tokenizer, f"{q} (ticket {i})", helpdesk["system"])
                       for i, q in enumerate(shared)]
     llm.generate([{"prompt_token_ids": decode_prompt[:8]}], params(4), use_tqdm=False)
     print(json.dumps({"v1": v1.__file__}), flush=True)
@@ -154,11 +148,6 @@ def child(args: argparse.Namespace) -> None:
 
 
 # -- the parent side ----------------------------------------------------------------------
-
-
-def median(values: list[float]) -> float:
-    s = sorted(values)
-    return (s[(len(s) - 1) // 2] + s[len(s) // 2]) / 2
 
 
 def main() -> None:
