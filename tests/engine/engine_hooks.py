@@ -6,6 +6,7 @@ import json
 import os
 import threading
 
+from tests.worker.step_costs import cheap_rows
 from v1.engine.core import EngineCore
 
 
@@ -36,3 +37,10 @@ def record_threads_per_step(engine_core: EngineCore) -> None:
         return step()
 
     engine_core.step = recording
+
+
+def cheap_draft_rows(engine_core: EngineCore) -> None:
+    """The drafter prices rows on `cheap_rows`, not on measured step times."""
+    drafter = engine_core.model_runner.drafter
+    assert drafter is not None
+    drafter.costs = cheap_rows()

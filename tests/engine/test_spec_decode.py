@@ -1,9 +1,12 @@
 """Speculative decoding end to end on the real default model: greedy outputs (tokens and
-logprobs) equal those without it, in every configuration that changes what a step holds."""
+logprobs) equal those without it, in every configuration that changes what a step holds.
+Drafts are priced on a fixed table of nearly free rows (`cheap_rows`): these tests assert that
+drafting happens, which measured step times would make depend on the machine's load."""
 
 import pytest
 
 from tests.entrypoints.conftest import PLAIN_PROMPTS
+from tests.worker.step_costs import cheap_rows
 from v1 import LLM, SamplingParams
 
 MAX_TOKENS = 24
@@ -24,6 +27,14 @@ def generate(
 ) -> list[tuple[list[int], list]]:
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     return [(c.token_ids, c.logprobs) for o in outs for c in o.outputs]
+
+
+def llm_with_drafts(spec: dict | None, **options) -> LLM:
+    """An in-process engine drafting as `spec` says (None: not), priced on `cheap_rows`."""
+    llm = LLM(speculative_config=spec, **options)
+    if spec is not None:
+        llm.llm_engine.client.engine_core.model_runner.drafter.costs = cheap_rows()
+    return llm
 
 
 def without_drafts(default_model, params: SamplingParams | list[SamplingParams]):
@@ -74,7 +85,7 @@ def reference(default_model):
 def test_greedy_outputs_equal_without_speculation(default_model, reference, k, options):
     options = {"num_gpu_blocks": 64, "max_model_len": 512, **options}
     spec = {**NGRAM, "num_speculative_tokens": k}
-    with LLM(loaded_model=default_model, speculative_config=spec, **options) as llm:
+    with llm_with_drafts(spec, loaded_model=default_model, **options) as llm:
         assert_same(generate(llm), reference)
         assert_drafts_accepted(llm)
         if options["num_gpu_blocks"] < 64:
@@ -83,8 +94,8 @@ def test_greedy_outputs_equal_without_speculation(default_model, reference, k, o
 
 def test_n_children_and_stop_conditions_with_drafts(default_model, reference):
     spec = {**NGRAM, "num_speculative_tokens": 3}
-    with LLM(loaded_model=default_model, num_gpu_blocks=64, max_model_len=512,
-             speculative_config=spec) as llm:
+    with llm_with_drafts(spec, loaded_model=default_model, num_gpu_blocks=64,
+                         max_model_len=512) as llm:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, n=2)
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
         for out, (ref_tokens, _) in zip(outs, reference, strict=True):
@@ -117,10 +128,16 @@ def test_n_children_and_stop_conditions_with_drafts(default_model, reference):
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, top1, use_tqdm=False)] \
             == [t for t, _ in reference]
         assert_drafts_accepted(llm)
+        # The runner timed its decode steps, those with drafts too, for the drafter to price.
+        recorded = llm.llm_engine.client.engine_core.model_runner.drafter.costs.recorded
+        assert all(seconds > 0 for _, seconds in recorded)
+        rows = {rows for rows, _ in recorded}
+        assert 4 in rows and max(rows) > 2 * len(PROMPTS)  # one request's 1 + 3; n=2 each
 
 
-def test_engine_process_with_async_scheduling(reference):
+def test_engine_process_with_async_scheduling(reference, monkeypatch):
     spec = {**NGRAM, "num_speculative_tokens": 4}
+    monkeypatch.setenv("V1_ENGINE_CORE_HOOK", "tests.engine.engine_hooks:cheap_draft_rows")
     # Float weights, as the in-process reference (`default_model`) has.
     with LLM(num_gpu_blocks=64, max_model_len=512, async_scheduling=True, quantization="none",
              speculative_config=spec) as llm:
@@ -144,8 +161,8 @@ def test_mixed_batch_of_drafted_and_undrafted_requests(default_model):
     ]
     results = []
     for spec in (None, {**NGRAM, "num_speculative_tokens": 3}):
-        with LLM(loaded_model=default_model, num_gpu_blocks=64, max_model_len=512,
-                 speculative_config=spec) as llm:
+        with llm_with_drafts(spec, loaded_model=default_model, num_gpu_blocks=64,
+                             max_model_len=512) as llm:
             outs = llm.generate(PROMPTS, params, use_tqdm=False)
             results.append([o.outputs[0].token_ids for o in outs])
             if spec is not None:
@@ -157,8 +174,8 @@ def test_suffix_drafts_an_earlier_answer(default_model, reference):
     """method "suffix": a question asked again gets the earlier answer as its draft (the
     shared tree), so nearly every draft of the second round is accepted; tokens equal."""
     spec = {"method": "suffix", "num_speculative_tokens": 4}
-    with LLM(loaded_model=default_model, num_gpu_blocks=64, max_model_len=512,
-             speculative_config=spec) as llm:
+    with llm_with_drafts(spec, loaded_model=default_model, num_gpu_blocks=64,
+                         max_model_len=512) as llm:
         first = generate(llm)
         before = llm.get_stats()
         again = generate(llm)
@@ -202,7 +219,7 @@ def test_seeded_sampling_does_not_depend_on_drafts(default_model, seeded_referen
     answers (other drafts, same tokens)."""
     ref = seeded_reference
     options = {"num_gpu_blocks": 64, "max_model_len": 512, **options}
-    with LLM(loaded_model=default_model, speculative_config=spec, **options) as llm:
+    with llm_with_drafts(spec, loaded_model=default_model, **options) as llm:
         first = generate(llm, SEEDED)
         again = generate(llm, SEEDED)
         stats = llm.get_stats()
@@ -230,8 +247,8 @@ def test_stop_strings_with_drafts_cut_tokens_and_logprobs(default_model, include
                              include_stop_str_in_output=include) for stop in STOPS]
     results = []
     for spec in (None, {**NGRAM, "num_speculative_tokens": 4}):
-        with LLM(loaded_model=default_model, num_gpu_blocks=64, max_model_len=512,
-                 speculative_config=spec) as llm:
+        with llm_with_drafts(spec, loaded_model=default_model, num_gpu_blocks=64,
+                             max_model_len=512) as llm:
             outs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
             results.append(outs)
             if spec is not None:

@@ -17,6 +17,7 @@ import ctypes
 import ctypes.util
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import NamedTuple, cast
 
@@ -46,6 +47,7 @@ from v1.worker.sampler import (
     gather_logprobs,
 )
 from v1.worker.spec_decode.drafter import Drafter, StepDrafts, Verification
+from v1.worker.spec_decode.step_cost import MeasuredStepCosts
 
 logger = logging.getLogger("v1")
 
@@ -135,7 +137,8 @@ class ModelRunner:
     ) -> None:
         """`plan_options`: how steps are planned (None: from the environment, read here)."""
         self.device = device
-        self.drafter = Drafter(speculative_config) if speculative_config is not None else None
+        self.drafter = (Drafter(speculative_config, MeasuredStepCosts())
+                        if speculative_config is not None else None)
         self.dtype = dtype
         if device.type == "cpu":
             tune_cpu_malloc()
@@ -333,11 +336,15 @@ class ModelRunner:
             if self.kv_disk is None:
                 return EMPTY_MODEL_RUNNER_OUTPUT
             return self._disk_io_after_forward(out, ModelRunnerOutput([], []), kv_loaded)
+        start = time.perf_counter()
         step = self._prepare_inputs(out)
         hidden = self._forward(step)
         if self.pooling is not None:  # pooled vectors instead of sampled tokens
             return self._pool(step, hidden)
         result = self._generate(out, step, hidden)
+        if self.drafter is not None:  # drafts are priced on timed steps
+            self.drafter.record_step(len(step.req_ids), out.total_num_scheduled_tokens,
+                                     int(step.drafts.num.sum()), time.perf_counter() - start)
         if self.kv_disk is not None:
             return self._disk_io_after_forward(out, result, kv_loaded)
         return result
@@ -454,7 +461,7 @@ class ModelRunner:
         spec_token_ids = None
         if self.drafter is not None:
             spec_token_ids = self.drafter.propose_all(batch, step.req_ids, step.rows,
-                                                      sample_idx)
+                                                      sample_idx, step.drafts)
         unfilled = {step.req_ids[i]: n for i, drafts in step.drafts.by_index.items()
                     if (n := drafts.count(-1))}
         return ModelRunnerOutput(step.req_ids, tokens.sampled, tokens.logprobs,
@@ -494,7 +501,7 @@ class ModelRunner:
         assert self.drafter is not None
         return self.drafter.accept(batch, Verification(
             req_ids, step.rows, sample_idx, first_logit_row, token_ids, token_logprobs,
-            step.drafts, generator_states, out.total_num_scheduled_tokens,
+            step.drafts, generator_states,
         ))
 
     def _run_sampler(
