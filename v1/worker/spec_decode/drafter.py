@@ -119,7 +119,7 @@ class Drafter:
         self.max_k = config.num_speculative_tokens
         self.proposer = proposer if proposer is not None else make_proposer(config)
         self.costs = costs
-        self._overall = _Acceptance()  # all requests'; prior 1: a first request drafts all
+        self._overall = _Acceptance()  # all requests'; prior 1: a first request's drafts all pay
         self._requests: dict[str, _Request] = {}
         self.pending: dict[str, list[int]] = {}  # req_id -> its last proposal
 
