@@ -343,13 +343,11 @@ class ModelRunner:
         return result
 
     def _load_from_disk(self, out: SchedulerOutput) -> dict[str, int] | None:
-        """Reads the step's disk-tier loads into their blocks; tokens loaded per request."""
-        if not out.kv_loads:
+        """Begins the step's disk-tier loads and goes on with earlier ones (a bounded read
+        per step); blocks loaded per request whose load finished."""
+        if self.kv_disk is None:
             return None
-        assert self.kv_disk is not None
-        return {load.req_id: self.kv_disk.load(self.kv_caches, load.block_ids,
-                                               load.block_hashes)
-                for load in out.kv_loads}
+        return self.kv_disk.load(self.kv_caches, out.kv_loads)
 
     def _prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
         """The step's token rows (module docstring), its attention metadata and its plan."""
