@@ -153,6 +153,34 @@ def test_a_fifo_in_place_of_a_block_file_is_a_miss_and_blocks_nothing(default_mo
     assert any(fifo.is_file() for fifo in fifos)
 
 
+def test_a_read_longer_than_a_steps_bound_goes_on_over_steps(default_model, tmp_path):
+    """A step reads at most `max_read_blocks` files: a longer read goes on in the next steps
+    and its request runs once it is done, as a full hit, same tokens."""
+    question = SYSTEM + "Where can I study?"
+    with engine(default_model, tmp_path) as first:
+        reference, _ = run(first, question)
+    with engine(default_model, tmp_path) as second:
+        store = second.llm_engine.client.engine_core.model_runner.kv_disk
+        store.max_read_blocks = 1
+        read_per_step: list[int] = []  # files read by each step's `load`
+        load, read_blocks = store.load, store._read_blocks
+
+        def counting_load(kv_caches, loads):
+            read_per_step.append(0)
+            return load(kv_caches, loads)
+
+        def counting_read(kv_caches, block_ids, hashes):
+            read_per_step[-1] += len(hashes)
+            return read_blocks(kv_caches, block_ids, hashes)
+
+        store.load, store._read_blocks = counting_load, counting_read
+        tokens, cached = run(second, question)
+        expected = full_prefix(second, question)
+        assert second.get_stats().disk_cache_hits == cached
+    assert tokens == reference and cached == expected
+    assert max(read_per_step) == 1 and sum(read_per_step) == expected // 16
+
+
 def test_the_byte_bound_holds(default_model, tmp_path):
     with engine(default_model, tmp_path) as probe:
         run(probe, SYSTEM)
