@@ -262,7 +262,9 @@ class ModelRunner:
 
     def _finish_request(self, req_id: str) -> None:
         batch = self.input_batch
-        if self.drafter is not None and req_id in batch.req_id_to_index:
+        if self.drafter is not None and (
+            req_id in batch.req_id_to_index or req_id in self._preempted
+        ):
             self.drafter.finish(req_id)
         batch.remove_request(req_id)
         self._preempted.pop(req_id, None)
@@ -301,6 +303,12 @@ class ModelRunner:
         )
         if params.prompt_logprobs is not None:
             self.in_progress_prompt_logprobs[new.req_id] = []
+        if self.drafter is not None:
+            # Drafts from its own tenant's answers only, as its prefix-cache hits are.
+            lora = new.lora_request
+            self.drafter.proposer.start(
+                new.req_id, (new.cache_salt, None if lora is None else lora.lora_int_id)
+            )
         if self.lora is not None:
             self.lora.add_request(new.req_id, new.lora_request)
         if self.pooling is not None:
