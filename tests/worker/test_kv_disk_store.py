@@ -235,6 +235,7 @@ def test_a_fifo_or_a_link_in_place_of_a_block_file_is_a_miss_without_blocking(tm
     # A link to a file of the right size and content is not followed either.
     store.path(h(2)).rename(tmp_path / "elsewhere")
     store.path(h(2)).symlink_to(tmp_path / "elsewhere")
+    assert store.scan() == [h(0)]  # not indexed at start-up either
     assert read(store, caches(), [6], [h(2)]) == 0
     store.close()
 

@@ -201,14 +201,14 @@ class DiskKVStore:
             for entry in entries:
                 name = entry.name
                 try:
+                    st = entry.stat(follow_symlinks=False)  # links are not block files
                     if name.endswith(".tmp"):
-                        if now - entry.stat().st_mtime > STALE_TMP_S:
+                        if now - st.st_mtime > STALE_TMP_S:
                             os.unlink(entry.path)
                         continue
                     if not name.endswith(SUFFIX) or len(name) != 32 + len(SUFFIX):
                         continue
-                    st = entry.stat()
-                    if st.st_size == self.file_bytes:
+                    if stat.S_ISREG(st.st_mode) and st.st_size == self.file_bytes:
                         found.append((st.st_mtime_ns, bytes.fromhex(name[:32])))
                 except (OSError, ValueError):  # vanished meanwhile, or not ours
                     continue
