@@ -155,10 +155,10 @@ def main() -> None:
     fill(q, words, args.cached, seed=1)
     size = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
-    cached_tokens = sum(len(s) for s in q._cached)
+    cached_tokens = sum(len(s) for _, s in q._cached)
     result["shared_tree"] = {
         "cached_tokens": cached_tokens,
-        "nodes_per_token": round(q._global.num_nodes() / cached_tokens, 2),
+        "nodes_per_token": round(q._trees[None].num_nodes() / cached_tokens, 2),
         "bytes_per_token": round(size / cached_tokens),
     }
     print(f"shared tree: {cached_tokens} cached tokens, "

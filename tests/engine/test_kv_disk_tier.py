@@ -1,6 +1,9 @@
 """The disk tier end to end, with the real default model: engines in this process sharing the
 session's weights, each "restart" a new engine on the same kv_cache_dir."""
 
+import os
+import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -93,6 +96,89 @@ def test_truncated_and_corrupt_files_are_ignored(default_model, tmp_path):
         tokens, cached = run(second, question)
         assert cached < full_prefix(second, question)
     assert tokens == reference  # whatever was read before the bad file, the rest computed
+
+
+def test_block_files_copied_onto_another_prompts_names_are_not_read(default_model, tmp_path):
+    """A file carries the hash its name stands for under its checksum: copied or renamed onto
+    another block's name it is a miss, never another prompt's K/V."""
+    other = (
+        "You answer questions about the city's bus network. Buses run every ten minutes on "
+        "weekdays and every twenty at weekends; night buses leave the central station at "
+        "midnight, one and two. A day ticket costs four euros and children travel free. "
+        "Bicycles ride along outside rush hours, dogs on a lead at all times, and lost "
+        "property waits a month at the depot on the harbour road before it is given away. "
+    )
+    with engine(default_model, tmp_path) as first:
+        run(first, SYSTEM + "Hi?")
+    first_files = block_files(tmp_path)  # written by the time it is closed
+    with engine(default_model, tmp_path) as first:
+        reference, _ = run(first, other + "Hi?")
+    other_files = sorted(set(block_files(tmp_path)) - set(first_files))
+    assert first_files and len(other_files) >= 4
+    for i, target in enumerate(other_files):
+        shutil.copyfile(first_files[i % len(first_files)], target)
+    with engine(default_model, tmp_path) as second:
+        tokens, cached = run(second, other + "Hi?")
+    assert tokens == reference and cached == 0
+
+
+def test_a_fifo_in_place_of_a_block_file_is_a_miss_and_blocks_nothing(default_model, tmp_path):
+    """A block file replaced by a FIFO while the server runs: the read takes it as a miss
+    (opened O_NONBLOCK, regular files only), the request is served. The join's timeout only
+    keeps a failing run from hanging."""
+    question = SYSTEM + "Can I renew a loan?"
+    with engine(default_model, tmp_path) as first:
+        reference, _ = run(first, question)
+    with engine(default_model, tmp_path) as second:
+        fifos = block_files(tmp_path)  # which is the first block: by name, so all of them
+        for fifo in fifos:
+            fifo.unlink()
+            os.mkfifo(fifo)
+        result = []
+        worker = threading.Thread(target=lambda: result.append(run(second, question)),
+                                  daemon=True)
+        worker.start()
+        worker.join(120)
+        if worker.is_alive():  # blocked in open(): writers let it go, then fail
+            for fifo in fifos:
+                try:  # succeeds on the FIFO a reader waits on
+                    os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+                except OSError:
+                    pass
+            worker.join()
+            pytest.fail("the step blocked on a FIFO")
+    tokens, cached = result[0]
+    assert tokens == reference and cached == 0
+    # The one read was removed, its block computed and written again as a regular file.
+    assert any(fifo.is_file() for fifo in fifos)
+
+
+def test_a_read_longer_than_a_steps_bound_goes_on_over_steps(default_model, tmp_path):
+    """A step reads at most `max_read_blocks` files: a longer read goes on in the next steps
+    and its request runs once it is done, as a full hit, same tokens."""
+    question = SYSTEM + "Where can I study?"
+    with engine(default_model, tmp_path) as first:
+        reference, _ = run(first, question)
+    with engine(default_model, tmp_path) as second:
+        store = second.llm_engine.client.engine_core.model_runner.kv_disk
+        store.max_read_blocks = 1
+        read_per_step: list[int] = []  # files read by each step's `load`
+        load, read_blocks = store.load, store._read_blocks
+
+        def counting_load(kv_caches, loads):
+            read_per_step.append(0)
+            return load(kv_caches, loads)
+
+        def counting_read(kv_caches, block_ids, hashes):
+            read_per_step[-1] += len(hashes)
+            return read_blocks(kv_caches, block_ids, hashes)
+
+        store.load, store._read_blocks = counting_load, counting_read
+        tokens, cached = run(second, question)
+        expected = full_prefix(second, question)
+        assert second.get_stats().disk_cache_hits == cached
+    assert tokens == reference and cached == expected
+    assert max(read_per_step) == 1 and sum(read_per_step) == expected // 16
 
 
 def test_the_byte_bound_holds(default_model, tmp_path):

@@ -191,6 +191,29 @@ def test_suffix_drafts_an_earlier_answer(default_model, reference):
         assert_drafts_accepted(llm)
 
 
+def test_suffix_drafts_never_cross_cache_salts(default_model, reference):
+    """The shared tree is keyed by cache_salt (and adapter), as the prefix cache is: another
+    tenant's round of the same questions drafts as a first round does (its stream's pace
+    tells nothing of them), while the first tenant's second round drafts its answers."""
+    spec = {"method": "suffix", "num_speculative_tokens": 4}
+    rounds = []
+    with LLM(loaded_model=default_model, num_gpu_blocks=64, max_model_len=512,
+             speculative_config=spec) as llm:
+        for salt in ("tenant-a", "tenant-b", "tenant-a"):
+            before = llm.get_stats()
+            outs = llm.generate([{"prompt": p, "cache_salt": salt} for p in PROMPTS], GREEDY,
+                                use_tqdm=False)
+            assert_same([(c.token_ids, c.logprobs) for o in outs for c in o.outputs], reference)
+            after = llm.get_stats()
+            rounds.append((
+                after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens,
+                after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens,
+            ))
+    first, other_tenant, again = rounds
+    assert other_tenant == first
+    assert again[1] >= len(PROMPTS) * (MAX_TOKENS // 2) > first[1]
+
+
 SEEDED = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=MAX_TOKENS, seed=seed, logprobs=1)
           for seed in range(len(PROMPTS))]
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from v1.config import CacheConfig, SchedulerConfig
+from v1.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from v1.models.loader import LoadedModel
 from v1.outputs import ModelRunnerOutput, TokenLogprobs
@@ -14,13 +14,16 @@ NUM_BLOCKS = 4
 PROMPT = [504, 3575, 282, 4649, 314]  # any token ids will do
 
 
-def make_runner(loaded: LoadedModel) -> ModelRunner:
+def make_runner(
+    loaded: LoadedModel, speculative_config: SpeculativeConfig | None = None
+) -> ModelRunner:
     runner = ModelRunner(
         loaded,
         SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
         CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks=NUM_BLOCKS),
         torch.device("cpu"),
         torch.float32,
+        speculative_config,
     )
     runner.initialize_kv_cache(NUM_BLOCKS)
     return runner
@@ -79,3 +82,21 @@ def test_logprobs_are_raw_before_min_tokens_masking(default_model):
     # ...and the top-5 still holds the stop token with its raw (finite) logprob.
     assert masked.token_ids[1:] == raw.token_ids[1:]
     assert masked.logprobs == [raw.logprobs[2], *raw.logprobs[1:]]
+
+
+def test_suffix_drafts_are_scoped_by_salt_until_finished_even_when_preempted(default_model):
+    """The runner gives the proposer each request's scope (cache_salt, adapter id) when it
+    joins; a preemption keeps it (the request comes back), a finish, even while preempted,
+    drops it."""
+    runner = make_runner(default_model, SpeculativeConfig("suffix", num_speculative_tokens=2))
+    new = NewRequestData("a", PROMPT, SamplingParams(temperature=0.0), [0], 0,
+                         cache_salt="tenant-a")
+    runner.execute_model(SchedulerOutput([new], CachedRequestData(), {"a": len(PROMPT)},
+                                         len(PROMPT), set(), set()))
+    proposer = runner.drafter.proposer
+    assert proposer._scopes == {"a": ("tenant-a", None)}
+    assert proposer._requests["a"].scope == ("tenant-a", None)
+    runner.execute_model(SchedulerOutput([], CachedRequestData(), {}, 0, set(), {"a"}))
+    assert proposer._scopes == {"a": ("tenant-a", None)} and "a" not in proposer._requests
+    runner.execute_model(SchedulerOutput([], CachedRequestData(), {}, 0, {"a"}, set()))
+    assert proposer._scopes == {} and not proposer._cached  # a preempted one publishes nothing

@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from v1.worker.spec_decode.suffix import SuffixProposer, _Node
+from v1.worker.spec_decode import suffix
+from v1.worker.spec_decode.suffix import SuffixProposer, _GlobalTree, _Node
 
 PROMPT = list(range(1000, 1040))  # a system prompt and a question, all distinct tokens
 ANSWER = list(range(2000, 2030))
@@ -19,6 +20,16 @@ def run_request(
     drafts = [p.propose(req_id, prompt + answer[: i + 1], k) for i in range(len(answer))]
     p.finish(req_id)
     return drafts
+
+
+def shared_tree(p: SuffixProposer, scope=None) -> _GlobalTree:
+    """The shared tree of `scope` (an empty one when it has none)."""
+    return p._trees.get(scope) or _GlobalTree(p.max_tree_depth)
+
+
+def cached(p: SuffixProposer) -> list[list[int]]:
+    """The shared trees' sequences, oldest first."""
+    return [seq for _, seq in p._cached]
 
 
 def test_repeats_an_earlier_requests_answer() -> None:
@@ -186,12 +197,13 @@ def test_eviction_is_exact(keep: int, max_tokens: int | None) -> None:
                 break
             kept.insert(0, seq)
             total += len(seq)
-        assert list(p._cached) == kept
+        assert cached(p) == kept
         rebuilt = SuffixProposer(max_tree_depth=depth, max_cached_requests=keep, **caps)
-        rebuilt._cached.extend(rebuilt._global.add(seq) for seq in p._cached)
-        assert dump(p._global.root, depth) == dump(rebuilt._global.root, depth)
-        check_tree(p._global.root, depth, exact_ends=True)
-        assert referenced(p._global.root) <= {id(seq) for seq in p._cached}  # evicted: gone
+        tree = rebuilt._trees[None] = _GlobalTree(depth)
+        rebuilt._cached.extend((None, tree.add(seq)) for seq in cached(p))
+        assert dump(shared_tree(p).root, depth) == dump(tree.root, depth)
+        check_tree(shared_tree(p).root, depth, exact_ends=True)
+        assert referenced(shared_tree(p).root) <= {id(seq) for seq in cached(p)}  # evicted: gone
         for j in range(5):
             ctx = [rng.randrange(4) for _ in range(rng.randrange(1, 12))]
             assert p.propose(f"q{i}.{j}", ctx, 5) == rebuilt.propose(f"q{i}.{j}", ctx, 5)
@@ -204,9 +216,9 @@ def test_eviction_is_exact(keep: int, max_tokens: int | None) -> None:
 def test_an_answer_longer_than_the_token_cap_is_not_cached() -> None:
     p = SuffixProposer(max_tree_depth=4, max_cached_tokens=40)
     run_request(p, "a", PROMPT, ANSWER[:20])
-    kept = list(p._cached)
+    kept = cached(p)
     run_request(p, "b", PROMPT, list(range(5000, 5040)))  # 3 + 40 tokens: more than the cap
-    assert list(p._cached) == kept and p.num_cached_tokens == 23
+    assert cached(p) == kept and p.num_cached_tokens == 23
 
 
 def test_memory_stays_bounded() -> None:
@@ -217,7 +229,7 @@ def test_memory_stays_bounded() -> None:
     for i in range(300):
         answer = [rng.randrange(50) for _ in range(40)]
         run_request(p, f"r{i}", PROMPT, answer, k=4)
-        sizes.append(p._global.num_nodes())
+        sizes.append(shared_tree(p).num_nodes())
     assert p._requests == {}
     # Each cached sequence is at most `depth` prompt tokens + 40 answer tokens, each position
     # one leaf plus at most one new explicit node per insertion (a split).
@@ -294,7 +306,7 @@ def test_drafts_match_a_plain_trie(seed: int) -> None:
             expected = shared[1] if shared[0] > own[0] else own[1]
             assert p.propose(req_id, ctx, k) == expected, (req_id, n)
             check_tree(p._requests[req_id].tree.root, depth, exact_ends=False)
-            check_tree(p._global.root, depth, exact_ends=True)
+            check_tree(shared_tree(p).root, depth, exact_ends=True)
             running[req_id] = (tokens, first, n + 1)
 
 
@@ -311,3 +323,68 @@ def test_drafts_match_a_plain_trie(seed: int) -> None:
 def test_bad_parameters_are_value_errors(kwargs: dict) -> None:
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         SuffixProposer(**kwargs)
+
+
+# ---- scopes: a tenant drafts from its own answers only -------------------------------------
+
+
+def test_a_request_drafts_only_from_answers_of_its_own_scope() -> None:
+    """The runner's scope is (cache_salt, adapter): salt A's answers never draft for salt B,
+    nor an adapter's for the base model, as their prefix-cache blocks never meet."""
+    p = SuffixProposer()
+    p.start("a", ("tenant-a", None))
+    run_request(p, "a", PROMPT, ANSWER)
+    for req_id, scope in (("b", ("tenant-b", None)), ("plain", (None, None)),
+                          ("lora", ("tenant-a", 1))):
+        p.start(req_id, scope)
+        assert p.propose(req_id, PROMPT + ANSWER[:1], 8) == [], scope
+        assert p.propose(req_id, PROMPT + ANSWER[:12], 8) == [], scope
+        p.drop(req_id)  # preempted: keeps its scope
+        assert p.propose(req_id, PROMPT + ANSWER[:12], 8) == [], scope
+        p.finish(req_id)
+    p.start("a2", ("tenant-a", None))
+    assert p.propose("a2", PROMPT + ANSWER[:1], 8) == ANSWER[1:9]  # its own tenant's: drafts
+    p.finish("a2")
+    assert p._scopes == {}
+
+
+def test_scopes_share_the_bounds_and_leave_no_empty_trees() -> None:
+    p = SuffixProposer(max_cached_requests=2)
+    for i, salt in enumerate(("x", "y", "z")):
+        p.start(f"r{i}", (salt, None))
+        run_request(p, f"r{i}", PROMPT, ANSWER)
+    assert [scope for scope, _ in p._cached] == [("y", None), ("z", None)]
+    assert set(p._trees) == {("y", None), ("z", None)}  # x's last answer evicted: tree gone
+
+
+# ---- the first proposal's indexing is bounded per call ------------------------------------
+
+
+def test_the_first_proposal_indexes_a_long_prompt_over_several_calls(monkeypatch) -> None:
+    """n requests over one long prompt reach their first proposal in the same step: each call
+    indexes at most `max_index_tokens` of a request's tokens in its own tree (counted, not
+    timed), and the tree drafts once it has caught up."""
+    indexed: list[int] = []
+    real_extend = suffix._SuffixTree._extend
+
+    def counting(self, seq, tails, tokens):
+        indexed.append(len(tokens))
+        return real_extend(self, seq, tails, tokens)
+
+    monkeypatch.setattr(suffix._SuffixTree, "_extend", counting)
+    passage = list(range(4000, 4100))
+    prompt = passage + list(range(5000, 7000)) + passage[:5]  # quotes its start at the end
+    p = SuffixProposer(max_cached_requests=0, max_index_tokens=300)
+    steps = []
+    for _ in range(10):
+        indexed.clear()
+        drafts = [p.propose(f"n{i}", prompt, 4) for i in range(16)]  # one step of 16
+        steps.append((sum(indexed), max(indexed), drafts[0]))
+    assert all(most <= 300 and total <= 16 * 300 for total, most, _ in steps)
+    # 2,105 tokens at 300 a call: caught up in the 8th call, drafting from then on.
+    assert [draft for _, _, draft in steps] == [[]] * 7 + [passage[5:9]] * 3
+    assert sum(total for total, _, _ in steps[:8]) == 16 * len(prompt)
+    # Caught up, a step indexes only what is new.
+    indexed.clear()
+    p.propose("n0", prompt + passage[5:7], 4)
+    assert sum(indexed) == 2

@@ -5,24 +5,36 @@ directory keyed by everything that changes K/V. The scheduler's index
 Layout: `kv_cache_dir/<xxh3-128 of cache_key_facts>/<32 hex digits of the hash>.kv`
 (`meta.json` holds the facts, for people):
 
-    header (24 bytes): magic b"v1kvblk1", payload length (u64), xxh3-64 of the payload (u64)
+    header (56 bytes): magic b"v1kvblk2", payload length (u64), the block's hash (16 bytes:
+            its tokens, cache_salt and adapter), the directory's key (16 bytes: the model and
+            KV setting), xxh3-64 of the header's first 48 bytes and the payload (u64)
     payload: the block's K and V of every layer, [layers, 2, block_size, kv_heads, head_size]
              in the KV cache dtype, raw
 
-Contract: files appear by rename (complete or absent); a bad file is never used and is removed;
-`save` copies after the forward and queues for the writer thread (dropped, reported unwritten,
-over `max_queue_bytes`); `load` reads on the step's thread before its forward. The rest of the
-contract and why: docs/prefix-cache.md, "The prefix cache on disk".
+Contract: the directories are 0700 and the files 0600, the server user's (`open_kv_cache_dir`
+refuses a root others can reach); files appear by rename of a temporary created with
+O_EXCL|O_NOFOLLOW under an unpredictable name (complete or absent); a file is read only if it
+is a regular file (opened O_NONBLOCK|O_NOFOLLOW: a FIFO or a link is a miss) whose header names
+the block and directory it is read for (a file copied onto another block's name is a miss);
+a bad file is never used and is removed; `save` copies after the forward and queues for the
+writer thread (dropped, reported unwritten, over `max_queue_bytes`); `load` reads on the step's
+thread before its forward, at most `max_read_bytes` of files per step (a read goes on in the
+next steps, reported when done). The rest of the contract and why: docs/prefix-cache.md, "The
+prefix cache on disk", and docs/serving.md, "Disk tier files".
 """
 
 import json
 import logging
 import os
 import queue
+import secrets
+import stat
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +42,13 @@ import numpy as np
 import torch
 import xxhash
 
+from v1.core.sched.output import KVLoad
+
 logger = logging.getLogger("v1")
 
-MAGIC = b"v1kvblk1"
-_HEADER = struct.Struct("<8sQQ")
+MAGIC = b"v1kvblk2"
+_IDENTITY = struct.Struct("<8sQ16s16s")  # magic, payload length, block hash, directory key
+_HEADER = struct.Struct(f"<{_IDENTITY.size}sQ")  # the identity, then the checksum
 HEADER_BYTES = _HEADER.size
 SUFFIX = ".kv"
 STALE_TMP_S = 600.0
@@ -87,16 +102,49 @@ def cache_key_facts(
 
 
 def open_kv_cache_dir(path: str) -> Path:
-    """The disk tier's root directory `path` (kv_cache_dir), created if need be; ValueError
-    naming it when it cannot be written. The engine calls this before the model loads."""
+    """The disk tier's root directory `path` (kv_cache_dir), created 0700 if need be.
+    ValueError naming it when it cannot be created or written, or when it is not a
+    directory of mode 0700 owned by this process's user: its files are every tenant's
+    prompts' K/V, and a directory others may write lets them plant links and files. The
+    engine calls this before the model loads."""
     root = Path(path).expanduser()
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        root.parent.mkdir(parents=True, exist_ok=True)
+        _private_dir(root)
+        st = root.stat()
     except OSError as e:
         raise ValueError(f"kv_cache_dir {path!r} cannot be created: {e}") from e
-    if not root.is_dir() or not os.access(root, os.W_OK | os.X_OK):
+    uid, mode = os.geteuid(), stat.S_IMODE(st.st_mode)
+    if st.st_uid != uid or mode != 0o700:
+        raise ValueError(
+            f"kv_cache_dir {path!r} has mode {mode:04o} and owner uid {st.st_uid}; it must "
+            f"be mode 0700 and owned by the server's user (uid {uid}), or other users could "
+            "read every prompt's K/V and plant files there (chmod 700 it, or name another)"
+        )
+    if not os.access(root, os.W_OK | os.X_OK):
         raise ValueError(f"kv_cache_dir {path!r} is not a writable directory")
     return root
+
+
+def _private_dir(path: Path) -> None:
+    """Create directory `path` with mode 0700 whatever the umask; an existing directory is
+    left as it is (the caller checks it)."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        if not path.is_dir():
+            raise
+        return
+    os.chmod(path, 0o700)
+
+
+def _create_private(directory: Path, name: str) -> tuple[int, Path]:
+    """A new file for writing in `directory`, mode 0600, under `name` plus a random part:
+    O_EXCL|O_NOFOLLOW, so that nothing planted there (a link to another file, a file of
+    another user) is ever written through. Returns its descriptor and path."""
+    tmp = directory / f".{name}.{secrets.token_hex(8)}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    return os.open(tmp, flags, 0o600), tmp
 
 
 class DiskKVStore:
@@ -111,21 +159,27 @@ class DiskKVStore:
         block_shape: tuple[int, ...],
         dtype: torch.dtype,
         max_queue_bytes: int = 256 << 20,
+        max_read_bytes: int = _MAX_BATCH_BYTES,
     ) -> None:
-        """`block_shape`: one block's payload, [layers, 2, block_size, kv_heads, head_size]."""
-        key = xxhash.xxh3_128_hexdigest(repr(sorted(facts.items())).encode())
-        self.directory = root / key
-        self.directory.mkdir(parents=True, exist_ok=True)
+        """`block_shape`: one block's payload, [layers, 2, block_size, kv_heads, head_size];
+        `max_read_bytes`: the most file bytes `load` reads per call (one block at least)."""
+        key = xxhash.xxh3_128_digest(repr(sorted(facts.items())).encode())
+        self.key = key
+        self.directory = root / key.hex()
+        _private_dir(self.directory)
         meta = self.directory / "meta.json"
         if not meta.exists():
-            tmp = meta.with_name(f".meta.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(facts, indent=1))
+            fd, tmp = _create_private(self.directory, meta.name)
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(facts, indent=1))
             os.replace(tmp, meta)
         self.block_shape = block_shape
         self.dtype = dtype
         self.payload_bytes = int(np.prod(block_shape)) * dtype.itemsize
         self.file_bytes = HEADER_BYTES + self.payload_bytes
         self.max_queue_bytes = max_queue_bytes
+        self.max_read_blocks = max(1, max_read_bytes // self.file_bytes)
+        self._reads: deque[_Read] = deque()  # begun, not finished, oldest first
         self._queued_bytes = 0
         self._lock = threading.Lock()
         self._stored: list[tuple[bytes, bool]] = []
@@ -147,14 +201,14 @@ class DiskKVStore:
             for entry in entries:
                 name = entry.name
                 try:
+                    st = entry.stat(follow_symlinks=False)  # links are not block files
                     if name.endswith(".tmp"):
-                        if now - entry.stat().st_mtime > STALE_TMP_S:
+                        if now - st.st_mtime > STALE_TMP_S:
                             os.unlink(entry.path)
                         continue
                     if not name.endswith(SUFFIX) or len(name) != 32 + len(SUFFIX):
                         continue
-                    st = entry.stat()
-                    if st.st_size == self.file_bytes:
+                    if stat.S_ISREG(st.st_mode) and st.st_size == self.file_bytes:
                         found.append((st.st_mtime_ns, bytes.fromhex(name[:32])))
                 except (OSError, ValueError):  # vanished meanwhile, or not ours
                     continue
@@ -174,39 +228,71 @@ class DiskKVStore:
 
     # -- reads (the step's thread, before the forward) -----------------------------------
 
-    def load(
+    def load(self, kv_caches: list[torch.Tensor], loads: Sequence[KVLoad]) -> dict[str, int]:
+        """Begin the step's `loads` and go on with those begun before, oldest first, reading
+        at most `max_read_blocks` files in all; returns, for each load finished now, how many
+        of its blocks were read, in a row from the first (a missing, short, corrupt or
+        foreign file, or one that is not a regular file, ends it there and is removed). A
+        load's blocks are its request's alone until it is reported, so it may take steps."""
+        self._reads.extend(_Read(load) for load in loads)
+        finished: dict[str, int] = {}
+        budget = self.max_read_blocks
+        while self._reads and budget:
+            read = self._reads[0]
+            load = read.load
+            todo = min(budget, len(load.block_hashes) - read.num_read)
+            start = read.num_read
+            got = self._read_blocks(
+                kv_caches, load.block_ids[start : start + todo],
+                load.block_hashes[start : start + todo],
+            )
+            read.num_read += got
+            budget -= todo
+            if got < todo or read.num_read == len(load.block_hashes):
+                finished[load.req_id] = read.num_read
+                self._reads.popleft()
+        return finished
+
+    def _read_blocks(
         self, kv_caches: list[torch.Tensor], block_ids: Sequence[int], hashes: Sequence[bytes]
     ) -> int:
         """Read the blocks' files into those cache blocks; how many were read, in a row
-        from the first (a missing, short or corrupt file ends the run; a corrupt one is
-        removed)."""
+        from the first."""
         batch, raw = self._batch(len(hashes))
         num_read = 0
         for i, block_hash in enumerate(hashes):
             path = self.path(block_hash)
             try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError:  # gone (another process evicted it)
+                # O_NONBLOCK: opening a FIFO does not wait for a writer.
+                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except FileNotFoundError:  # gone (another process evicted it)
                 break
+            except OSError:  # a link (O_NOFOLLOW), or not ours to read
+                fd = -1
+            ok = fd >= 0
             try:
-                chunks = list(raw[:, i])
-                header = os.pread(fd, HEADER_BYTES, 0)
-                ok = len(header) == HEADER_BYTES
                 if ok:
-                    magic, size, digest = _HEADER.unpack(header)
+                    st = os.fstat(fd)
+                    ok = stat.S_ISREG(st.st_mode) and st.st_size == self.file_bytes
+                if ok:
+                    chunks = list(raw[:, i])
+                    header = os.pread(fd, HEADER_BYTES, 0)
+                    identity, digest = _HEADER.unpack(header)
                     ok = (
-                        magic == MAGIC and size == self.payload_bytes
-                        and os.preadv(fd, chunks, HEADER_BYTES) == size
-                        and _digest(chunks) == digest
+                        identity == self._identity(block_hash)
+                        and os.preadv(fd, chunks, HEADER_BYTES) == self.payload_bytes
+                        and _digest(identity, chunks) == digest
                     )
                 if ok:
                     os.utime(fd)  # most recently used, for the LRU order after a restart
-            except OSError:
+            except (OSError, struct.error):
                 ok = False
             finally:
-                os.close(fd)
+                if fd >= 0:
+                    os.close(fd)
             if not ok:
-                logger.warning("disk KV block %s is corrupt: removed", path.name)
+                logger.warning("disk KV block %s is corrupt or not this block's: removed",
+                               path.name)
                 _unlink(path)
                 break
             num_read += 1
@@ -215,6 +301,10 @@ class DiskKVStore:
                 ids = torch.tensor(block_ids[:num_read], dtype=torch.int64, device=kv.device)
                 kv.index_copy_(1, ids, batch[layer, :, :num_read].to(kv.device))
         return num_read
+
+    def _identity(self, block_hash: bytes) -> bytes:
+        """What a file's header must say to be read as `block_hash`'s here."""
+        return _IDENTITY.pack(MAGIC, self.payload_bytes, block_hash, self.key)
 
     # -- writes (queued; the writer thread does them) ------------------------------------
 
@@ -288,11 +378,12 @@ class DiskKVStore:
 
     def _write(self, block_hash: bytes, chunks: list[np.ndarray]) -> bool:
         path = self.path(block_hash)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp = None
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd, tmp = _create_private(self.directory, path.name)
             try:
-                header = _HEADER.pack(MAGIC, self.payload_bytes, _digest(chunks))
+                identity = self._identity(block_hash)
+                header = _HEADER.pack(identity, _digest(identity, chunks))
                 if os.writev(fd, [header, *chunks]) != self.file_bytes:
                     raise OSError("short write")
             finally:
@@ -300,14 +391,21 @@ class DiskKVStore:
             os.replace(tmp, path)
         except OSError as e:  # a full disk, a removed directory: this block stays in RAM only
             logger.warning("could not write disk KV block %s: %s", path.name, e)
-            _unlink(tmp)
+            if tmp is not None:
+                _unlink(tmp)
             return False
         return True
 
 
-def _digest(chunks: list[np.ndarray]) -> int:
-    """xxh3-64 of the payload, given as its chunks in file order."""
-    h = xxhash.xxh3_64()
+@dataclass(slots=True)
+class _Read:
+    load: KVLoad
+    num_read: int = 0  # its blocks read so far
+
+
+def _digest(identity: bytes, chunks: list[np.ndarray]) -> int:
+    """xxh3-64 of a file's identity and payload (given as its chunks in file order)."""
+    h = xxhash.xxh3_64(identity)
     for chunk in chunks:
         h.update(chunk)
     return h.intdigest()

@@ -265,7 +265,9 @@ class ModelRunner:
 
     def _finish_request(self, req_id: str) -> None:
         batch = self.input_batch
-        if self.drafter is not None and req_id in batch.req_id_to_index:
+        if self.drafter is not None and (
+            req_id in batch.req_id_to_index or req_id in self._preempted
+        ):
             self.drafter.finish(req_id)
         batch.remove_request(req_id)
         self._preempted.pop(req_id, None)
@@ -304,6 +306,12 @@ class ModelRunner:
         )
         if params.prompt_logprobs is not None:
             self.in_progress_prompt_logprobs[new.req_id] = []
+        if self.drafter is not None:
+            # Drafts from its own tenant's answers only, as its prefix-cache hits are.
+            lora = new.lora_request
+            self.drafter.proposer.start(
+                new.req_id, (new.cache_salt, None if lora is None else lora.lora_int_id)
+            )
         if self.lora is not None:
             self.lora.add_request(new.req_id, new.lora_request)
         if self.pooling is not None:
@@ -350,13 +358,11 @@ class ModelRunner:
         return result
 
     def _load_from_disk(self, out: SchedulerOutput) -> dict[str, int] | None:
-        """Reads the step's disk-tier loads into their blocks; tokens loaded per request."""
-        if not out.kv_loads:
+        """Begins the step's disk-tier loads and goes on with earlier ones (a bounded read
+        per step); blocks loaded per request whose load finished."""
+        if self.kv_disk is None:
             return None
-        assert self.kv_disk is not None
-        return {load.req_id: self.kv_disk.load(self.kv_caches, load.block_ids,
-                                               load.block_hashes)
-                for load in out.kv_loads}
+        return self.kv_disk.load(self.kv_caches, out.kv_loads)
 
     def _prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
         """The step's token rows (module docstring), its attention metadata and its plan."""

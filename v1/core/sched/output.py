@@ -29,6 +29,7 @@ class NewRequestData:
     num_computed_tokens: int
     lora_request: LoRARequest | None = None
     pooling_params: PoolingParams | None = None  # a pooling request's (v1.pooling_params)
+    cache_salt: str | None = None  # whose cached data it may reach (its prefix cache hits')
 
 
 @dataclass(slots=True)

@@ -306,7 +306,7 @@ class Scheduler:
             NewRequestData(
                 r.request_id, r.all_token_ids[:] if r.output_token_ids else r.prompt_token_ids,
                 r.sampling_params, kv.get_block_ids(r.request_id), r.num_computed_tokens,
-                r.lora_request, r.pooling_params,
+                r.lora_request, r.pooling_params, r.cache_salt,
             )
             for r in st.scheduled_new
         ]

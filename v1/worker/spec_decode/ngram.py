@@ -6,7 +6,7 @@ The most recent occurrence, because what a request repeats (code it is editing, 
 continues) is most often what it wrote last. Stateless: nothing to forget per request.
 """
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -33,6 +33,9 @@ class NgramProposer:
                 start = int(matches[-1]) + n
                 return tokens[start : start + k].tolist()
         return []
+
+    def start(self, req_id: str, scope: Hashable) -> None:
+        pass  # a request drafts from its own tokens only: no scope to keep apart
 
     def finish(self, req_id: str) -> None:
         pass

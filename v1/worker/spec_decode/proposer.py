@@ -6,13 +6,19 @@ to k tokens it expects to follow; the model runner verifies them in the next ste
 last tokens up in its own history, "suffix" in an index over recent requests.
 """
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Protocol
 
 from v1.config import SpeculativeConfig
 
 
 class DraftProposer(Protocol):
+    def start(self, req_id: str, scope: Hashable) -> None:
+        """A new request: `scope` (the runner's: its cache_salt and LoRA adapter) is whose
+        tokens it may draft from; a proposer that keeps requests' tokens for others drafts a
+        request only from those of its own scope. Kept until `finish`."""
+        ...
+
     def propose(self, req_id: str, token_ids: Sequence[int], k: int) -> list[int]:
         """Up to k draft tokens continuing `token_ids` (the request's prompt + its accepted output
         so far, newest last); [] when it has none. Called once per request per step."""
@@ -24,8 +30,8 @@ class DraftProposer(Protocol):
         ...
 
     def drop(self, req_id: str) -> None:
-        """The request was preempted: forget per-request state, keep nothing of it (it comes
-        back later with the same tokens)."""
+        """The request was preempted: forget per-request state but its scope, keep nothing of
+        it for others (it comes back later with the same tokens)."""
         ...
 
 

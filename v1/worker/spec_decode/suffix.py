@@ -9,13 +9,18 @@ token costs O(1) per growing window (docs/benchmarks.md, "Suffix index").
 """
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from v1.config.speculative import DEFAULT_SUFFIX_MAX_CACHED_TOKENS
 
 # A leaf: the window seq[start : start + depth] (or to the end of seq), alone on its path.
 _Leaf = tuple[list[int], int]
+
+# The most of a request's tokens its own tree indexes per `propose` call: a long prompt is
+# indexed over several steps (the tree drafts once it has caught up), so that the step that
+# first proposes for many requests (n > 1 over a long prompt) does not index them all at once.
+MAX_INDEX_TOKENS = 256
 
 
 class _Node:
@@ -442,10 +447,13 @@ class _GlobalTree(_SuffixTree):
 
 @dataclass(slots=True)
 class _Request:
-    tree: _RequestTree  # its own tokens
+    tree: _RequestTree  # its own tokens, indexed up to where it has caught up
+    tokens: list[int]  # every token it has proposed after (prompt and output)
     first_len: int  # its token count at its first `propose` call
-    version: int = -1  # the shared tree's version that `matches` are for
-    matches: list[_Position] = field(default_factory=list)  # in the shared tree
+    scope: Hashable  # whose answers it may draft from (`start`)
+    shared: "_GlobalTree | None" = None  # the shared tree that `matches` are in
+    version: int = -1  # that tree's version that `matches` are for
+    matches: list[_Position] = field(default_factory=list)
 
 
 class SuffixProposer:
@@ -462,9 +470,15 @@ class SuffixProposer:
     Answers enter the shared tree when their request finishes, not while it runs: two users
     asking the same question at the same moment do not help each other.
 
+    The shared tree is one per scope (`start`: the runner's is the request's cache_salt and
+    LoRA adapter, as the prefix cache keys blocks): a request drafts only from answers of its
+    own scope, so how fast its stream goes tells nothing of other tenants' answers. The bounds
+    below hold for all scopes together.
+
     `propose` matches the last `max_tree_depth` tokens in both trees, as Arctic's path mode
     (see `_SuffixTree.speculate`), and returns the draft with the higher score (the request's
-    own on a tie). Per call it indexes only the tokens not seen before for that request.
+    own on a tie). Per call it indexes only the tokens not seen before for that request, and
+    at most `max_index_tokens` of them in its own tree (which drafts once it has caught up).
 
     Parameters (vLLM's `suffix_decoding_*` keys, same defaults):
       max_tree_depth: the longest window indexed per position; bounds the match length plus
@@ -482,6 +496,9 @@ class SuffixProposer:
         at most the caller's k): longer evidence, longer drafts. 1.0.
       min_token_prob: a drafted token's estimated probability (the product of
         child.count / parent.count along the draft) must be at least this. 0.1.
+      max_index_tokens (v1's own, not a config key): the most tokens a request's own tree
+        indexes per call, so a step's indexing is bounded by its requests times this.
+        `MAX_INDEX_TOKENS`.
 
     Memory: about one leaf and at most one node per indexed token, ~187 bytes per token
     of the shared tree; it holds at most `max_cached_requests` sequences of
@@ -495,6 +512,7 @@ class SuffixProposer:
         max_spec_factor: float = 1.0,
         min_token_prob: float = 0.1,
         max_cached_tokens: int = DEFAULT_SUFFIX_MAX_CACHED_TOKENS,
+        max_index_tokens: int = MAX_INDEX_TOKENS,
     ) -> None:
         if max_tree_depth < 1:
             raise ValueError(f"suffix_decoding_max_tree_depth={max_tree_depth} must be >= 1")
@@ -510,42 +528,62 @@ class SuffixProposer:
             raise ValueError(f"suffix_decoding_max_spec_factor={max_spec_factor} must be > 0")
         if not 0.0 <= min_token_prob <= 1.0:
             raise ValueError(f"suffix_decoding_min_token_prob={min_token_prob} must be in [0, 1]")
+        if max_index_tokens < 1:
+            raise ValueError(f"max_index_tokens={max_index_tokens} must be >= 1")
         self.max_tree_depth = max_tree_depth
         self.max_cached_requests = max_cached_requests
         self.max_cached_tokens = max_cached_tokens
         self._shared = max_cached_requests > 0 and max_cached_tokens > 0  # a shared tree
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
+        self.max_index_tokens = max_index_tokens
         self._requests: dict[str, _Request] = {}
-        self._global = _GlobalTree(max_tree_depth)
-        self._cached: deque[list[int]] = deque()  # the shared tree's sequences, oldest first
+        self._scopes: dict[str, Hashable] = {}  # req_id -> its scope, from `start`
+        self._trees: dict[Hashable, _GlobalTree] = {}  # scope -> its shared tree, if any
+        # The shared trees' sequences with their scopes, oldest first.
+        self._cached: deque[tuple[Hashable, list[int]]] = deque()
         self.num_cached_tokens = 0  # their total length
+
+    def start(self, req_id: str, scope: Hashable) -> None:
+        self._scopes[req_id] = scope
 
     def propose(self, req_id: str, token_ids: Sequence[int], k: int) -> list[int]:
         req = self._requests.get(req_id)
-        if req is None or len(token_ids) < len(req.tree.seq):
+        if req is None or len(token_ids) < len(req.tokens):
             # New, or its tokens were replaced by fewer (not a continuation): start over.
             req = self._requests[req_id] = _Request(
-                _RequestTree(self.max_tree_depth), len(token_ids)
+                _RequestTree(self.max_tree_depth), [], len(token_ids),
+                self._scopes.get(req_id),
             )
+        tokens = req.tokens
+        num_new = len(token_ids) - len(tokens)
+        tokens.extend(token_ids[len(tokens) :])
         tree = req.tree
-        # int(): the runner passes numpy arrays, whose scalars hash and compare slower.
-        new = [int(t) for t in token_ids[len(tree.seq) :]]
-        tree.extend(new)
-        if self._shared:
-            shared = self._global
-            if req.version != shared.version or len(new) >= self.max_tree_depth:
-                req.version, req.matches = shared.version, []
-                new = tree.seq[max(0, len(tree.seq) + 1 - self.max_tree_depth) :]
-            for t in new:
-                req.matches = shared.follow(req.matches, t)
+        # int(): a caller may pass numpy arrays, whose scalars hash and compare slower.
+        done = len(tree.seq)
+        tree.extend([int(t) for t in tokens[done : done + self.max_index_tokens]])
+        shared = self._trees.get(req.scope) if self._shared else None
+        if shared is None:
+            req.shared, req.matches = None, []
+        else:
+            if req.shared is not shared or req.version != shared.version or (
+                num_new >= self.max_tree_depth
+            ):
+                req.shared, req.version, req.matches = shared, shared.version, []
+                num_new = min(len(tokens), self.max_tree_depth - 1)
+            for t in tokens[len(tokens) - num_new :]:
+                req.matches = shared.follow(req.matches, int(t))
         if k <= 0:
             return []
-        score, draft = tree.speculate(tree.matches(), k, self.max_spec_factor, self.min_token_prob)
-        if self._shared:
+        score, draft = 0.0, []
+        if len(tree.seq) == len(tokens):  # caught up: its matches are the context's
+            score, draft = tree.speculate(
+                tree.matches(), k, self.max_spec_factor, self.min_token_prob
+            )
+        if shared is not None:
             # A match must leave a token of the context before it (as Arctic's).
-            matches = req.matches[: len(tree.seq) - 1]
-            shared_score, shared_draft = self._global.speculate(
+            matches = req.matches[: len(tokens) - 1]
+            shared_score, shared_draft = shared.speculate(
                 matches, k, self.max_spec_factor, self.min_token_prob
             )
             if shared_score > score:
@@ -557,17 +595,24 @@ class SuffixProposer:
 
     def finish(self, req_id: str) -> None:
         req = self._requests.pop(req_id, None)
+        self._scopes.pop(req_id, None)
         if req is None or not self._shared:
             return
-        tokens = req.tree.seq[max(0, req.first_len - self.max_tree_depth) :]
+        tokens = [int(t) for t in req.tokens[max(0, req.first_len - self.max_tree_depth) :]]
         if len(tokens) > self.max_cached_tokens:
             return  # it would evict everything, itself included
-        self._cached.append(self._global.add(tokens))
+        tree = self._trees.get(req.scope)
+        if tree is None:
+            tree = self._trees[req.scope] = _GlobalTree(self.max_tree_depth)
+        self._cached.append((req.scope, tree.add(tokens)))
         self.num_cached_tokens += len(tokens)
         while (
             len(self._cached) > self.max_cached_requests
             or self.num_cached_tokens > self.max_cached_tokens
         ):
-            oldest = self._cached.popleft()
+            scope, oldest = self._cached.popleft()
             self.num_cached_tokens -= len(oldest)
-            self._global.remove(oldest)
+            tree = self._trees[scope]
+            tree.remove(oldest)
+            if not tree.root.children:  # a scope's last answer went: no empty trees kept
+                del self._trees[scope]
