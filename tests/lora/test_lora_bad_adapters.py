@@ -67,8 +67,8 @@ def _bad_adapters(fx: LoRAFixture, root: Path) -> list[tuple[str, str]]:
     return [
         (str(_copy(src, root / "rank0", _rank0)), r"with r >= 1"),
         (str(_copy(src, root / "scalar", _scalar)), r"do not pair up"),
-        (str(_copy(src, root / "ints", _ints)), r"torch.int32; adapter weights must be"),
-        (str(_copy(src, root / "fp4", _fp4)), r"float4_e2m1fn_x2; adapter weights must be"),
+        (str(_copy(src, root / "ints", _ints)), r"is I32 and lora_B I32; adapter weights must be"),
+        (str(_copy(src, root / "fp4", _fp4)), r"is F4 and lora_B F4; adapter weights must be"),
         (str(nan), r"lora_alpha must be a positive finite number, got nan"),
         (str(truncated), r"is not readable"),
         # Paths the OS cannot look at: an OSError / RuntimeError out of pathlib otherwise.
