@@ -7,6 +7,7 @@ a LoRARequest's field types are checked where it is made."""
 
 import asyncio
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -118,6 +119,7 @@ def test_concurrent_loads_of_one_name_load_it_once(tmp_path):
     async def scenario() -> None:
         engine = _SlowEngine()
         models = OpenAIServingModels(engine, ["base"], "base")  # type: ignore[arg-type]
+        await models.init_static_loras([], [str(tmp_path)])  # runtime loads read from there
         first = asyncio.create_task(models.load_lora_adapter(
             LoadLoRAAdapterRequest(lora_name="a", lora_path=str(tmp_path / "p1"))
         ))
@@ -128,7 +130,7 @@ def test_concurrent_loads_of_one_name_load_it_once(tmp_path):
             )
         engine.release.set()
         await first
-        assert [lora.lora_path for lora in engine.added] == [str(tmp_path / "p1")]
+        assert [lora.lora_path for lora in engine.added] == [os.path.realpath(tmp_path / "p1")]
         assert models.lora_requests["a"] is engine.added[0]
 
     asyncio.run(scenario())
@@ -181,7 +183,6 @@ def test_headers_are_checked_before_any_tensor_is_read(lora_fixture, tmp_path, m
     """Shapes the model or max_lora_rank cannot take, and offsets the file does not hold,
     are refused from the safetensors header: no tensor is deserialized. A FIFO where a file
     should be is refused without waiting on it (on main too: `is_file()` is False)."""
-    import os
 
     import safetensors.torch
 
