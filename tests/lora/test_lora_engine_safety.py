@@ -84,8 +84,9 @@ def test_non_finite_weights_are_refused_at_load(lora_fixture, tmp_path, key_part
 
 def test_a_non_finite_slot_leaves_other_rows_exact(lora_fixture):
     """Adapter 2's weights made NaN in memory (past the load check): its rows are garbage,
-    adapter 1's rows and the base rows in the same steps keep their exact tokens, and the
-    base blocks they cached serve a later base request with the same tokens."""
+    adapter 1's rows and the base rows in the same steps keep their exact tokens, the base
+    blocks they cached serve a later base request with the same tokens, and the blocks the
+    NaN rows wrote are never found in the prefix cache."""
     fx = lora_fixture
     l1 = LoRARequest("a1", 1, str(fx.adapter_dirs[0]))
     l2 = LoRARequest("a2", 2, str(fx.adapter_dirs[1]))
@@ -105,6 +106,11 @@ def test_a_non_finite_slot_leaves_other_rows_exact(lora_fixture):
         again = _tokens(llm.generate([PROMPTS[1]], PARAMS, use_tqdm=False))
         assert llm.get_stats().prefix_cache_hits > before  # the base blocks were hit
         assert again[0] == _want(fx, None, PROMPTS[1])
+        # The NaN rows' blocks were never left in the prefix cache: none is hit again.
+        before = llm.get_stats().prefix_cache_hits
+        llm.generate([PROMPTS[2]], PARAMS, lora_request=l2, use_tqdm=False)
+        assert llm.get_stats().prefix_cache_hits == before
+        engine.client.engine_core.check_integrity()
 
 
 def test_an_id_reused_after_remove_lora_never_hits_the_removed_adapters_blocks(lora_fixture):

@@ -194,6 +194,26 @@ class LoRAWorkerManager:
             for slot in sorted(slot_by_id.values())
         ]
 
+    def nonfinite_requests(
+        self, req_ids: Sequence[str], num_scheduled: np.ndarray, hidden: torch.Tensor
+    ) -> list[str]:
+        """The adapter requests among the step's (rows as in `step_rows`) with a non-finite
+        row in `hidden`, the step's last hidden states: an overflow anywhere in a row's
+        layers ends there, as does any K/V of it that is not finite. Base rows are left out
+        (no adapter touches them)."""
+        req_lora = self.req_lora
+        if not req_lora or not any(r in req_lora for r in req_ids):
+            return []
+        finite = torch.isfinite(hidden).all(dim=1)
+        if bool(finite.all()):
+            return []
+        bad = np.logical_not(finite.cpu().numpy())
+        starts = np.concatenate(([0], np.cumsum(num_scheduled)[:-1]))
+        return [
+            r for r, start, n in zip(req_ids, starts, num_scheduled, strict=True)
+            if r in req_lora and bad[start : start + n].any()
+        ]
+
     def _activate(self, lora_id: int, step_ids: Sequence[int]) -> int:
         """The slot of `lora_id`, loading it into the lowest free slot (or the least
         recently used one no adapter of this step holds) if it has none."""

@@ -338,6 +338,10 @@ class ModelRunner:
         if self.pooling is not None:  # pooled vectors instead of sampled tokens
             return self._pool(step, hidden)
         result = self._generate(out, step, hidden)
+        if self.lora is not None:
+            result.nonfinite_req_ids = self.lora.nonfinite_requests(
+                step.req_ids, step.num_scheduled, hidden
+            )
         if self.kv_disk is not None:
             return self._disk_io_after_forward(out, result, kv_loaded)
         return result

@@ -425,6 +425,9 @@ class Scheduler:
             assert self.disk_tier is not None
             self.disk_tier.update(model_output, self.requests)
         requests = self.requests
+        for req_id in model_output.nonfinite_req_ids:
+            if (request := requests.get(req_id)) is not None:
+                self.kv_cache_manager.uncache_computed(request)
         max_model_len = self.max_model_len
         async_scheduling = self.async_scheduling
         req_ids = model_output.req_ids
