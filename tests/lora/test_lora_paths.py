@@ -66,6 +66,7 @@ def test_paths_resolve_inside_the_roots_only(tmp_path):
         str(outside), str(root / ".." / "outside"), str(root / "link-out"), str(files_out),
         "good",  # relative
         "~/x", str(tmp_path / "nowhere"), "/etc", "/" + "a" * 5000, str(root) + "/\0x",
+        str(root) + "/a" * 10**6,  # refused unresolved (a stat per component otherwise)
     ]
     for i, path in enumerate(refused):
         with pytest.raises(ValueError, match="inside the server's LoRA folders"):

@@ -110,7 +110,9 @@ class OpenAIServingModels:
             f"lora_path {lora_path!r} is not an absolute path inside the server's LoRA "
             "folders (--lora-root, --lora-modules)"
         )
-        if not os.path.isabs(lora_path):
+        # Longer than Linux's PATH_MAX: no file has it, and resolving a body-sized path
+        # (a stat per component) would hold the event loop.
+        if len(lora_path) > 4096 or not os.path.isabs(lora_path):
             raise refused
         try:
             folder = Path(os.path.realpath(lora_path))
