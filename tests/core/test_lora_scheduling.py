@@ -29,6 +29,24 @@ def test_block_hashes_differ_by_adapter():
     assert _hashes(LORA1, "salt") != one and _hashes(LORA1, "salt") != _hashes(None, "salt")
 
 
+def test_a_removed_ids_next_adapter_hashes_anew():
+    """The scheduler's `forget_lora` (remove_lora) bumps the id's generation: the id's
+    blocks hash anew (its old ones are never hit), other ids' and the base's do not."""
+    s = make_scheduler(max_loras=1)
+
+    def hashes(lora: LoRARequest | None) -> list[bytes]:
+        return Request("r", list(range(12)), SamplingParams(), block_hasher=s.block_hasher,
+                       lora_request=lora).block_hashes
+
+    before = {lora: hashes(lora) for lora in (LORA1, LORA2, None)}
+    s.forget_lora(LORA1.lora_int_id)
+    once = hashes(LORA1)
+    assert not set(once) & set(before[LORA1])
+    assert hashes(LORA2) == before[LORA2] and hashes(None) == before[None]
+    s.forget_lora(LORA1.lora_int_id)
+    assert len({*hashes(LORA1), *once, *before[LORA1]}) == 9
+
+
 def _with_lora(prompt: int, lora: LoRARequest | None):
     request = make_request(prompt, max_tokens=3)
     request.lora_request = lora

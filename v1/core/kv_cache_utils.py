@@ -33,6 +33,7 @@ def hash_block_tokens(
         h.update(b"\x00lora")
         h.update(lora_int_id.to_bytes(8, "little"))
         if lora_generation:  # 0 hashes as before: the DP router's hashes stay the cores'
+            h.update(b"\x00gen")
             h.update(lora_generation.to_bytes(8, "little"))
     if extra_key is not None:
         h.update(b"\x00salt")

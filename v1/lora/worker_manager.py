@@ -185,7 +185,7 @@ class LoRAWorkerManager:
         slot_by_id = {lora_id: self._activate(lora_id, active) for lora_id in active}
         k = max(slot_by_id.values()) + 1
         self.batch.num_slots = k
-        if k == 1 and 0 not in ids:  # every row runs slot 0's adapter: no mask
+        if k == 1 and 0 not in ids:  # every row runs slot 0's adapter: no selection
             return
         row_slot = np.fromiter((slot_by_id.get(i, -1) for i in ids), np.int64, len(ids))
         token_slot = np.repeat(row_slot, num_scheduled)
