@@ -131,3 +131,42 @@ def test_an_id_reused_after_remove_lora_never_hits_the_removed_adapters_blocks(l
         got = _tokens(llm.generate([prompt], PARAMS, lora_request=second, use_tqdm=False))
         assert llm.get_stats().prefix_cache_hits > before and got[0] == _want(fx, 1, prompt)
         engine.client.engine_core.check_integrity()
+
+
+@pytest.mark.slow
+def test_eviction_under_a_deleted_folder_on_the_default_model(
+    default_model_path, hf_model, tmp_path
+):
+    """SmolLM2 (the default GGUF model) with two PEFT adapters of it: with one adapter kept
+    in memory, adapter a's folder deleted after its request arrived, and adapter b loaded
+    behind it, the engine serves all three requests, with the tokens of a run that kept
+    both adapters in memory."""
+    from tests.lora.conftest import _adapter
+    from v1 import LLM
+
+    all_linear = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for seed, folder in enumerate(dirs):
+        _adapter(hf_model, folder, 20 + seed, r=8, lora_alpha=16, target_modules=all_linear)
+    a = LoRARequest("a", 1, str(dirs[0]))
+    b = LoRARequest("b", 2, str(dirs[1]))
+    prompts = [[1, 504, 3458, 314, 260, 3575, 282, 4649, 47], [1, 2683, 359, 346, 47]]
+    args = dict(enable_lora=True, max_loras=1, max_lora_rank=8, multiprocess=False,
+                num_gpu_blocks=64, block_size=16, max_model_len=1024)
+    with LLM(str(default_model_path), max_cpu_loras=2, **args) as llm:
+        want = _tokens(llm.generate([prompts[0], prompts[1], prompts[1]], PARAMS,
+                                    lora_request=[a, b, a], use_tqdm=False))
+        base = _tokens(llm.generate([prompts[0]], PARAMS, use_tqdm=False))
+    assert want[0] != base[0]  # the adapter changes the tokens
+    with LLM(str(default_model_path), max_cpu_loras=1, **args) as llm:
+        engine = llm.llm_engine
+        engine.add_request("r0", prompts[0], PARAMS, lora_request=a)
+        shutil.rmtree(dirs[0])
+        engine.add_request("r1", prompts[1], PARAMS, lora_request=b)
+        engine.add_request("r2", prompts[1], PARAMS, lora_request=a)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.outputs[0].token_ids for o in engine.step()
+                         if o.finished})
+        engine.client.engine_core.check_integrity()
+    assert [done["r0"], done["r1"], done["r2"]] == want
