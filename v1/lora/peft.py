@@ -268,16 +268,18 @@ def _read_weights(
             header = json.loads(header_bytes)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise _refuse(request, f"{WEIGHTS_NAME} is not readable ({e})") from None
-        data_size = size - 8 - header_size
-        _check_header(request, header, data_size, max_lora_rank, targets)
-        data = _read(request, WEIGHTS_NAME, fd, data_size)
+        _check_header(request, header, size - 8 - header_size, max_lora_rank, targets)
+        os.lseek(fd, 0, os.SEEK_SET)
+        data = _read(request, WEIGHTS_NAME, fd, size)  # the whole file: one buffer to parse
     finally:
         os.close(fd)
+    if data[8 : 8 + header_size] != header_bytes:
+        raise _refuse(request, f"{WEIGHTS_NAME} changed while it was read")
     from safetensors import SafetensorError
     from safetensors.torch import load
 
     try:
-        return load(struct.pack("<Q", header_size) + header_bytes + data)
+        return load(data)
     except SafetensorError as e:
         raise _refuse(request, f"{WEIGHTS_NAME} is not readable ({e})") from None
 
