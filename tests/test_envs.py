@@ -18,6 +18,7 @@ def test_defaults_when_nothing_is_set():
     assert env.worker_multiproc_method == "fork"
     assert env.engine_core_hook is None
     assert env.xgrammar_cache_mb == 512
+    assert not env.allow_runtime_lora_updating
 
 
 def test_values_are_parsed():
@@ -25,7 +26,7 @@ def test_values_are_parsed():
         "V1_CPU_KERNELS": " X86_64_V3 ", "V1_FUSED_DECODE": "off", "V1_QUANT_ALL_INT8": "0",
         "V1_QUANT_INT8_MIN_ROWS": "8", "V1_CACHE_DIR": "/tmp/x",
         "V1_WORKER_MULTIPROC_METHOD": "spawn", "V1_ENGINE_CORE_HOOK": "m:f",
-        "VLLM_XGRAMMAR_CACHE_MB": "0",
+        "VLLM_XGRAMMAR_CACHE_MB": "0", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
     })
     assert env.cpu_kernels == "x86_64_v3"
     assert not env.fused_decode and not env.quant_all_int8
@@ -34,12 +35,16 @@ def test_values_are_parsed():
     assert env.worker_multiproc_method == "spawn"
     assert env.engine_core_hook == "m:f"
     assert env.xgrammar_cache_mb == 0
+    assert env.allow_runtime_lora_updating
+    # Set but empty stays off (vLLM's reading too: only 1 / true turn it on).
+    assert not envs.read({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": ""}).allow_runtime_lora_updating
 
 
 @pytest.mark.parametrize("name, value", [
     ("V1_FUSED_DECODE", "maybe"), ("V1_QUANT_ALL_INT8", "2"), ("V1_QUANT_INT8_MIN_ROWS", "0"),
     ("V1_QUANT_INT8_MIN_ROWS", "x"), ("V1_WORKER_MULTIPROC_METHOD", "forkserver"),
     ("V1_ENGINE_CORE_HOOK", "nocolon"), ("VLLM_XGRAMMAR_CACHE_MB", "-1"),
+    ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "maybe"),
 ])
 def test_bad_values_name_the_variable(name, value):
     with pytest.raises(ValueError, match=name):

@@ -25,6 +25,11 @@ def _flag(name: str, value: str) -> bool:
     raise ValueError(f"{name}={value!r}: expected 0 or 1 (or on/off)")
 
 
+def _opt_in(name: str, value: str) -> bool:
+    # Off unless set to an "on" value: set but empty stays off (what it guards is risky).
+    return bool(value.strip()) and _flag(name, value)
+
+
 def _min_rows(name: str, value: str) -> int | None:
     v = value.strip()
     if not v:
@@ -100,6 +105,10 @@ VARIABLES: tuple[Variable, ...] = (
              "tests only: 'module:function' called with the EngineCore in its process"),
     Variable("VLLM_XGRAMMAR_CACHE_MB", "xgrammar_cache_mb", "512", _mebibytes,
              "compiled-grammar cache size in MiB (vLLM's variable; 0 keeps nothing)"),
+    Variable("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "allow_runtime_lora_updating", "0", _opt_in,
+             "1: the server serves /v1/load_lora_adapter and /v1/unload_lora_adapter "
+             "(vLLM's variable), loading only from --lora-root and --lora-modules folders; "
+             "0: those routes answer 404"),
 )
 
 _BY_FIELD = {var.field: var for var in VARIABLES}
@@ -119,6 +128,7 @@ class Environment:
     worker_multiproc_method: str
     engine_core_hook: str | None
     xgrammar_cache_mb: int
+    allow_runtime_lora_updating: bool
 
 
 def read(environ: Mapping[str, str] | None = None) -> Environment:

@@ -48,6 +48,9 @@ class ModelRunnerOutput:
     # A pooling engine (runner="pooling"): per request, its pooled vector on the step that
     # computed its prompt's last token (None before); None when the engine samples.
     pooler_output: list[list[float] | None] | None = None
+    # LoRA: the requests whose rows this step came out non-finite (an adapter that
+    # overflows): the K/V they wrote must never be served from the prefix cache.
+    nonfinite_req_ids: list[str] = field(default_factory=list)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput([], [])

@@ -7,6 +7,7 @@ a LoRARequest's field types are checked where it is made."""
 
 import asyncio
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -67,8 +68,8 @@ def _bad_adapters(fx: LoRAFixture, root: Path) -> list[tuple[str, str]]:
     return [
         (str(_copy(src, root / "rank0", _rank0)), r"with r >= 1"),
         (str(_copy(src, root / "scalar", _scalar)), r"do not pair up"),
-        (str(_copy(src, root / "ints", _ints)), r"torch.int32; adapter weights must be"),
-        (str(_copy(src, root / "fp4", _fp4)), r"float4_e2m1fn_x2; adapter weights must be"),
+        (str(_copy(src, root / "ints", _ints)), r"is I32 and lora_B I32; adapter weights must be"),
+        (str(_copy(src, root / "fp4", _fp4)), r"is F4 and lora_B F4; adapter weights must be"),
         (str(nan), r"lora_alpha must be a positive finite number, got nan"),
         (str(truncated), r"is not readable"),
         # Paths the OS cannot look at: an OSError / RuntimeError out of pathlib otherwise.
@@ -118,6 +119,7 @@ def test_concurrent_loads_of_one_name_load_it_once(tmp_path):
     async def scenario() -> None:
         engine = _SlowEngine()
         models = OpenAIServingModels(engine, ["base"], "base")  # type: ignore[arg-type]
+        await models.init_static_loras([], [str(tmp_path)])  # runtime loads read from there
         first = asyncio.create_task(models.load_lora_adapter(
             LoadLoRAAdapterRequest(lora_name="a", lora_path=str(tmp_path / "p1"))
         ))
@@ -128,7 +130,7 @@ def test_concurrent_loads_of_one_name_load_it_once(tmp_path):
             )
         engine.release.set()
         await first
-        assert [lora.lora_path for lora in engine.added] == [str(tmp_path / "p1")]
+        assert [lora.lora_path for lora in engine.added] == [os.path.realpath(tmp_path / "p1")]
         assert models.lora_requests["a"] is engine.added[0]
 
     asyncio.run(scenario())
@@ -156,3 +158,72 @@ def test_lora_request_field_types():
                         (("a", 1, "/x", 3), "base_model_name")):
         with pytest.raises(ValueError, match=f"LoRARequest {field} must be a str"):
             LoRARequest(*args)  # type: ignore[arg-type]
+
+
+def _with_header(src: Path, dst: Path, change: Callable[[dict], None], pad: int = 0) -> Path:
+    """A copy of `src` whose safetensors header `change` edits in place (the tensor bytes
+    as they were, plus `pad` zero bytes)."""
+    import struct
+
+    shutil.copytree(src, dst)
+    data = (dst / WEIGHTS).read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    change(header)
+    raw = json.dumps(header).encode()
+    (dst / WEIGHTS).write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :] + b"\0" * pad)
+    return dst
+
+
+def _first(header: dict, part: str) -> dict:
+    return header[next(k for k in sorted(header) if part in k)]
+
+
+def test_headers_are_checked_before_any_tensor_is_read(lora_fixture, tmp_path, monkeypatch):
+    """Shapes the model or max_lora_rank cannot take, and offsets the file does not hold,
+    are refused from the safetensors header: no tensor is deserialized. A FIFO where a file
+    should be is refused without waiting on it (on main too: `is_file()` is False)."""
+
+    import safetensors.torch
+
+    fx = lora_fixture
+    src = fx.adapter_dirs[0]
+
+    def rank9(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # max_lora_rank is 8
+        return {
+            k: torch.cat([v, v[:1]]) if "lora_A" in k else torch.cat([v, v[:, :1]], 1)
+            for k, v in t.items()
+        }
+
+    def other_model(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: torch.cat([v, v]) if "down_proj.lora_B" in k else v for k, v in t.items()}
+
+    def past_the_end(header: dict) -> None:
+        _first(header, "layers.1.mlp.up_proj.lora_B")["data_offsets"][1] += 1 << 40
+
+    fifo = tmp_path / "fifo"
+    shutil.copytree(src, fifo)
+    (fifo / WEIGHTS).unlink()
+    os.mkfifo(fifo / WEIGHTS)
+    cases = [
+        (_copy(src, tmp_path / "rank", rank9), r"rank 9 exceeds max_lora_rank 8"),
+        (_copy(src, tmp_path / "other", other_model), r"an adapter of another model\?"),
+        (_with_header(src, tmp_path / "end", past_the_end), r"is not readable"),
+        (_with_header(src, tmp_path / "pad", lambda h: None, pad=1 << 20), r"is not readable"),
+        (fifo, r"adapter_model.safetensors"),
+    ]
+    read: list[str] = []
+    for name in ("load", "load_file"):
+        real = getattr(safetensors.torch, name)
+        monkeypatch.setattr(
+            safetensors.torch, name, lambda *a, _real=real, **k: read.append(a) or _real(*a, **k)
+        )
+    with _llm(fx) as llm:
+        for i, (path, message) in enumerate(cases):
+            with pytest.raises(ValueError, match=message):
+                llm.llm_engine.add_lora(LoRARequest(f"bad{i}", 10 + i, str(path)))
+        assert read == []
+        good = LoRARequest("adapter1", 1, str(src))
+        out = llm.generate([PROMPTS[1]], PARAMS, lora_request=good, use_tqdm=False)
+        assert out[0].outputs[0].token_ids == fx.greedy(0, PROMPTS[1], N)
+        assert len(read) == 1  # the good adapter's tensors, once its header passed

@@ -23,10 +23,13 @@ def _complete(client: openai.OpenAI, model: str, prompt: list[int]) -> tuple[str
     return out.model, out.choices[0].text.split()
 
 
-def test_server_serves_adapters_by_name(lora_fixture: LoRAFixture, tmp_path):
+def test_server_serves_adapters_by_name(lora_fixture: LoRAFixture, tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
     fx = lora_fixture
+    root = tmp_path / "adapters"
+    (root / "empty").mkdir(parents=True)
     a1, a2 = (str(d) for d in fx.adapter_dirs)
     tokenizer = AutoTokenizer.from_pretrained(fx.base_dir)
 
@@ -36,7 +39,7 @@ def test_server_serves_adapters_by_name(lora_fixture: LoRAFixture, tmp_path):
     with serve(
         fx.base_dir, tmp_path / "server.log", "--served-model-name", "base", "--enable-lora",
         "--max-loras", "2", "--max-lora-rank", "8", "--num-gpu-blocks", "128",
-        "--block-size", "4", "--lora-modules", f"a1={a1}",
+        "--block-size", "4", "--lora-root", str(root), "--lora-modules", f"a1={a1}",
         json.dumps({"name": "a2", "path": a2, "base_model_name": "base"}),
     ) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
@@ -59,7 +62,8 @@ def test_server_serves_adapters_by_name(lora_fixture: LoRAFixture, tmp_path):
         # Errors: a taken name, a folder that is no adapter, a body that is not vLLM's.
         for body, message in (
             ({"lora_name": "a3", "lora_path": a2}, "has already been loaded"),
-            ({"lora_name": "bad", "lora_path": str(tmp_path)}, "no adapter_config.json"),
+            ({"lora_name": "bad", "lora_path": str(root / "empty")}, "no adapter_config.json"),
+            ({"lora_name": "out", "lora_path": str(tmp_path)}, "inside the server's LoRA"),
             ({"lora_name": "x"}, "lora_path"),
         ):
             r = http.post("/v1/load_lora_adapter", json=body)
@@ -74,3 +78,24 @@ def test_server_serves_adapters_by_name(lora_fixture: LoRAFixture, tmp_path):
         assert r.status_code == 404 and "a3" in r.json()["error"]["message"]
         # The adapters still serve after all that.
         assert _complete(client, "a1", PROMPTS[1]) == ("a1", want(0, PROMPTS[1]))
+
+
+def test_runtime_lora_routes_are_off_by_default(lora_fixture: LoRAFixture, tmp_path, monkeypatch):
+    """Without VLLM_ALLOW_RUNTIME_LORA_UPDATING no client can load or unload an adapter
+    (404, as a route the server does not have); --lora-modules still serve."""
+    monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
+    fx = lora_fixture
+    a1, a2 = (str(d) for d in fx.adapter_dirs)
+    with serve(
+        fx.base_dir, tmp_path / "server.log", "--served-model-name", "base", "--enable-lora",
+        "--max-lora-rank", "8", "--num-gpu-blocks", "64", "--block-size", "4",
+        "--lora-modules", f"a1={a1}",
+    ) as server:
+        http = httpx.Client(base_url=server.url, timeout=60)
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": "a2", "lora_path": a2})
+        assert r.status_code == 404, r.text
+        r = http.post("/v1/unload_lora_adapter", json={"lora_name": "a1"})
+        assert r.status_code == 404, r.text
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        assert {m.id for m in client.models.list().data} == {"base", "a1"}
+        assert _complete(client, "a1", PROMPTS[0])[0] == "a1"

@@ -31,7 +31,8 @@ class SchedulerConfig:
     prefix_aware_window: int = 32
     prefix_aware_max_skips: int = 16
     # LoRA (EngineArgs.enable_lora): at most this many distinct adapters in one step (a
-    # waiting request of another adapter waits); 0: LoRA off.
+    # waiting request of another adapter waits; passed over in `prefix_aware_max_skips`
+    # steps, it holds the step for its adapter); 0: LoRA off.
     max_loras: int = 0
 
     def __post_init__(self) -> None:

@@ -294,6 +294,14 @@ class KVCacheManager:
     def has_shared_unwritten_blocks(self, request: Request) -> bool:
         return any(b.ref_cnt > 1 for b in self.unwritten_cached_blocks(request))
 
+    def uncache_computed(self, request: Request) -> None:
+        """Make the blocks the request computed itself (past its first admission's prefix
+        hits) unfindable: the runner found its rows non-finite, so their K/V is not what
+        their hashes promise. They stay the request's; blocks it fills later are indexed
+        as usual (and un-indexed again if its rows stay non-finite)."""
+        blocks = self.req_to_blocks.get(request.request_id, _NO_BLOCKS)
+        self.block_pool.uncache_blocks(blocks[request.num_cached_tokens // self.block_size :])
+
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first, so its tail is evicted before its head.
         Blocks it cached past its computed tokens are un-hashed first (their step was

@@ -3,11 +3,12 @@
     block i's hash = H(block i-1's hash, token ids of block i, extra keys of block i)
 
 H is xxh3-128, so a hit is trusted without comparing tokens; extra keys (`cache_salt`, the
-LoRA adapter's id) go into the first block only. Only full blocks are hashed. Why:
-docs/design.md, "The KV cache".
+LoRA adapter's id and how many times that id was removed) go into the first block only. Only
+full blocks are hashed. Why: docs/design.md, "The KV cache".
 """
 
 from array import array
+from collections.abc import Mapping
 
 import xxhash
 
@@ -22,6 +23,7 @@ def hash_block_tokens(
     token_ids: list[int],
     extra_key: str | None = None,
     lora_int_id: int | None = None,
+    lora_generation: int = 0,
 ) -> BlockHash:
     h = xxhash.xxh3_128()
     h.update(parent_hash)
@@ -30,6 +32,9 @@ def hash_block_tokens(
     if lora_int_id is not None:
         h.update(b"\x00lora")
         h.update(lora_int_id.to_bytes(8, "little"))
+        if lora_generation:  # 0 hashes as before: the DP router's hashes stay the cores'
+            h.update(b"\x00gen")
+            h.update(lora_generation.to_bytes(8, "little"))
     if extra_key is not None:
         h.update(b"\x00salt")
         h.update(extra_key.encode())
@@ -43,10 +48,11 @@ class _FullBlockHasher:
     """`BlockHasher`: the hashes of a request's full blocks not hashed yet. `Request` calls
     it only once a block may be full (it reads `block_size`)."""
 
-    __slots__ = ("block_size",)
+    __slots__ = ("block_size", "lora_generations")
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, lora_generations: Mapping[int, int]) -> None:
         self.block_size = block_size
+        self.lora_generations = lora_generations
 
     def __call__(self, request: Request) -> list[BlockHash]:
         block_size = self.block_size
@@ -60,9 +66,10 @@ class _FullBlockHasher:
         lora = request.lora_request
         while start + block_size <= len(tokens):
             if start == 0:
+                lora_id = None if lora is None else lora.lora_int_id
                 parent = hash_block_tokens(
-                    parent, tokens[:block_size], request.cache_salt,
-                    None if lora is None else lora.lora_int_id,
+                    parent, tokens[:block_size], request.cache_salt, lora_id,
+                    0 if lora_id is None else self.lora_generations.get(lora_id, 0),
                 )
             else:
                 parent = hash_block_tokens(parent, tokens[start : start + block_size])
@@ -88,8 +95,11 @@ def max_hit_blocks(request: Request, block_size: int) -> int:
     return min(len(request.block_hashes), (request.num_tokens - 1) // block_size)
 
 
-def make_block_hasher(block_size: int) -> BlockHasher:
-    """A hasher for `Request`s' blocks of `block_size` tokens."""
+def make_block_hasher(
+    block_size: int, lora_generations: Mapping[int, int] | None = None
+) -> BlockHasher:
+    """A hasher for `Request`s' blocks of `block_size` tokens. `lora_generations`: how many
+    times each adapter id was removed (read at each hash; missing: 0)."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    return _FullBlockHasher(block_size)
+    return _FullBlockHasher(block_size, {} if lora_generations is None else lora_generations)

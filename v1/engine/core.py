@@ -102,6 +102,8 @@ class EngineCore:
             disk_index,
         )
         self.scheduler_config = scheduler_config
+        if self.model_runner.lora is not None:  # adapters of unfinished requests stay loaded
+            self.model_runner.lora.in_use = self.scheduler.lora_users
         self.cache_config = cache_config
         self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
         self._executor = (
@@ -155,15 +157,16 @@ class EngineCore:
         return self._lora_manager().add_adapter(lora_request)
 
     def remove_lora(self, lora_id: int) -> bool:
-        """Unload an adapter; False if unknown, a ValueError while a request uses it."""
+        """Unload an adapter; False if unknown, a ValueError while a request uses it. Its
+        cached blocks are never hit again (the id may name another adapter next)."""
         manager = self._lora_manager()
-        users = [
-            r.request_id for r in self.scheduler.requests.values()
-            if r.lora_request is not None and r.lora_request.lora_int_id == lora_id
-        ]
+        users = self.scheduler.lora_users.get(lora_id, 0)
         if users:
-            raise ValueError(f"LoRA adapter {lora_id} is in use by {len(users)} requests")
-        return manager.remove_adapter(lora_id)
+            raise ValueError(f"LoRA adapter {lora_id} is in use by {users} requests")
+        removed = manager.remove_adapter(lora_id)
+        if removed:
+            self.scheduler.forget_lora(lora_id)
+        return removed
 
     def list_loras(self) -> set[int]:
         """The ids of the adapters known (loaded, or reloadable on demand)."""

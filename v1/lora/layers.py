@@ -1,15 +1,17 @@
-"""The model's linear layers with LoRA: one batched pass adds every row's adapter delta.
+"""The model's linear layers with LoRA: each row gets its own adapter's delta.
 
 Each adapted `Linear` is wrapped in a `LinearWithLoRA` of `max_loras` slots: A matrices
 stacked along the rank ("shrink", [slots, n * R, in]), B block-diagonal ("expand",
 [slots, n * R, out]), R = max_lora_rank, smaller ranks zero-padded, the scale folded into B.
-For the step's rows x and the first k slots in use:
+For the step's rows x:
 
-    h     = x @ shrink[:k].T                 [T, k * n * R]    (one GEMM: every slot at once)
-    h    *= mask                             the row's own slot kept, the others zeroed
-    y     = base(x) + h @ expand[:k]         (one GEMM)
+    y        = base(x)
+    y[rows] += (x[rows] @ shrink[s].T) @ expand[s]      for each slot s in use, its rows
 
-A row without an adapter gets base(x) + 0 exactly; a step without adapter rows skips LoRA.
+Rows are selected, never masked by multiplying with 0: another slot's weights never touch a
+row (NaN * 0 is NaN, so a mask would let one adapter's overflow poison every row of the
+step). A row without an adapter gets base(x) exactly; a step without adapter rows skips
+LoRA; a step whose rows all run one adapter in slot 0 needs no selection.
 """
 
 from dataclasses import dataclass
@@ -24,12 +26,11 @@ from v1.models.layers.quantized import MatmulRows
 @dataclass(slots=True)
 class LoRABatch:
     """The step's adapter rows, shared by every wrapped layer: `num_slots` (k) slots in use
-    (0: no adapter row, the LoRA path is skipped), `mask` [T, k, 1] with mask[t, s] = 1 iff
-    row t runs with the adapter in slot s; None with k = 1 when every row runs slot 0's
-    adapter (nothing to mask)."""
+    (0: no adapter row, the LoRA path is skipped), `rows` (slot, the indices of its rows
+    [n]) for each slot with rows; None with k = 1 when every row runs slot 0's adapter."""
 
     num_slots: int = 0
-    mask: torch.Tensor | None = None
+    rows: list[tuple[int, torch.Tensor]] | None = None
 
 
 class LinearWithLoRA(nn.Module):
@@ -72,14 +73,15 @@ class LinearWithLoRA(nn.Module):
 
     def forward(self, x: torch.Tensor, rows: MatmulRows | None = None) -> torch.Tensor:
         y = self.base_layer(x, rows)
-        k = self.batch.num_slots
-        if k == 0:
+        if self.batch.num_slots == 0:
             return y
-        h = x @ self.shrink[:k].view(k * self.width, -1).T
-        mask = self.batch.mask
-        if mask is not None:
-            h = (h.view(-1, k, self.width) * mask).view(-1, k * self.width)
-        return y.addmm_(h, self.expand[:k].view(k * self.width, -1))
+        rows = self.batch.rows
+        if rows is None:
+            return y.addmm_(x @ self.shrink[0].T, self.expand[0])
+        for slot, index in rows:
+            delta = (x.index_select(0, index) @ self.shrink[slot].T) @ self.expand[slot]
+            y.index_add_(0, index, delta)
+        return y
 
     def set_slot(
         self, slot: int, modules: list[tuple[torch.Tensor, torch.Tensor, float] | None]

@@ -7,12 +7,15 @@ adapter in a slot is loaded; a step's adapters are all in slots [0, k) with k th
 `LoRABatch.num_slots` (a new adapter takes the lowest free slot, evicting the least recently
 used adapter the step does not need), so a step pays for k slots, not `max_loras`. The
 scheduler admits at most `max_loras` distinct adapters per step, so a step always fits.
+An adapter that unfinished requests name (`in_use`, kept by the engine core's scheduler)
+stays loaded beyond `max_cpu_loras`: adapters are read from disk only when added, never
+inside a step, where a folder gone since would fail the step.
 """
 
 import contextlib
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -41,8 +44,8 @@ class LoRAWorkerManager:
         self.config = config
         self.dtype = dtype
         self.batch = LoRABatch()
-        # (layer index, HF projection) -> (wrapped layer, sub-projection index, in, out)
-        self.targets: dict[tuple[int, str], tuple[LinearWithLoRA, int, int, int]] = {}
+        # (layer index, HF projection) -> (in, out): what an adapter's A and B must fit.
+        self.dims: dict[tuple[int, str], tuple[int, int]] = {}
         self.wrapped: list[tuple[LinearWithLoRA, tuple[str, ...], int]] = []
         layers = model.get_submodule("model.layers")
         for index, layer in enumerate(layers):
@@ -58,14 +61,17 @@ class LoRAWorkerManager:
                 )
                 setattr(parent, attr, wrapped)
                 self.wrapped.append((wrapped, projections, index))
-                for i, (proj, size) in enumerate(zip(projections, sizes, strict=True)):
-                    self.targets[(index, proj)] = (wrapped, i, base.in_features, size)
+                for proj, size in zip(projections, sizes, strict=True):
+                    self.dims[(index, proj)] = (base.in_features, size)
         model.replan()  # wrapped projections: the fused decode step no longer applies
         self.loaded: OrderedDict[int, LoRAModel] = OrderedDict()  # LRU, oldest first
         self.slots: list[int | None] = [None] * config.max_loras  # slot -> lora id
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, LRU order
         self.requests: dict[int, LoRARequest] = {}  # lora id -> the request that named it
         self.req_lora: dict[str, int] = {}  # request id -> its adapter's id
+        # lora id -> how many unfinished requests name it (the engine core's scheduler
+        # keeps it): those adapters are never unloaded.
+        self.in_use: Mapping[int, int] = {}
         # Under async scheduling the step runs on the runner's thread while the engine core
         # adds adapters on its own: a step holds this, so no slot changes under a forward.
         self._lock = threading.RLock()
@@ -95,22 +101,7 @@ class LoRAWorkerManager:
         if request.lora_int_id in self.loaded:
             self.loaded.move_to_end(request.lora_int_id)
             return False
-        lora = load_adapter(request, self.config.max_lora_rank, self.dtype)
-        for (layer, proj), module in lora.modules.items():
-            target = self.targets.get((layer, proj))
-            if target is None:
-                raise ValueError(
-                    f"LoRA adapter {request.lora_name!r} adapts layer {layer} {proj}, which "
-                    f"this model does not have ({len(self.wrapped) // len(_TARGETS)} layers)"
-                )
-            _, _, in_features, out_features = target
-            if module.lora_a.shape[1] != in_features or module.lora_b.shape[0] != out_features:
-                raise ValueError(
-                    f"LoRA adapter {request.lora_name!r}: layer {layer} {proj} has A "
-                    f"{tuple(module.lora_a.shape)} and B {tuple(module.lora_b.shape)}, but the "
-                    f"model's {proj} maps {in_features} -> {out_features} (an adapter of "
-                    "another model?)"
-                )
+        lora = load_adapter(request, self.config.max_lora_rank, self.dims, self.dtype)
         self._make_room(self.config.max_cpu_loras - 1)
         self.loaded[request.lora_int_id] = lora
         self.requests[request.lora_int_id] = request
@@ -126,13 +117,13 @@ class LoRAWorkerManager:
             return True
 
     def list_adapters(self) -> set[int]:
-        """The ids of the adapters known (loaded, or reloaded when a step needs them)."""
+        """The ids of the adapters known (loaded, or reloaded when a request names them)."""
         with self._lock:
             return set(self.requests)
 
     def _unload(self, lora_int_id: int) -> None:
-        """Out of memory and out of its slot; its request stays known, so a later step can
-        load it again."""
+        """Out of memory and out of its slot; its request stays known, so the next request
+        naming it loads it again when the engine core takes that request."""
         slot = self.slot_of.pop(lora_int_id, None)
         if slot is not None:
             self.slots[slot] = None
@@ -141,10 +132,11 @@ class LoRAWorkerManager:
         self.loaded.pop(lora_int_id, None)
 
     def _make_room(self, limit: int) -> None:
-        """Unload least recently used adapters until at most `limit` are loaded: first those
-        in no slot, then slotted ones (each slot's adapter is reloaded when a step needs it)."""
+        """Unload least recently used adapters no request uses until at most `limit` are
+        loaded (or none is left to unload): first those in no slot, then slotted ones."""
+        idle = [i for i in self.loaded if not self.in_use.get(i)]
         for candidates in (
-            [i for i in self.loaded if i not in self.slot_of], list(self.slot_of)
+            [i for i in idle if i not in self.slot_of], [i for i in idle if i in self.slot_of]
         ):
             for lora_id in candidates:
                 if len(self.loaded) <= limit:
@@ -154,10 +146,10 @@ class LoRAWorkerManager:
     # -- requests and steps ------------------------------------------------------------------
 
     def add_request(self, req_id: str, request: LoRARequest | None) -> None:
+        """A request scheduled for the first time: its adapter was loaded when the engine
+        core took it, and stays loaded while it is unfinished (`in_use`)."""
         if request is not None:
             self.req_lora[req_id] = request.lora_int_id
-            if request.lora_int_id not in self.loaded:  # dropped from the LRU since added
-                self.add_adapter(request)
 
     def finish_request(self, req_id: str) -> None:
         self.req_lora.pop(req_id, None)
@@ -166,7 +158,7 @@ class LoRAWorkerManager:
     def step_rows(
         self, req_ids: Sequence[str], num_scheduled: np.ndarray, device: torch.device
     ) -> Iterator[None]:
-        """For the forward inside: the step's adapters in slots and the row -> slot mask
+        """For the forward inside: the step's adapters in slots and each slot's rows
         (rows in `req_ids` order, `num_scheduled[i]` rows each). Cleared after, so the
         wrapped model runs as the base model outside a step."""
         with self._lock:
@@ -174,7 +166,7 @@ class LoRAWorkerManager:
             try:
                 yield
             finally:
-                self.batch.num_slots, self.batch.mask = 0, None
+                self.batch.num_slots, self.batch.rows = 0, None
 
     def _prepare(
         self, req_ids: Sequence[str], num_scheduled: np.ndarray, device: torch.device
@@ -193,12 +185,34 @@ class LoRAWorkerManager:
         slot_by_id = {lora_id: self._activate(lora_id, active) for lora_id in active}
         k = max(slot_by_id.values()) + 1
         self.batch.num_slots = k
-        if k == 1 and 0 not in ids:  # every row runs slot 0's adapter: no mask
+        if k == 1 and 0 not in ids:  # every row runs slot 0's adapter: no selection
             return
         row_slot = np.fromiter((slot_by_id.get(i, -1) for i in ids), np.int64, len(ids))
-        token_slot = torch.from_numpy(np.repeat(row_slot, num_scheduled)).to(device)
-        mask = token_slot.unsqueeze(1) == torch.arange(k, device=device)
-        self.batch.mask = mask.unsqueeze(2).to(self.dtype)
+        token_slot = np.repeat(row_slot, num_scheduled)
+        self.batch.rows = [
+            (slot, torch.from_numpy(np.flatnonzero(token_slot == slot)).to(device))
+            for slot in sorted(slot_by_id.values())
+        ]
+
+    def nonfinite_requests(
+        self, req_ids: Sequence[str], num_scheduled: np.ndarray, hidden: torch.Tensor
+    ) -> list[str]:
+        """The adapter requests among the step's (rows as in `step_rows`) with a non-finite
+        row in `hidden`, the step's last hidden states: an overflow anywhere in a row's
+        layers ends there, as does any K/V of it that is not finite. Base rows are left out
+        (no adapter touches them)."""
+        req_lora = self.req_lora
+        if not req_lora or not any(r in req_lora for r in req_ids):
+            return []
+        finite = torch.isfinite(hidden).all(dim=1)
+        if bool(finite.all()):
+            return []
+        bad = np.logical_not(finite.cpu().numpy())
+        starts = np.concatenate(([0], np.cumsum(num_scheduled)[:-1]))
+        return [
+            r for r, start, n in zip(req_ids, starts, num_scheduled, strict=True)
+            if r in req_lora and bad[start : start + n].any()
+        ]
 
     def _activate(self, lora_id: int, step_ids: Sequence[int]) -> int:
         """The slot of `lora_id`, loading it into the lowest free slot (or the least
@@ -207,8 +221,6 @@ class LoRAWorkerManager:
         if slot is not None:
             self.slot_of.move_to_end(lora_id)
             return slot
-        if lora_id not in self.loaded:
-            self.add_adapter(self.requests[lora_id])
         free = [s for s, held in enumerate(self.slots) if held is None]
         if free:
             slot = free[0]

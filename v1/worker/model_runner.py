@@ -350,6 +350,10 @@ class ModelRunner:
         if self.pooling is not None:  # pooled vectors instead of sampled tokens
             return self._pool(step, hidden)
         result = self._generate(out, step, hidden)
+        if self.lora is not None:
+            result.nonfinite_req_ids = self.lora.nonfinite_requests(
+                step.req_ids, step.num_scheduled, hidden
+            )
         if self.drafter is not None:  # drafts are priced on timed steps
             self.drafter.record_step(len(step.req_ids), out.total_num_scheduled_tokens,
                                      int(step.drafts.num.sum()), time.perf_counter() - start)

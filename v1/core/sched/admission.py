@@ -133,12 +133,18 @@ class WaitingAdmission:
         deferred: dict[int, Request] = {}  # position -> the owner of the block it waits for
         stop = False
         # LoRA: the adapters of the step so far (running requests all run); a waiting
-        # request of another adapter waits once there are max_loras (vLLM's rule).
+        # request of another adapter waits once there are max_loras (vLLM's rule). One that
+        # waited so `max_skips` steps while requests behind it were admitted reserves the
+        # step: no adapter request behind it is admitted but of its adapter, so the running
+        # adapters drain and it gets their slot (else a tenant that keeps its adapter's
+        # requests in flight holds the slot for ever).
         max_loras = policy.max_loras
         loras = (
             {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
             if max_loras else None
         )
+        reserved: int | None = None  # the adapter an aged waiting request holds the step for
+        lora_waits: set[int] = set()  # positions in `taken` that waited for an adapter slot
         # At most a window's worth of deferrals per step: the step's cost stays bounded.
         while not stop and self.waiting and len(deferred) < window_size:
             window = self.waiting.pop_window(window_size)
@@ -165,11 +171,15 @@ class WaitingAdmission:
                     deferred[base + i] = owner
                     continue
                 lora = request.lora_request
-                if (
-                    loras is not None and lora is not None
-                    and lora.lora_int_id not in loras and len(loras) >= max_loras
+                if loras is not None and lora is not None and (
+                    lora.lora_int_id not in loras and len(loras) >= max_loras
+                    or reserved is not None and lora.lora_int_id != reserved
                 ):
-                    continue  # the step has max_loras adapters already: it waits
+                    # The step has max_loras adapters already (or is reserved): it waits.
+                    lora_waits.add(base + i)
+                    if reserved is None and request.num_passed_over >= max_skips:
+                        reserved = lora.lora_int_id
+                    continue
                 victims = self._admit(st, request)
                 if victims is None:  # it does not fit now
                     if first:
@@ -203,6 +213,8 @@ class WaitingAdmission:
                     else pos < last_admitted
                 ):
                     request.num_passed_over += 1
+            elif pos in lora_waits and pos < last_admitted:
+                request.num_passed_over += 1
             self.waiting.prepend_request(request)
 
     def _admit(self, st: StepState, request: Request) -> list[Request] | None:

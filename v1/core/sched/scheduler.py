@@ -97,8 +97,14 @@ class Scheduler:
             DiskTierScheduling(disk_index, self.kv_cache_manager)
             if disk_index is not None else None
         )
+        # LoRA: how many unfinished requests name each adapter id (those adapters stay
+        # loaded and cannot be removed), and each removed id's generation, which goes into
+        # its blocks' hashes: an id reused for another adapter never hits the blocks the
+        # removed one cached (they are evicted as any unreachable block).
+        self.lora_users: dict[int, int] = {}
+        self.lora_generations: dict[int, int] = {}
         self.block_hasher = (
-            make_block_hasher(cache_config.block_size)
+            make_block_hasher(cache_config.block_size, self.lora_generations)
             if cache_config.enable_prefix_caching else None
         )
         self.structured_output_manager = structured_output_manager
@@ -157,6 +163,9 @@ class Scheduler:
             self.num_structured_requests += 1
         request.queued_time = time.monotonic()
         self.requests[request.request_id] = request
+        if request.lora_request is not None:
+            lora_id = request.lora_request.lora_int_id
+            self.lora_users[lora_id] = self.lora_users.get(lora_id, 0) + 1
         self.waiting.add_request(request)
         self.num_prompt_tokens += request.num_prompt_tokens
 
@@ -203,8 +212,20 @@ class Scheduler:
     def _forget_request(self, request: Request) -> None:
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        if request.lora_request is not None:
+            lora_id = request.lora_request.lora_int_id
+            if self.lora_users[lora_id] == 1:
+                del self.lora_users[lora_id]
+            else:
+                self.lora_users[lora_id] -= 1
         if request.sampling_params.structured_outputs is not None:
             self.num_structured_requests -= 1
+
+    def forget_lora(self, lora_int_id: int) -> None:
+        """The adapter `lora_int_id` was removed (no request names it): its cached blocks
+        are never hit again, whatever adapter the id names next."""
+        assert lora_int_id not in self.lora_users, "an adapter in use was removed"
+        self.lora_generations[lora_int_id] = self.lora_generations.get(lora_int_id, 0) + 1
 
     def has_requests(self) -> bool:
         return bool(self.requests) or bool(self._ignored) or (
@@ -404,6 +425,9 @@ class Scheduler:
             assert self.disk_tier is not None
             self.disk_tier.update(model_output, self.requests)
         requests = self.requests
+        for req_id in model_output.nonfinite_req_ids:
+            if (request := requests.get(req_id)) is not None:
+                self.kv_cache_manager.uncache_computed(request)
         max_model_len = self.max_model_len
         async_scheduling = self.async_scheduling
         req_ids = model_output.req_ids

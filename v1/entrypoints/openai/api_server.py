@@ -30,7 +30,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
-from v1 import memory_trim
+from v1 import envs, memory_trim
 from v1.compat.utils import FlexibleArgumentParser
 from v1.config import EngineArgs
 from v1.engine.async_llm import AsyncLLM
@@ -136,14 +136,20 @@ async def show_models(raw: Request) -> ModelList:
     return _serving(raw).models()
 
 
-@router.post("/v1/load_lora_adapter")
+# Served only when the operator opts in (VLLM_ALLOW_RUNTIME_LORA_UPDATING), as vLLM's: else
+# 404, like any route the server does not have.
+lora_router = APIRouter()
+
+
+@lora_router.post("/v1/load_lora_adapter")
 async def load_lora_adapter(request: LoadLoRAAdapterRequest, raw: Request) -> Response:
     """vLLM's: load a PEFT adapter folder under a name `model` can then give (needs
-    --enable-lora); 400 if it cannot be served or the name is taken."""
+    --enable-lora); 400 if it cannot be served, is outside the server's LoRA folders, or
+    the name is taken."""
     return Response(await _serving(raw).serving_models.load_lora_adapter(request))
 
 
-@router.post("/v1/unload_lora_adapter")
+@lora_router.post("/v1/unload_lora_adapter")
 async def unload_lora_adapter(request: UnloadLoRAAdapterRequest, raw: Request) -> Response:
     """vLLM's: forget an adapter; 404 for an unknown name, 400 while a request uses it."""
     return Response(await _serving(raw).serving_models.unload_lora_adapter(request))
@@ -397,11 +403,15 @@ def build_app(
     tool_parser: str | None = None,
     limits: ServerLimits | None = None,
     lora_modules: list[LoRAModulePath] | None = None,
+    lora_roots: list[str] | None = None,
 ) -> FastAPI:
     """`tool_parser` (e.g. "hermes") enables tool_choice "auto"; `limits` bound each HTTP
     request (None: the defaults; `engine_args` holds the engine's `InputLimits`);
-    `lora_modules`: LoRA adapters served from the start (with enable_lora), by name."""
+    `lora_modules`: LoRA adapters served from the start (with enable_lora), by name;
+    `lora_roots`: folders besides theirs that runtime loads may read adapters from (the
+    load routes are served only with VLLM_ALLOW_RUNTIME_LORA_UPDATING set)."""
     limits = limits or ServerLimits()
+    allow_runtime_lora_updating = envs.read().allow_runtime_lora_updating
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = AsyncLLM.from_engine_args(engine_args)
@@ -416,7 +426,9 @@ def build_app(
             default_sampling_params=defaults, limits=limits, model_path=str(engine.model_dir),
         )
         try:
-            await app.state.serving.serving_models.init_static_loras(lora_modules or [])
+            await app.state.serving.serving_models.init_static_loras(
+                lora_modules or [], lora_roots or []
+            )
         except BaseException:
             engine.shutdown()
             raise
@@ -441,6 +453,8 @@ def build_app(
 
     app = FastAPI(title="v1 OpenAI-compatible server", lifespan=lifespan)
     app.include_router(router)
+    if allow_runtime_lora_updating:
+        app.include_router(lora_router)
     app.add_exception_handler(RequestValidationError, _on_invalid_request)
     app.add_exception_handler(HTTPException, _on_http_error)
     # Exception (anything else: a bug) is handled last, by Starlette, which also logs it.
@@ -513,6 +527,12 @@ def make_parser(prog: str = "v1 serve") -> argparse.ArgumentParser:
         "by its `model` (needs --enable-lora)",
     )
     parser.add_argument(
+        "--lora-root", action="append", default=None, metavar="DIR",
+        help="a folder (repeatable) that /v1/load_lora_adapter may load adapters from, "
+        "besides the --lora-modules folders; the routes are served only with "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1",
+    )
+    parser.add_argument(
         "--uvicorn-log-level", default="info", help="uvicorn's log level",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
@@ -571,13 +591,13 @@ def main(argv: list[str], prog: str = "v1 serve") -> None:
         lora_modules = [LoRAModulePath.parse(m) for m in args.lora_modules or []]
     except ValueError as e:
         parser.error(str(e))
-    if lora_modules and not engine_args.enable_lora:
-        parser.error("--lora-modules needs --enable-lora")
+    if (lora_modules or args.lora_root) and not engine_args.enable_lora:
+        parser.error("--lora-modules and --lora-root need --enable-lora")
     uvicorn.run(
         build_app(
             engine_args, args.served_model_name, chat_template, args.api_key,
             args.tool_call_parser if args.enable_auto_tool_choice else None, limits,
-            lora_modules,
+            lora_modules, args.lora_root,
         ),
         host=args.host,
         port=args.port,
