@@ -193,12 +193,14 @@ def test_suffix_drafts_an_earlier_answer(default_model, reference):
 
 def test_suffix_drafts_never_cross_cache_salts(default_model, reference):
     """The shared tree is keyed by cache_salt (and adapter), as the prefix cache is: another
-    tenant's round of the same questions drafts as a first round does (its stream's pace
-    tells nothing of them), while the first tenant's second round drafts its answers."""
+    tenant's round of the same questions is drafted from its own text only, as a first round
+    is (its stream's pace tells nothing of them), while the first tenant's second round drafts
+    its answers. (The counts of drafted tokens may differ between the first two rounds: the
+    drafter's acceptance prior is the workload's, learnt in the first.)"""
     spec = {"method": "suffix", "num_speculative_tokens": 4}
     rounds = []
-    with LLM(loaded_model=default_model, num_gpu_blocks=64, max_model_len=512,
-             speculative_config=spec) as llm:
+    with llm_with_drafts(spec, loaded_model=default_model, num_gpu_blocks=64,
+                         max_model_len=512) as llm:
         for salt in ("tenant-a", "tenant-b", "tenant-a"):
             before = llm.get_stats()
             outs = llm.generate([{"prompt": p, "cache_salt": salt} for p in PROMPTS], GREEDY,
@@ -210,8 +212,7 @@ def test_suffix_drafts_never_cross_cache_salts(default_model, reference):
                 after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens,
             ))
     first, other_tenant, again = rounds
-    assert other_tenant == first
-    assert again[1] >= len(PROMPTS) * (MAX_TOKENS // 2) > first[1]
+    assert again[1] >= len(PROMPTS) * (MAX_TOKENS // 2) > max(first[1], other_tenant[1])
 
 
 SEEDED = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=MAX_TOKENS, seed=seed, logprobs=1)

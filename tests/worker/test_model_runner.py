@@ -2,6 +2,7 @@
 
 import torch
 
+from tests.worker.step_costs import cheap_rows
 from v1.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from v1.models.loader import LoadedModel
@@ -89,6 +90,7 @@ def test_suffix_drafts_are_scoped_by_salt_until_finished_even_when_preempted(def
     joins; a preemption keeps it (the request comes back), a finish, even while preempted,
     drops it."""
     runner = make_runner(default_model, SpeculativeConfig("suffix", num_speculative_tokens=2))
+    runner.drafter.costs = cheap_rows()  # drafts priced to pay: the proposer is asked
     new = NewRequestData("a", PROMPT, SamplingParams(temperature=0.0), [0], 0,
                          cache_salt="tenant-a")
     runner.execute_model(SchedulerOutput([new], CachedRequestData(), {"a": len(PROMPT)},
