@@ -10,6 +10,7 @@
 #define BT_BYTES 20
 #define BT_MIN 1
 #define BT_SIGNED 0
+#define BT_WMAX 15
 #define BT_HALVES 1
 /* The next block's columns ahead: 4 vectors more beside 2 MF sums fit the registers
    (docs/kernels.md). */

@@ -9,6 +9,7 @@
 #define BT_BYTES 34
 #define BT_MIN 0
 #define BT_SIGNED 1
+#define BT_WMAX 127
 #define BT_HALVES 2
 /* Its 8 column vectors ahead made the memory-bound LM head slower (docs/kernels.md). */
 #define BT_COLS_AHEAD 0

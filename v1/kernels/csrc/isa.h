@@ -33,8 +33,9 @@
 #define columns4 columns4_generic
 #endif
 
-/* The integer dot product of 4 unsigned weight bytes and 4 signed activation bytes per lane,
-   by INT8_ISA (v1_block_int8_isa(); INT8_ISAS in block_matmul.py): 3 vpdpbusd on 16 lanes
+/* The integer dot product of 4 unsigned weight bytes and 4 signed activation bytes per lane
+   (dot4; with AVX2 also dot4_i16 + widen_i16, its pair sums kept as int16 until a block's
+   end, and dot4s for signed weight bytes), by INT8_ISA (v1_block_int8_isa(); INT8_ISAS in block_matmul.py): 3 vpdpbusd on 16 lanes
    (AVX-512 VNNI), 2 vpdpbusd on 8 (AVX-VNNI), 1 AVX2's vpmaddubsw + vpmaddwd on 8, 0 plain
    C. */
 #if VL == 16 && defined(__AVX512VNNI__)
@@ -47,6 +48,8 @@
 #define INT8_ISA 1
 #define dot4 dot4_avx2
 #define dot4s dot4s_avx2
+#define dot4_i16 dot4_i16_avx2
+#define widen_i16 widen_i16_avx2
 #else
 #define INT8_ISA 0
 #define dot4 dot4_generic

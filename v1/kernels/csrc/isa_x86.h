@@ -52,6 +52,15 @@ static inline vi dot4_avx2(vi acc, vi u, vi s) {
     return acc + (vi)_mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
+/* dot4_avx2 without its vpmaddwd: the 16 pair sums added as int16 (the caller keeps them
+   within int16), widened to int32 lanes once per block by widen_i16_avx2. */
+static inline vi dot4_i16_avx2(vi acc, vi u, vi s) {
+    return (vi)_mm256_add_epi16((__m256i)acc, _mm256_maddubs_epi16((__m256i)u, (__m256i)s));
+}
+static inline vi widen_i16_avx2(vi pairs) {
+    return (vi)_mm256_madd_epi16((__m256i)pairs, _mm256_set1_epi16(1));
+}
+
 /* The same with signed weight bytes w: their signs move onto the activations (|w| x
    sign(x, w) = w x x), so vpmaddubsw's pair sums stay within 2 x 128 x 127 (with w + 128
    they would saturate: 255 x 127 x 2). */
