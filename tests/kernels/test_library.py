@@ -115,8 +115,13 @@ def test_variant_choice_by_cpu_flags() -> None:
     table = variants.variants_for("x86_64")
     v4_flags = set(table["x86_64_v4"][1])
     assert library.candidates("", "x86_64", v4_flags) == ["x86_64_v4", "x86_64_v3", "portable"]
+    assert library.candidates("", "x86_64", v4_flags | {"avx_vnni"}) == [
+        "x86_64_v4", "x86_64_v3_vnni", "x86_64_v3", "portable"]
     avx512_without_vnni = v4_flags - {"avx512_vnni"}
     assert library.candidates("1", "x86_64", avx512_without_vnni) == ["x86_64_v3", "portable"]
+    client = set(table["x86_64_v3"][1]) | {"avx_vnni"}  # Alder Lake: AVX2 + AVX-VNNI
+    assert library.candidates("", "x86_64", client) == ["x86_64_v3_vnni", "x86_64_v3",
+                                                         "portable"]
     assert library.candidates("", "x86_64", {"sse2"}) == ["portable"]
     assert library.candidates("asan", "x86_64", {"sse2"}) == ["portable_asan"]
     assert library.candidates("", "aarch64", set()) == ["portable"]

@@ -2,9 +2,10 @@
 and by `v1.kernels.library` (the choice at import), so it imports nothing of v1's.
 
 Every variant is one shared library, `v1/kernels/_v1_<variant>.so`, holding every kernel. On
-x86-64 the build makes x86_64_v4 (AVX-512 + VNNI), x86_64_v3 (AVX2, FMA, F16C) and portable
-(the baseline, -O2); elsewhere only portable. "native" and the `<variant>_asan` sanitizer builds
-are made on request and never chosen by themselves. Why these: docs/kernels.md,
+x86-64 the build makes x86_64_v4 (AVX-512 + VNNI), x86_64_v3_vnni (x86_64_v3 + AVX-VNNI),
+x86_64_v3 (AVX2, FMA, F16C) and portable (the baseline, -O2); elsewhere only portable.
+"native" and the `<variant>_asan` sanitizer builds are made on request and never chosen by
+themselves. Why these: docs/kernels.md,
 "Adding an instruction set".
 """
 
@@ -31,8 +32,8 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "fused_decode_step.c": (),
 }
 HEADERS = ("block_tiles.h", "block_types.h", "fused_decode_step.h", "isa.h", "isa_generic.h",
-           "isa_x86.h", "kernels.h", "kv_rows.h", "paged_decode.h", "pool.h", "v1.h", "vec8.h",
-           "vec16.h")
+           "isa_x86.h", "kernels.h", "kv_rows.h", "paged_decode.h", "pool.h", "v1.h", "vec.h",
+           "vec8.h")
 
 COMMON_FLAGS = ("-std=gnu11", "-fPIC", "-fvisibility=hidden", "-pthread", "-Wall", "-Wextra",
                 "-Wno-psabi")  # psabi: GCC notes that 64-byte vectors pass differently
@@ -51,6 +52,8 @@ _TUNE = "-mtune=znver3"
 VARIANTS: dict[str, dict[str, tuple[tuple[str, ...], tuple[str, ...]]]] = {
     "x86_64": {
         "x86_64_v4": (("-O3", "-march=x86-64-v4", "-mavx512vnni", _TUNE), _V4),
+        # AVX2 with AVX-VNNI's 256-bit vpdpbusd (Alder Lake and later Intel clients, Zen 5).
+        "x86_64_v3_vnni": (("-O3", "-march=x86-64-v3", "-mavxvnni", _TUNE), (*_V3, "avx_vnni")),
         "x86_64_v3": (("-O3", "-march=x86-64-v3", _TUNE), _V3),
         "portable": (("-O2", "-march=x86-64"), ()),
     },

@@ -5,11 +5,12 @@
      BT_MIN            1: x = d q + m (a per-block min, fp16 after d); 0: x = d q
      BT_SIGNED         1: quants are signed bytes (they go into dot4 + 128 unless
                        INT8_SIGNED_WEIGHTS); 0: unsigned
+     BT_WMAX           the largest unsigned weight byte (q4_1's nibbles: 15)
      BT_HALVES         the block's runs of 16 quant bytes (bt_qs(h), h < BT_HALVES)
      BT_COLS_AHEAD     1: tile_i8_few loads the next block's columns ahead (see there)
    and the inline functions
-     bt_values(p, lo, hi)        the block's 32 values before scaling, as floats
-     bt_values_dot1(p, lo, hi)   the same, as tile_dot1 loads them
+     bt_chunk(p, c)              values VL c .. VL c + VL - 1 of the block before scaling,
+                                 as floats (c < BV)
      bt_group4(p, j)             the 4 bytes that hold values 4j .. 4j + 3 (j < 8)
      bt_weight_bytes(b4, j)      those 4 bytes as dot4's unsigned (or signed) weight bytes
      bt_qs(h)                    where run h of quant bytes starts in the block.
@@ -18,7 +19,7 @@
 #include "block_types.h"
 #include "isa.h"
 #include "pool.h"
-#include "vec16.h"
+#include "vec.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -35,35 +36,32 @@ enum { QK = 32 };
 
 /* ---- fp32 activations: blocks dequantized to fp32, FMA with the activations ------------- */
 
-/* One block's 32 floats. d * q + m is one FMA here where the ISA has it (gguf rounds the
-   product first: at most 1 ulp apart). */
-static inline __attribute__((always_inline)) void dequant_block(const uint8_t *p, v16 *lo,
-                                                                v16 *hi) {
-    bt_values(p, lo, hi);
-    const float d = fp16(p);
-    if (BT_MIN) {
-        const float m = fp16(p + 2);
-        *lo = *lo * d + m;
-        *hi = *hi * d + m;
-    } else {
-        *lo *= d;
-        *hi *= d;
-    }
+/* Chunk c of a block's values, given its scale d and min m. d * q + m is one FMA here where
+   the ISA has it (gguf rounds the product first: at most 1 ulp apart). */
+static inline __attribute__((always_inline)) vf dequant_chunk(const uint8_t *p, int c, float d,
+                                                              float m) {
+    return BT_MIN ? bt_chunk(p, c) * d + m : bt_chunk(p, c) * d;
 }
 
 /* Three tiles, by the number of activation rows M:
-   - M <= DOT_ROWS_MAX, dot products: NR weight rows x up to MR activation rows. Each block
-     of the NR rows is dequantized into registers and meets the activation rows there; each
-     of the NR x MR sums is spread over a vector and reduced at the end.
+   - M <= DOT_ROWS_MAX, dot products: NR weight rows x up to MR activation rows. Each chunk
+     of a block of the NR rows is dequantized into registers and meets the activation rows
+     there; each of the NR x MR sums is spread over a vector and reduced at the end.
    - otherwise outer products: a few weight rows are dequantized once into a scratch buffer
      `wb` (L1-sized for K up to ~1.5k); the activations, transposed once per call into `xt`,
      run against it, weight values broadcast, so each loaded vector serves every row of the
-     tile. Up to PAIR_ROWS_MAX rows a vector holds 8 activation rows x 2 consecutive k (a
-     broadcast weight pair serves 16 products; with 16 rows x 1 k, 8 rows would leave half of
-     each vector idle), 12 weight rows per tile; beyond, 16 rows x 1 k, 6 weight rows and up
-     to 64 activation rows per tile.
-   Each way the weight is read and dequantized once per call (for up to 64 rows). */
-enum { NR = 4, MR = 4, DOT_ROWS_MAX = 4, PAIR_ROWS_MAX = 16, NL_PAIRS = 12, NL = 6, MV = 4 };
+     tile. Up to PAIR_ROWS_MAX rows a vector holds VL / 2 activation rows x 2 consecutive k (a
+     broadcast weight pair serves VL products; with VL rows x 1 k, VL / 2 rows would leave
+     half of each vector idle), NL_PAIRS weight rows per tile; beyond, VL rows x 1 k, NL weight
+     rows and up to MV vectors of activation rows per tile.
+   Each way the weight is read and dequantized once per call (for up to VL MV rows). The tile
+   sizes fill the registers: NREGS vectors (vec.h). */
+#if NREGS >= 32
+enum { NR = 4, NR1 = 4, NL_PAIRS = 12, NL = 6, MV = 4 };
+#else
+enum { NR = 2, NR1 = 4, NL_PAIRS = 6, NL = 6, MV = 2 };
+#endif
+enum { MR = 4, DOT_ROWS_MAX = MR, PAIR_ROWS_MAX = VL, NL_MAX = NL_PAIRS > NL ? NL_PAIRS : NL };
 
 /* y[m][r] = x[m] . W[r] (+ bias[r]) for r < nr, m < mr; rows past nr repeat the last one. */
 static inline __attribute__((always_inline)) void tile_dot(
@@ -72,77 +70,82 @@ static inline __attribute__((always_inline)) void tile_dot(
     const int64_t bytes = BT_BYTES;
     const uint8_t *row[NR];
     for (int r = 0; r < NR; r++) row[r] = w + (r < nr ? r : nr - 1) * row_bytes;
-    v16 acc[NR][MR] = {{{0}}};
+    vf acc[NR][MR] = {{{0}}};
     for (int64_t b = 0; b < nb; b++) {
-        v16 lo[NR], hi[NR];
+        float d[NR], mins[NR];
         for (int r = 0; r < NR; r++) {
-            __builtin_prefetch(row[r] + b * bytes + PREFETCH);
-            dequant_block(row[r] + b * bytes, &lo[r], &hi[r]);
+            const uint8_t *p = row[r] + b * bytes;
+            __builtin_prefetch(p + PREFETCH);
+            d[r] = fp16(p);
+            mins[r] = BT_MIN ? fp16(p + 2) : 0.f;
         }
-        for (int m = 0; m < mr; m++) {
-            const v16 x0 = load16(x + m * ldx + b * QK), x1 = load16(x + m * ldx + b * QK + 16);
-            for (int r = 0; r < NR; r++) acc[r][m] += lo[r] * x0 + hi[r] * x1;
+        for (int c = 0; c < BV; c++) {
+            vf wv[NR];
+            for (int r = 0; r < NR; r++) wv[r] = dequant_chunk(row[r] + b * bytes, c, d[r], mins[r]);
+            for (int m = 0; m < mr; m++) {
+                const vf xv = loadv(x + m * ldx + b * QK + c * VL);
+                for (int r = 0; r < NR; r++) acc[r][m] += wv[r] * xv;
+            }
         }
     }
     for (int m = 0; m < mr; m++)
-        for (int r = 0; r < nr; r++) y[m * ldy + r] = hsum16(acc[r][m]) + (bias ? bias[r] : 0.f);
+        for (int r = 0; r < nr; r++) y[m * ldy + r] = hsumv(acc[r][m]) + (bias ? bias[r] : 0.f);
 }
 
-/* tile_dot for one activation row, with fewer operations per block: d (q . x), plus with
-   a min m sum(x), the block sums of x given in sx (batch 1 is where the kernel's
-   arithmetic, not memory, bounds the time). */
+/* tile_dot for one activation row and NR1 weight rows, with fewer operations per block:
+   d (q . x), plus with a min m sum(x), the block sums of x given in sx (batch 1 is where the
+   kernel's arithmetic, not memory, bounds the time). */
 static inline __attribute__((always_inline)) void tile_dot1(
     const uint8_t *w, int64_t row_bytes, int nr, int64_t nb, const float *x, const float *sx,
     float *y, const float *bias) {
     const int64_t bytes = BT_BYTES;
-    const uint8_t *row[NR];
-    for (int r = 0; r < NR; r++) row[r] = w + (r < nr ? r : nr - 1) * row_bytes;
-    v16 acc[NR] = {{0}};
-    float offsets[NR] = {0};
+    const uint8_t *row[NR1];
+    for (int r = 0; r < NR1; r++) row[r] = w + (r < nr ? r : nr - 1) * row_bytes;
+    vf acc[NR1] = {{0}};
+    float offsets[NR1] = {0};
     for (int64_t b = 0; b < nb; b++) {
-        const v16 x0 = load16(x + b * QK), x1 = load16(x + b * QK + 16);
-        for (int r = 0; r < NR; r++) {
+        vf xv[BV];
+        for (int c = 0; c < BV; c++) xv[c] = loadv(x + b * QK + c * VL);
+        for (int r = 0; r < NR1; r++) {
             const uint8_t *p = row[r] + b * bytes;
             __builtin_prefetch(p + PREFETCH);
-            v16 lo, hi;
-            bt_values_dot1(p, &lo, &hi);
-            acc[r] += (lo * x0 + hi * x1) * fp16(p);
+            vf t = bt_chunk(p, 0) * xv[0];
+            for (int c = 1; c < BV; c++) t += bt_chunk(p, c) * xv[c];
+            acc[r] += t * fp16(p);
             if (BT_MIN) offsets[r] += fp16(p + 2) * sx[b];
         }
     }
-    for (int r = 0; r < nr; r++) y[r] = hsum16(acc[r]) + offsets[r] + (bias ? bias[r] : 0.f);
+    for (int r = 0; r < nr; r++) y[r] = hsumv(acc[r]) + offsets[r] + (bias ? bias[r] : 0.f);
 }
 
-/* Where x[m][k] goes in xt: lane (m % 16) of vector m / 16 at row k, or with pairs, lane
-   2 (m % 8) + k % 2 of vector m / 8 at row k / 2. */
+/* Where x[m][k] goes in xt: lane (m % VL) of vector m / VL at row k, or with pairs, lane
+   2 (m % (VL / 2)) + k % 2 of vector m / (VL / 2) at row k / 2. */
 static inline int64_t xt_index(int64_t m, int64_t k, int pairs, int64_t ldxt) {
-    return pairs ? k / 2 * ldxt + m / 8 * 16 + m % 8 * 2 + k % 2 : k * ldxt + m;
+    return pairs ? k / 2 * ldxt + m / (VL / 2) * VL + m % (VL / 2) * 2 + k % 2 : k * ldxt + m;
 }
 
-/* y[m][r] = x[m] . wb[r] (+ bias[r]) for r < nr, m < rows (at most 16 mv, 8 mv with pairs);
-   nl weight rows, mv vectors of activations. */
+/* y[m][r] = x[m] . wb[r] (+ bias[r]) for r < nr, m < rows (at most VL mv, VL / 2 mv with
+   pairs); nl weight rows, mv vectors of activations. */
 static inline __attribute__((always_inline)) void tile_outer(
     const float *wb, int64_t K, const float *xt, int64_t ldxt, int nl, int mv, int pairs,
     float *y, int64_t ldy, int nr, int64_t rows, const float *bias) {
-    v16 acc[NL_PAIRS][MV] = {{{0}}};
+    vf acc[NL_MAX][MV] = {{{0}}};
     for (int64_t k = 0; k < K; k += 1 + pairs) {
-        v16 xv[MV];
-        for (int v = 0; v < mv; v++) xv[v] = load16(xt + (k >> pairs) * ldxt + 16 * v);
+        vf xv[MV];
+        for (int v = 0; v < mv; v++) xv[v] = loadv(xt + (k >> pairs) * ldxt + VL * v);
         for (int r = 0; r < nl; r++) {
-            v16 wk;
-            /* One broadcast load (an element list: `{0} + w` would add -0 + 0). */
-            if (pairs) {  /* wb[r][k], wb[r][k + 1], repeated */
+            vf wk;
+            if (pairs) {  /* wb[r][k], wb[r][k + 1], repeated: one broadcast load */
                 double t;
                 memcpy(&t, wb + r * K + k, 8);
-                wk = (v16)(v8d){t, t, t, t, t, t, t, t};
+                wk = (vf)(t - (vd){0});
             } else {
-                const float t = wb[r * K + k];
-                wk = (v16){t, t, t, t, t, t, t, t, t, t, t, t, t, t, t, t};
+                wk = splatv(wb[r * K + k]);
             }
             for (int v = 0; v < mv; v++) acc[r][v] += xv[v] * wk;
         }
     }
-    const int per = 16 >> pairs;  /* activation rows per vector */
+    const int per = VL >> pairs;  /* activation rows per vector */
     for (int v = 0; v < mv; v++)
         for (int l = 0; l < per && per * v + l < rows; l++)
             for (int r = 0; r < nr; r++) {
@@ -158,11 +161,13 @@ static inline __attribute__((always_inline)) void dequant_rows(
     for (int r = 0; r < nl; r++) {
         const uint8_t *row = w + (r < nr ? r : nr - 1) * row_bytes;
         for (int64_t b = 0; b < K / QK; b++) {
-            v16 lo, hi;
-            __builtin_prefetch(row + b * bytes + PREFETCH);
-            dequant_block(row + b * bytes, &lo, &hi);
-            memcpy(wb + r * K + b * QK, &lo, 64);
-            memcpy(wb + r * K + b * QK + 16, &hi, 64);
+            const uint8_t *p = row + b * bytes;
+            __builtin_prefetch(p + PREFETCH);
+            const float d = fp16(p), m = BT_MIN ? fp16(p + 2) : 0.f;
+            for (int c = 0; c < BV; c++) {
+                const vf v = dequant_chunk(p, c, d, m);
+                memcpy(wb + r * K + b * QK + c * VL, &v, sizeof v);
+            }
         }
     }
 }
@@ -183,11 +188,12 @@ struct job {
     int64_t ldxt, xt_floats;
 };
 
-/* Dot tiles t0 .. t1 - 1 (NR weight rows each). */
+/* Dot tiles t0 .. t1 - 1 (NR weight rows each, NR1 with tile_dot1). */
 static inline __attribute__((always_inline)) void dot_tiles(const struct job *j,
                                                             int64_t t0, int64_t t1) {
-    for (int64_t n0 = t0 * NR; n0 < t1 * NR && n0 < j->N; n0 += NR) {
-        const int nr = j->N - n0 < NR ? (int)(j->N - n0) : NR;
+    const int step = j->dot1 ? NR1 : NR;
+    for (int64_t n0 = t0 * step; n0 < t1 * step && n0 < j->N; n0 += step) {
+        const int nr = j->N - n0 < step ? (int)(j->N - n0) : step;
         const uint8_t *wn = j->w + n0 * j->row_bytes;
         const float *bn = j->bias ? j->bias + n0 : NULL;
         float *yn = j->y + n0;
@@ -227,17 +233,17 @@ static inline __attribute__((always_inline)) void outer_tiles(
         dequant_rows(j->w + n0 * j->row_bytes, j->row_bytes, nl, nr, K, wb);
         if (j->pairs) {
             const int64_t m0 = 0;
-            if (M > 8) TILE_OUTER(NL_PAIRS, 2, 1);
+            if (M > VL / 2) TILE_OUTER(NL_PAIRS, 2, 1);
             else TILE_OUTER(NL_PAIRS, 1, 1);
             continue;
         }
-        for (int64_t m0 = 0; m0 < M; m0 += 16 * MV) {
-            const int64_t rows = M - m0;
-            switch (rows > 48 ? 4 : rows > 32 ? 3 : rows > 16 ? 2 : 1) {
+        for (int64_t m0 = 0; m0 < M; m0 += VL * MV) {
+            const int64_t vectors = (M - m0 + VL - 1) / VL;
+            switch (vectors < MV ? vectors : MV) {
                 case 1: TILE_OUTER(NL, 1, 0); break;
                 case 2: TILE_OUTER(NL, 2, 0); break;
-                case 3: TILE_OUTER(NL, 3, 0); break;
-                default: TILE_OUTER(NL, 4, 0);
+                case 3: TILE_OUTER(NL, MV < 3 ? MV : 3, 0); break;
+                default: TILE_OUTER(NL, MV, 0);
             }
         }
     }
@@ -271,7 +277,9 @@ int32_t BT_FN(linear_f32)(const struct v1_matmul *c) {
             if (!(sx = malloc((size_t)j.nb * sizeof(float)))) return -1;
             int finite = 1;
             for (int64_t b = 0; b < j.nb; b++) {
-                sx[b] = hsum16(load16(x + b * QK) + load16(x + b * QK + 16));
+                vf sum = loadv(x + b * QK);
+                for (int c = 1; c < BV; c++) sum += loadv(x + b * QK + c * VL);
+                sx[b] = hsumv(sum);
                 finite &= isfinite(sx[b]) != 0;
             }
             j.sx = sx;
@@ -285,9 +293,10 @@ int32_t BT_FN(linear_f32)(const struct v1_matmul *c) {
     }
     j.pairs = M <= PAIR_ROWS_MAX;
     j.nl = j.pairs ? NL_PAIRS : NL;
-    j.ldxt = j.pairs ? (M + 7) / 8 * 16 : (M + 15) / 16 * 16;
+    j.ldxt = j.pairs ? (M + VL / 2 - 1) / (VL / 2) * VL : (M + VL - 1) / VL * VL;
     j.xt_floats = (j.pairs ? K / 2 : K) * j.ldxt;
-    /* xt, then a weight buffer per thread (64-byte aligned: K is a multiple of 32). */
+    /* xt, then a weight buffer per thread (64-byte aligned: K is a multiple of 32, ldxt of
+       VL). */
     j.xt = aligned_alloc(64, (size_t)(j.xt_floats + v1_pool_width(nthreads) * j.nl * K) * 4);
     if (!j.xt) return -1;
     memset(j.xt, 0, (size_t)j.xt_floats * sizeof(float));
@@ -303,13 +312,14 @@ int32_t BT_FN(linear_f32)(const struct v1_matmul *c) {
    and laid out so that `lanes` rows' 4 consecutive values sit side by side:
      A[((g * nb + b) * 8 + j) * lanes + l]   int8 x 4: row lanes g + l, values 32 b + 4 j .. + 3
      D, Q, T[(g * nb + b) * lanes + l]       dx, sum of the q, dx * sum (float)
-   Two tiles read them. tile_i8 (lanes = 16): a weight's 4 bytes for the same values,
-   broadcast, meet 16 activation rows in one u8 x s8 dot product (vpdpbusd). tile_i8_few
-   (lanes = M, one group): 16 weight rows' 4 bytes, transposed into one vector, meet one
+   Two tiles read them. tile_i8 (lanes = VL): a weight's 4 bytes for the same values,
+   broadcast, meet VL activation rows in one u8 x s8 dot product (dot4). tile_i8_few
+   (lanes = M, one group): VL weight rows' 4 bytes, transposed into one vector, meet one
    activation row's 4 bytes, broadcast; each weight byte then serves every row of the call
    with none of tile_i8's idle lanes at a few rows. Weights must be the unsigned side (but
-   with INT8_SIGNED_WEIGHTS): q4_1's nibbles are; q8_0's bytes are offset by 128 (q ^ 0x80),
-   taken back as 128 * sum(q) per block (W_OFFSET). Rows past M are 0.
+   with INT8_SIGNED_WEIGHTS, where signed ones go into dot4s as they are): q4_1's nibbles are;
+   q8_0's bytes are offset by 128 (q ^ 0x80), taken back as 128 * sum(q) per block
+   (W_OFFSET). Rows past M are 0.
 
    Both give every row the same numbers, whatever M and whichever tile serves it (what
    v1.models.layers.quantized's per-row path choice rests on): a block's integer dot product is
@@ -320,8 +330,41 @@ int32_t BT_FN(linear_f32)(const struct v1_matmul *c) {
    then y = acc + bias. Every variant of the library computes these bit for bit.
 
    tile_i8_few serves up to FEW_ROWS_MAX rows (where it beats tile_i8: docs/kernels.md); more
-   rows than 16 would not fit its sums in registers. */
-enum { GROUPS = QK / 4, FEW_ROWS_MAX = 16, W_OFFSET = BT_SIGNED && !INT8_SIGNED_WEIGHTS };
+   would not fit its sums in registers. tile_i8 runs NRI1 weight rows x one group of VL
+   activation rows, or NRI2 x GM_MAX groups. */
+#if NREGS >= 32
+enum { FEW_ROWS_MAX = 16, NRI1 = 8, NRI2 = 6, GM_MAX = 2 };
+#else
+enum { FEW_ROWS_MAX = 8, NRI1 = 4, NRI2 = 3, GM_MAX = 2 };
+#endif
+enum { GROUPS = QK / 4, W_OFFSET = BT_SIGNED && !INT8_SIGNED_WEIGHTS };
+
+/* A block's integer sums, a group of 4 bytes per lane at a time: dot4 for this format's
+   weight bytes (signed ones go to dot4s where the ISA takes them), or where the ISA has a
+   cheaper form keeping pair sums as int16 (dot4_i16) and the format's 8 groups' pair sums fit
+   int16 (q4_1: 8 x 2 x 15 x 127), that, widened once per block (block_sum). */
+#ifdef dot4_i16
+enum { I16_SUMS = !BT_SIGNED && GROUPS * 2 * BT_WMAX * 127 <= 32767 };
+#else
+enum { I16_SUMS = 0 };
+#endif
+
+static inline __attribute__((always_inline)) vi dot4w(vi acc, vi w, vi s) {
+#ifdef dot4_i16
+    if (I16_SUMS) return dot4_i16(acc, w, s);
+#endif
+#ifdef dot4s
+    if (BT_SIGNED) return dot4s(acc, w, s);
+#endif
+    return dot4(acc, w, s);
+}
+
+static inline __attribute__((always_inline)) vi block_sum(vi sums) {
+#ifdef widen_i16
+    if (I16_SUMS) return widen_i16(sums);
+#endif
+    return sums;
+}
 
 /* Row `row` of x quantized, in the layout for `lanes` rows; 1 if it holds a value that is not
    finite (its blocks are then stored as 0: the caller recomputes the row), else 0. */
@@ -330,24 +373,30 @@ static int quantize_row(const float *x, int64_t nb, int64_t row, int64_t lanes, 
     const int64_t g = row / lanes, l = row % lanes;
     int nonfinite = 0;
     for (int64_t b = 0; b < nb; b++) {
-        v16 x0 = load16(x + b * QK), x1 = load16(x + b * QK + 16);
-        const v16i a0 = (v16i)x0 & 0x7fffffff, a1 = (v16i)x1 & 0x7fffffff;
-        int32_t amax_bits = max16i(max16i2(a0, a1));  /* |x| compare as integers */
+        vf xv[BV];
+        vi amax = {0};
+        for (int c = 0; c < BV; c++) {
+            xv[c] = loadv(x + b * QK + c * VL);
+            amax = maxvi2(amax, (vi)xv[c] & 0x7fffffff);  /* |x| compare as integers */
+        }
+        int32_t amax_bits = maxvi(amax);
         if (amax_bits >= 0x7f800000) {  /* inf or NaN */
             nonfinite = 1;
             amax_bits = 0;
-            x0 = x1 = (v16){0};
+            for (int c = 0; c < BV; c++) xv[c] = (vf){0};
         }
-        float amax;
-        memcpy(&amax, &amax_bits, 4);
-        const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-        const v16i q0 = round16(x0 * id), q1 = round16(x1 * id);
-        const int32_t sum = sum16i(q0 + q1);
+        float amaxf;
+        memcpy(&amaxf, &amax_bits, 4);
+        const float d = amaxf / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+        vi qsum = {0};
         uint8_t q[QK];
-        const u8x16 b0 = __builtin_convertvector(q0 & 255, u8x16);
-        const u8x16 b1 = __builtin_convertvector(q1 & 255, u8x16);
-        memcpy(q, &b0, 16);
-        memcpy(q + 16, &b1, 16);
+        for (int c = 0; c < BV; c++) {
+            const vi qc = roundv(xv[c] * id);
+            qsum += qc;
+            const u8v bytes = __builtin_convertvector(qc & 255, u8v);
+            memcpy(q + c * VL, &bytes, VL);
+        }
+        const int32_t sum = sumvi(qsum);
         const int64_t gb = g * nb + b;
         for (int j = 0; j < GROUPS; j++) memcpy(A + (gb * GROUPS + j) * lanes + l, q + 4 * j, 4);
         D[gb * lanes + l] = d;
@@ -357,23 +406,23 @@ static int quantize_row(const float *x, int64_t nb, int64_t row, int64_t lanes, 
     return nonfinite;
 }
 
-/* Tile: NRI weight rows x GM groups of 16 activation rows, NRI <= 8, GM <= 4. NRI and GM
-   are constants at each call (the arrays stay in registers). */
+/* Tile: NRI weight rows x GM groups of VL activation rows, NRI <= NRI1, GM <= GM_MAX. NRI
+   and GM are constants at each call (the arrays stay in registers). */
 static inline __attribute__((always_inline)) void tile_i8(
     const uint8_t *w, int64_t row_bytes, int nr, int64_t nb, const int32_t *A,
     const float *D, const int32_t *Q, const float *T, int NRI, int GM, float *y,
     int64_t ldy, int64_t rows, const float *bias) {
     const int64_t bytes = BT_BYTES;
-    v16 acc[8][4];
+    vf acc[NRI1][GM_MAX];
     for (int r = 0; r < NRI; r++)
-        for (int g = 0; g < GM; g++) acc[r][g] = (v16){0};
-    const uint8_t *row[8];
+        for (int g = 0; g < GM; g++) acc[r][g] = (vf){0};
+    const uint8_t *row[NRI1];
     for (int r = 0; r < NRI; r++) row[r] = w + (r < nr ? r : nr - 1) * row_bytes;
     for (int64_t b = 0; b < nb; b++) {
         for (int r = 0; r < NRI; r++) __builtin_prefetch(row[r] + b * bytes + PREFETCH);
-        v16i dot[8][4];
+        vi dot[NRI1][GM_MAX];
         for (int r = 0; r < NRI; r++)
-            for (int g = 0; g < GM; g++) dot[r][g] = (v16i){0};
+            for (int g = 0; g < GM; g++) dot[r][g] = (vi){0};
         #pragma GCC unroll 8
         for (int j = 0; j < GROUPS; j++)
             for (int r = 0; r < NRI; r++) {
@@ -382,37 +431,37 @@ static inline __attribute__((always_inline)) void tile_i8(
                 const uint8_t *p = row[r] + b * bytes;
                 int32_t bytes4;
                 memcpy(&bytes4, bt_group4(p, j), 4);
-                const v16i u = bt_weight_bytes((v16i){0} + bytes4, j);
+                const vi u = bt_weight_bytes((vi){0} + bytes4, j);
                 for (int g = 0; g < GM; g++)
-                    dot[r][g] = dot4(dot[r][g], u,
-                                     load16i(A + ((g * nb + b) * GROUPS + j) * LANES));
+                    dot[r][g] = dot4w(dot[r][g], u, loadvi(A + ((g * nb + b) * GROUPS + j) * VL));
             }
+        for (int r = 0; r < NRI; r++)
+            for (int g = 0; g < GM; g++) dot[r][g] = block_sum(dot[r][g]);
         for (int g = 0; g < GM; g++) {
-            const int64_t gb = (g * nb + b) * LANES;
-            const v16 dx = load16(D + gb);
+            const int64_t gb = (g * nb + b) * VL;
+            const vf dx = loadv(D + gb);
             if (BT_MIN) {
-                const v16 t = load16(T + gb);
+                const vf t = loadv(T + gb);
                 for (int r = 0; r < NRI; r++) {
                     const uint8_t *p = row[r] + b * bytes;
-                    acc[r][g] = fma16(__builtin_convertvector(dot[r][g], v16),
-                                      dx * splat16(fp16(p)),
-                                      fma16(t, splat16(fp16(p + 2)), acc[r][g]));
+                    acc[r][g] = fmav(__builtin_convertvector(dot[r][g], vf), dx * splatv(fp16(p)),
+                                     fmav(t, splatv(fp16(p + 2)), acc[r][g]));
                 }
             } else {
-                const v16i q128 = W_OFFSET ? load16i(Q + gb) << 7 : (v16i){0};
+                const vi q128 = W_OFFSET ? loadvi(Q + gb) << 7 : (vi){0};
                 for (int r = 0; r < NRI; r++)
-                    acc[r][g] = fma16(__builtin_convertvector(dot[r][g] - q128, v16),
-                                      dx * splat16(fp16(row[r] + b * bytes)), acc[r][g]);
+                    acc[r][g] = fmav(__builtin_convertvector(dot[r][g] - q128, vf),
+                                     dx * splatv(fp16(row[r] + b * bytes)), acc[r][g]);
             }
         }
     }
     for (int g = 0; g < GM; g++)
-        for (int l = 0; l < LANES && g * LANES + l < rows; l++)
+        for (int l = 0; l < VL && g * VL + l < rows; l++)
             for (int r = 0; r < nr; r++)
-                y[(g * LANES + l) * ldy + r] = acc[r][g][l] + (bias ? bias[r] : 0.f);
+                y[(g * VL + l) * ldy + r] = acc[r][g][l] + (bias ? bias[r] : 0.f);
 }
 
-/* Tile: 16 weight rows (the lanes; row i at w + i rb) x MF activation rows (lanes = MF in A,
+/* Tile: VL weight rows (the lanes; row i at w + i rb) x MF activation rows (lanes = MF in A,
    D, Q, T), MF <= FEW_ROWS_MAX a constant at each call; the first nr rows are stored. */
 static inline __attribute__((always_inline)) void tile_i8_few(
     const uint8_t *w, int64_t rb, int nr, int64_t nb, const int32_t *A,
@@ -426,17 +475,17 @@ static inline __attribute__((always_inline)) void tile_i8_few(
        its columns too where the format asks (BT_COLS_AHEAD) and the registers allow (4
        vectors more beside 2 MF of sums): docs/kernels.md has the figures. The last block
        "gathers ahead" its own scales again (pn = p): nothing is read past the weight. */
-    const int HALVES = BT_HALVES, AHEAD = BT_COLS_AHEAD && 2 * MF + 8 <= 28;
-    v16 acc[FEW_ROWS_MAX];
-    for (int m = 0; m < MF; m++) acc[m] = (v16){0};
-    v16i dm_next = gather16(w, rb), cols_next[2][4];
+    const int HALVES = BT_HALVES, AHEAD = BT_COLS_AHEAD && 2 * MF + 8 <= NREGS - 4;
+    vf acc[FEW_ROWS_MAX];
+    for (int m = 0; m < MF; m++) acc[m] = (vf){0};
+    vi dm_next = gatherv(w, rb), cols_next[2][4];
     if (AHEAD)
         for (int h = 0; h < HALVES; h++) columns4(w + bt_qs(h), rb, cols_next[h]);
     for (int64_t b = 0; b < nb; b++) {
         const int64_t p = b * bytes, pn = b + 1 < nb ? p + bytes : p;  /* next block's */
-        const v16i dm = dm_next;
-        dm_next = gather16(w + pn, rb);
-        v16i cols[2][4];
+        const vi dm = dm_next;
+        dm_next = gatherv(w + pn, rb);
+        vi cols[2][4];
         for (int h = 0; h < HALVES; h++) {
             if (!AHEAD) {
                 columns4(w + p + bt_qs(h), rb, cols[h]);
@@ -445,61 +494,66 @@ static inline __attribute__((always_inline)) void tile_i8_few(
             memcpy(cols[h], cols_next[h], sizeof cols[h]);
             columns4(w + pn + bt_qs(h), rb, cols_next[h]);
         }
-        /* The tile's rows are one run of 16 rb bytes, read at 16 bytes per block: the
+        /* The tile's rows are one run of VL rb bytes, read at VL bytes per block: the
            prefetches run through it at that pace, into the next tiles (4 PREFETCH ahead, which
            beat PREFETCH ahead: docs/kernels.md). */
-        for (int64_t i = 0; i < LANES * bytes; i += 64)
-            __builtin_prefetch(w + LANES * p + i + 4 * PREFETCH);
+        for (int64_t i = 0; i < VL * bytes; i += 64)
+            __builtin_prefetch(w + VL * p + i + 4 * PREFETCH);
         /* CH chains of dot products per row, added at the end (exactly): with one, a row's
-           8 dependent vpdpbusd per block would bound the time at 1 or 2 rows. */
-        v16i isum[FEW_ROWS_MAX][4];
+           8 dependent dot products per block would bound the time at 1 or 2 rows. */
+        vi isum[FEW_ROWS_MAX][4];
         for (int m = 0; m < MF; m++)
-            for (int c = 0; c < CH; c++) isum[m][c] = (v16i){0};
+            for (int c = 0; c < CH; c++) isum[m][c] = (vi){0};
         for (int h = 0; h < HALVES; h++) {
-            const v16i *col = cols[h];
+            const vi *col = cols[h];
             for (int j = 0; j < GROUPS / HALVES; j++) {
                 /* q4_1's values j and j + 16 share byte j */
                 const int group = GROUPS / HALVES * h + j;
-                const v16i u = bt_weight_bytes(col[j & 3], group);
+                const vi u = bt_weight_bytes(col[j & 3], group);
                 for (int m = 0; m < MF; m++)
-                    isum[m][group % CH] = dot4(isum[m][group % CH], u,
-                                               (v16i){0} + A[(b * GROUPS + group) * MF + m]);
+                    isum[m][group % CH] = dot4w(isum[m][group % CH], u,
+                                                (vi){0} + A[(b * GROUPS + group) * MF + m]);
             }
         }
-        for (int m = 0; m < MF; m++)
-            for (int c = 1; c < CH; c++) isum[m][0] += isum[m][c];
-        const v16 d = halves16(dm, 0);
-        const v16 mw = BT_MIN ? halves16(dm, 1) : (v16){0};
         for (int m = 0; m < MF; m++) {
-            const v16 dxd = splat16(D[b * MF + m]) * d;
+            isum[m][0] = block_sum(isum[m][0]);
+            for (int c = 1; c < CH; c++) isum[m][0] += block_sum(isum[m][c]);
+        }
+        const vf d = halves(dm, 0);
+        const vf mw = BT_MIN ? halves(dm, 1) : (vf){0};
+        for (int m = 0; m < MF; m++) {
+            const vf dxd = splatv(D[b * MF + m]) * d;
             if (BT_MIN)
-                acc[m] = fma16(__builtin_convertvector(isum[m][0], v16), dxd,
-                               fma16(splat16(T[b * MF + m]), mw, acc[m]));
+                acc[m] = fmav(__builtin_convertvector(isum[m][0], vf), dxd,
+                              fmav(splatv(T[b * MF + m]), mw, acc[m]));
             else
-                acc[m] = fma16(
-                    __builtin_convertvector(isum[m][0] - (W_OFFSET ? Q[b * MF + m] * 128 : 0), v16),
+                acc[m] = fmav(
+                    __builtin_convertvector(isum[m][0] - (W_OFFSET ? Q[b * MF + m] * 128 : 0), vf),
                     dxd, acc[m]);
         }
     }
     for (int m = 0; m < MF; m++) {
-        float sums[LANES];  /* (indexing acc by r would keep acc in memory throughout) */
-        memcpy(sums, &acc[m], 64);
+        float sums[VL];  /* (indexing acc by r would keep acc in memory throughout) */
+        memcpy(sums, &acc[m], sizeof sums);
         for (int r = 0; r < nr; r++) y[m * ldy + r] = sums[r] + (bias ? bias[r] : 0.f);
     }
 }
 
 #define TILE_I8(NRI_, GM_) \
     tile_i8(wn, row_bytes, nr, nb, Am, Dm, Qm, Tm, NRI_, GM_, ym, ldy, M - m0, bn)
-/* Two groups (32 rows) of 6 weight rows use 24 vector registers (12 products in flight, 12
-   sums); with a single group, 8 weight rows keep enough products in flight. Three or four
-   groups at once would run out of registers. */
-#define TILES_I8()                       \
-    if (nri == 8) TILE_I8(8, 1);         \
-    else if (gm == 2) TILE_I8(6, 2);     \
-    else TILE_I8(6, 1);
+/* With 32 registers: two groups of 6 weight rows use 24 (12 products in flight, 12 sums);
+   with a single group, 8 weight rows keep enough products in flight. Three or four groups at
+   once would run out of registers. With 16: one group of 4, or two of 3 (sums of two groups
+   of 8 rows, 1.5x faster than one group at 64 rows on an AVX2 build). */
+#define TILES_I8()                    \
+    if (nri == NRI1) TILE_I8(NRI1, 1); \
+    else if (gm == 2) TILE_I8(NRI2, GM_MAX); \
+    else TILE_I8(NRI2, 1);
 
-#define TILE_FEW(MF_) \
-    tile_i8_few(wn, row_bytes, nr, nb, j->A, j->D, j->Q, j->T, MF_, j->y + n0, ldy, bn)
+/* MF beyond FEW_ROWS_MAX never comes (the constant keeps the arrays' bounds). */
+#define TILE_FEW(MF_)                                                                        \
+    tile_i8_few(wn, row_bytes, nr, nb, j->A, j->D, j->Q, j->T,                              \
+                (MF_) < FEW_ROWS_MAX ? (MF_) : FEW_ROWS_MAX, j->y + n0, ldy, bn)
 #define TILES_FEW()                      \
     switch (M) {                         \
         case 1: TILE_FEW(1); break;      \
@@ -529,8 +583,8 @@ struct job_i8 {
     const float *bias;
     float *y;
     int64_t ldy;
-    int nri;                  /* weight rows per tile; LANES: tile_i8_few */
-    const uint8_t *edge;      /* tile_i8_few's last 16 rows, when N % 16 rows are left:
+    int nri;                  /* weight rows per tile; VL: tile_i8_few */
+    const uint8_t *edge;      /* tile_i8_few's last VL rows, when N % VL rows are left:
                                  those, then the last one repeated */
     int32_t *A, *Q;
     float *D, *T;
@@ -555,16 +609,16 @@ static inline __attribute__((always_inline)) void i8_tiles(const struct job_i8 *
         const uint8_t *wn = j->w + n0 * row_bytes;
         const float *bn = j->bias ? j->bias + n0 : NULL;
         if (M <= FEW_ROWS_MAX) {
-            if (nr < LANES) wn = j->edge;
+            if (nr < VL) wn = j->edge;
             TILES_FEW()
             continue;
         }
-        for (int64_t g0 = 0; g0 < G; g0 += 2) {
-            const int64_t m0 = g0 * LANES, o = g0 * j->per_group;
+        for (int64_t g0 = 0; g0 < G; g0 += GM_MAX) {
+            const int64_t m0 = g0 * VL, o = g0 * j->per_group;
             const int32_t *Am = j->A + o * GROUPS, *Qm = j->Q + o;
             const float *Dm = j->D + o, *Tm = j->T + o;
             float *ym = j->y + m0 * ldy + n0;
-            const int gm = G - g0 < 2 ? 1 : 2;
+            const int gm = G - g0 < GM_MAX ? (int)(G - g0) : GM_MAX;
             TILES_I8()
         }
     }
@@ -574,7 +628,7 @@ static void i8_range(void *c, int64_t b, int64_t e, int t) { (void)t; i8_tiles(c
 
 /* tile_i8_few's tiles per item: 32 weight rows, so a 576-row matmul splits evenly enough
    over 2 threads (TILES_PER_ITEM's 128 rows would give 4.5 items). */
-enum { FEW_TILES_PER_ITEM = 2 };
+enum { FEW_TILES_PER_ITEM = 32 / VL };
 
 /* As linear_f32, through int8 activations. 0, or -1 without scratch memory. A row
    holding inf or NaN is computed by the fp32 path: quantized, it would be NaN throughout
@@ -588,7 +642,7 @@ int32_t BT_FN(linear_i8)(const struct v1_matmul *c) {
     struct job_i8 j = {.w = w, .N = N, .nb = K / QK, .M = M, .x = x, .ldx = c->x.stride,
                        .bias = c->bias, .y = c->out.data, .ldy = c->out.stride};
     j.row_bytes = c->w.stride;
-    j.lanes = few ? M : LANES;
+    j.lanes = few ? M : VL;
     j.G = (M + j.lanes - 1) / j.lanes;
     j.per_group = j.nb * j.lanes;
     /* A, then D, Q, T (4-byte elements all); rows past M stay 0. */
@@ -597,15 +651,15 @@ int32_t BT_FN(linear_i8)(const struct v1_matmul *c) {
     j.Q = j.A + j.G * j.per_group * GROUPS;
     j.D = (float *)(j.Q + j.G * j.per_group);
     j.T = j.D + j.G * j.per_group;
-    j.nri = few ? LANES : j.G == 1 ? 8 : 6;
+    j.nri = few ? VL : j.G == 1 ? NRI1 : NRI2;
     uint8_t *edge = NULL;
-    if (few && N % LANES) {
-        if (!(edge = malloc((size_t)(LANES * j.row_bytes)))) {
+    if (few && N % VL) {
+        if (!(edge = malloc((size_t)(VL * j.row_bytes)))) {
             free(j.A);
             return -1;
         }
-        const int64_t n0 = N / LANES * LANES;
-        for (int64_t r = 0; r < LANES; r++)
+        const int64_t n0 = N / VL * VL;
+        for (int64_t r = 0; r < VL; r++)
             memcpy(edge + r * j.row_bytes, w + (n0 + r < N ? n0 + r : N - 1) * j.row_bytes,
                    (size_t)j.row_bytes);
         j.edge = edge;
@@ -638,16 +692,9 @@ struct job_dq {
 
 static void dequantize_rows(void *c, int64_t n0, int64_t n1, int thread) {
     const struct job_dq *j = c;
-    const int64_t bb = BT_BYTES, K = j->nb * QK;
     (void)thread;
-    for (int64_t n = n0; n < n1; n++) {
-        for (int64_t b = 0; b < j->nb; b++) {
-            v16 lo, hi;
-            dequant_block(j->w + (n * j->nb + b) * bb, &lo, &hi);
-            memcpy(j->out + n * K + b * QK, &lo, 64);
-            memcpy(j->out + n * K + b * QK + 16, &hi, 64);
-        }
-    }
+    dequant_rows(j->w + n0 * j->nb * BT_BYTES, j->nb * BT_BYTES, (int)(n1 - n0), (int)(n1 - n0),
+                 j->nb * QK, j->out + n0 * j->nb * QK);
 }
 
 /* The weight [N, K] into out [N, K] (its stride K); x is not read. */

@@ -16,53 +16,64 @@
 #define fp16 fp16_generic
 #endif
 
-#if defined(__AVX512F__)
-#define fma16 fma16_avx512
-#define halves16 halves16_avx512
-#elif defined(__FMA__)
-#define fma16 fma16_fma
+#if VL == 16
+#define fmav fmav_avx512
+#define halves halves_avx512
+#define gatherv gatherv_avx512
+#define columns4 columns4_avx512
+#elif VL == 8 && defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define fmav fmav_fma
+#define halves halves_avx2
+#define gatherv gatherv_avx2
+#define columns4 columns4_avx2
 #else
-#define fma16 fma16_generic
-#endif
-#if !defined(__AVX512F__) && defined(__F16C__)
-#define halves16 halves16_f16c
-#elif !defined(__AVX512F__)
-#define halves16 halves16_generic
+#define fmav fmav_generic
+#define halves halves_generic
+#define gatherv gatherv_generic
+#define columns4 columns4_generic
 #endif
 
-/* The integer dot product, by INT8_ISA (v1_block_int8_isa(); INT8_ISAS in block_matmul.py):
-   3 vpdpbusd on 16 lanes (AVX-512 VNNI), 2 on two halves of 8 (AVX-VNNI), 1 AVX2's
-   vpmaddubsw + vpmaddwd, 0 plain C. */
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+/* The integer dot product of 4 unsigned weight bytes and 4 signed activation bytes per lane
+   (dot4; with AVX2 also dot4_i16 + widen_i16, its pair sums kept as int16 until a block's
+   end, and dot4s for signed weight bytes), by INT8_ISA (v1_block_int8_isa(); INT8_ISAS in block_matmul.py): 3 vpdpbusd on 16 lanes
+   (AVX-512 VNNI), 2 vpdpbusd on 8 (AVX-VNNI), 1 AVX2's vpmaddubsw + vpmaddwd on 8, 0 plain
+   C. */
+#if VL == 16 && defined(__AVX512VNNI__)
 #define INT8_ISA 3
 #define dot4 dot4_avx512vnni
-#define gather16 gather16_avx512
-#define columns4 columns4_avx512
-#elif defined(__AVXVNNI__)
+#elif VL == 8 && defined(__AVXVNNI__)
 #define INT8_ISA 2
 #define dot4 dot4_avxvnni
-#elif defined(__AVX2__)
+#elif VL == 8 && defined(__AVX2__)
 #define INT8_ISA 1
 #define dot4 dot4_avx2
+#define dot4s dot4s_avx2
+#define dot4_i16 dot4_i16_avx2
+#define widen_i16 widen_i16_avx2
 #else
 #define INT8_ISA 0
 #define dot4 dot4_generic
 #endif
-#if INT8_ISA != 3
-#define gather16 gather16_generic
-#define columns4 columns4_generic
+
+/* Whether signed weight bytes go into dot4s as they are (else a signed format's bytes go
+   into dot4 + 128, and 128 * sum(x) comes off after). */
+#ifdef dot4s
+enum { INT8_SIGNED_WEIGHTS = 1 };
+#else
+enum { INT8_SIGNED_WEIGHTS = 0 };
 #endif
 
-/* Whether dot4 takes signed weight bytes as they are (else a signed format's bytes go in
-   + 128, and 128 * sum(x) comes off after). */
-enum { INT8_SIGNED_WEIGHTS = INT8_ISA == 1 };
-
-/* Widening 16 bytes from memory in one instruction: with AVX-512 (else the formats' plain
-   conversions). */
-#if defined(__AVX512F__) && defined(__F16C__)
-#define WIDEN16_FROM_MEMORY 1
+/* Widening VL bytes from memory in one instruction (else the formats' plain conversions). */
+#if VL == 16 && defined(__F16C__)
+#define WIDEN_FROM_MEMORY 1
+#define widen_u8 widen_u8_avx512
+#define widen_s8 widen_s8_avx512
+#elif VL == 8 && defined(__AVX2__)
+#define WIDEN_FROM_MEMORY 1
+#define widen_u8 widen_u8_avx2
+#define widen_s8 widen_s8_avx2
 #else
-#define WIDEN16_FROM_MEMORY 0
+#define WIDEN_FROM_MEMORY 0
 #endif
 
 #endif

@@ -3,7 +3,7 @@
 #ifndef V1_ISA_GENERIC_H
 #define V1_ISA_GENERIC_H
 
-#include "vec16.h"
+#include "vec.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -24,38 +24,38 @@ static inline float fp16_generic(const uint8_t *p) {
     return f;
 }
 
-/* a * b + c rounded once, on 16 lanes. */
-static inline v16 fma16_generic(v16 a, v16 b, v16 c) {
-    for (int i = 0; i < 16; i++) a[i] = fmaf(a[i], b[i], c[i]);
+/* a * b + c rounded once, on every lane. */
+static inline vf fmav_generic(vf a, vf b, vf c) {
+    for (int i = 0; i < VL; i++) a[i] = fmaf(a[i], b[i], c[i]);
     return a;
 }
 
 /* acc[l] += sum over t < 4 of byte t of lane l of u (unsigned) * byte t of lane l of s
    (signed). */
-static inline v16i dot4_generic(v16i acc, v16i u, v16i s) {
+static inline vi dot4_generic(vi acc, vi u, vi s) {
     for (int t = 0; t < 4; t++)  /* byte t of each lane: sign-extended in s, not in u */
         acc += ((s << (24 - 8 * t)) >> 24) * ((u >> (8 * t)) & 255);
     return acc;
 }
 
-/* dwords[i] = the 4 bytes at w + i rb, i < 16. */
-static inline v16i gather16_generic(const uint8_t *w, int64_t rb) {
-    v16i g;
-    for (int i = 0; i < LANES; i++) memcpy(&g[i], w + i * rb, 4);
+/* dwords[i] = the 4 bytes at w + i rb, i < VL. */
+static inline vi gatherv_generic(const uint8_t *w, int64_t rb) {
+    vi g = {0};
+    for (int i = 0; i < VL; i++) memcpy(&g[i], w + i * rb, 4);
     return g;
 }
 
-/* col[c][i] = dword c of the 16 bytes at w + i rb, i < 16. */
-static inline void columns4_generic(const uint8_t *w, int64_t rb, v16i col[4]) {
-    for (int i = 0; i < LANES; i++)
+/* col[c][i] = dword c of the 16 bytes at w + i rb, i < VL. */
+static inline void columns4_generic(const uint8_t *w, int64_t rb, vi col[4]) {
+    for (int i = 0; i < VL; i++)
         for (int c = 0; c < 4; c++) memcpy(&col[c][i], w + i * rb + 4 * c, 4);
 }
 
-/* fp16 halves of 16 dwords as floats: the low ones (hi = 0) or the high ones. */
-static inline v16 halves16_generic(v16i x, int hi) {
-    if (hi) x = (v16i)((v16u)x >> 16);
-    v16 f;
-    for (int i = 0; i < LANES; i++) {
+/* fp16 halves of VL dwords as floats: the low ones (hi = 0) or the high ones. */
+static inline vf halves_generic(vi x, int hi) {
+    if (hi) x = (vi)((vu)x >> 16);
+    vf f;
+    for (int i = 0; i < VL; i++) {
         const uint16_t h = (uint16_t)x[i];
         f[i] = fp16_generic((const uint8_t *)&h);
     }
