@@ -9,6 +9,10 @@ are made on request and never chosen by themselves. Why these: docs/kernels.md,
 """
 
 import hashlib
+import os
+import shlex
+import sysconfig
+from collections.abc import Sequence
 from pathlib import Path
 
 # Source files of csrc/ compiled into every library, with flags of their own.
@@ -66,6 +70,42 @@ ASAN_SUFFIX = "_asan"
 def variants_for(machine: str) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
     """The variants of an architecture (`platform.machine()`), best first."""
     return VARIANTS["x86_64" if machine in ("x86_64", "AMD64") else ""]
+
+
+def compiler() -> list[str]:
+    """The C compiler's command words: $CC (arguments allowed, e.g. "ccache gcc"), else the
+    one Python was built with, else cc."""
+    return shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
+
+
+def up_to_date(library: Path, csrc: Path, *also: Path) -> bool:
+    """Whether `library` exists and is newer than the C sources in `csrc`, this file and the
+    files `also`."""
+    if not library.exists():
+        return False
+    built = library.stat().st_mtime
+    deps = [csrc / name for name in (*SOURCES, *HEADERS)] + [Path(__file__), *also]
+    return all(built >= dep.stat().st_mtime for dep in deps)
+
+
+def compile_commands(cc: Sequence[str], flags: Sequence[str], csrc: Path,
+                     objects: Path) -> list[tuple[list[str], Path]]:
+    """A variant's compilation by the C compiler `cc` (its command words) with the variant's
+    `flags`: per source in `csrc`, its command and the object file it writes in `objects`.
+    setup.py runs them for this machine; tests/kernels/kernel_check.py with a cross compiler."""
+    define = f'-DV1_SOURCES_HASH="{sources_hash(csrc)}"'
+    out = []
+    for source, own in SOURCES.items():
+        obj = objects / (source[:-2] + ".o")
+        out.append(([*cc, *COMMON_FLAGS, *flags, *own, define, "-c", str(csrc / source), "-o",
+                     str(obj)], obj))
+    return out
+
+
+def link_command(cc: Sequence[str], flags: Sequence[str], objects: Sequence[Path],
+                 library: Path) -> list[str]:
+    """The command linking a variant's `objects` into the shared library `library`."""
+    return [*cc, *flags, *LINK_FLAGS, "-o", str(library), *map(str, objects)]
 
 
 def library_name(variant: str) -> str:
