@@ -6,7 +6,8 @@ the package is in pyproject.toml.
 Runs at `pip install .` and `pip install -e .` (`make setup`; an editable install puts the
 libraries into the source tree) and by `python setup.py build_ext --inplace` (`make kernels`,
 after editing the C). V1_KERNELS_BUILD picks what is built:
-  unset     the ISA variants (x86-64: x86_64_v4, x86_64_v3, portable)
+  unset     the ISA variants (x86-64: x86_64_v4, x86_64_v3, portable; AArch64:
+            armv8_2_dotprod, portable)
   native    one more, for this CPU only (-march=native; used with V1_CPU_KERNELS=native)
   asan      the ISA variants with AddressSanitizer and UBSan, as <variant>_asan (make sanitize)
   none      nothing: v1 then runs every kernel's torch fallback, and says so once

@@ -3,9 +3,9 @@ and by `v1.kernels.library` (the choice at import), so it imports nothing of v1'
 
 Every variant is one shared library, `v1/kernels/_v1_<variant>.so`, holding every kernel. On
 x86-64 the build makes x86_64_v4 (AVX-512 + VNNI), x86_64_v3 (AVX2, FMA, F16C) and portable
-(the baseline, -O2); elsewhere only portable. "native" and the `<variant>_asan` sanitizer builds
-are made on request and never chosen by themselves. Why these: docs/kernels.md,
-"Adding an instruction set".
+(the baseline, -O2); on AArch64 armv8_2_dotprod (NEON + the dot-product extension) and portable;
+elsewhere only portable. "native" and the `<variant>_asan` sanitizer builds are made on request
+and never chosen by themselves. Why these: docs/kernels.md, "Adding an instruction set".
 """
 
 import hashlib
@@ -34,9 +34,9 @@ SOURCES: dict[str, tuple[str, ...]] = {
     # Calls the others' entry points only (no arithmetic of its own to round).
     "fused_decode_step.c": (),
 }
-HEADERS = ("block_tiles.h", "block_types.h", "fused_decode_step.h", "isa.h", "isa_generic.h",
-           "isa_x86.h", "kernels.h", "kv_rows.h", "paged_decode.h", "pool.h", "v1.h", "vec.h",
-           "vec8.h")
+HEADERS = ("block_tiles.h", "block_types.h", "fused_decode_step.h", "isa.h", "isa_arm.h",
+           "isa_generic.h", "isa_x86.h", "kernels.h", "kv_rows.h", "paged_decode.h", "pool.h",
+           "v1.h", "vec.h", "vec8.h")
 
 COMMON_FLAGS = ("-std=gnu11", "-fPIC", "-fvisibility=hidden", "-pthread", "-Wall", "-Wextra",
                 "-Wno-psabi")  # psabi: GCC notes that 64-byte vectors pass differently
@@ -51,15 +51,23 @@ _V4 = (*_V3, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_
 # (docs/kernels.md).
 _TUNE = "-mtune=znver3"
 
-# name -> (compiler flags, CPU flags required), best first, per architecture.
+# name -> (compiler flags, CPU flags required), best first, per architecture. The CPU flags
+# are /proc/cpuinfo's ("flags" on x86, "Features" on AArch64, where "asimddp" is SDOT; NEON,
+# "asimd", every AArch64 CPU has, and fp16 conversions are base ARMv8).
 VARIANTS: dict[str, dict[str, tuple[tuple[str, ...], tuple[str, ...]]]] = {
     "x86_64": {
         "x86_64_v4": (("-O3", "-march=x86-64-v4", "-mavx512vnni", _TUNE), _V4),
         "x86_64_v3": (("-O3", "-march=x86-64-v3", _TUNE), _V3),
         "portable": (("-O2", "-march=x86-64"), ()),
     },
+    "aarch64": {
+        "armv8_2_dotprod": (("-O3", "-march=armv8.2-a+dotprod"), ("asimd", "asimddp")),
+        "portable": (("-O2", "-march=armv8-a"), ()),
+    },
     "": {"portable": (("-O2",), ())},  # any other architecture
 }
+# platform.machine()'s names for them.
+_MACHINES = {"x86_64": "x86_64", "AMD64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}
 NATIVE_FLAGS = ("-O3", "-march=native")
 # Sanitizer builds: every check, none recovered (the first report aborts the process).
 ASAN_FLAGS = ("-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
@@ -69,7 +77,7 @@ ASAN_SUFFIX = "_asan"
 
 def variants_for(machine: str) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
     """The variants of an architecture (`platform.machine()`), best first."""
-    return VARIANTS["x86_64" if machine in ("x86_64", "AMD64") else ""]
+    return VARIANTS[_MACHINES.get(machine, "")]
 
 
 def compiler() -> list[str]:
