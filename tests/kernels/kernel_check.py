@@ -40,6 +40,10 @@ DRIVER_LIBS = ("-ldl", "-lm")
 
 # The cross tools: the compiler, the emulator and the target's libraries (its -L).
 CROSS = {"aarch64": ("aarch64-linux-gnu-gcc", "qemu-aarch64", "/usr/aarch64-linux-gnu")}
+# The CPU qemu emulates for each variant: the oldest model that has the variant's CPU flags,
+# so an instruction beyond them (a build that targets more than its flags say) is an illegal
+# instruction there. Cortex-A53: ARMv8.0; Neoverse N1: ARMv8.2 with SDOT.
+EMULATED_CPU = {"aarch64": {"armv8_2_dotprod": "neoverse-n1", "portable": "cortex-a53"}}
 
 
 def missing_tools(arch: str) -> list[str]:
@@ -82,7 +86,8 @@ def _arguments(libraries: dict[str, Path]) -> list[str]:
 
 
 def check_cross(arch: str, jobs: int) -> int:
-    """Cross-compiles `arch`'s variants and the driver, and runs it under qemu-user."""
+    """Cross-compiles `arch`'s variants and the driver, and runs it on each under qemu-user,
+    emulating the oldest CPU the variant is for."""
     gone = missing_tools(arch)
     if gone:
         print(f"kernel_check {arch}: missing {', '.join(gone)} (Debian: apt-get install "
@@ -97,8 +102,11 @@ def check_cross(arch: str, jobs: int) -> int:
         build_variant([cc], flags, libraries[name], jobs)
     driver = build_driver([cc], out / "kernel_driver")
     built = time.monotonic()
-    status = subprocess.run([qemu, "-L", sysroot, str(driver),
-                             *_arguments(libraries)]).returncode
+    status = 0
+    for name, path in libraries.items():
+        run = subprocess.run([qemu, "-L", sysroot, "-cpu", EMULATED_CPU[arch][name], str(driver),
+                              *_arguments({name: path})])
+        status = max(status, run.returncode if run.returncode >= 0 else 3)  # 3: a signal
     print(f"kernel_check {arch}: built in {built - start:.1f} s, checked under {qemu} in "
           f"{time.monotonic() - built:.1f} s")
     return status
