@@ -34,7 +34,12 @@ BUILD = ROOT / "build" / "kernel-check"
 # Each variant's integer dot product (csrc/isa.h's INT8_ISA; its name: INT8_ISAS in
 # v1/kernels/block_matmul.py): a build that silently fell back to another (a flag lost) would
 # still match its references.
-INT8_ISA = {"x86_64_v4": 3, "x86_64_v3": 1, "armv8_2_dotprod": 4, "portable": 0}
+# By architecture, as variants.VARIANTS.
+INT8_ISA = {
+    "x86_64": {"x86_64_v4": 3, "x86_64_v3": 1, "portable": 0},
+    "aarch64": {"armv8_2_dotprod": 4, "portable": 5},
+    "": {"portable": 0},
+}
 DRIVER_FLAGS = ("-std=gnu11", "-O2", "-Wall", "-Wextra", f"-I{CSRC}")
 DRIVER_LIBS = ("-ldl", "-lm")
 
@@ -76,11 +81,11 @@ def build_driver(cc: list[str], out: Path, extra: tuple[str, ...] = ()) -> Path:
     return out
 
 
-def _arguments(libraries: dict[str, Path]) -> list[str]:
+def _arguments(arch: str, libraries: dict[str, Path]) -> list[str]:
     """The driver's arguments: each library, with its variant's INT8_ISA where known."""
     args = []
     for name, path in libraries.items():
-        isa = INT8_ISA.get(name.removesuffix(variants.ASAN_SUFFIX))
+        isa = INT8_ISA[arch].get(name.removesuffix(variants.ASAN_SUFFIX))
         args.append(str(path) if isa is None else f"{path}={isa}")
     return args
 
@@ -105,7 +110,7 @@ def check_cross(arch: str, jobs: int) -> int:
     status = 0
     for name, path in libraries.items():
         run = subprocess.run([qemu, "-L", sysroot, "-cpu", EMULATED_CPU[arch][name], str(driver),
-                              *_arguments({name: path})])
+                              *_arguments(arch, {name: path})])
         status = max(status, run.returncode if run.returncode >= 0 else 3)  # 3: a signal
     print(f"kernel_check {arch}: built in {built - start:.1f} s, checked under {qemu} in "
           f"{time.monotonic() - built:.1f} s")
@@ -126,7 +131,8 @@ def check_native(asan: bool) -> int:
     name = "kernel_driver" + ("_asan" if asan else "")
     driver = build_driver(variants.compiler(), BUILD / "native" / name,
                           variants.ASAN_FLAGS if asan else ())
-    return subprocess.run([str(driver), *_arguments(libraries)]).returncode
+    return subprocess.run([str(driver), *_arguments(variants.architecture(machine),
+                                                    libraries)]).returncode
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,7 @@ def test_aarch64_kernels_match_their_reference_under_qemu(capfd) -> None:
     out = capfd.readouterr().out
     for name in variants.variants_for("aarch64"):
         assert f"PASS {kernel_check.BUILD / 'aarch64' / variants.library_name(name)}: " \
-               f"INT8_ISA {kernel_check.INT8_ISA[name]}" in out, out
+               f"INT8_ISA {kernel_check.INT8_ISA['aarch64'][name]}" in out, out
 
 
 @needs_cc

@@ -16,7 +16,7 @@ import torch
 
 from tests.kernels.kernel_check import INT8_ISA
 from v1 import envs
-from v1.kernels import library
+from v1.kernels import library, variants
 from v1.kernels.block_matmul import INT8_ISAS, QuantBlocks, QuantKernels, kernels
 from v1.models.layers import quantized as quant
 from v1.models.layers.quantized import MatmulPolicy, QuantizedWeight
@@ -230,7 +230,8 @@ def test_strided_and_batched_input() -> None:
 
 
 # The integer dot product each variant's int8 path compiles to (see csrc/isa.h's INT8_ISA).
-VARIANT_INT8_ISA = {variant: INT8_ISAS[code] for variant, code in INT8_ISA.items()}
+VARIANT_INT8_ISA = {variant: INT8_ISAS[code] for variant, code
+                    in INT8_ISA[variants.architecture(platform.machine())].items()}
 
 
 @pytest.mark.parametrize("variant", VARIANT_INT8_ISA)

@@ -75,9 +75,14 @@ ASAN_FLAGS = ("-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefi
 ASAN_SUFFIX = "_asan"
 
 
+def architecture(machine: str) -> str:
+    """VARIANTS' key for a `platform.machine()` name ("" for any other architecture)."""
+    return _MACHINES.get(machine, "")
+
+
 def variants_for(machine: str) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
     """The variants of an architecture (`platform.machine()`), best first."""
-    return VARIANTS[_MACHINES.get(machine, "")]
+    return VARIANTS[architecture(machine)]
 
 
 def compiler() -> list[str]:

@@ -45,8 +45,9 @@
 /* The integer dot product of 4 unsigned weight bytes and 4 signed activation bytes per lane,
    by INT8_ISA (v1_block_int8_isa(); INT8_ISAS in block_matmul.py): 3 vpdpbusd on 16 lanes
    (AVX-512 VNNI), 2 vpdpbusd on 8 (AVX-VNNI), 1 AVX2's vpmaddubsw + vpmaddwd on 8, 4 SDOT on
-   4 (AArch64's dot-product extension: signed x signed, so there dot4's unsigned weight bytes
-   must be below 128, as q4_1's nibbles are), 0 plain C. */
+   4 (AArch64's dot-product extension), 5 NEON's widening multiplies and pairwise adds on 4
+   (AArch64 without it), 0 plain C. Both AArch64 forms are signed x signed: there dot4's
+   unsigned weight bytes must be below 128, as q4_1's nibbles are. */
 #if VL == 16 && defined(__AVX512VNNI__)
 #define INT8_ISA 3
 #define dot4 dot4_avx512vnni
@@ -59,6 +60,10 @@
 #define dot4s dot4s_avx2
 #elif defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
 #define INT8_ISA 4
+#define dot4 sdot_neon_dotprod
+#define dot4s sdot_neon_dotprod
+#elif defined(__aarch64__)
+#define INT8_ISA 5
 #define dot4 sdot_neon
 #define dot4s sdot_neon
 #else

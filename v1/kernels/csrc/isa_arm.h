@@ -55,12 +55,24 @@ static inline void columns4_neon(const uint8_t *w, int64_t rb, vi col[4]) {
     col[3] = (vi)vtrn2q_u64(vreinterpretq_u64_u32(t1), vreinterpretq_u64_u32(t3));
 }
 
+/* The integer dot products, signed bytes a (weights) x signed bytes b (activations) on both
+   sides: as dot4 they take unsigned weight bytes below 128 only (q4_1's nibbles), which are
+   the same as signed ones; as dot4s, signed weight bytes as they are. */
 #ifdef __ARM_FEATURE_DOTPROD
-/* One SDOT: signed bytes on both sides. As dot4 it takes unsigned weight bytes below 128
-   only (q4_1's nibbles), which are the same as signed ones; as dot4s, signed weight bytes as
-   they are. */
-static inline vi sdot_neon(vi acc, vi a, vi b) {
+/* One SDOT. */
+static inline vi sdot_neon_dotprod(vi acc, vi a, vi b) {
     return (vi)vdotq_s32((int32x4_t)acc, (int8x16_t)a, (int8x16_t)b);
+}
+#else
+/* ARMv8.0: the 16 products widened to 16 bits (SMULL, SMULL2), adjacent ones added (ADDP),
+   then adjacent sums added into the 32-bit lanes (SADALP). Exact while a pair of products
+   fits 16 bits, which it does when b is above -128 (quantized activations are: |q| <= 127):
+   2 x 128 x 127 < 2^15. */
+static inline vi sdot_neon(vi acc, vi a, vi b) {
+    const int8x16_t x = (int8x16_t)a, y = (int8x16_t)b;
+    const int16x8_t lo = vmull_s8(vget_low_s8(x), vget_low_s8(y)), hi = vmull_high_s8(x, y);
+    const int16x8_t pairs = vpaddq_s16(lo, hi);
+    return (vi)vpadalq_s16((int32x4_t)acc, pairs);
 }
 #endif
 
