@@ -48,6 +48,25 @@ sanitize: .venv/.installed
 		$(SANITIZE_ENV) V1_CPU_KERNELS=$$v $(PY) -m pytest -q -x $(SANITIZE_TESTS) \
 			-k "not late_worker" || exit 1; \
 	done
+	# The C kernel driver (tests/kernels/kernel_driver.c), built with the same sanitizers.
+	ASAN_OPTIONS=abort_on_error=1 $(PY) -m tests.kernels.kernel_check native --asan
+
+# The AArch64 libraries, cross-compiled here from setup.py's sources and flags and their
+# kernels checked against the references under qemu-user (tests/kernels/kernel_check.py;
+# tests/kernels/test_cross_aarch64.py runs the same when the tools are installed). Installs
+# Debian's cross compiler and emulator if they are missing; without apt-get, says so and
+# skips. Needs only python3 and its standard library.
+CROSS_TOOLS := gcc-aarch64-linux-gnu qemu-user
+.PHONY: check-aarch64
+check-aarch64:
+	@if ! command -v aarch64-linux-gnu-gcc >/dev/null || ! command -v qemu-aarch64 >/dev/null; then \
+		if ! command -v apt-get >/dev/null; then \
+			echo "check-aarch64: skipped: no apt-get to install $(CROSS_TOOLS)"; exit 0; \
+		fi; \
+		sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$sudo apt-get update -qq && $$sudo apt-get install -y -qq $(CROSS_TOOLS) || exit 1; \
+	fi; \
+	python3 -m tests.kernels.kernel_check aarch64
 
 test: setup
 	$(PY) -m ruff check v1 tests bench setup.py

@@ -6,7 +6,8 @@ the package is in pyproject.toml.
 Runs at `pip install .` and `pip install -e .` (`make setup`; an editable install puts the
 libraries into the source tree) and by `python setup.py build_ext --inplace` (`make kernels`,
 after editing the C). V1_KERNELS_BUILD picks what is built:
-  unset     the ISA variants (x86-64: x86_64_v4, x86_64_v3_vnni, x86_64_v3, portable)
+  unset     the ISA variants (x86-64: x86_64_v4, x86_64_v3_vnni, x86_64_v3, portable;
+            AArch64: armv8_2_dotprod, portable)
   native    one more, for this CPU only (-march=native; used with V1_CPU_KERNELS=native)
   asan      the ISA variants with AddressSanitizer and UBSan, as <variant>_asan (make sanitize)
   none      nothing: v1 then runs every kernel's torch fallback, and says so once
@@ -17,9 +18,7 @@ compilation fails the build: a v1 without its kernels is several times slower.
 import importlib.util
 import os
 import platform
-import shlex
 import subprocess
-import sysconfig
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -59,11 +58,6 @@ def _wanted() -> dict[str, tuple[str, ...]]:
     raise SystemExit(f"V1_KERNELS_BUILD={what!r}: expected native, asan, none or nothing")
 
 
-def _compiler() -> list[str]:
-    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
-    return shlex.split(cc)
-
-
 class BuildKernels(build_ext):
     """build_ext for the kernel libraries: each source compiled with the variant's flags and
     its own (variants.SOURCES), then linked as a plain .so; variants in parallel."""
@@ -83,26 +77,19 @@ class BuildKernels(build_ext):
         variant = ext.name.rpartition("._v1_")[2]
         flags = _wanted()[variant]
         out = Path(self.get_ext_fullpath(ext.name))
-        deps = [CSRC / n for n in (*V.SOURCES, *V.HEADERS)]
-        deps += [Path(__file__), ROOT / "v1" / "kernels" / "variants.py"]
-        if not self.force and out.exists() and all(
-            out.stat().st_mtime >= d.stat().st_mtime for d in deps
-        ):
+        if not self.force and V.up_to_date(out, CSRC, Path(__file__)):
             return
         tmp = Path(self.build_temp) / variant
         tmp.mkdir(parents=True, exist_ok=True)
         out.parent.mkdir(parents=True, exist_ok=True)
-        cc = _compiler()
-        define = f'-DV1_SOURCES_HASH="{V.sources_hash(CSRC)}"'
+        cc = V.compiler()
         objects = []
-        for source, own in V.SOURCES.items():
-            obj = tmp / (source[:-2] + ".o")
-            self._run([*cc, *V.COMMON_FLAGS, *flags, *own, define, "-c", str(CSRC / source),
-                       "-o", str(obj)])
-            objects.append(str(obj))
+        for cmd, obj in V.compile_commands(cc, flags, CSRC, tmp):
+            self._run(cmd)
+            objects.append(obj)
         # Linked under a temporary name and renamed: a reader never sees half a library.
         partial = out.with_name(out.name + ".partial")
-        self._run([*cc, *flags, *V.LINK_FLAGS, "-o", str(partial), *objects])
+        self._run(V.link_command(cc, flags, objects, partial))
         os.replace(partial, out)
 
     def _run(self, cmd: list[str]) -> None:

@@ -125,11 +125,30 @@ def test_variant_choice_by_cpu_flags() -> None:
     assert library.candidates("", "x86_64", {"sse2"}) == ["portable"]
     assert library.candidates("asan", "x86_64", {"sse2"}) == ["portable_asan"]
     assert library.candidates("", "aarch64", set()) == ["portable"]
+    dotprod = set(variants.variants_for("aarch64")["armv8_2_dotprod"][1])
+    for machine in ("aarch64", "arm64"):
+        assert library.candidates("", machine, dotprod) == ["armv8_2_dotprod", "portable"]
+    assert library.candidates("", "riscv64", dotprod) == ["portable"]
     # Asked for by name: that one, whatever the flags say.
     assert library.candidates("x86_64_v4", "x86_64", set()) == ["x86_64_v4"]
     assert library.candidates("native", "x86_64", set()) == ["native"]
     with pytest.raises(ValueError, match="V1_CPU_KERNELS='fast'"):
         library.candidates("fast", "x86_64", set())
+
+
+def test_cpu_flags_of_each_architecture(tmp_path: Path) -> None:
+    """x86's "flags" line and AArch64's "Features" line (a Neoverse N1's) both give the
+    flags the variants need."""
+    x86 = tmp_path / "x86"
+    x86.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 fma f16c\nbugs\t\t: spectre\n")
+    assert library.cpu_flags(x86) == {"fpu", "sse2", "avx2", "fma", "f16c"}
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd evtstrm aes pmull "
+                   "sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp "
+                   "ssbs\nCPU implementer\t: 0x41\n")
+    assert library.candidates("", "aarch64", library.cpu_flags(arm)) == ["armv8_2_dotprod",
+                                                                         "portable"]
+    assert library.cpu_flags(tmp_path / "missing") == set()
 
 
 def test_this_machine_has_its_best_variant_built() -> None:

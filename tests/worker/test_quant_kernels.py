@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import torch
 
+from tests.kernels.kernel_check import INT8_ISA
 from v1 import envs
-from v1.kernels import library
-from v1.kernels.block_matmul import QuantBlocks, QuantKernels, kernels
+from v1.kernels import library, variants
+from v1.kernels.block_matmul import INT8_ISAS, QuantBlocks, QuantKernels, kernels
 from v1.models.layers import quantized as quant
 from v1.models.layers.quantized import MatmulPolicy, QuantizedWeight
 
@@ -229,8 +230,8 @@ def test_strided_and_batched_input() -> None:
 
 
 # The integer dot product each variant's int8 path compiles to (see csrc/isa.h's INT8_ISA).
-VARIANT_INT8_ISA = {"x86_64_v4": "avx512_vnni", "x86_64_v3_vnni": "avx_vnni", "x86_64_v3": "avx2",
-                    "portable": "portable"}
+VARIANT_INT8_ISA = {variant: INT8_ISAS[code] for variant, code
+                    in INT8_ISA[variants.architecture(platform.machine())].items()}
 
 
 @pytest.mark.parametrize("variant", VARIANT_INT8_ISA)

@@ -26,7 +26,8 @@ from v1.kernels.tensors import stamp
 # agree with them for every type both know.
 QK = 32
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
-INT8_ISAS = ("portable", "avx2", "avx_vnni", "avx512_vnni")  # by the C's INT8_ISA
+# By the C's INT8_ISA (csrc/isa.h).
+INT8_ISAS = ("portable", "avx2", "avx_vnni", "avx512_vnni", "neon_dotprod", "neon")
 _F32 = torch.float32
 
 

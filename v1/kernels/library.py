@@ -93,12 +93,13 @@ def load_variant(variant: str, directory: Path | None = None) -> ctypes.CDLL | s
     return lib
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's flags as Linux reports them (only those the OS supports), or none."""
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    """The CPU's flags as Linux reports them in `cpuinfo` (only those the OS supports), or
+    none: x86's "flags" line, AArch64's "Features"."""
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(cpuinfo) as f:
             for line in f:
-                if line.startswith("flags"):
+                if line.startswith(("flags", "Features")):
                     return set(line.partition(":")[2].split())
     except OSError:
         pass

@@ -3,13 +3,17 @@ and by `v1.kernels.library` (the choice at import), so it imports nothing of v1'
 
 Every variant is one shared library, `v1/kernels/_v1_<variant>.so`, holding every kernel. On
 x86-64 the build makes x86_64_v4 (AVX-512 + VNNI), x86_64_v3_vnni (x86_64_v3 + AVX-VNNI),
-x86_64_v3 (AVX2, FMA, F16C) and portable (the baseline, -O2); elsewhere only portable.
-"native" and the `<variant>_asan` sanitizer builds are made on request and never chosen by
-themselves. Why these: docs/kernels.md,
-"Adding an instruction set".
+x86_64_v3 (AVX2, FMA, F16C) and portable (the baseline, -O2); on AArch64 armv8_2_dotprod (NEON
++ the dot-product extension) and portable; elsewhere only portable. "native" and the
+`<variant>_asan` sanitizer builds are made on request and never chosen by themselves. Why
+these: docs/kernels.md, "Adding an instruction set".
 """
 
 import hashlib
+import os
+import shlex
+import sysconfig
+from collections.abc import Sequence
 from pathlib import Path
 
 # Source files of csrc/ compiled into every library, with flags of their own.
@@ -31,9 +35,9 @@ SOURCES: dict[str, tuple[str, ...]] = {
     # Calls the others' entry points only (no arithmetic of its own to round).
     "fused_decode_step.c": (),
 }
-HEADERS = ("block_tiles.h", "block_types.h", "fused_decode_step.h", "isa.h", "isa_generic.h",
-           "isa_x86.h", "kernels.h", "kv_rows.h", "paged_decode.h", "pool.h", "v1.h", "vec.h",
-           "vec8.h")
+HEADERS = ("block_tiles.h", "block_types.h", "fused_decode_step.h", "isa.h", "isa_arm.h",
+           "isa_generic.h", "isa_x86.h", "kernels.h", "kv_rows.h", "paged_decode.h", "pool.h",
+           "v1.h", "vec.h", "vec8.h")
 
 COMMON_FLAGS = ("-std=gnu11", "-fPIC", "-fvisibility=hidden", "-pthread", "-Wall", "-Wextra",
                 "-Wno-psabi")  # psabi: GCC notes that 64-byte vectors pass differently
@@ -48,7 +52,9 @@ _V4 = (*_V3, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_
 # (docs/kernels.md).
 _TUNE = "-mtune=znver3"
 
-# name -> (compiler flags, CPU flags required), best first, per architecture.
+# name -> (compiler flags, CPU flags required), best first, per architecture. The CPU flags
+# are /proc/cpuinfo's ("flags" on x86, "Features" on AArch64, where "asimddp" is SDOT; NEON,
+# "asimd", every AArch64 CPU has, and fp16 conversions are base ARMv8).
 VARIANTS: dict[str, dict[str, tuple[tuple[str, ...], tuple[str, ...]]]] = {
     "x86_64": {
         "x86_64_v4": (("-O3", "-march=x86-64-v4", "-mavx512vnni", _TUNE), _V4),
@@ -57,8 +63,14 @@ VARIANTS: dict[str, dict[str, tuple[tuple[str, ...], tuple[str, ...]]]] = {
         "x86_64_v3": (("-O3", "-march=x86-64-v3", _TUNE), _V3),
         "portable": (("-O2", "-march=x86-64"), ()),
     },
+    "aarch64": {
+        "armv8_2_dotprod": (("-O3", "-march=armv8.2-a+dotprod"), ("asimd", "asimddp")),
+        "portable": (("-O2", "-march=armv8-a"), ()),
+    },
     "": {"portable": (("-O2",), ())},  # any other architecture
 }
+# platform.machine()'s names for them.
+_MACHINES = {"x86_64": "x86_64", "AMD64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}
 NATIVE_FLAGS = ("-O3", "-march=native")
 # Sanitizer builds: every check, none recovered (the first report aborts the process).
 ASAN_FLAGS = ("-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
@@ -66,9 +78,50 @@ ASAN_FLAGS = ("-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefi
 ASAN_SUFFIX = "_asan"
 
 
+def architecture(machine: str) -> str:
+    """VARIANTS' key for a `platform.machine()` name ("" for any other architecture)."""
+    return _MACHINES.get(machine, "")
+
+
 def variants_for(machine: str) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
     """The variants of an architecture (`platform.machine()`), best first."""
-    return VARIANTS["x86_64" if machine in ("x86_64", "AMD64") else ""]
+    return VARIANTS[architecture(machine)]
+
+
+def compiler() -> list[str]:
+    """The C compiler's command words: $CC (arguments allowed, e.g. "ccache gcc"), else the
+    one Python was built with, else cc."""
+    return shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
+
+
+def up_to_date(library: Path, csrc: Path, *also: Path) -> bool:
+    """Whether `library` exists and is newer than the C sources in `csrc`, this file and the
+    files `also`."""
+    if not library.exists():
+        return False
+    built = library.stat().st_mtime
+    deps = [csrc / name for name in (*SOURCES, *HEADERS)] + [Path(__file__), *also]
+    return all(built >= dep.stat().st_mtime for dep in deps)
+
+
+def compile_commands(cc: Sequence[str], flags: Sequence[str], csrc: Path,
+                     objects: Path) -> list[tuple[list[str], Path]]:
+    """A variant's compilation by the C compiler `cc` (its command words) with the variant's
+    `flags`: per source in `csrc`, its command and the object file it writes in `objects`.
+    setup.py runs them for this machine; tests/kernels/kernel_check.py with a cross compiler."""
+    define = f'-DV1_SOURCES_HASH="{sources_hash(csrc)}"'
+    out = []
+    for source, own in SOURCES.items():
+        obj = objects / (source[:-2] + ".o")
+        out.append(([*cc, *COMMON_FLAGS, *flags, *own, define, "-c", str(csrc / source), "-o",
+                     str(obj)], obj))
+    return out
+
+
+def link_command(cc: Sequence[str], flags: Sequence[str], objects: Sequence[Path],
+                 library: Path) -> list[str]:
+    """The command linking a variant's `objects` into the shared library `library`."""
+    return [*cc, *flags, *LINK_FLAGS, "-o", str(library), *map(str, objects)]
 
 
 def library_name(variant: str) -> str:

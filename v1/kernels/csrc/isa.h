@@ -8,10 +8,14 @@
 #include "isa_generic.h"
 #if defined(__x86_64__) || defined(__i386__)
 #include "isa_x86.h"
+#elif defined(__aarch64__)
+#include "isa_arm.h"
 #endif
 
 #ifdef __F16C__
 #define fp16 fp16_f16c
+#elif defined(__aarch64__)
+#define fp16 fp16_neon
 #else
 #define fp16 fp16_generic
 #endif
@@ -26,6 +30,11 @@
 #define halves halves_avx2
 #define gatherv gatherv_avx2
 #define columns4 columns4_avx2
+#elif defined(__aarch64__)
+#define fmav fmav_neon
+#define halves halves_neon
+#define gatherv gatherv_generic  /* already 4 loads and 3 inserts */
+#define columns4 columns4_neon
 #else
 #define fmav fmav_generic
 #define halves halves_generic
@@ -34,10 +43,13 @@
 #endif
 
 /* The integer dot product of 4 unsigned weight bytes and 4 signed activation bytes per lane
-   (dot4; with AVX2 also dot4_i16 + widen_i16, its pair sums kept as int16 until a block's
-   end, and dot4s for signed weight bytes), by INT8_ISA (v1_block_int8_isa(); INT8_ISAS in block_matmul.py): 3 vpdpbusd on 16 lanes
-   (AVX-512 VNNI), 2 vpdpbusd on 8 (AVX-VNNI), 1 AVX2's vpmaddubsw + vpmaddwd on 8, 0 plain
-   C. */
+   (dot4; where the ISA has them, dot4s for signed weight bytes, and dot4_i16 + widen_i16 with
+   the pair sums kept as int16 until a block's end), by INT8_ISA (v1_block_int8_isa();
+   INT8_ISAS in block_matmul.py): 3 vpdpbusd on 16 lanes (AVX-512 VNNI), 2 vpdpbusd on 8
+   (AVX-VNNI), 1 AVX2's vpmaddubsw + vpmaddwd on 8, 4 SDOT on 4 (AArch64's dot-product
+   extension), 5 NEON's widening multiplies and pairwise adds on 4 (AArch64 without it), 0
+   plain C. Both AArch64 forms are signed x signed: there dot4's unsigned weight bytes must be
+   below 128, as q4_1's nibbles are. */
 #if VL == 16 && defined(__AVX512VNNI__)
 #define INT8_ISA 3
 #define dot4 dot4_avx512vnni
@@ -50,6 +62,14 @@
 #define dot4s dot4s_avx2
 #define dot4_i16 dot4_i16_avx2
 #define widen_i16 widen_i16_avx2
+#elif defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+#define INT8_ISA 4
+#define dot4 sdot_neon_dotprod
+#define dot4s sdot_neon_dotprod
+#elif defined(__aarch64__)
+#define INT8_ISA 5
+#define dot4 sdot_neon
+#define dot4s sdot_neon
 #else
 #define INT8_ISA 0
 #define dot4 dot4_generic
@@ -63,7 +83,8 @@ enum { INT8_SIGNED_WEIGHTS = 1 };
 enum { INT8_SIGNED_WEIGHTS = 0 };
 #endif
 
-/* Widening VL bytes from memory in one instruction (else the formats' plain conversions). */
+/* Widening VL bytes from memory in one instruction (NEON: a load and two), else the formats'
+   plain conversions. */
 #if VL == 16 && defined(__F16C__)
 #define WIDEN_FROM_MEMORY 1
 #define widen_u8 widen_u8_avx512
@@ -72,6 +93,10 @@ enum { INT8_SIGNED_WEIGHTS = 0 };
 #define WIDEN_FROM_MEMORY 1
 #define widen_u8 widen_u8_avx2
 #define widen_s8 widen_s8_avx2
+#elif defined(__aarch64__)
+#define WIDEN_FROM_MEMORY 1
+#define widen_u8 widen_u8_neon
+#define widen_s8 widen_s8_neon
 #else
 #define WIDEN_FROM_MEMORY 0
 #endif
