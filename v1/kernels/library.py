@@ -95,14 +95,25 @@ def load_variant(variant: str, directory: Path | None = None) -> ctypes.CDLL | s
 
 def cpu_flags() -> set[str]:
     """The CPU's flags as Linux reports them (only those the OS supports), or none."""
+    return set(_cpuinfo("flags").split())
+
+
+def cpu_model() -> str:
+    """The CPU's model name as Linux reports it, or ""."""
+    return _cpuinfo("model name").strip()
+
+
+def _cpuinfo(field: str) -> str:
+    """The value of /proc/cpuinfo's first `field` line, or "" (none, or no such file)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.partition(":")[2].split())
+                name, _, value = line.partition(":")
+                if name.strip() == field:
+                    return value
     except OSError:
         pass
-    return set()
+    return ""
 
 
 def _load(setting: str) -> ctypes.CDLL | None:
