@@ -118,7 +118,7 @@ def test_a_corrupt_cache_file_is_measured_again(tmp_path, caplog, monkeypatch, c
     assert json.loads(path.read_text())["prompt_dense_min_rows"] == 256  # written again
 
 
-def test_figures_of_unequal_lengths_are_corrupt(tmp_path, monkeypatch):
+def test_figures_of_unequal_lengths_or_not_numbers_are_corrupt(tmp_path, monkeypatch):
     timer = Timer(timings(1.5, 0.7, 0.7))
     choose(tmp_path, timer)
     (path,) = tmp_path.iterdir()
@@ -127,6 +127,10 @@ def test_figures_of_unequal_lengths_are_corrupt(tmp_path, monkeypatch):
     path.write_text(json.dumps(data))
     monkeypatch.setattr(calibration, "_chosen", {})
     assert choose(tmp_path, timer) == 256 and timer.calls == 2
+    data["dense_vs_int8"] = [float("nan"), 0.5, 0.5]  # NaN > MARGIN is false: would pass
+    path.write_text(json.dumps(data))
+    monkeypatch.setattr(calibration, "_chosen", {})
+    assert choose(tmp_path, timer) == 256 and timer.calls == 3
 
 
 def test_an_unreadable_unwritable_cache_is_no_error(tmp_path, caplog):

@@ -15,6 +15,7 @@ import ctypes
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import statistics
@@ -104,6 +105,7 @@ def measure(q: QuantKernels, weights: WeightSet, rows: Sequence[int] = ROWS,
             for i, m in enumerate(rows):
                 for path in (paths if (r + i) % 2 == 0 else paths[::-1]):
                     samples[m, path].append(run(m, path))
+
     def median_ms(m: int, path: str) -> float:
         return statistics.median(samples[m, path]) * 1e3
 
@@ -187,6 +189,8 @@ def _read(path: Path, key: dict[str, str]) -> Timings | None:
                           float(data["took_ms"]))
         if len({len(timings.rows), *(len(getattr(timings, f)) for f in _FIGURES)}) != 1:
             raise ValueError("figures of unequal lengths")
+        if not all(math.isfinite(v) and v > 0 for f in _FIGURES for v in getattr(timings, f)):
+            raise ValueError("a figure is not a positive number")
         return timings
     except (ValueError, KeyError, TypeError) as e:
         logger.warning("matmul calibration: %s is corrupt (%s): measuring again", path, e)
