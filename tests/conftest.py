@@ -12,6 +12,9 @@ from unittest import mock
 # processes beside the test process): passive waiting keeps each process fast. Set before
 # torch loads; engine processes (forked or spawned) inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# No matmul calibration at a runner's start (its timings would make a GGUF model's prompt
+# paths depend on the machine's load): tests about it switch it on themselves.
+os.environ.setdefault("V1_MATMUL_CALIBRATION", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

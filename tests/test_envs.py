@@ -13,6 +13,8 @@ def test_defaults_when_nothing_is_set():
     assert env.cpu_kernels == ""
     assert env.fused_decode and env.quant_all_int8 and env.quant_prompt_int8
     assert env.quant_int8_min_rows is None
+    assert env.matmul_calibration
+    assert env.explicit == frozenset()
     assert env.cache_dir == Path.home() / ".cache" / "v1"
     assert env.enable_multiprocessing
     assert env.worker_multiproc_method == "fork"
@@ -27,6 +29,8 @@ def test_values_are_parsed():
         "V1_QUANT_INT8_MIN_ROWS": "8", "V1_CACHE_DIR": "/tmp/x",
         "V1_WORKER_MULTIPROC_METHOD": "spawn", "V1_ENGINE_CORE_HOOK": "m:f",
         "VLLM_XGRAMMAR_CACHE_MB": "0", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+        "V1_MATMUL_CALIBRATION": "0",
+        "V1_QUANT_PROMPT_INT8": " ",  # empty: the default, not set
     })
     assert env.cpu_kernels == "x86_64_v3"
     assert not env.fused_decode and not env.quant_all_int8
@@ -38,10 +42,17 @@ def test_values_are_parsed():
     assert env.allow_runtime_lora_updating
     # Set but empty stays off (vLLM's reading too: only 1 / true turn it on).
     assert not envs.read({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": ""}).allow_runtime_lora_updating
+    assert not env.matmul_calibration
+    # Which were set (to anything but empty): for settings that yield to an explicit one.
+    assert env.explicit == {
+        "V1_CPU_KERNELS", "V1_FUSED_DECODE", "V1_QUANT_ALL_INT8", "V1_QUANT_INT8_MIN_ROWS",
+        "V1_CACHE_DIR", "V1_WORKER_MULTIPROC_METHOD", "V1_ENGINE_CORE_HOOK",
+        "VLLM_XGRAMMAR_CACHE_MB", "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "V1_MATMUL_CALIBRATION"}
 
 
 @pytest.mark.parametrize("name, value", [
-    ("V1_FUSED_DECODE", "maybe"), ("V1_QUANT_ALL_INT8", "2"), ("V1_QUANT_INT8_MIN_ROWS", "0"),
+    ("V1_FUSED_DECODE", "maybe"), ("V1_QUANT_ALL_INT8", "2"), ("V1_MATMUL_CALIBRATION", "x"),
+    ("V1_QUANT_INT8_MIN_ROWS", "0"),
     ("V1_QUANT_INT8_MIN_ROWS", "x"), ("V1_WORKER_MULTIPROC_METHOD", "forkserver"),
     ("V1_ENGINE_CORE_HOOK", "nocolon"), ("VLLM_XGRAMMAR_CACHE_MB", "-1"),
     ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "maybe"),
@@ -53,7 +64,7 @@ def test_bad_values_name_the_variable(name, value):
 
 def test_every_field_has_one_variable():
     fields = [v.field for v in envs.VARIABLES]
-    assert sorted(fields) == sorted(envs.Environment.__slots__)
+    assert sorted([*fields, "explicit"]) == sorted(envs.Environment.__slots__)
     assert "| `V1_CPU_KERNELS` |" in envs.table()
 
 

@@ -88,12 +88,18 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("V1_FUSED_DECODE", "fused_decode", "1", _flag,
              "1: decode steps that qualify run the decoder layers as one C call; 0: per-op"),
     Variable("V1_QUANT_ALL_INT8", "quant_all_int8", "1", _flag,
-             "1: every row of a GGUF-block matmul takes the int8-activation path; 0: rows by "
-             "kind and count (see V1_QUANT_PROMPT_INT8, V1_QUANT_INT8_MIN_ROWS)"),
+             "1: every row of a GGUF-block matmul takes the int8-activation path (unset: "
+             "but big prompt chunks where V1_MATMUL_CALIBRATION says); 0: rows by kind and "
+             "count (see V1_QUANT_PROMPT_INT8, V1_QUANT_INT8_MIN_ROWS)"),
     Variable("V1_QUANT_PROMPT_INT8", "quant_prompt_int8", "1", _flag,
              "with V1_QUANT_ALL_INT8=0: prompt tokens' rows take int8 (1) or go by count (0)"),
     Variable("V1_QUANT_INT8_MIN_ROWS", "quant_int8_min_rows", "", _min_rows,
              "with V1_QUANT_ALL_INT8=0: calls of at least this many rows take int8"),
+    Variable("V1_MATMUL_CALIBRATION", "matmul_calibration", "1", _flag,
+             "1: a GGUF-block model on the C kernels times the int8 path against dense at "
+             "first start on this machine (cached in V1_CACHE_DIR) and sends prompt chunks "
+             "dense from the row count where dense is clearly faster; 0: no timing, int8 "
+             "everywhere. Ignored where V1_QUANT_ALL_INT8 or V1_QUANT_INT8_MIN_ROWS is set"),
     Variable("V1_CACHE_DIR", "cache_dir", "~/.cache/v1", _cache_dir,
              "where converted weights and calibration results are kept"),
     Variable("V1_ENABLE_MULTIPROCESSING", "enable_multiprocessing", "1", _flag,
@@ -116,19 +122,23 @@ _BY_FIELD = {var.field: var for var in VARIABLES}
 
 @dataclass(frozen=True, slots=True)
 class Environment:
-    """The parsed values of `VARIABLES`, one attribute each."""
+    """The parsed values of `VARIABLES`, one attribute each, and `explicit`: the names of
+    those set to a value (not unset, not empty), for settings that yield to an explicit
+    one."""
 
     cpu_kernels: str
     fused_decode: bool
     quant_all_int8: bool
     quant_prompt_int8: bool
     quant_int8_min_rows: int | None
+    matmul_calibration: bool
     cache_dir: Path
     enable_multiprocessing: bool
     worker_multiproc_method: str
     engine_core_hook: str | None
     xgrammar_cache_mb: int
     allow_runtime_lora_updating: bool
+    explicit: frozenset[str]
 
 
 def read(environ: Mapping[str, str] | None = None) -> Environment:
@@ -136,10 +146,13 @@ def read(environ: Mapping[str, str] | None = None) -> Environment:
     ValueError naming the first bad one."""
     env = os.environ if environ is None else environ
     values = {}
+    explicit = set()
     for var in VARIABLES:
         raw = env.get(var.name)
         values[var.field] = var.parse(var.name, var.default if raw is None else raw)
-    return Environment(**values)
+        if raw is not None and raw.strip():
+            explicit.add(var.name)
+    return Environment(**values, explicit=frozenset(explicit))
 
 
 def value(field: str, environ: Mapping[str, str] | None = None) -> Any:

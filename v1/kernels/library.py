@@ -96,14 +96,26 @@ def load_variant(variant: str, directory: Path | None = None) -> ctypes.CDLL | s
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
     """The CPU's flags as Linux reports them in `cpuinfo` (only those the OS supports), or
     none: x86's "flags" line, AArch64's "Features"."""
+    return set(_cpuinfo(("flags", "Features"), cpuinfo).split())
+
+
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's model name as Linux reports it, or "" (AArch64 reports none)."""
+    return _cpuinfo(("model name",), cpuinfo).strip()
+
+
+def _cpuinfo(fields: tuple[str, ...], cpuinfo: Path) -> str:
+    """The value of `cpuinfo`'s first line naming one of `fields`, or "" (none, or no such
+    file)."""
     try:
         with open(cpuinfo) as f:
             for line in f:
-                if line.startswith(("flags", "Features")):
-                    return set(line.partition(":")[2].split())
+                name, _, value = line.partition(":")
+                if name.strip() in fields:
+                    return value
     except OSError:
         pass
-    return set()
+    return ""
 
 
 def _load(setting: str) -> ctypes.CDLL | None:

@@ -1,13 +1,16 @@
 """The plan of one step: which path each part of its forward takes, decided once before the
 forward and passed down to every layer (no thread-local or environment read on the step path).
 
-`StepPlanner` is made once per model runner (`PlanOptions.from_env`); `plan(metadata,
-kv_caches, is_prompt)` gives the `StepPlan`: op set, each matmul row's path, attention plans
-(in `metadata.plans`), fused or not. `StepPlan.path` names the paths taken (tests, DEBUG log).
+`StepPlanner` is made once per model runner (`PlanOptions.from_env`); for GGUF blocks on
+the C kernels it settles then, by the machine's calibration (v1.models.calibration), from
+which chunk size prompt rows take "dense". `plan(metadata, kv_caches, is_prompt)` gives the
+`StepPlan`: op set, each matmul row's path, attention plans (in `metadata.plans`), fused or
+not. `StepPlan.path` names the paths taken (tests, DEBUG log).
 """
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -22,7 +25,9 @@ from v1.kernels.block_matmul import kernels
 from v1.kernels.elementwise import NativeOps, native_ops
 from v1.kernels.fused_step import fused_decoder
 from v1.kernels.library import library
+from v1.models import calibration
 from v1.models.fused_decode import FusedDecode, FusedStep
+from v1.models.layers.linear import VocabEmbedding
 from v1.models.layers.ops import StepOps, TorchOps, ops_for_step
 from v1.models.layers.quantized import DEFAULT_POLICY, MatmulPolicy, MatmulRows, QuantizedWeight
 
@@ -31,16 +36,23 @@ logger = logging.getLogger("v1")
 
 @dataclass(frozen=True, slots=True)
 class PlanOptions:
-    """The settings steps are planned by (V1_FUSED_DECODE, V1_QUANT_*, V1_CPU_KERNELS), read
-    once."""
+    """The settings steps are planned by (V1_FUSED_DECODE, V1_QUANT_*, V1_CPU_KERNELS,
+    V1_MATMUL_CALIBRATION), read once. `calibration_dir`: where the matmul calibration is
+    cached (None: none runs, `matmul` as given)."""
 
     fused_decode: bool = True
     matmul: MatmulPolicy = DEFAULT_POLICY
     cpu_kernels: str = ""  # a V1_CPU_KERNELS value ("": the best library for this CPU)
+    calibration_dir: Path | None = None
 
     @classmethod
     def from_env(cls, env: Environment) -> "PlanOptions":
-        return cls(env.fused_decode, MatmulPolicy.from_env(env), env.cpu_kernels)
+        """The environment's settings; the calibration runs unless switched off or the
+        matmul paths are set explicitly (V1_QUANT_ALL_INT8, V1_QUANT_INT8_MIN_ROWS)."""
+        calibrate = env.matmul_calibration and not (
+            env.explicit & {"V1_QUANT_ALL_INT8", "V1_QUANT_INT8_MIN_ROWS"})
+        return cls(env.fused_decode, MatmulPolicy.from_env(env), env.cpu_kernels,
+                   env.cache_dir / "calibration" if calibrate else None)
 
 
 class StepPath(NamedTuple):
@@ -48,8 +60,8 @@ class StepPath(NamedTuple):
 
     decoder: str  # "fused" (one C call for every layer) or "per-op"
     attention: str  # "kernel" (the C decode kernel), "sdpa", "kernel+sdpa", or "backend"
-    matmul: str  # GGUF rows: "int8", "fp32", "dense", "int8+<path>" (prompt rows split
-    # out), "torch" (no kernels), or "none" (no block weights)
+    matmul: str  # GGUF rows: "int8", "fp32", "dense", "<prompt rows' path>+<the others'>"
+    # (prompt rows split out), "torch" (no kernels), or "none" (no block weights)
     ops: str  # "native", "torch" or "torch-serial"
 
 
@@ -67,18 +79,18 @@ class StepPlan:
 
 class StepPlanner:
     """Plans the steps of one model (see the module docstring). `model`: a decoder
-    (`layers`, with `fused_decode`) or any model whose attention plans itself."""
+    (`layers`, with `fused_decode`) or any model whose attention plans itself. `options`
+    holds, once built, the matmul policy the steps take (the calibration's threshold in
+    it)."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, device: torch.device,
                  options: PlanOptions = PlanOptions()) -> None:
-        self.options = options
         self.dtype, self.device = dtype, device
         # The kernel library, once: nothing on a step's path looks it up again.
         self.lib = library(options.cpu_kernels)
         self.native_ops = native_ops(self.lib) if self.lib is not None else None
         self.block_kernels = kernels(self.lib) if self.lib is not None else None
         self.fused_decoder = fused_decoder(self.lib) if self.lib is not None else None
-        self.head_rows = MatmulRows(options.matmul, self.block_kernels)  # by count alone
         self._fused: FusedDecode | None = next(
             (m.fused_decode for m in model.modules() if isinstance(
                 getattr(m, "fused_decode", None), FusedDecode)), None)
@@ -92,6 +104,16 @@ class StepPlanner:
         self._blocks = ("none" if not has_blocks
                         else "torch" if self.block_kernels is None or dtype != torch.float32
                         or device.type != "cpu" else "")
+        weights = _layer_weights(model) if options.calibration_dir is not None else []
+        if options.calibration_dir is not None and self._blocks == "" and weights:
+            assert self.lib is not None and self.block_kernels is not None
+            rows = calibration.prompt_dense_min_rows(
+                self.block_kernels, calibration.library_id(self.lib), weights,
+                options.calibration_dir)
+            options = replace(options, matmul=replace(options.matmul,
+                                                      prompt_dense_min_rows=rows))
+        self.options = options
+        self.head_rows = MatmulRows(options.matmul, self.block_kernels)  # by count alone
 
     def plan(self, metadata: AttentionMetadata, kv_caches: list[torch.Tensor],
              is_prompt: np.ndarray | None = None) -> StepPlan:
@@ -124,12 +146,27 @@ class StepPlanner:
         return StepPlan(metadata, ops, rows, path, fused)
 
 
+def _layer_weights(model: nn.Module) -> list[tuple[QuantizedWeight, int]]:
+    """One block weight per (kind, shape) the layers multiply by (not the LM head's, whose
+    rows go by count), with how many weights share it."""
+    head = getattr(model, "lm_head", None)
+    shapes: dict[tuple[str, int, int], tuple[QuantizedWeight, int]] = {}
+    for m in model.modules():
+        w = getattr(m, "kernel", None)
+        if isinstance(w, QuantizedWeight) and m is not head and not isinstance(
+                m, VocabEmbedding):
+            key = (w.kind, w.out_features, w.in_features)
+            first, count = shapes.get(key, (w, 0))
+            shapes[key] = (first, count + 1)
+    return list(shapes.values())
+
+
 def _rows_path(rows: MatmulRows, num_tokens: int) -> str:
     path = rows.path(num_tokens)
     if path is not None:
         return path
     assert rows.other is not None
-    return "int8+" + rows.policy.path_for(len(rows.other))
+    return f"{rows.prompt_path}+{rows.policy.path_for(len(rows.other))}"
 
 
 def _attention_path(plans: list[AttentionPlan]) -> str:

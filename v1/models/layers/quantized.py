@@ -8,7 +8,8 @@ blocks per output row, so fused projections are plain tensor indexing and `torch
 otherwise the reference, dequantize then F.linear. Paths (`PATHS`): "int8" (activations
 quantized per block of 32; a row's result is the same bits whatever else is in its call),
 "fp32" (blocks dequantized in registers; summation order depends on the call's row count),
-"dense" (dequantized once, oneDNN GEMM). The step plan picks each row's path (`MatmulPolicy`).
+"dense" (dequantized once, oneDNN GEMM). The step plan picks each row's path (`MatmulPolicy`; big
+prompt chunks' by the machine's calibration, `v1.models.calibration`).
 Paths and measurements: docs/benchmarks.md, "Matmul paths".
 """
 
@@ -32,12 +33,21 @@ DENSE_MIN_ROWS = 256
 class MatmulPolicy:
     """How rows choose a path. `all_int8` (the default): every row "int8", so a token's numbers
     never depend on its step's other rows. Otherwise prompt tokens' rows take "int8" when
-    `prompt_int8`, and the rest go by the call's row count (`path_for`)."""
+    `prompt_int8`, and the rest go by the call's row count (`path_for`).
+
+    `prompt_dense_min_rows` (None by default; set by the machine's calibration,
+    v1.models.calibration): the prompt rows of a call of at least that many rows take "dense"
+    instead, where oneDNN's GEMM on the dequantized weight outruns the int8 kernels (CPUs
+    whose int8 dot products are slow next to their BLAS). The trade: a prompt token's numbers
+    then depend on the size of the chunk it was computed in (int8 below the threshold, dense
+    fp32 at or above it), so the same prompt split into other chunks may give other logits.
+    Generated tokens' rows never change path for it."""
 
     all_int8: bool = True
     prompt_int8: bool = True
     int8_min_rows: int | None = None
     dense_min_rows: int | None = DENSE_MIN_ROWS
+    prompt_dense_min_rows: int | None = None
 
     @classmethod
     def from_env(cls, env: Environment) -> "MatmulPolicy":
@@ -53,11 +63,16 @@ class MatmulPolicy:
         """One forward's rows, `is_prompt[t]` telling whether row t is a prompt token's (None:
         none is), multiplied by the block kernels `q` (None: the torch reference). Prompt rows
         are split from the others only where that changes a path."""
-        if is_prompt is None or self.all_int8 or not self.prompt_int8 or not is_prompt.any():
+        if is_prompt is None or not is_prompt.any():
             return MatmulRows(self, q)
+        m = len(is_prompt)
+        dense = self.prompt_dense_min_rows is not None and m >= self.prompt_dense_min_rows
+        if not dense and (self.all_int8 or not self.prompt_int8):
+            return MatmulRows(self, q)
+        path = "dense" if dense else "int8"
         if is_prompt.all():
-            return MatmulRows(self, q, len(is_prompt))
-        return MatmulRows(self, q, len(is_prompt), torch.from_numpy(np.flatnonzero(is_prompt)),
+            return MatmulRows(self, q, m, path)
+        return MatmulRows(self, q, m, path, torch.from_numpy(np.flatnonzero(is_prompt)),
                           torch.from_numpy(np.flatnonzero(~is_prompt)))
 
 
@@ -67,12 +82,14 @@ DEFAULT_POLICY = MatmulPolicy()
 @dataclass(frozen=True, slots=True)
 class MatmulRows:
     """One forward's path per activation row. A call with `num_rows` rows (the forward's
-    own layers) runs its prompt rows (`prompt`; None: all rows) through "int8" and the others
-    (`other`) by their count; any other call (the LM head's fewer rows) by its count alone."""
+    own layers) runs its prompt rows (`prompt`; None: all rows) through `prompt_path` and the
+    others (`other`) by their count; any other call (the LM head's fewer rows) by its count
+    alone."""
 
     policy: MatmulPolicy
     q: QuantKernels | None  # the step's block kernels; None: the torch reference
     num_rows: int = -1  # -1: no row is split out by kind
+    prompt_path: str = "int8"
     prompt: torch.Tensor | None = None
     other: torch.Tensor | None = None
 
@@ -80,7 +97,7 @@ class MatmulRows:
         """The path every row of an m-row call takes; None where prompt rows and the others
         take different paths (`linear` splits the call)."""
         if m == self.num_rows:
-            return "int8" if self.prompt is None else None
+            return self.prompt_path if self.prompt is None else None
         return self.policy.path_for(m)
 
     def linear(
@@ -96,7 +113,7 @@ class MatmulRows:
         assert self.prompt is not None and self.other is not None
         rows = x.reshape(m, weight.in_features)
         out = x.new_empty(m, weight.out_features)
-        out[self.prompt] = weight.linear(rows[self.prompt], bias, "int8", self.q)
+        out[self.prompt] = weight.linear(rows[self.prompt], bias, self.prompt_path, self.q)
         out[self.other] = weight.linear(rows[self.other], bias,
                                         self.policy.path_for(len(self.other)), self.q)
         return out.reshape(*x.shape[:-1], weight.out_features)

@@ -1,0 +1,212 @@
+"""Which path prompt chunks' matmuls take on this machine: measured once, then cached.
+
+The int8 block kernels and the dense path (the weight dequantized per call, then oneDNN's
+GEMM) rank differently by CPU: with AVX-512 VNNI int8 wins at every row count, while with
+AVX2 alone dense can be 1.4x faster from a few hundred rows. `prompt_dense_min_rows` times
+the two on the model's own weight shapes at a few prompt-chunk row counts and gives the
+smallest count from which dense is clearly faster (`MatmulPolicy.prompt_dense_min_rows`),
+or None. The result is kept as JSON under `<cache dir>/calibration/`, one file per set of
+facts it depends on (`machine_key`), and remembered for the process. Figures and why:
+docs/kernels.md, "Which path a row takes".
+"""
+
+import contextlib
+import ctypes
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from v1.kernels import variants
+from v1.kernels.block_matmul import QuantKernels
+from v1.kernels.library import cpu_flags, cpu_model
+from v1.models.layers.quantized import QuantizedWeight
+
+logger = logging.getLogger("v1")
+
+ROWS = (128, 256, 512)  # prompt-chunk row counts timed
+REPEATS = 3  # paired rounds; each figure is the median
+# Dense is chosen where it takes at most this fraction of int8's time: a clear margin, so
+# that timing noise does not flip the choice between machines of one kind.
+MARGIN = 0.9
+
+# (weight, how many times the model multiplies by one of its shape in a forward)
+WeightSet = Sequence[tuple[QuantizedWeight, int]]
+
+_FIGURES = ("int8_ms", "dense_ms", "dense_vs_int8")  # Timings' per-row-count fields
+_chosen: dict[str, int | None] = {}  # by cache file name: measured or read in this process
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    """At each row count, ms of one forward's matmuls (the weight set) per path and dense's
+    time over int8's (the median of the paired rounds' ratios: what the choice reads), and
+    the wall time the measurement took."""
+
+    rows: tuple[int, ...]
+    int8_ms: tuple[float, ...]
+    dense_ms: tuple[float, ...]
+    dense_vs_int8: tuple[float, ...]
+    took_ms: float
+
+    def choice(self) -> int | None:
+        """The smallest measured row count from which dense takes at most MARGIN of int8's
+        time, at that count and every larger one; None if the largest misses it."""
+        chosen = None
+        for rows, ratio in sorted(zip(self.rows, self.dense_vs_int8), reverse=True):
+            if ratio > MARGIN:
+                break
+            chosen = rows
+        return chosen
+
+    def describe(self) -> str:
+        def join(values: tuple[float, ...], digits: int) -> str:
+            return "/".join(f"{v:.{digits}f}" for v in values)
+
+        return (f"rows {'/'.join(map(str, self.rows))}: int8 {join(self.int8_ms, 1)} ms, "
+                f"dense {join(self.dense_ms, 1)} ms per forward, dense/int8 "
+                f"{join(self.dense_vs_int8, 2)} (measured in {self.took_ms:.0f} ms)")
+
+
+def measure(q: QuantKernels, weights: WeightSet, rows: Sequence[int] = ROWS,
+            repeats: int = REPEATS) -> Timings:
+    """Times both paths through every weight of `weights` (each counted as often as the
+    model uses its shape) at each row count: rounds paired and interleaved (the order
+    alternates), after one call of each to warm up; each figure the median of `repeats`."""
+    start = time.perf_counter()
+    gen = torch.Generator().manual_seed(0)
+    xs = {w.in_features: torch.randn(max(rows), w.in_features, generator=gen)
+          for w, _ in weights}
+    paths = ("int8", "dense")
+    samples = {(m, p): [] for m in rows for p in paths}
+
+    def run(m: int, path: str) -> float:
+        total = 0.0
+        for w, count in weights:
+            x = xs[w.in_features][:m]
+            t = time.perf_counter()
+            w.linear(x, None, path, q)
+            total += count * (time.perf_counter() - t)
+        return total
+
+    with torch.inference_mode():
+        for path in paths:
+            run(rows[0], path)
+        for r in range(repeats):
+            for i, m in enumerate(rows):
+                for path in (paths if (r + i) % 2 == 0 else paths[::-1]):
+                    samples[m, path].append(run(m, path))
+
+    def median_ms(m: int, path: str) -> float:
+        return statistics.median(samples[m, path]) * 1e3
+
+    return Timings(
+        tuple(rows), tuple(median_ms(m, "int8") for m in rows),
+        tuple(median_ms(m, "dense") for m in rows),
+        tuple(statistics.median(d / i for d, i in zip(samples[m, "dense"], samples[m, "int8"]))
+              for m in rows),
+        (time.perf_counter() - start) * 1e3)
+
+
+def library_id(lib: ctypes.CDLL) -> str:
+    """The kernel library's variant (its file name) and the hash of the sources it was built
+    from."""
+    get_hash = lib.v1_sources_hash
+    get_hash.restype = ctypes.c_char_p
+    return f"{Path(lib._name).name}:{get_hash().decode()}"
+
+
+def machine_key(library: str, weights: WeightSet, threads: int) -> dict[str, str]:
+    """What the timings depend on: the CPU (model name and the flags the kernel variants
+    are built for), the kernel library (`library_id`), torch (version and the ISA its CPU
+    kernels run), the thread count and the weight shapes."""
+    flags = set()
+    for _, needs in variants.variants_for(platform.machine()).values():
+        flags.update(needs)
+    return {
+        "cpu": cpu_model(),
+        "cpu_flags": " ".join(sorted(flags & cpu_flags())),
+        "library": library,
+        "torch": f"{torch.__version__} {torch.backends.cpu.get_cpu_capability()}",
+        "threads": str(threads),
+        "weights": " ".join(sorted(f"{w.kind}:{w.out_features}x{w.in_features}*{n}"
+                                   for w, n in weights)),
+    }
+
+
+def prompt_dense_min_rows(
+    q: QuantKernels, library: str, weights: WeightSet, cache_dir: Path,
+    timer: Callable[[QuantKernels, WeightSet], Timings] | None = None,
+) -> int | None:
+    """The row count from which prompt chunks take "dense" on this machine (`Timings.choice`
+    of `timer`, default `measure`), or None: from this process's earlier answer, else from
+    the cache file under `cache_dir`, else measured and written there. Logged at INFO once
+    per process with the figures. An unreadable or corrupt cache file is measured again; one
+    that cannot be written is only logged."""
+    key = machine_key(library, weights, torch.get_num_threads())
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    path = cache_dir / f"{digest}.json"
+    if str(path) in _chosen:
+        return _chosen[str(path)]
+    timings = _read(path, key)
+    source = "from cache"
+    if timings is None:
+        timings = (measure if timer is None else timer)(q, weights)
+        _write(path, key, timings)
+        source = "measured"
+    chosen = timings.choice()
+    logger.info("matmul calibration (%s, %s threads, %s): %s: prompt chunks %s", library,
+                key["threads"], source, timings.describe(),
+                "take int8 at every size" if chosen is None
+                else f"of {chosen}+ rows take dense, smaller ones int8")
+    _chosen[str(path)] = chosen
+    return chosen
+
+
+def _read(path: Path, key: dict[str, str]) -> Timings | None:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        logger.warning("matmul calibration: cannot read %s (%s): measuring again", path, e)
+        return None
+    try:
+        data = json.loads(raw)  # bytes that are not UTF-8 JSON: ValueError
+        if data["key"] != key:
+            raise ValueError("written for other facts")
+        timings = Timings(tuple(int(r) for r in data["rows"]),
+                          *(tuple(float(v) for v in data[f]) for f in _FIGURES),
+                          float(data["took_ms"]))
+        if len({len(timings.rows), *(len(getattr(timings, f)) for f in _FIGURES)}) != 1:
+            raise ValueError("figures of unequal lengths")
+        if not all(math.isfinite(v) and v > 0 for f in _FIGURES for v in getattr(timings, f)):
+            raise ValueError("a figure is not a positive number")
+        return timings
+    except (ValueError, KeyError, TypeError) as e:
+        logger.warning("matmul calibration: %s is corrupt (%s): measuring again", path, e)
+        return None
+
+
+def _write(path: Path, key: dict[str, str], timings: Timings) -> None:
+    data = {"key": key, "rows": timings.rows, **{f: getattr(timings, f) for f in _FIGURES},
+            "took_ms": timings.took_ms, "prompt_dense_min_rows": timings.choice()}
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        os.replace(tmp, path)  # whole or absent: another process may read it now
+    except OSError as e:
+        logger.warning("matmul calibration: cannot write %s (%s): measured again next start",
+                       path, e)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
