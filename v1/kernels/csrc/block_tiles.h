@@ -330,12 +330,12 @@ int32_t BT_FN(linear_f32)(const struct v1_matmul *c) {
    then y = acc + bias. Every variant of the library computes these bit for bit.
 
    tile_i8_few serves up to FEW_ROWS_MAX rows (where it beats tile_i8: docs/kernels.md); more
-   would not fit its sums in registers. tile_i8 runs NRI1 weight rows x one group of VL
-   activation rows, or NRI2 x GM_MAX groups. */
+   would not fit its sums in registers. tile_i8 (more rows than FEW_ROWS_MAX >= VL: two groups
+   of VL activation rows or more) runs I8_ROWS weight rows x GM_MAX groups. */
 #if NREGS >= 32
-enum { FEW_ROWS_MAX = 16, NRI1 = 8, NRI2 = 6, GM_MAX = 2 };
+enum { FEW_ROWS_MAX = 16, I8_ROWS = 6, GM_MAX = 2 };
 #else
-enum { FEW_ROWS_MAX = 8, NRI1 = 4, NRI2 = 3, GM_MAX = 2 };
+enum { FEW_ROWS_MAX = 8, I8_ROWS = 3, GM_MAX = 2 };
 #endif
 enum { GROUPS = QK / 4, W_OFFSET = BT_SIGNED && !INT8_SIGNED_WEIGHTS };
 
@@ -406,21 +406,21 @@ static int quantize_row(const float *x, int64_t nb, int64_t row, int64_t lanes, 
     return nonfinite;
 }
 
-/* Tile: NRI weight rows x GM groups of VL activation rows, NRI <= NRI1, GM <= GM_MAX. NRI
-   and GM are constants at each call (the arrays stay in registers). */
+/* Tile: NRI weight rows x GM groups of VL activation rows, NRI <= I8_ROWS, GM <= GM_MAX.
+   NRI and GM are constants at each call (the arrays stay in registers). */
 static inline __attribute__((always_inline)) void tile_i8(
     const uint8_t *w, int64_t row_bytes, int nr, int64_t nb, const int32_t *A,
     const float *D, const int32_t *Q, const float *T, int NRI, int GM, float *y,
     int64_t ldy, int64_t rows, const float *bias) {
     const int64_t bytes = BT_BYTES;
-    vf acc[NRI1][GM_MAX];
+    vf acc[I8_ROWS][GM_MAX];
     for (int r = 0; r < NRI; r++)
         for (int g = 0; g < GM; g++) acc[r][g] = (vf){0};
-    const uint8_t *row[NRI1];
+    const uint8_t *row[I8_ROWS];
     for (int r = 0; r < NRI; r++) row[r] = w + (r < nr ? r : nr - 1) * row_bytes;
     for (int64_t b = 0; b < nb; b++) {
         for (int r = 0; r < NRI; r++) __builtin_prefetch(row[r] + b * bytes + PREFETCH);
-        vi dot[NRI1][GM_MAX];
+        vi dot[I8_ROWS][GM_MAX];
         for (int r = 0; r < NRI; r++)
             for (int g = 0; g < GM; g++) dot[r][g] = (vi){0};
         #pragma GCC unroll 8
@@ -541,14 +541,12 @@ static inline __attribute__((always_inline)) void tile_i8_few(
 
 #define TILE_I8(NRI_, GM_) \
     tile_i8(wn, row_bytes, nr, nb, Am, Dm, Qm, Tm, NRI_, GM_, ym, ldy, M - m0, bn)
-/* With 32 registers: two groups of 6 weight rows use 24 (12 products in flight, 12 sums);
-   with a single group, 8 weight rows keep enough products in flight. Three or four groups at
-   once would run out of registers. With 16: one group of 4, or two of 3 (sums of two groups
-   of 8 rows, 1.5x faster than one group at 64 rows on an AVX2 build). */
-#define TILES_I8()                    \
-    if (nri == NRI1) TILE_I8(NRI1, 1); \
-    else if (gm == 2) TILE_I8(NRI2, GM_MAX); \
-    else TILE_I8(NRI2, 1);
+/* With 32 registers, two groups of 6 weight rows use 24 (12 products in flight, 12 sums);
+   three or four groups at once would run out of registers. With 16, two groups of 3 (1.5x
+   faster at 64 rows than one group of 4 on an AVX2 build). A last odd group runs alone. */
+#define TILES_I8()                           \
+    if (gm == 2) TILE_I8(I8_ROWS, GM_MAX);   \
+    else TILE_I8(I8_ROWS, 1);
 
 /* MF beyond FEW_ROWS_MAX never comes (the constant keeps the arrays' bounds). */
 #define TILE_FEW(MF_)                                                                        \
@@ -651,7 +649,7 @@ int32_t BT_FN(linear_i8)(const struct v1_matmul *c) {
     j.Q = j.A + j.G * j.per_group * GROUPS;
     j.D = (float *)(j.Q + j.G * j.per_group);
     j.T = j.D + j.G * j.per_group;
-    j.nri = few ? VL : j.G == 1 ? NRI1 : NRI2;
+    j.nri = few ? VL : I8_ROWS;
     uint8_t *edge = NULL;
     if (few && N % VL) {
         if (!(edge = malloc((size_t)(VL * j.row_bytes)))) {
