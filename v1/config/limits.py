@@ -69,6 +69,12 @@ class InputLimits:
     max_structured_output_choices: int = limit_field(
         1024, "the most strings a structured-output `choice` may list",
     )
+    max_request_token_ids: int = limit_field(
+        1024 * 1024, "the most token ids a request's stop_token_ids, allowed_token_ids and "
+        "logit_bias may list together, times n: each of the n sequences carries its own copy "
+        "to the engine core, which checks every id again (each list is also at most the "
+        "vocabulary's size)",
+    )
 
     def __post_init__(self) -> None:
         check_limit_fields(self)
@@ -128,6 +134,29 @@ def check_json_spec(spec: str | Mapping[str, Any], what: str, limits: InputLimit
         if depth > limits.max_json_schema_depth:
             _too_deep(what, limits)
         stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+
+
+def check_token_id_lists(
+    n: int, lists: Mapping[str, Any], limits: InputLimits, vocab_size: int | None = None,
+) -> None:
+    """Refuse token id lists (`lists`: field name -> its list or dict, None if not given)
+    longer than the vocabulary (`vocab_size`, if known: a longer one repeats ids), or that
+    together, times `n` sequences, hold more than `max_request_token_ids`. Reads only their
+    lengths, so it runs before anything looks at their elements."""
+    total = 0
+    for name, ids in lists.items():
+        length = len(ids or ())
+        if vocab_size is not None and length > vocab_size:
+            raise ValueError(
+                f"{name} has {length} token ids, more than the vocabulary's size ({vocab_size})"
+            )
+        total += length
+    if n * total > limits.max_request_token_ids:
+        raise ValueError(
+            f"the token id lists ({', '.join(lists)}) hold {total} ids for each of n={n} "
+            f"sequences, {n * total} in all, more than max_request_token_ids "
+            f"({limits.max_request_token_ids})"
+        )
 
 
 def _too_deep(what: str, limits: InputLimits) -> NoReturn:

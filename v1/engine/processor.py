@@ -21,6 +21,7 @@ from v1.config.limits import (
     INT64_MIN,
     InputLimits,
     check_text,
+    check_token_id_lists,
     max_chars_per_token,
 )
 from v1.engine.structured_output import validate_structured_output_params
@@ -236,6 +237,11 @@ class Processor:
 
         if params.n > limits.max_n_sequences:
             raise refuse(f"n is {params.n}", "max_n_sequences")
+        check_token_id_lists(params.n, {
+            "stop_token_ids": params.stop_token_ids,
+            "allowed_token_ids": params.allowed_token_ids,
+            "logit_bias": params.logit_bias,
+        }, limits, self.vocab_size)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > limits.max_logprobs:
