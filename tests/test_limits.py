@@ -179,3 +179,61 @@ def test_the_processor_bounds_token_id_lists_by_the_vocabulary() -> None:
     with pytest.raises(ValueError, match=r"max_request_token_ids \(3\)"):
         Processor(None, 16, 5, None, limits=InputLimits(max_request_token_ids=3)).process_inputs(
             "r", [1, 2], SamplingParams(n=2, allowed_token_ids=[1, 2]))
+
+
+def _wordpiece() -> PreTrainedTokenizerFast:
+    """A BERT-style tokenizer: BertNormalizer, BertPreTokenizer, WordPiece."""
+    from tokenizers import processors
+
+    vocab = {"[UNK]": 0, "[CLS]": 1, "[SEP]": 2, "a": 3, "##a": 4, "b": 5}
+    tokenizer = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.BertNormalizer()
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.post_processor = processors.BertProcessing(("[SEP]", 2), ("[CLS]", 1))
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]")
+
+
+class _CountingTokenizer:
+    """A tokenizer that counts the texts it is given."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerFast) -> None:
+        self.inner, self.calls = tokenizer, 0
+        self.backend_tokenizer = tokenizer.backend_tokenizer
+
+    def encode(self, *args, **kwargs):
+        self.calls += 1
+        return self.inner.encode(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.inner(*args, **kwargs)
+
+
+def test_wordpiece_texts_get_a_character_bound_too() -> None:
+    """WordPiece drops whitespace and makes one [UNK] of a word of any length (a 15 MB word
+    is 3 tokens), so its vocabulary bounds no characters per token: such a tokenizer's texts
+    are bounded by max_chars_per_unbounded_token characters a token, before tokenizing
+    (a 15 MB /v1/embeddings input was tokenized in full before); a cross-encoder's text
+    pairs by their two lengths together."""
+    from v1.engine.processor import Processor, PromptTooLongError
+
+    wordpiece = _wordpiece()
+    assert max_chars_per_token(wordpiece) is None
+    assert wordpiece.encode("a" * 1000) == [1, 0, 2]  # one [UNK] for 1000 characters
+    tokenizer = _CountingTokenizer(wordpiece)
+    processor = Processor(tokenizer, max_model_len=16, vocab_size=6, eos_token_id=None,
+                          limits=InputLimits(max_chars_per_unbounded_token=10))
+    assert processor.encode("a" * 160, "the input") == [1, 0, 2]  # at the bound: tokenized
+    assert processor.encode_pair("a" * 80, "b" * 80)[:3] == [1, 3, 4]  # a ##a ##a ...
+    assert tokenizer.calls == 2
+    message = (r"has 161 characters, more than max_model_len \(16\) tokens can hold: "
+               r"max_chars_per_unbounded_token \(10\) characters each, as this model's "
+               r"vocabulary bounds none")
+    with pytest.raises(PromptTooLongError, match="^the input " + message):
+        processor.encode("a" * 161, "the input")
+    with pytest.raises(PromptTooLongError, match="^the text pair " + message):
+        processor.encode_pair("a" * 80, "b" * 81)
+    huge = Processor(tokenizer, max_model_len=512, vocab_size=6, eos_token_id=None)
+    with pytest.raises(PromptTooLongError, match=r"^the prompt has 15000000 characters"):
+        huge.tokenize_prompt("a" * 15_000_000)
+    assert tokenizer.calls == 2  # none of the refused texts was tokenized

@@ -4,7 +4,8 @@ the cheap checks against it.
 Every check runs before the costly work it guards (tokenizing, parsing a schema, compiling a
 grammar) and raises a ValueError naming the field, the value and the limit (a 400 from the
 server). Fixed limits: integers fit int64, text is valid Unicode, and a prompt longer in
-characters than `max_model_len` tokens could cover is refused untokenized (`max_chars_per_token`).
+characters than `max_model_len` tokens could cover is refused untokenized (`max_chars_per_token`,
+or `max_chars_per_unbounded_token` where the vocabulary bounds nothing).
 """
 
 import json
@@ -68,6 +69,12 @@ class InputLimits:
     )
     max_structured_output_choices: int = limit_field(
         1024, "the most strings a structured-output `choice` may list",
+    )
+    max_chars_per_unbounded_token: int = limit_field(
+        100, "for a tokenizer whose vocabulary bounds no characters per token (WordPiece, "
+        "WordLevel, Unigram: whitespace dropped, a long word one unknown token), how many "
+        "characters a token is taken to cover: a text of more than max_model_len times this "
+        "is refused before it is tokenized (WordPiece's own max_input_chars_per_word)",
     )
     max_request_token_ids: int = limit_field(
         1024 * 1024, "the most token ids a request's stop_token_ids, allowed_token_ids and "
