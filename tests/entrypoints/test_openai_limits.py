@@ -80,11 +80,11 @@ OVER_LIMITS: dict[str, tuple[str, dict[str, Any], str, str | None]] = {
         {"prompt": [[1] * 200] * 100, "prompt_logprobs": 20, "max_tokens": 1},
         r"prompt_logprobs=20 over at least 12600 prompt tokens asks for 264600 logprobs, more "
         r"than max_request_prompt_logprobs \(262144\)", None),
-    "a million allowed_token_ids x n 2": (
+    "150k allowed_token_ids x n 2": (
         "v1/completions",
-        {"prompt": "Hi", "n": 2, "max_tokens": 1, "allowed_token_ids": [1] * 600_000},
-        r"hold 600000 ids for each of n=2 sequences, 1200000 in all, more than "
-        r"max_request_token_ids \(1048576\)", None),
+        {"prompt": "Hi", "n": 2, "max_tokens": 1, "allowed_token_ids": [1] * 150_000},
+        r"hold 150000 ids for each of n=2 sequences, 300000 in all, more than "
+        r"max_request_token_ids \(262144\)", None),
     # Past int64: a 500 (OverflowError serializing to the engine core) before.
     "seed 2**70": ("v1/completions", {"prompt": "Hi", "seed": 2**70}, "less than or equal", "seed"),
     "priority 2**80": (

@@ -77,7 +77,7 @@ class InputLimits:
         "is refused before it is tokenized (WordPiece's own max_input_chars_per_word)",
     )
     max_request_token_ids: int = limit_field(
-        1024 * 1024, "the most token ids a request's stop_token_ids, allowed_token_ids and "
+        256 * 1024, "the most token ids a request's stop_token_ids, allowed_token_ids and "
         "logit_bias may list together, times n: each of the n sequences carries its own copy "
         "to the engine core, which checks every id again (each list is also at most the "
         "vocabulary's size)",

@@ -250,7 +250,10 @@ class OpenAIServing:
         self, request: CompletionRequest
     ) -> CompletionResponse | AsyncIterator[str]:
         head, lora = self._head(request, "cmpl")
-        params = request.to_sampling_params(self.engine.processor.limits)
+        # In the pool: SamplingParams checks every listed token id (up to max_request_token_ids).
+        params = await self.engine.run_in_pool(
+            request.to_sampling_params, self.engine.processor.limits
+        )
         prompts = await self.engine.run_in_pool(self._completion_prompts, request, params)
         params = self.with_defaults(request, params)
         outputs = await StartedRequest.start(
@@ -285,7 +288,9 @@ class OpenAIServing:
                 f"({self.limits.max_completion_prompts})"
             )
         num_sequences = len(engine_prompts) * params.n
-        if num_sequences > self.limits.max_request_sequences:
+        # n alone over max_n_sequences: the processor refuses it, naming that limit.
+        n_fits = params.n <= self.engine.processor.limits.max_n_sequences
+        if n_fits and num_sequences > self.limits.max_request_sequences:
             raise ValueError(
                 f"the request asks for {num_sequences} sequences ({len(engine_prompts)} "
                 f"prompts times n={params.n}), more than max_request_sequences "
@@ -359,9 +364,9 @@ class OpenAIServing:
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         head, lora = self._head(request, "chatcmpl")
         tool_calls = _ToolCalls(request, self.tool_parser)
-        params = constrain_auto_tool_calls(
-            request, request.to_sampling_params(self.engine.processor.limits)
-        )
+        params = constrain_auto_tool_calls(request, await self.engine.run_in_pool(
+            request.to_sampling_params, self.engine.processor.limits
+        ))
         text, token_ids = await self.engine.run_in_pool(self._chat_prompt, request)
         self.check_length(len(token_ids), params.max_tokens, "messages")
         self.check_prompt_logprobs(len(token_ids), params)
