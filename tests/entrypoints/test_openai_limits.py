@@ -166,6 +166,9 @@ def test_every_limit_is_a_flag_with_its_default() -> None:
             assert parser.get_default(field.name) == getattr(limits, field.name)
     args = parser.parse_args(["--max-n-sequences", "7", "--max-request-body-bytes", "99"])
     assert (args.max_n_sequences, args.max_request_body_bytes) == (7, 99)
+    with pytest.raises(ValueError, match=r"max_body_bytes_in_flight \(10\) must be at least "
+                                         r"max_request_body_bytes \(99\)"):
+        ServerLimits(max_request_body_bytes=99, max_body_bytes_in_flight=10)
 
 
 def test_a_body_over_the_limit_is_refused_before_it_is_read() -> None:

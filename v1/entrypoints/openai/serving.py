@@ -225,6 +225,11 @@ class ServerLimits:
 
     def __post_init__(self) -> None:
         check_limit_fields(self)
+        if self.max_body_bytes_in_flight < self.max_request_body_bytes:  # one could never pass
+            raise ValueError(
+                f"max_body_bytes_in_flight ({self.max_body_bytes_in_flight}) must be at least "
+                f"max_request_body_bytes ({self.max_request_body_bytes})"
+            )
 
 
 class OpenAIServing:
