@@ -34,9 +34,13 @@ class FakeManager:
 
     def __init__(self) -> None:
         self.futures: dict[str, Future[FakeGrammar]] = {}
+        self.aborted: list[str] = []
 
     def grammar_init(self, request: Request) -> None:
         request.grammar_future = self.futures[request.request_id] = Future()
+
+    def grammar_abort(self, request: Request) -> None:
+        self.aborted.append(request.request_id)
 
     def grammar_bitmask(self, requests: list[Request]) -> list[int]:
         bitmask = [0] * len(requests)
@@ -130,3 +134,18 @@ def test_async_does_not_schedule_a_structured_request_ahead_of_its_token():
     third = scheduler.schedule()
     assert third.structured_output_request_ids == [structured.request_id]
     assert third.grammar_bitmask == [1]
+
+
+def test_a_request_that_leaves_while_its_grammar_compiles_tells_the_manager():
+    """An abort (the client disconnected) of a request still waiting for its grammar lets
+    the manager drop a compilation nobody waits for; one with its grammar does not."""
+    scheduler, manager = make()
+    waiting = make_request(4, structured_outputs=CHOICE)
+    ready = make_request(4, structured_outputs=CHOICE)
+    scheduler.add_request(waiting)
+    scheduler.add_request(ready)
+    manager.futures[ready.request_id].set_result(FakeGrammar())
+    run_step(scheduler)
+    scheduler.finish_requests([waiting.request_id, ready.request_id])
+    assert manager.aborted == [waiting.request_id]
+    scheduler.check_integrity()

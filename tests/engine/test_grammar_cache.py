@@ -90,6 +90,45 @@ def test_a_compilation_in_flight_is_reused_and_never_evicted(manager):
     assert len(m.cache) == 0  # weighed once done: over the limit, dropped
 
 
+def test_a_compilation_nobody_waits_for_is_never_started(manager):
+    """A request that leaves (its client disconnected: the scheduler aborts it) while its
+    grammar waits behind another's compilation takes that compilation off the queue, unless
+    another request waits for the same grammar; one already running cannot be stopped
+    (xgrammar's compile is one native call): it ends and is cached for the next request."""
+    m = manager(1 << 30)
+    gate: Future[None] = Future()
+    compiled: list[str] = []
+    compile_ = m._compile
+
+    def gated(key):
+        compiled.append(key[1])
+        gate.result(TIMEOUT)
+        return compile_(key)
+
+    m._compile = gated
+    running, shared = choice_params(0, 10), choice_params(1, 10)
+    a = Request("a", [1], running)
+    b, c = Request("b", [1], shared), Request("c", [1], shared)
+    d = Request("d", [1], choice_params(2, 10))
+    for request in (a, b, c, d):
+        m.grammar_init(request)
+    m.grammar_abort(b)  # c still waits for that grammar: it stays queued
+    m.grammar_abort(d)  # nobody else waits: never compiled, not cached
+    m.grammar_abort(a)  # already running: it ends and is cached
+    assert len(m.cache.pending()) == 2
+    gate.set_result(None)
+    assert c.grammar_future is not None
+    c.grammar_future.result(TIMEOUT)
+    m.executor.submit(lambda: None).result(TIMEOUT)  # the queue has drained
+    assert [key for key in compiled if "option 2" in key] == []
+    assert len(compiled) == 2 and len(m.cache) == 2
+    again = Request("e", [1], choice_params(2, 10))  # d's grammar, asked for again
+    m.grammar_init(again)
+    assert again.grammar_future is not None
+    again.grammar_future.result(TIMEOUT)
+    assert len(compiled) == 3 and len(m.cache) == 3
+
+
 CACHE_MB_ENV = "VLLM_XGRAMMAR_CACHE_MB"
 
 

@@ -1,7 +1,8 @@
 """`python -m v1 serve --data-parallel-size 2` end to end: greedy outputs equal to one engine
 core's, /metrics per core (label `engine`), and the death of a core (its requests get a 500
 promptly, the other core serves on, /health is degraded naming it, /metrics drops
-it), then no engine process outlives the server, even one killed with SIGKILL."""
+it), then no engine process outlives the server, even one killed with SIGKILL; a core's
+death answers every kind of client (plain, n > 1 across cores, streamed chat)."""
 
 import json
 import os
@@ -159,3 +160,82 @@ def test_core_death_then_no_orphans(server: Server):
     server.proc.wait()
     wait_until(lambda: not any(map(alive, pids.values())))
 
+
+
+@pytest.fixture(scope="module")
+def round_robin(
+    default_model_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    """Its own server (the test kills a core): round robin spreads a request's n children
+    over both cores."""
+    log = tmp_path_factory.mktemp("openai_dp_rr") / "server.log"
+    with serve(
+        default_model_path, log, "--served-model-name", MODEL, "--data-parallel-size", "2",
+        "--data-parallel-routing", "round_robin", *ENGINE,
+    ) as server:
+        yield server
+
+
+def test_core_death_answers_every_kind_of_client(round_robin: Server) -> None:
+    """A core killed (by its PID) while plain, n=4 (children on both cores) and streamed
+    chat requests run: each client gets its whole answer or a clear error naming the dead
+    core, none hangs; the server serves on with the other core (n=4 included), /health says
+    which core is lost, and a request pinned to the dead core is refused naming it."""
+    server = round_robin
+    pids = core_pids(server)
+    assert sorted(pids) == [0, 1]
+    tokens = 120
+    plain = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": tokens,
+             "ignore_eos": True}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story"}],
+            "max_tokens": tokens, "ignore_eos": True, "stream": True}
+    bodies = [("/v1/completions", plain)] * 2 + [("/v1/completions", {**plain, "n": 4})] * 2
+    bodies += [("/v1/chat/completions", chat)] * 2
+    results: dict[int, tuple[int, list[str]]] = {}
+
+    def run(i: int) -> None:
+        path, body = bodies[i]
+        with httpx.Client(base_url=server.url, timeout=300) as http:
+            with http.stream("POST", path, json=body) as r:
+                results[i] = (r.status_code, [line for line in r.iter_lines() if line])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    wait_until(lambda: all(v > 0 for v in running_per_core(server).values()))
+    os.kill(pids[1], signal.SIGKILL)
+    for t in threads:
+        t.join(300)  # a hang guard: every client is answered
+    assert not any(t.is_alive() for t in threads)
+    outcomes = []
+    for i, (status, lines) in sorted(results.items()):
+        path, body = bodies[i]
+        if body.get("stream") and status == 200:  # started: the error in-band, if any
+            assert lines[-1] == "data: [DONE]", lines[-3:]
+            last = json.loads(lines[-2].removeprefix("data: "))
+        else:  # not streamed, or failed before its first output: one JSON body
+            (line,) = lines
+            last = json.loads(line)
+        if "error" in last:
+            assert status in (200, 500) and last["error"]["code"] == 500
+            assert "engine core 1 died" in last["error"]["message"], last
+            outcomes.append("error")
+        else:
+            assert status == 200
+            choices = last["choices"]
+            assert len(choices) == body.get("n", 1) or body.get("stream")
+            assert all(c["finish_reason"] == "length" for c in choices)
+            outcomes.append("answer")
+    # The n=4 requests had children on core 1: they failed, their core-0 children aborted.
+    assert outcomes[2:4] == ["error", "error"], outcomes
+    with httpx.Client(base_url=server.url, timeout=300) as http:
+        health = http.get("/health")
+        assert health.status_code == 503
+        assert health.json()["status"] == "degraded" and health.json()["dead_engines"] == [1]
+        served = http.post("/v1/completions", json={**plain, "n": 4, "max_tokens": 4})
+        assert served.status_code == 200, served.text
+        assert [c["finish_reason"] for c in served.json()["choices"]] == ["length"] * 4
+        pinned = http.post("/v1/completions", json={**plain, "data_parallel_rank": 1})
+        assert pinned.status_code == 500
+        assert "engine core 1 is dead" in pinned.json()["error"]["message"]
+        assert set(running_per_core(server)) == {"0"}

@@ -70,6 +70,21 @@ OVER_LIMITS: dict[str, tuple[str, dict[str, Any], str, str | None]] = {
     "1025 prompts": (
         "v1/completions", {"prompt": [[1]] * 1025},
         r"prompt has 1025 prompts, more than max_completion_prompts \(1024\)", None),
+    # Limits that multiply: each factor was within its own limit, the product unbounded.
+    "513 prompts x n 2": (
+        "v1/completions", {"prompt": [[1]] * 513, "n": 2, "max_tokens": 1},
+        r"the request asks for 1026 sequences \(513 prompts times n=2\), more than "
+        r"max_request_sequences \(1024\)", None),
+    "prompt_logprobs x 20000 prompt tokens": (
+        "v1/completions",
+        {"prompt": [[1] * 200] * 100, "prompt_logprobs": 20, "max_tokens": 1},
+        r"prompt_logprobs=20 over at least 12600 prompt tokens asks for 264600 logprobs, more "
+        r"than max_request_prompt_logprobs \(262144\)", None),
+    "150k allowed_token_ids x n 2": (
+        "v1/completions",
+        {"prompt": "Hi", "n": 2, "max_tokens": 1, "allowed_token_ids": [1] * 150_000},
+        r"hold 150000 ids for each of n=2 sequences, 300000 in all, more than "
+        r"max_request_token_ids \(262144\)", None),
     # Past int64: a 500 (OverflowError serializing to the engine core) before.
     "seed 2**70": ("v1/completions", {"prompt": "Hi", "seed": 2**70}, "less than or equal", "seed"),
     "priority 2**80": (
@@ -151,6 +166,9 @@ def test_every_limit_is_a_flag_with_its_default() -> None:
             assert parser.get_default(field.name) == getattr(limits, field.name)
     args = parser.parse_args(["--max-n-sequences", "7", "--max-request-body-bytes", "99"])
     assert (args.max_n_sequences, args.max_request_body_bytes) == (7, 99)
+    with pytest.raises(ValueError, match=r"max_body_bytes_in_flight \(10\) must be at least "
+                                         r"max_request_body_bytes \(99\)"):
+        ServerLimits(max_request_body_bytes=99, max_body_bytes_in_flight=10)
 
 
 def test_a_body_over_the_limit_is_refused_before_it_is_read() -> None:
@@ -179,7 +197,7 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read() -> None:
             sent.append(message)
 
         scope = {"type": "http", "method": "POST", "path": "/tokenize", "headers": headers}
-        asyncio.run(_BodySizeLimit(app, max_bytes=100)(scope, receive, send))
+        asyncio.run(_BodySizeLimit(app, 100, max_bytes_in_flight=1000)(scope, receive, send))
         return read, sent
 
     for headers, chunks in (([(b"content-length", b"101")], [b"x" * 101]),
@@ -193,3 +211,75 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read() -> None:
         }
     read, sent = run([], [b"x" * 50, b"y" * 50])
     assert seen == [(b"x" * 50 + b"y" * 50, {"type": "http.disconnect"})]
+
+
+def test_bodies_in_flight_are_bounded_across_requests() -> None:
+    """Bodies of requests whose response has not started count together against
+    max_body_bytes_in_flight: one more gets a 503 before its body is read (many parallel
+    16 MB bodies held as Python objects grew the frontend without bound); a response's start
+    frees its body's share, and a refused or finished request holds nothing."""
+    from v1.entrypoints.openai.api_server import _BodySizeLimit
+
+    async def main() -> None:
+        go: dict[bytes, asyncio.Event] = {}
+        reads = {"read": 0}
+
+        async def app(scope, receive, send) -> None:
+            body = (await receive())["body"]
+            await go.setdefault(body[:1], asyncio.Event()).wait()
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await go[body[:1] + b"end"].wait()
+            await send({"type": "http.response.body", "body": b"ok"})
+
+        limit = _BodySizeLimit(app, max_bytes=100, max_bytes_in_flight=150)
+
+        async def request(body: bytes, chunked: bool = False) -> list[dict]:
+            headers = [] if chunked else [(b"content-length", str(len(body)).encode())]
+            parts = [body[:10], body[10:]] if chunked else [body]
+            messages = [{"type": "http.request", "body": p, "more_body": True} for p in parts]
+            messages[-1]["more_body"] = False
+            sent: list[dict] = []
+
+            async def receive() -> dict:
+                reads["read"] += 1
+                return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+            async def send(message: dict) -> None:
+                sent.append(message)
+
+            scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+                     "headers": headers}
+            await limit(scope, receive, send)
+            return sent
+
+        for key in (b"a", b"aend", b"b", b"bend"):
+            go[key] = asyncio.Event()
+        a = asyncio.create_task(request(b"a" * 80))
+        b = asyncio.create_task(request(b"b" * 60, chunked=True))
+        await asyncio.sleep(0)
+        for _ in range(100):  # let both be read in (no clock: a bounded number of turns)
+            await asyncio.sleep(0)
+        assert limit.bytes_in_flight == 140
+        reads["read"] = 0
+        refused = await request(b"c" * 20)  # 160 > 150: refused unread
+        assert refused[0]["status"] == 503 and reads["read"] <= 1
+        assert json.loads(refused[1]["body"])["error"]["message"] == (
+            "the server holds max_body_bytes_in_flight (150) bytes of request bodies not yet "
+            "answered: retry later"
+        )
+        go[b"a"].set()  # a's response starts: its 80 bytes are free again
+        for _ in range(100):
+            await asyncio.sleep(0)
+        assert limit.bytes_in_flight == 60
+        go[b"d"], go[b"dend"] = asyncio.Event(), asyncio.Event()
+        d = asyncio.create_task(request(b"d" * 90))
+        for _ in range(100):
+            await asyncio.sleep(0)
+        assert limit.bytes_in_flight == 150
+        for key in (b"aend", b"b", b"bend", b"d", b"dend"):
+            go[key].set()
+        results = await asyncio.wait_for(asyncio.gather(a, b, d), 60)  # a hang guard
+        assert all(r[0]["status"] == 200 for r in results)
+        assert limit.bytes_in_flight == 0
+
+    asyncio.run(main())

@@ -137,6 +137,31 @@ def test_score_and_rerank_by_embedding_similarity(server, folder):
     assert r.status_code == 400 and "1 text with N" in r.json()["error"]["message"]
 
 
+def test_scoring_and_long_inputs_are_bounded_before_tokenizing(server):
+    """/score and /rerank count the pairs before tokenizing any (1025 pairs of two distinct
+    texts were scored before), and every text, an embedding's input or a pair's, is held to
+    the characters max_model_len tokens can hold before it is tokenized: this word-level
+    tokenizer drops whitespace, so its vocabulary bounds none and
+    max_chars_per_unbounded_token does (a 15 MB input was tokenized, 5M tokens, before its
+    400)."""
+    over = ("more than max_model_len (128) tokens can hold: max_chars_per_unbounded_token "
+            "(100) characters each, as this model's vocabulary bounds none")
+    for path, body, message in (
+        ("/score", {"text_1": "w1", "text_2": ["w2"] * 1025},
+         "the request has 1025 pairs to score, more than max_completion_prompts (1024)"),
+        ("/rerank", {"query": "w1", "documents": ["w2"] * 1025},
+         "the request has 1025 pairs to score, more than max_completion_prompts (1024)"),
+        ("/rerank", {"query": "w1", "documents": ["w2", "w3 " * 5000]},
+         f"the prompt has 15000 characters, {over}"),
+        ("/v1/embeddings", {"input": "w1 " * 5_000_000},
+         f"the prompt has 15000000 characters, {over}"),
+    ):
+        r = httpx.post(f"{server}{path}", json={"model": "emb", **body}, timeout=120)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"] == message
+    assert httpx.get(f"{server}/health", timeout=60).status_code == 200
+
+
 def test_generation_routes_refuse_a_pooling_model(client):
     with pytest.raises(openai.BadRequestError, match="pooling model"):
         client.completions.create(model="emb", prompt="w1", max_tokens=2)

@@ -195,6 +195,8 @@ class EngineArgs:
     max_json_schema_depth: int = DEFAULT_LIMITS.max_json_schema_depth
     max_structured_output_len: int = DEFAULT_LIMITS.max_structured_output_len
     max_structured_output_choices: int = DEFAULT_LIMITS.max_structured_output_choices
+    max_chars_per_unbounded_token: int = DEFAULT_LIMITS.max_chars_per_unbounded_token
+    max_request_token_ids: int = DEFAULT_LIMITS.max_request_token_ids
     # LoRA adapters (v1/lora): see `LoRAConfig` for the three bounds.
     enable_lora: bool = option(
         False, "requests may name a PEFT LoRA adapter (LoRARequest; the server's --lora-modules)"

@@ -4,7 +4,8 @@ the cheap checks against it.
 Every check runs before the costly work it guards (tokenizing, parsing a schema, compiling a
 grammar) and raises a ValueError naming the field, the value and the limit (a 400 from the
 server). Fixed limits: integers fit int64, text is valid Unicode, and a prompt longer in
-characters than `max_model_len` tokens could cover is refused untokenized (`max_chars_per_token`).
+characters than `max_model_len` tokens could cover is refused untokenized (`max_chars_per_token`,
+or `max_chars_per_unbounded_token` where the vocabulary bounds nothing).
 """
 
 import json
@@ -69,6 +70,18 @@ class InputLimits:
     max_structured_output_choices: int = limit_field(
         1024, "the most strings a structured-output `choice` may list",
     )
+    max_chars_per_unbounded_token: int = limit_field(
+        100, "for a tokenizer whose vocabulary bounds no characters per token (WordPiece, "
+        "WordLevel, Unigram: whitespace dropped, a long word one unknown token), how many "
+        "characters a token is taken to cover: a text of more than max_model_len times this "
+        "is refused before it is tokenized (WordPiece's own max_input_chars_per_word)",
+    )
+    max_request_token_ids: int = limit_field(
+        256 * 1024, "the most token ids a request's stop_token_ids, allowed_token_ids and "
+        "logit_bias may list together, times n: each of the n sequences carries its own copy "
+        "to the engine core, which checks every id again (each list is also at most the "
+        "vocabulary's size)",
+    )
 
     def __post_init__(self) -> None:
         check_limit_fields(self)
@@ -128,6 +141,29 @@ def check_json_spec(spec: str | Mapping[str, Any], what: str, limits: InputLimit
         if depth > limits.max_json_schema_depth:
             _too_deep(what, limits)
         stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+
+
+def check_token_id_lists(
+    n: int, lists: Mapping[str, Any], limits: InputLimits, vocab_size: int | None = None,
+) -> None:
+    """Refuse token id lists (`lists`: field name -> its list or dict, None if not given)
+    longer than the vocabulary (`vocab_size`, if known: a longer one repeats ids), or that
+    together, times `n` sequences, hold more than `max_request_token_ids`. Reads only their
+    lengths, so it runs before anything looks at their elements."""
+    total = 0
+    for name, ids in lists.items():
+        length = len(ids or ())
+        if vocab_size is not None and length > vocab_size:
+            raise ValueError(
+                f"{name} has {length} token ids, more than the vocabulary's size ({vocab_size})"
+            )
+        total += length
+    if n * total > limits.max_request_token_ids:
+        raise ValueError(
+            f"the token id lists ({', '.join(lists)}) hold {total} ids for each of n={n} "
+            f"sequences, {n * total} in all, more than max_request_token_ids "
+            f"({limits.max_request_token_ids})"
+        )
 
 
 def _too_deep(what: str, limits: InputLimits) -> NoReturn:

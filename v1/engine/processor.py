@@ -21,6 +21,7 @@ from v1.config.limits import (
     INT64_MIN,
     InputLimits,
     check_text,
+    check_token_id_lists,
     max_chars_per_token,
 )
 from v1.engine.structured_output import validate_structured_output_params
@@ -92,10 +93,17 @@ class Processor:
         self.extra_stop_token_ids = tuple(extra_stop_token_ids)
         self.scheduling_policy = scheduling_policy  # the engine core's: priority needs it
         self.limits = limits
-        # A text longer than max_model_len times this is refused untokenized (None: no bound).
-        self._max_chars_per_token = (
-            None if tokenizer is None else max_chars_per_token(tokenizer)
-        )
+        # A text longer than max_model_len times this is refused untokenized, and why.
+        per_token = None if tokenizer is None else max_chars_per_token(tokenizer)
+        if per_token is None:
+            per_token = limits.max_chars_per_unbounded_token
+            self._chars_bound = (
+                f"max_chars_per_unbounded_token ({per_token}) characters each, as this "
+                "model's vocabulary bounds none"
+            )
+        else:
+            self._chars_bound = f"this model's tokens cover at most {per_token} characters each"
+        self._max_chars_per_token = per_token
 
     def encode(self, text: str, what: str, add_special_tokens: bool = True) -> list[int]:
         """`text`'s token ids. `what` names it in the ValueError for text that is not valid
@@ -105,22 +113,25 @@ class Processor:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: pass token ids")
         check_text(text, what)
-        per_token = self._max_chars_per_token
-        if per_token is not None and len(text) > self.max_model_len * per_token:
-            raise PromptTooLongError(
-                f"{what} has {len(text)} characters, more than max_model_len "
-                f"({self.max_model_len}) tokens can hold: this model's tokens cover at most "
-                f"{per_token} characters each"
-            )
+        self._check_chars(len(text), what)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def _check_chars(self, num_chars: int, what: str) -> None:
+        if num_chars > self.max_model_len * self._max_chars_per_token:
+            raise PromptTooLongError(
+                f"{what} has {num_chars} characters, more than max_model_len "
+                f"({self.max_model_len}) tokens can hold: {self._chars_bound}"
+            )
 
     def encode_pair(self, text_1: str, text_2: str) -> list[int]:
         """The token ids of a text pair as one input (a cross-encoder's: the tokenizer's
-        pair template, e.g. `[CLS] a [SEP] b [SEP]`)."""
+        pair template, e.g. `[CLS] a [SEP] b [SEP]`), refused untokenized as `encode`
+        refuses a text when the two together are too long."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: pass token ids")
         check_text(text_1, "the first text")
         check_text(text_2, "the second text")
+        self._check_chars(len(text_1) + len(text_2), "the text pair")
         return list(self.tokenizer(text_1, text_2)["input_ids"])
 
     def encode_conversation(self, text: str) -> list[int]:
@@ -236,6 +247,11 @@ class Processor:
 
         if params.n > limits.max_n_sequences:
             raise refuse(f"n is {params.n}", "max_n_sequences")
+        check_token_id_lists(params.n, {
+            "stop_token_ids": params.stop_token_ids,
+            "allowed_token_ids": params.allowed_token_ids,
+            "logit_bias": params.logit_bias,
+        }, limits, self.vocab_size)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > limits.max_logprobs:

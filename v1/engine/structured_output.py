@@ -2,7 +2,8 @@
 
 The scheduler sees this manager through `StructuredOutputManagerProtocol` (torch-free):
 `grammar_init` when a request arrives (it waits in WAITING_FOR_FSM until its `grammar_future`
-is done) and `grammar_bitmask` for the step's structured rows. Compiled grammars are kept in
+is done), `grammar_abort` when one leaves before that (a compilation nobody waits for is
+not started), and `grammar_bitmask` for the step's structured rows. Compiled grammars are kept in
 our own byte-bounded LRU (`VLLM_XGRAMMAR_CACHE_MB`), answered on the scheduler's thread. Why
 xgrammar, and why not its own cache: docs/serving.md, "Structured output".
 """
@@ -121,6 +122,10 @@ class GrammarCache:
         self._entries[key] = self._pending[key] = compiled
         self._weigh_finished()
 
+    def discard(self, key: GrammarKey) -> None:
+        """Forget a compilation that was cancelled before it started."""
+        del self._entries[key], self._pending[key]
+
     def pending(self) -> list[Future[xgr.CompiledGrammar]]:
         self._weigh_finished()
         return list(self._pending.values())
@@ -155,6 +160,8 @@ class StructuredOutputManager:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="v1-grammar")
         self._compiler: xgr.GrammarCompiler | None = None
         self.cache = GrammarCache(cache_limit_bytes)
+        # Per compilation not finished, the ids of the requests waiting for it.
+        self._waiting: dict[GrammarKey, tuple[Future[xgr.CompiledGrammar], set[str]]] = {}
 
     def _compile(self, key: GrammarKey) -> xgr.CompiledGrammar:
         if self._compiler is None:  # built on first use: costs ~0.1 s, off the step loop
@@ -183,9 +190,15 @@ class StructuredOutputManager:
         if compiled is None:
             compiled = self.executor.submit(self._compile, key)
             self.cache.put(key, compiled)
+        self._waiting = {k: w for k, w in self._waiting.items() if not w[0].done()}
+        if not compiled.done():
+            self._waiting.setdefault(key, (compiled, set()))[1].add(request.request_id)
         future: Future[StructuredOutputGrammar] = Future()
 
         def make_matcher(done: Future[xgr.CompiledGrammar]) -> None:
+            if done.cancelled():  # `grammar_abort`: nobody waits for it
+                future.cancel()
+                return
             exc = done.exception()
             if exc is not None:
                 future.set_exception(exc)
@@ -194,6 +207,22 @@ class StructuredOutputManager:
 
         compiled.add_done_callback(make_matcher)
         request.grammar_future = future
+
+    def grammar_abort(self, request: Request) -> None:
+        """`request` left (aborted: its client disconnected) while its grammar compiled: a
+        compilation no other request waits for is taken off the queue, so that requests
+        gone do not hold up the live ones' grammars. One already running goes on (xgrammar's
+        compile is one native call, which cannot be interrupted) and is cached as usual."""
+        params = request.sampling_params.structured_outputs
+        assert params is not None
+        key = grammar_key(params)
+        compiled, waiting = self._waiting.get(key, (None, set()))
+        waiting.discard(request.request_id)
+        if compiled is None or waiting:
+            return
+        del self._waiting[key]
+        if compiled.cancel():
+            self.cache.discard(key)
 
     def grammar_bitmask(self, requests: list[Request]) -> npt.NDArray[np.int32]:
         """One row per request, 32 tokens per int32 word (bit set: allowed). Fresh each

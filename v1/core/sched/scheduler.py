@@ -60,6 +60,10 @@ class StructuredOutputManagerProtocol(Protocol):
         """Start compiling; set `request.grammar_future`."""
         ...
 
+    def grammar_abort(self, request: Request) -> None:
+        """The request leaves before its grammar is compiled."""
+        ...
+
     def grammar_bitmask(self, requests: list[Request]) -> Any:
         """The token bitmask of these requests' next tokens, one row each."""
         ...
@@ -220,6 +224,8 @@ class Scheduler:
                 self.lora_users[lora_id] -= 1
         if request.sampling_params.structured_outputs is not None:
             self.num_structured_requests -= 1
+            if request.grammar_future is not None and self.structured_output_manager:
+                self.structured_output_manager.grammar_abort(request)
 
     def forget_lora(self, lora_int_id: int) -> None:
         """The adapter `lora_int_id` was removed (no request names it): its cached blocks

@@ -302,11 +302,18 @@ class _APIKeyCheck:
 class _BodySizeLimit:
     """--max-request-body-bytes: a request whose body is larger gets a 400 before more of it
     is read than the limit (at once when its Content-Length says so, else as a chunked body
-    streams in). The body read is handed on to the app whole, as it would read it anyway."""
+    streams in). The body read is handed on to the app whole, as it would read it anyway.
 
-    def __init__(self, app: Any, max_bytes: int) -> None:
+    --max-body-bytes-in-flight: the bodies of all requests whose response has not started
+    (parsed, validated, tokenized, waiting for the engine) hold at most that many bytes
+    together; a request whose body would pass it gets a 503 before more of it is read, so
+    that many parallel large bodies cannot grow the frontend's memory without bound."""
+
+    def __init__(self, app: Any, max_bytes: int, max_bytes_in_flight: int) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.max_bytes_in_flight = max_bytes_in_flight
+        self.bytes_in_flight = 0  # of every request admitted whose response has not started
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -316,29 +323,66 @@ class _BodySizeLimit:
         if not length.isdigit() or len(length) > 19 or int(length) > self.max_bytes:
             await self._refuse(scope, receive, send)
             return
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left: nobody to answer
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                await self._refuse(scope, receive, send)
-                return
-            if not message.get("more_body", False):
-                break
-        body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-        replayed = False
+        held = 0  # this request's share of bytes_in_flight
 
-        async def replay() -> Any:  # the body, then the connection's own messages
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return body
+        def hold(size: int) -> bool:
+            nonlocal held
+            if self.bytes_in_flight - held + size > self.max_bytes_in_flight:
+                return False
+            self.bytes_in_flight += size - held
+            held = size
+            return True
 
-        await self.app(scope, replay, send)
+        def release() -> None:
+            nonlocal held
+            self.bytes_in_flight -= held
+            held = 0
+
+        try:
+            if not hold(int(length)):
+                await self._busy(scope, receive, send)
+                return
+            chunks, size = [], 0
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":  # the client left: nobody to answer
+                    return
+                chunks.append(message.get("body", b""))
+                size += len(chunks[-1])
+                if size > self.max_bytes:
+                    await self._refuse(scope, receive, send)
+                    return
+                if size > held and not hold(size):  # chunked, or more than it said
+                    await self._busy(scope, receive, send)
+                    return
+                if not message.get("more_body", False):
+                    break
+            body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            del chunks
+            replayed = False
+
+            async def replay() -> Any:  # the body, then the connection's own messages
+                nonlocal replayed
+                if replayed:
+                    return await receive()
+                replayed = True
+                return body
+
+            async def started(message: Any) -> None:  # the response begins: work has started
+                if message["type"] == "http.response.start":
+                    release()
+                await send(message)
+
+            await self.app(scope, replay, started)
+        finally:
+            release()
+
+    async def _busy(self, scope: Scope, receive: Receive, send: Send) -> None:
+        message = (
+            "the server holds max_body_bytes_in_flight "
+            f"({self.max_bytes_in_flight}) bytes of request bodies not yet answered: retry later"
+        )
+        await _error(503, message)(scope, receive, send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         message = f"the request body is larger than max_request_body_bytes ({self.max_bytes})"
@@ -460,7 +504,10 @@ def build_app(
     # Exception (anything else: a bug) is handled last, by Starlette, which also logs it.
     for exc_class in (ValueError, ModelNotFoundError, EngineDeadError, Exception):
         app.add_exception_handler(exc_class, _on_error)
-    app.add_middleware(_BodySizeLimit, max_bytes=limits.max_request_body_bytes)
+    app.add_middleware(
+        _BodySizeLimit, max_bytes=limits.max_request_body_bytes,
+        max_bytes_in_flight=limits.max_body_bytes_in_flight,
+    )
     if api_key is not None:  # added last, so it runs first: no key, no body read
         app.add_middleware(_APIKeyCheck, api_key=api_key)
     app.add_middleware(_TrimWhenIdle)

@@ -22,7 +22,14 @@ from pydantic import (
     model_validator,
 )
 
-from v1.config.limits import DEFAULT_LIMITS, INT64_MAX, INT64_MIN, InputLimits, check_json_spec
+from v1.config.limits import (
+    DEFAULT_LIMITS,
+    INT64_MAX,
+    INT64_MIN,
+    InputLimits,
+    check_json_spec,
+    check_token_id_lists,
+)
 from v1.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("v1.entrypoints.openai")
@@ -202,6 +209,13 @@ class SamplingRequest(EngineRequest):
             raise ValueError("`prompt_logprobs` are not available when `stream=True`.")  # vLLM's
         return self
 
+    def token_id_lists(self) -> dict[str, Any]:
+        """The request's token id lists by field name (None: not given)."""
+        return {
+            "stop_token_ids": self.stop_token_ids, "allowed_token_ids": self.allowed_token_ids,
+            "logit_bias": self.logit_bias,
+        }
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -216,6 +230,8 @@ class SamplingRequest(EngineRequest):
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
         limits: InputLimits,
     ) -> SamplingParams:
+        # Their lengths first: SamplingParams checks every element (millions, on the event loop).
+        check_token_id_lists(self.n, self.token_id_lists(), limits)
         return SamplingParams(
             **self.model_dump(include=_SAMPLING_FIELDS), max_tokens=max_tokens, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, logit_bias=token_id_biases(self.logit_bias),

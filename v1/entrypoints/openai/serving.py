@@ -209,9 +209,27 @@ class ServerLimits:
         1024, "the most prompts one completion request may batch, each n sequences in the "
         "engine (vLLM's VLLM_MAX_COMPLETION_PROMPTS)",
     )
+    max_request_sequences: int = limit_field(
+        1024, "the most sequences one request may start: its prompts times n (best_of is n), "
+        "which max_completion_prompts and max_n_sequences alone bound only by their product",
+    )
+    max_request_prompt_logprobs: int = limit_field(
+        256 * 1024, "the most prompt logprobs one request may ask for: its prompts' tokens "
+        "times (prompt_logprobs + 1) entries, held until the request ends",
+    )
+    max_body_bytes_in_flight: int = limit_field(
+        256 * 1024 * 1024, "the most bytes of request bodies the server holds for requests "
+        "whose response has not started (parsed, validated, tokenized, queued): beyond it a "
+        "request is refused with a 503 before its body is read",
+    )
 
     def __post_init__(self) -> None:
         check_limit_fields(self)
+        if self.max_body_bytes_in_flight < self.max_request_body_bytes:  # one could never pass
+            raise ValueError(
+                f"max_body_bytes_in_flight ({self.max_body_bytes_in_flight}) must be at least "
+                f"max_request_body_bytes ({self.max_request_body_bytes})"
+            )
 
 
 class OpenAIServing:
@@ -237,7 +255,10 @@ class OpenAIServing:
         self, request: CompletionRequest
     ) -> CompletionResponse | AsyncIterator[str]:
         head, lora = self._head(request, "cmpl")
-        params = request.to_sampling_params(self.engine.processor.limits)
+        # In the pool: SamplingParams checks every listed token id (up to max_request_token_ids).
+        params = await self.engine.run_in_pool(
+            request.to_sampling_params, self.engine.processor.limits
+        )
         prompts = await self.engine.run_in_pool(self._completion_prompts, request, params)
         params = self.with_defaults(request, params)
         outputs = await StartedRequest.start(
@@ -271,12 +292,36 @@ class OpenAIServing:
                 f"prompt has {len(engine_prompts)} prompts, more than max_completion_prompts "
                 f"({self.limits.max_completion_prompts})"
             )
+        num_sequences = len(engine_prompts) * params.n
+        # n alone over max_n_sequences: the processor refuses it, naming that limit.
+        n_fits = params.n <= self.engine.processor.limits.max_n_sequences
+        if n_fits and num_sequences > self.limits.max_request_sequences:
+            raise ValueError(
+                f"the request asks for {num_sequences} sequences ({len(engine_prompts)} "
+                f"prompts times n={params.n}), more than max_request_sequences "
+                f"({self.limits.max_request_sequences})"
+            )
         prompts: list[PromptType] = []
+        num_prompt_tokens = 0
         for engine_prompt in engine_prompts:
             text, token_ids = self.engine.processor.tokenize_prompt(engine_prompt)
             self.check_length(len(token_ids), params.max_tokens, "prompt")
+            num_prompt_tokens += len(token_ids)
+            self.check_prompt_logprobs(num_prompt_tokens, params)
             prompts.append(self.engine_prompt(request, text, token_ids))
         return prompts
+
+    def check_prompt_logprobs(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Refuse prompt logprobs over `max_request_prompt_logprobs`: `num_prompt_tokens`
+        (the request's prompts' so far) times the k + 1 entries each position holds."""
+        k = params.prompt_logprobs
+        if k is None or num_prompt_tokens * (k + 1) <= self.limits.max_request_prompt_logprobs:
+            return
+        raise ValueError(
+            f"prompt_logprobs={k} over at least {num_prompt_tokens} prompt tokens asks for "
+            f"{num_prompt_tokens * (k + 1)} logprobs, more than max_request_prompt_logprobs "
+            f"({self.limits.max_request_prompt_logprobs})"
+        )
 
     def _completion_choice(
         self,
@@ -324,11 +369,12 @@ class OpenAIServing:
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         head, lora = self._head(request, "chatcmpl")
         tool_calls = _ToolCalls(request, self.tool_parser)
-        params = constrain_auto_tool_calls(
-            request, request.to_sampling_params(self.engine.processor.limits)
-        )
+        params = constrain_auto_tool_calls(request, await self.engine.run_in_pool(
+            request.to_sampling_params, self.engine.processor.limits
+        ))
         text, token_ids = await self.engine.run_in_pool(self._chat_prompt, request)
         self.check_length(len(token_ids), params.max_tokens, "messages")
+        self.check_prompt_logprobs(len(token_ids), params)
         params = self.with_defaults(request, params)
         outputs = await StartedRequest.start(
             self.engine, [self.engine_prompt(request, text, token_ids)], params, head["id"],

@@ -152,7 +152,13 @@ class OpenAIServingPooling:
         self, request: PoolingBaseRequest, request_id: str, texts_1: list[str],
         texts_2: list[str],
     ) -> tuple[list[float], int]:
-        """The pairs' scores and the prompt tokens it took."""
+        """The pairs' scores and the prompt tokens it took. The pairs are counted before any
+        is tokenized."""
+        if len(texts_1) > self.serving.limits.max_completion_prompts:
+            raise ValueError(
+                f"the request has {len(texts_1)} pairs to score, more than "
+                f"max_completion_prompts ({self.serving.limits.max_completion_prompts})"
+            )
         plan = await self.engine.run_in_pool(
             plan_scores, self._pooler(), self.engine.processor, texts_1, texts_2
         )
