@@ -284,7 +284,9 @@ def part_decode(args: argparse.Namespace, path: Path, tokenizer: Any,
 
 
 def part_helpdesk(args: argparse.Namespace, path: Path, tokenizer: Any,
-                  worker: llamacpp.Worker) -> dict[str, Any]:
+                  worker: llamacpp.Worker | None) -> dict[str, Any]:
+    """v1 with and without drafts on the help-desk questions, beside llama.cpp plain and with
+    prompt lookup (none with no `worker`: `--helpdesk-v1-only`)."""
     data = json.loads(HELPDESK.read_text())
     questions = helpdesk_questions(data["questions"], args.helpdesk_requests,
                                    args.repeat_fraction, args.seed)
@@ -292,9 +294,10 @@ def part_helpdesk(args: argparse.Namespace, path: Path, tokenizer: Any,
     lookup = {"max_ngram_size": args.lookup_ngram, "num_pred_tokens": args.lookup_tokens}
     specs = {f"v1 spec {json.loads(c).get('method', '?')}": json.loads(c)
              for c in args.speculative_config}
-    llama_runs = {"llama.cpp": None, "llama.cpp lookup": lookup}
+    llama_runs = {} if worker is None else {"llama.cpp": None, "llama.cpp lookup": lookup}
     names = ["v1", *specs, *llama_runs]
     for config in llama_runs.values():
+        assert worker is not None
         worker.run([prompts[0][:4]], 2, config)  # warm-up, untimed
     seconds: dict[str, list[float]] = {n: [] for n in names}
     outputs: dict[str, list[list[int]]] = {}
@@ -303,7 +306,7 @@ def part_helpdesk(args: argparse.Namespace, path: Path, tokenizer: Any,
         for name in rounds_order(names, r):
             if name in unavailable:
                 continue
-            if name in llama_runs:
+            if worker is not None and name in llama_runs:
                 t, outputs[name] = worker.run(prompts, args.helpdesk_tokens, llama_runs[name])
             else:
                 kwargs = {"speculative_config": specs[name]} if name in specs else {}
@@ -328,10 +331,11 @@ def part_helpdesk(args: argparse.Namespace, path: Path, tokenizer: Any,
             rows[name]["agreement_spec_off"] = agreement(outputs[name], outputs["v1"])
     # llama.cpp verifies drafts in batched evaluations whose rounding differs from one-token
     # steps: its greedy tokens with lookup may differ from its plain ones.
-    rows["llama.cpp lookup"]["tokens_equal_plain"] = (
-        outputs["llama.cpp lookup"] == outputs["llama.cpp"])
-    rows["llama.cpp lookup"]["agreement_plain"] = agreement(outputs["llama.cpp lookup"],
-                                                            outputs["llama.cpp"])
+    if llama_runs:
+        rows["llama.cpp lookup"]["tokens_equal_plain"] = (
+            outputs["llama.cpp lookup"] == outputs["llama.cpp"])
+        rows["llama.cpp lookup"]["agreement_plain"] = agreement(outputs["llama.cpp lookup"],
+                                                                outputs["llama.cpp"])
     return {"requests": len(prompts), "repeats": len(questions) - len(set(questions)),
             "system_tokens": len(tokenizer.encode(data["system"], add_special_tokens=False)),
             "tokens_per_request": args.helpdesk_tokens, "lookup": lookup,
@@ -437,6 +441,9 @@ def main() -> None:
     parser.add_argument("--prefill-tokens", type=int, default=512,
                         help="bench's pp test: the prompt's length")
     parser.add_argument("--helpdesk-requests", type=int, default=24)
+    parser.add_argument("--helpdesk-v1-only", action="store_true",
+                        help="the help desk through v1 alone, with and without drafts (no "
+                             "llama-cpp-python needed)")
     parser.add_argument("--repeat-fraction", type=float, default=0.35)
     parser.add_argument("--helpdesk-tokens", type=int, default=128)
     parser.add_argument("--speculative-config", action="append", default=None,
@@ -483,6 +490,8 @@ def main() -> None:
     if path.suffix != ".gguf":
         raise ValueError(f"bench_llamacpp needs a .gguf model, got {path}")
     for part in list(args.parts):
+        if part == "helpdesk" and args.helpdesk_v1_only:
+            continue
         if reason := llamacpp.missing(PART_TOOLS[part], args.llamacpp_build):
             print(f"{part}: skipped: {reason}")
             args.parts.remove(part)
@@ -497,7 +506,7 @@ def main() -> None:
         "llamacpp_build_options": llamacpp.build_options(args.llamacpp_build),
         "llamacpp_threads": llamacpp.default_threads(args.threads),
         "llamacpp_version": llamacpp.version(), **environment()}
-    needs_worker = {"decode", "helpdesk"} & set(args.parts)
+    needs_worker = {"decode", *(() if args.helpdesk_v1_only else ("helpdesk",))} & set(args.parts)
     worker = (llamacpp.Worker(path, 2048, args.threads, args.llamacpp_build)
               if needs_worker else None)
     try:
@@ -505,7 +514,6 @@ def main() -> None:
             assert worker is not None
             result["decode"] = part_decode(args, path, tokenizer, worker)
         if "helpdesk" in args.parts:
-            assert worker is not None
             result["helpdesk"] = part_helpdesk(args, path, tokenizer, worker)
     finally:
         if worker is not None:
