@@ -9,7 +9,16 @@ back to back, and `/health` is polled every 0.1 s. The attacks run one at a time
     surrogate in a prompt, a chat message, bad_words and /tokenize; a chat of 30,000 messages
     (the Jinja template's time); chat_template_kwargs {"messages": 5}; priority under the
     fcfs policy; then for memory 10 distinct large prompts, 20 distinct large grammars
-    (choice lists) and three distinct 100k-entry choice lists.
+    (choice lists) and three distinct 100k-entry choice lists. Then limits that multiply and
+    the server's files: /v1/load_lora_adapter with an adapter folder outside the LoRA roots
+    and a symlink out of one (404 unless the server opts in, `--runtime-lora`); 513 prompts
+    x n=2; prompt_logprobs=20 over 100 prompts of 200 tokens; 150,000 allowed_token_ids x n=2;
+    24 parallel 15 MB prompts (max_body_bytes_in_flight); one 15 MB body of token ids (parsed
+    and validated whole); 1025 /score pairs and a 15 MB /v1/embeddings input (a pooling
+    server's limits: the default server generates, so these two meet the routes' refusal);
+    last, a grammar at the size limits (one compilation's time), distinct ones whose clients
+    leave after a second, then a small grammar (its time is the compilations it waited for:
+    at most the one running when they left, the others' are not started).
 
 Per row: the HTTP status (with the error message's first words; "timeout" past the client
 time-out), the attack's time, the bystander's longest wait for progress while the attack ran
@@ -23,11 +32,12 @@ the server's port and the engine core its largest descendant, found in /proc: RS
 "-" for a server on another machine.
 
 The script starts the server (the branch's `v1`, on a free loopback port, with `--api-key`) and
-stops it at the end; `--base-url` targets a running one instead. It takes a few minutes: every
-request has a client time-out (`--timeout`), and the 100k-entry grammars, whose compilation in
-the engine core is the slow part, run last.
+stops it at the end; `--base-url` targets a running one instead; `--runtime-lora` starts it with
+runtime LoRA loading on (VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, `--enable-lora`, a `--lora-root`
+of its own). It takes a few minutes: every request has a client time-out (`--timeout`).
 
     .venv/bin/python bench/bench_hostile.py
+    .venv/bin/python bench/bench_hostile.py --runtime-lora --only idle,lora_outside_roots
     .venv/bin/python bench/bench_hostile.py --base-url http://127.0.0.1:8000 --only idle,n_1000
 """
 
@@ -37,6 +47,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -48,6 +59,8 @@ import httpx
 from bench_serving import server
 from common import engine_core_pid, environment, print_table, rss_mb, write_outputs
 
+from v1.config.limits import DEFAULT_LIMITS
+
 DEFAULT_API_KEY = "K"
 STREAM_PROMPT = "The capital of France is"
 HEALTH_EVERY_S = 0.1
@@ -56,6 +69,7 @@ SETTLE_S = 120.0  # how long a row waits for the server to recover before the ne
 # The frontend is idle again (no attack's work left in it) below this CPU use, in cores.
 IDLE_CPU = 0.5
 LONE_SURROGATE = "\ud800"
+LARGE_BODY_BYTES = 15_000_000  # under the default max_request_body_bytes (16 MiB)
 
 
 @dataclass
@@ -67,6 +81,11 @@ class Call:
     body: dict[str, Any]
     timeout: float | None = None  # None: --timeout
     auth: bool = True  # /tokenize needs no key (as vLLM's)
+
+
+# A row's requests run one after another; a list among them is sent at once (the same Call
+# listed k times: k requests of one body, serialized once).
+Step = Call | list[Call]
 
 
 @dataclass
@@ -101,6 +120,27 @@ def choices(n: int, tag: str) -> list[str]:
     return [f"{tag}-option-{i}" for i in range(n)]
 
 
+def long_choices(tag: str) -> list[str]:
+    """As many distinct strings as a `choice` may list by default, together about as long as
+    a spec may be (max_structured_output_choices, max_structured_output_len)."""
+    count = DEFAULT_LIMITS.max_structured_output_choices
+    size = DEFAULT_LIMITS.max_structured_output_len // count - 16
+    return [f"{tag}-{i}-{big_text(size, f'{tag}w{i}')}" for i in range(count)]
+
+
+def lora_folders(root: Path) -> tuple[Path, Path]:
+    """An adapter folder outside `root` (a PEFT adapter's file names) and a symlink inside
+    `root` to it: what a client asks the server to load."""
+    outside = root.parent / "outside"
+    outside.mkdir(exist_ok=True)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (outside / name).write_text("{}")
+    link = root / "link-out"
+    if not link.is_symlink():
+        link.symlink_to(outside)
+    return outside, link
+
+
 def completion(**fields: Any) -> dict[str, Any]:
     return {"prompt": "Hi", "max_tokens": 4, **fields}
 
@@ -109,10 +149,12 @@ def chat(content: str = "Hi", **fields: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": content}], "max_tokens": 4, **fields}
 
 
-def attacks(args: argparse.Namespace) -> dict[str, list[Call]]:
-    """Each row's requests, in the order they run (sequentially within a row)."""
+def attacks(args: argparse.Namespace) -> dict[str, list[Step]]:
+    """Each row's requests, in the order they run."""
     schema = deep_schema(args.depth)
     tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    outside, link_out = lora_folders(args.lora_root)
+    large_prompt = Call("/v1/completions", completion(prompt=big_text(LARGE_BODY_BYTES, "b")))
     return {
         "idle": [],
         "json_depth": [Call("/v1/completions", completion(structured_outputs={"json": schema}))],
@@ -154,6 +196,35 @@ def attacks(args: argparse.Namespace) -> dict[str, list[Call]]:
                 structured_outputs={"choice": choices(args.choice_entries, f"c{i}")}))]
             for i in range(1, 4)
         },
+        # The LoRA routes: off unless the operator opts in, then confined to the roots.
+        "lora_outside_roots": [Call("/v1/load_lora_adapter", {
+            "lora_name": "outside", "lora_path": str(outside)})],
+        "lora_symlink_out": [Call("/v1/load_lora_adapter", {
+            "lora_name": "link-out", "lora_path": str(link_out)})],
+        # Limits that multiply: each factor within its own limit, the product not.
+        "prompts_513_x_n2": [Call("/v1/completions", completion(
+            prompt=[[1]] * 513, n=2, max_tokens=1))],
+        "prompt_logprobs_20_x_100x200": [Call("/v1/completions", completion(
+            prompt=[[1] * 200] * 100, prompt_logprobs=20, max_tokens=1))],
+        "allowed_ids_150k_x_n2": [Call("/v1/completions", completion(
+            n=2, max_tokens=1, allowed_token_ids=[1] * 150_000))],
+        "bodies_24x15mb": [[large_prompt] * 24],
+        "token_ids_15mb": [Call("/v1/completions", completion(
+            prompt=[1] * (LARGE_BODY_BYTES // 3)))],  # "1, " each
+        "score_1025_pairs": [Call("/score", {"text_1": "a", "text_2": ["b"] * 1025})],
+        "embeddings_15mb": [Call("/v1/embeddings", {"input": big_text(LARGE_BODY_BYTES, "e")})],
+        # One compilation's time at the size limits (the client waits for it); then clients
+        # that leave while their grammars wait for the one grammar thread.
+        "grammar_at_limits": [Call("/v1/completions", completion(structured_outputs={
+            "choice": long_choices("limits")}), timeout=SETTLE_S)],
+        f"grammar_orphans_{args.orphan_grammars}": [[
+            Call("/v1/completions", completion(structured_outputs={
+                "choice": long_choices(f"o{i}")}), timeout=1.0)
+            for i in range(args.orphan_grammars)
+        ]],
+        "grammar_after_orphans": [Call("/v1/completions", completion(
+            structured_outputs={"choice": ["after-orphans-a", "after-orphans-b"]}),
+            timeout=SETTLE_S)],
     }
 
 
@@ -276,19 +347,20 @@ def describe(resp: httpx.Response) -> str:
     return message.replace("\n", " ")[:70]
 
 
-async def run_row(client: httpx.AsyncClient, bystander: Bystander, name: str, calls: list[Call],
+async def run_row(client: httpx.AsyncClient, bystander: Bystander, name: str, steps: list[Step],
                   args: argparse.Namespace, pids: Callable[[], tuple[int | None, int | None]]
                   ) -> Row:
-    bodies = [json.dumps(call.body).encode() for call in calls]
+    groups = [step if isinstance(step, list) else [step] for step in steps]
+    bodies = {id(call): json.dumps(call.body).encode() for group in groups for call in group}
     row = Row(name)
     statuses: dict[str, int] = {}
-    start = time.monotonic()
-    for call, body in zip(calls, bodies):
+
+    async def send(call: Call) -> None:
         headers = {"content-type": "application/json"}
         if call.auth:
             headers["authorization"] = f"Bearer {args.api_key}"
         try:
-            resp = await client.post(call.path, content=body, headers=headers,
+            resp = await client.post(call.path, content=bodies[id(call)], headers=headers,
                                      timeout=call.timeout or args.timeout)
             status = str(resp.status_code)
             row.message = row.message or ("" if status == "200" else describe(resp))
@@ -297,6 +369,10 @@ async def run_row(client: httpx.AsyncClient, bystander: Bystander, name: str, ca
         except httpx.HTTPError as e:
             status, row.message = "error", row.message or repr(e)[:70]
         statuses[status] = statuses.get(status, 0) + 1
+
+    start = time.monotonic()
+    for group in groups:
+        await asyncio.gather(*map(send, group))
     end = time.monotonic()
     row.seconds = round(end - start, 2)
     row.status = ", ".join(f"{s} x{k}" if k > 1 else s for s, k in statuses.items()) or "-"
@@ -341,8 +417,8 @@ async def run(base: str, args: argparse.Namespace) -> list[Row]:
         async with httpx.AsyncClient(base_url=base) as client:
             while not bystander.progress:  # the stream has started: the engine is warm
                 await asyncio.sleep(0.1)
-            for name, calls in rows_to_run.items():
-                row = await run_row(client, bystander, name, calls, args, pids)
+            for name, steps in rows_to_run.items():
+                row = await run_row(client, bystander, name, steps, args, pids)
                 print(f"{row.attack}: {row.status} {row.message[:40]!r} gap "
                       f"{row.user_max_gap_s}s health {row.health_max_s}s", file=sys.stderr)
                 rows.append(row)
@@ -369,6 +445,11 @@ def main() -> None:
                         help="entries of each of the 20 distinct choice grammars")
     parser.add_argument("--choice-entries", type=int, default=100_000,
                         help="entries of each of the three large choice lists")
+    parser.add_argument("--orphan-grammars", type=int, default=6,
+                        help="distinct grammars at the size limits whose clients leave after 1 s")
+    parser.add_argument("--runtime-lora", action="store_true",
+                        help="start the server with runtime LoRA loading on (a --lora-root of "
+                        "its own): the LoRA rows meet the path checks, not a 404")
     parser.add_argument("--only", default=None,
                         help="comma-separated attack names to run (default: all, in order)")
     parser.add_argument("--model", default=None,
@@ -382,8 +463,14 @@ def main() -> None:
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stops the server on the way out
     args.server_args = f"--api-key {args.api_key} {args.server_args}"
-    with server(args) as base:
-        rows = asyncio.run(run(base, args))
+    with tempfile.TemporaryDirectory() as tmp:
+        args.lora_root = Path(tmp) / "lora-root"
+        args.lora_root.mkdir()
+        if args.runtime_lora:  # the server inherits the environment
+            os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+            args.server_args += f" --enable-lora --lora-root {args.lora_root}"
+        with server(args) as base:
+            rows = asyncio.run(run(base, args))
 
     header = ["attack", "status", "message", "s", "user gap s", "health s", "front MB",
               "engine MB"]
