@@ -28,7 +28,6 @@ typedef int32_t vi __attribute__((vector_size(4 * VL)));
 typedef uint32_t vu __attribute__((vector_size(4 * VL)));
 typedef double vd __attribute__((vector_size(4 * VL)));
 typedef uint8_t u8v __attribute__((vector_size(VL)));
-typedef int8_t s8v __attribute__((vector_size(VL)));
 
 /* Vectors per 32-value block. */
 enum { BV = 32 / VL };
