@@ -16,6 +16,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import re
 import secrets
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing, asynccontextmanager
@@ -299,6 +300,9 @@ class _APIKeyCheck:
         await self.app(scope, receive, send)
 
 
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string, escapes included
+
+
 class _BodySizeLimit:
     """--max-request-body-bytes: a request whose body is larger gets a 400 before more of it
     is read than the limit (at once when its Content-Length says so, else as a chunked body
@@ -307,12 +311,19 @@ class _BodySizeLimit:
     --max-body-bytes-in-flight: the bodies of all requests whose response has not started
     (parsed, validated, tokenized, waiting for the engine) hold at most that many bytes
     together; a request whose body would pass it gets a 503 before more of it is read, so
-    that many parallel large bodies cannot grow the frontend's memory without bound."""
+    that many parallel large bodies cannot grow the frontend's memory without bound.
 
-    def __init__(self, app: Any, max_bytes: int, max_bytes_in_flight: int) -> None:
+    --max-request-json-values: a body with more commas outside its JSON strings than that gets
+    a 400 before it is parsed (a value is at most one comma: the parse and the validation,
+    on the event loop, cost per value, not per byte)."""
+
+    def __init__(
+        self, app: Any, max_bytes: int, max_bytes_in_flight: int, max_json_values: int,
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.max_bytes_in_flight = max_bytes_in_flight
+        self.max_json_values = max_json_values
         self.bytes_in_flight = 0  # of every request admitted whose response has not started
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -359,6 +370,12 @@ class _BodySizeLimit:
                     break
             body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
             del chunks
+            if self._too_many_values(body["body"]):
+                await _error(400, (
+                    "the request body holds more JSON values than max_request_json_values "
+                    f"({self.max_json_values}): send its prompts in several requests"
+                ))(scope, receive, send)
+                return
             replayed = False
 
             async def replay() -> Any:  # the body, then the connection's own messages
@@ -376,6 +393,14 @@ class _BodySizeLimit:
             await self.app(scope, replay, started)
         finally:
             release()
+
+    def _too_many_values(self, body: bytes) -> bool:
+        # Counting every comma is ~1 ms per MB; only a body over the bound by that count
+        # pays for dropping its strings (whose commas are text, not separators).
+        return (
+            body.count(b",") >= self.max_json_values
+            and _JSON_STRING.sub(b"", body).count(b",") >= self.max_json_values
+        )
 
     async def _busy(self, scope: Scope, receive: Receive, send: Send) -> None:
         message = (
@@ -507,6 +532,7 @@ def build_app(
     app.add_middleware(
         _BodySizeLimit, max_bytes=limits.max_request_body_bytes,
         max_bytes_in_flight=limits.max_body_bytes_in_flight,
+        max_json_values=limits.max_request_json_values,
     )
     if api_key is not None:  # added last, so it runs first: no key, no body read
         app.add_middleware(_APIKeyCheck, api_key=api_key)

@@ -16,7 +16,9 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -38,6 +40,31 @@ logger = logging.getLogger("v1.entrypoints.openai")
 # int64), so they are a 400 naming the field, not a failure to serialize.
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 NonNegativeInt64 = Annotated[int, Field(ge=0, le=INT64_MAX)]
+
+
+def _prompt_kind(value: Any) -> str | None:
+    if isinstance(value, str):
+        return "text"
+    if not isinstance(value, list):
+        return None
+    first = value[0] if value else None
+    return "texts" if isinstance(first, str) else "batch" if isinstance(first, list) else "ids"
+
+
+# A prompt input: a text, texts, token ids, or a batch of token-id lists. Which one is told
+# by its first element, so a value is validated against one member: a plain union validates
+# it against each in turn, and each member that fails builds one error per element (5M
+# token ids took 2.7 s).
+PromptInput = Annotated[
+    Annotated[str, Tag("text")] | Annotated[list[str], Tag("texts")]
+    | Annotated[list[Int64], Tag("ids")] | Annotated[list[list[Int64]], Tag("batch")],
+    Discriminator(
+        _prompt_kind, custom_error_type="prompt_type", custom_error_message=(
+            "should be a string, a list of strings, a list of token ids or a list of lists of "
+            "token ids"
+        ),
+    ),
+]
 
 # The request fields passed to SamplingParams unchanged (same names there).
 _SAMPLING_FIELDS = {
@@ -266,7 +293,7 @@ class SamplingRequest(EngineRequest):
 
 class CompletionRequest(SamplingRequest):
     # Text, token ids, or a batch of either: each prompt gets n choices, as in vLLM.
-    prompt: str | list[str] | list[Int64] | list[list[Int64]]
+    prompt: PromptInput
     max_tokens: Int64 = 16  # OpenAI's default for completions
     logprobs: NonNegativeInt64 | None = None
     # The prompt's text before the completion's (and, with logprobs, its tokens' logprobs).

@@ -11,11 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from v1.entrypoints.openai.protocol import Int64, OpenAIBaseModel
-
-# A request's input, as OpenAI's embeddings API takes it: a text, texts, token ids, or lists
-# of token ids.
-PoolingInput = str | list[str] | list[Int64] | list[list[Int64]]
+from v1.entrypoints.openai.protocol import Int64, OpenAIBaseModel, PromptInput
 
 
 class PoolingBaseRequest(OpenAIBaseModel):
@@ -28,7 +24,7 @@ class PoolingBaseRequest(OpenAIBaseModel):
 
 
 class EmbeddingRequest(PoolingBaseRequest):
-    input: PoolingInput
+    input: PromptInput  # as OpenAI's embeddings API takes it
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Int64 | None = None
     normalize: bool | None = None  # vLLM's: None is the model's default
