@@ -239,3 +239,39 @@ def test_the_runner_calibrates_only_block_weights(default_model, tmp_path, monke
     runner = make_runner(default_model)
     assert runner.planner.options.calibration_dir == tmp_path / "calibration"
     assert runner.planner.options.matmul == MatmulPolicy() and timer.calls == 0
+
+
+class ClockedWeight:
+    """A weight whose paths take `ms_per_row[path](rows)` ms on a made-up clock."""
+
+    in_features = 8
+
+    def __init__(self, clock: list[float], ms_per_row: dict) -> None:
+        self.clock, self.ms_per_row = clock, ms_per_row
+
+    def linear(self, x, bias, path, q) -> None:
+        self.clock[0] += self.ms_per_row[path](x.shape[0]) / 1e3
+
+
+@pytest.mark.parametrize("dense_ms, measured, chosen", [
+    (lambda m: 2.0 if m < 256 else 0.5, (128, 256, 512), 256),
+    (lambda m: 0.5 if m < 512 else 0.95, (512,), None),  # the largest misses: no more timed
+    (lambda m: 2.0 if m < 512 else 0.5, (256, 512), 512),
+])
+def test_measured_from_the_largest_count_down_until_dense_misses(monkeypatch, dense_ms,
+                                                                  measured, chosen):
+    clock = [0.0]
+    monkeypatch.setattr(calibration.time, "perf_counter", lambda: clock[0])
+    weight = ClockedWeight(clock, {"int8": lambda m: m * 1.0, "dense": lambda m: m * dense_ms(m)})
+    result = calibration.measure(None, [(weight, 2)])
+    assert result.rows == measured and result.choice() == chosen
+    assert result.int8_ms == pytest.approx(tuple(2.0 * m for m in measured))
+
+
+def test_the_key_names_the_isa_onednn_is_held_to(monkeypatch):
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    default = calibration.machine_key("_v1_x.so:abc", WEIGHTS, 2)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    held = calibration.machine_key("_v1_x.so:abc", WEIGHTS, 2)
+    assert (default["onednn_max_isa"], held["onednn_max_isa"]) == ("ALL", "AVX2")
