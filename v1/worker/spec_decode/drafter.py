@@ -156,8 +156,8 @@ class Drafter:
         value = costs.cost(batch_size) / batch_size  # what an accepted draft saves
         # Read now, the workload's estimate follows the requests that drafted before this one.
         rate = state.acceptance.rate(self._overall.rate(1.0))
-        best = self._best_length(rate, value, num_rows)
-        if best or not self._best_length(1.0, value, num_rows):
+        best, could_pay = self._best_length(rate, value, num_rows)
+        if best or not could_pay:
             return best  # drafting pays, or would not even if every draft were accepted
         if state.waited is None:
             return 1
@@ -167,17 +167,19 @@ class Drafter:
         state.waited += 1
         return 0
 
-    def _best_length(self, rate: float, value: float, num_rows: int) -> int:
-        """The k with the largest gain over cost (0: none gains)."""
+    def _best_length(self, rate: float, value: float, num_rows: int) -> tuple[int, bool]:
+        """The k with the largest gain over cost at acceptance `rate` (0: none gains), and
+        whether some k would gain were every draft accepted."""
         base = self.costs.cost(num_rows)
-        best, best_gain, expected, p = 0, 0.0, 0.0, 1.0
+        best, best_gain, expected, p, could_pay = 0, 0.0, 0.0, 1.0, False
         for k in range(1, self.max_k + 1):
             p *= rate
             expected += p
-            gain = value * expected - (self.costs.cost(num_rows + k) - base)
-            if gain > best_gain:
-                best, best_gain = k, gain
-        return best
+            extra = self.costs.cost(num_rows + k) - base
+            if value * expected - extra > best_gain:
+                best, best_gain = k, value * expected - extra
+            could_pay = could_pay or value * k > extra
+        return best, could_pay
 
     def drafts_for_step(self, req_id: str, scheduled: list[int]) -> list[int]:
         """The drafts to verify: the scheduled ones, with -1 placeholders (async) replaced by
