@@ -242,6 +242,55 @@ def test_a_body_of_too_many_json_values_is_refused_before_it_is_parsed() -> None
     assert seen == [body(v)[0] for v in (list(range(10)), ',"a\\",' * 4, ['a",,"'] * 4)]
 
 
+def test_large_bodies_are_handed_on_one_per_turn_of_the_event_loop() -> None:
+    """The app parses a body as soon as it reads it: bodies of LARGE_BODY_BYTES or more are
+    handed on one per turn of the event loop, so that a stream's turn comes between them
+    (24 parallel 15 MB bodies stalled a stream for 1.7 s); small ones as they come."""
+    from v1.entrypoints.openai.api_server import _BodySizeLimit
+
+    async def main() -> dict[bytes, int]:
+        turn = 0
+        read_at: dict[bytes, int] = {}
+
+        async def ticker() -> None:
+            nonlocal turn
+            while True:
+                await asyncio.sleep(0)  # one turn of the loop
+                turn += 1
+
+        async def app(scope, receive, send) -> None:
+            body = (await receive())["body"]
+            read_at[body[:2]] = turn
+
+        size = _BodySizeLimit.LARGE_BODY_BYTES
+        limit = _BodySizeLimit(app, max_bytes=size, max_bytes_in_flight=8 * size,
+                               max_json_values=size)
+
+        async def request(body: bytes) -> None:
+            messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+            async def receive() -> dict:
+                return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+            async def send(message: dict) -> None:
+                pass
+
+            headers = [(b"content-length", str(len(body)).encode())]
+            await limit({"type": "http", "method": "POST", "path": "/", "headers": headers},
+                        receive, send)
+
+        ticking = asyncio.create_task(ticker())
+        await asyncio.gather(*(request(bytes([65 + i]) * (size if i < 4 else 2))
+                               for i in range(8)))
+        ticking.cancel()
+        return read_at
+
+    read_at = asyncio.run(main())
+    large = [read_at[bytes([65 + i]) * 2] for i in range(4)]
+    small = [read_at[bytes([65 + i]) * 2] for i in range(4, 8)]
+    assert len(set(large)) == 4 and len(set(small)) == 1 and min(large) == small[0]
+
+
 def test_a_prompt_is_validated_against_the_one_form_its_first_element_names() -> None:
     """A prompt (and a pooling input) is a text, texts, token ids or lists of them: which
     one is told by its first element, so a bad element is one error, not one per element of
