@@ -83,11 +83,81 @@ def test_raw_base64_and_dimensions(server, folder):
     assert r.status_code == 200 and len(r.json()["data"]) == 2
 
 
+def _client_decode(binary: bytes, embed_dtype: str, endianness: str) -> np.ndarray:
+    """What a client does with the bytes it asked for, written here from the formats'
+    definitions (IEEE halves, bfloat16 as float32's high half, fp8 as one byte each)."""
+    order = {"little": "<", "big": ">", "native": "="}[endianness]
+    if embed_dtype == "float32":
+        return np.frombuffer(binary, dtype=f"{order}f4").astype(np.float64)
+    if embed_dtype == "float16":
+        return np.frombuffer(binary, dtype=f"{order}f2").astype(np.float64)
+    if embed_dtype == "bfloat16":
+        halves = np.frombuffer(binary, dtype=f"{order}u2").astype(np.uint32)
+        return (halves << 16).view(np.float32).astype(np.float64)
+    fp8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[embed_dtype]
+    return torch.frombuffer(bytearray(binary), dtype=torch.uint8).view(fp8).double().numpy()
+
+
+EMBED_DTYPES = ("float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2")
+
+
+def test_embed_dtype_and_endianness_are_what_the_bytes_hold(client):
+    """vLLM's `embed_dtype` and `endianness`: the base64 a client decodes with the dtype and
+    byte order it asked for is the float answer rounded to that dtype (it was float32 whatever
+    was asked: a client asking float16 decoded garbage)."""
+    texts = ["w1 w2 w3", "w4 w5"]
+    floats = [d.embedding for d in client.embeddings.create(
+        model="emb", input=texts, encoding_format="float").data]
+    for embed_dtype in EMBED_DTYPES:
+        dtype = getattr(torch, embed_dtype.replace("fp8_e4m3", "float8_e4m3fn")
+                        .replace("fp8_e5m2", "float8_e5m2"))
+        expected = [torch.tensor(f).to(dtype).double().numpy() for f in floats]
+        for endianness in ("native", "big", "little"):
+            response = client.embeddings.create(
+                model="emb", input=texts, encoding_format="base64",
+                extra_body={"embed_dtype": embed_dtype, "endianness": endianness})
+            for data, want in zip(response.data, expected, strict=True):
+                got = _client_decode(base64.b64decode(data.embedding), embed_dtype, endianness)
+                np.testing.assert_array_equal(got, want, err_msg=f"{embed_dtype} {endianness}")
+
+
+def test_bytes_encoding_is_the_raw_vectors_with_metadata(server):
+    """vLLM's `encoding_format: "bytes"`: the vectors back to back, described by a JSON
+    `metadata` header (each one's dtype, byte order, byte range and shape); "bytes_only" is
+    the same body without it."""
+    texts = ["w1 w2 w3", "w4 w5", "w6"]
+    floats = httpx.post(f"{server}/v1/embeddings", json={
+        "model": "emb", "input": texts, "encoding_format": "float"}, timeout=60).json()
+    body = {"model": "emb", "input": texts, "encoding_format": "bytes",
+            "embed_dtype": "float16", "endianness": "big"}
+    r = httpx.post(f"{server}/v1/embeddings", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "application/octet-stream"
+    metadata = json.loads(r.headers["metadata"])
+    assert metadata["model"] == "emb" and metadata["id"].startswith("embd-")
+    assert metadata["usage"] == {"prompt_tokens": floats["usage"]["prompt_tokens"],
+                                 "total_tokens": floats["usage"]["total_tokens"]}
+    size = len(floats["data"][0]["embedding"])
+    assert [(m["index"], m["embed_dtype"], m["endianness"], m["start"], m["end"], m["shape"])
+            for m in metadata["data"]] == [
+        (i, "float16", "big", 2 * size * i, 2 * size * (i + 1), [size]) for i in range(3)]
+    for m, data in zip(metadata["data"], floats["data"], strict=True):
+        got = _client_decode(r.content[m["start"]:m["end"]], "float16", "big")
+        want = torch.tensor(data["embedding"]).half().double().numpy()
+        np.testing.assert_array_equal(got, want)
+    only = httpx.post(f"{server}/v1/embeddings",
+                      json={**body, "encoding_format": "bytes_only"}, timeout=60)
+    assert only.status_code == 200 and "metadata" not in only.headers
+    assert only.content == r.content
+
+
 @pytest.mark.parametrize("body, message", [
     ({"input": "w1", "dimensions": 20}, "only supports"),
     ({"input": "w1", "dimensions": 0}, "dimensions"),
     ({"input": []}, "input is empty"),
     ({"input": "w1", "encoding_format": "int8"}, "encoding_format"),
+    ({"input": "w1", "embed_dtype": "int8"}, "embed_dtype"),
+    ({"input": "w1", "endianness": "middle"}, "endianness"),
     ({"input": "w1 " * 200}, "max_model_len"),
     ({"input": [[100000]]}, "out of vocabulary"),
     ({"input": "w1", "truncate_prompt_tokens": 500}, "truncate_prompt_tokens"),

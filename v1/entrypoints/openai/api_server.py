@@ -48,6 +48,7 @@ from v1.entrypoints.openai.protocol import (
     VersionResponse,
 )
 from v1.entrypoints.openai.protocol_pooling import (
+    ClassificationRequest,
     EmbeddingRequest,
     PoolingRequest,
     RerankRequest,
@@ -116,6 +117,11 @@ async def create_embedding(request: EmbeddingRequest, raw: Request) -> Response:
 @router.post("/pooling")
 async def create_pooling(request: PoolingRequest, raw: Request) -> Response:
     return await _respond(raw, _pooling(raw).create_pooling(request))
+
+
+@router.post("/classify")
+async def create_classify(request: ClassificationRequest, raw: Request) -> Response:
+    return await _respond(raw, _pooling(raw).create_classify(request))
 
 
 @router.post("/score")
@@ -209,10 +215,14 @@ class _SSEResponse(StreamingResponse):
             await _unless_disconnected(receive, self.stream_response(send))
 
 
-async def _respond(raw: Request, work: Awaitable[BaseModel | AsyncIterator[str]]) -> Response:
+async def _respond(
+    raw: Request, work: Awaitable[BaseModel | AsyncIterator[str] | Response]
+) -> Response:
     result = await _unless_disconnected(raw.receive, work)
     if result is None:  # nobody is left to read it
         return Response(status_code=499)
+    if isinstance(result, Response):  # made whole by the route (raw bytes)
+        return result
     if isinstance(result, BaseModel):
         return await _json_response(raw, result)
     return _SSEResponse(result)
