@@ -23,6 +23,9 @@ from tests.pooling.test_embed import cosine, st_encode
 pytest.importorskip("sentence_transformers")
 
 TEXTS = ["w1 w2 w3", "w4 w5", "w6 " * 40 + "w7", "w8", "w9 w10 w11 w12", "w1 w2 w3"]
+# The messages' contents one after another; the generation prompt is w199 (id 204).
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m.content }} {% endfor %}"
+                 "{% if add_generation_prompt %}w199{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +46,7 @@ def server(folder: Path, tmp_path_factory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("pooling_server") / "server.log"
     with serve(folder, log, "--runner", "pooling", "--served-model-name", "emb",
                "--max-model-len", "128", "--num-gpu-blocks", "64",
-               "--max-num-batched-tokens", "32") as server:
+               "--max-num-batched-tokens", "32", "--chat-template", CHAT_TEMPLATE) as server:
         yield server.url
 
 
@@ -158,6 +161,14 @@ def test_bytes_encoding_is_the_raw_vectors_with_metadata(server):
     ({"input": "w1", "encoding_format": "int8"}, "encoding_format"),
     ({"input": "w1", "embed_dtype": "int8"}, "embed_dtype"),
     ({"input": "w1", "endianness": "middle"}, "endianness"),
+    # vLLM's fields that would change the answer and are not implemented: refused by name.
+    ({"input": "w1", "padding": "max_length"}, "padding"),
+    ({"input": "w1", "truncation_side": "right"}, "truncation_side"),
+    ({"input": "w1", "add_special_tokens": False}, "add_special_tokens"),
+    ({"input": "w1", "request_id": "mine"}, "request_id"),
+    ({"input": "w1", "normalize": True, "use_activation": False}, "use_activation"),
+    ({"input": "w1", "messages": [{"role": "user", "content": "w1"}]}, "input or messages"),
+    ({"input": "w1", "add_generation_prompt": True}, "are for messages"),
     ({"input": "w1 " * 200}, "max_model_len"),
     ({"input": [[100000]]}, "out of vocabulary"),
     ({"input": "w1", "truncate_prompt_tokens": 500}, "truncate_prompt_tokens"),
@@ -180,6 +191,60 @@ def test_pooling_endpoint(server, folder):
     ref = st_encode(folder, ["w1 w2", "w3"])
     assert cosine(raw, ref).min() >= 0.999  # the pooled vector, not normalized
     assert not np.allclose(np.linalg.norm(raw, axis=1), 1.0)
+
+
+def test_pooling_of_chat_messages_task_and_use_activation(server):
+    """vLLM's chat-style `messages` on /pooling (and /v1/embeddings): the conversation as the
+    chat template renders it, without the generation prompt unless asked; /pooling's `task`
+    and `use_activation` (an embedding's normalization)."""
+    def post(path: str, **body) -> list[list[float]]:
+        r = httpx.post(f"{server}{path}", json={"model": "emb", **body}, timeout=60)
+        assert r.status_code == 200, r.text
+        return [d["data" if path == "/pooling" else "embedding"] for d in r.json()["data"]]
+
+    messages = [{"role": "system", "content": "w1 w2"}, {"role": "user", "content": "w3"}]
+    assert post("/pooling", messages=messages) == post("/pooling", input=[6, 7, 8])
+    assert post("/pooling", messages=messages, add_generation_prompt=True) == post(
+        "/pooling", input=[6, 7, 8, 204])
+    assert post("/v1/embeddings", messages=messages) == post("/v1/embeddings", input=[6, 7, 8])
+    embedded = post("/v1/embeddings", input="w1 w2")
+    assert post("/pooling", input="w1 w2", task="embed") == embedded
+    raw = post("/pooling", input="w1 w2")
+    assert post("/v1/embeddings", input="w1 w2", use_activation=False) == raw != embedded
+    r = httpx.post(f"{server}/classify", json={"model": "emb", "input": "w1"}, timeout=60)
+    assert r.status_code == 400
+    assert "does not support pooling task 'classify'" in r.json()["error"]["message"]
+
+
+def test_classify_names_the_most_probable_label():
+    """/classify's answer (vLLM's shape), from a classifier's outputs: without starting a
+    classification server (the probabilities are `LLM.classify`'s, tests/pooling/test_score)."""
+    from types import SimpleNamespace
+
+    from v1.entrypoints.openai.protocol_pooling import ClassificationRequest
+    from v1.entrypoints.openai.serving import OpenAIServing
+    from v1.entrypoints.openai.serving_pooling import OpenAIServingPooling
+    from v1.models.pooler import resolve_pooler_info
+    from v1.outputs import PoolingOutput, PoolingRequestOutput
+
+    config = SimpleNamespace(hidden_size=8, id2label={"0": "neg", "1": "neu", "2": "pos"})
+    pooler = resolve_pooler_info(Path("/nonexistent"), config, False, 3)
+    assert pooler.labels == ["neg", "neu", "pos"]
+    probs = {"w1": [0.2, 0.1, 0.7], "w2 w3": [0.5, 0.3, 0.2]}
+
+    async def encode(prompt, params, request_id, priority):
+        assert params.task == "classify" and params.use_activation is True
+        data = torch.tensor(probs[prompt])
+        yield PoolingRequestOutput(request_id, PoolingOutput(data), [1] * len(prompt), True)
+
+    engine = SimpleNamespace(processor=SimpleNamespace(require_pooler=lambda: pooler),
+                             encode=encode)
+    serving = OpenAIServingPooling(OpenAIServing(engine, ["cls"]))  # type: ignore[arg-type]
+    response = asyncio.run(serving.create_classify(ClassificationRequest(input=["w1", "w2 w3"])))
+    assert [(d.index, d.label, d.num_classes) for d in response.data] == [
+        (0, "pos", 3), (1, "neg", 3)]
+    assert [d.probs for d in response.data] == [pytest.approx(p) for p in probs.values()]
+    assert response.id.startswith("classify-") and response.usage.prompt_tokens == 7
 
 
 def test_score_and_rerank_by_embedding_similarity(server, folder):
@@ -205,6 +270,38 @@ def test_score_and_rerank_by_embedding_similarity(server, folder):
     r = httpx.post(f"{server}/score", json={"model": "emb", "text_1": ["a", "b"],
                                             "text_2": ["c", "d", "e"]}, timeout=60)
     assert r.status_code == 400 and "1 text with N" in r.json()["error"]["message"]
+
+
+def test_score_sides_by_vllm_names_and_refused_fields(server):
+    """/score takes its sides as vLLM names them (queries and documents or items, data_1 and
+    data_2, text_1 and text_2), 1 -> N or N -> N; /rerank a lone document; vLLM's scoring
+    fields that would change the scores (not implemented) are 400s naming them."""
+    def scores(**sides) -> list[float]:
+        r = httpx.post(f"{server}/score", json={"model": "emb", **sides}, timeout=60)
+        assert r.status_code == 200, r.text
+        return [d["score"] for d in r.json()["data"]]
+
+    docs = ["w1 w3", "w9 w8 w7"]
+    expected = scores(text_1="w1 w2", text_2=docs)
+    assert scores(queries="w1 w2", documents=docs) == expected
+    assert scores(queries="w1 w2", items=docs) == expected
+    assert scores(data_1="w1 w2", data_2=docs) == expected
+    assert scores(queries=["w1 w2", "w1 w2"], documents=docs) == expected
+    r = httpx.post(f"{server}/rerank", json={"model": "emb", "query": "w1 w2",
+                                             "documents": "w1 w3"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["results"][0]["relevance_score"] == pytest.approx(expected[0])
+    assert r.json()["usage"]["prompt_tokens"] == r.json()["usage"]["total_tokens"] == 6
+    for path, body, param in (
+        ("/score", {"queries": "w1", "documents": "w2", "text_1": "w1", "text_2": "w2"}, None),
+        ("/score", {"queries": "w1"}, None),
+        ("/score", {"text_1": "w1", "text_2": "w2", "max_tokens_per_doc": 3},
+         "max_tokens_per_doc"),
+        ("/rerank", {"query": "w1", "documents": ["w2"], "instruction": "x"}, "instruction"),
+    ):
+        r = httpx.post(f"{server}{path}", json={"model": "emb", **body}, timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param
 
 
 def test_scoring_and_long_inputs_are_bounded_before_tokenizing(server):
