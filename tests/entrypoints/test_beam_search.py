@@ -287,3 +287,34 @@ def test_many_prompts_in_a_small_cache_leave_nothing_behind(default_model):
         assert not llm.llm_engine.has_unfinished_requests()
         llm.llm_engine.client.call_utility("check_integrity")
         assert llm.generate(["Hello"], use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_completions_use_beam_search(extras_client, hf_model, hf_tokenizer, default_model):
+    """vLLM's `use_beam_search` on /v1/completions, as its clients send it: the n best
+    sequences, best first, the top one transformers' (length_penalty 0); the text is the
+    generated tokens' without the end-of-text token that finished it. Streaming is refused,
+    as vLLM refuses it."""
+    import openai
+
+    from tests.entrypoints.test_openai_server import MODEL
+
+    prompt = PARITY_PROMPTS[1]  # its best sequence ends on the end-of-text token
+    completion = extras_client.completions.create(
+        model=MODEL, prompt=[prompt, prompt], n=2, max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"use_beam_search": True, "length_penalty": 0.0},
+    )
+    ids = hf_tokenizer.encode(prompt)
+    eos = default_model.eos_token_id
+    ref, _ = hf_beam_search(hf_model, ids, 2, stop_ids(default_model))
+    assert ref[-1] == eos
+    choices = completion.choices
+    assert [c.index for c in choices] == [0, 1, 2, 3]
+    assert [c.text for c in choices[:2]] == [c.text for c in choices[2:]]
+    best = choices[0]
+    assert best.text == hf_tokenizer.decode(ref[:-1])
+    assert (best.finish_reason, best.model_extra["stop_reason"]) == ("stop", eos)
+    assert choices[1].text != best.text
+    assert completion.usage.prompt_tokens == 2 * len(ids)
+    with pytest.raises(openai.BadRequestError, match="Streaming is not currently supported"):
+        extras_client.completions.create(model=MODEL, prompt=prompt, n=2, max_tokens=2,
+                                         stream=True, extra_body={"use_beam_search": True})

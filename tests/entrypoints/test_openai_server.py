@@ -493,7 +493,8 @@ BAD_REQUESTS = {
         400, None),
     "max_completion_tokens 0": (
         "chat/completions", {"messages": MESSAGES, "max_completion_tokens": 0}, 400, None),
-    "stream wrong type": ("chat/completions", {"messages": MESSAGES, "stream": "yes"}, 400,
+    # "yes" is a boolean to vLLM's (lax) models, and so here: "maybe" is not.
+    "stream wrong type": ("chat/completions", {"messages": MESSAGES, "stream": "maybe"}, 400,
                           "stream"),
     "unsupported suffix": ("completions", {"prompt": "hi", "suffix": "!"}, 400, "suffix"),
     "tool without function": (
@@ -543,11 +544,11 @@ UNSUPPORTED_CHAT = {
     "function_call": {"function_call": "auto"},
     "reasoning_effort": {"reasoning_effort": "low"},
     "guided_json": {"extra_body": {"guided_json": {"type": "object"}}},
+    "use_beam_search": {"extra_body": {"use_beam_search": True}},  # completions only
 }
 UNSUPPORTED_COMPLETION = {
     "suffix": {"suffix": " and so on."},
     "best_of": {"best_of": 2},
-    "use_beam_search": {"extra_body": {"use_beam_search": True}},
     "truncate_prompt_tokens": {"extra_body": {"truncate_prompt_tokens": 3}},
 }
 
@@ -569,6 +570,27 @@ def test_unsupported_field_is_refused(
     with pytest.raises(openai.BadRequestError) as error:
         create(model=MODEL, max_tokens=2, **base, **kwargs)
     assert error.value.param == field and field in error.value.message
+
+
+def test_booleans_are_as_lenient_as_vllms(server: Server) -> None:
+    """vLLM's request models are pydantic's lax mode: a boolean field takes "true", "no", 1
+    (clients written against vLLM send them); other types stay strict."""
+    from v1.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "echo": "true",
+            "skip_special_tokens": "yes", "ignore_eos": 1, "stream": "false"}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"].startswith(PROMPT)
+    request = CompletionRequest(prompt="hi", echo="False", ignore_eos="on", stream=0)
+    assert (request.echo, request.ignore_eos, request.stream) == (False, True, False)
+    # An unimplemented boolean is refused by its value, however it is spelled.
+    ChatCompletionRequest(messages=MESSAGES, include_reasoning="true")
+    with pytest.raises(ValueError, match="include_reasoning"):
+        ChatCompletionRequest(messages=MESSAGES, include_reasoning="false")
+    for field, value in (("stream", "maybe"), ("stream", 2), ("max_tokens", "5"), ("n", True)):
+        with pytest.raises(ValueError, match=field):
+            CompletionRequest(prompt="hi", **{field: value})
 
 
 def test_best_of_equal_to_n_is_accepted(client: openai.OpenAI) -> None:

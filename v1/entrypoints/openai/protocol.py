@@ -1,6 +1,7 @@
 """Request and response models of the OpenAI API subset this server implements.
 
-Types are strict ("5" is not an integer) and every integer fits an int64; value ranges are
+Types are strict ("5" is not an integer) but for booleans, which take what vLLM's
+(pydantic's lax mode) take ("true", "no", 1); every integer fits an int64; value ranges are
 checked once, by `SamplingParams` and the processor, whose ValueErrors become 400s. Null means
 "not given". Fields of OpenAI's and vLLM's APIs that change the output but are not implemented
 are `Unsupported`: set to anything but their default, a 400 naming them. Unknown fields and
@@ -17,6 +18,8 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    TypeAdapter,
+    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -52,6 +55,18 @@ class _UnsupportedMark:
     pass
 
 
+_LAX_BOOL = TypeAdapter(bool)
+
+
+def _lax_bool(value: Any) -> Any:
+    """`value` as pydantic's lax mode reads a boolean; unchanged if it is none (the strict
+    check then refuses it, naming the field)."""
+    try:
+        return _LAX_BOOL.validate_python(value)
+    except ValidationError:
+        return value
+
+
 T = TypeVar("T")
 # A field this server does not implement (yet): only its default is accepted.
 Unsupported = Annotated[T, _UnsupportedMark()]
@@ -66,6 +81,17 @@ class OpenAIBaseModel(BaseModel):
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if v is not None}
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lenient_bools(cls, data: Any) -> Any:
+        # vLLM's models are pydantic's lax mode, whose booleans take "true", "no", 1 and the
+        # like: clients send them. Other types stay strict ("5" is not an integer).
+        if not isinstance(data, dict):
+            return data
+        bools = {name for name, field in cls.model_fields.items()
+                 if field.annotation in (bool, bool | None)}
+        return {k: _lax_bool(v) if k in bools else v for k, v in data.items()}
 
     @field_validator("*")
     @classmethod
@@ -274,6 +300,10 @@ class CompletionRequest(SamplingRequest):
     suffix: Unsupported[str | None] = None
     add_special_tokens: Unsupported[bool] = True  # the prompt gets them (BOS)
     prompt_embeds: Unsupported[str | list[str] | None] = None
+    # vLLM's: the n best sequences by beam search (`v1.beam_search`), ranked with
+    # length_penalty (which, as in vLLM, does nothing without it), instead of n samples.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     def engine_prompts(self) -> list[str | list[int]]:
         prompt = self.prompt
