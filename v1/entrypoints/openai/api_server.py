@@ -36,7 +36,9 @@ from v1.config import EngineArgs
 from v1.engine.async_llm import AsyncLLM
 from v1.engine.dp_headless import run_headless
 from v1.engine.exceptions import EngineDeadError
+from v1.entrypoints.openai import serving_chat_batch
 from v1.entrypoints.openai.protocol import (
+    BatchChatCompletionRequest,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -97,6 +99,15 @@ async def create_completion(request: CompletionRequest, raw: Request) -> Respons
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: ChatCompletionRequest, raw: Request) -> Response:
     return await _respond(raw, _serving(raw).create_chat_completion(request))
+
+
+@router.post("/v1/chat/completions/batch")
+async def create_batch_chat_completion(
+    request: BatchChatCompletionRequest, raw: Request
+) -> Response:
+    return await _respond(raw, serving_chat_batch.create_batch_chat_completion(
+        _serving(raw), request
+    ))
 
 
 @router.post("/v1/responses")

@@ -218,6 +218,15 @@ class SamplingRequest(EngineRequest):
     request_id: Unsupported[str | None] = None
     kv_transfer_params: Unsupported[dict[str, Any] | None] = None
     vllm_xargs: Unsupported[dict[str, Any] | None] = None
+    # vLLM's newer extras that change the answer, not implemented either: logprobs of chosen
+    # tokens, early ends on repetition, watermarks, reasoning budgets, extra response fields.
+    logprob_token_ids: Unsupported[list[int] | None] = None
+    repetition_detection: Unsupported[dict[str, Any] | None] = None
+    watermarking: Unsupported[bool] = False
+    thinking_token_budget: Unsupported[int | None] = None
+    return_weight_versions: Unsupported[bool] = False
+    return_token_offsets: Unsupported[bool] = False
+    ec_transfer_params: Unsupported[dict[str, Any] | None] = None
 
     @field_validator("best_of")
     @classmethod
@@ -454,6 +463,8 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateRequest):
     # (a message being continued).
     echo: bool = False
     mm_processor_kwargs: Unsupported[dict[str, Any] | None] = None
+    media_io_kwargs: Unsupported[dict[str, Any] | None] = None
+    return_prompt_text: Unsupported[bool] = False
 
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self) -> "ChatCompletionRequest":
@@ -531,6 +542,36 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateRequest):
         if not self.parallel_tool_calls:
             schema["maxItems"] = 1
         return schema
+
+
+class BatchChatCompletionRequest(ChatCompletionRequest):
+    """vLLM's /v1/chat/completions/batch: `messages` is a list of conversations, each
+    answered as a chat completion of its own with the request's other fields; choice i
+    answers conversation i. As vLLM's: one choice each (n=1), no beam search, not streamed;
+    tools are refused too (vLLM's batch model has none)."""
+
+    messages: list[  # type: ignore[assignment]
+        Annotated[list[ChatMessage], Field(min_length=1)]
+    ] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _one_answer_per_conversation(self) -> "BatchChatCompletionRequest":
+        for name, allowed in (("n", 1), ("stream", False), ("tools", None),
+                              ("prompt_logprobs", None)):
+            value = getattr(self, name)
+            if value != allowed:
+                raise ValueError(f"batch chat completions do not support {name}={value!r}")
+        return self
+
+    def conversations(self) -> list[ChatCompletionRequest]:
+        """One chat completion request per conversation (the fields this one set, set)."""
+        fields = self.model_dump(exclude={"messages"}, exclude_unset=True)
+        return [
+            ChatCompletionRequest.model_validate(
+                {**fields, "messages": [m.model_dump(exclude_unset=True) for m in conversation]}
+            )
+            for conversation in self.messages
+        ]
 
 
 class TokenizeCompletionRequest(OpenAIBaseModel):
