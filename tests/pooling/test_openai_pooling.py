@@ -154,6 +154,46 @@ def test_bytes_encoding_is_the_raw_vectors_with_metadata(server):
     assert only.content == r.content
 
 
+def test_vllm_embedding_bytes_clients(server):
+    """vLLM's two example clients of embed_dtype (embedding_requests_base64_online.py and
+    embedding_requests_bytes_online.py), as they run: every dtype and byte order, decoded
+    with vLLM's helpers at vLLM's paths (`vllm` read as `v1`); "bytes_only" read with the
+    layout the client builds itself. Each decodes to the float answer in that dtype."""
+    import requests
+
+    from v1.entrypoints.pooling.utils import (
+        MetadataItem,
+        build_metadata_items,
+        decode_pooling_output,
+    )
+    from v1.utils.serial_utils import EMBED_DTYPES, ENDIANNESS, binary2tensor
+
+    model = requests.get(f"{server}/v1/models", timeout=60).json()["data"][0]["id"]
+    texts = ["w1 w2 w3 w4"] * 2
+    url = f"{server}/v1/embeddings"
+    floats = torch.tensor([d["embedding"] for d in requests.post(
+        url, json={"model": model, "input": texts}, timeout=60).json()["data"]])
+    for embed_dtype, info in EMBED_DTYPES.items():
+        expected = floats.to(info.torch_dtype).float()
+        for endianness in ENDIANNESS:
+            body = {"model": model, "input": texts, "embed_dtype": embed_dtype,
+                    "endianness": endianness}
+            data = requests.post(url, json={**body, "encoding_format": "base64"},
+                                 timeout=60).json()["data"]
+            got = torch.stack([binary2tensor(base64.b64decode(d["embedding"]), (-1,),
+                                             embed_dtype, endianness).float() for d in data])
+            assert torch.equal(got, expected), (embed_dtype, endianness)
+            response = requests.post(url, json={**body, "encoding_format": "bytes"}, timeout=60)
+            items = [MetadataItem(**x) for x in json.loads(response.headers["metadata"])["data"]]
+            got = torch.stack(decode_pooling_output(items, response.content)).float()
+            assert torch.equal(got, expected), (embed_dtype, endianness)
+            response = requests.post(url, json={**body, "encoding_format": "bytes_only"},
+                                     timeout=60)
+            items = build_metadata_items(embed_dtype, endianness, (floats.shape[1],), len(texts))
+            got = torch.stack(decode_pooling_output(items, response.content)).float()
+            assert torch.equal(got, expected), (embed_dtype, endianness)
+
+
 @pytest.mark.parametrize("body, message", [
     ({"input": "w1", "dimensions": 20}, "only supports"),
     ({"input": "w1", "dimensions": 0}, "dimensions"),

@@ -12,8 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from v1.entrypoints.openai.embed_encoding import EmbedDType, EncodingFormat, Endianness
 from v1.entrypoints.openai.protocol import ChatMessage, Int64, OpenAIBaseModel, Unsupported
+from v1.utils.serial_utils import EmbedDType, EncodingFormat, Endianness
 
 # A request's input, as OpenAI's embeddings API takes it: a text, texts, token ids, or lists
 # of token ids.

@@ -19,7 +19,6 @@ from typing import Any
 from starlette.responses import Response
 
 from v1.engine.processor import PromptType
-from v1.entrypoints.openai.embed_encoding import encode_vectors, tensor2binary
 from v1.entrypoints.openai.protocol_pooling import (
     ClassificationData,
     ClassificationRequest,
@@ -48,6 +47,7 @@ from v1.entrypoints.openai.serving import OpenAIServing
 from v1.entrypoints.score_utils import pair_score_inputs, plan_scores
 from v1.outputs import PoolingOutput, PoolingRequestOutput
 from v1.pooling_params import PoolerInfo, PoolingParams
+from v1.utils.serial_utils import encode_vectors, tensor2binary
 
 Outputs = list[PoolingRequestOutput[PoolingOutput]]
 

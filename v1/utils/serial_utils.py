@@ -1,10 +1,12 @@
-"""Pooled vectors as bytes, in vLLM's wire formats: each vector rounded to an `embed_dtype`,
-flattened, in a byte order (`endianness`), then base64'd into the JSON answer or sent raw
-(`encoding_format` "bytes", described by a `metadata` header, or "bytes_only").
+"""vLLM's `vllm.utils.serial_utils`: pooled vectors as bytes, in vLLM's wire formats. Each
+vector is rounded to an `embed_dtype`, flattened, put in a byte order (`endianness`), then
+base64'd into the JSON answer or sent raw (`encoding_format` "bytes", described by a
+`metadata` header, or "bytes_only"). The pooling endpoints encode with it; clients decode
+with it (`binary2tensor`; `v1.entrypoints.pooling.utils` is vLLM's path for the rest).
 
 bfloat16 travels as its 16 bits (read back as float32's high half), fp8 as one byte per value:
-numpy has neither type, so both cross numpy as unsigned integers of their width. "native" is
-the server's byte order, as vLLM's.
+numpy has neither type, so both cross numpy as integers of their width. "native" is the
+server's byte order, as vLLM's.
 """
 
 import math
