@@ -180,12 +180,12 @@ class OpenAIServingPooling:
     async def create_pooling(self, request: PoolingRequest) -> PoolingResponse | Response:
         head = self._head(request, "pool")
         task = request.task or ("encode" if self._pooler().num_labels is None else "classify")
+        # What the task does not take is refused by `PoolingParams.verify`, not dropped.
         if task == "classify":
-            extra = {"use_activation": request.use_activation}
+            extra = {"use_activation": request.use_activation, "normalize": request.normalize}
         else:
-            extra = {"dimensions": request.dimensions,
-                     "normalize": request.normalize_embedding}
-        params = self._params(request, task, **extra)
+            extra = {"normalize": request.normalize_embedding}
+        params = self._params(request, task, dimensions=request.dimensions, **extra)
         outputs = await self._pool(head["id"], await self._prompts(request), params,
                                    request.priority)
         if request.encoding_format in ("bytes", "bytes_only"):
