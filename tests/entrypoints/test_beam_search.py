@@ -318,3 +318,46 @@ def test_completions_use_beam_search(extras_client, hf_model, hf_tokenizer, defa
     with pytest.raises(openai.BadRequestError, match="Streaming is not currently supported"):
         extras_client.completions.create(model=MODEL, prompt=prompt, n=2, max_tokens=2,
                                          stream=True, extra_body={"use_beam_search": True})
+
+
+def test_server_beam_search_stops_when_the_client_leaves():
+    """The server's search runs on a worker thread, its steps on the event loop: a client
+    that leaves (the request's task cancelled) aborts the step in flight, and no step runs
+    after it. A stub engine whose requests never finish stands for the engine."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from v1.entrypoints.openai.protocol import CompletionRequest
+    from v1.entrypoints.openai.serving_beam_search import run_beam_search
+
+    started: list[str] = []
+    aborted: list[str] = []
+
+    async def generate(prompt, params, request_id, priority, data_parallel_rank, lora):
+        started.append(request_id)
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            aborted.append(request_id)
+        yield  # an async generator, as AsyncLLM.generate
+
+    engine = SimpleNamespace(generate=generate, processor=SimpleNamespace(
+        limits=SimpleNamespace(max_logprobs=20), prompt_token_ids=lambda p: p["prompt_token_ids"],
+        eos_token_id=0, extra_stop_token_ids=(), max_model_len=64,
+    ))
+
+    async def leave_during_the_first_step() -> None:
+        search = asyncio.ensure_future(run_beam_search(
+            engine, [{"prompt_token_ids": [1, 2]}], BeamSearchParams(beam_width=2, max_tokens=5),
+            "cmpl-x", CompletionRequest(prompt="x"), None,
+        ))
+        while not started:
+            await asyncio.sleep(0.01)
+        search.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await search
+        await asyncio.sleep(0.2)  # time for a next step, were one to start
+        # Before the loop ends (which would cancel whatever is left by itself).
+        assert started == aborted == ["cmpl-x-0-0"]
+
+    asyncio.run(leave_during_the_first_step())
