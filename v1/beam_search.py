@@ -76,6 +76,12 @@ def get_beam_search_score(
     return cumulative_logprob / (seq_len**length_penalty)
 
 
+def eos_token_ids(processor: Any) -> list[int]:
+    """The tokens that end a beam: a `Processor`'s end-of-text token and its extra stop
+    tokens (generation_config.json's)."""
+    return [t for t in (processor.eos_token_id, *processor.extra_stop_token_ids) if t is not None]
+
+
 def beam_search(
     prompts: Sequence[Any],
     params: BeamSearchParams,

@@ -27,7 +27,8 @@ class PoolerInfo(msgspec.Struct, array_like=True, omit_defaults=True):
     classification head (None: the model has none, so no "classify" or cross-encoder
     "score"). `matryoshka_dimensions` lists the sizes a Matryoshka model was trained for
     (empty: any size from 1 to hidden_size, as config.json's `is_matryoshka` says; None: the
-    model is not Matryoshka, and `dimensions` is refused, as vLLM refuses it)."""
+    model is not Matryoshka, and `dimensions` is refused, as vLLM refuses it). `labels` names
+    a classification head's classes (config.json's `id2label`; None: unnamed)."""
 
     pooling_type: str
     normalize: bool
@@ -35,6 +36,7 @@ class PoolerInfo(msgspec.Struct, array_like=True, omit_defaults=True):
     causal: bool = True
     num_labels: int | None = None
     matryoshka_dimensions: list[int] | None = None
+    labels: list[str] | None = None
 
     @property
     def tasks(self) -> tuple[str, ...]:

@@ -287,3 +287,77 @@ def test_many_prompts_in_a_small_cache_leave_nothing_behind(default_model):
         assert not llm.llm_engine.has_unfinished_requests()
         llm.llm_engine.client.call_utility("check_integrity")
         assert llm.generate(["Hello"], use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_completions_use_beam_search(extras_client, hf_model, hf_tokenizer, default_model):
+    """vLLM's `use_beam_search` on /v1/completions, as its clients send it: the n best
+    sequences, best first, the top one transformers' (length_penalty 0); the text is the
+    generated tokens' without the end-of-text token that finished it. Streaming is refused,
+    as vLLM refuses it."""
+    import openai
+
+    from tests.entrypoints.test_openai_server import MODEL
+
+    prompt = PARITY_PROMPTS[1]  # its best sequence ends on the end-of-text token
+    completion = extras_client.completions.create(
+        model=MODEL, prompt=[prompt, prompt], n=2, max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"use_beam_search": True, "length_penalty": 0.0},
+    )
+    ids = hf_tokenizer.encode(prompt)
+    eos = default_model.eos_token_id
+    ref, _ = hf_beam_search(hf_model, ids, 2, stop_ids(default_model))
+    assert ref[-1] == eos
+    choices = completion.choices
+    assert [c.index for c in choices] == [0, 1, 2, 3]
+    assert [c.text for c in choices[:2]] == [c.text for c in choices[2:]]
+    best = choices[0]
+    assert best.text == hf_tokenizer.decode(ref[:-1])
+    assert (best.finish_reason, best.model_extra["stop_reason"]) == ("stop", eos)
+    assert choices[1].text != best.text
+    assert completion.usage.prompt_tokens == 2 * len(ids)
+    with pytest.raises(openai.BadRequestError, match="Streaming is not currently supported"):
+        extras_client.completions.create(model=MODEL, prompt=prompt, n=2, max_tokens=2,
+                                         stream=True, extra_body={"use_beam_search": True})
+
+
+def test_server_beam_search_stops_when_the_client_leaves():
+    """The server's search runs on a worker thread, its steps on the event loop: a client
+    that leaves (the request's task cancelled) aborts the step in flight, and no step runs
+    after it. A stub engine whose requests never finish stands for the engine."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from v1.entrypoints.openai.protocol import CompletionRequest
+    from v1.entrypoints.openai.serving_beam_search import run_beam_search
+
+    started: list[str] = []
+    aborted: list[str] = []
+
+    async def generate(prompt, params, request_id, priority, data_parallel_rank, lora):
+        started.append(request_id)
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            aborted.append(request_id)
+        yield  # an async generator, as AsyncLLM.generate
+
+    engine = SimpleNamespace(generate=generate, processor=SimpleNamespace(
+        limits=SimpleNamespace(max_logprobs=20), prompt_token_ids=lambda p: p["prompt_token_ids"],
+        eos_token_id=0, extra_stop_token_ids=(), max_model_len=64,
+    ))
+
+    async def leave_during_the_first_step() -> None:
+        search = asyncio.ensure_future(run_beam_search(
+            engine, [{"prompt_token_ids": [1, 2]}], BeamSearchParams(beam_width=2, max_tokens=5),
+            "cmpl-x", CompletionRequest(prompt="x"), None,
+        ))
+        while not started:
+            await asyncio.sleep(0.01)
+        search.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await search
+        await asyncio.sleep(0.2)  # time for a next step, were one to start
+        # Before the loop ends (which would cancel whatever is left by itself).
+        assert started == aborted == ["cmpl-x-0-0"]
+
+    asyncio.run(leave_during_the_first_step())

@@ -221,7 +221,7 @@ BAD_REQUESTS: dict[str, tuple[dict[str, Any] | bytes, str | None]] = {
     "max_output_tokens 0": ({"max_output_tokens": 0}, None),
     "max_output_tokens a string": ({"max_output_tokens": "8"}, "max_output_tokens"),
     "temperature negative": ({"temperature": -1.0}, None),
-    "stream not a bool": ({"stream": "yes"}, "stream"),
+    "stream not a bool": ({"stream": "maybe"}, "stream"),  # "yes" is one, as to vLLM
     "tools": ({"tools": [{"type": "function", "name": "f"}]}, "tools"),
     "tool_choice required": ({"tool_choice": "required"}, "tool_choice"),
     "background": ({"background": True}, "background"),

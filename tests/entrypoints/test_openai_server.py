@@ -493,7 +493,8 @@ BAD_REQUESTS = {
         400, None),
     "max_completion_tokens 0": (
         "chat/completions", {"messages": MESSAGES, "max_completion_tokens": 0}, 400, None),
-    "stream wrong type": ("chat/completions", {"messages": MESSAGES, "stream": "yes"}, 400,
+    # "yes" is a boolean to vLLM's (lax) models, and so here: "maybe" is not.
+    "stream wrong type": ("chat/completions", {"messages": MESSAGES, "stream": "maybe"}, 400,
                           "stream"),
     "unsupported suffix": ("completions", {"prompt": "hi", "suffix": "!"}, 400, "suffix"),
     "tool without function": (
@@ -543,12 +544,16 @@ UNSUPPORTED_CHAT = {
     "function_call": {"function_call": "auto"},
     "reasoning_effort": {"reasoning_effort": "low"},
     "guided_json": {"extra_body": {"guided_json": {"type": "object"}}},
+    "use_beam_search": {"extra_body": {"use_beam_search": True}},  # completions only
+    "return_prompt_text": {"extra_body": {"return_prompt_text": True}},
 }
 UNSUPPORTED_COMPLETION = {
     "suffix": {"suffix": " and so on."},
     "best_of": {"best_of": 2},
-    "use_beam_search": {"extra_body": {"use_beam_search": True}},
     "truncate_prompt_tokens": {"extra_body": {"truncate_prompt_tokens": 3}},
+    "logprob_token_ids": {"extra_body": {"logprob_token_ids": [5, 6]}},
+    "watermarking": {"extra_body": {"watermarking": "true"}},
+    "repetition_detection": {"extra_body": {"repetition_detection": {"min_pattern_size": 2}}},
 }
 
 
@@ -569,6 +574,56 @@ def test_unsupported_field_is_refused(
     with pytest.raises(openai.BadRequestError) as error:
         create(model=MODEL, max_tokens=2, **base, **kwargs)
     assert error.value.param == field and field in error.value.message
+
+
+def test_booleans_are_as_lenient_as_vllms(server: Server) -> None:
+    """vLLM's request models are pydantic's lax mode: a boolean field takes "true", "no", 1
+    (clients written against vLLM send them); other types stay strict."""
+    from v1.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "echo": "true",
+            "skip_special_tokens": "yes", "ignore_eos": 1, "stream": "false"}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"].startswith(PROMPT)
+    request = CompletionRequest(prompt="hi", echo="False", ignore_eos="on", stream=0)
+    assert (request.echo, request.ignore_eos, request.stream) == (False, True, False)
+    # An unimplemented boolean is refused by its value, however it is spelled.
+    ChatCompletionRequest(messages=MESSAGES, include_reasoning="true")
+    with pytest.raises(ValueError, match="include_reasoning"):
+        ChatCompletionRequest(messages=MESSAGES, include_reasoning="false")
+    for field, value in (("stream", "maybe"), ("stream", 2), ("max_tokens", "5"), ("n", True)):
+        with pytest.raises(ValueError, match=field):
+            CompletionRequest(prompt="hi", **{field: value})
+
+
+def test_batch_chat_completions(server: Server) -> None:
+    """vLLM's /v1/chat/completions/batch, driven as its example script drives it: choice i
+    is conversation i's answer (the single endpoint's, greedy), the usage their sum, the
+    request's other fields (a regex constraint here) applied to each; n > 1 and streaming
+    refused, as vLLM refuses them."""
+    conversations = [[{"role": "user", "content": "Is the sky blue? Answer yes or no."}],
+                     [{"role": "user", "content": "Is fire cold? Answer yes or no."}]]
+    fields = {"model": MODEL, "max_tokens": 4, "temperature": 0,
+              "structured_outputs": {"regex": "(yes|no)"}}
+    batch = httpx.post(f"{server.url}/v1/chat/completions/batch",
+                       json={**fields, "messages": conversations}, timeout=120)
+    assert batch.status_code == 200, batch.text
+    singles = [httpx.post(f"{server.url}/v1/chat/completions",
+                          json={**fields, "messages": c}, timeout=120).json()
+               for c in conversations]
+    body = batch.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert [c["message"] for c in body["choices"]] == [s["choices"][0]["message"]
+                                                       for s in singles]
+    assert {c["message"]["content"] for c in body["choices"]} <= {"yes", "no"}
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert body["usage"][key] == sum(s["usage"][key] for s in singles)
+    for extra in ({"n": 2}, {"stream": True}, {"messages": [[]]}):
+        r = httpx.post(f"{server.url}/v1/chat/completions/batch",
+                       json={**fields, "messages": conversations, **extra}, timeout=60)
+        assert r.status_code == 400, r.text
 
 
 def test_best_of_equal_to_n_is_accepted(client: openai.OpenAI) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from v1.beam_search import BeamSearchOutput, beam_search
+from v1.beam_search import BeamSearchOutput, beam_search, eos_token_ids
 from v1.config import EngineArgs
 from v1.engine.llm_engine import LLMEngine
 from v1.engine.processor import PromptType, prompt_list
@@ -185,10 +185,7 @@ class LLM(PoolingMixin):
                 batch, step, use_tqdm=False, lora_request=lora_request
             ),
             tokenize=processor.prompt_token_ids,
-            eos_token_ids=[
-                t for t in (processor.eos_token_id, *processor.extra_stop_token_ids)
-                if t is not None
-            ],
+            eos_token_ids=eos_token_ids(processor),
             max_model_len=processor.max_model_len,
             decode=None if tokenizer is None else tokenizer.decode,
             use_tqdm=use_tqdm, concurrency_limit=concurrency_limit,

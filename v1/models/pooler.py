@@ -103,9 +103,13 @@ def resolve_pooler_info(
     if pooling_type not in POOLING_TYPES:
         raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, "
                          f"got {pooling_type!r}")
+    id2label = {int(k): str(v) for k, v in (getattr(hf_config, "id2label", None) or {}).items()}
+    labels = None
+    if num_labels is not None and sorted(id2label) == list(range(num_labels)):
+        labels = [id2label[i] for i in range(num_labels)]
     return PoolerInfo(
         pooling_type, normalize, int(hf_config.hidden_size), causal, num_labels,
-        matryoshka_dimensions(hf_config),
+        matryoshka_dimensions(hf_config), labels,
     )
 
 

@@ -37,7 +37,9 @@ from v1.config import EngineArgs
 from v1.engine.async_llm import AsyncLLM
 from v1.engine.dp_headless import run_headless
 from v1.engine.exceptions import EngineDeadError
+from v1.entrypoints.openai import serving_chat_batch
 from v1.entrypoints.openai.protocol import (
+    BatchChatCompletionRequest,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -49,6 +51,7 @@ from v1.entrypoints.openai.protocol import (
     VersionResponse,
 )
 from v1.entrypoints.openai.protocol_pooling import (
+    ClassificationRequest,
     EmbeddingRequest,
     PoolingRequest,
     RerankRequest,
@@ -99,6 +102,15 @@ async def create_chat_completion(request: ChatCompletionRequest, raw: Request) -
     return await _respond(raw, _serving(raw).create_chat_completion(request))
 
 
+@router.post("/v1/chat/completions/batch")
+async def create_batch_chat_completion(
+    request: BatchChatCompletionRequest, raw: Request
+) -> Response:
+    return await _respond(raw, serving_chat_batch.create_batch_chat_completion(
+        _serving(raw), request
+    ))
+
+
 @router.post("/v1/responses")
 async def create_responses(request: ResponsesRequest, raw: Request) -> Response:
     responses: OpenAIServingResponses = raw.app.state.responses
@@ -117,6 +129,11 @@ async def create_embedding(request: EmbeddingRequest, raw: Request) -> Response:
 @router.post("/pooling")
 async def create_pooling(request: PoolingRequest, raw: Request) -> Response:
     return await _respond(raw, _pooling(raw).create_pooling(request))
+
+
+@router.post("/classify")
+async def create_classify(request: ClassificationRequest, raw: Request) -> Response:
+    return await _respond(raw, _pooling(raw).create_classify(request))
 
 
 @router.post("/score")
@@ -210,10 +227,14 @@ class _SSEResponse(StreamingResponse):
             await _unless_disconnected(receive, self.stream_response(send))
 
 
-async def _respond(raw: Request, work: Awaitable[BaseModel | AsyncIterator[str]]) -> Response:
+async def _respond(
+    raw: Request, work: Awaitable[BaseModel | AsyncIterator[str] | Response]
+) -> Response:
     result = await _unless_disconnected(raw.receive, work)
     if result is None:  # nobody is left to read it
         return Response(status_code=499)
+    if isinstance(result, Response):  # made whole by the route (raw bytes)
+        return result
     if isinstance(result, BaseModel):
         return await _json_response(raw, result)
     return _SSEResponse(result)

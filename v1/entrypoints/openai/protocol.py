@@ -1,6 +1,7 @@
 """Request and response models of the OpenAI API subset this server implements.
 
-Types are strict ("5" is not an integer) and every integer fits an int64; value ranges are
+Types are strict ("5" is not an integer) but for booleans, which take what vLLM's
+(pydantic's lax mode) take ("true", "no", 1); every integer fits an int64; value ranges are
 checked once, by `SamplingParams` and the processor, whose ValueErrors become 400s. Null means
 "not given". Fields of OpenAI's and vLLM's APIs that change the output but are not implemented
 are `Unsupported`: set to anything but their default, a 400 naming them. Unknown fields and
@@ -19,6 +20,8 @@ from pydantic import (
     Discriminator,
     Field,
     Tag,
+    TypeAdapter,
+    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -79,6 +82,18 @@ class _UnsupportedMark:
     pass
 
 
+_LAX_BOOL = TypeAdapter(bool)
+
+
+def _lax_bool(value: Any) -> Any:
+    """`value` as pydantic's lax mode reads a boolean; unchanged if it is none (the strict
+    check then refuses it, naming the field)."""
+    try:
+        return _LAX_BOOL.validate_python(value)
+    except ValidationError:
+        return value
+
+
 T = TypeVar("T")
 # A field this server does not implement (yet): only its default is accepted.
 Unsupported = Annotated[T, _UnsupportedMark()]
@@ -93,6 +108,17 @@ class OpenAIBaseModel(BaseModel):
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if v is not None}
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lenient_bools(cls, data: Any) -> Any:
+        # vLLM's models are pydantic's lax mode, whose booleans take "true", "no", 1 and the
+        # like: clients send them. Other types stay strict ("5" is not an integer).
+        if not isinstance(data, dict):
+            return data
+        bools = {name for name, field in cls.model_fields.items()
+                 if field.annotation in (bool, bool | None)}
+        return {k: _lax_bool(v) if k in bools else v for k, v in data.items()}
 
     @field_validator("*")
     @classmethod
@@ -219,6 +245,15 @@ class SamplingRequest(EngineRequest):
     request_id: Unsupported[str | None] = None
     kv_transfer_params: Unsupported[dict[str, Any] | None] = None
     vllm_xargs: Unsupported[dict[str, Any] | None] = None
+    # vLLM's newer extras that change the answer, not implemented either: logprobs of chosen
+    # tokens, early ends on repetition, watermarks, reasoning budgets, extra response fields.
+    logprob_token_ids: Unsupported[list[int] | None] = None
+    repetition_detection: Unsupported[dict[str, Any] | None] = None
+    watermarking: Unsupported[bool] = False
+    thinking_token_budget: Unsupported[int | None] = None
+    return_weight_versions: Unsupported[bool] = False
+    return_token_offsets: Unsupported[bool] = False
+    ec_transfer_params: Unsupported[dict[str, Any] | None] = None
 
     @field_validator("best_of")
     @classmethod
@@ -301,6 +336,10 @@ class CompletionRequest(SamplingRequest):
     suffix: Unsupported[str | None] = None
     add_special_tokens: Unsupported[bool] = True  # the prompt gets them (BOS)
     prompt_embeds: Unsupported[str | list[str] | None] = None
+    # vLLM's: the n best sequences by beam search (`v1.beam_search`), ranked with
+    # length_penalty (which, as in vLLM, does nothing without it), instead of n samples.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     def engine_prompts(self) -> list[str | list[int]]:
         prompt = self.prompt
@@ -451,6 +490,8 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateRequest):
     # (a message being continued).
     echo: bool = False
     mm_processor_kwargs: Unsupported[dict[str, Any] | None] = None
+    media_io_kwargs: Unsupported[dict[str, Any] | None] = None
+    return_prompt_text: Unsupported[bool] = False
 
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self) -> "ChatCompletionRequest":
@@ -528,6 +569,36 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateRequest):
         if not self.parallel_tool_calls:
             schema["maxItems"] = 1
         return schema
+
+
+class BatchChatCompletionRequest(ChatCompletionRequest):
+    """vLLM's /v1/chat/completions/batch: `messages` is a list of conversations, each
+    answered as a chat completion of its own with the request's other fields; choice i
+    answers conversation i. As vLLM's: one choice each (n=1), no beam search, not streamed;
+    tools are refused too (vLLM's batch model has none)."""
+
+    messages: list[  # type: ignore[assignment]
+        Annotated[list[ChatMessage], Field(min_length=1)]
+    ] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _one_answer_per_conversation(self) -> "BatchChatCompletionRequest":
+        for name, allowed in (("n", 1), ("stream", False), ("tools", None),
+                              ("prompt_logprobs", None)):
+            value = getattr(self, name)
+            if value != allowed:
+                raise ValueError(f"batch chat completions do not support {name}={value!r}")
+        return self
+
+    def conversations(self) -> list[ChatCompletionRequest]:
+        """One chat completion request per conversation (the fields this one set, set)."""
+        fields = self.model_dump(exclude={"messages"}, exclude_unset=True)
+        return [
+            ChatCompletionRequest.model_validate(
+                {**fields, "messages": [m.model_dump(exclude_unset=True) for m in conversation]}
+            )
+            for conversation in self.messages
+        ]
 
 
 class TokenizeCompletionRequest(OpenAIBaseModel):

@@ -44,6 +44,11 @@ from v1.entrypoints.openai.protocol import (
     UsageInfo,
     clamp_logprob,
 )
+from v1.entrypoints.openai.serving_beam_search import (
+    beam_choices,
+    beam_search_params,
+    run_beam_search,
+)
 from v1.entrypoints.openai.serving_models import ModelNotFoundError, OpenAIServingModels
 from v1.entrypoints.openai.tool_calls import (
     ToolCallExtractor,
@@ -267,6 +272,8 @@ class OpenAIServing:
         )
         prompts = await self.engine.run_in_pool(self._completion_prompts, request, params)
         params = self.with_defaults(request, params)
+        if request.use_beam_search:
+            return await self._beam_search_completion(request, head, lora, params, prompts)
         outputs = await StartedRequest.start(
             self.engine, prompts, params, head["id"], request, lora
         )
@@ -286,6 +293,24 @@ class OpenAIServing:
             ],
             usage=usage,
         )
+
+    async def _beam_search_completion(
+        self, request: CompletionRequest, head: dict[str, Any], lora: LoRARequest | None,
+        params: SamplingParams, prompts: list[PromptType],
+    ) -> CompletionResponse:
+        """vLLM's `use_beam_search`: each prompt's n best sequences by beam search."""
+        search = beam_search_params(request, params)
+        outputs = await run_beam_search(self.engine, prompts, search, head["id"], request, lora)
+        prompt_lens = [len(p["prompt_token_ids"]) for p in prompts]  # type: ignore[index]
+        choices, num_generated = beam_choices(
+            outputs, prompt_lens, search.beam_width, self.engine.tokenizer.decode,
+            params.skip_special_tokens,
+        )
+        num_prompt = sum(prompt_lens)
+        usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
+                          total_tokens=num_prompt + num_generated,
+                          prompt_tokens_details=PromptTokensDetails(cached_tokens=0))
+        return CompletionResponse(**head, choices=choices, usage=usage)
 
     def _completion_prompts(
         self, request: CompletionRequest, params: SamplingParams

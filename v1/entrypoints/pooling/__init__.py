@@ -1,0 +1,1 @@
+"""vLLM's `vllm.entrypoints.pooling` paths that its pooling clients import."""
