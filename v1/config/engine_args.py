@@ -17,7 +17,7 @@ from v1.config.cli_args import add_engine_args
 from v1.config.ignored_options import IGNORED_OPTIONS, check_ignored_option, ignored_help
 from v1.config.limits import DEFAULT_LIMITS, InputLimits
 from v1.config.lora import LoRAConfig
-from v1.config.model import ModelConfig, PoolerConfig
+from v1.config.model import HfOverrides, ModelConfig, PoolerConfig
 from v1.config.parallel import ParallelConfig
 from v1.config.scheduler import SchedulerConfig
 from v1.config.speculative import SpeculativeConfig
@@ -37,6 +37,11 @@ class EngineArgs:
     model: str | None = option(
         None, "a GGUF file, an HF model directory, or a hub id in the local HF cache "
         "(default: SmolLM2-135M-Instruct, GGUF)",
+    )
+    hf_overrides: HfOverrides | None = option(
+        None, "changes to the model's HF config (config.json) before the model is built, as "
+        "a JSON object of its keys (a nested config's keys as an object under its name); "
+        "in Python, a function of the config returning it is accepted too",
     )
     revision: str | None = option(
         None, "with a hub id as the model: the branch, tag or commit to find in the local "
@@ -245,6 +250,7 @@ class EngineArgs:
             model=self.model, revision=self.revision, generation_config=self.generation_config,
             device=self.device, dtype=self.dtype, quantization=self.quantization,
             seed=self.seed, runner=self.runner, pooler_config=self.pooler_config,
+            hf_overrides=self.hf_overrides,
         )
 
     def parallel_config(self) -> ParallelConfig:

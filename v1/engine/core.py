@@ -57,6 +57,7 @@ class EngineCore:
             loaded = load_model(
                 path, dtype, device, attention_impl_for(device),
                 quantization=resolve_quantization(args.quantization, path, device, dtype),
+                hf_overrides=args.hf_overrides,
             )
         self.loaded = loaded
         scheduler_config, cache_config = args.create_configs(
