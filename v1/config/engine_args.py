@@ -130,6 +130,11 @@ class EngineArgs:
         None, "the pooler's settings over the model's, as a JSON object: pooling_type "
         "(LAST, CLS, MEAN), normalize",
     )
+    logits_processors: list[Any] | None = option(
+        None, "custom logits processors (vLLM's V1 interface, "
+        "v1.v1.sample.logits_processor.LogitsProcessor), each a 'module:Class' name (in "
+        "Python, the class itself too); a request's `extra_args` reach them",
+    )
     speculative_config: dict[str, Any] | None = option(
         None, "speculative decoding, as a JSON object, e.g. {\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4} (methods: ngram, suffix)",
@@ -229,6 +234,7 @@ class EngineArgs:
             # only: on disk, across restarts, an id could come back naming another adapter.
             raise ValueError("kv_cache_dir (the disk tier) cannot be combined with enable_lora")
         self.speculative()
+        self._check_logits_processors()
         if self.preload_prompts is not None:
             self.preload_prompts = load_preload_prompts(self.preload_prompts)
 
@@ -322,6 +328,22 @@ class EngineArgs:
         if ours is not None and vllms is not None and ours != vllms:
             raise ValueError(f"{name}={ours} and {vllm_name}={vllms} disagree: give one")
         return vllms if ours is None else ours
+
+    def _check_logits_processors(self) -> None:
+        """Each entry a class or a "module:Class" name (loaded by the engine); none with
+        speculative decoding (a drafted request samples several rows a step, which the
+        interface has no way to say)."""
+        if not self.logits_processors:
+            return
+        for spec in self.logits_processors:
+            if not isinstance(spec, type) and not (isinstance(spec, str) and ":" in spec):
+                raise ValueError(
+                    f"logits_processors entries must be classes or 'module:Class' names, "
+                    f"got {spec!r}"
+                )
+        if self.speculative_config is not None:
+            raise ValueError("custom logits_processors cannot be combined with "
+                             "speculative_config")
 
     def get_diff_sampling_param(self, model_dir: str | os.PathLike[str]) -> dict[str, Any]:
         """vLLM's: `ModelConfig.get_diff_sampling_param`."""
