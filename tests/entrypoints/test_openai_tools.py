@@ -108,13 +108,15 @@ def test_hermes_parser_text_after_a_call_at_any_delta_boundary() -> None:
 def test_streamed_and_whole_messages_agree_when_cut_off() -> None:
     """A "required" choice cut off (max_tokens) before its first call is its text as written,
     streamed or not (the stream once lost the opening bracket)."""
-    from v1.entrypoints.openai.serving import _ToolCalls
+    from v1.entrypoints.openai.serving import _ChatParsers
     from v1.outputs import CompletionOutput
 
     request = ChatCompletionRequest(messages=MESSAGES, tools=TOOLS, tool_choice="required")
     text = ' [{"name": "get_time", "param'
-    whole = _ToolCalls(request, None).message(CompletionOutput(0, text, [], None, [], "length"))
-    tool_calls = _ToolCalls(request, None)
+    whole = _ChatParsers(request, None, None).message(
+        CompletionOutput(0, text, [], None, [], "length")
+    )
+    tool_calls = _ChatParsers(request, None, None)
     streamed = "".join(
         tool_calls.delta(CompletionOutput(0, piece, [], None, [], finish)).content or ""
         for piece, finish in ((text[:3], None), (text[3:], "length"))

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from v1.config.cache import CacheConfig, load_preload_prompts
-from v1.config.checks import check_int
+from v1.config.checks import check_choice, check_int
 from v1.config.cli_args import add_engine_args
 from v1.config.ignored_options import IGNORED_OPTIONS, check_ignored_option, ignored_help
 from v1.config.limits import DEFAULT_LIMITS, InputLimits
@@ -21,6 +21,7 @@ from v1.config.model import HfOverrides, ModelConfig, PoolerConfig
 from v1.config.parallel import ParallelConfig
 from v1.config.scheduler import SchedulerConfig
 from v1.config.speculative import SpeculativeConfig
+from v1.reasoning import REASONING_PARSERS
 
 
 def option(default: Any, help: str) -> Any:
@@ -135,6 +136,11 @@ class EngineArgs:
         "v1.v1.sample.logits_processor.LogitsProcessor), each a 'module:Class' name (in "
         "Python, the class itself too); a request's `extra_args` reach them",
     )
+    reasoning_parser: str | None = option(
+        None, "how the model's output splits into reasoning and answer, which the chat API "
+        f"returns apart (`reasoning`, `reasoning_content`): {', '.join(REASONING_PARSERS)}. "
+        "Structured output still constrains the whole output, reasoning included",
+    )
     speculative_config: dict[str, Any] | None = option(
         None, "speculative decoding, as a JSON object, e.g. {\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4} (methods: ngram, suffix)",
@@ -235,6 +241,8 @@ class EngineArgs:
             raise ValueError("kv_cache_dir (the disk tier) cannot be combined with enable_lora")
         self.speculative()
         self._check_logits_processors()
+        if self.reasoning_parser is not None:
+            check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
         if self.preload_prompts is not None:
             self.preload_prompts = load_preload_prompts(self.preload_prompts)
 

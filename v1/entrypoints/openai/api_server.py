@@ -468,6 +468,7 @@ def build_app(
         app.state.serving = OpenAIServing(
             engine, served_model_names or [default_name], chat_template, tool_parser,
             default_sampling_params=defaults, limits=limits, model_path=str(engine.model_dir),
+            reasoning_parser=engine_args.reasoning_parser,
         )
         try:
             await app.state.serving.serving_models.init_static_loras(

@@ -417,8 +417,9 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateRequest):
     audio: Unsupported[dict[str, Any] | None] = None
     prediction: Unsupported[dict[str, Any] | None] = None
     web_search_options: Unsupported[dict[str, Any] | None] = None
+    # vLLM's: False leaves the reasoning (with --reasoning-parser) out of the reply.
+    include_reasoning: bool = True
     # vLLM's chat extras we do not implement.
-    include_reasoning: Unsupported[bool] = True
     documents: Unsupported[list[dict[str, str]] | None] = None
     # vLLM's: the reply starts with the last message's content when that is the assistant's
     # (a message being continued).
@@ -622,6 +623,9 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None  # None: only tool calls
     tool_calls: list[ToolCall] = []
+    # With --reasoning-parser: the model's reasoning, under vLLM's name and its older one.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChoice(BaseModel):
@@ -646,6 +650,9 @@ class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    # With --reasoning-parser: the model's reasoning, under vLLM's name and its older one.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatStreamChoice(BaseModel):
