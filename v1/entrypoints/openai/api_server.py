@@ -556,7 +556,9 @@ def make_parser(prog: str = "v1 serve") -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
-        help="how the model writes tool calls (hermes: <tool_call>{json}</tool_call>)",
+        help="how the model writes tool calls: hermes (<tool_call>{json}</tool_call>), "
+        "llama3_json ({json}; {json} as the whole output), mistral ([TOOL_CALLS] and a JSON "
+        "array, or name{json}), xlam (a JSON array, bare or in a ```json block)",
     )
     parser.add_argument(
         "--api-key", default=None,

@@ -378,7 +378,7 @@ class OpenAIServing:
         tool_calls = _ChatParsers(request, self.tool_parser, self.reasoning_parser)
         params = constrain_auto_tool_calls(request, await self.engine.run_in_pool(
             request.to_sampling_params, self.engine.processor.limits
-        ))
+        ), self.tool_parser)
         text, token_ids = await self.engine.run_in_pool(self._chat_prompt, request)
         self.check_length(len(token_ids), params.max_tokens, "messages")
         self.check_prompt_logprobs(len(token_ids), params)
