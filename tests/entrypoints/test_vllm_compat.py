@@ -281,6 +281,8 @@ def test_vllms_options_are_accepted_or_refused(default_model, caplog) -> None:
         ({"runner": "draft"}, r"runner must be one of auto, generate, pooling"),
         ({"load_format": "dummy"}, r"load_format='dummy' is not supported"),
         ({"no_such_option": 1}, r"unknown engine options \['no_such_option'\]"),
+        ({"hf_overrides": {"rms_norm_eps": 1e-3}}, "cannot change a model already loaded"),
+        ({"logits_processors": ["no_colon"]}, "must be classes or 'module:Class' names"),
     ]:
         with pytest.raises(ValueError, match=match):
             LLM(loaded_model=default_model, **bad)

@@ -53,6 +53,8 @@ class EngineCore:
         # A disk tier that cannot be written fails before the model loads.
         kv_dir = None if args.kv_cache_dir is None else open_kv_cache_dir(args.kv_cache_dir)
         torch.manual_seed(args.seed)
+        if loaded is not None and args.hf_overrides is not None:
+            raise ValueError("hf_overrides cannot change a model already loaded (loaded_model)")
         if loaded is None:
             path = resolve_model(args.model, args.revision)
             loaded = load_model(
