@@ -151,10 +151,6 @@ class EngineCore:
     # -- requests ---------------------------------------------------------------------
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        for processor in self.model_runner.logitsprocs or ():
-            # A custom processor refuses parameters it cannot take (vLLM's
-            # validate_params) here, never in a step.
-            type(processor).validate_params(request.sampling_params)
         if request.lora_request is not None:
             # Loaded (and checked) now: a bad adapter is refused here, never in a step.
             self.add_lora(request.lora_request)
