@@ -35,6 +35,7 @@ from v1.distributed import cleanup_dist_env_and_memory
 from v1.engine.arg_utils import AsyncEngineArgs
 from v1.engine.async_llm import AsyncLLM
 from v1.entrypoints.llm import LLM
+from v1.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from v1.metrics.reader import Counter, Gauge, Histogram, Vector, get_metrics_snapshot
 from v1.platforms import current_platform
 from v1.utils import random_uuid
@@ -522,6 +523,11 @@ def test_custom_logits_processor_with_extra_args(default_model, reference) -> No
     assert outputs[1].outputs[0].token_ids == reference[PROMPTS[1]][0][:2]
     assert outputs[2].outputs[0].token_ids == reference[PROMPTS[0]][0]
     assert TargetTokenProcessor.seen == {t: list(range(MAX_TOKENS)) for t in (128, 67)}
+    # The server's requests carry them as vLLM's `vllm_xargs` (the client's extra_body).
+    for request in (ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
+                                          vllm_xargs={"target_token": 128}),
+                    CompletionRequest(prompt="hi", vllm_xargs={"target_token": 128})):
+        assert request.to_sampling_params().extra_args == {"target_token": 128}
     with pytest.raises(ValueError, match="cannot be combined with speculative_config"):
         EngineArgs(logits_processors=[name],
                    speculative_config={"method": "ngram", "num_speculative_tokens": 2})

@@ -167,6 +167,9 @@ class SamplingRequest(EngineRequest):
     # in the response). Not streamed, as in vLLM.
     prompt_logprobs: NonNegativeInt64 | None = None
     stream_options: StreamOptions | None = None
+    # vLLM's: SamplingParams.extra_args, the arguments of the engine's custom logits
+    # processors (--logits-processors).
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
 
     # Structured output: OpenAI's `response_format` ({"type": "text" | "json_object" |
     # "json_schema"}) or vLLM's `structured_outputs` (StructuredOutputsParams' fields).
@@ -191,7 +194,6 @@ class SamplingRequest(EngineRequest):
     return_token_ids: Unsupported[bool] = False
     request_id: Unsupported[str | None] = None
     kv_transfer_params: Unsupported[dict[str, Any] | None] = None
-    vllm_xargs: Unsupported[dict[str, Any] | None] = None
 
     @field_validator("best_of")
     @classmethod
@@ -235,7 +237,7 @@ class SamplingRequest(EngineRequest):
         return SamplingParams(
             **self.model_dump(include=_SAMPLING_FIELDS), max_tokens=max_tokens, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, logit_bias=token_id_biases(self.logit_bias),
-            structured_outputs=self._structured_outputs(limits),
+            structured_outputs=self._structured_outputs(limits), extra_args=self.vllm_xargs,
         )
 
     def _structured_outputs(self, limits: InputLimits) -> StructuredOutputsParams | None:
