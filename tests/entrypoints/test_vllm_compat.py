@@ -17,7 +17,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily
-from v1.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+from v1.v1.sample.logits_processor import AdapterLogitsProcessor, BatchUpdate, LogitsProcessor
 from v1.v1.sample.logits_processor.builtin import process_dict_updates
 
 from tests.engine.mp_utils import SMALL_ENGINE, wait_until
@@ -499,22 +499,44 @@ class TargetTokenProcessor(LogitsProcessor):
         return logits
 
 
+class FirstPromptTokenProcessor(AdapterLogitsProcessor):
+    """logits_processor/custom_req.py's pattern, written anew: a per-request processor (here
+    of the prompt, the output so far and the row) for requests whose `extra_args` ask: only
+    the prompt's first token may be sampled."""
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def new_req_logits_processor(self, params: SamplingParams):
+        if not (params.extra_args or {}).get("echo_first"):
+            return None
+
+        def keep_first(prompt_ids: list[int], output_ids: list[int], row: torch.Tensor):
+            kept = torch.full_like(row, float("-inf"))
+            kept[prompt_ids[0]] = row[prompt_ids[0]]
+            return kept
+
+        return keep_first
+
+
 @pytest.mark.model
 def test_custom_logits_processor_with_extra_args(default_model, reference) -> None:
-    """logits_processor/custom.py and logits_processor_fqn.py: `LLM(logits_processors=
-    ["module:Class"])`, half the requests asking for a target token in `extra_args`. Those
+    """logits_processor/custom.py, logits_processor_fqn.py and custom_req.py: `LLM(
+    logits_processors=["module:Class", AdapterSubclass])`, some requests asking for a target
+    token in `extra_args`, one for the adapter's per-request processor. Those
     sample only it; the others are the plain greedy outputs. Requests of different lengths
     finish at different steps, so a targeted request changes rows on the way. Parameters the
     processor's `validate_params` refuses are a ValueError."""
     TargetTokenProcessor.seen.clear()
     name = f"{__name__}:TargetTokenProcessor"
-    with LLM(loaded_model=default_model, logits_processors=[name], **SMALL_ENGINE) as llm:
+    processors = [name, FirstPromptTokenProcessor]
+    with LLM(loaded_model=default_model, logits_processors=processors, **SMALL_ENGINE) as llm:
         params = [
             SamplingParams(temperature=0.0, max_tokens=n, extra_args=extra)
             for n, extra in [(MAX_TOKENS, {"target_token": 128}), (2, None), (MAX_TOKENS, None),
-                             (MAX_TOKENS, {"target_token": 67})]
+                             (MAX_TOKENS, {"target_token": 67}), (MAX_TOKENS, {"echo_first": 1})]
         ]
-        outputs = llm.generate(PROMPTS * 2, params, use_tqdm=False)
+        outputs = llm.generate(PROMPTS * 2 + PROMPTS[:1], params, use_tqdm=False)
         bad = SamplingParams(extra_args={"target_token": "x"})
         with pytest.raises(ValueError, match="target_token must be a token id"):
             llm.generate(PROMPTS[0], bad, use_tqdm=False)
@@ -522,6 +544,7 @@ def test_custom_logits_processor_with_extra_args(default_model, reference) -> No
     assert outputs[3].outputs[0].token_ids == [67] * MAX_TOKENS
     assert outputs[1].outputs[0].token_ids == reference[PROMPTS[1]][0][:2]
     assert outputs[2].outputs[0].token_ids == reference[PROMPTS[0]][0]
+    assert outputs[4].outputs[0].token_ids == [outputs[4].prompt_token_ids[0]] * MAX_TOKENS
     assert TargetTokenProcessor.seen == {t: list(range(MAX_TOKENS)) for t in (128, 67)}
     # The server's requests carry them as vLLM's `vllm_xargs` (the client's extra_body).
     for request in (ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
