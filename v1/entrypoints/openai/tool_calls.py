@@ -2,10 +2,11 @@
 
 "none" (plain text), a named function (the output constrained to its `parameters` schema),
 "required" (a JSON array of calls, each one of the tools with its schema) and "auto" (the
-hermes parser lifts `<tool_call>` blocks out of free text; `strict` functions held to their
-schema by a structural tag): docs/serving.md. Each choice's text goes through one incremental
-extractor (`feed` deltas, then `finish`), so a non-streamed response is the sum of the same
-deltas as the streamed one.
+server's `--tool-call-parser`, one of `TOOL_CALL_PARSERS`, lifts the model's calls out of
+free text; with hermes, `strict` functions are held to their schema by a structural tag):
+docs/serving.md. Each choice's text goes through one incremental extractor (`feed` deltas,
+then `finish`), so a non-streamed response is the sum of the same deltas as the streamed one;
+"required" and every "auto" format share one skeleton, `MarkedJsonToolParser`.
 """
 
 import dataclasses
@@ -92,45 +93,6 @@ class NamedToolCall(ToolCallExtractor):
 
     def finish(self) -> ToolDelta:
         return self.feed("") if self.num_calls == 0 else ToolDelta("", [])
-
-
-class RequiredToolCalls(ToolCallExtractor):
-    """The output is a JSON array of {"name", "parameters"} objects (the grammar guarantees
-    it); each object becomes a call as soon as it is complete."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._buffer = ""
-        self._opened = False
-        self._text = ""  # all of it, for a choice cut off before its first call
-
-    def feed(self, text: str) -> ToolDelta:
-        self._text += text
-        self._buffer += text
-        calls: list[DeltaToolCall] = []
-        while True:
-            self._buffer = self._buffer.lstrip()
-            if not self._opened:
-                if not self._buffer.startswith("["):
-                    break
-                self._opened = True
-                self._buffer = self._buffer[1:]
-                continue
-            if self._buffer[:1] in (",", "]"):
-                self._buffer = self._buffer[1:]
-                continue
-            decoded = _decode_prefix(self._buffer)
-            if decoded is None:
-                break
-            value, self._buffer = decoded
-            calls.append(self._call(value["name"], value["parameters"]))
-        return ToolDelta("", calls)
-
-    def finish(self) -> ToolDelta:
-        rest, self._buffer = self._buffer, ""
-        if self.num_calls == 0:  # cut off (max_tokens) before a call: the text as written
-            return ToolDelta(self._text, [])
-        return ToolDelta(rest, [])  # a cut-off call after others: kept as text, not lost
 
 
 class _NotACall:
@@ -338,6 +300,16 @@ class MarkedJsonToolParser(ToolCallExtractor):
         written, self._block = self._block, None
         if written and not (self._block_calls and self._is_filler(written)):
             self._content.append(self._space_before + written)
+
+
+class RequiredToolCalls(MarkedJsonToolParser):
+    """tool_choice "required": the output is a JSON array of {"name", "parameters"} objects
+    (the grammar guarantees it); each object becomes a call as soon as it is complete."""
+
+    OPENERS = ("[",)
+    AT_START = True
+    SEPARATORS = ",]"
+    ARGUMENT_KEYS = ("parameters",)
 
 
 class HermesToolParser(MarkedJsonToolParser):
