@@ -5,7 +5,8 @@ import pytest
 
 from v1.config import EngineArgs
 from v1.entrypoints.openai.protocol import ChatCompletionRequest
-from v1.entrypoints.openai.serving import _ChatParsers
+from v1.entrypoints.openai.serving import _ChatParsers, reasoning_parser_for
+from v1.entrypoints.openai.tool_calls import constrain_auto_tool_calls
 from v1.outputs import CompletionOutput
 from v1.reasoning import (
     REASONING_PARSERS,
@@ -113,3 +114,22 @@ def test_tool_calls_are_parsed_after_the_reasoning() -> None:
         ("add", '{"a": 2}')
     ]
     assert not whole.content and not any(d.content for d in deltas)
+
+
+
+def test_a_grammar_constrained_reply_is_not_split() -> None:
+    """A reply held to a grammar from its first token (a named or required tool choice, a
+    response_format) has no reasoning: no parser splits it; free text (strict tools under
+    "auto" included: their grammar starts at a tag) does."""
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+    strict = [{"type": "function", "function": {"name": "add", "parameters": {},
+                                                "strict": True}}]
+    for kwargs, expected in [
+        ({}, Qwen3ReasoningParser),
+        ({"tools": tools, "tool_choice": "required"}, None),
+        ({"response_format": {"type": "json_object"}}, None),
+        ({"tools": strict, "tool_choice": "auto"}, Qwen3ReasoningParser),
+    ]:
+        request = ChatCompletionRequest(messages=MESSAGES, **kwargs)
+        params = constrain_auto_tool_calls(request, request.to_sampling_params(), "hermes")
+        assert reasoning_parser_for(params, Qwen3ReasoningParser) is expected, kwargs

@@ -139,7 +139,7 @@ class EngineArgs:
     reasoning_parser: str | None = option(
         None, "how the model's output splits into reasoning and answer, which the chat API "
         f"returns apart (`reasoning`, `reasoning_content`): {', '.join(REASONING_PARSERS)}. "
-        "Structured output still constrains the whole output, reasoning included",
+        "Structured output still constrains the whole output (which then has no reasoning)",
     )
     speculative_config: dict[str, Any] | None = option(
         None, "speculative decoding, as a JSON object, e.g. {\"method\": \"ngram\", "

@@ -375,10 +375,12 @@ class OpenAIServing:
         self, request: ChatCompletionRequest
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         head, lora = self._head(request, "chatcmpl")
-        tool_calls = _ChatParsers(request, self.tool_parser, self.reasoning_parser)
         params = constrain_auto_tool_calls(request, await self.engine.run_in_pool(
             request.to_sampling_params, self.engine.processor.limits
         ), self.tool_parser)
+        tool_calls = _ChatParsers(
+            request, self.tool_parser, reasoning_parser_for(params, self.reasoning_parser)
+        )
         text, token_ids = await self.engine.run_in_pool(self._chat_prompt, request)
         self.check_length(len(token_ids), params.max_tokens, "messages")
         self.check_prompt_logprobs(len(token_ids), params)
@@ -619,6 +621,18 @@ async def _completion_chunks(
     final_usage = deltas.final_usage()
     if final_usage is not None:
         yield CompletionResponse(**head, choices=[], usage=final_usage)
+
+
+def reasoning_parser_for(
+    params: SamplingParams, parser: type[ReasoningParser] | None
+) -> type[ReasoningParser] | None:
+    """The reasoning parser of a chat request's output: none when a grammar holds the output
+    from its first token (a response_format, a named or required tool choice), which leaves
+    no reasoning to split off; a structural tag (strict tools under "auto") allows free text."""
+    structured = params.structured_outputs
+    if structured is not None and structured.structural_tag is None:
+        return None
+    return parser
 
 
 class _ChatParsers:

@@ -422,7 +422,7 @@ def constrain_auto_tool_calls(
     if parser != "hermes":
         raise ValueError(
             f'strict functions under tool_choice "auto" are enforced with the hermes tool-call '
-            f"parser only, and this server's is {parser}"
+            f"parser only, and this server's is {parser or 'none (no auto tool choice)'}"
         )
     if params.structured_outputs is not None:
         raise ValueError(
