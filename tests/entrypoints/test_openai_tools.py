@@ -487,3 +487,17 @@ def test_auto_picks_the_servers_parser_and_max_calls() -> None:
         '"arguments": {}}]'
     content, calls = run(extractor, text, 5)
     assert calls == [WEATHER_CALL] and content.startswith('{"name": "get_time"')
+
+
+def test_serve_takes_each_parser_name() -> None:
+    """`v1 serve --tool-call-parser NAME` takes every registered format, and
+    `--reasoning-parser` (an engine option) vLLM's names."""
+    from v1.config import EngineArgs
+    from v1.entrypoints.openai.api_server import make_parser
+
+    parser = make_parser()
+    for name in TOOL_CALL_PARSERS:
+        args = parser.parse_args(["--enable-auto-tool-choice", "--tool-call-parser", name,
+                                  "--reasoning-parser", "qwen3"])
+        assert args.tool_call_parser == name
+        assert EngineArgs.from_cli_args(args).reasoning_parser == "qwen3"
