@@ -25,6 +25,8 @@ from v1.worker.model_runner import ModelRunner
     (lambda: ModelConfig(runner="draft"), "runner must be one of auto, generate, pooling"),
     (lambda: ModelConfig(pooler_config={"normalize": True}), "pooler_config needs runner"),
     (lambda: ModelConfig(quantization="fp4"), "quantization must be one of gguf, int8"),
+    (lambda: ModelConfig(hf_overrides="max_position_embeddings=128"),
+     "hf_overrides must be a dict or a function of the HF config"),
     (lambda: CacheConfig(gpu_memory_utilization=1.5),
      r"gpu_memory_utilization must be in \(0, 1\], got 1.5"),
     (lambda: CacheConfig(kv_cache_memory=0), "kv_cache_memory must be an integer >= 1, got 0"),
@@ -69,6 +71,15 @@ def test_engine_args_builds_the_groups(tmp_path):
     assert cache.gpu_memory_utilization == 0.5 and cache.disk_bytes() == 8 << 30
     assert args.parallel_config() == ParallelConfig()
     assert args.model_config().dtype == "auto"
+
+
+def test_hf_overrides_is_a_json_object_on_the_command_line():
+    import argparse
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--hf-overrides", '{"max_position_embeddings": 128}'])
+    engine_args = EngineArgs.from_cli_args(args)
+    assert engine_args.model_config().hf_overrides == {"max_position_embeddings": 128}
 
 
 def test_the_gpu_budget_is_the_runners(monkeypatch):

@@ -27,8 +27,9 @@ FACADES = {"v1", "v1.__main__"}  # the package's own entry: `from v1 import LLM`
 # Packages that live inside a layer: metrics (the engine's stat loggers and their reader) is
 # the engine's; lora wraps the model's linear layers (its worker manager is loaded by the
 # runner), except LoRARequest, a request's field that every layer shares (`v1.lora.request`:
-# vLLM's path).
-PART_OF = {"metrics": "engine", "lora": "models"}
+# vLLM's path); sample (vLLM's `vllm.v1.sample` paths: custom logits processors) is the
+# worker's.
+PART_OF = {"metrics": "engine", "lora": "models", "sample": "worker"}
 SHARED_MODULES = {"v1.lora", "v1.lora.request"}
 
 

@@ -111,7 +111,9 @@ class SamplingParams:
     logit, multiplies a negative one); `logit_bias` adds to token ids' logits;
     `allowed_token_ids` restricts sampling to those ids; `bad_words` are never completed
     (the processor tokenizes them into `bad_words_token_ids`). `structured_outputs` masks
-    every sampled token to what its grammar allows.
+    every sampled token to what its grammar allows. `extra_args` (vLLM's): arguments for the
+    engine's custom logits processors, which read them (JSON-like values: they cross to the
+    engine core in its messages).
     """
 
     n: int = 1
@@ -138,6 +140,7 @@ class SamplingParams:
     bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    extra_args: dict[str, Any] | None = None
     # Filled in by the processor: each bad word's token ids, with and without a leading space.
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # Filled in by the processor from the tokenizer's EOS and `stop_token_ids`; the scheduler
@@ -241,6 +244,10 @@ class SamplingParams:
             raise bad("bad_words", self.bad_words, "a list of non-blank strings")
         for i, word in enumerate(self.bad_words or ()):
             check_text(word, f"bad_words[{i}]")
+        if self.extra_args is not None and not (
+            isinstance(self.extra_args, dict) and all(isinstance(k, str) for k in self.extra_args)
+        ):
+            raise bad("extra_args", self.extra_args, "a dict with string keys")
 
     @property
     def greedy(self) -> bool:

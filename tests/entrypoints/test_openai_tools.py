@@ -14,12 +14,14 @@ from openai.types.chat import ChatCompletion
 from tests.entrypoints.test_openai_server import MODEL
 from v1.entrypoints.openai.protocol import ChatCompletionRequest
 from v1.entrypoints.openai.tool_calls import (
+    TOOL_CALL_PARSERS,
     HermesToolParser,
     NamedToolCall,
     RequiredToolCalls,
     ToolCallExtractor,
     constrain_auto_tool_calls,
     merge_tool_calls,
+    tool_call_extractor,
 )
 
 WEATHER = {
@@ -108,13 +110,15 @@ def test_hermes_parser_text_after_a_call_at_any_delta_boundary() -> None:
 def test_streamed_and_whole_messages_agree_when_cut_off() -> None:
     """A "required" choice cut off (max_tokens) before its first call is its text as written,
     streamed or not (the stream once lost the opening bracket)."""
-    from v1.entrypoints.openai.serving import _ToolCalls
+    from v1.entrypoints.openai.serving import _ChatParsers
     from v1.outputs import CompletionOutput
 
     request = ChatCompletionRequest(messages=MESSAGES, tools=TOOLS, tool_choice="required")
     text = ' [{"name": "get_time", "param'
-    whole = _ToolCalls(request, None).message(CompletionOutput(0, text, [], None, [], "length"))
-    tool_calls = _ToolCalls(request, None)
+    whole = _ChatParsers(request, None, None).message(
+        CompletionOutput(0, text, [], None, [], "length")
+    )
+    tool_calls = _ChatParsers(request, None, None)
     streamed = "".join(
         tool_calls.delta(CompletionOutput(0, piece, [], None, [], finish)).content or ""
         for piece, finish in ((text[:3], None), (text[3:], "length"))
@@ -375,7 +379,7 @@ def test_strict_tools_under_auto_are_held_to_their_schema(hf_tokenizer) -> None:
 
     strict = [{**tool, "function": {**tool["function"], "strict": True}} for tool in TOOLS]
     request = ChatCompletionRequest(messages=MESSAGES, tools=strict)
-    params = constrain_auto_tool_calls(request, request.to_sampling_params())
+    params = constrain_auto_tool_calls(request, request.to_sampling_params(), "hermes")
     assert params.structured_outputs == hermes_structural_tag(request.tools)
     info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer)
     grammar = xgr.GrammarCompiler(info).compile_structural_tag(
@@ -392,12 +396,17 @@ def test_strict_tools_under_auto_are_held_to_their_schema(hf_tokenizer) -> None:
     assert not accepted(call.replace("get_time", "get_date") % "{}")  # no such tool
     # Without strict, "auto" is unconstrained; with other constraints, strict is refused.
     loose = ChatCompletionRequest(messages=MESSAGES, tools=TOOLS)
-    assert constrain_auto_tool_calls(loose, loose.to_sampling_params()).structured_outputs is None
+    assert constrain_auto_tool_calls(
+        loose, loose.to_sampling_params(), "hermes"
+    ).structured_outputs is None
     both = ChatCompletionRequest(
         messages=MESSAGES, tools=strict, response_format={"type": "json_object"}
     )
     with pytest.raises(ValueError, match="strict"):
-        constrain_auto_tool_calls(both, both.to_sampling_params())
+        constrain_auto_tool_calls(both, both.to_sampling_params(), "hermes")
+    # Other formats have no grammar here: strict is refused, not silently unenforced.
+    with pytest.raises(ValueError, match="enforced with the hermes tool-call parser only"):
+        constrain_auto_tool_calls(request, request.to_sampling_params(), "mistral")
 
 
 @pytest.mark.model
@@ -433,3 +442,62 @@ def test_strict_auto_calls_are_held_to_the_schema_by_the_engine(client: openai.O
         calls[name] = json.loads(call.function.arguments)
     assert calls["loose"]["unit"] == "kelvin"  # what the model writes unconstrained
     jsonschema.validate(calls["strict"], WEATHER)
+
+
+# ---- the other --tool-call-parser formats (vLLM's names), on the shared skeleton ------------
+
+WEATHER_CALL = ("get_weather", '{"city": "Paris", "unit": "celsius"}')
+TIME_CALL = ("get_time", '{"timezone": "CET"}')
+ARGS = '{"city": "Paris", "unit": "celsius"}'
+
+
+@pytest.mark.parametrize(("name", "text", "expected"), [
+    ("llama3_json", f'{{"name": "get_weather", "parameters": {ARGS}}}; '
+     '{"name": "get_time", "parameters": {"timezone": "CET"}}', ("", [WEATHER_CALL, TIME_CALL])),
+    ("llama3_json", f'<|python_tag|>{{"name": "get_weather", "arguments": {ARGS}}}',
+     ("", [WEATHER_CALL])),
+    # Only at the start of the output.
+    ("llama3_json", 'It is {"name": "x", "parameters": {}}',
+     ('It is {"name": "x", "parameters": {}}', [])),
+    ("mistral", f'Checking. [TOOL_CALLS][{{"name": "get_weather", "arguments": {ARGS}}}, '
+     '{"name": "get_time", "arguments": {"timezone": "CET"}}]', ("Checking.", [WEATHER_CALL,
+                                                                               TIME_CALL])),
+    ("mistral", f'[TOOL_CALLS]get_weather{ARGS}[TOOL_CALLS]get_time{{"timezone": "CET"}}',
+     ("", [WEATHER_CALL, TIME_CALL])),
+    ("mistral", "[1, 2] [TOOL_CALLS] is a token", ("[1, 2] [TOOL_CALLS] is a token", [])),
+    ("xlam", f'[{{"name": "get_weather", "arguments": {ARGS}}}]', ("", [WEATHER_CALL])),
+    ("xlam", f'Sure.\n```json\n[{{"name": "get_weather", "arguments": {ARGS}}}]\n```\nDone.',
+     ("Sure.Done.", [WEATHER_CALL])),
+    ("xlam", "Lists [1, 2] are fine.", ("Lists [1, 2] are fine.", [])),
+])
+def test_each_format_at_any_chunking(name: str, text: str, expected: tuple) -> None:
+    """vLLM's formats: Llama 3's JSON calls (at the output's start, ";" between, "parameters"
+    or "arguments"), Mistral's [TOOL_CALLS] (a JSON array, or name{arguments} per call) and
+    xLAM's JSON array (bare or fenced); text that is no call stays content, whatever the
+    deltas."""
+    for chunk in (1, 2, 3, 7, len(text)):
+        assert run(TOOL_CALL_PARSERS[name](), text, chunk) == expected, chunk
+
+
+def test_auto_picks_the_servers_parser_and_max_calls() -> None:
+    request = ChatCompletionRequest(messages=MESSAGES, tools=TOOLS, parallel_tool_calls=False)
+    extractor = tool_call_extractor(request, "xlam")
+    assert isinstance(extractor, TOOL_CALL_PARSERS["xlam"])
+    text = f'[{{"name": "get_weather", "arguments": {ARGS}}}, {{"name": "get_time", ' \
+        '"arguments": {}}]'
+    content, calls = run(extractor, text, 5)
+    assert calls == [WEATHER_CALL] and content.startswith('{"name": "get_time"')
+
+
+def test_serve_takes_each_parser_name() -> None:
+    """`v1 serve --tool-call-parser NAME` takes every registered format, and
+    `--reasoning-parser` (an engine option) vLLM's names."""
+    from v1.config import EngineArgs
+    from v1.entrypoints.openai.api_server import make_parser
+
+    parser = make_parser()
+    for name in TOOL_CALL_PARSERS:
+        args = parser.parse_args(["--enable-auto-tool-choice", "--tool-call-parser", name,
+                                  "--reasoning-parser", "qwen3"])
+        assert args.tool_call_parser == name
+        assert EngineArgs.from_cli_args(args).reasoning_parser == "qwen3"

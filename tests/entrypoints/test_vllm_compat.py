@@ -1,7 +1,7 @@
 """vLLM's usage patterns (its example scripts', written anew here), one test per pattern: the
 argparse script, the `LLMEngine` loop, `AsyncLLM` streaming with each output kind, metrics
 through `get_metrics()`, `del llm` + `cleanup_dist_env_and_memory()`, the options vLLM's
-scripts pass, the prompt types, and the `v1` console command."""
+scripts pass, the prompt types, custom logits processors, and the `v1` console command."""
 
 import asyncio
 import dataclasses
@@ -17,6 +17,8 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily
+from v1.v1.sample.logits_processor import AdapterLogitsProcessor, BatchUpdate, LogitsProcessor
+from v1.v1.sample.logits_processor.builtin import process_dict_updates
 
 from tests.engine.mp_utils import SMALL_ENGINE, wait_until
 from v1 import (
@@ -33,6 +35,7 @@ from v1.distributed import cleanup_dist_env_and_memory
 from v1.engine.arg_utils import AsyncEngineArgs
 from v1.engine.async_llm import AsyncLLM
 from v1.entrypoints.llm import LLM
+from v1.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from v1.metrics.reader import Counter, Gauge, Histogram, Vector, get_metrics_snapshot
 from v1.platforms import current_platform
 from v1.utils import random_uuid
@@ -279,6 +282,8 @@ def test_vllms_options_are_accepted_or_refused(default_model, caplog) -> None:
         ({"runner": "draft"}, r"runner must be one of auto, generate, pooling"),
         ({"load_format": "dummy"}, r"load_format='dummy' is not supported"),
         ({"no_such_option": 1}, r"unknown engine options \['no_such_option'\]"),
+        ({"hf_overrides": {"rms_norm_eps": 1e-3}}, "cannot change a model already loaded"),
+        ({"logits_processors": ["no_colon"]}, "must be classes or 'module:Class' names"),
     ]:
         with pytest.raises(ValueError, match=match):
             LLM(loaded_model=default_model, **bad)
@@ -454,6 +459,101 @@ def test_vllms_v1_module_paths_are_the_same_modules() -> None:
     assert sys.modules["v1.engine.async_llm"].__spec__.name == "v1.engine.async_llm"
     with pytest.raises(ModuleNotFoundError, match="v1.v1.no_such_module"):
         importlib.import_module("v1.v1.no_such_module")
+
+
+class TargetTokenProcessor(LogitsProcessor):
+    """logits_processor/custom.py's processor, written anew: a request whose `extra_args`
+    name a `target_token` may sample only that token. Logs, per target, the length of the
+    request's output list at each step (the list is the request's own, growing)."""
+
+    seen: dict[int, list[int]] = {}
+
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
+        assert vllm_config.scheduler_config.max_num_seqs >= 1
+        self.targets: dict[int, tuple[int, list[int]]] = {}
+
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        target = (sampling_params.extra_args or {}).get("target_token", 0)
+        if not isinstance(target, int):
+            raise ValueError(f"target_token must be a token id, got {target!r}")
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        process_dict_updates(
+            self.targets, batch_update,
+            lambda params, _, outputs: (
+                (params.extra_args["target_token"], outputs)
+                if params.extra_args and "target_token" in params.extra_args else None
+            ),
+        )
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        for row, (target, outputs) in self.targets.items():
+            self.seen.setdefault(target, []).append(len(outputs))
+            kept = logits[row, target].item()
+            logits[row] = float("-inf")
+            logits[row, target] = kept
+        return logits
+
+
+class FirstPromptTokenProcessor(AdapterLogitsProcessor):
+    """logits_processor/custom_req.py's pattern, written anew: a per-request processor (here
+    of the prompt, the output so far and the row) for requests whose `extra_args` ask: only
+    the prompt's first token may be sampled."""
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def new_req_logits_processor(self, params: SamplingParams):
+        if not (params.extra_args or {}).get("echo_first"):
+            return None
+
+        def keep_first(prompt_ids: list[int], output_ids: list[int], row: torch.Tensor):
+            kept = torch.full_like(row, float("-inf"))
+            kept[prompt_ids[0]] = row[prompt_ids[0]]
+            return kept
+
+        return keep_first
+
+
+@pytest.mark.model
+def test_custom_logits_processor_with_extra_args(default_model, reference) -> None:
+    """logits_processor/custom.py, logits_processor_fqn.py and custom_req.py: `LLM(
+    logits_processors=["module:Class", AdapterSubclass])`, some requests asking for a target
+    token in `extra_args`, one for the adapter's per-request processor. Those
+    sample only it; the others are the plain greedy outputs. Requests of different lengths
+    finish at different steps, so a targeted request changes rows on the way. Parameters the
+    processor's `validate_params` refuses are a ValueError."""
+    TargetTokenProcessor.seen.clear()
+    name = f"{__name__}:TargetTokenProcessor"
+    processors = [name, FirstPromptTokenProcessor]
+    with LLM(loaded_model=default_model, logits_processors=processors, **SMALL_ENGINE) as llm:
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=n, extra_args=extra)
+            for n, extra in [(MAX_TOKENS, {"target_token": 128}), (2, None), (MAX_TOKENS, None),
+                             (MAX_TOKENS, {"target_token": 67}), (MAX_TOKENS, {"echo_first": 1})]
+        ]
+        outputs = llm.generate(PROMPTS * 2 + PROMPTS[:1], params, use_tqdm=False)
+        bad = SamplingParams(extra_args={"target_token": "x"})
+        with pytest.raises(ValueError, match="target_token must be a token id"):
+            llm.generate(PROMPTS[0], bad, use_tqdm=False)
+    assert outputs[0].outputs[0].token_ids == [128] * MAX_TOKENS
+    assert outputs[3].outputs[0].token_ids == [67] * MAX_TOKENS
+    assert outputs[1].outputs[0].token_ids == reference[PROMPTS[1]][0][:2]
+    assert outputs[2].outputs[0].token_ids == reference[PROMPTS[0]][0]
+    assert outputs[4].outputs[0].token_ids == [outputs[4].prompt_token_ids[0]] * MAX_TOKENS
+    assert TargetTokenProcessor.seen == {t: list(range(MAX_TOKENS)) for t in (128, 67)}
+    # The server's requests carry them as vLLM's `vllm_xargs` (the client's extra_body).
+    for request in (ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
+                                          vllm_xargs={"target_token": 128}),
+                    CompletionRequest(prompt="hi", vllm_xargs={"target_token": 128})):
+        assert request.to_sampling_params().extra_args == {"target_token": 128}
+    with pytest.raises(ValueError, match="cannot be combined with speculative_config"):
+        EngineArgs(logits_processors=[name],
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 2})
 
 
 def test_sampling_params_clone_and_random_uuid() -> None:

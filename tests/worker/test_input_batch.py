@@ -3,6 +3,7 @@
 import numpy as np
 import torch
 
+from v1.sample.logits_processor import BatchUpdateBuilder, process_dict_updates
 from v1.sampling_params import SamplingParams
 from v1.worker.input_batch import InputBatch
 
@@ -63,3 +64,35 @@ def test_slot_mapping_from_block_table():
     rows = np.zeros(6, dtype=np.int64)
     positions = np.arange(6)
     assert batch.block_table.slot_mapping(rows, positions).tolist() == [28, 29, 30, 31, 8, 9]
+
+
+def test_batch_updates_replay_the_rows_changes():
+    """What custom logits processors are told: replayed on a row -> request map (vLLM's
+    process_dict_updates), each step's BatchUpdate gives the batch's rows as they are; an
+    added request's output list is the one that grows as it samples."""
+    builder = BatchUpdateBuilder()
+    batch = InputBatch(max_num_reqs=4, max_model_len=16, block_size=4, vocab_size=1000,
+                       batch_update_builder=builder)
+    state: dict[int, str] = {}
+
+    def step() -> None:
+        update = builder.get_and_reset(batch.num_reqs)
+        assert update is not None and update.batch_size == batch.num_reqs
+        process_dict_updates(state, update, lambda params, prompt, out: params.extra_args["id"])
+        assert state == {row: r for row, r in enumerate(batch.req_ids) if r is not None}
+
+    def add_as(req_id: str) -> int:
+        params = SamplingParams(extra_args={"id": req_id})
+        return batch.add_request(req_id, [1, 2, 3], 2, 0, [0], params, None)
+
+    for r in ("r0", "r1", "r2"):
+        add_as(r)
+    step()
+    assert builder.output_token_ids["r1"] == [3]
+    batch.remove_request("r0")
+    batch.remove_request("r2")
+    assert add_as("r3") == 2  # into a freed row, then moved by the condense
+    batch.condense()
+    step()
+    assert batch.req_ids[:2] == ["r3", "r1"]
+    assert builder.get_and_reset(batch.num_reqs) is None

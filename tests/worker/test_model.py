@@ -213,6 +213,33 @@ def tiny_llama_config():
     )
 
 
+def test_hf_overrides_change_the_config_before_the_model_is_built(tmp_path):
+    """vLLM's `hf_overrides`: a dict's keys set on the config (a nested config updated key by
+    key), or a function's result; the model (its context length here) is built from it."""
+    from transformers import LlamaConfig
+    from transformers import LlamaForCausalLM as HFLlama
+
+    HFLlama(tiny_llama_config()).save_pretrained(tmp_path)
+    cpu = torch.device("cpu")
+    loaded = load_model(str(tmp_path), torch.float32, cpu, TorchAttentionImpl,
+                        hf_overrides={"max_position_embeddings": 128})
+    assert loaded.hf_config.max_position_embeddings == 128 and loaded.max_model_len == 128
+
+    def shorter(config):
+        config.max_position_embeddings = 200
+        return config
+
+    overridden = model_loader.apply_hf_overrides(tiny_llama_config(), shorter)
+    assert overridden.max_position_embeddings == 200
+    config = tiny_llama_config()
+    config.text_config = LlamaConfig(vocab_size=7, hidden_size=64, num_attention_heads=4)
+    model_loader.apply_hf_overrides(
+        config, {"text_config": {"vocab_size": 9}, "rope_parameters": {"rope_type": "default"}}
+    )
+    assert config.text_config.vocab_size == 9 and config.text_config.hidden_size == 64
+    assert config.rope_parameters == {"rope_type": "default"}  # a plain dict is replaced
+
+
 def test_hf_directory_matches_hf(tmp_path):
     from transformers import LlamaForCausalLM as HFLlama
 

@@ -1,7 +1,15 @@
 """Sampler: greedy exactness, filters, seeded reproducibility and logprobs."""
 
+import pytest
 import torch
 
+from v1.sample.logits_processor import (
+    BatchLogits,
+    BatchUpdate,
+    LogitsProcessor,
+    LogitsProcessors,
+    load_logits_processors,
+)
 from v1.sampling_params import SamplingParams
 from v1.worker.sampler import Sampler, SamplingMetadata
 
@@ -197,3 +205,51 @@ def test_greedy_row_does_not_consume_its_generator() -> None:
     assert md.generators == {}
     Sampler()(make_logits(2), md)
     assert torch.equal(gen.get_state(), state)
+
+
+class _BanArgmax(LogitsProcessor):
+    """Bans, in batch row `row`, the token with the largest logit (so it changes greedy
+    rows: not argmax-invariant), or with `invariant`, records the rows it was handed."""
+
+    def __init__(self, row: int, invariant: bool = False) -> None:
+        self.row, self.invariant, self.batches = row, invariant, []
+
+    def is_argmax_invariant(self) -> bool:
+        return self.invariant
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        pass
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        self.batches.append(logits.clone())
+        if not self.invariant:
+            logits[self.row, logits[self.row].argmax()] = float("-inf")
+        return logits
+
+
+def test_custom_processors_see_batch_rows() -> None:
+    """The sampler holds only the rows that sample; a custom processor indexes the batch:
+    logits row i is batch row rows[i]. One that can change the argmax runs for greedy rows
+    too; an argmax-invariant one only when some row samples, after the temperature."""
+    logits = make_logits(2)
+    ban, seen = _BanArgmax(row=2), _BanArgmax(row=0, invariant=True)
+    procs = BatchLogits(LogitsProcessors([ban, seen]), torch.tensor([2, 0]), batch_size=3)
+    greedy = [SamplingParams(temperature=0.0)] * 2
+    out = Sampler()(logits.clone(), SamplingMetadata.from_params(greedy, logitsprocs=procs))
+    second = logits[0].topk(2).indices[1]
+    assert out.sampled_token_ids.tolist() == [second, logits[1].argmax()]
+    assert torch.equal(ban.batches[0][[2, 0]], logits) and not seen.batches
+    hot = [SamplingParams(temperature=2.0)] * 2
+    Sampler()(logits.clone(), SamplingMetadata.from_params(hot, logitsprocs=procs))
+    assert torch.allclose(seen.batches[0][0], logits[1] / 2)
+
+
+def test_logits_processors_load_by_name_or_class() -> None:
+    name = f"{__name__}:_BanArgmax"
+    assert load_logits_processors([name, _BanArgmax]) == [_BanArgmax, _BanArgmax]
+    for spec, match in [("no_colon", "must be a class or 'module:Class'"),
+                        (f"{__name__}:Nothing", "cannot load logits processor"),
+                        ("no.such.module:X", "cannot load logits processor"),
+                        (f"{__name__}:make_logits", "is not a subclass"), (dict, "not a sub")]:
+        with pytest.raises(ValueError, match=match):
+            load_logits_processors([spec])

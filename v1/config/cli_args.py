@@ -4,7 +4,8 @@ anything else that parses engine options.
 
 Each field `max_model_len` is the flag `--max-model-len`, typed by the field's annotation: a
 bool is `--flag` / `--no-flag`, a dict is a JSON object (as vLLM's `--speculative-config`),
-`X | None` parses as X. The request limits (`InputLimits`' fields) get a group of their own.
+`X | None` parses as X, a list as one or more values. The request limits (`InputLimits`'
+fields) get a group of their own.
 """
 
 import argparse
@@ -39,9 +40,12 @@ def add_engine_args(parser: argparse.ArgumentParser, cls: type) -> argparse.Argu
                                default=field.default, help=field.metadata["help"])
         else:
             scalar = next(t for t in typing.get_args(hint) or (hint,) if t is not type(None))
+            nargs = None
             if typing.get_origin(scalar) is dict:
                 scalar = _json_object
-            group.add_argument(flag, type=scalar, default=field.default,
+            elif typing.get_origin(scalar) is list:
+                scalar, nargs = str, "+"
+            group.add_argument(flag, type=scalar, nargs=nargs, default=field.default,
                                help=field.metadata["help"])
     return parser
 

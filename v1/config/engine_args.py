@@ -12,15 +12,16 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from v1.config.cache import CacheConfig, load_preload_prompts
-from v1.config.checks import check_int
+from v1.config.checks import check_choice, check_int
 from v1.config.cli_args import add_engine_args
 from v1.config.ignored_options import IGNORED_OPTIONS, check_ignored_option, ignored_help
 from v1.config.limits import DEFAULT_LIMITS, InputLimits
 from v1.config.lora import LoRAConfig
-from v1.config.model import ModelConfig, PoolerConfig
+from v1.config.model import HfOverrides, ModelConfig, PoolerConfig
 from v1.config.parallel import ParallelConfig
 from v1.config.scheduler import SchedulerConfig
 from v1.config.speculative import SpeculativeConfig
+from v1.reasoning import REASONING_PARSERS
 
 
 def option(default: Any, help: str) -> Any:
@@ -37,6 +38,11 @@ class EngineArgs:
     model: str | None = option(
         None, "a GGUF file, an HF model directory, or a hub id in the local HF cache "
         "(default: SmolLM2-135M-Instruct, GGUF)",
+    )
+    hf_overrides: HfOverrides | None = option(
+        None, "changes to the model's HF config (config.json) before the model is built, as "
+        "a JSON object of its keys (a nested config's keys as an object under its name); "
+        "in Python, a function of the config returning it is accepted too",
     )
     revision: str | None = option(
         None, "with a hub id as the model: the branch, tag or commit to find in the local "
@@ -124,6 +130,16 @@ class EngineArgs:
     pooler_config: dict[str, Any] | PoolerConfig | None = option(
         None, "the pooler's settings over the model's, as a JSON object: pooling_type "
         "(LAST, CLS, MEAN), normalize",
+    )
+    logits_processors: list[Any] | None = option(
+        None, "custom logits processors (vLLM's V1 interface, "
+        "v1.v1.sample.logits_processor.LogitsProcessor), each a 'module:Class' name (in "
+        "Python, the class itself too); a request's `extra_args` reach them",
+    )
+    reasoning_parser: str | None = option(
+        None, "how the model's output splits into reasoning and answer, which the chat API "
+        f"returns apart (`reasoning`, `reasoning_content`): {', '.join(REASONING_PARSERS)}. "
+        "Structured output still constrains the whole output (which then has no reasoning)",
     )
     speculative_config: dict[str, Any] | None = option(
         None, "speculative decoding, as a JSON object, e.g. {\"method\": \"ngram\", "
@@ -224,6 +240,9 @@ class EngineArgs:
             # only: on disk, across restarts, an id could come back naming another adapter.
             raise ValueError("kv_cache_dir (the disk tier) cannot be combined with enable_lora")
         self.speculative()
+        self._check_logits_processors()
+        if self.reasoning_parser is not None:
+            check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
         if self.preload_prompts is not None:
             self.preload_prompts = load_preload_prompts(self.preload_prompts)
 
@@ -245,6 +264,7 @@ class EngineArgs:
             model=self.model, revision=self.revision, generation_config=self.generation_config,
             device=self.device, dtype=self.dtype, quantization=self.quantization,
             seed=self.seed, runner=self.runner, pooler_config=self.pooler_config,
+            hf_overrides=self.hf_overrides,
         )
 
     def parallel_config(self) -> ParallelConfig:
@@ -316,6 +336,22 @@ class EngineArgs:
         if ours is not None and vllms is not None and ours != vllms:
             raise ValueError(f"{name}={ours} and {vllm_name}={vllms} disagree: give one")
         return vllms if ours is None else ours
+
+    def _check_logits_processors(self) -> None:
+        """Each entry a class or a "module:Class" name (loaded by the engine); none with
+        speculative decoding (a drafted request samples several rows a step, which the
+        interface has no way to say)."""
+        if not self.logits_processors:
+            return
+        for spec in self.logits_processors:
+            if not isinstance(spec, type) and not (isinstance(spec, str) and ":" in spec):
+                raise ValueError(
+                    f"logits_processors entries must be classes or 'module:Class' names, "
+                    f"got {spec!r}"
+                )
+        if self.speculative_config is not None:
+            raise ValueError("custom logits_processors cannot be combined with "
+                             "speculative_config")
 
     def get_diff_sampling_param(self, model_dir: str | os.PathLike[str]) -> dict[str, Any]:
         """vLLM's: `ModelConfig.get_diff_sampling_param`."""

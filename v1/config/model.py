@@ -5,6 +5,7 @@ from. Names only: the worker and model loader turn them into torch devices and d
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,10 @@ DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATION_METHODS = ("gguf", "int8")
 # quantization's value for float weights, a GGUF file's too (its dequantized copy).
 NO_QUANTIZATION = "none"
+
+# vLLM's `hf_overrides`: keys set on the model's HF config (a nested config, such as a
+# `text_config`, is updated key by key from a dict), or a function of the config returning it.
+HfOverrides = dict[str, Any] | Callable[[Any], Any]
 
 # runner's choices (vLLM's): "generate" samples tokens; "pooling" returns one vector per
 # prompt (embeddings, classification, scores: v1/models/pooler.py); "auto" is "pooling" for
@@ -101,7 +106,8 @@ class ModelConfig:
     """The model and how it runs; `dtype` and `pooler_config` are kept canonical (a dtype's
     name, a PoolerConfig). `generation_config`: "auto" (the model's generation_config.json),
     "vllm" (SamplingParams' own defaults) or a directory holding a generation_config.json,
-    which must exist (a user's input, checked before the model loads)."""
+    which must exist (a user's input, checked before the model loads). `hf_overrides`
+    (vLLM's): applied to the HF config before the model is built from it."""
 
     model: str | None = None
     revision: str | None = None
@@ -112,9 +118,17 @@ class ModelConfig:
     seed: int = 0
     runner: str = "generate"
     pooler_config: PoolerConfig | dict[str, Any] | None = None  # a dict: made a PoolerConfig
+    hf_overrides: HfOverrides | None = None
 
     def __post_init__(self) -> None:
         check_device(self.device)
+        if self.hf_overrides is not None and not (
+            isinstance(self.hf_overrides, dict) or callable(self.hf_overrides)
+        ):
+            raise ValueError(
+                f"hf_overrides must be a dict or a function of the HF config, got "
+                f"{self.hf_overrides!r}"
+            )
         self.dtype = dtype_name(self.dtype)
         check_choice("runner", self.runner, RUNNER_TYPES)
         if self.pooler_config is not None:

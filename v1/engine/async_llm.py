@@ -11,7 +11,7 @@ stream. Requests go by the caller's id here; an id may be reused once its reques
 import asyncio
 import functools
 import logging
-from collections.abc import AsyncGenerator, Callable, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from typing import Any, ParamSpec, TypeVar
@@ -27,6 +27,7 @@ from v1.engine.processor import Processor, PromptType
 from v1.lora.request import LoRARequest
 from v1.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput, SchedulerStats
 from v1.pooling_params import PoolingParams
+from v1.sample.logits_processor import LogitsProcessor, load_logits_processors
 from v1.sampling_params import SamplingParams
 
 logger = logging.getLogger("v1")
@@ -50,8 +51,11 @@ class AsyncLLM:
         client: AsyncMPClient | DPAsyncMPClient,
         limits: InputLimits = DEFAULT_LIMITS,
         input_workers: int = INPUT_WORKERS,
+        logits_processors: Sequence[type[LogitsProcessor]] = (),
     ) -> None:
-        """`limits`: what one request may ask for (`EngineArgs.input_limits`)."""
+        """`limits`: what one request may ask for (`EngineArgs.input_limits`);
+        `logits_processors`: the engine's custom ones (their `validate_params` checks
+        requests)."""
         self.client = client
         info = client.model_info
         self.tokenizer: Any = info.tokenizer
@@ -61,6 +65,7 @@ class AsyncLLM:
         self.processor = Processor(
             info.tokenizer, info.max_model_len, info.vocab_size, info.eos_token_id,
             info.stop_token_ids, info.scheduling_policy, limits, info.pooler,
+            logits_processors,
         )
         self.output_processor = OutputProcessor(info.tokenizer)
         self._input_pool = ThreadPoolExecutor(input_workers, thread_name_prefix="v1-input")
@@ -76,7 +81,10 @@ class AsyncLLM:
         """Start an engine core process with `args` (blocks until its model is loaded);
         `data_parallel_size` of them behind one routing client when it is > 1."""
         client = DPAsyncMPClient(args) if args.data_parallel_size > 1 else AsyncMPClient(args)
-        return cls(client, args.input_limits())
+        return cls(
+            client, args.input_limits(),
+            logits_processors=load_logits_processors(args.logits_processors),
+        )
 
     @property
     def dead_error(self) -> EngineDeadError | None:

@@ -16,7 +16,7 @@ import msgspec
 import torch
 
 from v1 import envs
-from v1.config import EngineArgs
+from v1.config import EngineArgs, VllmConfig
 from v1.core.kv_disk_index import DiskBlockIndex
 from v1.core.sched.output import SchedulerOutput
 from v1.core.sched.scheduler import Scheduler
@@ -34,6 +34,7 @@ from v1.models.loader import (
 )
 from v1.outputs import EngineCoreOutputs, ModelRunnerOutput, SchedulerStats
 from v1.request import EngineCoreRequest
+from v1.sample.logits_processor import build_logitsprocs
 from v1.sampling_params import SamplingParams
 from v1.worker.kv_disk_store import open_kv_cache_dir
 from v1.worker.model_runner import ModelRunner, attention_impl_for
@@ -52,11 +53,14 @@ class EngineCore:
         # A disk tier that cannot be written fails before the model loads.
         kv_dir = None if args.kv_cache_dir is None else open_kv_cache_dir(args.kv_cache_dir)
         torch.manual_seed(args.seed)
+        if loaded is not None and args.hf_overrides is not None:
+            raise ValueError("hf_overrides cannot change a model already loaded (loaded_model)")
         if loaded is None:
             path = resolve_model(args.model, args.revision)
             loaded = load_model(
                 path, dtype, device, attention_impl_for(device),
                 quantization=resolve_quantization(args.quantization, path, device, dtype),
+                hf_overrides=args.hf_overrides,
             )
         self.loaded = loaded
         scheduler_config, cache_config = args.create_configs(
@@ -65,9 +69,18 @@ class EngineCore:
         # runner="pooling": the pooler, with the configs adjusted to what pooling needs.
         pooler = configure_pooling(args, loaded, scheduler_config, cache_config)
         self.pooler_info = pooler.info if pooler is not None else None
+        vllm_config = VllmConfig(
+            args.model_config(), cache_config, scheduler_config, args.parallel_config(),
+            args.speculative(), args.lora_config(),
+        )
+        logitsprocs = build_logitsprocs(
+            vllm_config, device, device.type == "cuda", pooler is not None,
+            args.logits_processors,
+        )
         self.model_runner = ModelRunner(
-            loaded, scheduler_config, cache_config, device, dtype, args.speculative(),
-            args.lora_config(), pooler,
+            loaded, scheduler_config, cache_config, device, dtype,
+            vllm_config.speculative_config, vllm_config.lora_config, pooler,
+            logitsprocs=logitsprocs,
         )
         num_blocks = self.model_runner.determine_num_blocks(cache_config)
         capacity = num_blocks * cache_config.block_size

@@ -25,6 +25,7 @@ from v1.metrics.prometheus import PrometheusMetrics
 from v1.metrics.reader import Metric, get_metrics_snapshot
 from v1.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput, SchedulerStats
 from v1.pooling_params import PoolingParams
+from v1.sample.logits_processor import LogitsProcessor, load_logits_processors
 from v1.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -37,9 +38,11 @@ class LLMEngine:
         client: EngineCoreClient,
         limits: InputLimits = DEFAULT_LIMITS,
         log_stats: bool = False,
+        logits_processors: Sequence[type[LogitsProcessor]] = (),
     ) -> None:
         """`limits`: what one request may ask for (`EngineArgs.input_limits`); `log_stats`:
-        gather the metrics `get_metrics()` returns."""
+        gather the metrics `get_metrics()` returns; `logits_processors`: the engine's custom
+        ones (their `validate_params` checks requests)."""
         self.client = client
         info = client.model_info
         self.tokenizer = info.tokenizer
@@ -54,6 +57,7 @@ class LLMEngine:
             info.scheduling_policy,
             limits,
             info.pooler,
+            logits_processors,
         )
         self.output_processor = OutputProcessor(info.tokenizer)
         self.metrics = (
@@ -98,7 +102,10 @@ class LLMEngine:
             if enable_multiprocessing
             else InprocClient(engine_args, loaded_model)
         )
-        return cls(client, engine_args.input_limits(), not engine_args.disable_log_stats)
+        return cls(
+            client, engine_args.input_limits(), not engine_args.disable_log_stats,
+            load_logits_processors(engine_args.logits_processors),
+        )
 
     def add_request(
         self,

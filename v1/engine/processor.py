@@ -29,6 +29,7 @@ from v1.inputs import PromptType
 from v1.lora.request import LoRARequest
 from v1.pooling_params import PoolerInfo, PoolingParams
 from v1.request import POOLING_SAMPLING_PARAMS, EngineCoreRequest
+from v1.sample.logits_processor import LogitsProcessor
 from v1.sampling_params import SamplingParams
 
 
@@ -83,8 +84,12 @@ class Processor:
         scheduling_policy: str = "fcfs",
         limits: InputLimits = DEFAULT_LIMITS,
         pooler: PoolerInfo | None = None,
+        logits_processors: Sequence[type[LogitsProcessor]] = (),
     ) -> None:
+        """`logits_processors`: the engine's custom ones, whose `validate_params` check
+        each request's parameters here."""
         self.tokenizer = tokenizer
+        self.logits_processors = tuple(logits_processors)
         # A pooling engine's pooler: it takes PoolingParams only (None: SamplingParams only).
         self.pooler = pooler
         self.max_model_len = max_model_len
@@ -291,6 +296,8 @@ class Processor:
         if lora_request is not None and not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request)}")
         self._check_limits(params)
+        for processor in self.logits_processors:
+            processor.validate_params(params)
         text, token_ids = self.tokenize_prompt(prompt)
         cache_salt = _checked_cache_salt(prompt, cache_salt)
         self.check_prompt_len(token_ids)

@@ -23,11 +23,12 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerFast
 
 from v1 import envs, hub
 from v1.attention.backends.abstract import AttentionImpl
 from v1.config import NO_QUANTIZATION, QUANTIZATION_METHODS
+from v1.config.model import HfOverrides
 from v1.kernels.block_matmul import kernels as quant_kernels
 from v1.models import DecoderForCausalLM, get_model_cls, gguf_conversion
 from v1.models.bert import BertModel
@@ -132,13 +133,18 @@ def load_model(
     attn_impl_cls: type[AttentionImpl],
     revision: str | None = None,
     quantization: str | None = None,
+    hf_overrides: HfOverrides | None = None,
 ) -> LoadedModel:
+    """`hf_overrides` (vLLM's): changes the HF config before the model is built from it
+    (`apply_hf_overrides`)."""
     start = time.perf_counter()
     path = resolve_model(model, revision)
     check_quantization(quantization, path, torch.device(device), dtype)
     model_dir = hf_dir_of(path)
 
     hf_config = AutoConfig.from_pretrained(model_dir)
+    if hf_overrides is not None:
+        hf_config = apply_hf_overrides(hf_config, hf_overrides)
     try:
         model_cls = get_model_cls(hf_config)
     except ValueError as e:
@@ -172,6 +178,26 @@ def load_model(
         path, dtype, device, quantization, time.perf_counter() - start,
     )
     return loaded
+
+
+def apply_hf_overrides(hf_config: PretrainedConfig, overrides: HfOverrides) -> Any:
+    """The config with vLLM's `hf_overrides` applied: a function's result, or the config
+    with a dict's keys set on it, where a nested config (`text_config`) given a dict is
+    updated key by key rather than replaced."""
+    if callable(overrides):
+        return overrides(hf_config)
+    _set_keys(hf_config, overrides)
+    logger.info("HF config overridden: %s", overrides)
+    return hf_config
+
+
+def _set_keys(target: Any, overrides: dict[str, Any]) -> None:
+    for key, value in overrides.items():
+        nested = getattr(target, key, None)
+        if isinstance(value, dict) and isinstance(nested, PretrainedConfig):
+            _set_keys(nested, value)
+        else:
+            setattr(target, key, value)
 
 
 def resolve_quantization(

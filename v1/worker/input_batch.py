@@ -4,12 +4,14 @@ Requests are added when first scheduled and removed when finished or preempted; 
 send only deltas. Rows stay dense (`condense()`), so the first `num_reqs` rows are the batch,
 and `version` changes with every add, remove or move. Sampled tokens are written here at once,
 so the runner never waits for the scheduler to echo them. Penalty token counts live here too,
-on the model's device, only while a request with penalties exists.
+on the model's device, only while a request with penalties exists. With custom logits
+processors, `batch_update_builder` records every add, remove and move for them.
 """
 
 import numpy as np
 import torch
 
+from v1.sample.logits_processor import BatchUpdateBuilder
 from v1.sampling_params import SamplingParams
 from v1.worker.block_table import BlockTable
 
@@ -22,6 +24,7 @@ class InputBatch:
         block_size: int,
         vocab_size: int,
         device: torch.device | str = "cpu",
+        batch_update_builder: BatchUpdateBuilder | None = None,
     ):
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
@@ -45,6 +48,7 @@ class InputBatch:
         # Bumped whenever a row changes request (or params): a request id alone is not
         # enough, since a finished id may come back with other params.
         self.version = 0
+        self.batch_update_builder = batch_update_builder
 
     def add_request(
         self,
@@ -71,6 +75,8 @@ class InputBatch:
             self.generators[req_id] = generator
         if params.has_penalties:
             self._fill_token_counts(row, token_ids, num_prompt_tokens)
+        if self.batch_update_builder is not None:
+            self.batch_update_builder.add(row, req_id, params, token_ids, num_prompt_tokens)
         return row
 
     def _fill_token_counts(self, row: int, token_ids: list[int], num_prompt_tokens: int) -> None:
@@ -100,6 +106,8 @@ class InputBatch:
         self._holes.append(row)
         self.num_reqs -= 1
         self.version += 1
+        if self.batch_update_builder is not None:
+            self.batch_update_builder.remove(row, req_id)
 
     def condense(self) -> None:
         """Fill holes with the last rows so rows [0, num_reqs) are exactly the live ones."""
@@ -132,3 +140,5 @@ class InputBatch:
         self.sampling_params[src] = None
         self.req_id_to_index[req_id] = dst
         self.version += 1
+        if self.batch_update_builder is not None:
+            self.batch_update_builder.move(src, dst)

@@ -34,6 +34,7 @@ from v1.models.loader import LoadedModel
 from v1.models.pooler import Pooler
 from v1.models.step_plan import PlanOptions, StepPlan, StepPlanner
 from v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, TokenLogprobs
+from v1.sample.logits_processor import BatchLogits, BatchUpdateBuilder, LogitsProcessors
 from v1.sampling_params import SamplingParams
 from v1.worker.input_batch import InputBatch
 from v1.worker.kv_disk_store import DiskKVStore, cache_key_facts
@@ -134,8 +135,10 @@ class ModelRunner:
         lora_config: LoRAConfig | None = None,
         pooler: Pooler | None = None,
         plan_options: PlanOptions | None = None,
+        logitsprocs: LogitsProcessors | None = None,
     ) -> None:
-        """`plan_options`: how steps are planned (None: from the environment, read here)."""
+        """`plan_options`: how steps are planned (None: from the environment, read here);
+        `logitsprocs`: the custom logits processors (v1.sample.logits_processor), if any."""
         self.device = device
         self.drafter = (Drafter(speculative_config, MeasuredStepCosts())
                         if speculative_config is not None else None)
@@ -154,9 +157,10 @@ class ModelRunner:
         self.hf_config = self.loaded.hf_config
         self.vocab_size = int(self.hf_config.vocab_size)
         self.max_model_len = scheduler_config.max_model_len
+        self.logitsprocs = logitsprocs or None
         self.input_batch = InputBatch(
             scheduler_config.max_num_seqs, self.max_model_len, self.block_size, self.vocab_size,
-            device,
+            device, BatchUpdateBuilder() if self.logitsprocs else None,
         )
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
@@ -253,15 +257,22 @@ class ModelRunner:
 
     def _update_states(self, out: SchedulerOutput) -> None:
         """The persistent batch brought to the step: finished and preempted requests out,
-        new and resumed ones in, the others' new blocks appended."""
+        new and resumed ones in (into the rows freed first), the others' new blocks appended,
+        then the rows condensed; custom logits processors are told what changed."""
         for req_id in out.finished_req_ids:
             self._finish_request(req_id)
         for req_id in out.preempted_req_ids:
             self._preempt_request(req_id)
-        self.input_batch.condense()
         for new in out.scheduled_new_reqs:
             self._add_request(new)
         self._update_cached(out.scheduled_cached_reqs)
+        # After the adds: a row is then only ever moved from a live request, never from one
+        # added this step, as a BatchUpdate's order (removed, added, moved) requires.
+        self.input_batch.condense()
+        if self.logitsprocs:
+            builder = self.input_batch.batch_update_builder
+            assert builder is not None
+            self.logitsprocs.update_state(builder.get_and_reset(self.input_batch.num_reqs))
 
     def _finish_request(self, req_id: str) -> None:
         batch = self.input_batch
@@ -547,6 +558,10 @@ class ModelRunner:
         batch.num_tokens[sample_rows] += 1
         for i, tok in zip(sample_idx.tolist(), token_ids):
             tokens.sampled[i] = [tok]
+        if (builder := batch.batch_update_builder) is not None:
+            req_ids = batch.req_ids
+            for row, tok in zip(sample_rows.tolist(), token_ids):
+                builder.output_token_ids[req_ids[row]].append(tok)
         if token_logprobs is not None and tokens.logprobs is not None:
             for i, lp in zip(sample_idx.tolist(), token_logprobs):
                 tokens.logprobs[i] = None if lp is None else [lp]
@@ -615,8 +630,16 @@ class ModelRunner:
                     batch.output_token_counts,
                     torch.tensor(sample_rows, dtype=torch.int64, device=self.device),
                 )
+            logitsprocs = None
+            if self.logitsprocs:
+                dense = sample_rows == list(range(batch.num_reqs))
+                logitsprocs = BatchLogits(
+                    self.logitsprocs,
+                    None if dense else torch.tensor(sample_rows, device=self.device),
+                    batch.num_reqs,
+                )
             self._sampling_metadata = SamplingMetadata.from_params(
-                params, generators, self.device, self.vocab_size, token_counts
+                params, generators, self.device, self.vocab_size, token_counts, logitsprocs
             )
             self._sampling_key = key
         return self._sampling_metadata

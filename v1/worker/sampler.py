@@ -1,9 +1,11 @@
 """Turns one step's logits into sampled tokens (and their logprobs), one row per request.
 
 Greedy rows take the argmax of the raw logits (HF's tokens). Random rows go through the logits
-processors (as vLLM: allowed ids, bans, `logit_bias`, penalties; each one batched op, skipped
-when unused), temperature, top-k/p, min-p, then inverse-CDF sampling with one uniform per row
-from the row's own generator when seeded. Logprobs are `raw_logprobs`: before any processing.
+processors (as vLLM: allowed ids, bans, `logit_bias`, the custom processors that can change
+the argmax, penalties; each one batched op, skipped when unused), temperature, the custom
+argmax-invariant processors, top-k/p, min-p, then inverse-CDF sampling with one uniform per
+row from the row's own generator when seeded. Logprobs are `raw_logprobs`: before any
+processing.
 """
 
 from collections.abc import Sequence
@@ -14,6 +16,7 @@ import numpy as np
 import torch
 
 from v1.outputs import TokenLogprobs
+from v1.sample.logits_processor import BatchLogits
 from v1.sampling_params import SamplingParams
 
 _GREEDY_EPS = 1e-5  # the same rule as SamplingParams.greedy
@@ -98,6 +101,7 @@ class SamplingMetadata:
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, token ids, biases
     penalties: Penalties | None
     bad_words: BadWords | None  # matched by the runner, which has the rows' past tokens
+    logitsprocs: BatchLogits | None = None  # the custom processors (vLLM's interface)
 
     @classmethod
     def from_params(
@@ -107,11 +111,12 @@ class SamplingMetadata:
         device: torch.device | str = "cpu",
         vocab_size: int | None = None,
         token_counts: TokenCounts | None = None,
+        logitsprocs: BatchLogits | None = None,
     ) -> "SamplingMetadata":
         """Builds the batch's tensors from its rows' params (row i is params[i]).
 
         vocab_size is needed when a row has `allowed_token_ids`, token_counts when one has
-        a penalty.
+        a penalty; `logitsprocs`: the custom processors, run as they are.
         """
         greedy = [p.greedy for p in params]
         # Greedy rows get neutral values: their filters would never be used, and a batch
@@ -148,6 +153,7 @@ class SamplingMetadata:
             )
             if any(p.bad_words_token_ids for p in params)
             else None,
+            logitsprocs=logitsprocs,
         )
 
 
@@ -274,6 +280,8 @@ class Sampler:
         if metadata.logit_bias is not None:
             rows, ids, biases = metadata.logit_bias
             logits.index_put_((rows, ids), biases, accumulate=True)
+        if metadata.logitsprocs is not None:
+            logits = metadata.logitsprocs.apply(logits, argmax_invariant=False)
         if metadata.penalties is not None:
             logits = apply_penalties(logits, metadata.penalties)
 
@@ -340,6 +348,8 @@ def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
     # Greedy rows have temperature 0: divide them by 1 instead so nothing turns into inf/nan.
     temperature = torch.where(temperature < _GREEDY_EPS, torch.ones_like(temperature), temperature)
     logits = logits / temperature.unsqueeze(-1)
+    if metadata.logitsprocs is not None:
+        logits = metadata.logitsprocs.apply(logits, argmax_invariant=True)
     if metadata.top_k is not None:
         logits = _apply_top_k(logits, metadata.top_k)
     if metadata.top_p is not None:

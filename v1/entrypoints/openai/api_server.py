@@ -526,6 +526,7 @@ def build_app(
         app.state.serving = OpenAIServing(
             engine, served_model_names or [default_name], chat_template, tool_parser,
             default_sampling_params=defaults, limits=limits, model_path=str(engine.model_dir),
+            reasoning_parser=engine_args.reasoning_parser,
         )
         try:
             await app.state.serving.serving_models.init_static_loras(
@@ -614,7 +615,9 @@ def make_parser(prog: str = "v1 serve") -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
-        help="how the model writes tool calls (hermes: <tool_call>{json}</tool_call>)",
+        help="how the model writes tool calls: hermes (<tool_call>{json}</tool_call>), "
+        "llama3_json ({json}; {json} as the whole output), mistral ([TOOL_CALLS] and a JSON "
+        "array, or name{json}), xlam (a JSON array, bare or in a ```json block)",
     )
     parser.add_argument(
         "--api-key", default=None,

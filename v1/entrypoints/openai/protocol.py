@@ -220,6 +220,9 @@ class SamplingRequest(EngineRequest):
     # in the response). Not streamed, as in vLLM.
     prompt_logprobs: NonNegativeInt64 | None = None
     stream_options: StreamOptions | None = None
+    # vLLM's: SamplingParams.extra_args, the arguments of the engine's custom logits
+    # processors (--logits-processors).
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
 
     # Structured output: OpenAI's `response_format` ({"type": "text" | "json_object" |
     # "json_schema"}) or vLLM's `structured_outputs` (StructuredOutputsParams' fields).
@@ -244,7 +247,6 @@ class SamplingRequest(EngineRequest):
     return_token_ids: Unsupported[bool] = False
     request_id: Unsupported[str | None] = None
     kv_transfer_params: Unsupported[dict[str, Any] | None] = None
-    vllm_xargs: Unsupported[dict[str, Any] | None] = None
     # vLLM's newer extras that change the answer, not implemented either: logprobs of chosen
     # tokens, early ends on repetition, watermarks, reasoning budgets, extra response fields.
     logprob_token_ids: Unsupported[list[int] | None] = None
@@ -297,7 +299,7 @@ class SamplingRequest(EngineRequest):
         return SamplingParams(
             **self.model_dump(include=_SAMPLING_FIELDS), max_tokens=max_tokens, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, logit_bias=token_id_biases(self.logit_bias),
-            structured_outputs=self._structured_outputs(limits),
+            structured_outputs=self._structured_outputs(limits), extra_args=self.vllm_xargs,
         )
 
     def _structured_outputs(self, limits: InputLimits) -> StructuredOutputsParams | None:
@@ -483,8 +485,9 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateRequest):
     audio: Unsupported[dict[str, Any] | None] = None
     prediction: Unsupported[dict[str, Any] | None] = None
     web_search_options: Unsupported[dict[str, Any] | None] = None
+    # vLLM's: False leaves the reasoning (with --reasoning-parser) out of the reply.
+    include_reasoning: bool = True
     # vLLM's chat extras we do not implement.
-    include_reasoning: Unsupported[bool] = True
     documents: Unsupported[list[dict[str, str]] | None] = None
     # vLLM's: the reply starts with the last message's content when that is the assistant's
     # (a message being continued).
@@ -720,6 +723,9 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None  # None: only tool calls
     tool_calls: list[ToolCall] = []
+    # With --reasoning-parser: the model's reasoning, under vLLM's name and its older one.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChoice(BaseModel):
@@ -744,6 +750,9 @@ class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    # With --reasoning-parser: the model's reasoning, under vLLM's name and its older one.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -59,6 +59,7 @@ from v1.entrypoints.openai.tool_calls import (
 )
 from v1.lora.request import LoRARequest
 from v1.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
+from v1.reasoning import ReasoningDelta, ReasoningParser, ReasoningParserManager
 from v1.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("v1.entrypoints.openai")
@@ -248,6 +249,7 @@ class OpenAIServing:
         self, engine: AsyncLLM, served_model_names: list[str], chat_template: str | None = None,
         tool_parser: str | None = None, default_sampling_params: dict[str, Any] | None = None,
         limits: ServerLimits = ServerLimits(), model_path: str = "",
+        reasoning_parser: str | None = None,
     ) -> None:
         self.engine = engine
         self.limits = limits
@@ -256,6 +258,11 @@ class OpenAIServing:
         self.serving_models = OpenAIServingModels(engine, served_model_names, model_path)
         self.chat_template = chat_template  # None: the model's own
         self.tool_parser = tool_parser  # None: no "auto" tool choice
+        # None: chat replies are all content.
+        self.reasoning_parser = (
+            None if reasoning_parser is None
+            else ReasoningParserManager.get_reasoning_parser(reasoning_parser)
+        )
         # For the fields a request does not set: generation_config.json's (vLLM's "auto").
         self.default_sampling_params = default_sampling_params or {}
 
@@ -399,10 +406,12 @@ class OpenAIServing:
         self, request: ChatCompletionRequest
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         head, lora = self._head(request, "chatcmpl")
-        tool_calls = _ToolCalls(request, self.tool_parser)
         params = constrain_auto_tool_calls(request, await self.engine.run_in_pool(
             request.to_sampling_params, self.engine.processor.limits
-        ))
+        ), self.tool_parser)
+        tool_calls = _ChatParsers(
+            request, self.tool_parser, reasoning_parser_for(params, self.reasoning_parser)
+        )
         text, token_ids = await self.engine.run_in_pool(self._chat_prompt, request)
         self.check_length(len(token_ids), params.max_tokens, "messages")
         self.check_prompt_logprobs(len(token_ids), params)
@@ -645,12 +654,31 @@ async def _completion_chunks(
         yield CompletionResponse(**head, choices=[], usage=final_usage)
 
 
-class _ToolCalls:
-    """A chat request's tool calls: one extractor per choice (none without tool calling),
-    and what they make of the choice's message and finish reason."""
+def reasoning_parser_for(
+    params: SamplingParams, parser: type[ReasoningParser] | None
+) -> type[ReasoningParser] | None:
+    """The reasoning parser of a chat request's output: none when a grammar holds the output
+    from its first token (a response_format, a named or required tool choice), which leaves
+    no reasoning to split off; a structural tag (strict tools under "auto") allows free text."""
+    structured = params.structured_outputs
+    if structured is not None and structured.structural_tag is None:
+        return None
+    return parser
 
-    def __init__(self, request: ChatCompletionRequest, parser: str | None) -> None:
+
+class _ChatParsers:
+    """A chat request's output parsers, per choice: its reasoning parser (with
+    --reasoning-parser), then its tool-call extractor (none without tool calling) over the
+    text after the reasoning; and what they make of the choice's message and finish
+    reason."""
+
+    def __init__(
+        self, request: ChatCompletionRequest, parser: str | None,
+        reasoning_parser: type[ReasoningParser] | None,
+    ) -> None:
         self._request, self._parser = request, parser
+        self._reasoning_parser = reasoning_parser
+        self._reasoning: dict[int, ReasoningParser] = {}
         # Bad input (an "auto" choice the server was not started for) raises here, up front.
         self._extractors = {0: tool_call_extractor(request, parser)}
 
@@ -659,23 +687,53 @@ class _ToolCalls:
             self._extractors[index] = tool_call_extractor(self._request, self._parser)
         return self._extractors[index]
 
-    def delta(self, c: CompletionOutput) -> DeltaMessage:
-        """A streamed delta's message: its text, or what the choice's extractor made of it."""
+    def _split_reasoning(self, c: CompletionOutput) -> ReasoningDelta:
+        if self._reasoning_parser is None:
+            return ReasoningDelta("", c.text)
+        parser = self._reasoning.get(c.index)
+        if parser is None:
+            parser = self._reasoning[c.index] = self._reasoning_parser(
+                self._request.chat_template_kwargs
+            )
+        got = parser.feed(c.text)
+        if c.finish_reason is not None:
+            rest = parser.finish()
+            got = ReasoningDelta(got.reasoning + rest.reasoning, got.content + rest.content)
+        return got
+
+    def _parse(self, c: CompletionOutput) -> tuple[DeltaMessage, str]:
+        """A delta's message, and its text after the reasoning."""
+        reasoning, text = self._split_reasoning(c)
+        # Both names: vLLM's `reasoning`, and `reasoning_content` that clients still read.
+        shown = reasoning if reasoning and self._request.include_reasoning else None
         extractor = self.extractor(c.index)
         if extractor is None:
-            return DeltaMessage(content=c.text)
-        got = extractor.feed(c.text)
+            return DeltaMessage(
+                content=text or None, reasoning=shown, reasoning_content=shown
+            ), text
+        got = extractor.feed(text)
         if c.finish_reason is not None:
             rest = extractor.finish()
             got = ToolDelta(got.content + rest.content, got.tool_calls + rest.tool_calls)
-        return DeltaMessage(content=got.content or None, tool_calls=got.tool_calls or None)
+        return DeltaMessage(
+            content=got.content or None, tool_calls=got.tool_calls or None,
+            reasoning=shown, reasoning_content=shown,
+        ), text
+
+    def delta(self, c: CompletionOutput) -> DeltaMessage:
+        """A streamed delta's message: its text, or what the choice's parsers made of it."""
+        return self._parse(c)[0]
 
     def message(self, c: CompletionOutput) -> AssistantMessage:
         """A whole choice's message: the sum of its deltas, as if streamed."""
-        delta = self.delta(c)
+        delta, text = self._parse(c)
         calls = merge_tool_calls(delta.tool_calls or [])
-        content = delta.content if calls else c.text
-        return AssistantMessage(content=content, tool_calls=calls)
+        # Content as written (nothing held back), unless calls were lifted out of it.
+        content = delta.content if calls else text or (None if self._reasoning_parser else text)
+        return AssistantMessage(
+            content=content, tool_calls=calls, reasoning=delta.reasoning,
+            reasoning_content=delta.reasoning_content,
+        )
 
     def finish_reason(self, c: CompletionOutput) -> str | None:
         # A stopped choice that made calls ended to have them run (as vLLM, not a named one).
@@ -688,7 +746,7 @@ class _ToolCalls:
 
 async def _chat_chunks(
     outputs: StartedRequest, head: dict[str, Any], k: int | None, usage: StreamUsage,
-    tool_calls: _ToolCalls, echo: str,
+    tool_calls: _ChatParsers, echo: str,
 ) -> AsyncIterator[ChatCompletionChunk]:
     deltas = StreamDeltas(outputs, usage)
 
@@ -704,8 +762,9 @@ async def _chat_chunks(
         yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=echo)))
     async for delta in deltas:
         message = tool_calls.delta(delta)
-        if not (message.content or message.tool_calls or delta.logprobs or delta.finish_reason):
-            continue  # all held back (a possible start of a tool call)
+        if not (message.content or message.tool_calls or message.reasoning or delta.logprobs
+                or delta.finish_reason):
+            continue  # all held back (a possible start of a tag)
         yield chunk(ChatStreamChoice(
             index=delta.index,
             delta=message,
