@@ -88,6 +88,24 @@ def test_chunked_prefill_under_budget_and_per_request_cap():
     drain(s)
 
 
+def test_a_request_alone_is_not_held_to_the_long_prefill_threshold():
+    """As vLLM: the threshold shares steps between requests; a prompt alone in the scheduler
+    takes what the budget allows, and is capped again once another request runs or waits."""
+    s = make_scheduler(max_num_seqs=1, max_num_batched_tokens=10, long_prefill_token_threshold=4)
+    a = make_request(30)
+    s.add_request(a)
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {a.request_id: 10}
+    b = make_request(30)
+    s.add_request(b)  # waits for a's seat: it still counts
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {a.request_id: 4}
+    s.finish_requests(a.request_id)
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {b.request_id: 10}
+    drain(s)
+
+
 def test_long_prompt_is_not_skipped_when_chunking_is_off():
     s = make_scheduler(max_num_batched_tokens=64, max_model_len=64, enable_chunked_prefill=False)
     a = make_request(40, max_tokens=2)
@@ -291,8 +309,8 @@ def run_with_shadow(s, runner: ShadowRunner, max_steps: int = 200) -> set[str]:
 
 
 def low_then_high(num_blocks: int, low_prompt: int, max_tokens: int):
-    """Priority policy, chunks of 16: `low` runs its first chunk alone, then an 8-token
-    `high` arrives."""
+    """Priority policy, chunks of 16: `low` runs its first chunk (beside a short request
+    that then finishes), then an 8-token `high` arrives."""
     s = make_scheduler(
         policy="priority", num_blocks=num_blocks, max_num_batched_tokens=64,
         long_prefill_token_threshold=16,
@@ -301,6 +319,8 @@ def low_then_high(num_blocks: int, low_prompt: int, max_tokens: int):
     high = make_request(8, priority=0, max_tokens=max_tokens)
     runner = ShadowRunner(4)
     s.add_request(low)
+    # Not alone, so that its chunk is capped; this one finishes in the step.
+    s.add_request(make_request(2, priority=2, max_tokens=1))
     s.update_from_output(out := s.schedule(), runner.execute(out, eos_row=-1))
     s.add_request(high)
     return s, runner, low, high

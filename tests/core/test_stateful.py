@@ -138,7 +138,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if head.num_output_placeholders or head.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             return  # (async) it cannot be admitted before its output is back; or its read
         # Nothing was admitted after it was tried: does it fit in what the step left?
-        plan = s.admission.plan(head, budget, 0, FreedBlocks())
+        plan = s.admission.plan(head, budget, 0, FreedBlocks(), s.prefill_token_cap())
         if plan is None or not plan.num_new_tokens:
             return
         hashes = set(head.block_hashes)

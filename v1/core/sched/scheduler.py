@@ -243,11 +243,18 @@ class Scheduler:
 
     # -- scheduling ---------------------------------------------------------------------
 
+    def prefill_token_cap(self) -> int:
+        """The most tokens one request may get in the next step (0: no cap): the
+        `long_prefill_token_threshold`, unless the request is alone in the scheduler. The
+        cap is there to share steps; a request alone would only get its first token later
+        (vLLM's rule)."""
+        return self.long_prefill_token_threshold if len(self.requests) > 1 else 0
+
     def schedule(self) -> SchedulerOutput:
         kv = self.kv_cache_manager
-        threshold = self.long_prefill_token_threshold
+        threshold = self.prefill_token_cap()
         max_model_len = self.max_model_len
-        st = StepState(self.max_num_batched_tokens)
+        st = StepState(self.max_num_batched_tokens, threshold)
         token_budget = st.token_budget
         num_scheduled_tokens = st.num_scheduled_tokens
         scheduled_running = st.scheduled_running
