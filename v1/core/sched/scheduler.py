@@ -494,6 +494,13 @@ class Scheduler:
                 stopped = True
                 if status == PREEMPTED:  # (async) preempted while it ran: it is waiting
                     self.waiting.remove_request(request)
+                elif req_id not in model_output.nonfinite_req_ids:
+                    # Blocks its accepted drafts (or, async, its placeholders) completed are
+                    # cached as any other; not those of a step still in flight.
+                    self.kv_cache_manager.cache_blocks(request, min(
+                        request.num_computed_tokens - request.num_output_placeholders,
+                        request.num_tokens,
+                    ))
                 self._free_request(request)
                 finish_reason = request.get_finished_reason()
             elif spec_rows is not None and status == RUNNING:
