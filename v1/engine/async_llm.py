@@ -187,8 +187,13 @@ class AsyncLLM:
     async def get_stats(self) -> SchedulerStats:
         return await self.client.call_utility_async("get_stats")
 
-    async def reset_prefix_cache(self, include_disk: bool = False) -> bool:
-        return await self.client.call_utility_async("reset_prefix_cache", include_disk)
+    async def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        """vLLM's (`EngineCore.reset_prefix_cache`)."""
+        return await self.client.call_utility_async(
+            "reset_prefix_cache", reset_running_requests, reset_connector
+        )
 
     # LoRA adapters, as vLLM's AsyncLLM: load (a ValueError if it cannot be served), unload
     # (a ValueError while a request uses it), list the ids.

@@ -218,13 +218,17 @@ class EngineCore:
 
     # -- utilities --------------------------------------------------------------------
 
-    def reset_prefix_cache(self, include_disk: bool = False) -> bool:
-        """Forget the prefix cache, refused (False) while any block is in use. The disk
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        """vLLM's: forget the prefix cache (`Scheduler.reset_prefix_cache`: refused, False,
+        while requests hold blocks, unless `reset_running_requests` preempts them). The disk
         tier is kept (it is there to outlive such resets, as restarts) unless
-        `include_disk`: then its files of this model and KV setting are removed too."""
-        if not self.scheduler.reset_prefix_cache(include_disk):
+        `reset_connector`: then its files of this model and KV setting are removed too."""
+        if not self.scheduler.reset_prefix_cache(reset_running_requests, reset_connector):
             return False
-        if include_disk and self.model_runner.kv_disk is not None:
+        if reset_connector:
+            assert self.model_runner.kv_disk is not None  # the scheduler has its tier
             self.model_runner.kv_disk.clear()
         return True
 

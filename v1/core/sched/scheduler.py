@@ -120,6 +120,9 @@ class Scheduler:
         self.running: list[Request] = []
         # Left the batch since the last schedule(): the runner must forget them.
         self.finished_req_ids: set[str] = set()
+        # Preempted outside schedule() (reset_prefix_cache), not finished since: the next
+        # SchedulerOutput reports them preempted.
+        self._preempted_between_steps: set[str] = set()
         # Finished by the scheduler without running (FINISHED_IGNORED); reported next step.
         self._ignored: list[Request] = []
         self.num_preemptions = 0
@@ -215,6 +218,7 @@ class Scheduler:
 
     def _forget_request(self, request: Request) -> None:
         self.finished_req_ids.add(request.request_id)
+        self._preempted_between_steps.discard(request.request_id)
         del self.requests[request.request_id]
         if request.lora_request is not None:
             lora_id = request.lora_request.lora_int_id
@@ -348,6 +352,9 @@ class Scheduler:
             scheduled_running, running_new_block_ids, st.scheduled_resumed
         )
         preempted_ids = {r.request_id for r in st.preempted}
+        if self._preempted_between_steps:
+            preempted_ids |= self._preempted_between_steps
+            self._preempted_between_steps = set()
         output = SchedulerOutput(
             new_reqs_data, cached, num_scheduled_tokens,
             self.max_num_batched_tokens - token_budget, self.finished_req_ids, preempted_ids,
@@ -398,15 +405,20 @@ class Scheduler:
             for group in (st.scheduled_admitted, st.scheduled_new, st.scheduled_resumed):
                 if victim in group:
                     group.remove(victim)
-        self.kv_cache_manager.free(victim)
         st.spec_tokens.pop(victim.request_id, None)
+        self._requeue(victim)
+        st.preempted.append(victim)
+
+    def _requeue(self, victim: Request) -> None:
+        """A request out of `running`: its blocks freed, at the front of the queue to
+        recompute from zero."""
+        self.kv_cache_manager.free(victim)
         victim.spec_token_ids = []  # it resumes with a prefill, which is not drafted
         victim.status = PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend_request(victim)
-        st.preempted.append(victim)
 
     def _make_cached_request_data(
         self,
@@ -587,13 +599,32 @@ class Scheduler:
 
     # -- utilities ----------------------------------------------------------------------
 
-    def reset_prefix_cache(self, include_disk: bool = False) -> bool:
-        """Forget the RAM prefix cache but the pinned (declared) prefixes (refused, False,
-        while any request holds blocks); with `include_disk`, the disk tier's index too (the
-        caller removes the files)."""
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        """Forget the RAM prefix cache but the pinned (declared) prefixes, as vLLM's.
+
+        While requests hold blocks it is refused (False), unless `reset_running_requests`:
+        then every running request is preempted first (it recomputes once admitted again),
+        and blocks still held (disk-tier reads in flight) raise RuntimeError.
+        `reset_connector` (vLLM's name for its external cache): the disk tier's index too,
+        once the RAM cache is reset (the caller removes the files); False without a tier.
+        """
+        if reset_running_requests:
+            # Last first, each to the front of the queue: they resume in their running order.
+            for request in reversed(self.running):
+                self._requeue(request)
+                self._preempted_between_steps.add(request.request_id)
+            self.running.clear()
         if not self.kv_cache_manager.reset_prefix_cache():
+            if reset_running_requests:
+                raise RuntimeError(
+                    "the prefix cache cannot be reset while disk-tier reads are in flight"
+                )
             return False
-        if include_disk and self.disk_tier is not None:
+        if reset_connector:
+            if self.disk_tier is None:
+                return False
             self.disk_tier.index.clear()
         return True
 
@@ -627,6 +658,7 @@ class Scheduler:
         waiting_ids = {r.request_id for r in self.waiting}
         assert len(running_ids) == len(self.running), "a request is running twice"
         assert not running_ids & waiting_ids, "a request is both running and waiting"
+        assert self._preempted_between_steps <= waiting_ids, "a preempted request is not queued"
         assert running_ids | waiting_ids == self.requests.keys(), "request state leaked"
         assert self.num_structured_requests == sum(
             r.sampling_params.structured_outputs is not None for r in self.requests.values()
