@@ -10,6 +10,7 @@ from tests.core.utils import (
     make_scheduler,
     run_step,
 )
+from v1.core.sched.scheduler import PauseState
 from v1.outputs import ModelRunnerOutput
 from v1.request import RequestStatus
 
@@ -104,6 +105,49 @@ def test_a_request_alone_is_not_held_to_the_long_prefill_threshold():
     out, _ = run_step(s)
     assert out.num_scheduled_tokens == {b.request_id: 10}
     drain(s)
+
+
+def test_pause_states():
+    """vLLM's pause states: PAUSED_NEW runs the running requests only, PAUSED_ALL nothing;
+    new requests queue; with nothing to step the scheduler reports no work (the engine
+    idles); resumed, everything goes on."""
+    s = make_scheduler()
+    a = make_request(6, max_tokens=3)
+    s.add_request(a)
+    run_step(s)
+    s.pause_state = PauseState.PAUSED_ALL
+    b = make_request(6, max_tokens=3)
+    s.add_request(b)
+    assert not s.has_requests()
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {} and a.num_output_tokens == 1
+    s.pause_state = PauseState.PAUSED_NEW
+    assert s.has_requests()
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {a.request_id: 1}
+    run_step(s)
+    assert a.is_finished() and not s.has_requests() and b.status == RequestStatus.WAITING
+    s.pause_state = PauseState.UNPAUSED
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {b.request_id: 6}
+    drain(s)
+
+
+def test_abort_all_reports_every_request():
+    s = make_scheduler(max_num_seqs=1)
+    a, b = make_request(6), make_request(6)
+    s.add_request(a)
+    run_step(s)
+    s.add_request(b)
+    s.abort_all()
+    assert not s.requests and s.has_requests()  # the aborts are still to be reported
+    out, outs = run_step(s)
+    assert out.finished_req_ids == {a.request_id, b.request_id}
+    assert [(o.request_id, o.finish_reason) for o in outs[0].outputs] == [
+        (a.request_id, "abort"), (b.request_id, "abort")
+    ]
+    assert not s.has_requests()
+    s.check_integrity()
 
 
 def test_long_prompt_is_not_skipped_when_chunking_is_off():

@@ -15,10 +15,14 @@ Invariants, every step:
 - a request is preempted for a waiting one only if that one is then admitted;
 - with LoRA (`max_loras` > 0), the running requests use at most `max_loras` adapters.
 
+Paused (`pause_state`, vLLM's pause): new requests queue; PAUSED_NEW schedules only the running
+requests, PAUSED_ALL nothing, and `has_requests()` is then False, so the engine idles.
+
 Set aside without blocking the queue: WAITING_FOR_FSM (grammar compiling; a structured request
 whose token is in flight is not scheduled again) and WAITING_FOR_REMOTE_KVS (disk-tier reads).
 """
 
+import enum
 import time
 from collections.abc import Iterable
 from typing import Any, Protocol
@@ -67,6 +71,14 @@ class StructuredOutputManagerProtocol(Protocol):
     def grammar_bitmask(self, requests: list[Request]) -> Any:
         """The token bitmask of these requests' next tokens, one row each."""
         ...
+
+
+class PauseState(enum.Enum):
+    """vLLM's: what a paused scheduler still schedules (new requests queue in every state)."""
+
+    UNPAUSED = 0
+    PAUSED_NEW = 1  # the running requests only: nobody is admitted from the queue
+    PAUSED_ALL = 2  # nothing
 
 
 def _queue_time(request: Request) -> float | None:
@@ -123,8 +135,10 @@ class Scheduler:
         # Preempted outside schedule() (reset_prefix_cache), not finished since: the next
         # SchedulerOutput reports them preempted.
         self._preempted_between_steps: set[str] = set()
-        # Finished by the scheduler without running (FINISHED_IGNORED); reported next step.
+        # Finished by the scheduler, not by a step (FINISHED_IGNORED: it could never run;
+        # or aborted by `abort_all`): reported with the next step's outputs.
         self._ignored: list[Request] = []
+        self.pause_state = PauseState.UNPAUSED
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -238,9 +252,22 @@ class Scheduler:
         self.lora_generations[lora_int_id] = self.lora_generations.get(lora_int_id, 0) + 1
 
     def has_requests(self) -> bool:
-        return bool(self.requests) or bool(self._ignored) or (
+        """Whether a step has work: requests it may schedule (paused, not the queued ones;
+        PAUSED_ALL, not the running ones either), or finished ones to report or free."""
+        if self.pause_state is PauseState.UNPAUSED:
+            schedulable = bool(self.requests)
+        else:
+            schedulable = self.pause_state is PauseState.PAUSED_NEW and bool(self.running)
+        return schedulable or bool(self._ignored) or (
             self.disk_tier is not None and bool(self.disk_tier.aborted_loads)
         )
+
+    def abort_all(self) -> None:
+        """Abort every request, each reported ("abort") with the next step's outputs: their
+        frontends did not ask for it (vLLM's pause in "abort" mode)."""
+        doomed = list(self.requests.values())
+        self.finish_requests([r.request_id for r in doomed])
+        self._ignored += doomed
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -269,7 +296,8 @@ class Scheduler:
         # for every running request every step: plain arithmetic, and no `allocate_slots`
         # call while the request stays within its `num_quiet_tokens` (most decodes).
         async_scheduling = self.async_scheduling
-        running = self.running
+        paused = self.pause_state is not PauseState.UNPAUSED
+        running = self.running if self.pause_state is not PauseState.PAUSED_ALL else []
         num_quiet_tokens = kv.num_quiet_tokens
         # Preemption here removes only requests after this one (from the end), which list
         # iteration tolerates: the loop ends sooner.
@@ -334,7 +362,7 @@ class Scheduler:
 
         # 2. Waiting requests, unless this step had to preempt (v1.core.sched.admission).
         st.token_budget = token_budget
-        if not st.preempted and self.waiting and token_budget > 0:
+        if not st.preempted and self.waiting and token_budget > 0 and not paused:
             self.admission.schedule_waiting(st)
         token_budget = st.token_budget
         scheduled_admitted = st.scheduled_admitted
