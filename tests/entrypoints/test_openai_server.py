@@ -660,6 +660,20 @@ def test_prompt_plus_max_tokens_over_max_model_len(client: openai.OpenAI) -> Non
         assert source in error.value.message
 
 
+@contextlib.contextmanager
+def _posted_then_left(server: Server, body: dict[str, Any]) -> Iterator[None]:
+    """A completion POSTed on a raw connection, closed (the client leaves without an answer)
+    when the block ends."""
+    payload = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as conn:
+        conn.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(payload)
+            + payload
+        )
+        yield
+
+
 def test_disconnect_aborts(server: Server) -> None:
     """A client that leaves mid-stream, or gives up waiting for a whole completion, has its
     request aborted: the engine stops generating and frees its blocks. Each on its own."""
@@ -673,13 +687,7 @@ def test_disconnect_aborts(server: Server) -> None:
             assert _metrics(server)["vllm:num_requests_running"] == 1
     after_stream = _wait_idle(server)
     # A whole completion answers only at its end: leave once it has begun to generate.
-    payload = json.dumps(body).encode()
-    with socket.create_connection(("127.0.0.1", server.port)) as conn:
-        conn.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(payload)
-            + payload
-        )
+    with _posted_then_left(server, body):
         generated = after_stream["vllm:generation_tokens_total"]
         _wait_for(server, lambda m: m["vllm:generation_tokens_total"] > generated)
     after_post = _wait_idle(server)
@@ -725,13 +733,7 @@ def test_pause_resume_and_reset_prefix_cache(server: Server, one_at_a_time: Serv
         assert http.get("/is_paused").json() == {"is_paused": True}
         queued = pool.submit(http.post, "/v1/completions", json=body)
         waiting(1)
-        payload = json.dumps(body).encode()
-        with socket.create_connection(("127.0.0.1", server.port)) as conn:
-            conn.sendall(
-                b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(payload)
-                + payload
-            )
+        with _posted_then_left(server, body):
             waiting(2)
         waiting(1)  # its client left: aborted, paused as the engine is
         generated = _metrics(server)["vllm:generation_tokens_total"]
