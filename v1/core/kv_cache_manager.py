@@ -8,10 +8,10 @@ A request's blocks, in token order (block_size 4, 10 tokens computed or schedule
 
 The first `num_cached_block[id]` blocks are indexed in the pool's prefix cache, from the step
 that fills them being scheduled (docs/design.md, "The KV cache", visibility); a block filled by
-tokens not known then (drafts, async placeholders) once they are, at the latest when the
-request finishes (`cache_blocks`). Hence `free()`
-un-hashes a request's blocks past its computed tokens, and the scheduler never preempts a
-request whose unwritten blocks another already shares (`has_shared_unwritten_blocks`).
+tokens not known then (drafts, async placeholders), once they are, at the latest when the
+request finishes (`cache_blocks`). Hence `free()` un-hashes a request's blocks past its
+computed tokens, and the scheduler never preempts a request whose unwritten blocks another
+already shares (`has_shared_unwritten_blocks`).
 Declared prefixes (`check_preload`, `pin_prefix`): docs/prefix-cache.md, "Preloaded prompts".
 Blocks read from the disk tier become findable only once the runner reports them written.
 """

@@ -37,7 +37,7 @@ class StepState:
     requests scheduled, then the admitted ones)."""
 
     token_budget: int
-    prefill_cap: int = 0  # the step's cap on one request's tokens (0: none)
+    prefill_cap: int  # the step's cap on one request's tokens (0: none)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     scheduled_running: list[Request] = field(default_factory=list)
     running_new_block_ids: list[list[int]] = field(default_factory=list)  # per scheduled_running
