@@ -198,7 +198,7 @@ def test_reset_prefix_cache_preempts_running_requests(llm, hf_greedy, chat_promp
     10 `reset_prefix_cache(reset_running_requests=True)`. Refused without the flag while they
     hold blocks; with it they are preempted, recompute, and still answer as HF does."""
     engine = llm.llm_engine
-    prompts = mixed_prompts(chat_prompts)[3:7]
+    prompts = mixed_prompts(chat_prompts)[:4]
     before = llm.get_stats().num_preemptions
     pending, finished, step = list(enumerate(prompts)), {}, 0
     while pending or engine.has_unfinished_requests():
