@@ -10,7 +10,7 @@ and the test's gates come from the same code.
 - Perplexity: exp of the mean negative logprob of the text's tokens, each given the tokens
   before it in its window (the engine's `prompt_logprobs`); windows of at most `window`
   tokens, consecutive and not overlapping, so each window's first token is not scored.
-  The engine must prefill in chunks of `PPL_CHUNK` tokens (`ACCURACY_ENGINE_ARGS`): a
+  The engine must prefill in chunks of at most `PPL_CHUNK` tokens (`ACCURACY_ENGINE_ARGS`): a
   one-step prefill attends to the step's own fp32 keys and values and never reads the KV
   cache back, so a 16-bit cache would not show in the figure at all.
 - Greedy agreement over `GREEDY_TOKENS` tokens of the `PROMPTS` (chat template, greedy,
@@ -33,9 +33,10 @@ from common import first_divergence
 TEXT_PATH = Path(__file__).resolve().parent / "data" / "perplexity.txt"
 GREEDY_TOKENS = 32
 PPL_CHUNK = 32
-# Engine options for accuracy runs: each request's prefill in PPL_CHUNK-token steps, so that
-# all but a chunk's own tokens are read from the KV cache, as decode reads them.
-ACCURACY_ENGINE_ARGS = {"long_prefill_token_threshold": PPL_CHUNK}
+# Engine options for accuracy runs: steps of at most PPL_CHUNK tokens, so that a prefill's
+# tokens but its chunk's own are read from the KV cache, as decode reads them (a token budget:
+# long_prefill_token_threshold does not chunk a request alone in the engine).
+ACCURACY_ENGINE_ARGS = {"max_num_batched_tokens": PPL_CHUNK}
 # What the benchmarks run unless told otherwise: fp32, both weight formats, 16-bit KV caches.
 DEFAULT_MODES = ("fp32", "gguf", "int8", "fp32+bf16", "gguf+bf16", "gguf+fp16", "int8+bf16",
                  "int8+fp16")

@@ -21,6 +21,7 @@ def test_defaults_when_nothing_is_set():
     assert env.engine_core_hook is None
     assert env.xgrammar_cache_mb == 512
     assert not env.allow_runtime_lora_updating
+    assert not env.server_dev_mode
 
 
 def test_values_are_parsed():

@@ -115,6 +115,9 @@ VARIABLES: tuple[Variable, ...] = (
              "1: the server serves /v1/load_lora_adapter and /v1/unload_lora_adapter "
              "(vLLM's variable), loading only from --lora-root and --lora-modules folders; "
              "0: those routes answer 404"),
+    Variable("VLLM_SERVER_DEV_MODE", "server_dev_mode", "0", _opt_in,
+             "1: the server serves vLLM's development routes /reset_prefix_cache, /pause, "
+             "/resume and /is_paused (vLLM's variable); 0: those routes answer 404"),
 )
 
 _BY_FIELD = {var.field: var for var in VARIABLES}
@@ -138,6 +141,7 @@ class Environment:
     engine_core_hook: str | None
     xgrammar_cache_mb: int
     allow_runtime_lora_updating: bool
+    server_dev_mode: bool
     explicit: frozenset[str]
 
 

@@ -257,7 +257,7 @@ def test_reset_prefix_cache_keeps_the_disk_unless_asked():
     s.add_request(make_request(list(range(1000, 1013)), block_size=B, max_tokens=1))
     drain(s, disk)
     assert s.reset_prefix_cache() and len(s.disk_tier.index) == 3
-    assert s.reset_prefix_cache(include_disk=True) and len(s.disk_tier.index) == 0
+    assert s.reset_prefix_cache(reset_connector=True) and len(s.disk_tier.index) == 0
 
 
 def test_without_a_tier_nothing_is_handed_out():

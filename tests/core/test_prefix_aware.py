@@ -140,7 +140,8 @@ def deferral_setup(**kwargs):
     prefix = list(range(100, 132))
     owner = make_request(prefix + [1, 2], max_tokens=2)
     s.add_request(owner)
-    run_step(s)  # the owner computes 4 of its 34 tokens
+    s.add_request(make_request(2, max_tokens=1))  # not alone: the owner's chunks are capped
+    run_step(s)  # the owner computes 4 of its 34 tokens (the other one finishes)
     waiter = make_request(prefix + [3, 4], max_tokens=2)
     s.add_request(waiter)
     return s, owner, waiter
@@ -162,7 +163,8 @@ def test_no_wait_for_an_aborted_owner():
     assert waiter.request_id not in out.num_scheduled_tokens
     s.finish_requests(owner.request_id)
     out, _ = run_step(s)
-    assert out.num_scheduled_tokens[waiter.request_id] == 4  # it computes the prefix itself
+    # It computes the rest itself, uncapped now that it is alone.
+    assert out.num_scheduled_tokens[waiter.request_id] == 34 - 8
     assert waiter.num_cached_tokens == 8  # what the owner had computed
 
 

@@ -10,6 +10,7 @@ from tests.core.utils import (
     make_scheduler,
     run_step,
 )
+from v1.core.sched.scheduler import PauseState
 from v1.outputs import ModelRunnerOutput
 from v1.request import RequestStatus
 
@@ -86,6 +87,67 @@ def test_chunked_prefill_under_budget_and_per_request_cap():
     s.update_from_output(out, fake_model_output(s, out))
     assert a.num_output_tokens == 1 and c.num_output_tokens == 0
     drain(s)
+
+
+def test_a_request_alone_is_not_held_to_the_long_prefill_threshold():
+    """As vLLM: the threshold shares steps between requests; a prompt alone in the scheduler
+    takes what the budget allows, and is capped again once another request runs or waits."""
+    s = make_scheduler(max_num_seqs=1, max_num_batched_tokens=10, long_prefill_token_threshold=4)
+    a = make_request(30)
+    s.add_request(a)
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {a.request_id: 10}
+    b = make_request(30)
+    s.add_request(b)  # waits for a's seat: it still counts
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {a.request_id: 4}
+    s.finish_requests(a.request_id)
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {b.request_id: 10}
+    drain(s)
+
+
+def test_pause_states():
+    """vLLM's pause states: PAUSED_NEW runs the running requests only, PAUSED_ALL nothing;
+    new requests queue; with nothing to step the scheduler reports no work (the engine
+    idles); resumed, everything goes on."""
+    s = make_scheduler()
+    a = make_request(6, max_tokens=3)
+    s.add_request(a)
+    run_step(s)
+    s.pause_state = PauseState.PAUSED_ALL
+    b = make_request(6, max_tokens=3)
+    s.add_request(b)
+    assert not s.has_requests()
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {} and a.num_output_tokens == 1
+    s.pause_state = PauseState.PAUSED_NEW
+    assert s.has_requests()
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {a.request_id: 1}
+    run_step(s)
+    assert a.is_finished() and not s.has_requests() and b.status == RequestStatus.WAITING
+    s.pause_state = PauseState.UNPAUSED
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {b.request_id: 6}
+    drain(s)
+
+
+def test_abort_all_reports_every_request():
+    s = make_scheduler(max_num_seqs=1)
+    a, b = make_request(6), make_request(6)
+    s.add_request(a)
+    run_step(s)
+    s.add_request(b)
+    s.abort_all()
+    assert not s.requests and s.has_requests()  # the aborts are still to be reported
+    out, outs = run_step(s)
+    assert out.finished_req_ids == {a.request_id, b.request_id}
+    assert [(o.request_id, o.finish_reason) for o in outs[0].outputs] == [
+        (a.request_id, "abort"), (b.request_id, "abort")
+    ]
+    assert not s.has_requests()
+    s.check_integrity()
 
 
 def test_long_prompt_is_not_skipped_when_chunking_is_off():
@@ -291,8 +353,8 @@ def run_with_shadow(s, runner: ShadowRunner, max_steps: int = 200) -> set[str]:
 
 
 def low_then_high(num_blocks: int, low_prompt: int, max_tokens: int):
-    """Priority policy, chunks of 16: `low` runs its first chunk alone, then an 8-token
-    `high` arrives."""
+    """Priority policy, chunks of 16: `low` runs its first chunk (beside a short request
+    that then finishes), then an 8-token `high` arrives."""
     s = make_scheduler(
         policy="priority", num_blocks=num_blocks, max_num_batched_tokens=64,
         long_prefill_token_threshold=16,
@@ -301,6 +363,8 @@ def low_then_high(num_blocks: int, low_prompt: int, max_tokens: int):
     high = make_request(8, priority=0, max_tokens=max_tokens)
     runner = ShadowRunner(4)
     s.add_request(low)
+    # Not alone, so that its chunk is capped; this one finishes in the step.
+    s.add_request(make_request(2, priority=2, max_tokens=1))
     s.update_from_output(out := s.schedule(), runner.execute(out, eos_row=-1))
     s.add_request(high)
     return s, runner, low, high

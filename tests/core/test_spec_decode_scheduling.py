@@ -77,6 +77,25 @@ def test_tokens_after_a_stop_are_dropped():
     s.check_integrity()
 
 
+def test_a_block_completed_by_the_last_accepted_drafts_is_cached():
+    """The step that verifies drafts and finishes the request completes a block with tokens
+    not known when it was scheduled: it is cached before the request's blocks go, so a
+    prompt repeating those tokens hits it."""
+    s = make_scheduler()
+    r = decode_ready(s, max_tokens=5)  # 6 prompt tokens + 7; drafts [50, 51, 52]
+    out = s.schedule()
+    outs = s.update_from_output(
+        out, ModelRunnerOutput([r.request_id], [[50, 51, 52, 60]], spec_token_ids=[[]])
+    )
+    assert outs[0].outputs[0].finish_reason == "length"
+    # Block 1 (positions 4-7) ends with draft 50; block 2 (8-11) is not full.
+    again = make_request(r.all_token_ids[:8] + [99])
+    s.add_request(again)
+    s.schedule()
+    assert again.num_cached_tokens == 8
+    s.check_integrity()
+
+
 def test_async_placeholders_cover_the_drafts():
     s = make_scheduler(async_scheduling=True)
     r = make_request(6)

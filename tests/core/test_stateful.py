@@ -17,6 +17,7 @@ shares blocks with, which it may be waiting for, is scheduled).
 
 from collections import deque
 
+import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -138,7 +139,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if head.num_output_placeholders or head.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             return  # (async) it cannot be admitted before its output is back; or its read
         # Nothing was admitted after it was tried: does it fit in what the step left?
-        plan = s.admission.plan(head, budget, 0, FreedBlocks())
+        plan = s.admission.plan(head, budget, 0, FreedBlocks(), s.prefill_token_cap())
         if plan is None or not plan.num_new_tokens:
             return
         hashes = set(head.block_hashes)
@@ -180,16 +181,38 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.s.finish_requests([rid])
         self.finished.add(rid)
 
-    @rule(include_disk=st.booleans())
-    def reset_prefix_cache(self, include_disk):
-        kv = self.s.kv_cache_manager
+    @rule(reset_running=st.booleans(), reset_connector=st.booleans())
+    def reset_prefix_cache(self, reset_running, reset_connector):
+        s = self.s
+        kv = s.kv_cache_manager
         pool = kv.block_pool
         in_use = pool.get_num_free_blocks() + len(pool.pinned) < kv.num_blocks
-        assert self.s.reset_prefix_cache(include_disk) is not in_use
-        if not in_use:
-            assert pool.cached_block_hash_to_block == pool.pinned
-            if include_disk and self.runner.disk is not None:
-                self.runner.disk.clear()  # the engine removes the files
+        running = list(s.running)
+        # Blocks no preemption frees: disk-tier reads in flight (the queue's, or aborted).
+        loading = any(r.request_id in kv.req_to_blocks for r in s.waiting) or bool(
+            s.disk_tier is not None and s.disk_tier.aborted_loads
+        )
+        if reset_running and loading:
+            with pytest.raises(RuntimeError, match="disk-tier reads"):
+                s.reset_prefix_cache(reset_running, reset_connector)
+            event("reset refused: reads in flight")
+        else:
+            done = s.reset_prefix_cache(reset_running, reset_connector)
+            reset = reset_running or not in_use
+            assert done is (reset and (not reset_connector or s.disk_tier is not None))
+            if reset:
+                assert pool.cached_block_hash_to_block == pool.pinned
+                if reset_connector and self.runner.disk is not None:
+                    self.runner.disk.clear()  # the engine removes the files
+        if reset_running:
+            # Preempted (the next step tells the runner), queued: under FCFS at the front,
+            # in their running order.
+            assert not s.running and all(r.status == RequestStatus.PREEMPTED for r in running)
+            if not s.admission.policy.priority_policy:
+                assert list(s.waiting)[: len(running)] == running
+            assert set(running) <= set(s.waiting)
+            if running:
+                event("reset preempted running requests")
 
     @invariant()
     def integrity(self):

@@ -209,7 +209,7 @@ def test_reset_prefix_cache_keeps_the_disk_unless_asked(default_model, tmp_path)
         assert llm.reset_prefix_cache()
         _, cached = run(llm, SYSTEM + "Hi?")
         assert cached > 0 and llm.get_stats().disk_cache_hits == cached  # from disk
-        assert llm.reset_prefix_cache(include_disk=True)
+        assert llm.reset_prefix_cache(reset_connector=True)
         assert not block_files(tmp_path)
         _, cached = run(llm, SYSTEM + "Hi?")
     assert cached == 0

@@ -193,6 +193,30 @@ def test_n_greater_than_one_shares_prompt(llm, monkeypatch):
     check_idle(llm)
 
 
+def test_reset_prefix_cache_preempts_running_requests(llm, hf_greedy, chat_prompts):
+    """As vLLM's examples/features/reset_kv: requests added one per LLMEngine step, and at step
+    10 `reset_prefix_cache(reset_running_requests=True)`. Refused without the flag while they
+    hold blocks; with it they are preempted, recompute, and still answer as HF does."""
+    engine = llm.llm_engine
+    prompts = mixed_prompts(chat_prompts)[:4]
+    before = llm.get_stats().num_preemptions
+    pending, finished, step = list(enumerate(prompts)), {}, 0
+    while pending or engine.has_unfinished_requests():
+        if pending:
+            i, prompt = pending.pop(0)
+            engine.add_request(str(i), prompt, GREEDY)
+        if step == 10:
+            assert engine.reset_prefix_cache() is False
+            assert engine.reset_prefix_cache(reset_running_requests=True) is True
+            assert llm.get_stats().num_preemptions == before + len(prompts)
+        for out in engine.step():
+            if out.finished:
+                finished[int(out.request_id)] = out
+        step += 1
+    assert_matches_hf(llm, [finished[i] for i in range(len(prompts))], hf_greedy)
+    check_idle(llm)
+
+
 def test_chat(llm, hf_tokenizer):
     conversations = [
         [{"role": "user", "content": "What is 2+2?"}],

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -86,15 +87,20 @@ def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 3
 
 
 @contextlib.contextmanager
-def serve(model_path: Path, log: Path, *options: str) -> Iterator[Server]:
-    """A `python -m v1 serve` process on a free port, killed at the end if still running."""
+def serve(
+    model_path: Path, log: Path, *options: str, env: dict[str, str] | None = None
+) -> Iterator[Server]:
+    """A `python -m v1 serve` process on a free port, killed at the end if still running;
+    `env`: variables to set in its environment."""
     port = free_port()
     cmd = [
         sys.executable, "-m", "v1", "serve", "--model", str(model_path), "--port", str(port),
         "--uvicorn-log-level", "warning", *options,
     ]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
     server = Server(proc, port, log)
     try:
         wait_healthy(proc, server.url, log)
@@ -122,6 +128,7 @@ def server(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -
     with serve(
         default_model_path, log, "--served-model-name", MODEL, ALIAS,
         "--max-model-len", str(MAX_MODEL_LEN), "--num-gpu-blocks", "256",
+        env={"VLLM_SERVER_DEV_MODE": "1"},  # vLLM's /pause, /resume, /reset_prefix_cache
     ) as server:
         yield server  # test_shutdown stops it
 
@@ -708,6 +715,20 @@ def test_prompt_plus_max_tokens_over_max_model_len(client: openai.OpenAI) -> Non
         assert source in error.value.message
 
 
+@contextlib.contextmanager
+def _posted_then_left(server: Server, body: dict[str, Any]) -> Iterator[None]:
+    """A completion POSTed on a raw connection, closed (the client leaves without an answer)
+    when the block ends."""
+    payload = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as conn:
+        conn.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(payload)
+            + payload
+        )
+        yield
+
+
 def test_disconnect_aborts(server: Server) -> None:
     """A client that leaves mid-stream, or gives up waiting for a whole completion, has its
     request aborted: the engine stops generating and frees its blocks. Each on its own."""
@@ -721,19 +742,80 @@ def test_disconnect_aborts(server: Server) -> None:
             assert _metrics(server)["vllm:num_requests_running"] == 1
     after_stream = _wait_idle(server)
     # A whole completion answers only at its end: leave once it has begun to generate.
-    payload = json.dumps(body).encode()
-    with socket.create_connection(("127.0.0.1", server.port)) as conn:
-        conn.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(payload)
-            + payload
-        )
+    with _posted_then_left(server, body):
         generated = after_stream["vllm:generation_tokens_total"]
         _wait_for(server, lambda m: m["vllm:generation_tokens_total"] > generated)
     after_post = _wait_idle(server)
     for start, end in ((before, after_stream), (after_stream, after_post)):
         generated = end["vllm:generation_tokens_total"] - start["vllm:generation_tokens_total"]
         assert 0 < generated < max_tokens // 2
+
+
+def test_pause_resume_and_reset_prefix_cache(server: Server, one_at_a_time: Server) -> None:
+    """vLLM's development routes (VLLM_SERVER_DEV_MODE=1; else 404), as an RL trainer
+    drives them around a weight update: /pause?mode=keep freezes a stream (no token while
+    paused) and queues new requests (not refused; one whose client leaves meanwhile is
+    aborted); /resume lets them finish. mode=wait answers once the request in flight has
+    finished; the default mode aborts it (finish_reason "abort"). /reset_prefix_cache with
+    a request running preempts it, and it still finishes."""
+    assert httpx.post(f"{one_at_a_time.url}/pause").status_code == 404
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "ignore_eos": True}
+    http = httpx.Client(base_url=server.url, timeout=60)
+    assert http.get("/is_paused").json() == {"is_paused": False}
+
+    def stream(first: threading.Event) -> list[dict]:
+        chunks = []
+        with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60,
+                          json={**body, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[len("data: "):]))
+                    first.set()
+        return chunks
+
+    def finish_reason(chunks: list[dict]) -> str:
+        return chunks[-1]["choices"][0]["finish_reason"]
+
+    def waiting(n: int) -> None:
+        _wait_for(server, lambda m: m["vllm:num_requests_waiting"] == n)
+
+    with ThreadPoolExecutor(2) as pool:
+        first = threading.Event()
+        streaming = pool.submit(stream, first)
+        assert first.wait(60)
+        r = http.post("/pause", params={"mode": "keep", "clear_cache": False})
+        assert (r.status_code, r.json()) == (200, {"status": "paused"})
+        assert http.get("/is_paused").json() == {"is_paused": True}
+        queued = pool.submit(http.post, "/v1/completions", json=body)
+        waiting(1)
+        with _posted_then_left(server, body):
+            waiting(2)
+        waiting(1)  # its client left: aborted, paused as the engine is
+        generated = _metrics(server)["vllm:generation_tokens_total"]
+        time.sleep(0.3)
+        assert _metrics(server)["vllm:generation_tokens_total"] == generated
+        assert not streaming.done() and not queued.done()
+        assert http.post("/resume").json() == {"status": "resumed"}
+        assert finish_reason(streaming.result(60)) == "length"
+        assert queued.result(60).json()["choices"][0]["finish_reason"] == "length"
+
+        for mode, reason in (("wait", "length"), ("abort", "abort")):
+            first = threading.Event()
+            streaming = pool.submit(stream, first)
+            assert first.wait(60)
+            assert http.post("/pause", params={"mode": mode}).status_code == 200
+            assert finish_reason(streaming.result(60)) == reason
+            assert http.post("/resume").status_code == 200
+        assert http.post("/pause", params={"mode": "sleep"}).status_code == 400
+
+        preemptions = _metrics(server)["vllm:num_preemptions_total"]
+        first = threading.Event()
+        streaming = pool.submit(stream, first)
+        assert first.wait(60)
+        r = http.post("/reset_prefix_cache", params={"reset_running_requests": True})
+        assert r.status_code == 200
+        assert finish_reason(streaming.result(60)) == "length"
+    assert _wait_idle(server)["vllm:num_preemptions_total"] == preemptions + 1
 
 
 def test_shutdown_stops_engine_and_frees_port(server: Server) -> None:

@@ -66,7 +66,8 @@ class EngineArgs:
         True, "split long prompts over several steps, beside the running decodes"
     )
     long_prefill_token_threshold: int = option(
-        0, "the most prompt tokens one request computes per step (0: no cap)"
+        0, "the most prompt tokens one request computes per step while others run or wait "
+        "(0: no cap)"
     )
     scheduling_policy: str = option(
         "fcfs", "'fcfs' or 'priority' (lower priority values first)"

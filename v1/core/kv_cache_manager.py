@@ -7,9 +7,11 @@ A request's blocks, in token order (block_size 4, 10 tokens computed or schedule
     request.block_hashes = [h0, h1]        num_cached_block[id] = 2
 
 The first `num_cached_block[id]` blocks are indexed in the pool's prefix cache, from the step
-that fills them being scheduled (docs/design.md, "The KV cache", visibility). Hence `free()`
-un-hashes a request's blocks past its computed tokens, and the scheduler never preempts a
-request whose unwritten blocks another already shares (`has_shared_unwritten_blocks`).
+that fills them being scheduled (docs/design.md, "The KV cache", visibility); a block filled by
+tokens not known then (drafts, async placeholders), once they are, at the latest when the
+request finishes (`cache_blocks`). Hence `free()` un-hashes a request's blocks past its
+computed tokens, and the scheduler never preempts a request whose unwritten blocks another
+already shares (`has_shared_unwritten_blocks`).
 Declared prefixes (`check_preload`, `pin_prefix`): docs/prefix-cache.md, "Preloaded prompts".
 Blocks read from the disk tier become findable only once the runner reports them written.
 """
@@ -174,23 +176,35 @@ class KVCacheManager:
                 req_blocks.extend(new_blocks)
         elif req_blocks is _NO_BLOCKS:
             return _NO_BLOCKS  # no tokens for a request without blocks: nothing to track
-        num_cached = self.num_cached_block[req_id]
-        if self.enable_caching:
-            # Blocks this step fills become findable now (see the module docstring); only
-            # those whose tokens are known (under async scheduling, a placeholder is not).
-            block_hashes = request.block_hashes
-            num_full = num_tokens_after // self.block_size
-            if num_full > len(block_hashes):
-                num_full = len(block_hashes)
-            if num_full > num_cached:
-                self.block_pool.cache_full_blocks(req_blocks, block_hashes, num_cached, num_full)
-                if self.new_cached is not None:
-                    self.new_cached.extend(
-                        zip(req_blocks[num_cached:num_full], block_hashes[num_cached:num_full])
-                    )
-                self.num_cached_block[req_id] = num_cached = num_full
-        self.num_quiet_tokens[req_id] = self._quiet_limit(len(req_blocks), num_cached)
+        # Blocks this step fills become findable now (see the module docstring).
+        self.cache_blocks(request, num_tokens_after)
+        self.num_quiet_tokens[req_id] = self._quiet_limit(
+            len(req_blocks), self.num_cached_block[req_id]
+        )
         return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Index the request's full blocks within its first `num_tokens` tokens, those whose
+        tokens are known (hashed: a draft or, under async scheduling, a placeholder is not
+        when its step is scheduled). Also for blocks its last step completed with tokens not
+        known when scheduled, before a request that finishes frees them."""
+        if not self.enable_caching:
+            return
+        req_id = request.request_id
+        num_cached = self.num_cached_block[req_id]
+        block_hashes = request.block_hashes
+        num_full = num_tokens // self.block_size
+        if num_full > len(block_hashes):
+            num_full = len(block_hashes)
+        if num_full <= num_cached:
+            return
+        req_blocks = self.req_to_blocks[req_id]
+        self.block_pool.cache_full_blocks(req_blocks, block_hashes, num_cached, num_full)
+        if self.new_cached is not None:
+            self.new_cached.extend(
+                zip(req_blocks[num_cached:num_full], block_hashes[num_cached:num_full])
+            )
+        self.num_cached_block[req_id] = num_full
 
     def take_new_cached(self) -> list[tuple[KVCacheBlock, BlockHash]]:
         """The blocks indexed since the last call that still hold their hash (a block

@@ -11,6 +11,7 @@ stream. Requests go by the caller's id here; an id may be reused once its reques
 import asyncio
 import functools
 import logging
+import warnings
 from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
@@ -195,8 +196,42 @@ class AsyncLLM:
     async def get_stats(self) -> SchedulerStats:
         return await self.client.call_utility_async("get_stats")
 
-    async def reset_prefix_cache(self, include_disk: bool = False) -> bool:
-        return await self.client.call_utility_async("reset_prefix_cache", include_disk)
+    async def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        """vLLM's (`EngineCore.reset_prefix_cache`)."""
+        return await self.client.call_utility_async(
+            "reset_prefix_cache", reset_running_requests, reset_connector
+        )
+
+    # Pause and resume, as vLLM's AsyncLLM (for weight updates): while paused, new requests
+    # queue and no token is produced; they go on once resumed.
+    async def pause_generation(
+        self,
+        *,
+        mode: str = "abort",
+        wait_for_inflight_requests: bool | None = None,
+        clear_cache: bool = True,
+    ) -> None:
+        """Returns once paused (`EngineCore.pause_scheduler`): `mode` "abort" (the requests
+        in flight end with finish_reason "abort"), "wait" (they finish first) or "keep" (they
+        stop where they are); `clear_cache`: then the prefix cache and disk tier are reset.
+        `wait_for_inflight_requests=True` is vLLM's deprecated spelling of mode "wait". A
+        ValueError for another mode."""
+        if wait_for_inflight_requests:
+            warnings.warn(
+                "wait_for_inflight_requests is deprecated: use mode='wait'",
+                DeprecationWarning, stacklevel=2,
+            )
+            mode = "wait"
+        await self.client.call_utility_async("pause_scheduler", mode, clear_cache)
+
+    async def resume_generation(self) -> None:
+        """Schedule again (a RuntimeError while a pause has not completed yet)."""
+        await self.client.call_utility_async("resume_scheduler")
+
+    async def is_paused(self) -> bool:
+        return await self.client.call_utility_async("is_scheduler_paused")
 
     # LoRA adapters, as vLLM's AsyncLLM: load (a ValueError if it cannot be served), unload
     # (a ValueError while a request uses it), list the ids.

@@ -19,7 +19,7 @@ from v1 import envs
 from v1.config import EngineArgs, VllmConfig
 from v1.core.kv_disk_index import DiskBlockIndex
 from v1.core.sched.output import SchedulerOutput
-from v1.core.sched.scheduler import Scheduler
+from v1.core.sched.scheduler import PauseState, Scheduler
 from v1.engine.pooling import configure_pooling
 from v1.engine.preload import preload_token_ids
 from v1.engine.structured_output import StructuredOutputManager
@@ -44,8 +44,11 @@ logger = logging.getLogger("v1")
 # What clients may call by name (`call_utility`), in process or over ZMQ.
 UTILITY_METHODS = frozenset({
     "reset_prefix_cache", "get_stats", "check_integrity", "ping", "add_lora", "remove_lora",
-    "list_loras",
+    "list_loras", "pause_scheduler", "resume_scheduler", "is_scheduler_paused",
 })
+
+# vLLM's pause modes: what becomes of the requests in flight (`EngineCore.pause_scheduler`).
+PAUSE_MODES = ("abort", "wait", "keep")
 
 class EngineCore:
     def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None) -> None:
@@ -118,6 +121,8 @@ class EngineCore:
         if self.model_runner.lora is not None:  # adapters of unfinished requests stay loaded
             self.model_runner.lora.in_use = self.scheduler.lora_users
         self.cache_config = cache_config
+        # Pauses not complete yet: each one's future, and whether it clears the caches.
+        self._pausing: list[tuple[Future[None], bool]] = []
         self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
         self._executor = (
             ThreadPoolExecutor(1, thread_name_prefix="v1-runner")
@@ -231,15 +236,68 @@ class EngineCore:
 
     # -- utilities --------------------------------------------------------------------
 
-    def reset_prefix_cache(self, include_disk: bool = False) -> bool:
-        """Forget the prefix cache, refused (False) while any block is in use. The disk
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        """vLLM's: forget the prefix cache (`Scheduler.reset_prefix_cache`: refused, False,
+        while requests hold blocks, unless `reset_running_requests` preempts them). The disk
         tier is kept (it is there to outlive such resets, as restarts) unless
-        `include_disk`: then its files of this model and KV setting are removed too."""
-        if not self.scheduler.reset_prefix_cache(include_disk):
+        `reset_connector`: then its files of this model and KV setting are removed too."""
+        if not self.scheduler.reset_prefix_cache(reset_running_requests, reset_connector):
             return False
-        if include_disk and self.model_runner.kv_disk is not None:
+        if reset_connector:
+            assert self.model_runner.kv_disk is not None  # the scheduler has its tier
             self.model_runner.kv_disk.clear()
         return True
+
+    def pause_scheduler(self, mode: str = "abort", clear_cache: bool = True) -> Future[None]:
+        """vLLM's pause: new requests queue, unscheduled, until `resume_scheduler`. `mode`:
+        "abort" aborts every request (reported "abort"), "wait" lets the running ones finish,
+        "keep" freezes them too (they go on when resumed). The future is done once nothing is
+        left to step (`settle_pause`, which whoever steps the core calls after each step), the
+        caches then reset if `clear_cache`: prefix cache and disk tier, the running requests
+        preempted (as vLLM's, for new weights)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        if mode == "abort":
+            self.scheduler.abort_all()
+        self.scheduler.pause_state = (
+            PauseState.PAUSED_ALL if mode == "keep" else PauseState.PAUSED_NEW
+        )
+        future: Future[None] = Future()
+        self._pausing.append((future, clear_cache))
+        self.settle_pause()
+        return future
+
+    def settle_pause(self) -> None:
+        """Complete the pending pauses once nothing is left to step."""
+        if not self._pausing or self.has_unfinished_requests():
+            return
+        pausing, self._pausing = self._pausing, []
+        error = None
+        if any(clear for _, clear in pausing):
+            try:
+                self.reset_prefix_cache(
+                    reset_running_requests=True,
+                    reset_connector=self.scheduler.disk_tier is not None,
+                )
+            except Exception as e:  # the caller's to see; the engine serves on
+                error = e
+        for future, _ in pausing:
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(error)
+
+    def resume_scheduler(self) -> None:
+        """vLLM's: schedule again, the requests queued meanwhile included; a RuntimeError
+        while a pause is still draining (wait for it first, as vLLM's)."""
+        if self._pausing:
+            raise RuntimeError("a pause is still in progress: resume once it has completed")
+        self.scheduler.pause_state = PauseState.UNPAUSED
+
+    def is_scheduler_paused(self) -> bool:
+        return self.scheduler.pause_state is not PauseState.UNPAUSED
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

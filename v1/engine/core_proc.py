@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -181,6 +182,9 @@ class EngineCoreProc:
                 for client, outputs in step_outputs.items():
                     outputs.scheduler_stats = stats
                     self._reply(client, EngineCoreOutputType.OUTPUTS, outputs)
+            # A pause completes (and is answered) after the outputs of the step that
+            # drained it.
+            self.engine_core.settle_pause()
 
     def _process_input(self, block: bool) -> None:
         """Handle every message waiting at the input socket; with `block` (the core is
@@ -218,8 +222,7 @@ class EngineCoreProc:
         elif kind is EngineCoreRequestType.ABORT:
             core.abort_requests(message)
         elif kind is EngineCoreRequestType.UTILITY:
-            self._reply(message.client_index, EngineCoreOutputType.UTILITY_RESULT,
-                        self._call_utility(message))
+            self._call_utility(message)
         else:  # HELLO
             self.clients.add(message)
             # The client connects its DEALER before it sends HELLO, yet our end may not have
@@ -261,12 +264,29 @@ class EngineCoreProc:
             [r.request_id for r in requests if r.client_index == client]
         )
 
-    def _call_utility(self, call: UtilityRequest) -> UtilityResult:
+    def _call_utility(self, call: UtilityRequest) -> None:
+        """Run a utility and answer it; one that returns a Future (a pause) is answered
+        when the future is done (on this thread: the busy loop completes it)."""
         try:
             result = self.engine_core.call_utility(call.method, call.args)
         except Exception as e:  # the caller's problem (a bad name, a failed check)
-            return UtilityResult(call.call_id, error=(type(e).__name__, str(e)))
-        return UtilityResult(call.call_id, msgspec.Raw(self._encoder.encode(result)))
+            self._answer(call, error=e)
+            return
+        if isinstance(result, Future):
+            result.add_done_callback(
+                lambda done: self._answer(call, error=done.exception(), result=None)
+            )
+        else:
+            self._answer(call, result=result)
+
+    def _answer(
+        self, call: UtilityRequest, error: BaseException | None = None, result: Any = None
+    ) -> None:
+        if error is None:
+            answer = UtilityResult(call.call_id, msgspec.Raw(self._encoder.encode(result)))
+        else:
+            answer = UtilityResult(call.call_id, error=(type(error).__name__, str(error)))
+        self._reply(call.client_index, EngineCoreOutputType.UTILITY_RESULT, answer)
 
 
 def _exit_on_signal(signum: int, frame: Any) -> None:

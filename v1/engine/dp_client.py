@@ -346,6 +346,8 @@ class DPClientBase:
             return all(results.values())
         if method == "ping":
             return all(results.values())
+        if method == "is_scheduler_paused":
+            return any(results.values())
         if method in ("add_lora", "remove_lora"):  # every core holds every adapter
             return any(results.values())
         if method == "list_loras":

@@ -187,8 +187,13 @@ class LLMEngine:
         self.metrics.set_scheduler_stats(self.get_stats())
         return get_metrics_snapshot(self.metrics.registry)
 
-    def reset_prefix_cache(self, include_disk: bool = False) -> bool:
-        return self.client.call_utility("reset_prefix_cache", include_disk)
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        """vLLM's (`EngineCore.reset_prefix_cache`)."""
+        return self.client.call_utility(
+            "reset_prefix_cache", reset_running_requests, reset_connector
+        )
 
     def get_stats(self) -> SchedulerStats:
         return self.client.call_utility("get_stats")

@@ -57,7 +57,7 @@ class UtilityResult(msgspec.Struct, array_like=True):
 # The decoded type of each utility's result (others: plain msgpack values).
 UTILITY_RESULT_TYPES: dict[str, Any] = {
     "get_stats": SchedulerStats, "reset_prefix_cache": bool, "add_lora": bool,
-    "remove_lora": bool, "list_loras": set[int],
+    "remove_lora": bool, "list_loras": set[int], "is_scheduler_paused": bool,
 }
 
 

@@ -267,11 +267,15 @@ class LLM(PoolingMixin):
                 raise
         return [r for r in results if r is not None]
 
-    def reset_prefix_cache(self, include_disk: bool = False) -> bool:
-        """Forget the cached prefixes; False (nothing done) while a request runs. The disk
-        tier (kv_cache_dir) is kept, as it outlives restarts, unless `include_disk`: then
-        its files for this model and KV setting are removed too."""
-        return self.llm_engine.reset_prefix_cache(include_disk)
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        """vLLM's: forget the cached prefixes; False (nothing done) while requests hold
+        blocks, unless `reset_running_requests` preempts them first (they recompute). The
+        disk tier (kv_cache_dir) is kept, as it outlives restarts, unless `reset_connector`
+        (vLLM's external cache): then its files for this model and KV setting are removed
+        too (False without a tier)."""
+        return self.llm_engine.reset_prefix_cache(reset_running_requests, reset_connector)
 
     def get_stats(self) -> SchedulerStats:
         """The engine core's scheduler stats; with data parallelism a `DPSchedulerStats`:

@@ -37,6 +37,7 @@ class StepState:
     requests scheduled, then the admitted ones)."""
 
     token_budget: int
+    prefill_cap: int  # the step's cap on one request's tokens (0: none)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     scheduled_running: list[Request] = field(default_factory=list)
     running_new_block_ids: list[list[int]] = field(default_factory=list)  # per scheduled_running
@@ -65,7 +66,6 @@ class AdmissionPolicy:
     """The limits and switches admission goes by, from the scheduler's and cache's configs."""
 
     max_num_seqs: int
-    long_prefill_token_threshold: int
     chunked_prefill: bool
     priority_policy: bool
     prefix_aware: bool  # prefix-aware order (needs the prefix cache)
@@ -81,7 +81,6 @@ class AdmissionPolicy:
         )
         return cls(
             max_num_seqs=config.max_num_seqs,
-            long_prefill_token_threshold=config.long_prefill_token_threshold,
             chunked_prefill=config.enable_chunked_prefill,
             priority_policy=config.policy == "priority",
             prefix_aware=prefix_aware,
@@ -227,7 +226,7 @@ class WaitingAdmission:
         freed = FreedBlocks()
         candidates = self._victim_candidates(request, st.scheduled_admitted)
         while (plan := self.plan(
-            request, st.token_budget, len(victims), freed
+            request, st.token_budget, len(victims), freed, st.prefill_cap
         )) is None:
             victim = next(candidates, None)
             if victim is None:
@@ -259,10 +258,12 @@ class WaitingAdmission:
         return victims
 
     def plan(
-        self, request: Request, token_budget: int, num_victims: int, freed: FreedBlocks
+        self, request: Request, token_budget: int, num_victims: int, freed: FreedBlocks,
+        prefill_cap: int,
     ) -> Admission | None:
-        """What admitting a waiting request takes once the `freed` victims are preempted;
-        None if it has no seat or not enough blocks then. `num_new_tokens` 0: it does not
+        """What admitting a waiting request takes once the `freed` victims are preempted,
+        at most `prefill_cap` tokens of it (0: no cap); None if it has no seat or not enough
+        blocks then. `num_new_tokens` 0: it does not
         fit the token budget (chunked prefill off), which no preemption changes (victims'
         budget is not counted, so nobody is preempted for budget). Changes nothing."""
         policy = self.policy
@@ -284,9 +285,8 @@ class WaitingAdmission:
                     num_hit_tokens = i * policy.block_size
                     break
         num_new_tokens = request.num_tokens - num_hit_tokens
-        threshold = policy.long_prefill_token_threshold
-        if 0 < threshold < num_new_tokens:
-            num_new_tokens = threshold
+        if 0 < prefill_cap < num_new_tokens:
+            num_new_tokens = prefill_cap
         if num_new_tokens > token_budget:
             if not policy.chunked_prefill:
                 # Do not skip a long prompt in favour of shorter ones.

@@ -15,10 +15,14 @@ Invariants, every step:
 - a request is preempted for a waiting one only if that one is then admitted;
 - with LoRA (`max_loras` > 0), the running requests use at most `max_loras` adapters.
 
+Paused (`pause_state`, vLLM's pause): new requests queue; PAUSED_NEW schedules only the running
+requests, PAUSED_ALL nothing, and `has_requests()` is then False, so the engine idles.
+
 Set aside without blocking the queue: WAITING_FOR_FSM (grammar compiling; a structured request
 whose token is in flight is not scheduled again) and WAITING_FOR_REMOTE_KVS (disk-tier reads).
 """
 
+import enum
 import time
 from collections.abc import Iterable
 from typing import Any, Protocol
@@ -67,6 +71,14 @@ class StructuredOutputManagerProtocol(Protocol):
     def grammar_bitmask(self, requests: list[Request]) -> Any:
         """The token bitmask of these requests' next tokens, one row each."""
         ...
+
+
+class PauseState(enum.Enum):
+    """vLLM's: what a paused scheduler still schedules (new requests queue in every state)."""
+
+    UNPAUSED = 0
+    PAUSED_NEW = 1  # the running requests only: nobody is admitted from the queue
+    PAUSED_ALL = 2  # nothing
 
 
 def _queue_time(request: Request) -> float | None:
@@ -120,8 +132,13 @@ class Scheduler:
         self.running: list[Request] = []
         # Left the batch since the last schedule(): the runner must forget them.
         self.finished_req_ids: set[str] = set()
-        # Finished by the scheduler without running (FINISHED_IGNORED); reported next step.
+        # Preempted outside schedule() (reset_prefix_cache), not finished since: the next
+        # SchedulerOutput reports them preempted.
+        self._preempted_between_steps: set[str] = set()
+        # Finished by the scheduler, not by a step (FINISHED_IGNORED: it could never run;
+        # or aborted by `abort_all`): reported with the next step's outputs.
         self._ignored: list[Request] = []
+        self.pause_state = PauseState.UNPAUSED
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -215,6 +232,7 @@ class Scheduler:
 
     def _forget_request(self, request: Request) -> None:
         self.finished_req_ids.add(request.request_id)
+        self._preempted_between_steps.discard(request.request_id)
         del self.requests[request.request_id]
         if request.lora_request is not None:
             lora_id = request.lora_request.lora_int_id
@@ -234,20 +252,40 @@ class Scheduler:
         self.lora_generations[lora_int_id] = self.lora_generations.get(lora_int_id, 0) + 1
 
     def has_requests(self) -> bool:
-        return bool(self.requests) or bool(self._ignored) or (
+        """Whether a step has work: requests it may schedule (paused, not the queued ones;
+        PAUSED_ALL, not the running ones either), or finished ones to report or free."""
+        if self.pause_state is PauseState.UNPAUSED:
+            schedulable = bool(self.requests)
+        else:
+            schedulable = self.pause_state is PauseState.PAUSED_NEW and bool(self.running)
+        return schedulable or bool(self._ignored) or (
             self.disk_tier is not None and bool(self.disk_tier.aborted_loads)
         )
+
+    def abort_all(self) -> None:
+        """Abort every request, each reported ("abort") with the next step's outputs: their
+        frontends did not ask for it (vLLM's pause in "abort" mode)."""
+        doomed = list(self.requests.values())
+        self.finish_requests([r.request_id for r in doomed])
+        self._ignored += doomed
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
     # -- scheduling ---------------------------------------------------------------------
 
+    def prefill_token_cap(self) -> int:
+        """The most tokens one request may get in the next step (0: no cap): the
+        `long_prefill_token_threshold`, unless the request is alone in the scheduler. The
+        cap is there to share steps; a request alone would only get its first token later
+        (vLLM's rule)."""
+        return self.long_prefill_token_threshold if len(self.requests) > 1 else 0
+
     def schedule(self) -> SchedulerOutput:
         kv = self.kv_cache_manager
-        threshold = self.long_prefill_token_threshold
+        threshold = self.prefill_token_cap()
         max_model_len = self.max_model_len
-        st = StepState(self.max_num_batched_tokens)
+        st = StepState(self.max_num_batched_tokens, threshold)
         token_budget = st.token_budget
         num_scheduled_tokens = st.num_scheduled_tokens
         scheduled_running = st.scheduled_running
@@ -258,7 +296,8 @@ class Scheduler:
         # for every running request every step: plain arithmetic, and no `allocate_slots`
         # call while the request stays within its `num_quiet_tokens` (most decodes).
         async_scheduling = self.async_scheduling
-        running = self.running
+        paused = self.pause_state is not PauseState.UNPAUSED
+        running = self.running if self.pause_state is not PauseState.PAUSED_ALL else []
         num_quiet_tokens = kv.num_quiet_tokens
         # Preemption here removes only requests after this one (from the end), which list
         # iteration tolerates: the loop ends sooner.
@@ -323,7 +362,7 @@ class Scheduler:
 
         # 2. Waiting requests, unless this step had to preempt (v1.core.sched.admission).
         st.token_budget = token_budget
-        if not st.preempted and self.waiting and token_budget > 0:
+        if not st.preempted and self.waiting and token_budget > 0 and not paused:
             self.admission.schedule_waiting(st)
         token_budget = st.token_budget
         scheduled_admitted = st.scheduled_admitted
@@ -341,6 +380,9 @@ class Scheduler:
             scheduled_running, running_new_block_ids, st.scheduled_resumed
         )
         preempted_ids = {r.request_id for r in st.preempted}
+        if self._preempted_between_steps:
+            preempted_ids |= self._preempted_between_steps
+            self._preempted_between_steps = set()
         output = SchedulerOutput(
             new_reqs_data, cached, num_scheduled_tokens,
             self.max_num_batched_tokens - token_budget, self.finished_req_ids, preempted_ids,
@@ -391,15 +433,20 @@ class Scheduler:
             for group in (st.scheduled_admitted, st.scheduled_new, st.scheduled_resumed):
                 if victim in group:
                     group.remove(victim)
-        self.kv_cache_manager.free(victim)
         st.spec_tokens.pop(victim.request_id, None)
+        self._requeue(victim)
+        st.preempted.append(victim)
+
+    def _requeue(self, victim: Request) -> None:
+        """A request out of `running`: its blocks freed, at the front of the queue to
+        recompute from zero."""
+        self.kv_cache_manager.free(victim)
         victim.spec_token_ids = []  # it resumes with a prefill, which is not drafted
         victim.status = PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend_request(victim)
-        st.preempted.append(victim)
 
     def _make_cached_request_data(
         self,
@@ -487,6 +534,13 @@ class Scheduler:
                 stopped = True
                 if status == PREEMPTED:  # (async) preempted while it ran: it is waiting
                     self.waiting.remove_request(request)
+                elif req_id not in model_output.nonfinite_req_ids:
+                    # Blocks its accepted drafts (or, async, its placeholders) completed are
+                    # cached as any other; not those of a step still in flight.
+                    self.kv_cache_manager.cache_blocks(request, min(
+                        request.num_computed_tokens - request.num_output_placeholders,
+                        request.num_tokens,
+                    ))
                 self._free_request(request)
                 finish_reason = request.get_finished_reason()
             elif spec_rows is not None and status == RUNNING:
@@ -573,13 +627,32 @@ class Scheduler:
 
     # -- utilities ----------------------------------------------------------------------
 
-    def reset_prefix_cache(self, include_disk: bool = False) -> bool:
-        """Forget the RAM prefix cache but the pinned (declared) prefixes (refused, False,
-        while any request holds blocks); with `include_disk`, the disk tier's index too (the
-        caller removes the files)."""
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        """Forget the RAM prefix cache but the pinned (declared) prefixes, as vLLM's.
+
+        While requests hold blocks it is refused (False), unless `reset_running_requests`:
+        then every running request is preempted first (it recomputes once admitted again),
+        and blocks still held (disk-tier reads in flight) raise RuntimeError.
+        `reset_connector` (vLLM's name for its external cache): the disk tier's index too,
+        once the RAM cache is reset (the caller removes the files); False without a tier.
+        """
+        if reset_running_requests:
+            # Last first, each to the front of the queue: they resume in their running order.
+            for request in reversed(self.running):
+                self._requeue(request)
+                self._preempted_between_steps.add(request.request_id)
+            self.running.clear()
         if not self.kv_cache_manager.reset_prefix_cache():
+            if reset_running_requests:
+                raise RuntimeError(
+                    "the prefix cache cannot be reset while disk-tier reads are in flight"
+                )
             return False
-        if include_disk and self.disk_tier is not None:
+        if reset_connector:
+            if self.disk_tier is None:
+                return False
             self.disk_tier.index.clear()
         return True
 
@@ -613,6 +686,7 @@ class Scheduler:
         waiting_ids = {r.request_id for r in self.waiting}
         assert len(running_ids) == len(self.running), "a request is running twice"
         assert not running_ids & waiting_ids, "a request is both running and waiting"
+        assert self._preempted_between_steps <= waiting_ids, "a preempted request is not queued"
         assert running_ids | waiting_ids == self.requests.keys(), "request state leaked"
         assert self.num_structured_requests == sum(
             r.sampling_params.structured_outputs is not None for r in self.requests.values()

@@ -21,7 +21,7 @@ import secrets
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
@@ -171,6 +171,50 @@ async def load_lora_adapter(request: LoadLoRAAdapterRequest, raw: Request) -> Re
 async def unload_lora_adapter(request: UnloadLoRAAdapterRequest, raw: Request) -> Response:
     """vLLM's: forget an adapter; 404 for an unknown name, 400 while a request uses it."""
     return Response(await _serving(raw).serving_models.unload_lora_adapter(request))
+
+
+# vLLM's development routes: reset the prefix cache, pause and resume generation (as for an RL
+# trainer's weight updates). They act on every client's requests: served only when the
+# operator opts in (VLLM_SERVER_DEV_MODE), as vLLM's; else 404.
+dev_router = APIRouter()
+
+
+@dev_router.post("/reset_prefix_cache")
+async def reset_prefix_cache(
+    raw: Request, reset_running_requests: bool = False, reset_external: bool = False
+) -> Response:
+    """vLLM's: `AsyncLLM.reset_prefix_cache` (`reset_external`: the disk tier too); 200
+    whether or not the engine could reset (refused while requests hold blocks), as vLLM's."""
+    await _serving(raw).engine.reset_prefix_cache(reset_running_requests, reset_external)
+    return Response(status_code=200)
+
+
+@dev_router.post("/pause")
+async def pause_generation(
+    raw: Request,
+    mode: Literal["abort", "wait", "keep"] = "abort",
+    wait_for_inflight_requests: bool = False,
+    clear_cache: bool = True,
+) -> Response:
+    """vLLM's: `AsyncLLM.pause_generation`; answers once paused (mode "wait": once the
+    requests in flight have finished)."""
+    await _serving(raw).engine.pause_generation(
+        mode=mode, wait_for_inflight_requests=wait_for_inflight_requests,
+        clear_cache=clear_cache,
+    )
+    return Response(json.dumps({"status": "paused"}), media_type="application/json")
+
+
+@dev_router.post("/resume")
+async def resume_generation(raw: Request) -> Response:
+    await _serving(raw).engine.resume_generation()
+    return Response(json.dumps({"status": "resumed"}), media_type="application/json")
+
+
+@dev_router.get("/is_paused")
+async def is_paused(raw: Request) -> Response:
+    paused = await _serving(raw).engine.is_paused()
+    return Response(json.dumps({"is_paused": paused}), media_type="application/json")
 
 
 @router.post("/tokenize", response_model=TokenizeResponse)
@@ -513,7 +557,7 @@ def build_app(
     `lora_roots`: folders besides theirs that runtime loads may read adapters from (the
     load routes are served only with VLLM_ALLOW_RUNTIME_LORA_UPDATING set)."""
     limits = limits or ServerLimits()
-    allow_runtime_lora_updating = envs.read().allow_runtime_lora_updating
+    env = envs.read()
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = AsyncLLM.from_engine_args(engine_args)
@@ -556,8 +600,10 @@ def build_app(
 
     app = FastAPI(title="v1 OpenAI-compatible server", lifespan=lifespan)
     app.include_router(router)
-    if allow_runtime_lora_updating:
+    if env.allow_runtime_lora_updating:
         app.include_router(lora_router)
+    if env.server_dev_mode:
+        app.include_router(dev_router)
     app.add_exception_handler(RequestValidationError, _on_invalid_request)
     app.add_exception_handler(HTTPException, _on_http_error)
     # Exception (anything else: a bug) is handled last, by Starlette, which also logs it.
