@@ -596,9 +596,9 @@ def test_booleans_are_as_lenient_as_vllms(server: Server) -> None:
     request = CompletionRequest(prompt="hi", echo="False", ignore_eos="on", stream=0)
     assert (request.echo, request.ignore_eos, request.stream) == (False, True, False)
     # An unimplemented boolean is refused by its value, however it is spelled.
-    ChatCompletionRequest(messages=MESSAGES, include_reasoning="true")
-    with pytest.raises(ValueError, match="include_reasoning"):
-        ChatCompletionRequest(messages=MESSAGES, include_reasoning="false")
+    ChatCompletionRequest(messages=MESSAGES, return_token_offsets="false")
+    with pytest.raises(ValueError, match="return_token_offsets"):
+        ChatCompletionRequest(messages=MESSAGES, return_token_offsets="true")
     for field, value in (("stream", "maybe"), ("stream", 2), ("max_tokens", "5"), ("n", True)):
         with pytest.raises(ValueError, match=field):
             CompletionRequest(prompt="hi", **{field: value})
