@@ -124,6 +124,12 @@ static inline vi gatherv_avx512(const uint8_t *w, int64_t rb) {
     return (vi)_mm512_i32gather_epi32(_mm512_mullo_epi32(i, _mm512_set1_epi32((int)rb)), w, 1);
 }
 
+/* Two loads and an insert (GCC's vector extensions put the halves together in memory). */
+static inline vi join_halves_avx512(const uint8_t *lo, const uint8_t *hi) {
+    const __m256i l = _mm256_loadu_si256((const __m256i *)lo);
+    return (vi)_mm512_inserti64x4(_mm512_castsi256_si512(l), _mm256_loadu_si256((const __m256i *)hi), 1);
+}
+
 /* 4 x 4 transposes in the 128-bit lanes of 4 vectors that hold the rows i = 4 L + e in lane L
    of vector e: 4 loads and 12 inserts, 8 unpacks (4 gathers took 1.2x the time). */
 static inline void columns4_avx512(const uint8_t *w, int64_t rb, vi col[4]) {
