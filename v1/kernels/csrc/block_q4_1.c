@@ -26,15 +26,18 @@
    extensions would split bytes emulating a byte shift). */
 static inline __attribute__((always_inline)) vf bt_chunk(const uint8_t *p, int c) {
     const int at = VL * (c % (BV / 2));  /* the first of the nibbles' bytes */
+    vi q;
+    if (BT_ROWS > 1) {
+        q = widen_u8_dwords(p + 4 * BT_ROWS * (1 + at / 4), 4 * BT_ROWS);
+    } else {
 #if WIDEN_FROM_MEMORY
-    if (BT_ROWS == 1) {
-        const vi q = widen_u8(p + 4 + at);
-        return __builtin_convertvector(c < BV / 2 ? q & 15 : (vi)((vu)q >> 4), vf);
-    }
+        q = widen_u8(p + 4 + at);
+#else
+        u8v b;
+        memcpy(&b, p + 4 + at, VL);
+        q = __builtin_convertvector(b, vi);
 #endif
-    u8v b;
-    for (int i = 0; i < VL; i += 4) memcpy((uint8_t *)&b + i, p + 4 * BT_ROWS * (1 + (at + i) / 4), 4);
-    const vi q = __builtin_convertvector(b, vi);
+    }
     return __builtin_convertvector(c < BV / 2 ? q & 15 : (vi)((vu)q >> 4), vf);
 }
 

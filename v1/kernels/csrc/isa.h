@@ -88,21 +88,25 @@ enum { INT8_SIGNED_WEIGHTS = 0 };
 #endif
 
 /* Widening VL bytes from memory in one instruction (NEON: a load and two), else the formats'
-   plain conversions. */
+   plain conversions; widen_u8_dwords gathers them 4 at a time first (rows interleaved). */
 #if VL == 16 && defined(__F16C__)
 #define WIDEN_FROM_MEMORY 1
 #define widen_u8 widen_u8_avx512
 #define widen_s8 widen_s8_avx512
+#define widen_u8_dwords widen_u8_dwords_avx512
 #elif VL == 8 && defined(__AVX2__)
 #define WIDEN_FROM_MEMORY 1
 #define widen_u8 widen_u8_avx2
 #define widen_s8 widen_s8_avx2
+#define widen_u8_dwords widen_u8_dwords_avx2
 #elif defined(__aarch64__)
 #define WIDEN_FROM_MEMORY 1
 #define widen_u8 widen_u8_neon
 #define widen_s8 widen_s8_neon
+#define widen_u8_dwords widen_u8_dwords_generic
 #else
 #define WIDEN_FROM_MEMORY 0
+#define widen_u8_dwords widen_u8_dwords_generic
 #endif
 
 #endif

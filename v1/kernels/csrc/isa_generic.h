@@ -51,6 +51,13 @@ static inline void columns4_generic(const uint8_t *w, int64_t rb, vi col[4]) {
         for (int c = 0; c < 4; c++) memcpy(&col[c][i], w + i * rb + 4 * c, 4);
 }
 
+/* VL bytes, 4 at a time from p, p + step, ..., as VL int32 lanes (unsigned). */
+static inline vi widen_u8_dwords_generic(const uint8_t *p, int64_t step) {
+    u8v b;
+    for (int i = 0; i < VL / 4; i++) memcpy((uint8_t *)&b + 4 * i, p + i * step, 4);
+    return __builtin_convertvector(b, vi);
+}
+
 /* The VL / 2 dwords at lo, then the VL / 2 at hi. */
 static inline vi join_halves_generic(const uint8_t *lo, const uint8_t *hi) {
     vi v;

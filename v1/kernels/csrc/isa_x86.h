@@ -45,6 +45,14 @@ static inline vi widen_s8_avx2(const uint8_t *p) {
     return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
 }
 
+/* 2 dwords, at p and p + step, widened to 8 int32 lanes (unsigned). */
+static inline vi widen_u8_dwords_avx2(const uint8_t *p, int64_t step) {
+    int32_t a, b;
+    memcpy(&a, p, 4);
+    memcpy(&b, p + step, 4);
+    return (vi)_mm256_cvtepu8_epi32(_mm_insert_epi32(_mm_cvtsi32_si128(a), b, 1));
+}
+
 /* vpmaddubsw + vpmaddwd: unsigned weight bytes u against signed activation bytes s. The pair
    sums cannot saturate for the unsigned formats' weights (q4_1's nibbles: 15 x 127 x 2). */
 static inline vi dot4_avx2(vi acc, vi u, vi s) {
@@ -116,6 +124,16 @@ static inline vi widen_u8_avx512(const uint8_t *p) {
 }
 static inline vi widen_s8_avx512(const uint8_t *p) {
     return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+
+/* 4 dwords, at p, p + step, ..., widened to 16 int32 lanes (unsigned). */
+static inline vi widen_u8_dwords_avx512(const uint8_t *p, int64_t step) {
+    int32_t d[4];
+    for (int i = 0; i < 4; i++) memcpy(&d[i], p + i * step, 4);
+    __m128i v = _mm_cvtsi32_si128(d[0]);
+    v = _mm_insert_epi32(v, d[1], 1);
+    v = _mm_insert_epi32(v, d[2], 2);
+    return (vi)_mm512_cvtepu8_epi32(_mm_insert_epi32(v, d[3], 3));
 }
 
 /* One gather. */
