@@ -6,7 +6,8 @@
    Each library is loaded (dlopen) and, for every row of its kernel table (v1_block_types)
    and every kernel the row has, the tuned kernel and the reference run on the same
    pseudo-random blocks and activations, at shapes that reach every tile: M (activation rows)
-   1 .. 70, N (weight rows) never a multiple of the vector width, K 32 .. 192, with and
+   1 .. 70, N (weight rows) never a multiple of the vector width (but a multiple of the rows
+   a type interleaves, the kernels' contract: at most half a vector then), K 32 .. 192, with and
    without a bias, on 1 and 2 threads. linear_i8 must give the same bits, linear_f32 and
    dequantize agree within rounding (and the reference linear_f32 with a double-precision
    product of the reference dequantize); neither may write outside its output. With =INT8_ISA
@@ -33,7 +34,7 @@ typedef int32_t (*int8_isa_fn)(void);
 static const struct {
     const char *name;
     int halves;
-} HEADERS[] = {{"q4_1", 2}, {"q8_0", 1}};
+} HEADERS[] = {{"q4_1", 2}, {"q4_1x8", 2}, {"q8_0", 1}};
 
 /* M: every dot tile (1-4 rows), the few-row int8 tile's chains (1, 2, more) with and without
    columns ahead (up to 16 rows), then beyond it the outer-product tiles of 1-4 vectors of
@@ -115,17 +116,20 @@ static int32_t run_both(run_fn run, const struct v1_block_type *row, int32_t k,
     return 0;
 }
 
-/* N rows of K / be blocks of bb bytes: random bytes, the first `halves` fp16 fields of each
-   block random scales. */
-static uint8_t *random_blocks(int64_t N, int64_t K, int64_t be, int64_t bb, int halves,
-                              uint64_t *seed) {
-    uint8_t *w = malloc((size_t)(N * K / be * bb));
-    for (int64_t i = 0; w && i < N * K / be * bb; i++) w[i] = (uint8_t)next(seed);
-    for (int64_t b = 0; w && b < N * K / be; b++)
-        for (int h = 0; h < halves; h++) {
-            const uint16_t d = random_half(seed);
-            memcpy(w + b * bb + 2 * h, &d, 2);
-        }
+/* N rows of K / be blocks of bb bytes, `rows` rows interleaved (block_types.h): random
+   bytes, the first `halves` fp16 fields of each block random scales (the first dword of a
+   block, block_tiles.h's layout, where rows are interleaved). */
+static uint8_t *random_blocks(int64_t N, int64_t K, int64_t be, int64_t bb, int rows,
+                              int halves, uint64_t *seed) {
+    const int64_t rb = K / be * bb;
+    uint8_t *w = malloc((size_t)(N * rb));
+    for (int64_t i = 0; w && i < N * rb; i++) w[i] = (uint8_t)next(seed);
+    for (int64_t n = 0; w && n < N; n++)
+        for (int64_t b = 0; b < K / be; b++)
+            for (int h = 0; h < halves; h++) {
+                const uint16_t d = random_half(seed);
+                memcpy(w + n / rows * rows * rb + 4 * (n % rows) + b * bb * rows + 2 * h, &d, 2);
+            }
     return w;
 }
 
@@ -222,8 +226,11 @@ static int check_type(run_fn run, const struct v1_block_type *row, int32_t code,
     int threads = 1;
     for (int in = 0; in < NN; in++)
         for (int ik = 0; ik < NK; ik++) {
-            const int64_t N = NS[in], K = KS[ik], rb = K / row->block_elems * row->block_bytes;
-            uint8_t *w = random_blocks(N, K, row->block_elems, row->block_bytes, halves, &seed);
+            const int64_t R = row->interleave;
+            const int64_t N = (NS[in] + R - 1) / R * R, K = KS[ik];
+            const int64_t rb = K / row->block_elems * row->block_bytes;
+            uint8_t *w = random_blocks(N, K, row->block_elems, row->block_bytes, (int)R, halves,
+                                       &seed);
             struct v1_matmul call = {.w = {w, N, K, rb}, .out = {NULL, N, K, K}, .type = code,
                                      .nthreads = 1};
             char what[160] = "";

@@ -60,7 +60,8 @@ static int32_t i8(const struct v1_matmul *c) {
     *y = OFF ? nextafterf(*y, INFINITY) : *y;
     return 0;
 }
-static const struct v1_block_type table[] = {{"q8_0", 32, 34, {f32, i8, ref}, {ref, ref, ref}}};
+static const struct v1_block_type table[] = {
+    {"q8_0", 32, 34, 1, 0, {f32, i8, ref}, {ref, ref, ref}}};
 V1_API const struct v1_block_type *v1_block_types(int32_t *count) { *count = 1; return table; }
 V1_API const char *v1_block_kernel_name(int32_t k) {
     static const char *const names[] = {"linear_f32", "linear_i8", "dequantize"};

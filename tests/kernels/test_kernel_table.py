@@ -14,6 +14,7 @@ from v1.kernels import block_matmul, fused_step, library
 from v1.kernels.attention import PagedDecodeIO, PagedDecodeStep
 from v1.kernels.block_matmul import (
     BLOCK_BYTES,
+    INTERLEAVED,
     QK,
     Matmul,
     QuantBlocks,
@@ -84,12 +85,20 @@ def test_the_bindings_read_the_table() -> None:
     q = kernels(lib)
     types = block_types(lib)
     assert q.types is types
-    # The C's rows, in its order: GGUF's layouts, every kernel, tuned and reference.
-    assert list(types) == ["q4_1", "q8_0"]
+    # The C's rows, in its order: GGUF's layouts and ours, every kernel, tuned and reference.
+    assert list(types) == ["q4_1", "q4_1x8", "q8_0"]
     for code, (name, t) in enumerate(types.items()):
         assert (t.name, t.code, t.block_elems, t.block_bytes) == (name, code, QK,
                                                                   BLOCK_BYTES[name])
+        assert t.interleave == INTERLEAVED.get(name, (name, 1))[1]
         assert t.kernels == t.reference == {"linear_f32", "linear_i8", "dequantize"}
+    # A row another one's blocks are repacked into holds that one's blocks.
+    assert all(INTERLEAVED[t.repack][0] == t.name for t in types.values() if t.repack)
+    # A library whose interleave disagrees with ours is refused.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(INTERLEAVED, "q4_1x8", ("q4_1", 4))
+        with pytest.raises(LayoutError, match="q4_1x8 interleaves 8 rows, ours 4"):
+            block_matmul._table.__wrapped__(lib)
     # A weight's shape is read through its row: other block bytes, another K.
     blocks = torch.zeros(3, 40, dtype=torch.uint8)
     w = QuantBlocks("q4_1", blocks)
@@ -101,6 +110,9 @@ def test_the_bindings_read_the_table() -> None:
     assert (w.N, w.K) == (3, 64)  # 4 blocks of 10 bytes, 16 values each
     with pytest.raises(ValueError, match="not one of"):
         QuantBlocks("q8_0", blocks).checked(other)
+    # Interleaved rows come in whole groups.
+    with pytest.raises(ValueError, match="N a multiple of 8"):
+        QuantBlocks("q4_1x8", blocks).checked(types)
 
 
 def _weights(kind: str, n: int, k: int, gen: torch.Generator) -> QuantBlocks:
@@ -112,8 +124,9 @@ def _weights(kind: str, n: int, k: int, gen: torch.Generator) -> QuantBlocks:
 def test_tuned_kernels_match_their_reference(lib: ctypes.CDLL) -> None:
     tuned, reference = kernels(lib), QuantKernels(lib, reference=True)
     gen = torch.Generator().manual_seed(0)
-    for kind in block_types(lib):
-        for n, k in ((1, 32), (17, 64), (33, 96)):
+    for kind, t in block_types(lib).items():
+        for rows, k in ((1, 32), (17, 64), (33, 96)):
+            n = -(-rows // t.interleave) * t.interleave  # whole groups of interleaved rows
             w = _weights(kind, n, k, gen)
             deq = reference.dequantize(w)
             torch.testing.assert_close(tuned.dequantize(w), deq, rtol=1e-6, atol=1e-6)
@@ -126,6 +139,27 @@ def test_tuned_kernels_match_their_reference(lib: ctypes.CDLL) -> None:
                                            reference.linear(w, x, None), rtol=1e-4, atol=1e-4)
                 torch.testing.assert_close(reference.linear(w, x, bias), x @ deq.T + bias,
                                            rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("lib", variants(), ids=lambda lib: lib._name.rsplit("/", 1)[-1])
+def test_interleaved_blocks_give_the_plain_bits(lib: ctypes.CDLL) -> None:
+    """q4_1 blocks repacked as q4_1x8: the int8 path gives the same bits as from GGUF's
+    layout, the fp32 path and dequantize the same values, at every tile (a last half vector of
+    rows with 16 lanes: N = 40)."""
+    q = kernels(lib)
+    gen = torch.Generator().manual_seed(1)
+    for n, k in ((40, 64), (16, 96)):
+        plain = QuantizedWeight.quantize(torch.randn(n, k, generator=gen), "q4_1")
+        moved = QuantizedWeight("q4_1", plain.blocks.clone(), n, k)
+        moved.repack("q4_1x8")
+        assert not torch.equal(moved.blocks, plain.blocks)
+        a, b = plain.kernel_blocks(), moved.kernel_blocks()
+        assert torch.equal(q.dequantize(a), q.dequantize(b))
+        for m in (1, 2, 5, 8, 16, 17, 40):
+            x, bias = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
+            assert torch.equal(q.linear(a, x, bias, int8=True), q.linear(b, x, bias, int8=True))
+            torch.testing.assert_close(q.linear(a, x, bias), q.linear(b, x, bias), rtol=1e-6,
+                                       atol=1e-6)
 
 
 def test_library_takes_an_explicit_setting(monkeypatch) -> None:

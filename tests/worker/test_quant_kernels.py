@@ -19,6 +19,7 @@ from v1 import envs
 from v1.kernels import library, variants
 from v1.kernels.block_matmul import INT8_ISAS, QuantBlocks, QuantKernels, kernels
 from v1.models.layers import quantized as quant
+from v1.models.layers.linear import Linear
 from v1.models.layers.quantized import MatmulPolicy, QuantizedWeight
 
 KINDS = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
@@ -447,6 +448,48 @@ def test_embedding_rows() -> None:
     q = QuantizedWeight.quantize(weight(10, 64), "q8_0")
     ids = torch.tensor([[3, 0], [9, 3]])
     assert torch.equal(q.embedding(ids), q.dequantize()[ids])
+
+
+def test_repacked_blocks() -> None:
+    """q4_1x8 holds q4_1's bytes moved, and back; every path that reads them (dequantize, the
+    embedding's rows, the torch fallback, the kernels) sees the same weight."""
+    q = QuantizedWeight.quantize(weight(16, 64), "q4_1")
+    moved = QuantizedWeight("q4_1", q.blocks.clone(), 16, 64)
+    moved.repack("q4_1x8")
+    assert (moved.kind, moved.gguf_kind, moved.nbytes) == ("q4_1x8", "q4_1", q.nbytes)
+    assert not torch.equal(moved.blocks, q.blocks)
+    assert torch.equal(moved.blocks, QuantizedWeight.quantize(weight(16, 64), "q4_1x8").blocks)
+    assert torch.equal(moved.dequantize(), q.dequantize())
+    ids = torch.tensor([[3, 15], [8, 3]])
+    assert torch.equal(moved.embedding(ids), q.dequantize()[ids])
+    x = torch.randn(3, 64)
+    assert torch.equal(moved.linear(x, path="torch"), q.linear(x, path="torch"))
+    if kernels() is not None:
+        assert torch.equal(moved.linear(x, path="int8"), q.linear(x, path="int8"))
+    moved.repack("q4_1")
+    assert moved.kind == "q4_1" and torch.equal(moved.blocks, q.blocks)
+    with pytest.raises(ValueError, match="cannot be laid out as 'q8_0'"):
+        moved.repack("q8_0")
+    odd = QuantizedWeight.quantize(weight(9, 64), "q4_1")
+    with pytest.raises(ValueError, match="multiple of 8 rows"):
+        odd.repack("q4_1x8")
+    with pytest.raises(ValueError, match="multiple of 8"):
+        QuantizedWeight("q4_1x8", odd.blocks, 9, 64)
+
+
+@needs_kernels
+def test_loaded_blocks_take_the_library_s_layout() -> None:
+    """A finished layer's blocks are in the layout its library's table asks for (q4_1 in
+    q4_1x8 on AVX2 and AVX-512), where the rows allow; the weight's form stays q4_1."""
+    want = kernels().types["q4_1"].repack or "q4_1"
+    for rows, kind in ((16, want), (9, "q4_1")):
+        layer = Linear(64, rows, bias=False)
+        layer.weight.data.copy_(weight(rows, 64))
+        layer.finish_loading("q4_1")
+        assert (layer.kernel.kind, layer.weight_form) == (kind, "q4_1")
+        x = torch.randn(2, 64)
+        expected = QuantizedWeight.quantize(weight(rows, 64), "q4_1").linear(x, path="int8")
+        assert torch.equal(layer(x), expected)
 
 
 def test_bad_shapes() -> None:

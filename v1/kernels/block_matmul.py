@@ -22,10 +22,15 @@ from v1.kernels.tensors import stamp
 # The GGUF formats the torch side implements too (v1.models.layers.quantized quantizes and
 # dequantizes them without a library): values per block, and bytes per block. q8_0: fp16 d,
 # int8 qs[32]; x = d * q. q4_1: fp16 d, fp16 m, uint8 qs[16]; x = d * nibble + m, element
-# j < 16 the low nibble of qs[j], element j + 16 its high nibble. A library's table must
-# agree with them for every type both know.
+# j < 16 the low nibble of qs[j], element j + 16 its high nibble. Beside them our layouts of
+# the same blocks (`INTERLEAVED`). A library's table must agree with them for every type both
+# know.
 QK = 32
-BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
+BLOCK_BYTES = {"q4_1": 20, "q8_0": 34, "q4_1x8": 20}
+# kind -> (the GGUF kind whose blocks it holds, rows): each group of `rows` rows stores its
+# blocks b together, the block read as dwords, dword f of row i at 4 (rows f + i) from the
+# group's block b (csrc/block_q4_1x8.c). The same bytes, moved.
+INTERLEAVED = {"q4_1x8": ("q4_1", 8)}
 # By the C's INT8_ISA (csrc/isa.h).
 INT8_ISAS = ("portable", "avx2", "avx_vnni", "avx512_vnni", "neon_dotprod", "neon")
 _F32 = torch.float32
@@ -48,7 +53,8 @@ def _row_mirror(kernel_count: int) -> type[CStruct]:
 
         c_name = "v1_block_type"
         _fields_ = [("name", ctypes.c_char_p), ("block_elems", ctypes.c_int32),
-                    ("block_bytes", ctypes.c_int32),
+                    ("block_bytes", ctypes.c_int32), ("interleave", ctypes.c_int32),
+                    ("repack", ctypes.c_char_p),
                     ("kernels", ctypes.c_void_p * kernel_count),
                     ("reference", ctypes.c_void_p * kernel_count)]
 
@@ -64,6 +70,8 @@ class BlockType:
     code: int  # its row
     block_elems: int
     block_bytes: int
+    interleave: int  # rows whose blocks are stored interleaved (1: GGUF's layout)
+    repack: str | None  # the row this library runs such blocks faster in, interleaved
     kernels: frozenset[str]
     reference: frozenset[str]
 
@@ -92,12 +100,17 @@ def _table(lib: ctypes.CDLL) -> tuple[dict[str, BlockType], tuple[str, ...]]:
     table = {}
     for code in range(count.value):
         r = rows[code]
-        t = BlockType(r.name.decode(), code, r.block_elems, r.block_bytes,
+        t = BlockType(r.name.decode(), code, r.block_elems, r.block_bytes, r.interleave,
+                      r.repack.decode() if r.repack else None,
                       frozenset(n for n, fn in zip(names, r.kernels) if fn),
                       frozenset(n for n, fn in zip(names, r.reference) if fn))
         if t.name in BLOCK_BYTES and (t.block_elems, t.block_bytes) != (QK, BLOCK_BYTES[t.name]):
             raise LayoutError(f"the kernel library's {t.name} blocks are {t.block_elems} values "
                               f"in {t.block_bytes} bytes, GGUF's {QK} in {BLOCK_BYTES[t.name]}")
+        ours = INTERLEAVED.get(t.name, (t.name, 1))[1]
+        if t.name in BLOCK_BYTES and t.interleave != ours:
+            raise LayoutError(f"the kernel library's {t.name} interleaves {t.interleave} rows, "
+                              f"ours {ours}")
         table[t.name] = t
     return table, tuple(names)
 
@@ -168,9 +181,10 @@ class QuantKernels:
 
 class QuantBlocks:
     """A weight's blocks as the kernels take them: uint8 [N, K / block elems * block bytes],
-    contiguous, on the CPU. Checked when first used and again whenever the tensor may have
-    changed in place since (`tensors.stamp`), not on every call (the checks were a tenth of
-    a batch-1 matmul). The tensor is held, so its memory stays the kernels' to read."""
+    contiguous, on the CPU, N a multiple of the type's rows interleaved. Checked when first
+    used and again whenever the tensor may have changed in place since (`tensors.stamp`), not
+    on every call (the checks were a tenth of a batch-1 matmul). The tensor is held, so its
+    memory stays the kernels' to read."""
 
     __slots__ = ("kind", "tensor", "N", "K", "code", "row_bytes", "_stamp")
 
@@ -199,11 +213,12 @@ def _check_blocks(row: BlockType, blocks: torch.Tensor) -> tuple[int, int]:
     if (
         blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_cpu
         or not blocks.is_contiguous() or blocks.shape[1] % row.block_bytes
-        or blocks.shape[1] == 0
+        or blocks.shape[1] == 0 or blocks.shape[0] % row.interleave
     ):
         raise ValueError(f"blocks ({row.name}) must be contiguous uint8 [N, K / "
-                         f"{row.block_elems} * {row.block_bytes}] on the CPU, got "
-                         f"{blocks.dtype} {list(blocks.shape)} on {blocks.device}")
+                         f"{row.block_elems} * {row.block_bytes}] on the CPU, N a multiple of "
+                         f"{row.interleave}, got {blocks.dtype} {list(blocks.shape)} on "
+                         f"{blocks.device}")
     return blocks.shape[0], blocks.shape[1] // row.block_bytes * row.block_elems
 
 

@@ -25,6 +25,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "block_types.c": (),
     "block_matmul.c": (),
     "block_q4_1.c": (),
+    "block_q4_1x8.c": (),
     "block_q8_0.c": (),
     "block_ref.c": (),
     # a * b + c rounded twice, as the torch ops it must match bit for bit do.

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #define BT_FN(f) block_q8_0_##f
+#define BT_ROWS 1
 #define BT_BYTES 34
 #define BT_MIN 0
 #define BT_SIGNED 1

@@ -30,14 +30,20 @@ static float half(const uint8_t *p) {
     return f;
 }
 
-static void read_q4_1(const uint8_t *p, struct block_ints *b) {
+/* q4_1's 5 dwords (d and m, then the nibbles' 4), dword f at p + 4 rows f: `rows` rows
+   interleaved (block_q4_1x8.c). */
+static void read_q4_1_rows(const uint8_t *p, struct block_ints *b, int rows) {
     b->d = half(p);
     b->m = half(p + 2);
     for (int j = 0; j < QK / 2; j++) {
-        b->q[j] = p[4 + j] & 15;
-        b->q[j + QK / 2] = p[4 + j] >> 4;
+        const uint8_t q = p[4 * rows * (1 + j / 4) + j % 4];
+        b->q[j] = q & 15;
+        b->q[j + QK / 2] = q >> 4;
     }
 }
+
+static void read_q4_1(const uint8_t *p, struct block_ints *b) { read_q4_1_rows(p, b, 1); }
+static void read_q4_1x8(const uint8_t *p, struct block_ints *b) { read_q4_1_rows(p, b, 8); }
 
 static void read_q8_0(const uint8_t *p, struct block_ints *b) {
     b->d = half(p);
@@ -45,25 +51,32 @@ static void read_q8_0(const uint8_t *p, struct block_ints *b) {
     for (int j = 0; j < QK; j++) b->q[j] = (int8_t)p[2 + j];
 }
 
-typedef void (*block_reader)(const uint8_t *p, struct block_ints *b);
+/* A type's reader and layout: block bytes, rows interleaved (block_tiles.h's BT_ROWS). */
+struct block_format {
+    void (*read)(const uint8_t *p, struct block_ints *b);
+    int bytes, rows;
+};
 
-static const uint8_t *block_at(const struct v1_matmul *c, int64_t n, int64_t b, int bytes) {
-    return (const uint8_t *)c->w.data + n * c->w.stride + b * bytes;
+/* Where row n's block b starts. */
+static const uint8_t *block_at(const struct v1_matmul *c, int64_t n, int64_t b,
+                               struct block_format f) {
+    return (const uint8_t *)c->w.data + n / f.rows * f.rows * c->w.stride + 4 * (n % f.rows)
+           + b * f.bytes * f.rows;
 }
 
-static int32_t dequantize(const struct v1_matmul *c, block_reader read, int bytes) {
+static int32_t dequantize(const struct v1_matmul *c, struct block_format f) {
     const int64_t K = c->w.cols;
     for (int64_t n = 0; n < c->w.rows; n++)
         for (int64_t b = 0; b < K / QK; b++) {
             struct block_ints blk;
-            read(block_at(c, n, b, bytes), &blk);
+            f.read(block_at(c, n, b, f), &blk);
             float *o = (float *)c->out.data + n * c->out.stride + b * QK;
             for (int j = 0; j < QK; j++) o[j] = blk.d * (float)blk.q[j] + blk.m;
         }
     return 0;
 }
 
-static int32_t linear_f32(const struct v1_matmul *c, block_reader read, int bytes) {
+static int32_t linear_f32(const struct v1_matmul *c, struct block_format f) {
     const int64_t K = c->w.cols;
     for (int64_t m = 0; m < c->x.rows; m++) {
         const float *x = (const float *)c->x.data + m * c->x.stride;
@@ -72,7 +85,7 @@ static int32_t linear_f32(const struct v1_matmul *c, block_reader read, int byte
             float acc = 0.f;
             for (int64_t b = 0; b < K / QK; b++) {
                 struct block_ints blk;
-                read(block_at(c, n, b, bytes), &blk);
+                f.read(block_at(c, n, b, f), &blk);
                 for (int j = 0; j < QK; j++) acc += (blk.d * (float)blk.q[j] + blk.m) * x[b * QK + j];
             }
             y[n] = acc + (c->bias ? c->bias[n] : 0.f);
@@ -85,7 +98,7 @@ static int32_t linear_f32(const struct v1_matmul *c, block_reader read, int byte
    q = roundf(x / dx) (as x * (1 / dx)), then per (row, weight row), over the blocks in order,
    acc = fma(q . qw, dx d, fma(dx sum(q), m, acc)) (m = 0 without a min: the inner fma is then
    acc exactly); y = acc + bias. A row holding inf or NaN takes linear_f32. */
-static int32_t linear_i8(const struct v1_matmul *c, block_reader read, int bytes) {
+static int32_t linear_i8(const struct v1_matmul *c, struct block_format f) {
     const int64_t K = c->w.cols;
     for (int64_t m = 0; m < c->x.rows; m++) {
         const float *x = (const float *)c->x.data + m * c->x.stride;
@@ -97,7 +110,7 @@ static int32_t linear_i8(const struct v1_matmul *c, block_reader read, int bytes
             row.x.data = (void *)x;
             row.x.rows = row.out.rows = 1;
             row.out.data = y;
-            linear_f32(&row, read, bytes);
+            linear_f32(&row, f);
             continue;
         }
         for (int64_t n = 0; n < c->w.rows; n++) {
@@ -110,7 +123,7 @@ static int32_t linear_i8(const struct v1_matmul *c, block_reader read, int bytes
                 int32_t qx[QK], sum = 0;
                 for (int j = 0; j < QK; j++) sum += qx[j] = (int32_t)roundf(xb[j] * id);
                 struct block_ints blk;
-                read(block_at(c, n, b, bytes), &blk);
+                f.read(block_at(c, n, b, f), &blk);
                 int32_t isum = 0;
                 for (int j = 0; j < QK; j++) isum += blk.q[j] * qx[j];
                 acc = fmaf((float)isum, dx * blk.d, fmaf(dx * (float)sum, blk.m, acc));
@@ -121,15 +134,16 @@ static int32_t linear_i8(const struct v1_matmul *c, block_reader read, int bytes
     return 0;
 }
 
-#define REFERENCE(TYPE, BYTES)                                                              \
+#define REFERENCE(TYPE, BYTES, ROWS)                                                        \
     int32_t ref_##TYPE##_linear_f32(const struct v1_matmul *c) {                           \
-        return linear_f32(c, read_##TYPE, BYTES);                                          \
+        return linear_f32(c, (struct block_format){read_##TYPE, BYTES, ROWS});             \
     }                                                                                      \
     int32_t ref_##TYPE##_linear_i8(const struct v1_matmul *c) {                            \
-        return linear_i8(c, read_##TYPE, BYTES);                                           \
+        return linear_i8(c, (struct block_format){read_##TYPE, BYTES, ROWS});              \
     }                                                                                      \
     int32_t ref_##TYPE##_dequantize(const struct v1_matmul *c) {                           \
-        return dequantize(c, read_##TYPE, BYTES);                                          \
+        return dequantize(c, (struct block_format){read_##TYPE, BYTES, ROWS});             \
     }
-REFERENCE(q4_1, 20)
-REFERENCE(q8_0, 34)
+REFERENCE(q4_1, 20, 1)
+REFERENCE(q4_1x8, 20, 8)
+REFERENCE(q8_0, 34, 1)

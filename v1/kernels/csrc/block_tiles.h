@@ -8,12 +8,18 @@
      BT_WMAX           the largest unsigned weight byte (q4_1's nibbles: 15)
      BT_HALVES         the block's runs of 16 quant bytes (bt_qs(h), h < BT_HALVES)
      BT_COLS_AHEAD     1: tile_i8_few loads the next block's columns ahead (see there)
+     BT_ROWS           rows interleaved (1: GGUF's layout, a row's blocks one after the
+                       other); > 1: each group of BT_ROWS rows stores its blocks b together,
+                       dword f of the block of row i at 4 (BT_ROWS f + i), so tile_i8_few
+                       reads VL rows' dwords with plain loads (bt_row)
    and the inline functions
      bt_chunk(p, c)              values VL c .. VL c + VL - 1 of the block before scaling,
                                  as floats (c < BV)
      bt_group4(p, j)             the 4 bytes that hold values 4j .. 4j + 3 (j < 8)
      bt_weight_bytes(b4, j)      those 4 bytes as dot4's unsigned (or signed) weight bytes
      bt_qs(h)                    where run h of quant bytes starts in the block.
+   A row's block starts at p = bt_row(w, n, row_bytes) + b BT_ROWS BT_BYTES, its scale d (and
+   min m) at p (and p + 2) whatever BT_ROWS.
    The tiling is the same for every format: only these differ. Each kernel takes a
    `struct v1_matmul` (block_types.h), whose shapes the bindings checked. */
 #include "block_types.h"
@@ -33,6 +39,13 @@ enum { PREFETCH = 8192 };
 
 /* The tiling below is for blocks of 32 values. */
 enum { QK = 32 };
+
+/* Where row n of the weight w starts: its first block's first dword (bytes apart from those of
+   the other rows of its group where BT_ROWS > 1). A row's blocks are BLOCK_STEP bytes apart. */
+enum { BLOCK_STEP = BT_BYTES * BT_ROWS };
+static inline const uint8_t *bt_row(const uint8_t *w, int64_t n, int64_t row_bytes) {
+    return w + n / BT_ROWS * BT_ROWS * row_bytes + 4 * (n % BT_ROWS);
+}
 
 /* ---- fp32 activations: blocks dequantized to fp32, FMA with the activations ------------- */
 
@@ -63,13 +76,13 @@ enum { NR = 2, NR1 = 4, NL_PAIRS = 6, NL = 6, MV = 2 };
 #endif
 enum { MR = 4, DOT_ROWS_MAX = MR, PAIR_ROWS_MAX = VL, NL_MAX = NL_PAIRS > NL ? NL_PAIRS : NL };
 
-/* y[m][r] = x[m] . W[r] (+ bias[r]) for r < nr, m < mr; rows past nr repeat the last one. */
+/* y[m][r] = x[m] . W[n0 + r] (+ bias[r]) for r < nr, m < mr; rows past nr repeat the last one. */
 static inline __attribute__((always_inline)) void tile_dot(
-    const uint8_t *w, int64_t row_bytes, int nr, int64_t nb, const float *x, int64_t ldx, int mr,
-    float *y, int64_t ldy, const float *bias) {
-    const int64_t bytes = BT_BYTES;
+    const uint8_t *w, int64_t row_bytes, int64_t n0, int nr, int64_t nb, const float *x,
+    int64_t ldx, int mr, float *y, int64_t ldy, const float *bias) {
+    const int64_t bytes = BLOCK_STEP;
     const uint8_t *row[NR];
-    for (int r = 0; r < NR; r++) row[r] = w + (r < nr ? r : nr - 1) * row_bytes;
+    for (int r = 0; r < NR; r++) row[r] = bt_row(w, n0 + (r < nr ? r : nr - 1), row_bytes);
     vf acc[NR][MR] = {{{0}}};
     for (int64_t b = 0; b < nb; b++) {
         float d[NR], mins[NR];
@@ -96,11 +109,11 @@ static inline __attribute__((always_inline)) void tile_dot(
    d (q . x), plus with a min m sum(x), the block sums of x given in sx (batch 1 is where the
    kernel's arithmetic, not memory, bounds the time). */
 static inline __attribute__((always_inline)) void tile_dot1(
-    const uint8_t *w, int64_t row_bytes, int nr, int64_t nb, const float *x, const float *sx,
-    float *y, const float *bias) {
-    const int64_t bytes = BT_BYTES;
+    const uint8_t *w, int64_t row_bytes, int64_t n0, int nr, int64_t nb, const float *x,
+    const float *sx, float *y, const float *bias) {
+    const int64_t bytes = BLOCK_STEP;
     const uint8_t *row[NR1];
-    for (int r = 0; r < NR1; r++) row[r] = w + (r < nr ? r : nr - 1) * row_bytes;
+    for (int r = 0; r < NR1; r++) row[r] = bt_row(w, n0 + (r < nr ? r : nr - 1), row_bytes);
     vf acc[NR1] = {{0}};
     float offsets[NR1] = {0};
     for (int64_t b = 0; b < nb; b++) {
@@ -154,12 +167,12 @@ static inline __attribute__((always_inline)) void tile_outer(
             }
 }
 
-/* nl rows from `w` into wb (rows past nr repeat the last one). */
+/* nl rows from row n0 of `w` into wb (rows past nr repeat the last one). */
 static inline __attribute__((always_inline)) void dequant_rows(
-    const uint8_t *w, int64_t row_bytes, int nl, int nr, int64_t K, float *wb) {
-    const int64_t bytes = BT_BYTES;
+    const uint8_t *w, int64_t row_bytes, int64_t n0, int nl, int nr, int64_t K, float *wb) {
+    const int64_t bytes = BLOCK_STEP;
     for (int r = 0; r < nl; r++) {
-        const uint8_t *row = w + (r < nr ? r : nr - 1) * row_bytes;
+        const uint8_t *row = bt_row(w, n0 + (r < nr ? r : nr - 1), row_bytes);
         for (int64_t b = 0; b < K / QK; b++) {
             const uint8_t *p = row + b * bytes;
             __builtin_prefetch(p + PREFETCH);
@@ -194,16 +207,16 @@ static inline __attribute__((always_inline)) void dot_tiles(const struct job *j,
     const int step = j->dot1 ? NR1 : NR;
     for (int64_t n0 = t0 * step; n0 < t1 * step && n0 < j->N; n0 += step) {
         const int nr = j->N - n0 < step ? (int)(j->N - n0) : step;
-        const uint8_t *wn = j->w + n0 * j->row_bytes;
+        const uint8_t *w = j->w;
         const float *bn = j->bias ? j->bias + n0 : NULL;
         float *yn = j->y + n0;
         const int64_t rb = j->row_bytes, nb = j->nb, ldx = j->ldx, ldy = j->ldy;
         switch (j->dot1 ? 0 : j->M) {
-            case 0: tile_dot1(wn, rb, nr, nb, j->x, j->sx, yn, bn); break;
-            case 1: tile_dot(wn, rb, nr, nb, j->x, ldx, 1, yn, ldy, bn); break;
-            case 2: tile_dot(wn, rb, nr, nb, j->x, ldx, 2, yn, ldy, bn); break;
-            case 3: tile_dot(wn, rb, nr, nb, j->x, ldx, 3, yn, ldy, bn); break;
-            default: tile_dot(wn, rb, nr, nb, j->x, ldx, 4, yn, ldy, bn);
+            case 0: tile_dot1(w, rb, n0, nr, nb, j->x, j->sx, yn, bn); break;
+            case 1: tile_dot(w, rb, n0, nr, nb, j->x, ldx, 1, yn, ldy, bn); break;
+            case 2: tile_dot(w, rb, n0, nr, nb, j->x, ldx, 2, yn, ldy, bn); break;
+            case 3: tile_dot(w, rb, n0, nr, nb, j->x, ldx, 3, yn, ldy, bn); break;
+            default: tile_dot(w, rb, n0, nr, nb, j->x, ldx, 4, yn, ldy, bn);
         }
     }
 }
@@ -230,7 +243,7 @@ static inline __attribute__((always_inline)) void outer_tiles(
     for (int64_t n0 = t0 * nl; n0 < t1 * nl && n0 < j->N; n0 += nl) {
         const int nr = j->N - n0 < nl ? (int)(j->N - n0) : nl;
         const float *bn = j->bias ? j->bias + n0 : NULL;
-        dequant_rows(j->w + n0 * j->row_bytes, j->row_bytes, nl, nr, K, wb);
+        dequant_rows(j->w, j->row_bytes, n0, nl, nr, K, wb);
         if (j->pairs) {
             const int64_t m0 = 0;
             if (M > VL / 2) TILE_OUTER(NL_PAIRS, 2, 1);
@@ -406,18 +419,18 @@ static int quantize_row(const float *x, int64_t nb, int64_t row, int64_t lanes, 
     return nonfinite;
 }
 
-/* Tile: NRI weight rows x GM groups of VL activation rows, NRI <= I8_ROWS, GM <= GM_MAX.
+/* Tile: NRI weight rows from n0 x GM groups of VL activation rows, NRI <= I8_ROWS, GM <= GM_MAX.
    NRI and GM are constants at each call (the arrays stay in registers). */
 static inline __attribute__((always_inline)) void tile_i8(
-    const uint8_t *w, int64_t row_bytes, int nr, int64_t nb, const int32_t *A,
+    const uint8_t *w, int64_t row_bytes, int64_t n0, int nr, int64_t nb, const int32_t *A,
     const float *D, const int32_t *Q, const float *T, int NRI, int GM, float *y,
     int64_t ldy, int64_t rows, const float *bias) {
-    const int64_t bytes = BT_BYTES;
+    const int64_t bytes = BLOCK_STEP;
     vf acc[I8_ROWS][GM_MAX];
     for (int r = 0; r < NRI; r++)
         for (int g = 0; g < GM; g++) acc[r][g] = (vf){0};
     const uint8_t *row[I8_ROWS];
-    for (int r = 0; r < NRI; r++) row[r] = w + (r < nr ? r : nr - 1) * row_bytes;
+    for (int r = 0; r < NRI; r++) row[r] = bt_row(w, n0 + (r < nr ? r : nr - 1), row_bytes);
     for (int64_t b = 0; b < nb; b++) {
         for (int r = 0; r < NRI; r++) __builtin_prefetch(row[r] + b * bytes + PREFETCH);
         vi dot[I8_ROWS][GM_MAX];
@@ -461,13 +474,39 @@ static inline __attribute__((always_inline)) void tile_i8(
                 y[(g * VL + l) * ldy + r] = acc[r][g][l] + (bias ? bias[r] : 0.f);
 }
 
-/* Tile: VL weight rows (the lanes; row i at w + i rb) x MF activation rows (lanes = MF in A,
-   D, Q, T), MF <= FEW_ROWS_MAX a constant at each call; the first nr rows are stored. */
+/* The dwords at p of a tile's VL rows as one vector, row i's in lane i (p is in the tile's
+   first row, at bt_row(w, n0, rb) + an offset within its block): gathered, one row rb bytes
+   from the next; with rows interleaved, plain loads of VL (or BT_ROWS) consecutive dwords. */
+static inline __attribute__((always_inline)) vi tile_dwords(const uint8_t *p, int64_t rb) {
+#if BT_ROWS == 1
+    return gatherv(p, rb);
+#else
+    _Static_assert(VL <= 2 * BT_ROWS, "a tile's rows are in one or two groups");
+    if (VL > BT_ROWS) return join_halves(p, p + BT_ROWS * rb);
+    vi v;
+    memcpy(&v, p, sizeof v);
+    return v;
+#endif
+}
+
+/* col[c] = dword c of the 16 quant bytes at p (bt_qs) of the tile's rows, as tile_dwords. */
+static inline __attribute__((always_inline)) void tile_columns(const uint8_t *p, int64_t rb,
+                                                               vi col[4]) {
+#if BT_ROWS == 1
+    columns4(p, rb, col);
+#else
+    for (int c = 0; c < 4; c++) col[c] = tile_dwords(p + 4 * BT_ROWS * c, rb);
+#endif
+}
+
+/* Tile: VL weight rows (the lanes; from w = bt_row(weight, n0, rb)) x MF activation rows
+   (lanes = MF in A, D, Q, T), MF <= FEW_ROWS_MAX a constant at each call; the first nr rows
+   are stored. */
 static inline __attribute__((always_inline)) void tile_i8_few(
     const uint8_t *w, int64_t rb, int nr, int64_t nb, const int32_t *A,
     const float *D, const int32_t *Q, const float *T, int MF, float *y, int64_t ldy,
     const float *bias) {
-    const int64_t bytes = BT_BYTES;
+    const int64_t bytes = BLOCK_STEP;
     const int CH = MF == 1 ? 4 : MF == 2 ? 2 : 1;
     /* The weight side of a block (its scales' gather, its columns) depends on nothing
        computed, but issued in the block it serves, its latency held up that block's dot
@@ -478,27 +517,30 @@ static inline __attribute__((always_inline)) void tile_i8_few(
     const int HALVES = BT_HALVES, AHEAD = BT_COLS_AHEAD && 2 * MF + 8 <= NREGS - 4;
     vf acc[FEW_ROWS_MAX];
     for (int m = 0; m < MF; m++) acc[m] = (vf){0};
-    vi dm_next = gatherv(w, rb), cols_next[2][4];
+    vi dm_next = tile_dwords(w, rb), cols_next[2][4];
     if (AHEAD)
-        for (int h = 0; h < HALVES; h++) columns4(w + bt_qs(h), rb, cols_next[h]);
+        for (int h = 0; h < HALVES; h++) tile_columns(w + bt_qs(h), rb, cols_next[h]);
     for (int64_t b = 0; b < nb; b++) {
         const int64_t p = b * bytes, pn = b + 1 < nb ? p + bytes : p;  /* next block's */
         const vi dm = dm_next;
-        dm_next = gatherv(w + pn, rb);
+        dm_next = tile_dwords(w + pn, rb);
         vi cols[2][4];
         for (int h = 0; h < HALVES; h++) {
             if (!AHEAD) {
-                columns4(w + p + bt_qs(h), rb, cols[h]);
+                tile_columns(w + p + bt_qs(h), rb, cols[h]);
                 continue;
             }
             memcpy(cols[h], cols_next[h], sizeof cols[h]);
-            columns4(w + pn + bt_qs(h), rb, cols_next[h]);
+            tile_columns(w + pn + bt_qs(h), rb, cols_next[h]);
         }
-        /* The tile's rows are one run of VL rb bytes, read at VL bytes per block: the
-           prefetches run through it at that pace, into the next tiles (4 PREFETCH ahead, which
-           beat PREFETCH ahead: docs/kernels.md). */
-        for (int64_t i = 0; i < VL * bytes; i += 64)
-            __builtin_prefetch(w + VL * p + i + 4 * PREFETCH);
+        /* The tile's rows are runs of RUN rb bytes (one run of VL rows; with rows
+           interleaved, a group each), read at RUN BT_BYTES bytes per block: the prefetches run
+           through them at that pace, into the next tiles (4 PREFETCH ahead, which beat
+           PREFETCH ahead: docs/kernels.md). */
+        enum { RUN = BT_ROWS == 1 ? VL : BT_ROWS, RUNS = VL > RUN ? VL / RUN : 1 };
+        for (int r = 0; r < RUNS; r++)
+            for (int64_t i = 0; i < RUN * BT_BYTES; i += 64)
+                __builtin_prefetch(w + r * RUN * rb + RUN * b * BT_BYTES + i + 4 * PREFETCH);
         /* CH chains of dot products per row, added at the end (exactly): with one, a row's
            8 dependent dot products per block would bound the time at 1 or 2 rows. */
         vi isum[FEW_ROWS_MAX][4];
@@ -540,7 +582,7 @@ static inline __attribute__((always_inline)) void tile_i8_few(
 }
 
 #define TILE_I8(NRI_, GM_) \
-    tile_i8(wn, row_bytes, nr, nb, Am, Dm, Qm, Tm, NRI_, GM_, ym, ldy, M - m0, bn)
+    tile_i8(j->w, row_bytes, n0, nr, nb, Am, Dm, Qm, Tm, NRI_, GM_, ym, ldy, M - m0, bn)
 /* With 32 registers, two groups of 6 weight rows use 24 (12 products in flight, 12 sums);
    three or four groups at once would run out of registers. With 16, two groups of 3 (1.5x
    faster at 64 rows than one group of 4 on an AVX2 build). A last odd group runs alone. */
@@ -604,10 +646,9 @@ static inline __attribute__((always_inline)) void i8_tiles(const struct job_i8 *
     const int nri = j->nri;
     for (int64_t n0 = t0 * nri; n0 < t1 * nri && n0 < j->N; n0 += nri) {
         const int nr = j->N - n0 < nri ? (int)(j->N - n0) : nri;
-        const uint8_t *wn = j->w + n0 * row_bytes;
         const float *bn = j->bias ? j->bias + n0 : NULL;
         if (M <= FEW_ROWS_MAX) {
-            if (nr < VL) wn = j->edge;
+            const uint8_t *wn = nr < VL ? j->edge : bt_row(j->w, n0, row_bytes);
             TILES_FEW()
             continue;
         }
@@ -651,15 +692,16 @@ int32_t BT_FN(linear_i8)(const struct v1_matmul *c) {
     j.T = j.D + j.G * j.per_group;
     j.nri = few ? VL : I8_ROWS;
     uint8_t *edge = NULL;
-    if (few && N % VL) {
+    if (few && N % VL) {  /* (N is a multiple of BT_ROWS: the bindings check) */
         if (!(edge = malloc((size_t)(VL * j.row_bytes)))) {
             free(j.A);
             return -1;
         }
         const int64_t n0 = N / VL * VL;
-        for (int64_t r = 0; r < VL; r++)
-            memcpy(edge + r * j.row_bytes, w + (n0 + r < N ? n0 + r : N - 1) * j.row_bytes,
-                   (size_t)j.row_bytes);
+        for (int64_t r = 0; r < VL; r += BT_ROWS)  /* a group of rows at a time */
+            memcpy(edge + r * j.row_bytes,
+                   w + (n0 + r < N ? n0 + r : N - BT_ROWS) * j.row_bytes,
+                   (size_t)(BT_ROWS * j.row_bytes));
         j.edge = edge;
     }
     const int64_t nonfinite = quantize_rows(&j);
@@ -691,8 +733,8 @@ struct job_dq {
 static void dequantize_rows(void *c, int64_t n0, int64_t n1, int thread) {
     const struct job_dq *j = c;
     (void)thread;
-    dequant_rows(j->w + n0 * j->nb * BT_BYTES, j->nb * BT_BYTES, (int)(n1 - n0), (int)(n1 - n0),
-                 j->nb * QK, j->out + n0 * j->nb * QK);
+    dequant_rows(j->w, j->nb * BT_BYTES, n0, (int)(n1 - n0), (int)(n1 - n0), j->nb * QK,
+                 j->out + n0 * j->nb * QK);
 }
 
 /* The weight [N, K] into out [N, K] (its stride K); x is not read. */

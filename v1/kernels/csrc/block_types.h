@@ -32,8 +32,14 @@ typedef int32_t (*v1_block_kernel)(const struct v1_matmul *call);
 enum { V1_LINEAR_F32 = 0, V1_LINEAR_I8 = 1, V1_DEQUANTIZE = 2, V1_KERNEL_COUNT = 3 };
 
 struct v1_block_type {
-    const char *name;                          /* GGUF's name of the type */
+    const char *name;                          /* GGUF's name of the type, or ours */
     int32_t block_elems, block_bytes;          /* values per block, bytes per block */
+    /* Rows whose blocks are stored interleaved (1: GGUF's layout, a row's blocks in a run;
+       N is then a multiple of it: block_tiles.h's BT_ROWS). */
+    int32_t interleave;
+    /* The row whose layout this build's kernels run this type's blocks faster in (the same
+       bytes, moved: v1/kernels/block_matmul.py interleaves them at load); NULL: this one. */
+    const char *repack;
     v1_block_kernel kernels[V1_KERNEL_COUNT];  /* tuned; NULL: none */
     v1_block_kernel reference[V1_KERNEL_COUNT];/* plain C (block_ref.c); NULL: none */
 };
@@ -51,6 +57,12 @@ int32_t block_q8_0_dequantize(const struct v1_matmul *call);
 int32_t ref_q4_1_linear_f32(const struct v1_matmul *call);
 int32_t ref_q4_1_linear_i8(const struct v1_matmul *call);
 int32_t ref_q4_1_dequantize(const struct v1_matmul *call);
+int32_t block_q4_1x8_linear_f32(const struct v1_matmul *call);
+int32_t block_q4_1x8_linear_i8(const struct v1_matmul *call);
+int32_t block_q4_1x8_dequantize(const struct v1_matmul *call);
+int32_t ref_q4_1x8_linear_f32(const struct v1_matmul *call);
+int32_t ref_q4_1x8_linear_i8(const struct v1_matmul *call);
+int32_t ref_q4_1x8_dequantize(const struct v1_matmul *call);
 int32_t ref_q8_0_linear_f32(const struct v1_matmul *call);
 int32_t ref_q8_0_linear_i8(const struct v1_matmul *call);
 int32_t ref_q8_0_dequantize(const struct v1_matmul *call);

@@ -25,21 +25,25 @@
 #define halves halves_avx512
 #define gatherv gatherv_avx512
 #define columns4 columns4_avx512
+#define join_halves join_halves_avx512
 #elif VL == 8 && defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #define fmav fmav_fma
 #define halves halves_avx2
 #define gatherv gatherv_avx2
 #define columns4 columns4_avx2
+#define join_halves join_halves_generic
 #elif defined(__aarch64__)
 #define fmav fmav_neon
 #define halves halves_neon
 #define gatherv gatherv_generic  /* already 4 loads and 3 inserts */
 #define columns4 columns4_neon
+#define join_halves join_halves_generic
 #else
 #define fmav fmav_generic
 #define halves halves_generic
 #define gatherv gatherv_generic
 #define columns4 columns4_generic
+#define join_halves join_halves_generic
 #endif
 
 /* The integer dot product of 4 unsigned weight bytes and 4 signed activation bytes per lane
@@ -84,21 +88,25 @@ enum { INT8_SIGNED_WEIGHTS = 0 };
 #endif
 
 /* Widening VL bytes from memory in one instruction (NEON: a load and two), else the formats'
-   plain conversions. */
+   plain conversions; widen_u8_dwords gathers them 4 at a time first (rows interleaved). */
 #if VL == 16 && defined(__F16C__)
 #define WIDEN_FROM_MEMORY 1
 #define widen_u8 widen_u8_avx512
 #define widen_s8 widen_s8_avx512
+#define widen_u8_dwords widen_u8_dwords_avx512
 #elif VL == 8 && defined(__AVX2__)
 #define WIDEN_FROM_MEMORY 1
 #define widen_u8 widen_u8_avx2
 #define widen_s8 widen_s8_avx2
+#define widen_u8_dwords widen_u8_dwords_avx2
 #elif defined(__aarch64__)
 #define WIDEN_FROM_MEMORY 1
 #define widen_u8 widen_u8_neon
 #define widen_s8 widen_s8_neon
+#define widen_u8_dwords widen_u8_dwords_generic
 #else
 #define WIDEN_FROM_MEMORY 0
+#define widen_u8_dwords widen_u8_dwords_generic
 #endif
 
 #endif

@@ -51,6 +51,21 @@ static inline void columns4_generic(const uint8_t *w, int64_t rb, vi col[4]) {
         for (int c = 0; c < 4; c++) memcpy(&col[c][i], w + i * rb + 4 * c, 4);
 }
 
+/* VL bytes, 4 at a time from p, p + step, ..., as VL int32 lanes (unsigned). */
+static inline vi widen_u8_dwords_generic(const uint8_t *p, int64_t step) {
+    u8v b;
+    for (int i = 0; i < VL / 4; i++) memcpy((uint8_t *)&b + 4 * i, p + i * step, 4);
+    return __builtin_convertvector(b, vi);
+}
+
+/* The VL / 2 dwords at lo, then the VL / 2 at hi. */
+static inline vi join_halves_generic(const uint8_t *lo, const uint8_t *hi) {
+    vi v;
+    memcpy(&v, lo, sizeof v / 2);
+    memcpy((uint8_t *)&v + sizeof v / 2, hi, sizeof v / 2);
+    return v;
+}
+
 /* fp16 halves of VL dwords as floats: the low ones (hi = 0) or the high ones. */
 static inline vf halves_generic(vi x, int hi) {
     if (hi) x = (vi)((vu)x >> 16);

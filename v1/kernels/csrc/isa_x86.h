@@ -45,6 +45,14 @@ static inline vi widen_s8_avx2(const uint8_t *p) {
     return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
 }
 
+/* 2 dwords, at p and p + step, widened to 8 int32 lanes (unsigned). */
+static inline vi widen_u8_dwords_avx2(const uint8_t *p, int64_t step) {
+    int32_t a, b;
+    memcpy(&a, p, 4);
+    memcpy(&b, p + step, 4);
+    return (vi)_mm256_cvtepu8_epi32(_mm_insert_epi32(_mm_cvtsi32_si128(a), b, 1));
+}
+
 /* vpmaddubsw + vpmaddwd: unsigned weight bytes u against signed activation bytes s. The pair
    sums cannot saturate for the unsigned formats' weights (q4_1's nibbles: 15 x 127 x 2). */
 static inline vi dot4_avx2(vi acc, vi u, vi s) {
@@ -118,10 +126,26 @@ static inline vi widen_s8_avx512(const uint8_t *p) {
     return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
 }
 
+/* 4 dwords, at p, p + step, ..., widened to 16 int32 lanes (unsigned). */
+static inline vi widen_u8_dwords_avx512(const uint8_t *p, int64_t step) {
+    int32_t d[4];
+    for (int i = 0; i < 4; i++) memcpy(&d[i], p + i * step, 4);
+    __m128i v = _mm_cvtsi32_si128(d[0]);
+    v = _mm_insert_epi32(v, d[1], 1);
+    v = _mm_insert_epi32(v, d[2], 2);
+    return (vi)_mm512_cvtepu8_epi32(_mm_insert_epi32(v, d[3], 3));
+}
+
 /* One gather. */
 static inline vi gatherv_avx512(const uint8_t *w, int64_t rb) {
     const __m512i i = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     return (vi)_mm512_i32gather_epi32(_mm512_mullo_epi32(i, _mm512_set1_epi32((int)rb)), w, 1);
+}
+
+/* Two loads and an insert (GCC's vector extensions put the halves together in memory). */
+static inline vi join_halves_avx512(const uint8_t *lo, const uint8_t *hi) {
+    const __m256i l = _mm256_loadu_si256((const __m256i *)lo);
+    return (vi)_mm512_inserti64x4(_mm512_castsi256_si512(l), _mm256_loadu_si256((const __m256i *)hi), 1);
 }
 
 /* 4 x 4 transposes in the 128-bit lanes of 4 vectors that hold the rows i = 4 L + e in lane L

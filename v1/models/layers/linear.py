@@ -2,13 +2,16 @@
 copy of its weight, in the form its matmul reads: oneDNN-packed fp32 on CPU (`PackedWeight`),
 `QuantizedWeight` blocks when quantized, else the plain weight (the vocabulary matrix too, its
 tied LM head going through oneDNN). Checkpoint rows are written into `weight`, then
-`finish_loading` makes the final form and frees the plain one; GGUF blocks: `load_blocks`.
+`finish_loading` makes the final form and frees the plain one; GGUF blocks: `load_blocks`,
+then `finish_loading` moves them into the layout this process's kernels run fastest
+(`QuantizedWeight.repack_for`).
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from v1.kernels.block_matmul import kernels
 from v1.models.layers.onednn import ONEDNN_LINEAR, onednn_linear
 from v1.models.layers.quantized import QK, MatmulRows, QuantizedWeight
 
@@ -94,20 +97,22 @@ class Linear(nn.Module):
     # ---- loading ------------------------------------------------------------------------
 
     def finish_loading(self, quantize: str | None = None) -> None:
-        """All rows of `weight` are written: make the final form. `quantize`: a block kind
-        ("q8_0") to quantize the fp32 weight to, or None to keep it fp32 (packed on CPU). Rows
-        that are no whole number of blocks (in_features not a multiple of 32) stay fp32, as
-        llama.cpp's quantizer keeps such tensors unquantized."""
-        if self.kernel is not None:
-            return  # blocks, from load_blocks
-        assert self.weight is not None
-        if quantize is not None and self.in_features % QK == 0:
-            self.kernel = QuantizedWeight.quantize(self.weight.detach().float(), quantize)
-        elif self.packable and PackedWeight.supports(self.weight):
-            self.kernel = PackedWeight(self.weight)
-        else:
-            return
-        self.weight = None
+        """All rows of `weight` (or of the blocks) are written: make the final form.
+        `quantize`: a block kind ("q8_0") to quantize the fp32 weight to, or None to keep it
+        fp32 (packed on CPU). Rows that are no whole number of blocks (in_features not a
+        multiple of 32) stay fp32, as llama.cpp's quantizer keeps such tensors unquantized.
+        Blocks are laid out for this process's kernels (`QuantizedWeight.repack_for`)."""
+        if self.kernel is None:
+            assert self.weight is not None
+            if quantize is not None and self.in_features % QK == 0:
+                self.kernel = QuantizedWeight.quantize(self.weight.detach().float(), quantize)
+            elif self.packable and PackedWeight.supports(self.weight):
+                self.kernel = PackedWeight(self.weight)
+            else:
+                return
+            self.weight = None
+        if isinstance(self.kernel, QuantizedWeight):
+            self.kernel.repack_for(kernels())
 
     def load_blocks(self, rows: tuple[int, int], blocks: QuantizedWeight, name: str) -> None:
         """GGUF blocks for weight rows [start, end) (a fused projection's shard, or all)."""
@@ -148,9 +153,10 @@ class Linear(nn.Module):
 
     @property
     def weight_form(self) -> str:
-        """"fp32" (plain), "packed", or the block kind ("q4_1", "q8_0")."""
+        """"fp32" (plain), "packed", or the GGUF block kind ("q4_1", "q8_0"), whatever the
+        blocks' layout."""
         if isinstance(self.kernel, QuantizedWeight):
-            return self.kernel.kind
+            return self.kernel.gguf_kind
         return "packed" if self.kernel is not None else "fp32"
 
     @property

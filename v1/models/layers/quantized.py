@@ -2,7 +2,9 @@
 
 A `QuantizedWeight` keeps a weight's blocks bit-exact in the GGUF/ggml layout, one row of
 blocks per output row, so fused projections are plain tensor indexing and `torch.cat` on
-`blocks`. `quantize` rounds as ggml does; `dequantize` computes what gguf's dequantizers do.
+`blocks` while loading; loaded, `repack_for` may move the same bytes into a layout the kernels
+run faster (`block_matmul.INTERLEAVED`: rows interleaved; never a second copy). `quantize`
+rounds as ggml does; `dequantize` computes what gguf's dequantizers do, in either layout.
 
 `linear(x, bias, path)` on CPU with fp32 activations runs the C kernels (`v1.kernels.block_matmul`);
 otherwise the reference, dequantize then F.linear. Paths (`PATHS`): "int8" (activations
@@ -20,7 +22,14 @@ import torch
 import torch.nn.functional as F
 
 from v1.envs import Environment
-from v1.kernels.block_matmul import BLOCK_BYTES, QK, QuantBlocks, QuantKernels, kernels
+from v1.kernels.block_matmul import (
+    BLOCK_BYTES,
+    INTERLEAVED,
+    QK,
+    QuantBlocks,
+    QuantKernels,
+    kernels,
+)
 from v1.models.layers.onednn import ONEDNN_LINEAR, onednn_linear
 
 PATHS = ("fp32", "int8", "dense", "torch")
@@ -120,7 +129,9 @@ class MatmulRows:
 
 
 class QuantizedWeight:
-    """A [out_features, in_features] weight as GGUF blocks (uint8 [out, in / 32 * bytes])."""
+    """A [out_features, in_features] weight as GGUF blocks (uint8 [out, in / 32 * bytes]), in
+    GGUF's layout or an interleaved one (`kind` says which: `block_matmul.INTERLEAVED`; then
+    out_features is a multiple of its rows)."""
 
     __slots__ = ("kind", "out_features", "in_features", "blocks", "_kernel_blocks")
 
@@ -129,8 +140,9 @@ class QuantizedWeight:
             raise ValueError(f"quantization kind {kind!r} is not one of {sorted(BLOCK_BYTES)}")
         if in_features <= 0 or in_features % QK:
             raise ValueError(f"in_features={in_features} must be a positive multiple of {QK}")
-        if out_features <= 0:
-            raise ValueError(f"out_features={out_features} must be positive")
+        if out_features <= 0 or out_features % _rows(kind):
+            raise ValueError(f"out_features={out_features} must be a positive multiple of "
+                             f"{_rows(kind)} ({kind})")
         shape = (out_features, in_features // QK * BLOCK_BYTES[kind])
         if blocks.dtype != torch.uint8 or tuple(blocks.shape) != shape:
             raise ValueError(
@@ -145,7 +157,12 @@ class QuantizedWeight:
 
     @classmethod
     def quantize(cls, w: torch.Tensor, kind: str = "q8_0") -> "QuantizedWeight":
-        """Blocks of the fp32 weight `w` [out, in], rounded as ggml's reference quantizers."""
+        """Blocks of the fp32 weight `w` [out, in], rounded as ggml's reference quantizers (in
+        `kind`'s layout)."""
+        if kind in INTERLEAVED:
+            weight = cls.quantize(w, INTERLEAVED[kind][0])
+            weight.repack(kind)
+            return weight
         if kind not in BLOCK_BYTES:
             raise ValueError(f"quantization kind {kind!r} is not one of {sorted(BLOCK_BYTES)}")
         if w.dim() != 2 or w.shape[1] % QK:
@@ -171,14 +188,45 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return self.blocks.numel()
 
+    @property
+    def gguf_kind(self) -> str:
+        """The GGUF type of the blocks, whatever their layout ("q4_1" for "q4_1x8")."""
+        return INTERLEAVED.get(self.kind, (self.kind,))[0]
+
+    def repack(self, kind: str) -> None:
+        """The same blocks moved into `kind`'s layout (GGUF's, or an interleaved one of the same
+        GGUF type), in place: `blocks` is replaced, the old tensor freed once unreferenced."""
+        if kind not in BLOCK_BYTES or INTERLEAVED.get(kind, (kind,))[0] != self.gguf_kind:
+            raise ValueError(f"{self.kind} blocks cannot be laid out as {kind!r}")
+        if self.out_features % _rows(kind):
+            raise ValueError(f"{kind} needs a multiple of {_rows(kind)} rows, the weight has "
+                             f"{self.out_features}")
+        if kind != self.kind:
+            self.blocks = _interleave(kind, _plain(self.kind, self.blocks))
+            self.kind = kind
+
+    def repack_for(self, q: QuantKernels | None) -> None:
+        """Move the blocks into the layout the kernels `q` run faster (their table's `repack`
+        for this kind; None, no kernels: none), where the weight's rows allow it."""
+        kind = None if q is None else q.types[self.kind].repack
+        if kind is not None and self.out_features % _rows(kind) == 0:
+            self.repack(kind)
+
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight [out, in], computed as gguf's reference dequantizers do."""
-        return _dequantize(self.kind, self.blocks)
+        return _dequantize(self.gguf_kind, _plain(self.kind, self.blocks))
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """fp32 rows [*ids.shape, in] for token ids: only the rows asked for are dequantized."""
-        rows = _dequantize(self.kind, self.blocks[ids.reshape(-1)])
-        return rows.reshape(*ids.shape, self.in_features)
+        flat = ids.reshape(-1)
+        rows = _rows(self.kind)
+        if rows == 1:
+            blocks = self.blocks[flat]
+        else:  # row i of group g: [g, every block, every dword, i] (see `_interleave`)
+            grouped = self.blocks.view(self.out_features // rows, -1, BLOCK_BYTES[self.kind] // 4,
+                                       rows, 4)
+            blocks = grouped[flat // rows, :, :, flat % rows].reshape(len(flat), -1)
+        return _dequantize(self.gguf_kind, blocks).reshape(*ids.shape, self.in_features)
 
     def linear(
         self, x: torch.Tensor, bias: torch.Tensor | None = None, path: str | None = None,
@@ -231,6 +279,34 @@ class QuantizedWeight:
 
     def __repr__(self) -> str:
         return f"QuantizedWeight({self.kind}, {self.out_features}x{self.in_features})"
+
+
+def _rows(kind: str) -> int:
+    """The rows `kind` interleaves (1: GGUF's layout)."""
+    return INTERLEAVED.get(kind, (kind, 1))[1]
+
+
+def _interleave(kind: str, blocks: torch.Tensor) -> torch.Tensor:
+    """GGUF-layout blocks [N, nb * bytes] in `kind`'s layout: each group of its rows
+    interleaved, [group, row, block, dword] -> [group, block, dword, row], dwords of 4 bytes
+    (a new tensor; GGUF's layout: `blocks` itself)."""
+    rows = _rows(kind)
+    if rows == 1:
+        return blocks
+    n = blocks.shape[0]
+    grouped = blocks.view(n // rows, rows, -1, BLOCK_BYTES[kind] // 4, 4)
+    return grouped.permute(0, 2, 3, 1, 4).contiguous().view(n, -1)
+
+
+def _plain(kind: str, blocks: torch.Tensor) -> torch.Tensor:
+    """`kind`'s blocks in GGUF's layout (`_interleave` undone: a new tensor where it moves
+    bytes)."""
+    rows = _rows(kind)
+    if rows == 1:
+        return blocks
+    n = blocks.shape[0]
+    grouped = blocks.view(n // rows, -1, BLOCK_BYTES[kind] // 4, rows, 4)
+    return grouped.permute(0, 3, 1, 2, 4).contiguous().view(n, -1)
 
 
 def _inverse(d: torch.Tensor) -> torch.Tensor:
