@@ -479,6 +479,22 @@ def test_each_format_at_any_chunking(name: str, text: str, expected: tuple) -> N
         assert run(TOOL_CALL_PARSERS[name](), text, chunk) == expected, chunk
 
 
+@pytest.mark.parametrize("parser", [*TOOL_CALL_PARSERS, "required"])
+def test_calls_nested_too_deep_for_json_stay_text(parser: str) -> None:
+    """Arguments nested deeper than Python's json decodes (a RecursionError) are no call:
+    the model's text, not an error out of the response or its stream."""
+    deep = "[" * 5000 + "]" * 5000
+    opener = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}.get(parser, "")
+    closer = "</tool_call>" if parser == "hermes" else ""
+    key = "parameters" if parser == "required" else "arguments"
+    call = f'{{"name": "get_time", "{key}": {deep}}}'
+    text = opener + (f"[{call}]" if parser in ("xlam", "required") else call) + closer
+    extractor = RequiredToolCalls() if parser == "required" else TOOL_CALL_PARSERS[parser]()
+    for chunk in (1000, len(text)):
+        content, calls = run(extractor, text, chunk)
+        assert calls == [] and deep in content, chunk
+
+
 def test_auto_picks_the_servers_parser_and_max_calls() -> None:
     request = ChatCompletionRequest(messages=MESSAGES, tools=TOOLS, parallel_tool_calls=False)
     extractor = tool_call_extractor(request, "xlam")
