@@ -361,3 +361,26 @@ def test_server_beam_search_stops_when_the_client_leaves():
         assert started == aborted == ["cmpl-x-0-0"]
 
     asyncio.run(leave_during_the_first_step())
+
+
+@pytest.mark.parametrize("field", [
+    {"stop": ["\n"]}, {"stop_token_ids": [2]}, {"min_tokens": 3}, {"bad_words": ["no"]},
+    {"logit_bias": {"5": 10.0}}, {"presence_penalty": 0.5}, {"repetition_penalty": 1.2},
+    {"response_format": {"type": "json_object"}}, {"structured_outputs": {"choice": ["a"]}},
+    {"vllm_xargs": {"k": 1}},
+])
+def test_server_beam_search_refuses_what_it_would_disregard(field):
+    """The search ranks the raw logprobs' candidates and stops only at end-of-text or
+    max_tokens: a field that would shape a sampled answer is a 400, not silently ignored.
+    Their defaults (and empty values) pass."""
+    from v1.entrypoints.openai.protocol import CompletionRequest
+    from v1.entrypoints.openai.serving_beam_search import beam_search_params
+    from v1.sampling_params import SamplingParams
+
+    params = SamplingParams(n=2, max_tokens=4)
+    (name, _), = field.items()
+    with pytest.raises(ValueError, match=f"{name} is not supported with beam search"):
+        beam_search_params(CompletionRequest(prompt="x", use_beam_search=True, **field), params)
+    plain = CompletionRequest(prompt="x", use_beam_search=True, stop=[], presence_penalty=0.0,
+                              seed=3, top_p=0.9)
+    assert beam_search_params(plain, params).beam_width == 2
