@@ -633,6 +633,22 @@ def test_batch_chat_completions(server: Server) -> None:
         assert r.status_code == 400, r.text
 
 
+@pytest.mark.parametrize("limit", ["max_completion_prompts", "max_request_sequences"])
+def test_batch_chat_conversations_are_bounded(limit: str) -> None:
+    """Each conversation of a batch chat is a prompt and a sequence: over either limit, a
+    ValueError (a 400) naming it, before any conversation starts."""
+    from types import SimpleNamespace
+
+    from v1.entrypoints.openai.protocol import BatchChatCompletionRequest
+    from v1.entrypoints.openai.serving import ServerLimits
+    from v1.entrypoints.openai.serving_chat_batch import create_batch_chat_completion
+
+    serving = SimpleNamespace(limits=ServerLimits(**{limit: 2}))  # no engine: nothing starts
+    request = BatchChatCompletionRequest(messages=[MESSAGES] * 3)
+    with pytest.raises(ValueError, match=f"3 conversations, more than {limit} \\(2\\)"):
+        asyncio.run(create_batch_chat_completion(serving, request))  # type: ignore[arg-type]
+
+
 def test_best_of_equal_to_n_is_accepted(client: openai.OpenAI) -> None:
     """vLLM's benchmark clients send best_of=1 on every completion: no different output."""
     for n in (1, 2):
