@@ -834,6 +834,29 @@ def test_pause_resume_and_reset_prefix_cache(server: Server, one_at_a_time: Serv
     assert _wait_idle(server)["vllm:num_preemptions_total"] == preemptions + 1
 
 
+def test_resume_while_a_pause_drains_is_a_409() -> None:
+    """/resume while a pause (mode "wait") still drains: the engine's refusal is a 409 with
+    a JSON body (was a 500); a dead engine is still a dead engine."""
+    from types import SimpleNamespace
+
+    from v1.engine.exceptions import EngineDeadError
+    from v1.entrypoints.openai.api_server import resume_generation
+
+    def route_with(error: Exception) -> Any:
+        async def refuse() -> None:
+            raise error
+        engine = SimpleNamespace(resume_generation=refuse)
+        raw = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(
+            serving=SimpleNamespace(engine=engine))))
+        return asyncio.run(resume_generation(raw))  # type: ignore[arg-type]
+
+    response = route_with(RuntimeError("a pause is still in progress"))
+    assert response.status_code == 409
+    assert json.loads(response.body)["error"]["message"] == "a pause is still in progress"
+    with pytest.raises(EngineDeadError):
+        route_with(EngineDeadError("gone"))
+
+
 def test_shutdown_stops_engine_and_frees_port(server: Server) -> None:
     """Last: SIGINT shuts the server down gracefully, engine process included."""
     children = _descendants(server.proc.pid)
