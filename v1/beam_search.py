@@ -32,7 +32,8 @@ class BeamSearchSequence:
     that step. `cum_logprob`: the sum of the generated tokens' logprobs (the end-of-text
     token's included). `text`: set on the returned sequences: `tokens` decoded, the prompt's
     included (as vLLM's `LLM`). `finish_reason`: "stop" when an end-of-text token ended it
-    (`stop_reason`: that token's id), "length" when max_tokens or max_model_len did.
+    (`stop_reason`: that token's id), "length" when max_tokens or max_model_len did, "abort"
+    when the engine aborted the search's step.
     """
 
     tokens: list[int]
@@ -181,12 +182,20 @@ def _step(
     eos: frozenset[int],
     max_model_len: int,
 ) -> None:
-    """Extends `inst`'s beams by their step's outputs (one per beam, in order)."""
+    """Extends `inst`'s beams by their step's outputs (one per beam, in order). A step the
+    engine aborted (a pause in "abort" mode) ends the search: its beams finish as they were,
+    with "abort", as an aborted request does (dropping the aborted beams would answer with
+    another search's sequences, or none)."""
+    if any(out.outputs[0].finish_reason == "abort" for out in outputs):
+        for beam in inst.beams:
+            beam.finish_reason = "abort"
+        inst.completed += inst.beams
+        inst.beams = []
+        return
     candidates: list[BeamSearchSequence] = []
     for beam, out in zip(inst.beams, outputs, strict=True):
         completion = out.outputs[0]
-        if not completion.logprobs:  # no token (aborted): nothing to extend it with
-            continue
+        assert completion.logprobs  # asked for, and the step was not aborted
         step_logprobs = completion.logprobs[0]
         for token_id, logprob in step_logprobs.items():
             cum = beam.cum_logprob + logprob.logprob

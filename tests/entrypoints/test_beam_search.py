@@ -244,6 +244,35 @@ def scripted_search(prompt_ids: list[int], params: BeamSearchParams) -> list[tup
             for s in out.sequences]
 
 
+def test_a_step_the_engine_aborts_ends_the_search_with_abort():
+    """A pause in "abort" mode aborts a step's requests (no token): the search ends there,
+    every prompt's beams finishing as they were with "abort", as an aborted request does
+    (the aborted beams were dropped: the answer was another search's sequences, or none)."""
+    steps = []
+
+    def generate(prompts, step_params):
+        steps.append(len(prompts))
+        aborted = len(steps) == 2
+        return [
+            RequestOutput(str(i), None, p["prompt_token_ids"], [CompletionOutput(
+                0, "", [] if aborted and i % 2 else [7], None,
+                None if aborted and i % 2 else [{7: Logprob(-0.7), 8: Logprob(-2.0)}],
+                "abort" if aborted and i % 2 else "length",
+            )], True)
+            for i, p in enumerate(prompts)
+        ]
+
+    outs = beam_search([{"prompt_token_ids": [5]}, {"prompt_token_ids": [6]}],
+                       BeamSearchParams(2, 4), generate=generate,
+                       tokenize=lambda p: p["prompt_token_ids"], eos_token_ids=[EOS],
+                       max_model_len=64, decode=None)
+    assert steps == [2, 4]  # no step after the aborted one
+    for prompt, out in zip((5, 6), outs, strict=True):
+        assert [(s.tokens, s.finish_reason) for s in out.sequences] == [
+            ([prompt, 7], "abort"), ([prompt, 8], "abort")
+        ]
+
+
 @pytest.mark.parametrize("prompt_ids", [[EOS], [5, EOS], [5]])
 def test_scores_count_the_prompt_not_the_finishing_end_of_text(prompt_ids):
     """A sequence's length in its score is vLLM's: the prompt's tokens (an end-of-text token
