@@ -127,6 +127,8 @@ class MarkedJsonToolParser(ToolCallExtractor):
         # The open block's text not yet made a call (None: in free text), and its calls.
         self._block: str | None = None
         self._block_calls = 0
+        # The buffer's length when its JSON object last failed to decode (0: not pending).
+        self._undecoded = 0
         self._space_before = ""  # the whitespace before the open block
         self._after_call = False  # whitespace after a call is dropped, in whatever deltas
         self._started = False  # past the output's start: AT_START openers no longer count
@@ -252,9 +254,16 @@ class MarkedJsonToolParser(ToolCallExtractor):
             self._block += skipped or ""
             if not self._buffer:
                 return False
+            # A call's object that did not decode decodes only once a "}" has come: not
+            # decoded again before (each try reads the whole buffer: quadratic in a long
+            # call). Without a "{" yet, other text may still decide (Mistral's name{...}).
+            if not final and self._undecoded and "}" not in self._buffer[self._undecoded:]:
+                return False
             item = self._read_item(self._buffer)
             if item is None and not final:
+                self._undecoded = len(self._buffer) if "{" in self._buffer else 0
                 return False
+            self._undecoded = 0
             if not isinstance(item, tuple) or not self._room():
                 self._end_block()
                 return True
