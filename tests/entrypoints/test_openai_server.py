@@ -595,10 +595,12 @@ def test_booleans_are_as_lenient_as_vllms(server: Server) -> None:
     assert response.json()["choices"][0]["text"].startswith(PROMPT)
     request = CompletionRequest(prompt="hi", echo="False", ignore_eos="on", stream=0)
     assert (request.echo, request.ignore_eos, request.stream) == (False, True, False)
+    assert ChatCompletionRequest(messages=MESSAGES, include_reasoning="no").include_reasoning \
+        is False
     # An unimplemented boolean is refused by its value, however it is spelled.
-    ChatCompletionRequest(messages=MESSAGES, include_reasoning="true")
-    with pytest.raises(ValueError, match="include_reasoning"):
-        ChatCompletionRequest(messages=MESSAGES, include_reasoning="false")
+    ChatCompletionRequest(messages=MESSAGES, return_token_ids="false")
+    with pytest.raises(ValueError, match="return_token_ids"):
+        ChatCompletionRequest(messages=MESSAGES, return_token_ids="true")
     for field, value in (("stream", "maybe"), ("stream", 2), ("max_tokens", "5"), ("n", True)):
         with pytest.raises(ValueError, match=field):
             CompletionRequest(prompt="hi", **{field: value})
