@@ -395,7 +395,7 @@ def test_server_beam_search_stops_when_the_client_leaves():
 @pytest.mark.parametrize("field", [
     {"stop": ["\n"]}, {"stop_token_ids": [2]}, {"min_tokens": 3}, {"bad_words": ["no"]},
     {"logit_bias": {"5": 10.0}}, {"presence_penalty": 0.5}, {"repetition_penalty": 1.2},
-    {"response_format": {"type": "json_object"}}, {"structured_outputs": {"choice": ["a"]}},
+    {"response_format": {"type": "json_object"}}, {"structured_outputs": {"choice": ["a", "b"]}},
     {"vllm_xargs": {"k": 1}},
 ])
 def test_server_beam_search_refuses_what_it_would_disregard(field):
@@ -404,12 +404,13 @@ def test_server_beam_search_refuses_what_it_would_disregard(field):
     Their defaults (and empty values) pass."""
     from v1.entrypoints.openai.protocol import CompletionRequest
     from v1.entrypoints.openai.serving_beam_search import beam_search_params
-    from v1.sampling_params import SamplingParams
 
-    params = SamplingParams(n=2, max_tokens=4)
     (name, _), = field.items()
-    with pytest.raises(ValueError, match=f"{name} is not supported with beam search"):
-        beam_search_params(CompletionRequest(prompt="x", use_beam_search=True, **field), params)
-    plain = CompletionRequest(prompt="x", use_beam_search=True, stop=[], presence_penalty=0.0,
-                              seed=3, top_p=0.9)
-    assert beam_search_params(plain, params).beam_width == 2
+    request = CompletionRequest(prompt="x", use_beam_search=True, n=2, **field)
+    params = request.to_sampling_params()
+    with pytest.raises(ValueError, match=f"{name}.* not supported with beam search"):
+        beam_search_params(request, params)
+    plain = CompletionRequest(prompt="x", use_beam_search=True, n=2, stop=[],
+                              presence_penalty=0.0, seed=3, top_p=0.9,
+                              response_format={"type": "text"})
+    assert beam_search_params(plain, plain.to_sampling_params()).beam_width == 2

@@ -24,15 +24,15 @@ from v1.sampling_params import BeamSearchParams, SamplingParams
 # an answer that silently disregards it.
 _NOT_SEARCHED = (
     "stop", "stop_token_ids", "min_tokens", "bad_words", "allowed_token_ids", "logit_bias",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "response_format",
-    "structured_outputs", "vllm_xargs",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "vllm_xargs",
 )
 
 
 def beam_search_params(request: CompletionRequest, params: SamplingParams) -> BeamSearchParams:
     """The search a completion request asks for (its n beams, as vLLM), from its sampling
     parameters with the model's defaults applied; ValueError for what the search cannot give
-    (a stream, logprobs, an echoed prompt) or would disregard (`_NOT_SEARCHED`)."""
+    (a stream, logprobs, an echoed prompt) or would disregard (`_NOT_SEARCHED`, structured
+    output)."""
     if request.stream:
         raise ValueError("Streaming is not currently supported with beam search")  # vLLM's
     for name in ("logprobs", "prompt_logprobs", "echo"):
@@ -43,6 +43,9 @@ def beam_search_params(request: CompletionRequest, params: SamplingParams) -> Be
         if value != type(request).model_fields[name].default and value not in ("", [], {}):
             raise ValueError(f"{name} is not supported with beam search by this server "
                              f"(got {value!r}): leave it out")
+    if params.structured_outputs is not None:  # response_format "text" asks for none
+        raise ValueError("structured output (response_format or structured_outputs) is not "
+                         "supported with beam search by this server")
     assert params.max_tokens is not None  # a completion's max_tokens has a default
     return BeamSearchParams(
         beam_width=params.n, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
