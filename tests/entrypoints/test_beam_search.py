@@ -349,18 +349,11 @@ def test_completions_use_beam_search(extras_client, hf_model, hf_tokenizer, defa
                                          stream=True, extra_body={"use_beam_search": True})
 
 
-def test_server_beam_search_stops_when_the_client_leaves():
-    """The server's search runs on a worker thread, its steps on the event loop: a client
-    that leaves (the request's task cancelled) aborts the step in flight, and no step runs
-    after it. A stub engine whose requests never finish stands for the engine."""
+def stub_engine(started: list[str], aborted: list[str]):
+    """An AsyncLLM stand-in whose requests never finish: each records its id in `started`,
+    then in `aborted` when cancelled."""
     import asyncio
     from types import SimpleNamespace
-
-    from v1.entrypoints.openai.protocol import CompletionRequest
-    from v1.entrypoints.openai.serving_beam_search import run_beam_search
-
-    started: list[str] = []
-    aborted: list[str] = []
 
     async def generate(prompt, params, request_id, priority, data_parallel_rank, lora):
         started.append(request_id)
@@ -370,10 +363,56 @@ def test_server_beam_search_stops_when_the_client_leaves():
             aborted.append(request_id)
         yield  # an async generator, as AsyncLLM.generate
 
-    engine = SimpleNamespace(generate=generate, processor=SimpleNamespace(
+    async def run_in_pool(fn, *args):
+        return await asyncio.to_thread(fn, *args)
+
+    return SimpleNamespace(generate=generate, run_in_pool=run_in_pool, processor=SimpleNamespace(
         limits=SimpleNamespace(max_logprobs=20), prompt_token_ids=lambda p: p["prompt_token_ids"],
         eos_token_id=0, extra_stop_token_ids=(), max_model_len=64,
     ))
+
+
+def test_server_beam_searches_hold_no_thread_while_they_wait():
+    """A search's steps are awaited on the event loop, its own work between them on the
+    input pool: 40 searches all have a step in flight at once (each held a worker thread
+    for its whole search: beyond the default pool's min(32, cpus + 4), they queued behind
+    the first ones, however long those ran)."""
+    import asyncio
+
+    from v1.entrypoints.openai.protocol import CompletionRequest
+    from v1.entrypoints.openai.serving_beam_search import run_beam_search
+
+    started: list[str] = []
+    engine = stub_engine(started, [])
+
+    async def forty_searches() -> None:
+        searches = [asyncio.ensure_future(run_beam_search(
+            engine, [{"prompt_token_ids": [1, 2]}], BeamSearchParams(beam_width=2, max_tokens=5),
+            f"cmpl-{i}", CompletionRequest(prompt="x"), None,
+        )) for i in range(40)]
+        for _ in range(500):
+            if len(started) == 40:
+                break
+            await asyncio.sleep(0.01)
+        for search in searches:
+            search.cancel()
+        await asyncio.wait(searches)
+        assert sorted(started) == sorted(f"cmpl-{i}-0-0" for i in range(40))
+
+    asyncio.run(forty_searches())
+
+
+def test_server_beam_search_stops_when_the_client_leaves():
+    """The server's search awaits its steps on the event loop: a client that leaves (the
+    request's task cancelled) aborts the step in flight, and no step runs after it."""
+    import asyncio
+
+    from v1.entrypoints.openai.protocol import CompletionRequest
+    from v1.entrypoints.openai.serving_beam_search import run_beam_search
+
+    started: list[str] = []
+    aborted: list[str] = []
+    engine = stub_engine(started, aborted)
 
     async def leave_during_the_first_step() -> None:
         search = asyncio.ensure_future(run_beam_search(
