@@ -9,7 +9,7 @@ alive after `max_tokens` or at `max_model_len` with "length"; finished sequences
 
 import math
 import sys
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +18,9 @@ from tqdm.auto import tqdm
 from v1.outputs import Logprob, RequestOutput
 from v1.sampling_params import BeamSearchParams, SamplingParams
 
-# Runs one step's requests (prompt dicts) to completion; outputs in the order given.
+# One search step: its requests' prompts (dicts), each run with the sampling parameters.
+Step = tuple[list[dict[str, Any]], SamplingParams]
+# Runs one step's requests to completion; outputs in the order given.
 GenerateFn = Callable[[list[dict[str, Any]], SamplingParams], list[RequestOutput]]
 
 
@@ -32,7 +34,8 @@ class BeamSearchSequence:
     that step. `cum_logprob`: the sum of the generated tokens' logprobs (the end-of-text
     token's included). `text`: set on the returned sequences: `tokens` decoded, the prompt's
     included (as vLLM's `LLM`). `finish_reason`: "stop" when an end-of-text token ended it
-    (`stop_reason`: that token's id), "length" when max_tokens or max_model_len did.
+    (`stop_reason`: that token's id), "length" when max_tokens or max_model_len did, "abort"
+    when the engine aborted the search's step.
     """
 
     tokens: list[int]
@@ -83,18 +86,34 @@ def eos_token_ids(processor: Any) -> list[int]:
 
 
 def beam_search(
+    prompts: Sequence[Any], params: BeamSearchParams, *, generate: GenerateFn, **options: Any
+) -> list[BeamSearchOutput]:
+    """Beam search for each prompt, each step's requests run by `generate`; outputs in the
+    order of `prompts` (see the module). `options`: `beam_search_steps`'."""
+    search = beam_search_steps(prompts, params, **options)
+    try:
+        step = next(search)
+        while True:
+            step = search.send(generate(*step))
+    except StopIteration as done:
+        return done.value
+
+
+def beam_search_steps(
     prompts: Sequence[Any],
     params: BeamSearchParams,
     *,
-    generate: GenerateFn,
     tokenize: Callable[[Any], list[int]],
     eos_token_ids: Collection[int],
     max_model_len: int,
     decode: Callable[[list[int]], str] | None,
     use_tqdm: bool = False,
     concurrency_limit: int | None = None,
-) -> list[BeamSearchOutput]:
-    """Beam search for each prompt; outputs in the order of `prompts` (see the module).
+) -> Generator[Step, list[RequestOutput], list[BeamSearchOutput]]:
+    """The search as a generator: it yields each step (its requests' prompts and sampling
+    parameters), is sent their outputs in order, and returns the outputs `beam_search`
+    does. So its caller decides how a step waits for the engine (the server awaits it,
+    holding no thread meanwhile).
 
     `tokenize` turns one prompt (text, token ids, or a dict with "prompt" or
     "prompt_token_ids", and maybe "cache_salt") into its validated token ids; all prompts are
@@ -137,7 +156,7 @@ def beam_search(
                 live = [(inst, beam) for inst in batch for beam in inst.beams]
                 if not live:
                     break
-                outputs = generate([_beam_prompt(b, i.cache_salt) for i, b in live], step_params)
+                outputs = yield [_beam_prompt(b, i.cache_salt) for i, b in live], step_params
                 # `live` lists each instance's beams together: consume the outputs in turn.
                 results = iter(outputs)
                 for inst in batch:
@@ -181,12 +200,20 @@ def _step(
     eos: frozenset[int],
     max_model_len: int,
 ) -> None:
-    """Extends `inst`'s beams by their step's outputs (one per beam, in order)."""
+    """Extends `inst`'s beams by their step's outputs (one per beam, in order). A step the
+    engine aborted (a pause in "abort" mode) ends the search: its beams finish as they were,
+    with "abort", as an aborted request does (dropping the aborted beams would answer with
+    another search's sequences, or none)."""
+    if any(out.outputs[0].finish_reason == "abort" for out in outputs):
+        for beam in inst.beams:
+            beam.finish_reason = "abort"
+        inst.completed += inst.beams
+        inst.beams = []
+        return
     candidates: list[BeamSearchSequence] = []
     for beam, out in zip(inst.beams, outputs, strict=True):
         completion = out.outputs[0]
-        if not completion.logprobs:  # no token (aborted): nothing to extend it with
-            continue
+        assert completion.logprobs  # asked for, and the step was not aborted
         step_logprobs = completion.logprobs[0]
         for token_id, logprob in step_logprobs.items():
             cum = beam.cum_logprob + logprob.logprob

@@ -244,6 +244,35 @@ def scripted_search(prompt_ids: list[int], params: BeamSearchParams) -> list[tup
             for s in out.sequences]
 
 
+def test_a_step_the_engine_aborts_ends_the_search_with_abort():
+    """A pause in "abort" mode aborts a step's requests (no token): the search ends there,
+    every prompt's beams finishing as they were with "abort", as an aborted request does
+    (the aborted beams were dropped: the answer was another search's sequences, or none)."""
+    steps = []
+
+    def generate(prompts, step_params):
+        steps.append(len(prompts))
+        aborted = len(steps) == 2
+        return [
+            RequestOutput(str(i), None, p["prompt_token_ids"], [CompletionOutput(
+                0, "", [] if aborted and i % 2 else [7], None,
+                None if aborted and i % 2 else [{7: Logprob(-0.7), 8: Logprob(-2.0)}],
+                "abort" if aborted and i % 2 else "length",
+            )], True)
+            for i, p in enumerate(prompts)
+        ]
+
+    outs = beam_search([{"prompt_token_ids": [5]}, {"prompt_token_ids": [6]}],
+                       BeamSearchParams(2, 4), generate=generate,
+                       tokenize=lambda p: p["prompt_token_ids"], eos_token_ids=[EOS],
+                       max_model_len=64, decode=None)
+    assert steps == [2, 4]  # no step after the aborted one
+    for prompt, out in zip((5, 6), outs, strict=True):
+        assert [(s.tokens, s.finish_reason) for s in out.sequences] == [
+            ([prompt, 7], "abort"), ([prompt, 8], "abort")
+        ]
+
+
 @pytest.mark.parametrize("prompt_ids", [[EOS], [5, EOS], [5]])
 def test_scores_count_the_prompt_not_the_finishing_end_of_text(prompt_ids):
     """A sequence's length in its score is vLLM's: the prompt's tokens (an end-of-text token
@@ -320,18 +349,11 @@ def test_completions_use_beam_search(extras_client, hf_model, hf_tokenizer, defa
                                          stream=True, extra_body={"use_beam_search": True})
 
 
-def test_server_beam_search_stops_when_the_client_leaves():
-    """The server's search runs on a worker thread, its steps on the event loop: a client
-    that leaves (the request's task cancelled) aborts the step in flight, and no step runs
-    after it. A stub engine whose requests never finish stands for the engine."""
+def stub_engine(started: list[str], aborted: list[str]):
+    """An AsyncLLM stand-in whose requests never finish: each records its id in `started`,
+    then in `aborted` when cancelled."""
     import asyncio
     from types import SimpleNamespace
-
-    from v1.entrypoints.openai.protocol import CompletionRequest
-    from v1.entrypoints.openai.serving_beam_search import run_beam_search
-
-    started: list[str] = []
-    aborted: list[str] = []
 
     async def generate(prompt, params, request_id, priority, data_parallel_rank, lora):
         started.append(request_id)
@@ -341,10 +363,56 @@ def test_server_beam_search_stops_when_the_client_leaves():
             aborted.append(request_id)
         yield  # an async generator, as AsyncLLM.generate
 
-    engine = SimpleNamespace(generate=generate, processor=SimpleNamespace(
+    async def run_in_pool(fn, *args):
+        return await asyncio.to_thread(fn, *args)
+
+    return SimpleNamespace(generate=generate, run_in_pool=run_in_pool, processor=SimpleNamespace(
         limits=SimpleNamespace(max_logprobs=20), prompt_token_ids=lambda p: p["prompt_token_ids"],
         eos_token_id=0, extra_stop_token_ids=(), max_model_len=64,
     ))
+
+
+def test_server_beam_searches_hold_no_thread_while_they_wait():
+    """A search's steps are awaited on the event loop, its own work between them on the
+    input pool: 40 searches all have a step in flight at once (each held a worker thread
+    for its whole search: beyond the default pool's min(32, cpus + 4), they queued behind
+    the first ones, however long those ran)."""
+    import asyncio
+
+    from v1.entrypoints.openai.protocol import CompletionRequest
+    from v1.entrypoints.openai.serving_beam_search import run_beam_search
+
+    started: list[str] = []
+    engine = stub_engine(started, [])
+
+    async def forty_searches() -> None:
+        searches = [asyncio.ensure_future(run_beam_search(
+            engine, [{"prompt_token_ids": [1, 2]}], BeamSearchParams(beam_width=2, max_tokens=5),
+            f"cmpl-{i}", CompletionRequest(prompt="x"), None,
+        )) for i in range(40)]
+        for _ in range(500):
+            if len(started) == 40:
+                break
+            await asyncio.sleep(0.01)
+        for search in searches:
+            search.cancel()
+        await asyncio.wait(searches)
+        assert sorted(started) == sorted(f"cmpl-{i}-0-0" for i in range(40))
+
+    asyncio.run(forty_searches())
+
+
+def test_server_beam_search_stops_when_the_client_leaves():
+    """The server's search awaits its steps on the event loop: a client that leaves (the
+    request's task cancelled) aborts the step in flight, and no step runs after it."""
+    import asyncio
+
+    from v1.entrypoints.openai.protocol import CompletionRequest
+    from v1.entrypoints.openai.serving_beam_search import run_beam_search
+
+    started: list[str] = []
+    aborted: list[str] = []
+    engine = stub_engine(started, aborted)
 
     async def leave_during_the_first_step() -> None:
         search = asyncio.ensure_future(run_beam_search(
@@ -361,3 +429,27 @@ def test_server_beam_search_stops_when_the_client_leaves():
         assert started == aborted == ["cmpl-x-0-0"]
 
     asyncio.run(leave_during_the_first_step())
+
+
+@pytest.mark.parametrize("field", [
+    {"stop": ["\n"]}, {"stop_token_ids": [2]}, {"min_tokens": 3}, {"bad_words": ["no"]},
+    {"logit_bias": {"5": 10.0}}, {"presence_penalty": 0.5}, {"repetition_penalty": 1.2},
+    {"response_format": {"type": "json_object"}}, {"structured_outputs": {"choice": ["a", "b"]}},
+    {"vllm_xargs": {"k": 1}},
+])
+def test_server_beam_search_refuses_what_it_would_disregard(field):
+    """The search ranks the raw logprobs' candidates and stops only at end-of-text or
+    max_tokens: a field that would shape a sampled answer is a 400, not silently ignored.
+    Their defaults (and empty values) pass."""
+    from v1.entrypoints.openai.protocol import CompletionRequest
+    from v1.entrypoints.openai.serving_beam_search import beam_search_params
+
+    (name, _), = field.items()
+    request = CompletionRequest(prompt="x", use_beam_search=True, n=2, **field)
+    params = request.to_sampling_params()
+    with pytest.raises(ValueError, match=f"{name}.* not supported with beam search"):
+        beam_search_params(request, params)
+    plain = CompletionRequest(prompt="x", use_beam_search=True, n=2, stop=[],
+                              presence_penalty=0.0, seed=3, top_p=0.9,
+                              response_format={"type": "text"})
+    assert beam_search_params(plain, plain.to_sampling_params()).beam_width == 2

@@ -595,10 +595,12 @@ def test_booleans_are_as_lenient_as_vllms(server: Server) -> None:
     assert response.json()["choices"][0]["text"].startswith(PROMPT)
     request = CompletionRequest(prompt="hi", echo="False", ignore_eos="on", stream=0)
     assert (request.echo, request.ignore_eos, request.stream) == (False, True, False)
+    assert ChatCompletionRequest(messages=MESSAGES, include_reasoning="no").include_reasoning \
+        is False
     # An unimplemented boolean is refused by its value, however it is spelled.
-    ChatCompletionRequest(messages=MESSAGES, return_token_offsets="false")
-    with pytest.raises(ValueError, match="return_token_offsets"):
-        ChatCompletionRequest(messages=MESSAGES, return_token_offsets="true")
+    ChatCompletionRequest(messages=MESSAGES, return_token_ids="false")
+    with pytest.raises(ValueError, match="return_token_ids"):
+        ChatCompletionRequest(messages=MESSAGES, return_token_ids="true")
     for field, value in (("stream", "maybe"), ("stream", 2), ("max_tokens", "5"), ("n", True)):
         with pytest.raises(ValueError, match=field):
             CompletionRequest(prompt="hi", **{field: value})
@@ -631,6 +633,22 @@ def test_batch_chat_completions(server: Server) -> None:
         r = httpx.post(f"{server.url}/v1/chat/completions/batch",
                        json={**fields, "messages": conversations, **extra}, timeout=60)
         assert r.status_code == 400, r.text
+
+
+@pytest.mark.parametrize("limit", ["max_completion_prompts", "max_request_sequences"])
+def test_batch_chat_conversations_are_bounded(limit: str) -> None:
+    """Each conversation of a batch chat is a prompt and a sequence: over either limit, a
+    ValueError (a 400) naming it, before any conversation starts."""
+    from types import SimpleNamespace
+
+    from v1.entrypoints.openai.protocol import BatchChatCompletionRequest
+    from v1.entrypoints.openai.serving import ServerLimits
+    from v1.entrypoints.openai.serving_chat_batch import create_batch_chat_completion
+
+    serving = SimpleNamespace(limits=ServerLimits(**{limit: 2}))  # no engine: nothing starts
+    request = BatchChatCompletionRequest(messages=[MESSAGES] * 3)
+    with pytest.raises(ValueError, match=f"3 conversations, more than {limit} \\(2\\)"):
+        asyncio.run(create_batch_chat_completion(serving, request))  # type: ignore[arg-type]
 
 
 def test_best_of_equal_to_n_is_accepted(client: openai.OpenAI) -> None:
@@ -816,6 +834,29 @@ def test_pause_resume_and_reset_prefix_cache(server: Server, one_at_a_time: Serv
         assert r.status_code == 200
         assert finish_reason(streaming.result(60)) == "length"
     assert _wait_idle(server)["vllm:num_preemptions_total"] == preemptions + 1
+
+
+def test_resume_while_a_pause_drains_is_a_409() -> None:
+    """/resume while a pause (mode "wait") still drains: the engine's refusal is a 409 with
+    a JSON body (was a 500); a dead engine is still a dead engine."""
+    from types import SimpleNamespace
+
+    from v1.engine.exceptions import EngineDeadError
+    from v1.entrypoints.openai.api_server import resume_generation
+
+    def route_with(error: Exception) -> Any:
+        async def refuse() -> None:
+            raise error
+        engine = SimpleNamespace(resume_generation=refuse)
+        raw = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(
+            serving=SimpleNamespace(engine=engine))))
+        return asyncio.run(resume_generation(raw))  # type: ignore[arg-type]
+
+    response = route_with(RuntimeError("a pause is still in progress"))
+    assert response.status_code == 409
+    assert json.loads(response.body)["error"]["message"] == "a pause is still in progress"
+    with pytest.raises(EngineDeadError):
+        route_with(EngineDeadError("gone"))
 
 
 def test_shutdown_stops_engine_and_frees_port(server: Server) -> None:

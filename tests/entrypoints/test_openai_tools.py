@@ -479,6 +479,45 @@ def test_each_format_at_any_chunking(name: str, text: str, expected: tuple) -> N
         assert run(TOOL_CALL_PARSERS[name](), text, chunk) == expected, chunk
 
 
+@pytest.mark.parametrize("parser", [*TOOL_CALL_PARSERS, "required"])
+def test_calls_nested_too_deep_for_json_stay_text(parser: str) -> None:
+    """Arguments nested deeper than Python's json decodes (a RecursionError) are no call:
+    the model's text, not an error out of the response or its stream."""
+    deep = "[" * 5000 + "]" * 5000
+    opener = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}.get(parser, "")
+    closer = "</tool_call>" if parser == "hermes" else ""
+    key = "parameters" if parser == "required" else "arguments"
+    call = f'{{"name": "get_time", "{key}": {deep}}}'
+    text = opener + (f"[{call}]" if parser in ("xlam", "required") else call) + closer
+    extractor = RequiredToolCalls() if parser == "required" else TOOL_CALL_PARSERS[parser]()
+    for chunk in (1000, len(text)):
+        content, calls = run(extractor, text, chunk)
+        assert calls == [] and deep in content, chunk
+
+
+@pytest.mark.parametrize(("parser", "opener"), [
+    ("llama3_json", '{"name": "get_time", "arguments": '), ("mistral", "[TOOL_CALLS]get_time"),
+    ("xlam", '[{"name": "get_time", "arguments": '), ("required", '[{"name": "get_time", '
+                                                                 '"parameters": '),
+])
+def test_a_long_call_is_decoded_when_it_may_end(parser: str, opener: str, monkeypatch) -> None:
+    """Each delta of a call's JSON tried to decode the whole call so far: quadratic in its
+    length (a 32k-token call: seconds of the event loop). It is tried again only once a "}"
+    comes, which the object needs to end; streamed or whole, the same call."""
+    from v1.entrypoints.openai import tool_calls
+
+    decodes = []
+    decode = tool_calls._decode_prefix
+    monkeypatch.setattr(tool_calls, "_decode_prefix",
+                        lambda text: decodes.append(text) or decode(text))
+    value = "x" * 4000
+    deltas = [opener, '{"timezone": "', *value, '"}', "}" if parser != "mistral" else ""]
+    extractor = RequiredToolCalls() if parser == "required" else TOOL_CALL_PARSERS[parser]()
+    content, calls = run(extractor, "".join(deltas), 1)
+    assert calls == [("get_time", json.dumps({"timezone": value}))] and not content.strip("]")
+    assert len(decodes) < 20
+
+
 def test_auto_picks_the_servers_parser_and_max_calls() -> None:
     request = ChatCompletionRequest(messages=MESSAGES, tools=TOOLS, parallel_tool_calls=False)
     extractor = tool_call_extractor(request, "xlam")

@@ -244,6 +244,28 @@ def test_custom_processors_see_batch_rows() -> None:
     assert torch.allclose(seen.batches[0][0], logits[1] / 2)
 
 
+class _Reshaping(_BanArgmax):
+    """Returns `shape(logits)` instead of the logits: a processor's bug."""
+
+    def __init__(self, shape) -> None:
+        super().__init__(row=0)
+        self.shape = shape
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.shape(logits)
+
+
+@pytest.mark.parametrize("shape", [lambda x: x[:, :10], lambda x: x[:1], lambda x: x[0],
+                                   lambda x: None])
+@pytest.mark.parametrize("rows", [None, torch.tensor([1, 0])])
+def test_a_processor_answering_another_shape_is_an_error(shape, rows) -> None:
+    """Logits of another shape would be sampled from anyway (broadcast, or over a cut
+    vocabulary): every row's tokens wrong without a word. A RuntimeError naming it."""
+    procs = BatchLogits(LogitsProcessors([_Reshaping(shape)]), rows, batch_size=2)
+    with pytest.raises(RuntimeError, match=r"_Reshaping.apply returned .* same shape"):
+        procs.apply(make_logits(2), argmax_invariant=False)
+
+
 def test_logits_processors_load_by_name_or_class() -> None:
     name = f"{__name__}:_BanArgmax"
     assert load_logits_processors([name, _BanArgmax]) == [_BanArgmax, _BanArgmax]

@@ -207,7 +207,13 @@ async def pause_generation(
 
 @dev_router.post("/resume")
 async def resume_generation(raw: Request) -> Response:
-    await _serving(raw).engine.resume_generation()
+    """A 409 while a pause is still draining (mode "wait"): resume once it has answered."""
+    try:
+        await _serving(raw).engine.resume_generation()
+    except RuntimeError as e:
+        if isinstance(e, EngineDeadError):
+            raise
+        return _error(409, str(e))
     return Response(json.dumps({"status": "resumed"}), media_type="application/json")
 
 

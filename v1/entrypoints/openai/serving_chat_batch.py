@@ -18,10 +18,13 @@ from v1.entrypoints.openai.serving import OpenAIServing
 async def create_batch_chat_completion(
     serving: OpenAIServing, request: BatchChatCompletionRequest
 ) -> ChatCompletionResponse:
-    if len(request.messages) > serving.limits.max_completion_prompts:
+    # Each conversation is a prompt and (n is 1) a sequence: both limits hold.
+    limits = serving.limits
+    limit, name = min((limits.max_completion_prompts, "max_completion_prompts"),
+                      (limits.max_request_sequences, "max_request_sequences"))
+    if len(request.messages) > limit:
         raise ValueError(
-            f"the request has {len(request.messages)} conversations, more than "
-            f"max_completion_prompts ({serving.limits.max_completion_prompts})"
+            f"the request has {len(request.messages)} conversations, more than {name} ({limit})"
         )
     tasks = [asyncio.ensure_future(serving.create_chat_completion(single))
              for single in await serving.engine.run_in_pool(request.conversations)]

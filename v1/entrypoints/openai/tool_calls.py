@@ -127,6 +127,8 @@ class MarkedJsonToolParser(ToolCallExtractor):
         # The open block's text not yet made a call (None: in free text), and its calls.
         self._block: str | None = None
         self._block_calls = 0
+        # The buffer's length when its JSON object last failed to decode (0: not pending).
+        self._undecoded = 0
         self._space_before = ""  # the whitespace before the open block
         self._after_call = False  # whitespace after a call is dropped, in whatever deltas
         self._started = False  # past the output's start: AT_START openers no longer count
@@ -171,9 +173,9 @@ class MarkedJsonToolParser(ToolCallExtractor):
 
     # -- the part a format may change --------------------------------------------------------
 
-    def _item(self, text: str) -> tuple[str, Any, str] | _NotACall | None:
-        """The call at the start of `text` as (name, arguments, the text after it);
-        NOT_A_CALL; or None while it may still become one."""
+    def _item(self, text: str) -> tuple[str, str, str] | _NotACall | None:
+        """The call at the start of `text` as (name, its arguments' JSON text, the text after
+        it); NOT_A_CALL; or None while it may still become one."""
         if not text.startswith("{"):
             return NOT_A_CALL
         decoded = _decode_prefix(text)
@@ -185,7 +187,7 @@ class MarkedJsonToolParser(ToolCallExtractor):
         key = next((k for k in self.ARGUMENT_KEYS if k in value), None)
         if key is None:
             return NOT_A_CALL
-        return value["name"], value[key], rest
+        return value["name"], _arguments_text(value[key]), rest
 
     # -- the skeleton ------------------------------------------------------------------------
 
@@ -238,7 +240,7 @@ class MarkedJsonToolParser(ToolCallExtractor):
                 return False
             body = self._buffer if end < 0 else self._buffer[:end]
             self._buffer = "" if end < 0 else self._buffer[end + len(self.CLOSE):]
-            item = self._item(body.strip())
+            item = self._read_item(body.strip())
             if isinstance(item, tuple) and not item[2].strip() and self._room():
                 self._add_call(item[0], item[1])
             else:
@@ -252,14 +254,29 @@ class MarkedJsonToolParser(ToolCallExtractor):
             self._block += skipped or ""
             if not self._buffer:
                 return False
-            item = self._item(self._buffer)
-            if item is None and not final:
+            # A call's object that did not decode decodes only once a "}" has come: not
+            # decoded again before (each try reads the whole buffer: quadratic in a long
+            # call). Without a "{" yet, other text may still decide (Mistral's name{...}).
+            if not final and self._undecoded and "}" not in self._buffer[self._undecoded:]:
                 return False
+            item = self._read_item(self._buffer)
+            if item is None and not final:
+                self._undecoded = len(self._buffer) if "{" in self._buffer else 0
+                return False
+            self._undecoded = 0
             if not isinstance(item, tuple) or not self._room():
                 self._end_block()
                 return True
             name, arguments, self._buffer = item
             self._add_call(name, arguments)
+
+    def _read_item(self, text: str) -> tuple[str, str, str] | _NotACall | None:
+        """`_item`, where JSON nested deeper than Python's decoder (or encoder) goes is no
+        call: the model's text, not an error out of the response."""
+        try:
+            return self._item(text)
+        except RecursionError:
+            return NOT_A_CALL
 
     def _skip_between_calls(self) -> str | None:
         """Takes the whitespace, separators and (non-JSON) openers at the buffer's start and
@@ -288,7 +305,7 @@ class MarkedJsonToolParser(ToolCallExtractor):
     def _room(self) -> bool:
         return self._max_calls is None or self.num_calls < self._max_calls
 
-    def _add_call(self, name: str, arguments: Any) -> None:
+    def _add_call(self, name: str, arguments: str) -> None:
         self._calls.append(self._call(name, arguments))
         self._block, self._space_before, self._after_call = "", "", True
         self._block_calls += 1
@@ -338,7 +355,7 @@ class MistralToolParser(MarkedJsonToolParser):
     SEPARATORS = "[],"
     _NAMED = re.compile(r"([A-Za-z0-9_.-]+)\s*(\{|$)")
 
-    def _item(self, text: str) -> tuple[str, Any, str] | _NotACall | None:
+    def _item(self, text: str) -> tuple[str, str, str] | _NotACall | None:
         named = self._NAMED.match(text)
         if named is None or text.startswith("{"):
             return super()._item(text)
@@ -348,7 +365,9 @@ class MistralToolParser(MarkedJsonToolParser):
         if decoded is None:
             return None
         arguments, rest = decoded
-        return (named.group(1), arguments, rest) if isinstance(arguments, dict) else NOT_A_CALL
+        if not isinstance(arguments, dict):
+            return NOT_A_CALL
+        return named.group(1), _arguments_text(arguments), rest
 
 
 class XLAMToolParser(MarkedJsonToolParser):

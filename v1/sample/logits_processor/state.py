@@ -135,10 +135,24 @@ class BatchLogits:
             return logits
         if self.rows is None:
             for processor in processors:
-                logits = processor.apply(logits)
+                logits = _applied(processor, logits)
             return logits
         batch = logits.new_zeros((self.batch_size, logits.shape[-1]))
         batch[self.rows] = logits
         for processor in processors:
-            batch = processor.apply(batch)
+            batch = _applied(processor, batch)
         return batch[self.rows]
+
+
+def _applied(processor: LogitsProcessor, logits: torch.Tensor) -> torch.Tensor:
+    """`processor.apply(logits)`, whose answer must be logits of the same shape: another one
+    would be sampled from anyway (broadcast, or over a cut vocabulary), every row's tokens
+    wrong without an error. A RuntimeError naming the processor instead."""
+    out = processor.apply(logits)
+    if not isinstance(out, torch.Tensor) or out.shape != logits.shape:
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise RuntimeError(
+            f"logits processor {type(processor).__qualname__}.apply returned {got} for logits "
+            f"of shape {tuple(logits.shape)}: it must return logits of the same shape"
+        )
+    return out
