@@ -31,8 +31,8 @@ static inline __attribute__((always_inline)) vf bt_chunk(const uint8_t *p, int c
 
 static inline const uint8_t *bt_group4(const uint8_t *p, int j) { return p + 2 + 4 * j; }
 /* + 128 where the weights go into dot4, unsigned (block_tiles.h's W_OFFSET). */
-static inline vi bt_weight_bytes(vi bytes4, int j) {
-    (void)j;
+static inline vi bt_weight_bytes(vi bytes4, vi qh, int j) {
+    (void)qh, (void)j;
     return bytes4 ^ (INT8_SIGNED_WEIGHTS ? 0 : (int32_t)0x80808080u);
 }
 static inline int64_t bt_qs(int h) { return 2 + 16 * h; }

@@ -6,6 +6,10 @@
      BT_SIGNED         1: quants are signed bytes (they go into dot4 + 128 unless
                        INT8_SIGNED_WEIGHTS); 0: unsigned
      BT_WMAX           the largest unsigned weight byte (q4_1's nibbles: 15)
+     BT_ZERO           (optional, 0) the weight byte that means 0: x = d (q - BT_ZERO)
+                       (q4_0: 8); taken off the integer sums as BT_ZERO * sum(x) per block
+     BT_QH             (optional, 0: none) where the block's dword of high bits is (q5_0,
+                       q5_1: the fifth bit of each value), handed to bt_weight_bytes
      BT_HALVES         the block's runs of 16 quant bytes (bt_qs(h), h < BT_HALVES)
      BT_COLS_AHEAD     1: tile_i8_few loads the next block's columns ahead (see there)
      BT_ROWS           rows interleaved (1: GGUF's layout, a row's blocks one after the
@@ -16,7 +20,8 @@
      bt_chunk(p, c)              values VL c .. VL c + VL - 1 of the block before scaling,
                                  as floats (c < BV)
      bt_group4(p, j)             the 4 bytes that hold values 4j .. 4j + 3 (j < 8)
-     bt_weight_bytes(b4, j)      those 4 bytes as dot4's unsigned (or signed) weight bytes
+     bt_weight_bytes(b4, qh, j)  those 4 bytes as dot4's unsigned (or signed) weight bytes,
+                                 given the block's high-bits dword qh (BT_QH; else 0)
      bt_qs(h)                    where run h of quant bytes starts in the block.
    A row's block starts at p = bt_row(w, n, row_bytes) + b BT_ROWS BT_BYTES, its scale d (and
    min m) at p (and p + 2) whatever BT_ROWS.
@@ -31,6 +36,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#ifndef BT_ZERO
+#define BT_ZERO 0
+#endif
+#ifndef BT_QH
+#define BT_QH 0
+#endif
 
 /* Weights stream from memory once per call; the kernels prefetch this many bytes ahead of
    each weight row they read (the hardware prefetchers alone left a one-row LM head waiting
@@ -50,7 +62,8 @@ static inline const uint8_t *bt_row(const uint8_t *w, int64_t n, int64_t row_byt
 /* ---- fp32 activations: blocks dequantized to fp32, FMA with the activations ------------- */
 
 /* Chunk c of a block's values, given its scale d and min m. d * q + m is one FMA here where
-   the ISA has it (gguf rounds the product first: at most 1 ulp apart). */
+   the ISA has it, and yet gguf's bits (it rounds d q, then the sum): d q is exact in fp32 (an
+   fp16 d's 11 significant bits times a quant's 8 at most). */
 static inline __attribute__((always_inline)) vf dequant_chunk(const uint8_t *p, int c, float d,
                                                               float m) {
     return BT_MIN ? bt_chunk(p, c) * d + m : bt_chunk(p, c) * d;
@@ -332,14 +345,14 @@ int32_t BT_FN(linear_f32)(const struct v1_matmul *c) {
    with none of tile_i8's idle lanes at a few rows. Weights must be the unsigned side (but
    with INT8_SIGNED_WEIGHTS, where signed ones go into dot4s as they are): q4_1's nibbles are;
    q8_0's bytes are offset by 128 (q ^ 0x80), taken back as 128 * sum(q) per block
-   (W_OFFSET). Rows past M are 0.
+   (W_OFFSET), as q4_0's and q5_0's zero points (8, 16) are. Rows past M are 0.
 
    Both give every row the same numbers, whatever M and whichever tile serves it (what
    v1.models.layers.quantized's per-row path choice rests on): a block's integer dot product is
    exact, and each (activation row, weight row) then runs the same float recurrence over its
    blocks in order, with explicit FMAs (no contraction left to the compiler):
      q4_1: acc = fma(isum_b, dx_b * d_b, fma(t_b, m_b, acc))    (t_b = dx_b * sum q_b)
-     q8_0: acc = fma(isum_b, dx_b * d_b, acc)
+     q8_0: acc = fma(isum_b, dx_b * d_b, acc)    (isum_b less W_OFFSET * sum q_b, exactly)
    then y = acc + bias. Every variant of the library computes these bit for bit.
 
    tile_i8_few serves up to FEW_ROWS_MAX rows (where it beats tile_i8: docs/kernels.md); more
@@ -350,7 +363,8 @@ enum { FEW_ROWS_MAX = 16, I8_ROWS = 6, GM_MAX = 2 };
 #else
 enum { FEW_ROWS_MAX = 8, I8_ROWS = 3, GM_MAX = 2 };
 #endif
-enum { GROUPS = QK / 4, W_OFFSET = BT_SIGNED && !INT8_SIGNED_WEIGHTS };
+enum { GROUPS = QK / 4, W_OFFSET = BT_SIGNED && !INT8_SIGNED_WEIGHTS ? 128 : BT_ZERO };
+_Static_assert(!(BT_MIN && W_OFFSET), "a format with a min has no zero point");
 
 /* A block's integer sums, a group of 4 bytes per lane at a time: dot4 for this format's
    weight bytes (signed ones go to dot4s where the ISA takes them), or where the ISA has a
@@ -442,9 +456,10 @@ static inline __attribute__((always_inline)) void tile_i8(
                 /* The row's 4 bytes for these values, in every lane (a broadcast load);
                    q4_1's values j and j + 16 share byte j. */
                 const uint8_t *p = row[r] + b * bytes;
-                int32_t bytes4;
+                int32_t bytes4, qh = 0;
                 memcpy(&bytes4, bt_group4(p, j), 4);
-                const vi u = bt_weight_bytes((vi){0} + bytes4, j);
+                if (BT_QH) memcpy(&qh, p + BT_QH, 4);
+                const vi u = bt_weight_bytes((vi){0} + bytes4, (vi){0} + qh, j);
                 for (int g = 0; g < GM; g++)
                     dot[r][g] = dot4w(dot[r][g], u, loadvi(A + ((g * nb + b) * GROUPS + j) * VL));
             }
@@ -461,9 +476,9 @@ static inline __attribute__((always_inline)) void tile_i8(
                                      fmav(t, splatv(fp16(p + 2)), acc[r][g]));
                 }
             } else {
-                const vi q128 = W_OFFSET ? loadvi(Q + gb) << 7 : (vi){0};
+                const vi offset = W_OFFSET ? loadvi(Q + gb) * W_OFFSET : (vi){0};
                 for (int r = 0; r < NRI; r++)
-                    acc[r][g] = fmav(__builtin_convertvector(dot[r][g] - q128, vf),
+                    acc[r][g] = fmav(__builtin_convertvector(dot[r][g] - offset, vf),
                                      dx * splatv(fp16(row[r] + b * bytes)), acc[r][g]);
             }
         }
@@ -510,20 +525,23 @@ static inline __attribute__((always_inline)) void tile_i8_few(
     const int CH = MF == 1 ? 4 : MF == 2 ? 2 : 1;
     /* The weight side of a block (its scales' gather, its columns) depends on nothing
        computed, but issued in the block it serves, its latency held up that block's dot
-       products and float recurrence. So a block's scales are gathered one block ahead, and
+       products and float recurrence. So a block's scales (and high bits) are gathered one
+       block ahead, and
        its columns too where the format asks (BT_COLS_AHEAD) and the registers allow (4
        vectors more beside 2 MF of sums): docs/kernels.md has the figures. The last block
        "gathers ahead" its own scales again (pn = p): nothing is read past the weight. */
     const int HALVES = BT_HALVES, AHEAD = BT_COLS_AHEAD && 2 * MF + 8 <= NREGS - 4;
     vf acc[FEW_ROWS_MAX];
     for (int m = 0; m < MF; m++) acc[m] = (vf){0};
-    vi dm_next = tile_dwords(w, rb), cols_next[2][4];
+    vi dm_next = tile_dwords(w, rb), qh_next = BT_QH ? tile_dwords(w + BT_QH, rb) : (vi){0};
+    vi cols_next[2][4];
     if (AHEAD)
         for (int h = 0; h < HALVES; h++) tile_columns(w + bt_qs(h), rb, cols_next[h]);
     for (int64_t b = 0; b < nb; b++) {
         const int64_t p = b * bytes, pn = b + 1 < nb ? p + bytes : p;  /* next block's */
-        const vi dm = dm_next;
+        const vi dm = dm_next, qh = qh_next;
         dm_next = tile_dwords(w + pn, rb);
+        if (BT_QH) qh_next = tile_dwords(w + pn + BT_QH, rb);
         vi cols[2][4];
         for (int h = 0; h < HALVES; h++) {
             if (!AHEAD) {
@@ -551,7 +569,7 @@ static inline __attribute__((always_inline)) void tile_i8_few(
             for (int j = 0; j < GROUPS / HALVES; j++) {
                 /* q4_1's values j and j + 16 share byte j */
                 const int group = GROUPS / HALVES * h + j;
-                const vi u = bt_weight_bytes(col[j & 3], group);
+                const vi u = bt_weight_bytes(col[j & 3], qh, group);
                 for (int m = 0; m < MF; m++)
                     isum[m][group % CH] = dot4w(isum[m][group % CH], u,
                                                 (vi){0} + A[(b * GROUPS + group) * MF + m]);
@@ -570,7 +588,7 @@ static inline __attribute__((always_inline)) void tile_i8_few(
                               fmav(splatv(T[b * MF + m]), mw, acc[m]));
             else
                 acc[m] = fmav(
-                    __builtin_convertvector(isum[m][0] - (W_OFFSET ? Q[b * MF + m] * 128 : 0), vf),
+                    __builtin_convertvector(isum[m][0] - (W_OFFSET ? Q[b * MF + m] * W_OFFSET : 0), vf),
                     dxd, acc[m]);
         }
     }
