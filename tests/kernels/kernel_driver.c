@@ -29,12 +29,14 @@ typedef const char *(*kernel_name_fn)(int32_t kernel);
 typedef int32_t (*run_fn)(int32_t kernel, int32_t reference, const struct v1_matmul *call);
 typedef int32_t (*int8_isa_fn)(void);
 
-/* The blocks' leading fp16 fields per type (d, and m where x = d q + m): these get
-   reasonable scales; every other byte is random. A type missing here cannot be checked. */
+/* The blocks' leading fp16 fields per type (d, and m where x = d q + m; f16's one value):
+   these get reasonable scales; every other byte is random. A type missing here cannot be
+   checked. (bf16: such a half's bits read as bfloat16, finite: tiny, or 2^-71 .. 2^-31.) */
 static const struct {
     const char *name;
     int halves;
-} HEADERS[] = {{"q4_1", 2}, {"q4_1x8", 2}, {"q8_0", 1}};
+} HEADERS[] = {{"q4_1", 2}, {"q4_1x8", 2}, {"q8_0", 1}, {"q4_0", 1}, {"q5_0", 1}, {"q5_1", 2},
+               {"f16", 1}, {"bf16", 1}};
 
 /* M: every dot tile (1-4 rows), the few-row int8 tile's chains (1, 2, more) with and without
    columns ahead (up to 16 rows), then beyond it the outer-product tiles of 1-4 vectors of

@@ -27,6 +27,11 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "block_q4_1.c": (),
     "block_q4_1x8.c": (),
     "block_q8_0.c": (),
+    "block_q4_0.c": (),
+    "block_q5_0.c": (),
+    "block_q5_1.c": (),
+    "block_f16.c": (),
+    "block_bf16.c": (),
     "block_ref.c": (),
     # a * b + c rounded twice, as the torch ops it must match bit for bit do.
     "elementwise.c": ("-ffp-contract=off",),

@@ -1,6 +1,6 @@
 /* The reference kernels of the table: plain C, one value at a time, as the GGUF formats
-   define the arithmetic. They are what a tuned kernel is tested against (the int8 path
-   bit for bit, the fp32 one within rounding) and what a new type's row can start with. */
+   define the arithmetic. They are what a tuned kernel is tested against (the int8 path bit for bit, the fp32 one
+   within rounding) and what a new type's row can start with. */
 #include "block_types.h"
 
 #include <math.h>
@@ -9,11 +9,19 @@
 
 enum { QK = 32 };
 
-/* A block read as integers: x_j = d q_j + m. */
+/* A block read as integers: x_j = d q_j + m, or with no min (`min` 0) x_j = d q_j (+ 0
+   would turn d q = -0 into +0). */
 struct block_ints {
     float d, m;
+    int min;
     int32_t q[QK];
 };
+
+/* Value j of a block, rounded as gguf rounds it. */
+static float value(const struct block_ints *b, int j) {
+    const float x = b->d * (float)b->q[j];
+    return b->min ? x + b->m : x;
+}
 
 /* IEEE half at p as float (no ISA: F16C converts the same). */
 static float half(const uint8_t *p) {
@@ -35,6 +43,7 @@ static float half(const uint8_t *p) {
 static void read_q4_1_rows(const uint8_t *p, struct block_ints *b, int rows) {
     b->d = half(p);
     b->m = half(p + 2);
+    b->min = 1;
     for (int j = 0; j < QK / 2; j++) {
         const uint8_t q = p[4 * rows * (1 + j / 4) + j % 4];
         b->q[j] = q & 15;
@@ -48,7 +57,41 @@ static void read_q4_1x8(const uint8_t *p, struct block_ints *b) { read_q4_1_rows
 static void read_q8_0(const uint8_t *p, struct block_ints *b) {
     b->d = half(p);
     b->m = 0.f;
+    b->min = 0;
     for (int j = 0; j < QK; j++) b->q[j] = (int8_t)p[2 + j];
+}
+
+/* q4_0, q5_0, q5_1 after their scale(s): the high bits qh (with 5 bits: bit j is value j's
+   16) then the nibbles at qs (value j < 16 the low nibble of byte j, j + 16 its high one);
+   q = the 4 or 5 bits - zero. */
+static void read_nibbles(const uint8_t *p, struct block_ints *b, int qs, int qh, int zero) {
+    uint32_t high = 0;
+    if (qh) memcpy(&high, p + qh, 4);
+    for (int j = 0; j < QK; j++) {
+        const int nibble = j < QK / 2 ? p[qs + j] & 15 : p[qs + j - QK / 2] >> 4;
+        b->q[j] = (nibble | (int)(qh ? (high >> j & 1) << 4 : 0)) - zero;
+    }
+}
+
+static void read_q4_0(const uint8_t *p, struct block_ints *b) {
+    b->d = half(p);
+    b->m = 0.f;
+    b->min = 0;
+    read_nibbles(p, b, 2, 0, 8);
+}
+
+static void read_q5_0(const uint8_t *p, struct block_ints *b) {
+    b->d = half(p);
+    b->m = 0.f;
+    b->min = 0;
+    read_nibbles(p, b, 6, 2, 16);
+}
+
+static void read_q5_1(const uint8_t *p, struct block_ints *b) {
+    b->d = half(p);
+    b->m = half(p + 2);
+    b->min = 1;
+    read_nibbles(p, b, 8, 4, 0);
 }
 
 /* A type's reader and layout: block bytes, rows interleaved (block_tiles.h's BT_ROWS). */
@@ -71,7 +114,7 @@ static int32_t dequantize(const struct v1_matmul *c, struct block_format f) {
             struct block_ints blk;
             f.read(block_at(c, n, b, f), &blk);
             float *o = (float *)c->out.data + n * c->out.stride + b * QK;
-            for (int j = 0; j < QK; j++) o[j] = blk.d * (float)blk.q[j] + blk.m;
+            for (int j = 0; j < QK; j++) o[j] = value(&blk, j);
         }
     return 0;
 }
@@ -86,7 +129,7 @@ static int32_t linear_f32(const struct v1_matmul *c, struct block_format f) {
             for (int64_t b = 0; b < K / QK; b++) {
                 struct block_ints blk;
                 f.read(block_at(c, n, b, f), &blk);
-                for (int j = 0; j < QK; j++) acc += (blk.d * (float)blk.q[j] + blk.m) * x[b * QK + j];
+                for (int j = 0; j < QK; j++) acc += value(&blk, j) * x[b * QK + j];
             }
             y[n] = acc + (c->bias ? c->bias[n] : 0.f);
         }
@@ -144,6 +187,45 @@ static int32_t linear_i8(const struct v1_matmul *c, struct block_format f) {
     int32_t ref_##TYPE##_dequantize(const struct v1_matmul *c) {                           \
         return dequantize(c, (struct block_format){read_##TYPE, BYTES, ROWS});             \
     }
+REFERENCE(q4_0, 18, 1)
 REFERENCE(q4_1, 20, 1)
 REFERENCE(q4_1x8, 20, 8)
+REFERENCE(q5_0, 22, 1)
+REFERENCE(q5_1, 24, 1)
 REFERENCE(q8_0, 34, 1)
+
+/* f16 and bf16: one value per 2 bytes (`block_elems` 1), any K, converted exactly. */
+static float bfloat16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static int32_t dequantize_halves(const struct v1_matmul *c, float (*convert)(const uint8_t *)) {
+    for (int64_t n = 0; n < c->w.rows; n++)
+        for (int64_t k = 0; k < c->w.cols; k++)
+            ((float *)c->out.data)[n * c->out.stride + k] =
+                convert((const uint8_t *)c->w.data + n * c->w.stride + 2 * k);
+    return 0;
+}
+
+static int32_t linear_halves(const struct v1_matmul *c, float (*convert)(const uint8_t *)) {
+    for (int64_t m = 0; m < c->x.rows; m++) {
+        const float *x = (const float *)c->x.data + m * c->x.stride;
+        for (int64_t n = 0; n < c->w.rows; n++) {
+            const uint8_t *w = (const uint8_t *)c->w.data + n * c->w.stride;
+            float acc = 0.f;
+            for (int64_t k = 0; k < c->w.cols; k++) acc += convert(w + 2 * k) * x[k];
+            ((float *)c->out.data)[m * c->out.stride + n] = acc + (c->bias ? c->bias[n] : 0.f);
+        }
+    }
+    return 0;
+}
+
+int32_t ref_f16_linear_f32(const struct v1_matmul *c) { return linear_halves(c, half); }
+int32_t ref_f16_dequantize(const struct v1_matmul *c) { return dequantize_halves(c, half); }
+int32_t ref_bf16_linear_f32(const struct v1_matmul *c) { return linear_halves(c, bfloat16); }
+int32_t ref_bf16_dequantize(const struct v1_matmul *c) { return dequantize_halves(c, bfloat16); }

@@ -6,6 +6,8 @@
 
 #define KERNELS(PREFIX, TYPE) \
     {PREFIX##_##TYPE##_linear_f32, PREFIX##_##TYPE##_linear_i8, PREFIX##_##TYPE##_dequantize}
+/* f16, bf16: no linear_i8 (the fp32 path takes them). */
+#define HALF_KERNELS(PREFIX, TYPE) {PREFIX##_##TYPE##_linear_f32, NULL, PREFIX##_##TYPE##_dequantize}
 
 /* q4_1 interleaved by 8 rows where that measured faster (AVX2 and AVX-512: docs/kernels.md);
    the SSE2 and NEON builds keep GGUF's layout. */
@@ -19,5 +21,10 @@ const struct v1_block_type v1_block_table[] = {
     {"q4_1", 32, 20, 1, Q4_1_REPACK, KERNELS(block, q4_1), KERNELS(ref, q4_1)},
     {"q4_1x8", 32, 20, 8, NULL, KERNELS(block, q4_1x8), KERNELS(ref, q4_1x8)},
     {"q8_0", 32, 34, 1, NULL, KERNELS(block, q8_0), KERNELS(ref, q8_0)},
+    {"q4_0", 32, 18, 1, NULL, KERNELS(block, q4_0), KERNELS(ref, q4_0)},
+    {"q5_0", 32, 22, 1, NULL, KERNELS(block, q5_0), KERNELS(ref, q5_0)},
+    {"q5_1", 32, 24, 1, NULL, KERNELS(block, q5_1), KERNELS(ref, q5_1)},
+    {"f16", 1, 2, 1, NULL, HALF_KERNELS(block, f16), HALF_KERNELS(ref, f16)},
+    {"bf16", 1, 2, 1, NULL, HALF_KERNELS(block, bf16), HALF_KERNELS(ref, bf16)},
 };
 const int32_t v1_block_table_size = sizeof v1_block_table / sizeof v1_block_table[0];

@@ -66,5 +66,32 @@ int32_t ref_q4_1x8_dequantize(const struct v1_matmul *call);
 int32_t ref_q8_0_linear_f32(const struct v1_matmul *call);
 int32_t ref_q8_0_linear_i8(const struct v1_matmul *call);
 int32_t ref_q8_0_dequantize(const struct v1_matmul *call);
+/* q4_0, q5_0, q5_1, f16, bf16 (f16 and bf16: no linear_i8). */
+int32_t block_q4_0_linear_f32(const struct v1_matmul *call);
+int32_t block_q4_0_linear_i8(const struct v1_matmul *call);
+int32_t block_q4_0_dequantize(const struct v1_matmul *call);
+int32_t ref_q4_0_linear_f32(const struct v1_matmul *call);
+int32_t ref_q4_0_linear_i8(const struct v1_matmul *call);
+int32_t ref_q4_0_dequantize(const struct v1_matmul *call);
+int32_t block_q5_0_linear_f32(const struct v1_matmul *call);
+int32_t block_q5_0_linear_i8(const struct v1_matmul *call);
+int32_t block_q5_0_dequantize(const struct v1_matmul *call);
+int32_t ref_q5_0_linear_f32(const struct v1_matmul *call);
+int32_t ref_q5_0_linear_i8(const struct v1_matmul *call);
+int32_t ref_q5_0_dequantize(const struct v1_matmul *call);
+int32_t block_q5_1_linear_f32(const struct v1_matmul *call);
+int32_t block_q5_1_linear_i8(const struct v1_matmul *call);
+int32_t block_q5_1_dequantize(const struct v1_matmul *call);
+int32_t ref_q5_1_linear_f32(const struct v1_matmul *call);
+int32_t ref_q5_1_linear_i8(const struct v1_matmul *call);
+int32_t ref_q5_1_dequantize(const struct v1_matmul *call);
+int32_t block_f16_linear_f32(const struct v1_matmul *call);
+int32_t block_f16_dequantize(const struct v1_matmul *call);
+int32_t ref_f16_linear_f32(const struct v1_matmul *call);
+int32_t ref_f16_dequantize(const struct v1_matmul *call);
+int32_t block_bf16_linear_f32(const struct v1_matmul *call);
+int32_t block_bf16_dequantize(const struct v1_matmul *call);
+int32_t ref_bf16_linear_f32(const struct v1_matmul *call);
+int32_t ref_bf16_dequantize(const struct v1_matmul *call);
 
 #endif

@@ -19,6 +19,15 @@
 #else
 #define fp16 fp16_generic
 #endif
+#if VL == 16
+#define fp16v fp16v_avx512
+#elif VL == 8 && defined(__F16C__)
+#define fp16v fp16v_f16c
+#elif defined(__aarch64__)
+#define fp16v fp16v_neon
+#else
+#define fp16v fp16v_generic
+#endif
 
 #if VL == 16
 #define fmav fmav_avx512

@@ -19,6 +19,13 @@ static inline float fp16_neon(const uint8_t *p) {
     return h;
 }
 
+/* 4 halves, one FCVTL. */
+static inline vf fp16v_neon(const uint8_t *p) {
+    uint16x4_t h;
+    memcpy(&h, p, sizeof h);
+    return (vf)vcvt_f32_f16(vreinterpret_f16_u16(h));
+}
+
 static inline vf fmav_neon(vf a, vf b, vf c) {
     return (vf)vfmaq_f32((float32x4_t)c, (float32x4_t)a, (float32x4_t)b);
 }

@@ -24,6 +24,13 @@ static inline float fp16_generic(const uint8_t *p) {
     return f;
 }
 
+/* VL IEEE halves at p (any alignment) as floats. */
+static inline vf fp16v_generic(const uint8_t *p) {
+    vf f;
+    for (int i = 0; i < VL; i++) f[i] = fp16_generic(p + 2 * i);
+    return f;
+}
+
 /* a * b + c rounded once, on every lane. */
 static inline vf fmav_generic(vf a, vf b, vf c) {
     for (int i = 0; i < VL; i++) a[i] = fmaf(a[i], b[i], c[i]);

@@ -21,6 +21,13 @@ static inline float fp16_f16c(const uint8_t *p) {
 }
 #endif
 
+#if VL == 8 && defined(__F16C__)
+/* 8 halves, one conversion. */
+static inline vf fp16v_f16c(const uint8_t *p) {
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+#endif
+
 #if VL == 8 && defined(__FMA__)
 static inline vf fmav_fma(vf a, vf b, vf c) {
     return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
@@ -110,6 +117,11 @@ static inline vi dot4_avxvnni(vi acc, vi u, vi s) {
 #if VL == 16
 static inline vf fmav_avx512(vf a, vf b, vf c) {
     return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+}
+
+/* 16 halves, one conversion. */
+static inline vf fp16v_avx512(const uint8_t *p) {
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
 
 static inline vf halves_avx512(vi x, int hi) {
