@@ -7,9 +7,11 @@ import ctypes
 import dataclasses
 import platform
 
+import gguf
 import pytest
 import torch
 
+from tests.kernels.test_gguf_types import quantized
 from v1.kernels import block_matmul, fused_step, library
 from v1.kernels.attention import PagedDecodeIO, PagedDecodeStep
 from v1.kernels.block_matmul import (
@@ -85,13 +87,18 @@ def test_the_bindings_read_the_table() -> None:
     q = kernels(lib)
     types = block_types(lib)
     assert q.types is types
-    # The C's rows, in its order: GGUF's layouts and ours, every kernel, tuned and reference.
-    assert list(types) == ["q4_1", "q4_1x8", "q8_0"]
+    # The C's rows, in its order: GGUF's layouts and ours, every kernel, tuned and reference
+    # (f16 and bf16 have no int8 path).
+    assert list(types) == ["q4_1", "q4_1x8", "q8_0", "q4_0", "q5_0", "q5_1", "f16", "bf16"]
     for code, (name, t) in enumerate(types.items()):
-        assert (t.name, t.code, t.block_elems, t.block_bytes) == (name, code, QK,
-                                                                  BLOCK_BYTES[name])
-        assert t.interleave == INTERLEAVED.get(name, (name, 1))[1]
-        assert t.kernels == t.reference == {"linear_f32", "linear_i8", "dequantize"}
+        gguf_kind, rows = INTERLEAVED.get(name, (name, 1))
+        sizes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[gguf_kind.upper()]]
+        assert (t.name, t.code, (t.block_elems, t.block_bytes)) == (name, code, sizes)
+        if name in BLOCK_BYTES:
+            assert (t.block_elems, t.block_bytes) == (QK, BLOCK_BYTES[name])
+        assert t.interleave == rows
+        int8 = {"linear_i8"} if name not in ("f16", "bf16") else set()
+        assert t.kernels == t.reference == {"linear_f32", "dequantize", *int8}
     # A row another one's blocks are repacked into holds that one's blocks.
     assert all(INTERLEAVED[t.repack][0] == t.name for t in types.values() if t.repack)
     # A library whose interleave disagrees with ours is refused.
@@ -116,8 +123,10 @@ def test_the_bindings_read_the_table() -> None:
 
 
 def _weights(kind: str, n: int, k: int, gen: torch.Generator) -> QuantBlocks:
-    return QuantBlocks(kind, QuantizedWeight.quantize(torch.randn(n, k, generator=gen),
-                                                      kind).blocks)
+    w = torch.randn(n, k, generator=gen)
+    if kind in BLOCK_BYTES:  # ours (q4_1x8) among them
+        return QuantBlocks(kind, QuantizedWeight.quantize(w, kind).blocks)
+    return QuantBlocks(kind, quantized(kind, w))
 
 
 @pytest.mark.parametrize("lib", variants(), ids=lambda lib: lib._name.rsplit("/", 1)[-1])
@@ -133,8 +142,9 @@ def test_tuned_kernels_match_their_reference(lib: ctypes.CDLL) -> None:
             for m in (1, 3, 5, 16, 17, 40):
                 x, bias = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
                 # The int8 path: the same bits, whichever tile serves the rows.
-                assert torch.equal(tuned.linear(w, x, bias, int8=True),
-                                   reference.linear(w, x, bias, int8=True)), (kind, n, k, m)
+                if "linear_i8" in t.kernels:
+                    assert torch.equal(tuned.linear(w, x, bias, int8=True),
+                                       reference.linear(w, x, bias, int8=True)), (kind, n, k, m)
                 torch.testing.assert_close(tuned.linear(w, x, None),
                                            reference.linear(w, x, None), rtol=1e-4, atol=1e-4)
                 torch.testing.assert_close(reference.linear(w, x, bias), x @ deq.T + bias,
