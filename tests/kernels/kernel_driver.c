@@ -174,8 +174,10 @@ static void compare_weights(float *const deq[2], int64_t N, int64_t K, char *wha
 static void compare_outputs(float *const y[2], int64_t ldy, const float *x, int64_t ldx,
                             const float *W, const float *bias, int64_t M, int64_t N, int64_t K,
                             int exact, char *what, size_t size) {
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t n = 0; n < N; n++) {
+    for (int64_t n = 0; n < N; n++) {
+        float wmax = 0.f;
+        for (int64_t i = 0; !exact && i < K; i++) wmax = fmaxf(wmax, fabsf(W[n * K + i]));
+        for (int64_t m = 0; m < M; m++) {
             const float a = y[0][m * ldy + n], b = y[1][m * ldy + n];
             if (exact) {
                 if (memcmp(&a, &b, 4)) {
@@ -186,8 +188,6 @@ static void compare_outputs(float *const y[2], int64_t ldy, const float *x, int6
                 continue;
             }
             double sum = bias ? bias[n] : 0., mag = bias ? fabs(bias[n]) : 0.;
-            float wmax = 0.f;
-            for (int64_t i = 0; i < K; i++) wmax = fmaxf(wmax, fabsf(W[n * K + i]));
             for (int64_t i = 0; i < K; i++) {
                 const double xi = x[m * ldx + i], wi = W[n * K + i];
                 sum += wi * xi;
@@ -200,6 +200,7 @@ static void compare_outputs(float *const y[2], int64_t ldy, const float *x, int6
                 return;
             }
         }
+    }
 }
 
 /* Checks one row of the table (its index `code`; `halves` fp16 fields lead its blocks):

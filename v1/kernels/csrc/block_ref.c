@@ -1,10 +1,11 @@
 /* The reference kernels of the table: plain C, one value at a time, as the GGUF formats
-   define the arithmetic. They are what a tuned kernel is tested against (the int8 path bit for bit, the fp32 one
-   within rounding) and what a new type's row can start with. */
+   define the arithmetic. They are what a tuned kernel is tested against (the int8 path
+   bit for bit, the fp32 one within rounding) and what a new type's row can start with. */
 #include "block_types.h"
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 enum { QK = 32 };
@@ -142,7 +143,17 @@ static int32_t linear_f32(const struct v1_matmul *c, struct block_format f) {
    acc = fma(q . qw, dx d, fma(dx sum(q), m, acc)) (m = 0 without a min: the inner fma is then
    acc exactly); y = acc + bias. A row holding inf or NaN takes linear_f32. */
 static int32_t linear_i8(const struct v1_matmul *c, struct block_format f) {
-    const int64_t K = c->w.cols;
+    const int64_t K = c->w.cols, nb = K / QK;
+    /* A row's blocks quantized once (for every weight row): the quants, then per block the
+       sum of the quants; dx per block. */
+    int32_t *qx = malloc((size_t)(K + nb) * sizeof *qx);
+    float *dx = malloc((size_t)nb * sizeof *dx);
+    if (!qx || !dx) {
+        free(qx);
+        free(dx);
+        return -1;
+    }
+    int32_t *sums = qx + K;
     for (int64_t m = 0; m < c->x.rows; m++) {
         const float *x = (const float *)c->x.data + m * c->x.stride;
         float *y = (float *)c->out.data + m * c->out.stride;
@@ -156,24 +167,29 @@ static int32_t linear_i8(const struct v1_matmul *c, struct block_format f) {
             linear_f32(&row, f);
             continue;
         }
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + b * QK;
+            float amax = 0.f;
+            for (int j = 0; j < QK; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
+            dx[b] = amax / 127.f;
+            const float id = dx[b] > 0.f ? 1.f / dx[b] : 0.f;
+            sums[b] = 0;
+            for (int j = 0; j < QK; j++) sums[b] += qx[b * QK + j] = (int32_t)roundf(xb[j] * id);
+        }
         for (int64_t n = 0; n < c->w.rows; n++) {
             float acc = 0.f;
-            for (int64_t b = 0; b < K / QK; b++) {
-                const float *xb = x + b * QK;
-                float amax = 0.f;
-                for (int j = 0; j < QK; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
-                const float dx = amax / 127.f, id = dx > 0.f ? 1.f / dx : 0.f;
-                int32_t qx[QK], sum = 0;
-                for (int j = 0; j < QK; j++) sum += qx[j] = (int32_t)roundf(xb[j] * id);
+            for (int64_t b = 0; b < nb; b++) {
                 struct block_ints blk;
                 f.read(block_at(c, n, b, f), &blk);
                 int32_t isum = 0;
-                for (int j = 0; j < QK; j++) isum += blk.q[j] * qx[j];
-                acc = fmaf((float)isum, dx * blk.d, fmaf(dx * (float)sum, blk.m, acc));
+                for (int j = 0; j < QK; j++) isum += blk.q[j] * qx[b * QK + j];
+                acc = fmaf((float)isum, dx[b] * blk.d, fmaf(dx[b] * (float)sums[b], blk.m, acc));
             }
             y[n] = acc + (c->bias ? c->bias[n] : 0.f);
         }
     }
+    free(qx);
+    free(dx);
     return 0;
 }
 

@@ -7,7 +7,8 @@
                        INT8_SIGNED_WEIGHTS); 0: unsigned
      BT_WMAX           the largest unsigned weight byte (q4_1's nibbles: 15)
      BT_ZERO           (optional, 0) the weight byte that means 0: x = d (q - BT_ZERO)
-                       (q4_0: 8); taken off the integer sums as BT_ZERO * sum(x) per block
+                       (q4_0: 8); taken off a block's integer sum as BT_ZERO times the sum
+                       of its activation quants
      BT_QH             (optional, 0: none) where the block's dword of high bits is (q5_0,
                        q5_1: the fifth bit of each value), handed to bt_weight_bytes
      BT_HALVES         the block's runs of 16 quant bytes (bt_qs(h), h < BT_HALVES)
@@ -526,10 +527,10 @@ static inline __attribute__((always_inline)) void tile_i8_few(
     /* The weight side of a block (its scales' gather, its columns) depends on nothing
        computed, but issued in the block it serves, its latency held up that block's dot
        products and float recurrence. So a block's scales (and high bits) are gathered one
-       block ahead, and
-       its columns too where the format asks (BT_COLS_AHEAD) and the registers allow (4
-       vectors more beside 2 MF of sums): docs/kernels.md has the figures. The last block
-       "gathers ahead" its own scales again (pn = p): nothing is read past the weight. */
+       block ahead, and its columns too where the format asks (BT_COLS_AHEAD) and the
+       registers allow (4 vectors more beside 2 MF of sums): docs/kernels.md has the figures.
+       The last block "gathers ahead" its own scales again (pn = p): nothing is read past the
+       weight. */
     const int HALVES = BT_HALVES, AHEAD = BT_COLS_AHEAD && 2 * MF + 8 <= NREGS - 4;
     vf acc[FEW_ROWS_MAX];
     for (int m = 0; m < MF; m++) acc[m] = (vf){0};
@@ -587,9 +588,9 @@ static inline __attribute__((always_inline)) void tile_i8_few(
                 acc[m] = fmav(__builtin_convertvector(isum[m][0], vf), dxd,
                               fmav(splatv(T[b * MF + m]), mw, acc[m]));
             else
-                acc[m] = fmav(
-                    __builtin_convertvector(isum[m][0] - (W_OFFSET ? Q[b * MF + m] * W_OFFSET : 0), vf),
-                    dxd, acc[m]);
+                acc[m] = fmav(__builtin_convertvector(
+                                  isum[m][0] - (W_OFFSET ? Q[b * MF + m] * W_OFFSET : 0), vf),
+                              dxd, acc[m]);
         }
     }
     for (int m = 0; m < MF; m++) {

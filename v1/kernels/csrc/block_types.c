@@ -7,7 +7,8 @@
 #define KERNELS(PREFIX, TYPE) \
     {PREFIX##_##TYPE##_linear_f32, PREFIX##_##TYPE##_linear_i8, PREFIX##_##TYPE##_dequantize}
 /* f16, bf16: no linear_i8 (the fp32 path takes them). */
-#define HALF_KERNELS(PREFIX, TYPE) {PREFIX##_##TYPE##_linear_f32, NULL, PREFIX##_##TYPE##_dequantize}
+#define HALF_KERNELS(PREFIX, TYPE) \
+    {PREFIX##_##TYPE##_linear_f32, NULL, PREFIX##_##TYPE##_dequantize}
 
 /* q4_1 interleaved by 8 rows where that measured faster (AVX2 and AVX-512: docs/kernels.md);
    the SSE2 and NEON builds keep GGUF's layout. */
