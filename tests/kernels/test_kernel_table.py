@@ -13,9 +13,8 @@ import torch
 from v1.kernels import block_matmul, fused_step, library
 from v1.kernels.attention import PagedDecodeIO, PagedDecodeStep
 from v1.kernels.block_matmul import (
-    BLOCK_BYTES,
+    BLOCK_SIZES,
     INTERLEAVED,
-    QK,
     Matmul,
     QuantBlocks,
     QuantKernels,
@@ -88,8 +87,8 @@ def test_the_bindings_read_the_table() -> None:
     # The C's rows, in its order: GGUF's layouts and ours, every kernel, tuned and reference.
     assert list(types) == ["q4_1", "q4_1x8", "q8_0"]
     for code, (name, t) in enumerate(types.items()):
-        assert (t.name, t.code, t.block_elems, t.block_bytes) == (name, code, QK,
-                                                                  BLOCK_BYTES[name])
+        assert (t.name, t.code, (t.block_elems, t.block_bytes)) == (name, code,
+                                                                    BLOCK_SIZES[name])
         assert t.interleave == INTERLEAVED.get(name, (name, 1))[1]
         assert t.kernels == t.reference == {"linear_f32", "linear_i8", "dequantize"}
     # A row another one's blocks are repacked into holds that one's blocks.

@@ -94,7 +94,10 @@ class FusedDecode:
         self.rope_key = rope_keys.pop()
         self.attention = sorted({(impl.num_heads, impl.sliding_window) for impl in impls},
                                 key=repr)
-        return DecoderLayers(weights, num_heads, num_kv_heads, head_dim), ""
+        try:
+            return DecoderLayers(weights, num_heads, num_kv_heads, head_dim), ""
+        except ValueError as e:  # e.g. a block type whose linear kernels this library lacks
+            return None, str(e)
 
 
 def _why_not(layer: nn.Module) -> str:
@@ -104,6 +107,7 @@ def _why_not(layer: nn.Module) -> str:
                                       ("mlp", "gate_up_proj"), ("mlp", "down_proj"))]
     if not all(type(p) is Linear and isinstance(p.kernel, QuantizedWeight)
                for p in projections):
-        return "its projections are not GGUF blocks in plain Linears (float weights, LoRA)"
+        return ("its projections are not GGUF blocks of one type each in plain Linears "
+                "(float weights, LoRA, a fused projection's shards in several types)")
     return ("not a plain pre-norm block with silu and no q/k or unit-offset norms on the "
             "torch attention backend")
