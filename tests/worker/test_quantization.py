@@ -36,12 +36,17 @@ from v1.kernels.block_matmul import BLOCK_SIZES, INTERLEAVED, QuantKernels
 from v1.models import loader as loader_module
 from v1.models.layers.linear import Linear
 from v1.models.layers.quantized import MatmulPolicy, QuantizedWeight
-from v1.models.loader import LoadedModel, gguf_block_kinds, load_model, resolve_quantization
+from v1.models.loader import (
+    LoadedModel,
+    gguf_block_kinds,
+    load_model,
+    resolve_quantization,
+)
 
 CPU = torch.device("cpu")
-BLOCK = [3, 1, 0, 2, 5, 4]
+BLOCK = [3, 1, 0, 2, 5, 4]  # enough 16-token blocks for the longest prompt (66 tokens)
 # Every GGUF type a QuantizedWeight holds.
-BLOCK_KINDS = frozenset(k for k in BLOCK_SIZES if k not in INTERLEAVED)  # enough 16-token blocks for the longest prompt (66 tokens)
+BLOCK_KINDS = frozenset(k for k in BLOCK_SIZES if k not in INTERLEAVED)
 
 
 def load(path: Path, quantization: str | None = None) -> LoadedModel:

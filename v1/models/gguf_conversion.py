@@ -305,9 +305,9 @@ def iter_hf_tensors(
     (lower-case GGUF name) is in `block_kinds` comes as a `QuantizedWeight` whose blocks are
     the file's mapped bytes themselves (read-only: never written; q/k rows un-permuted as whole
     rows of blocks make a new tensor); with any `block_kinds`, so does an untied embedding of
-    any type `QuantizedWeight` holds (its rows are only looked up). Everything else comes as fp32: F32
-    tensors copied, other types dequantized, with one INFO line per quantized type saying
-    what that costs (a K-quant LM head beside Q8_0 layers must not make the file unusable)."""
+    any type `QuantizedWeight` holds (its rows are only looked up). Everything else comes as
+    fp32: F32 tensors copied, other types dequantized, with one INFO line per quantized type
+    saying what that costs (a type without kernels must not make the file unusable)."""
     import gguf
 
     arch, config = model.arch, model.config
