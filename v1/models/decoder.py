@@ -23,7 +23,7 @@ from v1.models.layers.attention import Attention
 from v1.models.layers.linear import Linear, VocabEmbedding
 from v1.models.layers.mlp import GatedMLP
 from v1.models.layers.norm import RMSNorm
-from v1.models.layers.quantized import MatmulRows, QuantizedWeight
+from v1.models.layers.quantized import MatmulRows, QuantizedWeight, block_weights
 from v1.models.layers.rotary import RotaryEmbedding, rope_parameters
 from v1.models.step_plan import StepPlan, StepPlanner
 
@@ -146,9 +146,11 @@ class PreNormDecoderLayer(nn.Module):
             return None
         projections = []
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            if type(linear) is not Linear or not isinstance(linear.kernel, QuantizedWeight):
+            shards = block_weights(linear.kernel) if type(linear) is Linear else []
+            if not shards:
                 return None
-            projections.append(Projection(linear.kernel.kernel_blocks(), linear.bias))
+            projections.append(Projection(tuple(w.kernel_blocks() for w in shards),
+                                          linear.bias))
         return LayerWeights(norms[0].weight, norms[0].eps, norms[1].weight, norms[1].eps,
                             impl.scale, *projections)
 
