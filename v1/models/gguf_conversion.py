@@ -11,6 +11,7 @@ are (the row un-permutation moves whole rows of blocks).
 
 import json
 import logging
+import mmap
 import warnings
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
@@ -401,6 +402,7 @@ def iter_hf_tensors(
             # GGUF shapes are (in, out).
             in_features, out_features = (int(n) for n in tensor.shape)
             yield hf_name, QuantizedWeight(kind, _mapped(data), out_features, in_features)
+        _release_pages(model.mapped, tensor.data)
     if block_kinds:
         for type_name, (count, stored, fp32) in dequantized.items():
             logger.info(
@@ -418,6 +420,21 @@ def _mapped(data: np.ndarray) -> torch.Tensor:
         # torch warns that it cannot mark a tensor read-only; nothing writes into blocks.
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         return torch.from_numpy(data)
+
+
+def _release_pages(mapped: np.ndarray, data: np.ndarray) -> None:
+    """Drop this process's pages of `data`, a part of the file's read-only map `mapped`, once
+    the tensor was taken: what was copied (repacked, joined, dequantized) is not read again, and
+    what is kept reads its pages back from the page cache when used. So a load's RSS never
+    holds the whole file beside the copies it makes (file-backed pages: nothing is lost)."""
+    mm = getattr(mapped, "_mmap", None)  # np.memmap's own mmap.mmap
+    if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    page = mmap.PAGESIZE
+    start = (data.ctypes.data - mapped.ctypes.data) // page * page
+    end = min(data.ctypes.data - mapped.ctypes.data + data.nbytes, len(mm))
+    if end > start:
+        mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def write_hf_checkpoint(model: GGUFModel, out_dir: Path) -> None:
