@@ -406,7 +406,7 @@ def iter_hf_tensors(
     if block_kinds:
         for type_name, (count, stored, fp32) in dequantized.items():
             logger.info(
-                "%s: %d %s tensor(s) dequantized to fp32: %.1f MB instead of %.1f MB stored "
+                "%s: %d %s tensor(s) dequantized to fp32: %.2f MB instead of %.2f MB stored "
                 "(this kernel library has no %s kernels)",
                 model.path.name, count, type_name, fp32 / 1e6, stored / 1e6, type_name.lower(),
             )

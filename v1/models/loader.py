@@ -355,12 +355,25 @@ def convert_gguf(gguf_path: Path, opened: GGUFOpener | None = None) -> Path:
 
 
 def fp32_checkpoint(gguf_path: Path, opened: GGUFOpener | None = None) -> Path:
-    """An HF directory holding `gguf_path`'s weights as an fp32 checkpoint (config.json +
-    model.safetensors: 4 bytes a weight), converting on first use: for float weights only
-    (quantization="gguf" reads the file's blocks)."""
+    """A whole HF model directory for `gguf_path` (config, tokenizer, and its weights as an
+    fp32 model.safetensors: 4 bytes a weight), converting on first use: for float weights
+    and other libraries (transformers) only; quantization="gguf" reads the file's blocks."""
     opened = opened or (lambda: gguf_conversion.read_gguf(gguf_path))
-    return _converted(converted_dir(gguf_path, "fp32"), gguf_path,
-                      lambda out: gguf_conversion.write_hf_checkpoint(opened(), out))
+    meta = convert_gguf(gguf_path, opened)
+
+    def write(out: Path) -> None:
+        for file in meta.iterdir():
+            if file.name != TENSOR_INDEX:
+                shutil.copy2(file, out / file.name)
+        gguf_conversion.write_hf_checkpoint(opened(), out)
+
+    return _converted(converted_dir(gguf_path, "fp32"), gguf_path, write)
+
+
+def hf_checkpoint_dir(path: Path) -> Path:
+    """A directory transformers loads the model at `path` (resolved) from, weights and all:
+    an HF model directory itself, a GGUF file's fp32 checkpoint (`fp32_checkpoint`)."""
+    return fp32_checkpoint(path) if path.is_file() else path
 
 
 def _converted(target: Path, gguf_path: Path, write: Callable[[Path], None]) -> Path:
