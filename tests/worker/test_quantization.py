@@ -32,7 +32,7 @@ from tests.worker.test_quant_kernels import fp32_kernel_calls  # noqa: F401 (fix
 from v1 import LLM, SamplingParams
 from v1.attention.backends.torch_attn import TorchAttentionImpl
 from v1.config import EngineArgs
-from v1.kernels.block_matmul import BLOCK_SIZES, INTERLEAVED, QuantKernels
+from v1.kernels.block_matmul import GGUF_KINDS, QuantKernels
 from v1.models import loader as loader_module
 from v1.models.layers.linear import Linear
 from v1.models.layers.quantized import MatmulPolicy, QuantizedWeight
@@ -45,8 +45,6 @@ from v1.models.loader import (
 
 CPU = torch.device("cpu")
 BLOCK = [3, 1, 0, 2, 5, 4]  # enough 16-token blocks for the longest prompt (66 tokens)
-# Every GGUF type a QuantizedWeight holds.
-BLOCK_KINDS = frozenset(k for k in BLOCK_SIZES if k not in INTERLEAVED)
 
 
 def load(path: Path, quantization: str | None = None) -> LoadedModel:
@@ -337,7 +335,7 @@ def test_gguf_blocks_are_the_files_mapping(many_types_gguf, tmp_path):
     start = mapped.ctypes.data
     end = start + mapped.nbytes
     fp32 = dict(gguf_conversion.iter_hf_tensors(opened))
-    blocks = {name: w for name, w in gguf_conversion.iter_hf_tensors(opened, BLOCK_KINDS)
+    blocks = {name: w for name, w in gguf_conversion.iter_hf_tensors(opened, GGUF_KINDS)
               if not name.endswith("norm.weight")}  # norms: F32, copied
     assert all(isinstance(w, QuantizedWeight) for w in blocks.values())
     assert {w.kind for w in blocks.values()} == {k.lower() for k in _MANY_TYPES.values()}
@@ -356,7 +354,7 @@ def test_gguf_mode_runs_every_type(many_types_gguf, tmp_path, monkeypatch):
     conversion's (q/k rows of K-quant blocks un-permuted), and the cache holds the config
     and tokenizer only, no fp32 checkpoint (that is written for the float load alone)."""
     monkeypatch.setenv("V1_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(loader_module, "gguf_block_kinds", lambda: BLOCK_KINDS)
+    monkeypatch.setattr(loader_module, "gguf_block_kinds", lambda: GGUF_KINDS)
     ours = load(many_types_gguf, "gguf")
     forms = {name: m.weight_form for name, m in matrices(ours).items()}
     assert forms["model.layers.0.self_attn.qkv_proj"] == "q4_k+q5_k+q6_k"
@@ -372,7 +370,7 @@ def test_gguf_mode_runs_every_type(many_types_gguf, tmp_path, monkeypatch):
     assert_close(logits_of(ours), logits_of(fp32), rel=1e-4)
 
 
-@pytest.mark.parametrize("kind", sorted(BLOCK_KINDS))
+@pytest.mark.parametrize("kind", sorted(GGUF_KINDS))
 def test_embedding_rows_of_every_type(kind):
     """A lookup in an embedding of any type gives gguf's own dequantization of those rows."""
     import gguf

@@ -34,6 +34,8 @@ BLOCK_SIZES = {
 # blocks b together, the block read as dwords, dword f of row i at 4 (rows f + i) from the
 # group's block b (csrc/block_q4_1x8.c). The same bytes, moved.
 INTERLEAVED = {"q4_1x8": ("q4_1", 8)}
+# The GGUF types among them (a file stores these).
+GGUF_KINDS = frozenset(kind for kind in BLOCK_SIZES if kind not in INTERLEAVED)
 # By the C's INT8_ISA (csrc/isa.h).
 INT8_ISAS = ("portable", "avx2", "avx_vnni", "avx512_vnni", "neon_dotprod", "neon")
 _F32 = torch.float32

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from v1.kernels.block_matmul import BLOCK_SIZES
+from v1.kernels.block_matmul import GGUF_KINDS
 from v1.models.layers.quantized import QuantizedWeight
 
 logger = logging.getLogger("v1")
@@ -369,7 +369,7 @@ def iter_hf_tensors(
             raise ValueError(f"{model.path}: unsupported GGUF tensor {tensor.name!r}")
         type_name = tensor.type_name
         kind = type_name.lower()
-        keep = bool(block_kinds) and len(tensor.shape) == 2 and kind in BLOCK_SIZES and (
+        keep = bool(block_kinds) and len(tensor.shape) == 2 and kind in GGUF_KINDS and (
             kind in block_kinds
             or hf_name == "model.embed_tokens.weight" and not config.tie_word_embeddings
         )

@@ -34,7 +34,7 @@ from v1 import envs, hub
 from v1.attention.backends.abstract import AttentionImpl
 from v1.config import NO_QUANTIZATION, QUANTIZATION_METHODS
 from v1.config.model import HfOverrides
-from v1.kernels.block_matmul import BLOCK_SIZES, INTERLEAVED
+from v1.kernels.block_matmul import GGUF_KINDS
 from v1.kernels.block_matmul import kernels as quant_kernels
 from v1.models import DecoderForCausalLM, get_model_cls, gguf_conversion
 from v1.models.bert import BertModel
@@ -221,8 +221,7 @@ def gguf_block_kinds() -> frozenset[str]:
     runs (`QuantKernels.runs`); without a library, every type `QuantizedWeight` holds (the torch
     reference runs them)."""
     q = quant_kernels()
-    kinds = (kind for kind in BLOCK_SIZES if kind not in INTERLEAVED)
-    return frozenset(k for k in kinds if q is None or q.runs(k))
+    return frozenset(k for k in GGUF_KINDS if q is None or q.runs(k))
 
 
 def resolve_quantization(
