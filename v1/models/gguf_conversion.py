@@ -403,6 +403,8 @@ def iter_hf_tensors(
             in_features, out_features = (int(n) for n in tensor.shape)
             yield hf_name, QuantizedWeight(kind, _mapped(data), out_features, in_features)
         _release_pages(model.mapped, tensor.data)
+    # And the pages read again since (a fused projection's shards, joined at its last one).
+    _release_pages(model.mapped, model.mapped)
     if block_kinds:
         for type_name, (count, stored, fp32) in dequantized.items():
             logger.info(
