@@ -157,6 +157,8 @@ def main() -> None:
     args = parser.parse_args()
     setup_threads(args)
 
+    from v1.models.loader import hf_checkpoint_dir
+
     loaded = load(args.model, "none")  # float weights: what sentence-transformers runs
     texts = make_texts(loaded.tokenizer, args.num_texts, args.min_tokens, args.max_tokens,
                        args.seed)
@@ -167,7 +169,7 @@ def main() -> None:
     results = []
     with make_llm(loaded, **engine_kwargs) as llm:
         results.append(measure(f"{loaded.model_name} (last token)", llm,
-                               st_decoder(loaded.model_dir), texts, args))
+                               st_decoder(hf_checkpoint_dir(loaded.model_path)), texts, args))
     del loaded
     if args.encoder:
         from sentence_transformers import SentenceTransformer

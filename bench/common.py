@@ -85,7 +85,10 @@ def make_process_llm(model: str | None, **kwargs: Any):
 def load_hf(loaded: Any):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(loaded.model_dir, dtype=torch.float32)
+    from v1.models.loader import hf_checkpoint_dir
+
+    model = AutoModelForCausalLM.from_pretrained(hf_checkpoint_dir(loaded.model_path),
+                                                 dtype=torch.float32)
     return model.eval()
 
 

@@ -15,9 +15,8 @@ from tests.kernels.test_gguf_types import quantized
 from v1.kernels import block_matmul, fused_step, library
 from v1.kernels.attention import PagedDecodeIO, PagedDecodeStep
 from v1.kernels.block_matmul import (
-    BLOCK_BYTES,
+    BLOCK_SIZES,
     INTERLEAVED,
-    QK,
     Matmul,
     QuantBlocks,
     QuantKernels,
@@ -25,7 +24,7 @@ from v1.kernels.block_matmul import (
     kernels,
 )
 from v1.kernels.structs import CStruct, LayoutError, View, c_layout, check_layout
-from v1.models.layers.quantized import QuantizedWeight
+from v1.models.layers.quantized import QUANTIZE_KINDS, QuantizedWeight
 
 pytestmark = pytest.mark.skipif(library.library() is None, reason="no C kernels")
 
@@ -91,12 +90,9 @@ def test_the_bindings_read_the_table() -> None:
     # (f16 and bf16 have no int8 path).
     assert list(types) == ["q4_1", "q4_1x8", "q8_0", "q4_0", "q5_0", "q5_1", "f16", "bf16"]
     for code, (name, t) in enumerate(types.items()):
-        gguf_kind, rows = INTERLEAVED.get(name, (name, 1))
-        sizes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[gguf_kind.upper()]]
-        assert (t.name, t.code, (t.block_elems, t.block_bytes)) == (name, code, sizes)
-        if name in BLOCK_BYTES:
-            assert (t.block_elems, t.block_bytes) == (QK, BLOCK_BYTES[name])
-        assert t.interleave == rows
+        assert (t.name, t.code, (t.block_elems, t.block_bytes)) == (name, code,
+                                                                    BLOCK_SIZES[name])
+        assert t.interleave == INTERLEAVED.get(name, (name, 1))[1]
         int8 = {"linear_i8"} if name not in ("f16", "bf16") else set()
         assert t.kernels == t.reference == {"linear_f32", "dequantize", *int8}
     # A row another one's blocks are repacked into holds that one's blocks.
@@ -124,7 +120,7 @@ def test_the_bindings_read_the_table() -> None:
 
 def _weights(kind: str, n: int, k: int, gen: torch.Generator) -> QuantBlocks:
     w = torch.randn(n, k, generator=gen)
-    if kind in BLOCK_BYTES:  # ours (q4_1x8) among them
+    if kind in QUANTIZE_KINDS or kind in INTERLEAVED:  # ours (q4_1x8) among them
         return QuantBlocks(kind, QuantizedWeight.quantize(w, kind).blocks)
     return QuantBlocks(kind, quantized(kind, w))
 

@@ -196,6 +196,44 @@ def test_greedy_tokens_equal_through_llm(default_model_path, fused_calls, monkey
     assert outputs["1"] == outputs["0"]
 
 
+def test_shards_of_several_types_run_fused(tmp_path, monkeypatch, fused_calls):
+    """Fused projections stored in several types (llama.cpp's K-quant mixes: here a Q8_0 k
+    beside Q4_1 q and v, a Q8_0 gate beside a Q4_1 up) run in the fused step, each shard by
+    its own type's kernel into its columns: the per-op path's bits."""
+    import gguf
+
+    from tests.worker.test_model_archs import build_hf_model, gguf_case_config, write_gguf
+    from tests.worker.test_quantization import gguf_tensor_type
+
+    monkeypatch.setenv("V1_CACHE_DIR", str(tmp_path / "cache"))
+    config = gguf_case_config("llama")
+    config.attention_bias = False
+    q4_1 = gguf_tensor_type()
+
+    def mixed(name: str):
+        if name.endswith(("attn_k.weight", "ffn_gate.weight")):
+            return gguf.GGMLQuantizationType.Q8_0
+        return q4_1(name)
+
+    write_gguf(build_hf_model(config), tmp_path / "mixed.gguf", "llama", tensor_type=mixed)
+    model = load_model(str(tmp_path / "mixed.gguf"), torch.float32, torch.device("cpu"),
+                       TorchAttentionImpl, quantization="gguf").model
+    layer = model.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight_form == "q4_1+q8_0+q4_1"
+    assert layer.mlp.gate_up_proj.weight_form == "q8_0+q4_1"
+    kv_caches = new_kv_caches(model, 8)
+    forward(model, kv_caches, [Chunk([5, 9, 2, 7], 0, TABLES[0]), Chunk([3, 1], 0, TABLES[1])],
+            False)
+    chunks = [Chunk([11], 4, TABLES[0]), Chunk([12], 2, TABLES[1])]
+    for matmul in (DEFAULT_POLICY, MatmulPolicy(all_int8=False)):
+        caches = [c.clone() for c in kv_caches]
+        fused_calls.clear()
+        fused = forward(model, caches, chunks, True, matmul)
+        assert len(fused_calls) == 1
+        per_op = forward(model, [c.clone() for c in kv_caches], chunks, False, matmul)
+        assert torch.equal(fused, per_op)
+
+
 # ---- the binding's checks -------------------------------------------------------------------
 
 
@@ -213,9 +251,14 @@ def test_bad_layers_raise(one_layer):
     bad_norm = LayerWeights(**{**_fields(one_layer), "input_norm": torch.ones(575)})
     with pytest.raises(ValueError, match=r"layers\[0\].input_norm"):
         _layers(bad_norm)
-    qkv = Projection(one_layer.qkv.blocks, torch.ones(960, dtype=torch.float64))
+    qkv = Projection(one_layer.qkv.shards, torch.ones(960, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"layers\[0\].qkv.bias"):
         _layers(LayerWeights(**{**_fields(one_layer), "qkv": qkv}))
+    for shards, match in [(one_layer.qkv.shards * 4, "4 shards, expected 1 to 3"),
+                          (one_layer.qkv.shards * 2, "weight of 1920 rows, expected")]:
+        qkv = Projection(shards, None)
+        with pytest.raises(ValueError, match=r"layers\[0\].qkv: " + match):
+            _layers(LayerWeights(**{**_fields(one_layer), "qkv": qkv}))
     swapped = LayerWeights(**{**_fields(one_layer), "o": one_layer.down})
     with pytest.raises(ValueError, match=r"layers\[0\].o"):
         _layers(swapped)

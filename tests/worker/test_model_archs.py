@@ -14,6 +14,7 @@ GGUF files of each architecture written with the `gguf` package's writer.
 """
 
 import json
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -477,6 +478,30 @@ def gguf_case_config(name: str) -> Any:
     return config
 
 
+# Where a K-quant block keeps its fp16 scales: (d, dmin) first, or Q6_K's d last.
+_K_SCALES = {"Q4_K": ((0, 3e-4), (2, 3e-4)), "Q5_K": ((0, 2e-4), (2, 2e-4)),
+             "Q6_K": ((208, 5e-5),)}
+
+
+def quantized(data: np.ndarray, kind: Any, seed: int = 0) -> np.ndarray:
+    """`data` [out, in] as `kind`'s GGUF blocks: gguf's quantizer where it has one, else (the
+    K-quants, which it cannot make) random blocks of the same shape whose fp16 scales are
+    small enough to keep the values within about +-0.3 (the weights are then not `data`'s:
+    compare such a file with its own fp32 load)."""
+    import gguf
+
+    if kind.name not in _K_SCALES:
+        return gguf.quants.quantize(data, kind)
+    values, nbytes = gguf.GGML_QUANT_SIZES[kind]
+    rng = np.random.default_rng(seed)
+    out, n = data.shape[0], data.shape[1] // values
+    blocks = rng.integers(0, 256, (out, n, nbytes), dtype=np.uint8)
+    for offset, high in _K_SCALES[kind.name]:
+        scale = rng.uniform(high / 3, high, (out, n, 1)).astype(np.float16)
+        blocks[..., offset:offset + 2] = scale.view(np.uint8)
+    return blocks.reshape(out, n * nbytes)
+
+
 def write_gguf(
     hf: Any, path: Path, name: str, rope_dims: int | None = None,
     tensor_type: Callable[[str], Any] | None = None,
@@ -536,7 +561,7 @@ def write_gguf(
         gguf_name = f"{names.get_name(base)}.{suffix}"
         kind = tensor_type(gguf_name) if tensor_type else None
         if kind is not None:
-            data = gguf.quants.quantize(data, kind)
+            data = quantized(data, kind, seed=zlib.crc32(gguf_name.encode()))
         writer.add_tensor(gguf_name, np.ascontiguousarray(data), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -42,7 +42,7 @@ def weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
 
 def int8_activations(x: torch.Tensor) -> torch.Tensor:
     """x as the int8 path sees it: q8_0 per block of 32 with an fp32 scale, dequantized."""
-    b = x.reshape(x.shape[0], -1, quant.QK)
+    b = x.reshape(x.shape[0], -1, 32)  # the int8 path quantizes x per 32 values
     d = b.abs().amax(-1, keepdim=True) / 127
     return (quant._roundf(b * quant._inverse(d)) * d).reshape(x.shape)
 
@@ -74,7 +74,7 @@ def fp32_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, i
 def test_blocks_are_ggml_bit_for_bit(kind: str) -> None:
     w = weight(7, 96)
     q = QuantizedWeight.quantize(w, kind)
-    assert q.blocks.shape == (7, 3 * quant.BLOCK_BYTES[kind]) and q.nbytes == q.blocks.numel()
+    assert q.blocks.shape == (7, 3 * quant.BLOCK_SIZES[kind][1]) and q.nbytes == q.blocks.numel()
     assert np.array_equal(q.blocks.numpy(), gguf.quants.quantize(w.numpy(), KINDS[kind]))
     deq = gguf.quants.dequantize(q.blocks.numpy(), KINDS[kind])
     assert np.array_equal(q.dequantize().numpy(), deq)
@@ -500,8 +500,10 @@ def test_bad_shapes() -> None:
         QuantizedWeight("q4_1", blocks[:, :34], 4, 64)
     with pytest.raises(ValueError, match="torch.int8"):
         QuantizedWeight("q4_1", blocks.view(torch.int8), 4, 64)
-    with pytest.raises(ValueError, match="'q4_0'"):
-        QuantizedWeight("q4_0", blocks, 4, 64)
+    with pytest.raises(ValueError, match="'q3_k'"):
+        QuantizedWeight("q3_k", blocks, 4, 64)
+    with pytest.raises(ValueError, match=r"in_features=64 must be a positive multiple of 256"):
+        QuantizedWeight("q4_k", blocks, 4, 64)  # a K-quant's blocks hold 256 values
     with pytest.raises(ValueError, match="multiple of 32"):
         QuantizedWeight.quantize(torch.zeros(4, 40))
     with pytest.raises(ValueError, match="'q5_k'"):

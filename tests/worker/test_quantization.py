@@ -15,6 +15,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,17 +25,23 @@ from tests.worker.test_model_archs import (
     build_hf_model,
     gguf_case_config,
     prompts,
+    quantized,
     write_gguf,
 )
 from tests.worker.test_quant_kernels import fp32_kernel_calls  # noqa: F401 (fixture)
 from v1 import LLM, SamplingParams
 from v1.attention.backends.torch_attn import TorchAttentionImpl
 from v1.config import EngineArgs
-from v1.kernels.block_matmul import QuantKernels
+from v1.kernels.block_matmul import GGUF_KINDS, QuantKernels
 from v1.models import loader as loader_module
 from v1.models.layers.linear import Linear
 from v1.models.layers.quantized import MatmulPolicy, QuantizedWeight
-from v1.models.loader import LoadedModel, load_model, resolve_quantization
+from v1.models.loader import (
+    LoadedModel,
+    gguf_block_kinds,
+    load_model,
+    resolve_quantization,
+)
 
 CPU = torch.device("cpu")
 BLOCK = [3, 1, 0, 2, 5, 4]  # enough 16-token blocks for the longest prompt (66 tokens)
@@ -219,11 +226,13 @@ def test_unset_quantization_resolves_as_vllm(tmp_path, tied_gguf, monkeypatch):
     assert resolve_quantization(None, tied_gguf, CPU, torch.float32) is None
 
 
-def test_gguf_mode_dequantizes_block_types_it_lacks(tmp_path, caplog):
-    """An untied LM head in a type the kernels do not run (llama.cpp's files often hold a K-quant
-    there) is loaded as fp32; everything else stays blocks."""
+def test_gguf_mode_dequantizes_block_types_it_lacks(tmp_path, caplog, monkeypatch):
+    """An untied LM head in a type the kernels do not run (Q5_0 here, as for a library with
+    only Q4_1 and Q8_0 kernels) is loaded as fp32, said in one line with what it costs;
+    everything else stays blocks."""
     import gguf
 
+    monkeypatch.setattr(loader_module, "gguf_block_kinds", lambda: frozenset({"q4_1", "q8_0"}))
     config = gguf_case_config("llama")
     config.attention_bias = False
     path = tmp_path / "untied.gguf"
@@ -232,7 +241,9 @@ def test_gguf_mode_dequantizes_block_types_it_lacks(tmp_path, caplog):
     fp32 = load(path)
     with caplog.at_level("INFO", logger="v1"):
         ours = load(path, "gguf")
-    assert "1 Q5_0 tensor(s) dequantized to fp32" in caplog.text
+    lines = [r.getMessage() for r in caplog.records if "dequantized" in r.getMessage()]
+    assert lines == ["untied.gguf: 1 Q5_0 tensor(s) dequantized to fp32: 0.10 MB instead of "
+                     "0.02 MB stored (this kernel library has no q5_0 kernels)"]
     assert matrices(ours)["lm_head"].weight_form == "packed"
     assert matrices(ours)["model.embed_tokens"].weight_form == "q8_0"
     assert torch.equal(matrices(ours)["lm_head"].float_weight(),
@@ -243,13 +254,14 @@ def test_gguf_mode_dequantizes_block_types_it_lacks(tmp_path, caplog):
 @pytest.mark.parametrize("shard, kind", [
     ("attn_q", "F16"),  # float rows before block rows
     ("attn_v", "F16"),  # float rows after block rows
-    ("attn_v", "Q5_0"),  # a type loaded as fp32, after block rows
+    ("attn_v", "Q5_0"),  # another block type, after block rows
     ("attn_k", "Q8_0"),  # two block kinds
 ])
-def test_fused_shards_of_mixed_types_make_an_fp32_matrix(tmp_path, shard, kind):
-    """A fused weight whose shards differ in type (llama.cpp's K-quant fallbacks write such
-    files) is held fp32 as a whole, with exactly the file's values (not rows of
-    uninitialised memory); the other matrices stay blocks."""
+def test_fused_shards_of_mixed_types_keep_the_files_values(tmp_path, shard, kind):
+    """A fused weight whose shards differ in type (llama.cpp's K-quant mixes write such
+    files) keeps each shard's blocks (`QuantizedShards`) where this library runs every
+    shard's type, else is held fp32 as a whole; either way with exactly the file's values
+    (not rows of uninitialised memory); the other matrices stay blocks."""
     import gguf
 
     config = gguf_case_config("llama")
@@ -264,10 +276,112 @@ def test_fused_shards_of_mixed_types_make_an_fp32_matrix(tmp_path, shard, kind):
     write_gguf(build_hf_model(config), path, "llama", tensor_type=mixed)
     fp32, ours = load(path), load(path, "gguf")
     qkv = "model.layers.0.self_attn.qkv_proj"
-    assert matrices(ours)[qkv].weight_form == "packed"
+    types = {"attn_q": "q4_1", "attn_k": "q4_1", "attn_v": "q4_1", shard: kind.lower()}
+    runs = set(types.values()) <= gguf_block_kinds()
+    assert matrices(ours)[qkv].weight_form == ("+".join(types.values()) if runs else "packed")
     assert matrices(ours)["model.layers.1.self_attn.qkv_proj"].weight_form == "q4_1"
     assert torch.equal(matrices(ours)[qkv].float_weight(), matrices(fp32)[qkv].float_weight())
     assert_close(logits_of(ours), logits_of(fp32), rel=1e-4)
+
+
+# Every type of a llama.cpp file in one small Llama (K-quants need in_features of 256): layer
+# 0's q | k | v in three types (a K-quant mix), its MLP in three more, layer 1 in the rest.
+_MANY_TYPES = {
+    "blk.0.attn_q": "Q4_K", "blk.0.attn_k": "Q5_K", "blk.0.attn_v": "Q6_K",
+    "blk.0.attn_output": "Q4_0", "blk.0.ffn_gate": "Q5_0", "blk.0.ffn_up": "Q5_1",
+    "blk.0.ffn_down": "Q6_K", "blk.1.attn_q": "Q4_K", "blk.1.attn_k": "Q4_K",
+    "blk.1.attn_v": "Q4_K", "blk.1.attn_output": "BF16", "blk.1.ffn_gate": "Q8_0",
+    "blk.1.ffn_up": "Q8_0", "blk.1.ffn_down": "Q4_1", "token_embd": "F16", "output": "Q6_K",
+}
+
+
+@pytest.fixture(scope="module")
+def many_types_gguf(tmp_path_factory) -> Path:
+    import gguf
+
+    config = gguf_case_config("llama")
+    config.attention_bias = False
+    config.tie_word_embeddings = False
+    config.num_hidden_layers = 2
+    config.hidden_size = config.intermediate_size = 256
+    config.head_dim = 64
+
+    def kind(name: str) -> Any:
+        stored = _MANY_TYPES.get(name.removesuffix(".weight"))
+        return None if stored is None else gguf.GGMLQuantizationType[stored]
+
+    path = tmp_path_factory.mktemp("gguf") / "many.gguf"
+    write_gguf(build_hf_model(config, seed=4), path, "llama", tensor_type=kind)
+    return path
+
+
+def test_gguf_blocks_are_the_files_mapping(many_types_gguf, tmp_path):
+    """The file mapped by its tensor index (what a load reads) gives the tensors gguf's reader
+    gives. Every weight matrix comes as blocks of its stored type whose memory is the file's
+    map itself (no copy), except q/k, whose rows of K-quant blocks are un-permuted into a new
+    tensor; each holds exactly the fp32 conversion's values (the un-permutation included)."""
+    from v1.models import gguf_conversion
+
+    parsed = gguf_conversion.read_gguf(many_types_gguf)
+    gguf_conversion.write_index(parsed, tmp_path / "index.json")
+    opened = gguf_conversion.open_indexed(many_types_gguf, tmp_path / "index.json",
+                                          parsed.config)
+    assert (opened.arch, opened.has_tokenizer) == (parsed.arch, parsed.has_tokenizer)
+    for a, b in zip(opened.tensors, parsed.tensors, strict=True):
+        assert (a.name, a.type_name, a.shape, a.offset) == (b.name, b.type_name, b.shape,
+                                                              b.offset)
+        assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
+    mapped = opened.mapped
+    start = mapped.ctypes.data
+    end = start + mapped.nbytes
+    fp32 = dict(gguf_conversion.iter_hf_tensors(opened))
+    blocks = {name: w for name, w in gguf_conversion.iter_hf_tensors(opened, GGUF_KINDS)
+              if not name.endswith("norm.weight")}  # norms: F32, copied
+    assert all(isinstance(w, QuantizedWeight) for w in blocks.values())
+    assert {w.kind for w in blocks.values()} == {k.lower() for k in _MANY_TYPES.values()}
+    assert len(blocks) == len(_MANY_TYPES)
+    assert (blocks["model.embed_tokens.weight"].kind, blocks["lm_head.weight"].kind) == (
+        "f16", "q6_k")
+    for name, w in blocks.items():
+        inside = start <= w.blocks.data_ptr() < end
+        assert inside != name.endswith(("q_proj.weight", "k_proj.weight")), name
+        assert torch.equal(w.dequantize(), fp32[name]), name
+
+
+def test_gguf_mode_runs_every_type(many_types_gguf, tmp_path, monkeypatch):
+    """quantization="gguf" on a file of every type, each kept as its blocks (on the kernels
+    where this library has them, else the torch reference): the logits are the fp32
+    conversion's (q/k rows of K-quant blocks un-permuted), and the cache holds the config
+    and tokenizer only, no fp32 checkpoint (that is written for the float load alone)."""
+    monkeypatch.setenv("V1_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(loader_module, "gguf_block_kinds", lambda: GGUF_KINDS)
+    ours = load(many_types_gguf, "gguf")
+    forms = {name: m.weight_form for name, m in matrices(ours).items()}
+    assert forms["model.layers.0.self_attn.qkv_proj"] == "q4_k+q5_k+q6_k"
+    assert forms["model.layers.1.self_attn.qkv_proj"] == "q4_k"
+    assert forms["model.embed_tokens"] == "f16" and forms["lm_head"] == "q6_k"
+    assert all(m.weight is None for m in matrices(ours).values())
+    files = {p.name for p in tmp_path.rglob("*") if p.is_file()}
+    assert files == {"config.json", "gguf_tensors.json"}  # this file has no tokenizer
+    fp32 = load(many_types_gguf)
+    assert "model.safetensors" in {p.name for p in tmp_path.rglob("*")}
+    for name, m in matrices(fp32).items():
+        assert torch.equal(matrices(ours)[name].float_weight(), m.float_weight()), name
+    assert_close(logits_of(ours), logits_of(fp32), rel=1e-4)
+
+
+@pytest.mark.parametrize("kind", sorted(GGUF_KINDS))
+def test_embedding_rows_of_every_type(kind):
+    """A lookup in an embedding of any type gives gguf's own dequantization of those rows."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[kind.upper()]
+    rng = np.random.default_rng(0)
+    blocks = quantized(rng.standard_normal((9, 512)).astype(np.float32), qtype).view(np.uint8)
+    weight = QuantizedWeight(kind, torch.from_numpy(blocks), 9, 512)
+    ids = torch.tensor([[8, 0], [3, 3]])
+    expected = gguf.quants.dequantize(blocks, qtype)[ids.numpy()]
+    assert np.array_equal(weight.embedding(ids).numpy(), expected)
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])

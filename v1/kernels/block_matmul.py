@@ -19,18 +19,23 @@ from v1.kernels.library import library
 from v1.kernels.structs import CStruct, LayoutError, View, c_layout, check_layout, packer
 from v1.kernels.tensors import stamp
 
-# The GGUF formats the torch side implements too (v1.models.layers.quantized quantizes and
-# dequantizes them without a library): values per block, and bytes per block. q8_0: fp16 d,
-# int8 qs[32]; x = d * q. q4_1: fp16 d, fp16 m, uint8 qs[16]; x = d * nibble + m, element
-# j < 16 the low nibble of qs[j], element j + 16 its high nibble. Beside them our layouts of
-# the same blocks (`INTERLEAVED`). A library's table must agree with them for every type both
-# know.
-QK = 32
-BLOCK_BYTES = {"q4_1": 20, "q8_0": 34, "q4_1x8": 20}
+# The weight types a `QuantizedWeight` holds: GGUF's block types by their lower-case names (the
+# kernel table's row names), as (values per block, bytes per block), exactly gguf's
+# GGML_QUANT_SIZES; beside them our layouts of the same blocks (`INTERLEAVED`). A weight's
+# in_features is a whole number of its type's blocks. f16 / bf16 are "blocks" of one value. A
+# library's table must agree with these sizes for every type both know; which types it has
+# kernels for is its own (`QuantKernels.runs`).
+BLOCK_SIZES = {
+    "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24), "q8_0": (32, 34),
+    "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210), "f16": (1, 2), "bf16": (1, 2),
+    "q4_1x8": (32, 20),
+}
 # kind -> (the GGUF kind whose blocks it holds, rows): each group of `rows` rows stores its
 # blocks b together, the block read as dwords, dword f of row i at 4 (rows f + i) from the
 # group's block b (csrc/block_q4_1x8.c). The same bytes, moved.
 INTERLEAVED = {"q4_1x8": ("q4_1", 8)}
+# The GGUF types among them (a file stores these).
+GGUF_KINDS = frozenset(kind for kind in BLOCK_SIZES if kind not in INTERLEAVED)
 # By the C's INT8_ISA (csrc/isa.h).
 INT8_ISAS = ("portable", "avx2", "avx_vnni", "avx512_vnni", "neon_dotprod", "neon")
 _F32 = torch.float32
@@ -104,13 +109,14 @@ def _table(lib: ctypes.CDLL) -> tuple[dict[str, BlockType], tuple[str, ...]]:
                       r.repack.decode() if r.repack else None,
                       frozenset(n for n, fn in zip(names, r.kernels) if fn),
                       frozenset(n for n, fn in zip(names, r.reference) if fn))
-        if t.name in BLOCK_BYTES and (t.block_elems, t.block_bytes) != (QK, BLOCK_BYTES[t.name]):
+        ours = BLOCK_SIZES.get(t.name)
+        if ours is not None and (t.block_elems, t.block_bytes) != ours:
             raise LayoutError(f"the kernel library's {t.name} blocks are {t.block_elems} values "
-                              f"in {t.block_bytes} bytes, GGUF's {QK} in {BLOCK_BYTES[t.name]}")
-        ours = INTERLEAVED.get(t.name, (t.name, 1))[1]
-        if t.name in BLOCK_BYTES and t.interleave != ours:
+                              f"in {t.block_bytes} bytes, GGUF's {ours[0]} in {ours[1]}")
+        interleave = INTERLEAVED.get(t.name, (t.name, 1))[1]
+        if ours is not None and t.interleave != interleave:
             raise LayoutError(f"the kernel library's {t.name} interleaves {t.interleave} rows, "
-                              f"ours {ours}")
+                              f"ours {interleave}")
         table[t.name] = t
     return table, tuple(names)
 
@@ -131,6 +137,18 @@ class QuantKernels:
         self._run.restype = ctypes.c_int32
         lib.v1_block_int8_isa.restype = ctypes.c_int32
         self.int8_isa = INT8_ISAS[lib.v1_block_int8_isa()]
+
+    def has(self, kind: str, kernel: str) -> bool:
+        """Whether this library's table has `kernel` ("linear_f32", "linear_i8",
+        "dequantize") for `kind` blocks."""
+        row = self.types.get(kind)
+        return row is not None and kernel in row.kernels
+
+    def runs(self, kind: str) -> bool:
+        """Whether this library runs `kind` blocks: it has their fp32 matmul and their
+        dequantization (the int8 matmul is optional: without it such a weight's rows take
+        the fp32 path)."""
+        return self.has(kind, "linear_f32") and self.has(kind, "dequantize")
 
     def linear(
         self, w: "QuantBlocks", x: torch.Tensor, bias: torch.Tensor | None, int8: bool = False

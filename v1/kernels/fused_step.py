@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from v1.kernels.attention import KV_DTYPES, MAX_HEAD_FLOATS, BoundStep, PagedDecodeKernel
-from v1.kernels.block_matmul import QuantBlocks, block_types
+from v1.kernels.block_matmul import BlockType, QuantBlocks, block_types
 from v1.kernels.library import library
 from v1.kernels.structs import CStruct, c_layout, check_layout
 from v1.kernels.tensors import stamp
@@ -27,11 +27,17 @@ _F32 = torch.float32
 KV_CODES = {dtype: code for code, dtype in enumerate(KV_DTYPES)}
 
 
+# The most shards a projection may have (csrc/fused_decode_step.h's DECODER_SHARDS).
+MAX_SHARDS = 3
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class Projection:
-    """A block-quantized matmul's weight and its bias (None: none)."""
+    """A block-quantized matmul's weight, as its row ranges in order (one, or a fused
+    projection's parts stored in different types: at most MAX_SHARDS), and its bias (None:
+    none)."""
 
-    blocks: QuantBlocks
+    shards: tuple[QuantBlocks, ...]
     bias: torch.Tensor | None
 
 
@@ -53,7 +59,11 @@ class LayerWeights:
 
 class _Proj(CStruct):
     c_name = "decoder_proj"
-    _fields_ = [("w", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("type", ctypes.c_int32)]
+    _fields_ = [("w", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("rows", ctypes.c_int64),
+                ("type", ctypes.c_int32)]
+
+
+_Shards = _Proj * MAX_SHARDS
 
 
 class _Layer(CStruct):
@@ -61,7 +71,7 @@ class _Layer(CStruct):
     _fields_ = [
         ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
         ("input_eps", ctypes.c_float), ("post_eps", ctypes.c_float), ("scale", ctypes.c_float),
-        ("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj), ("down", _Proj),
+        ("qkv", _Shards), ("o", _Shards), ("gate_up", _Shards), ("down", _Shards),
     ]
 
 
@@ -109,8 +119,8 @@ class DecoderLayers:
             raise ValueError("no kernel library: the fused decode step needs one")
         types = block_types(lib)
         first = layers[0]
-        first.qkv.blocks.checked(types), first.down.blocks.checked(types)  # their N and K
-        hidden, inter = first.qkv.blocks.K, first.down.blocks.K
+        first.qkv.shards[0].checked(types), first.down.shards[0].checked(types)  # their K
+        hidden, inter = first.qkv.shards[0].K, first.down.shards[0].K
         q_size = num_heads * head_dim
         # (N, K) of each projection.
         shapes = {"qkv": (q_size + 2 * num_kv_heads * head_dim, hidden), "o": (hidden, q_size),
@@ -121,18 +131,9 @@ class DecoderLayers:
             projs = {}
             for name, (n, k) in shapes.items():
                 proj: Projection = getattr(layer, name)
-                w = proj.blocks.checked(types)
-                if (proj.blocks.N, proj.blocks.K) != (n, k):
-                    raise ValueError(f"layers[{i}].{name}: weight [{proj.blocks.N}, "
-                                     f"{proj.blocks.K}], expected [{n}, {k}]")
-                self._tensors.append(proj.blocks.tensor)
                 if proj.bias is not None:
                     self._vector(f"layers[{i}].{name}.bias", proj.bias, n)
-                if not {"linear_f32", "linear_i8"} <= types[proj.blocks.kind].kernels:
-                    raise ValueError(f"layers[{i}].{name}: {proj.blocks.kind} blocks lack a "
-                                     f"linear kernel in this library")
-                projs[name] = _Proj(w, None if proj.bias is None else proj.bias.data_ptr(),
-                                    proj.blocks.code)
+                projs[name] = self._shards(f"layers[{i}].{name}", proj, n, k, types)
             self._vector(f"layers[{i}].input_norm", layer.input_norm, hidden)
             self._vector(f"layers[{i}].post_norm", layer.post_norm, hidden)
             structs.append(_Layer(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(),
@@ -149,6 +150,29 @@ class DecoderLayers:
         # The caches last checked: (their stamps, the step's cache shape, the kernel's dtype,
         # their addresses for the C).
         self._caches: tuple | None = None
+
+    def _shards(self, name: str, proj: Projection, n: int, k: int,
+                types: dict[str, BlockType]) -> ctypes.Array:
+        """`proj`'s shards as the C reads them, each checked: [rows, k] blocks with both linear
+        kernels in this library, their rows adding up to n."""
+        if not 1 <= len(proj.shards) <= MAX_SHARDS:
+            raise ValueError(f"{name}: {len(proj.shards)} shards, expected 1 to {MAX_SHARDS}")
+        shards, row = [], 0
+        for blocks in proj.shards:
+            w = blocks.checked(types)
+            if blocks.K != k:
+                raise ValueError(f"{name}: weight [{blocks.N}, {blocks.K}] in a projection "
+                                 f"of [{n}, {k}]")
+            if not {"linear_f32", "linear_i8"} <= types[blocks.kind].kernels:
+                raise ValueError(f"{name}: {blocks.kind} blocks lack a linear kernel in this "
+                                 f"library")
+            self._tensors.append(blocks.tensor)
+            bias = None if proj.bias is None else proj.bias.data_ptr() + 4 * row
+            shards.append(_Proj(w, bias, blocks.N, blocks.code))
+            row += blocks.N
+        if row != n:
+            raise ValueError(f"{name}: weight of {row} rows, expected [{n}, {k}]")
+        return _Shards(*shards)
 
     def _vector(self, name: str, t: torch.Tensor, n: int) -> None:
         if t.dtype is not _F32 or not t.is_cpu or t.shape != (n,) or not t.is_contiguous():

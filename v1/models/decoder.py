@@ -23,7 +23,7 @@ from v1.models.layers.attention import Attention
 from v1.models.layers.linear import Linear, VocabEmbedding
 from v1.models.layers.mlp import GatedMLP
 from v1.models.layers.norm import RMSNorm
-from v1.models.layers.quantized import MatmulRows, QuantizedWeight
+from v1.models.layers.quantized import MatmulRows, QuantizedWeight, block_weights
 from v1.models.layers.rotary import RotaryEmbedding, rope_parameters
 from v1.models.step_plan import StepPlan, StepPlanner
 
@@ -146,9 +146,11 @@ class PreNormDecoderLayer(nn.Module):
             return None
         projections = []
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            if type(linear) is not Linear or not isinstance(linear.kernel, QuantizedWeight):
+            shards = block_weights(linear.kernel) if type(linear) is Linear else []
+            if not shards:
                 return None
-            projections.append(Projection(linear.kernel.kernel_blocks(), linear.bias))
+            projections.append(Projection(tuple(w.kernel_blocks() for w in shards),
+                                          linear.bias))
         return LayerWeights(norms[0].weight, norms[0].eps, norms[1].weight, norms[1].eps,
                             impl.scale, *projections)
 
@@ -348,7 +350,8 @@ class DecoderForCausalLM(nn.Module):
         parameters, each q/k/v and gate/up tensor into its slice of the fused weight (tensors
         already fused in the checkpoint, as Phi-3's, go in whole). Converts dtype on the way
         (a bf16 checkpoint into an fp32 model). A `QuantizedWeight` (GGUF blocks) goes into
-        its layer as blocks. Each weight matrix takes its final form as soon as its last row
+        its layer as blocks (a fused weight's shards of several types kept apart:
+        `QuantizedShards`). Each weight matrix takes its final form as soon as its last row
         is in (`Linear.finish_loading`: packed, or quantized to `quantize`, e.g. "q8_0"), so
         loading never holds more than one layer's matrices twice. Raises if a parameter was
         never written, since parameters start uninitialised."""
@@ -383,20 +386,9 @@ class DecoderForCausalLM(nn.Module):
                     f"weight {hf_name!r} has shape {shape}, expected {expected}"
                 )
             layer = self.get_submodule(name.rpartition(".")[0])
-            # A fused weight whose shards mix types (llama.cpp's K-quant fallbacks give e.g.
-            # Q5_0 q/k, loaded as fp32, beside a Q8_0 v) is kept fp32 as a whole: the block
-            # kernels take one block kind per matrix. vLLM keeps each shard's type instead.
-            is_blocks = isinstance(tensor, QuantizedWeight)
-            if isinstance(layer, Linear) and name.endswith(".weight"):
-                held = layer.kernel
-                if is_blocks and (
-                    held is None and pending[name] != param.shape[0]
-                    or isinstance(held, QuantizedWeight) and held.kind != tensor.kind
-                ):
-                    tensor, is_blocks = tensor.dequantize(), False
-                if not is_blocks and isinstance(held, QuantizedWeight):
-                    param = params[name] = layer.dequantize_blocks()
-            if is_blocks:
+            # A fused weight's shards may come in different types: the layer joins them when
+            # its last rows are in (`Linear.finish_loading`).
+            if isinstance(tensor, QuantizedWeight):
                 if not isinstance(layer, Linear) or not name.endswith(".weight"):
                     raise ValueError(f"weight {hf_name!r} cannot be kept quantized")
                 layer.load_blocks((start, end), tensor, hf_name)

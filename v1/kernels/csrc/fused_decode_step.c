@@ -28,19 +28,27 @@ static struct v1_view rows(void *data, int64_t T, int64_t cols) {
     return (struct v1_view){.data = data, .rows = T, .cols = cols, .stride = cols};
 }
 
-/* out [T, N] = x [T, K] @ p's weight.T (+ bias), by its type's kernel: 0, -1 without scratch
-   memory, -3 where the type has no such kernel. */
+/* out [T, N] = x [T, K] @ W.T (+ bias), W's shards p[0..] each by its own type's kernel into
+   its columns of out (the calls the per-op path makes, one per shard): 0, -1 without scratch
+   memory, -3 where a type has no such kernel. */
 static int32_t project(const struct decoder_proj *p, int32_t kernel, float *x, int64_t K,
                        float *out, int64_t N, const struct fused_step_call *c) {
-    const struct v1_block_type *t = &v1_block_table[p->type];
-    const v1_block_kernel fn = t->kernels[kernel];
-    if (!fn) return -3;
-    const struct v1_matmul m = {
-        .w = {.data = (void *)p->w, .rows = N, .cols = K,
-              .stride = K / t->block_elems * t->block_bytes},
-        .x = rows(x, c->T, K), .bias = p->bias, .out = rows(out, c->T, N),
-        .type = p->type, .nthreads = c->nthreads};
-    return fn(&m);
+    int64_t row = 0;
+    for (int s = 0; s < DECODER_SHARDS && p[s].rows; s++) {
+        const struct v1_block_type *t = &v1_block_table[p[s].type];
+        const v1_block_kernel fn = t->kernels[kernel];
+        if (!fn) return -3;
+        const struct v1_matmul m = {
+            .w = {.data = (void *)p[s].w, .rows = p[s].rows, .cols = K,
+                  .stride = K / t->block_elems * t->block_bytes},
+            .x = rows(x, c->T, K), .bias = p[s].bias,
+            .out = {.data = out + row, .rows = c->T, .cols = p[s].rows, .stride = N},
+            .type = p[s].type, .nthreads = c->nthreads};
+        const int32_t status = fn(&m);
+        if (status) return status;
+        row += p[s].rows;
+    }
+    return 0;
 }
 
 /* 0; -1 when a matmul had no scratch memory, -3 when a projection's type lacks the kernel
@@ -66,19 +74,19 @@ V1_API int32_t v1_fused_decode_step(const struct fused_step_call *c) {
         /* Attention: x = norm(residual += h) (the first layer: norm(residual)), q | k | v,
            RoPE on q and k in place, the kernel stores k and v and attends, o_proj. */
         v1_rms_norm(l ? &h : NULL, &residual, y->input_norm, y->input_eps, &x);
-        if ((status = project(&y->qkv, kernel, s->x, n, s->qkv, nqkv, c))) return status;
+        if ((status = project(y->qkv, kernel, s->x, n, s->qkv, nqkv, c))) return status;
         v1_rope(&q_and_k, D, c->cos, c->sin);
         const struct paged_decode_io io = {.q = q, .k = k, .v = v,
                                            .out = rows(s->attn, T, H * D),
                                            .cache = c->kv_caches[l], .scale = y->scale};
         decode(c->step, &io);
-        if ((status = project(&y->o, kernel, s->attn, H * D, s->h, n, c))) return status;
+        if ((status = project(y->o, kernel, s->attn, H * D, s->h, n, c))) return status;
         /* MLP: x = norm(residual += h), down(silu(gate) * up). */
         v1_rms_norm(&h, &residual, y->post_norm, y->post_eps, &x);
-        if ((status = project(&y->gate_up, kernel, s->x, n, s->gate_up, 2 * I, c)))
+        if ((status = project(y->gate_up, kernel, s->x, n, s->gate_up, 2 * I, c)))
             return status;
         v1_silu_and_mul(&gate_up, &act);
-        if ((status = project(&y->down, kernel, s->act, I, s->h, n, c))) return status;
+        if ((status = project(y->down, kernel, s->act, I, s->h, n, c))) return status;
     }
     return 0;
 }

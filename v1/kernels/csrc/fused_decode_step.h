@@ -6,20 +6,26 @@
 
 #include <stdint.h>
 
-/* One projection: its blocks [N, K / block_elems * block_bytes] of the kernel table's row
-   `type`, its bias [N] or NULL. */
+/* A projection's rows [r, r + rows) (a shard): their blocks [rows, K / block_elems *
+   block_bytes] of the kernel table's row `type`, their bias [rows] or NULL. */
 struct decoder_proj {
     const uint8_t *w;
     const float *bias;
+    int64_t rows;
     int32_t type;
 };
 
-/* One layer (`LayerStruct` mirrors it): its norms' weights [hidden] and eps, its
-   projections, its attention's score scale. */
+/* A projection is up to DECODER_SHARDS shards in row order, the first with rows 0 ending the
+   list: one, or a fused projection's parts stored in different types (q | k | v, gate | up). */
+enum { DECODER_SHARDS = 3 };
+
+/* One layer (`_Layer` mirrors it): its norms' weights [hidden] and eps, its projections, its
+   attention's score scale. */
 struct decoder_layer {
     const float *input_norm, *post_norm;
     float input_eps, post_eps, scale;
-    struct decoder_proj qkv, o, gate_up, down;
+    struct decoder_proj qkv[DECODER_SHARDS], o[DECODER_SHARDS], gate_up[DECODER_SHARDS],
+        down[DECODER_SHARDS];
 };
 
 /* The shapes every layer shares. */

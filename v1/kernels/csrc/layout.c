@@ -37,7 +37,7 @@ static const struct v1_field fields[] = {
     FIELD(paged_decode_io, v), FIELD(paged_decode_io, out), FIELD(paged_decode_io, lse),
     FIELD(paged_decode_io, cache), FIELD(paged_decode_io, scale),
     STRUCT(decoder_proj), FIELD(decoder_proj, w), FIELD(decoder_proj, bias),
-    FIELD(decoder_proj, type),
+    FIELD(decoder_proj, rows), FIELD(decoder_proj, type),
     STRUCT(decoder_layer), FIELD(decoder_layer, input_norm), FIELD(decoder_layer, post_norm),
     FIELD(decoder_layer, input_eps), FIELD(decoder_layer, post_eps),
     FIELD(decoder_layer, scale), FIELD(decoder_layer, qkv), FIELD(decoder_layer, o),

@@ -2,18 +2,19 @@
 copy of its weight, in the form its matmul reads: oneDNN-packed fp32 on CPU (`PackedWeight`),
 `QuantizedWeight` blocks when quantized, else the plain weight (the vocabulary matrix too, its
 tied LM head going through oneDNN). Checkpoint rows are written into `weight`, then
-`finish_loading` makes the final form and frees the plain one; GGUF blocks: `load_blocks`,
-then `finish_loading` moves them into the layout this process's kernels run fastest
-(`QuantizedWeight.repack_for`).
+`finish_loading` makes the final form and frees the plain one; GGUF blocks: `load_blocks`
+(per shard of a fused projection), then `finish_loading` joins the shards (one block tensor
+where they share a type, else `QuantizedShards`) and moves them into the layout this process's
+kernels run fastest (`QuantizedWeight.repack_for`).
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from v1.kernels.block_matmul import kernels
+from v1.kernels.block_matmul import BLOCK_SIZES, kernels
 from v1.models.layers.onednn import ONEDNN_LINEAR, onednn_linear
-from v1.models.layers.quantized import QK, MatmulRows, QuantizedWeight
+from v1.models.layers.quantized import MatmulRows, QuantizedShards, QuantizedWeight
 
 
 class PackedWeight:
@@ -77,7 +78,9 @@ class Linear(nn.Module):
         self.bias: nn.Parameter | None = (
             nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         )
-        self.kernel: PackedWeight | QuantizedWeight | None = None
+        self.kernel: PackedWeight | QuantizedWeight | QuantizedShards | None = None
+        # GGUF blocks loaded so far, by first row, until finish_loading joins them.
+        self._blocks: list[tuple[int, QuantizedWeight]] = []
 
     def forward(self, x: torch.Tensor, rows: MatmulRows | None = None) -> torch.Tensor:
         return self.linear(x, rows)
@@ -87,6 +90,8 @@ class Linear(nn.Module):
         under the default policy); other forms have one path."""
         if isinstance(self.kernel, QuantizedWeight) and rows is not None:
             return rows.linear(self.kernel, x, self.bias)
+        if isinstance(self.kernel, QuantizedShards):
+            return self.kernel.linear(x, self.bias, rows)
         if self.kernel is not None:
             return self.kernel.linear(x, self.bias)
         assert self.weight is not None
@@ -97,65 +102,66 @@ class Linear(nn.Module):
     # ---- loading ------------------------------------------------------------------------
 
     def finish_loading(self, quantize: str | None = None) -> None:
-        """All rows of `weight` (or of the blocks) are written: make the final form.
+        """All rows of `weight` (or of the blocks) are written: make the final form. GGUF
+        blocks (`load_blocks`) covering every row become the kernel (shards of one type joined
+        into one block tensor, of several types a `QuantizedShards`); where some rows came as
+        fp32 the blocks are dequantized into `weight`, which then takes the fp32 forms.
         `quantize`: a block kind ("q8_0") to quantize the fp32 weight to, or None to keep it
         fp32 (packed on CPU). Rows that are no whole number of blocks (in_features not a
-        multiple of 32) stay fp32, as llama.cpp's quantizer keeps such tensors unquantized.
-        Blocks are laid out for this process's kernels (`QuantizedWeight.repack_for`)."""
+        multiple of the kind's block) stay fp32, as llama.cpp's quantizer keeps such tensors
+        unquantized. Blocks are laid out for this process's kernels
+        (`QuantizedWeight.repack_for`)."""
+        if self._blocks:
+            self._join_blocks()
         if self.kernel is None:
             assert self.weight is not None
-            if quantize is not None and self.in_features % QK == 0:
+            if quantize is not None and self.in_features % BLOCK_SIZES[quantize][0] == 0:
                 self.kernel = QuantizedWeight.quantize(self.weight.detach().float(), quantize)
             elif self.packable and PackedWeight.supports(self.weight):
                 self.kernel = PackedWeight(self.weight)
             else:
                 return
             self.weight = None
-        if isinstance(self.kernel, QuantizedWeight):
+        if isinstance(self.kernel, QuantizedWeight | QuantizedShards):
             self.kernel.repack_for(kernels())
 
     def load_blocks(self, rows: tuple[int, int], blocks: QuantizedWeight, name: str) -> None:
-        """GGUF blocks for weight rows [start, end) (a fused projection's shard, or all)."""
-        start, end = rows
-        if self.kernel is None:
-            if self.weight is not None and self.weight.device.type != "cpu":
-                raise ValueError(f"{name}: quantized weights run on CPU only")
-            if start == 0 and end == self.out_features:
-                self.kernel = blocks
-            else:
-                # A fused weight: its shards are copied into one block tensor.
-                whole = torch.empty(self.out_features, blocks.blocks.shape[1], dtype=torch.uint8)
-                self.kernel = QuantizedWeight(
-                    blocks.kind, whole, self.out_features, self.in_features
-                )
-            self.weight = None
-        kernel = self.kernel
-        if not isinstance(kernel, QuantizedWeight) or kernel.kind != blocks.kind:
-            # The rows of one fused weight must share a form (GGUF files written by llama.cpp
-            # give q/k/v and gate/up one type).
-            have = kernel.kind if isinstance(kernel, QuantizedWeight) else "fp32"
-            raise ValueError(
-                f"{name} is stored as {blocks.kind}, but other rows of its fused weight as "
-                f"{have}: a fused projection needs one type"
-            )
-        if kernel is not blocks:
-            kernel.blocks[start:end].copy_(blocks.blocks)
+        """GGUF blocks for weight rows [start, end) (a fused projection's shard, or all),
+        held as they are (the file's mapping: never written) until `finish_loading`."""
+        if self.weight is not None and self.weight.device.type != "cpu":
+            raise ValueError(f"{name}: quantized weights run on CPU only")
+        if rows[1] - rows[0] != blocks.out_features:
+            raise ValueError(f"{name}: {blocks.out_features} rows of blocks for rows {rows}")
+        self._blocks.append((rows[0], blocks))
 
-    def dequantize_blocks(self) -> nn.Parameter:
-        """Blocks back to a plain fp32 `weight` (returned), for a fused weight whose other
-        shards arrive in another type; rows not loaded yet hold garbage until written."""
-        assert isinstance(self.kernel, QuantizedWeight)
-        self.weight = nn.Parameter(self.kernel.dequantize(), requires_grad=False)
-        self.kernel = None
-        return self.weight
+    def _join_blocks(self) -> None:
+        placed = sorted(self._blocks, key=lambda part: part[0])
+        self._blocks = []
+        parts = [w for _, w in placed]
+        kinds = {w.kind for w in parts}
+        if sum(w.out_features for w in parts) < self.out_features:
+            # Other rows came as fp32 (a type this library runs as fp32): one fp32 matrix.
+            assert self.weight is not None
+            for start, w in placed:
+                self.weight.data[start:start + w.out_features].copy_(w.dequantize())
+            return
+        if len(parts) == 1:
+            self.kernel = parts[0]
+        elif len(kinds) == 1:
+            # Shards of one type: one block tensor (a copy), so a fused matmul reads it whole.
+            self.kernel = QuantizedWeight(kinds.pop(), torch.cat([w.blocks for w in parts]),
+                                          self.out_features, self.in_features)
+        else:
+            self.kernel = QuantizedShards(parts)
+        self.weight = None
 
     # ---- inspection ---------------------------------------------------------------------
 
     @property
     def weight_form(self) -> str:
-        """"fp32" (plain), "packed", or the GGUF block kind ("q4_1", "q8_0"), whatever the
-        blocks' layout."""
-        if isinstance(self.kernel, QuantizedWeight):
+        """"fp32" (plain), "packed", or the GGUF block kind ("q4_1", "q6_k"), whatever the
+        blocks' layout ("q4_k+q4_k+q6_k": a fused projection's shards of several types)."""
+        if isinstance(self.kernel, QuantizedWeight | QuantizedShards):
             return self.kernel.gguf_kind
         return "packed" if self.kernel is not None else "fp32"
 
@@ -171,7 +177,7 @@ class Linear(nn.Module):
         """The weight as a plain fp32 [out, in] matrix, whatever its form (a copy)."""
         if isinstance(self.kernel, PackedWeight):
             return self.kernel.unpack()
-        if isinstance(self.kernel, QuantizedWeight):
+        if isinstance(self.kernel, QuantizedWeight | QuantizedShards):
             return self.kernel.dequantize()
         assert self.weight is not None
         return self.weight.detach().float().clone()

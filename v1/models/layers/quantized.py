@@ -1,20 +1,26 @@
-"""GGUF block-quantized weights (Q4_1, Q8_0) multiplied as they are stored.
+"""GGUF block-quantized weights (every type of `block_matmul.BLOCK_SIZES`: Q4_0 ... Q8_0, the
+K-quants, F16, BF16) multiplied as they are stored.
 
 A `QuantizedWeight` keeps a weight's blocks bit-exact in the GGUF/ggml layout, one row of
-blocks per output row, so fused projections are plain tensor indexing and `torch.cat` on
-`blocks` while loading; loaded, `repack_for` may move the same bytes into a layout the kernels
-run faster (`block_matmul.INTERLEAVED`: rows interleaved; never a second copy). `quantize`
-rounds as ggml does; `dequantize` computes what gguf's dequantizers do, in either layout.
+blocks per output row (a loaded file's blocks are its read-only mapping itself: nothing here
+writes into `blocks`, every change makes a new tensor), so fused projections are plain tensor
+indexing and `torch.cat` on `blocks` while loading; loaded, `repack_for` may move the same bytes
+into a layout the kernels run faster (`block_matmul.INTERLEAVED`: rows interleaved; never a
+second copy). `quantize` rounds as ggml does (Q4_1, Q8_0); `dequantize` computes what gguf's
+dequantizers do, in either layout. A fused projection whose shards are stored in different
+types is a `QuantizedShards`.
 
-`linear(x, bias, path)` on CPU with fp32 activations runs the C kernels (`v1.kernels.block_matmul`);
-otherwise the reference, dequantize then F.linear. Paths (`PATHS`): "int8" (activations
-quantized per block of 32; a row's result is the same bits whatever else is in its call),
+`linear(x, bias, path)` on CPU with fp32 activations runs the C kernels (`v1.kernels.block_matmul`)
+where the library has them for the type; otherwise the reference, dequantize then F.linear.
+Paths (`PATHS`): "int8" (activations quantized per block of 32; a row's result is the same bits
+whatever else is in its call; a type without int8 kernels takes "fp32"),
 "fp32" (blocks dequantized in registers; summation order depends on the call's row count),
 "dense" (dequantized once, oneDNN GEMM). The step plan picks each row's path (`MatmulPolicy`; big
 prompt chunks' by the machine's calibration, `v1.models.calibration`).
 Paths and measurements: docs/benchmarks.md, "Matmul paths".
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,9 +29,8 @@ import torch.nn.functional as F
 
 from v1.envs import Environment
 from v1.kernels.block_matmul import (
-    BLOCK_BYTES,
+    BLOCK_SIZES,
     INTERLEAVED,
-    QK,
     QuantBlocks,
     QuantKernels,
     kernels,
@@ -33,6 +38,8 @@ from v1.kernels.block_matmul import (
 from v1.models.layers.onednn import ONEDNN_LINEAR, onednn_linear
 
 PATHS = ("fp32", "int8", "dense", "torch")
+# The kinds `QuantizedWeight.quantize` makes (and the torch code dequantizes itself).
+QUANTIZE_KINDS = ("q4_1", "q8_0")
 # Calls of at least this many rows take "dense" when they go by count: from about 256 rows
 # oneDNN's GEMM outruns the fp32 block path by more than the dequantization costs.
 DENSE_MIN_ROWS = 256
@@ -129,21 +136,24 @@ class MatmulRows:
 
 
 class QuantizedWeight:
-    """A [out_features, in_features] weight as GGUF blocks (uint8 [out, in / 32 * bytes]), in
-    GGUF's layout or an interleaved one (`kind` says which: `block_matmul.INTERLEAVED`; then
+    """A [out_features, in_features] weight as GGUF blocks (uint8 [out, in / block values *
+    block bytes], `BLOCK_SIZES`; in_features a multiple of the kind's block values), in GGUF's
+    layout or an interleaved one (`kind` says which: `block_matmul.INTERLEAVED`; then
     out_features is a multiple of its rows)."""
 
     __slots__ = ("kind", "out_features", "in_features", "blocks", "_kernel_blocks")
 
     def __init__(self, kind: str, blocks: torch.Tensor, out_features: int, in_features: int):
-        if kind not in BLOCK_BYTES:
-            raise ValueError(f"quantization kind {kind!r} is not one of {sorted(BLOCK_BYTES)}")
-        if in_features <= 0 or in_features % QK:
-            raise ValueError(f"in_features={in_features} must be a positive multiple of {QK}")
+        if kind not in BLOCK_SIZES:
+            raise ValueError(f"quantization kind {kind!r} is not one of {sorted(BLOCK_SIZES)}")
+        elems, nbytes = BLOCK_SIZES[kind]
+        if in_features <= 0 or in_features % elems:
+            raise ValueError(f"in_features={in_features} must be a positive multiple of "
+                             f"{elems} ({kind})")
         if out_features <= 0 or out_features % _rows(kind):
             raise ValueError(f"out_features={out_features} must be a positive multiple of "
                              f"{_rows(kind)} ({kind})")
-        shape = (out_features, in_features // QK * BLOCK_BYTES[kind])
+        shape = (out_features, in_features // elems * nbytes)
         if blocks.dtype != torch.uint8 or tuple(blocks.shape) != shape:
             raise ValueError(
                 f"{kind} blocks must be uint8 {list(shape)}, got {blocks.dtype} "
@@ -163,14 +173,15 @@ class QuantizedWeight:
             weight = cls.quantize(w, INTERLEAVED[kind][0])
             weight.repack(kind)
             return weight
-        if kind not in BLOCK_BYTES:
-            raise ValueError(f"quantization kind {kind!r} is not one of {sorted(BLOCK_BYTES)}")
-        if w.dim() != 2 or w.shape[1] % QK:
+        if kind not in QUANTIZE_KINDS:
+            raise ValueError(f"quantization kind {kind!r} is not one of {QUANTIZE_KINDS}")
+        qk = BLOCK_SIZES[kind][0]
+        if w.dim() != 2 or w.shape[1] % qk:
             raise ValueError(
-                f"weight shape {list(w.shape)}: expected [out, in] with in a multiple of {QK}"
+                f"weight shape {list(w.shape)}: expected [out, in] with in a multiple of {qk}"
             )
         out_features, in_features = w.shape
-        x = w.detach().to(torch.float32).reshape(out_features, -1, QK)
+        x = w.detach().to(torch.float32).reshape(out_features, -1, qk)
         if kind == "q8_0":
             d = x.abs().amax(-1, keepdim=True) / 127
             q = _roundf(x * _inverse(d)).to(torch.int8).view(torch.uint8)
@@ -196,7 +207,7 @@ class QuantizedWeight:
     def repack(self, kind: str) -> None:
         """The same blocks moved into `kind`'s layout (GGUF's, or an interleaved one of the same
         GGUF type), in place: `blocks` is replaced, the old tensor freed once unreferenced."""
-        if kind not in BLOCK_BYTES or INTERLEAVED.get(kind, (kind,))[0] != self.gguf_kind:
+        if kind not in BLOCK_SIZES or INTERLEAVED.get(kind, (kind,))[0] != self.gguf_kind:
             raise ValueError(f"{self.kind} blocks cannot be laid out as {kind!r}")
         if self.out_features % _rows(kind):
             raise ValueError(f"{kind} needs a multiple of {_rows(kind)} rows, the weight has "
@@ -208,7 +219,8 @@ class QuantizedWeight:
     def repack_for(self, q: QuantKernels | None) -> None:
         """Move the blocks into the layout the kernels `q` run faster (their table's `repack`
         for this kind; None, no kernels: none), where the weight's rows allow it."""
-        kind = None if q is None else q.types[self.kind].repack
+        row = None if q is None else q.types.get(self.kind)
+        kind = None if row is None else row.repack
         if kind is not None and self.out_features % _rows(kind) == 0:
             self.repack(kind)
 
@@ -223,8 +235,8 @@ class QuantizedWeight:
         if rows == 1:
             blocks = self.blocks[flat]
         else:  # row i of group g: [g, every block, every dword, i] (see `_interleave`)
-            grouped = self.blocks.view(self.out_features // rows, -1, BLOCK_BYTES[self.kind] // 4,
-                                       rows, 4)
+            grouped = self.blocks.view(self.out_features // rows, -1,
+                                       BLOCK_SIZES[self.kind][1] // 4, rows, 4)
             blocks = grouped[flat // rows, :, :, flat % rows].reshape(len(flat), -1)
         return _dequantize(self.gguf_kind, blocks).reshape(*ids.shape, self.in_features)
 
@@ -234,8 +246,8 @@ class QuantizedWeight:
     ) -> torch.Tensor:
         """x [..., in] @ weight.T (+ bias [out]) -> [..., out] on `path` (one of PATHS; None:
         `DEFAULT_POLICY.path_for` the row count). The C kernels (`q`; None: this process's
-        library, looked up) serve fp32 CPU activations; anything else takes the torch
-        reference."""
+        library, looked up) serve fp32 CPU activations where they run this kind
+        (`QuantKernels.runs`); anything else takes the torch reference."""
         if x.shape[-1] != self.in_features:
             raise ValueError(
                 f"input has {x.shape[-1]} features, the weight takes {self.in_features}"
@@ -250,12 +262,12 @@ class QuantizedWeight:
             path = DEFAULT_POLICY.path_for(m)
         native = (path != "torch" and m > 0 and x.dtype == torch.float32 and x.is_cpu
                   and self.blocks.is_cpu)
-        if not native:
-            q = None
-        elif q is None:
+        if native and q is None:
             q = kernels()
-        if q is None:
+        if not native or q is None or not q.runs(self.kind):
             return F.linear(x, self.dequantize().to(x.dtype), bias)
+        if path == "int8" and not q.has(self.kind, "linear_i8"):
+            path = "fp32"
         if bias is not None:
             bias = bias.contiguous()
         kb = self.kernel_blocks()
@@ -294,7 +306,7 @@ def _interleave(kind: str, blocks: torch.Tensor) -> torch.Tensor:
     if rows == 1:
         return blocks
     n = blocks.shape[0]
-    grouped = blocks.view(n // rows, rows, -1, BLOCK_BYTES[kind] // 4, 4)
+    grouped = blocks.view(n // rows, rows, -1, BLOCK_SIZES[kind][1] // 4, 4)
     return grouped.permute(0, 2, 3, 1, 4).contiguous().view(n, -1)
 
 
@@ -305,7 +317,7 @@ def _plain(kind: str, blocks: torch.Tensor) -> torch.Tensor:
     if rows == 1:
         return blocks
     n = blocks.shape[0]
-    grouped = blocks.view(n // rows, -1, BLOCK_BYTES[kind] // 4, rows, 4)
+    grouped = blocks.view(n // rows, -1, BLOCK_SIZES[kind][1] // 4, rows, 4)
     return grouped.permute(0, 3, 1, 2, 4).contiguous().view(n, -1)
 
 
@@ -330,13 +342,82 @@ def _fp16(b: torch.Tensor) -> torch.Tensor:
 
 
 def _dequantize(kind: str, blocks: torch.Tensor) -> torch.Tensor:
-    rows, nb = blocks.shape[0], blocks.shape[1] // BLOCK_BYTES[kind]
-    b = blocks.reshape(rows, nb, BLOCK_BYTES[kind])  # nb named: rows may be 0 (no token ids)
-    d = _fp16(b[..., 0:2])
-    if kind == "q8_0":
-        w = b[..., 2:].contiguous().view(torch.int8).to(torch.float32) * d
-    else:
-        qs = b[..., 4:]
-        q = torch.cat((qs & 15, qs >> 4), -1).to(torch.float32)
-        w = d * q + _fp16(b[..., 2:4])
-    return w.reshape(rows, nb * QK)
+    """GGUF-layout `kind` blocks [rows, nb * bytes] as fp32 [rows, nb * values], the bits of
+    gguf's reference: the torch code's for its kinds (`QUANTIZE_KINDS`), else this process's
+    library's dequantize kernel (bit-identical to gguf's by the kernel table's contract), else
+    gguf's own (numpy)."""
+    elems, nbytes = BLOCK_SIZES[kind]
+    rows, nb = blocks.shape[0], blocks.shape[1] // nbytes  # nb named: rows may be 0 (no ids)
+    if rows == 0:
+        return torch.empty(0, nb * elems)
+    if kind in QUANTIZE_KINDS:
+        b = blocks.reshape(rows, nb, nbytes)
+        d = _fp16(b[..., 0:2])
+        if kind == "q8_0":
+            w = b[..., 2:].contiguous().view(torch.int8).to(torch.float32) * d
+        else:
+            qs = b[..., 4:]
+            q = torch.cat((qs & 15, qs >> 4), -1).to(torch.float32)
+            w = d * q + _fp16(b[..., 2:4])
+        return w.reshape(rows, nb * elems)
+    q = kernels()
+    if q is not None and q.has(kind, "dequantize"):
+        return q.dequantize(QuantBlocks(kind, blocks.contiguous()))
+    import gguf  # only a GGUF file's types come here
+
+    w = gguf.quants.dequantize(blocks.contiguous().numpy(),
+                               gguf.GGMLQuantizationType[kind.upper()])
+    return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32).reshape(rows, nb * elems))
+
+
+class QuantizedShards:
+    """A fused projection (q | k | v, gate | up) whose row ranges are stored in different
+    types (llama.cpp's K-quant mixes keep some layers' attn_v in Q6_K beside Q4_K q and k):
+    each shard its own `QuantizedWeight`, in row order, multiplied on its own and the
+    outputs concatenated, so each keeps its file's blocks (no fp32 copy, no conversion)."""
+
+    __slots__ = ("shards", "out_features", "in_features")
+
+    def __init__(self, shards: Sequence[QuantizedWeight]) -> None:
+        if len({w.in_features for w in shards}) != 1:
+            raise ValueError(f"shards of one projection differ in in_features: {list(shards)}")
+        self.shards = tuple(shards)
+        self.out_features = sum(w.out_features for w in shards)
+        self.in_features = shards[0].in_features
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self.shards)
+
+    @property
+    def gguf_kind(self) -> str:
+        """The shards' GGUF types, in row order, joined by "+" ("q4_k+q4_k+q6_k")."""
+        return "+".join(w.gguf_kind for w in self.shards)
+
+    def repack_for(self, q: QuantKernels | None) -> None:
+        for w in self.shards:
+            w.repack_for(q)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([w.dequantize() for w in self.shards])
+
+    def linear(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, rows: MatmulRows | None = None
+    ) -> torch.Tensor:
+        """x [..., in] @ weight.T (+ bias [out]) -> [..., out], each shard on the path `rows`
+        gives it (None: `QuantizedWeight.linear`'s default)."""
+        sizes = [w.out_features for w in self.shards]
+        biases = [None] * len(sizes) if bias is None else bias.split(sizes)
+        outs = [w.linear(x, b) if rows is None else rows.linear(w, x, b)
+                for w, b in zip(self.shards, biases, strict=True)]
+        return torch.cat(outs, -1)
+
+    def __repr__(self) -> str:
+        return f"QuantizedShards({self.gguf_kind}, {self.out_features}x{self.in_features})"
+
+
+def block_weights(kernel: object) -> list[QuantizedWeight]:
+    """The `QuantizedWeight`s a layer's `kernel` multiplies by (none for other forms)."""
+    if isinstance(kernel, QuantizedWeight):
+        return [kernel]
+    return list(kernel.shards) if isinstance(kernel, QuantizedShards) else []
