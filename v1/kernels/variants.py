@@ -28,6 +28,11 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "block_q4_1x8.c": (),
     "block_q8_0.c": (),
     "block_ref.c": (),
+    # The K-quants: dequantize must round as gguf's numpy does (no FMA contraction).
+    "block_q4_k.c": ("-ffp-contract=off",),
+    "block_q5_k.c": ("-ffp-contract=off",),
+    "block_q6_k.c": ("-ffp-contract=off",),
+    "block_ref_k.c": ("-ffp-contract=off",),
     # a * b + c rounded twice, as the torch ops it must match bit for bit do.
     "elementwise.c": ("-ffp-contract=off",),
     "paged_decode_f32.c": (),
@@ -36,9 +41,9 @@ SOURCES: dict[str, tuple[str, ...]] = {
     # Calls the others' entry points only (no arithmetic of its own to round).
     "fused_decode_step.c": (),
 }
-HEADERS = ("block_tiles.h", "block_types.h", "fused_decode_step.h", "isa.h", "isa_arm.h",
-           "isa_generic.h", "isa_x86.h", "kernels.h", "kv_rows.h", "paged_decode.h", "pool.h",
-           "v1.h", "vec.h", "vec8.h")
+HEADERS = ("block_ktiles.h", "block_tiles.h", "block_types.h", "fused_decode_step.h", "isa.h",
+           "isa_arm.h", "isa_generic.h", "isa_x86.h", "kernels.h", "kv_rows.h", "paged_decode.h",
+           "pool.h", "v1.h", "vec.h", "vec8.h")
 
 COMMON_FLAGS = ("-std=gnu11", "-fPIC", "-fvisibility=hidden", "-pthread", "-Wall", "-Wextra",
                 "-Wno-psabi")  # psabi: GCC notes that 64-byte vectors pass differently

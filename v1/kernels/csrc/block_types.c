@@ -19,5 +19,8 @@ const struct v1_block_type v1_block_table[] = {
     {"q4_1", 32, 20, 1, Q4_1_REPACK, KERNELS(block, q4_1), KERNELS(ref, q4_1)},
     {"q4_1x8", 32, 20, 8, NULL, KERNELS(block, q4_1x8), KERNELS(ref, q4_1x8)},
     {"q8_0", 32, 34, 1, NULL, KERNELS(block, q8_0), KERNELS(ref, q8_0)},
+    {"q4_k", 256, 144, 1, NULL, KERNELS(block, q4_k), KERNELS(ref, q4_k)},
+    {"q5_k", 256, 176, 1, NULL, KERNELS(block, q5_k), KERNELS(ref, q5_k)},
+    {"q6_k", 256, 210, 1, NULL, KERNELS(block, q6_k), KERNELS(ref, q6_k)},
 };
 const int32_t v1_block_table_size = sizeof v1_block_table / sizeof v1_block_table[0];
