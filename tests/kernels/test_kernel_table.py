@@ -7,6 +7,7 @@ import ctypes
 import dataclasses
 import platform
 
+import gguf
 import pytest
 import torch
 
@@ -86,10 +87,11 @@ def test_the_bindings_read_the_table() -> None:
     types = block_types(lib)
     assert q.types is types
     # The C's rows, in its order: GGUF's layouts and ours, every kernel, tuned and reference.
-    assert list(types) == ["q4_1", "q4_1x8", "q8_0"]
+    assert list(types) == ["q4_1", "q4_1x8", "q8_0", "q4_k", "q5_k", "q6_k"]
     for code, (name, t) in enumerate(types.items()):
-        assert (t.name, t.code, t.block_elems, t.block_bytes) == (name, code, QK,
-                                                                  BLOCK_BYTES[name])
+        size = ((QK, BLOCK_BYTES[name]) if name in BLOCK_BYTES
+                else gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name.upper()]])
+        assert (t.name, t.code, t.block_elems, t.block_bytes) == (name, code, *size)
         assert t.interleave == INTERLEAVED.get(name, (name, 1))[1]
         assert t.kernels == t.reference == {"linear_f32", "linear_i8", "dequantize"}
     # A row another one's blocks are repacked into holds that one's blocks.
@@ -125,6 +127,8 @@ def test_tuned_kernels_match_their_reference(lib: ctypes.CDLL) -> None:
     tuned, reference = kernels(lib), QuantKernels(lib, reference=True)
     gen = torch.Generator().manual_seed(0)
     for kind, t in block_types(lib).items():
+        if t.block_elems != QK:  # the K-quants: test_block_kquants.py
+            continue
         for rows, k in ((1, 32), (17, 64), (33, 96)):
             n = -(-rows // t.interleave) * t.interleave  # whole groups of interleaved rows
             w = _weights(kind, n, k, gen)

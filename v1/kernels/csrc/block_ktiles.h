@@ -61,13 +61,15 @@ static inline kt_b32 kt_load32(const uint8_t *p) {
     return v;
 }
 
-/* 8 bytes, each twice, as 16 words (q4_k and q5_k's per-32 scales and mins per block of 16). */
-static inline kt_h16 kt_twice(uint64_t bytes8) {
-    kt_b16 v = {0};
-    memcpy(&v, &bytes8, 8);
-    const kt_b16 dup = __builtin_shufflevector(v, v, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    return __builtin_convertvector(dup, kt_h16);
-}
+/* Bytes 8 h .. 8 h + 7 of v, each twice, as 16 words (q4_k and q5_k's per-32 scales and
+   mins per block of 16). */
+#define KT_TWICE(v, h)                                                                     \
+    __builtin_convertvector(__builtin_shufflevector(v, v, 8 * h, 8 * h, 8 * h + 1, 8 * h + 1, \
+                                                    8 * h + 2, 8 * h + 2, 8 * h + 3,       \
+                                                    8 * h + 3, 8 * h + 4, 8 * h + 4,       \
+                                                    8 * h + 5, 8 * h + 5, 8 * h + 6,       \
+                                                    8 * h + 6, 8 * h + 7, 8 * h + 7),      \
+                            kt_h16)
 
 /* q4_k and q5_k's 12 bytes of 6-bit scales and mins: 8 of each, as words per block of 16. */
 static inline void kt_scales_6bit(const uint8_t *s12, struct kt_scales *s) {
@@ -81,7 +83,9 @@ static inline void kt_scales_6bit(const uint8_t *s12, struct kt_scales *s) {
                         (uint64_t)((c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u)) << 32;
     const uint64_t m = (b & 0x3f3f3f3fu) |
                        (uint64_t)(((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u)) << 32;
-    const kt_h16 scv = kt_twice(sc), mv = kt_twice(m);
+    typedef uint64_t u64x2 __attribute__((vector_size(16)));
+    const kt_b16 both = (kt_b16)(u64x2){sc, m};  /* in registers: no store to reload */
+    const kt_h16 scv = KT_TWICE(both, 0), mv = KT_TWICE(both, 1);
     memcpy(s->sc, &scv, sizeof scv);
     memcpy(s->mw, &mv, sizeof mv);
 }
