@@ -7,11 +7,12 @@
    and every kernel the row has, the tuned kernel and the reference run on the same
    pseudo-random blocks and activations, at shapes that reach every tile: M (activation rows)
    1 .. 70, N (weight rows) never a multiple of the vector width (but a multiple of the rows
-   a type interleaves, the kernels' contract: at most half a vector then), K 1 .. 6 blocks,
-   with and without a bias, on 1 and 2 threads. linear_i8 must give the same bits, linear_f32 and
-   dequantize agree within rounding (and the reference linear_f32 with a double-precision
-   product of the reference dequantize); neither may write outside its output. With =INT8_ISA
-   the library must report that integer dot product (v1_block_int8_isa: isa.h's INT8_ISA).
+   a type interleaves, the kernels' contract: at most half a vector then), K 1 .. 6 blocks
+   (superblocks 1, 2), with and without a bias, on 1 and 2 threads. linear_i8 must give the
+   same bits, linear_f32 and dequantize agree within rounding (and the reference linear_f32
+   with a double-precision product of the reference dequantize); neither may write outside
+   its output. With =INT8_ISA the library must report that integer dot product
+   (v1_block_int8_isa: isa.h's INT8_ISA).
    Prints a line per library; exits 0 if all pass, 1 on a mismatch, 2 on a library or
    kernel it cannot check. */
 #include "block_types.h"
@@ -44,7 +45,9 @@ static const struct {
    tile at VL 4, 8 and 16. */
 static const int64_t MS[] = {1, 2, 3, 4, 5, 8, 16, 17, 40, 76};
 static const int64_t NS[] = {1, 13, 37, 70};
-static const int64_t KS[] = {1, 2, 5, 6};  /* blocks per row: K = KS block_elems */
+/* K: blocks per row (K = KS block_elems); superblocks (block_elems above 32) 1 or 2, their
+   kernels loop over them the same way at any count (and the references are slow under qemu). */
+static const int64_t KS[] = {1, 2, 5, 6};
 enum { NM = sizeof MS / sizeof MS[0], NN = sizeof NS / sizeof NS[0], NK = sizeof KS / sizeof KS[0] };
 enum { PAD = 3 };  /* columns past each output row, which no kernel may write */
 
@@ -231,7 +234,8 @@ static int check_type(run_fn run, const struct v1_block_type *row, int32_t code,
     for (int in = 0; in < NN; in++)
         for (int ik = 0; ik < NK; ik++) {
             const int64_t R = row->interleave;
-            const int64_t N = (NS[in] + R - 1) / R * R, K = KS[ik] * row->block_elems;
+            const int64_t N = (NS[in] + R - 1) / R * R;
+            const int64_t K = (row->block_elems > 32 ? 1 + ik % 2 : KS[ik]) * row->block_elems;
             const int64_t rb = K / row->block_elems * row->block_bytes;
             uint8_t *w = random_blocks(N, K, row->block_elems, row->block_bytes, (int)R, halves,
                                        &seed);

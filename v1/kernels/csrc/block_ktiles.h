@@ -47,7 +47,7 @@ typedef int16_t kt_h16 __attribute__((vector_size(32)));
    as the words the integer path multiplies), d and dmin (0 without a min). */
 struct kt_scales {
     int16_t sc[KT_GROUPS] __attribute__((aligned(32)));
-    int16_t mw[KT_GROUPS] __attribute__((aligned(32)));
+    kt_h16 mw;
     float d, dmin;
 };
 
@@ -87,7 +87,7 @@ static inline void kt_scales_6bit(const uint8_t *s12, struct kt_scales *s) {
     const kt_b16 both = (kt_b16)(u64x2){sc, m};  /* in registers: no store to reload */
     const kt_h16 scv = KT_TWICE(both, 0), mv = KT_TWICE(both, 1);
     memcpy(s->sc, &scv, sizeof scv);
-    memcpy(s->mw, &mv, sizeof mv);
+    s->mw = mv;
 }
 
 /* Values 4 VL c .. 4 VL c + 4 VL - 1 of the superblock as unsigned bytes (c < KT_CHUNKS). */
@@ -223,7 +223,8 @@ int32_t KT_FN(linear_f32)(const struct v1_matmul *c) {
    g: row VL g + l; rows past M are 0):
      xq[m * K + k]                         qx of row m, in order
      XD[(g * nsb + b) * VL + l]            dx of superblock b
-     XS[((g * nsb + b) * 8 + i) * VL + l]  s_2i and s_2i+1 as the low and high word */
+     XS[((g * nsb + b) * 8 + i) * VL + l]  s_2i and s_2i+1 as the low and high word
+     XW[(m * nsb + b) * 16 + i]            s_i (int16) */
 struct kt_job_i8 {
     const uint8_t *w;
     int64_t row_bytes, K, nsb, M, G;
@@ -233,6 +234,7 @@ struct kt_job_i8 {
     int8_t *xq;
     float *XD;
     int32_t *XS;
+    int16_t *XW;
 };
 
 /* Row m of x quantized into the job's arrays; 1 if it holds a value that is not finite (its
@@ -265,6 +267,8 @@ static int kt_quantize_row(const struct kt_job_i8 *j, const float *x, int64_t m)
         }
         const int64_t gb = g * j->nsb + b;
         j->XD[gb * VL + l] = d;
+        for (int i = 0; i < KT_GROUPS; i++)
+            j->XW[(m * j->nsb + b) * KT_GROUPS + i] = (int16_t)sums[i];
         for (int i = 0; i < KT_PAIRS; i++)
             j->XS[(gb * KT_PAIRS + i) * VL + l] =
                 (int32_t)((uint32_t)(uint16_t)sums[2 * i] | (uint32_t)sums[2 * i + 1] << 16);
@@ -318,6 +322,63 @@ static inline __attribute__((always_inline)) vi kt_reduce(vi *v, int n) {
     return v[0];
 }
 
+/* v's lanes from lane s on, in lanes 0 .. (s a constant at each call, s <= VL / 2). */
+#define KT_ROT(S) __builtin_shufflevector(v, v, KT_ROT_LANES(S))
+#if VL == 16
+#define KT_ROT_LANES(S) ((S) + 0) % 16, ((S) + 1) % 16, ((S) + 2) % 16, ((S) + 3) % 16,         \
+    ((S) + 4) % 16, ((S) + 5) % 16, ((S) + 6) % 16, ((S) + 7) % 16, ((S) + 8) % 16,             \
+    ((S) + 9) % 16, ((S) + 10) % 16, ((S) + 11) % 16, ((S) + 12) % 16, ((S) + 13) % 16,         \
+    ((S) + 14) % 16, ((S) + 15) % 16
+#elif VL == 8
+#define KT_ROT_LANES(S) ((S) + 0) % 8, ((S) + 1) % 8, ((S) + 2) % 8, ((S) + 3) % 8,             \
+    ((S) + 4) % 8, ((S) + 5) % 8, ((S) + 6) % 8, ((S) + 7) % 8
+#else
+#define KT_ROT_LANES(S) ((S) + 0) % 4, ((S) + 1) % 4, ((S) + 2) % 4, ((S) + 3) % 4
+#endif
+static inline __attribute__((always_inline)) vi kt_rotate(vi v, int s) {
+    switch (s) {
+        case 1: return KT_ROT(1);
+        case 2: return KT_ROT(2);
+#if VL >= 8
+        case 3: return KT_ROT(3);
+        case 4: return KT_ROT(4);
+#endif
+#if VL >= 16
+        case 5: return KT_ROT(5);
+        case 6: return KT_ROT(6);
+        case 7: return KT_ROT(7);
+        case 8: return KT_ROT(8);
+#endif
+        default: return v;
+    }
+}
+
+/* The 16 products a_i b_i (b: 16 words at p), summed in pairs into lanes (their total: the
+   dot product). */
+static inline __attribute__((always_inline)) vi kt_dot16(kt_h16 a, const int16_t *p) {
+    kt_h16 b;
+    memcpy(&b, p, sizeof b);
+#if VL == 16
+    typedef int16_t h32 __attribute__((vector_size(64)));
+    const kt_h16 z = {0};
+#define KT_WIDE(x) __builtin_shufflevector(x, z, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, \
+                                           14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, \
+                                           27, 28, 29, 30, 31)
+    const h32 a2 = KT_WIDE(a), b2 = KT_WIDE(b);
+#undef KT_WIDE
+    return madd16((vi)a2, (vi)b2);
+#elif VL == 8
+    return madd16((vi)a, (vi)b);
+#else
+    typedef int16_t h8 __attribute__((vector_size(16)));
+    const h8 alo = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7);
+    const h8 ahi = __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+    const h8 blo = __builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7);
+    const h8 bhi = __builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15);
+    return madd16((vi)alo, (vi)blo) + madd16((vi)ahi, (vi)bhi);
+#endif
+}
+
 /* One weight row (`row`) against group `g`'s MG rows (a constant at each call): y[m * ldy] for
    m < MG. */
 static inline __attribute__((always_inline)) void kt_row(const struct kt_job_i8 *j,
@@ -327,6 +388,10 @@ static inline __attribute__((always_inline)) void kt_row(const struct kt_job_i8 
     const int8_t *xq = j->xq + g * VL * K;
     const float *XD = j->XD + g * nsb * VL;
     const int32_t *XS = j->XS + g * nsb * KT_PAIRS * VL;
+    const int16_t *XW = j->XW + g * VL * nsb * KT_GROUPS;
+    /* imin per (row, m) beside isum, reduced with it, where both fit a vector's lanes (else
+       in the rows' lanes from XS); without a min, taken off isum before the reduction. */
+    const int joint = KT_MIN && 2 * MG <= VL;
     vf acc = {0};
     for (int64_t b = 0; b < nsb; b++) {
         const uint8_t *p = row + b * KT_BYTES;
@@ -335,24 +400,33 @@ static inline __attribute__((always_inline)) void kt_row(const struct kt_job_i8 
         kt_read_scales(p, &s);
         vi isum[VL];
         for (int m = 0; m < MG; m++) isum[m] = (vi){0};
+        for (int m = 0; joint && m < MG; m++)
+            isum[MG + m] = kt_dot16(s.mw, XW + (m * nsb + b) * KT_GROUPS);
         for (int c = 0; c < KT_CHUNKS; c++) {
             const vi wv = kt_chunk(p, c), k = words8(s.sc + c * VL / 4);
             for (int m = 0; m < MG; m++)
                 isum[m] = dot_sc(isum[m], wv, loadvi(xq + m * K + b * QK_K + c * 4 * VL), k);
         }
-        const vi sum = kt_reduce(isum, MG);
-        vi imin = {0};
-        for (int i = 0; i < KT_PAIRS; i++) {
-            int32_t mw2;
-            memcpy(&mw2, s.mw + 2 * i, 4);
-            imin += madd16(loadvi(XS + (b * KT_PAIRS + i) * VL), (vi){0} + mw2);
-        }
+        for (int m = 0; !KT_MIN && m < MG; m++)
+            isum[m] -= kt_dot16(s.mw, XW + (m * nsb + b) * KT_GROUPS);
+        const vi sum = kt_reduce(isum, joint ? 2 * MG : MG);
         const vf dx = loadv(XD + b * VL);
-        if (KT_MIN)
+        if (KT_MIN) {
+            vi imin = kt_rotate(sum, MG);
+            if (!joint) {
+                const int16_t *mw = (const int16_t *)&s.mw;
+                imin = (vi){0};
+                for (int i = 0; i < KT_PAIRS; i++) {
+                    int32_t mw2;
+                    memcpy(&mw2, mw + 2 * i, 4);
+                    imin += madd16(loadvi(XS + (b * KT_PAIRS + i) * VL), (vi){0} + mw2);
+                }
+            }
             acc = fmav(__builtin_convertvector(sum, vf), dx * splatv(s.d),
                        fmav(__builtin_convertvector(imin, vf), dx * splatv(-s.dmin), acc));
-        else
-            acc = fmav(__builtin_convertvector(sum - imin, vf), dx * splatv(s.d), acc);
+        } else {
+            acc = fmav(__builtin_convertvector(sum, vf), dx * splatv(s.d), acc);
+        }
     }
     float out[VL];
     memcpy(out, &acc, sizeof out);
@@ -406,11 +480,13 @@ int32_t KT_FN(linear_i8)(const struct v1_matmul *c) {
                           .M = M, .G = (M + VL - 1) / VL, .bias = c->bias, .y = c->out.data,
                           .ldy = c->out.stride};
     const int64_t rows = j.G * VL;
-    /* xq, then XD and XS (4-byte elements both, after K bytes per row: K is a multiple of 256). */
-    j.xq = calloc((size_t)(rows * K + rows * j.nsb * (1 + KT_PAIRS) * 4), 1);
+    /* xq, then XD and XS (4-byte elements both, after K bytes per row: K is a multiple of
+       256), then XW. */
+    j.xq = calloc((size_t)(rows * K + rows * j.nsb * ((1 + KT_PAIRS) * 4 + KT_GROUPS * 2)), 1);
     if (!j.xq) return -1;
     j.XD = (float *)(j.xq + rows * K);
     j.XS = (int32_t *)(j.XD + rows * j.nsb);
+    j.XW = (int16_t *)(j.XS + rows * j.nsb * KT_PAIRS);
     int64_t nonfinite = 0;
     for (int64_t m = 0; m < M; m++) nonfinite += kt_quantize_row(&j, x + m * c->x.stride, m);
     v1_parallel_for(c->nthreads, N, 16, kt_i8_rows, &j);

@@ -21,9 +21,8 @@ static inline void kt_read_scales(const uint8_t *p, struct kt_scales *s) {
     s8x16 sc;
     memcpy(&sc, p + 192, sizeof sc);
     const kt_h16 v = __builtin_convertvector(sc, kt_h16);
-    const kt_h16 mw = v * 32;
     memcpy(s->sc, &v, sizeof v);
-    memcpy(s->mw, &mw, sizeof mw);
+    s->mw = v * 32;
     s->d = fp16(p + 208);
     s->dmin = 0.f;
 }
