@@ -42,6 +42,25 @@ typedef uint8_t kt_b32 __attribute__((vector_size(32)));
 typedef uint16_t kt_w32 __attribute__((vector_size(32)));
 typedef uint8_t kt_b16 __attribute__((vector_size(16)));
 typedef int16_t kt_h16 __attribute__((vector_size(32)));
+typedef uint8_t kt_b64 __attribute__((vector_size(64)));
+typedef uint16_t kt_w64 __attribute__((vector_size(64)));
+
+/* The 32 bytes at p in both halves of 64 (a broadcast load). */
+static inline kt_b64 kt_twice32(const uint8_t *p) {
+    kt_b32 v;
+    memcpy(&v, p, 32);
+    return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
+                                   16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31,
+                                   0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17,
+                                   18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+
+/* Words shifted right by a in the low half of 64 bytes, by b in the high half. */
+static inline kt_b64 kt_shift_halves(kt_b64 v, int a, int b) {
+    kt_w64 n;
+    for (int i = 0; i < 32; i++) n[i] = (uint16_t)(i < 16 ? a : b);
+    return (kt_b64)((kt_w64)v >> n);
+}
 
 /* A superblock's scales: per block of 16 values its scale sc and its min's weight mw (both
    as the words the integer path multiplies), d and dmin (0 without a min). */
@@ -51,8 +70,11 @@ struct kt_scales {
     float d, dmin;
 };
 
-/* Values 32 t .. 32 t + 31 of the superblock at p as unsigned bytes (t < 8). */
+/* Values 32 t .. 32 t + 31 of the superblock at p as unsigned bytes (t < 8), and with 16
+   lanes values 64 h .. 64 h + 63 (h < 4), each half of them from the same bytes as the
+   pieces but by one variable shift, where an insert of two pieces would take a shuffle. */
 static inline kt_b32 kt_piece(const uint8_t *p, int t);
+static inline kt_b64 kt_piece64(const uint8_t *p, int h);
 static inline void kt_read_scales(const uint8_t *p, struct kt_scales *s);
 
 static inline kt_b32 kt_load32(const uint8_t *p) {
@@ -93,12 +115,7 @@ static inline void kt_scales_6bit(const uint8_t *s12, struct kt_scales *s) {
 /* Values 4 VL c .. 4 VL c + 4 VL - 1 of the superblock as unsigned bytes (c < KT_CHUNKS). */
 static inline __attribute__((always_inline)) vi kt_chunk(const uint8_t *p, int c) {
 #if VL == 16
-    const kt_b32 a = kt_piece(p, 2 * c), b = kt_piece(p, 2 * c + 1);
-    return (vi)__builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
-                                       16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30,
-                                       31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45,
-                                       46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60,
-                                       61, 62, 63);
+    return (vi)kt_piece64(p, c);
 #elif VL == 8
     return (vi)kt_piece(p, c);
 #else
@@ -398,6 +415,8 @@ static inline __attribute__((always_inline)) void kt_row(const struct kt_job_i8 
         for (int i = 0; i < KT_BYTES; i += 64) __builtin_prefetch(p + KT_PREFETCH + i);
         struct kt_scales s;
         kt_read_scales(p, &s);
+        /* words8 then broadcasts from memory (a load), not from the register (a shuffle) */
+        __asm__("" : "+m"(s.sc));
         vi isum[VL];
         for (int m = 0; m < MG; m++) isum[m] = (vi){0};
         for (int m = 0; joint && m < MG; m++)

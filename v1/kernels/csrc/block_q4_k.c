@@ -13,6 +13,10 @@ static inline kt_b32 kt_piece(const uint8_t *p, int t) {
     return (t % 2 ? (kt_b32)((kt_w32)q >> 4) : q) & 15;
 }
 
+static inline kt_b64 kt_piece64(const uint8_t *p, int h) {
+    return kt_shift_halves(kt_twice32(p + 16 + 32 * h), 0, 4) & 15;
+}
+
 static inline void kt_read_scales(const uint8_t *p, struct kt_scales *s) {
     s->d = fp16(p);
     s->dmin = fp16(p + 2);

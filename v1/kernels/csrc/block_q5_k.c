@@ -14,6 +14,12 @@ static inline kt_b32 kt_piece(const uint8_t *p, int t) {
     return lo | (kt_b32)((((kt_w32)kt_load32(p + 16) >> t) & 0x0101) << 4);
 }
 
+static inline kt_b64 kt_piece64(const uint8_t *p, int h) {
+    const kt_b64 lo = kt_shift_halves(kt_twice32(p + 48 + 32 * h), 0, 4) & 15;
+    return lo | (kt_b64)(((kt_w64)kt_shift_halves(kt_twice32(p + 16), 2 * h, 2 * h + 1) & 0x0101)
+                         << 4);
+}
+
 static inline void kt_read_scales(const uint8_t *p, struct kt_scales *s) {
     s->d = fp16(p);
     s->dmin = fp16(p + 2);

@@ -16,6 +16,15 @@ static inline kt_b32 kt_piece(const uint8_t *p, int t) {
     return lo | (kt_b32)(((qh >> (2 * u)) & 0x0303) << 4);
 }
 
+static inline kt_b64 kt_piece64(const uint8_t *p, int h) {
+    const int half = h / 2, u = 2 * (h % 2);  /* pieces u, u + 1 of the half */
+    kt_b64 ql;
+    memcpy(&ql, p + 64 * half, 64);
+    const kt_b64 lo = kt_shift_halves(ql, 4 * (h % 2), 4 * (h % 2)) & 15;
+    const kt_b64 hi = kt_shift_halves(kt_twice32(p + 128 + 32 * half), 2 * u, 2 * u + 2);
+    return lo | (kt_b64)(((kt_w64)hi & 0x0303) << 4);
+}
+
 static inline void kt_read_scales(const uint8_t *p, struct kt_scales *s) {
     typedef int8_t s8x16 __attribute__((vector_size(16)));
     s8x16 sc;

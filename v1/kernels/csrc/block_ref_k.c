@@ -3,6 +3,7 @@
    are tested against (dequantize and the int8 path bit for bit, linear_f32 within rounding).
    Compiled without FMA contraction: each product and sum rounds as written. */
 #include "block_types.h"
+#include "isa_generic.h"  /* fp16_generic: IEEE half to float in plain C */
 
 #include <math.h>
 #include <stdint.h>
@@ -21,26 +22,11 @@ struct kblock {
     int min;  /* 1: x = d sc u - dmin m */
 };
 
-/* IEEE half at p as float. */
-static float half(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, man = h & 0x3ff;
-    if (e == 0) {
-        const float f = (float)man * 5.9604644775390625e-8f;
-        return sign ? -f : f;
-    }
-    const uint32_t bits = sign | (e == 0x1f ? 0x7f800000u : (e + 112) << 23) | (man << 13);
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
 /* q4_k and q5_k's header: d, dmin, then 12 bytes holding 8 6-bit scales and 8 6-bit mins. */
 static void read_header(const uint8_t *p, struct kblock *k) {
     const uint8_t *s = p + 4;
-    k->d = half(p);
-    k->dmin = half(p + 2);
+    k->d = fp16_generic(p);
+    k->dmin = fp16_generic(p + 2);
     k->min = 1;
     for (int j = 0; j < 8; j++) {
         int sc, m;
@@ -87,7 +73,7 @@ static void read_q6_k(const uint8_t *p, struct kblock *k) {
         k->sc[g] = (int8_t)p[192 + g];
         k->mw[g] = 32 * k->sc[g];
     }
-    k->d = half(p + 208);
+    k->d = fp16_generic(p + 208);
     k->dmin = 0.f;
     k->min = 0;
 }
