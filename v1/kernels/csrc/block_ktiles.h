@@ -4,7 +4,8 @@
      KT_FN(f)      the name of this type's kernel f (block_<type>_f)
      KT_BYTES      bytes per superblock
      KT_MIN        1: x = d sc q - dmin m (a min per 32 values); 0: x = d sc (q - 32) (q6_k)
-   and after this file, the inline functions declared below (kt_piece, kt_scales).
+   and after this file, the inline functions declared below (kt_piece, kt_piece64,
+   kt_read_scales).
 
    The int8 path (the same bits for a row whatever M, on every variant; block_ref_k.c is its
    definition): the activations are quantized per superblock, dx = max|x| / 127,
@@ -20,10 +21,12 @@
    and y = acc + bias. A tile is one weight row against a group of up to VL activation rows
    (lanes): each row's isum is a vector of partial sums per (row, superblock), reduced with
    the group's others into one vector of a lane per row (kt_reduce), so that the float
-   recurrence runs on the group's rows at once. imin is computed in those lanes directly
-   (the block sums s_i are stored transposed). dequantize gives gguf's values bit for bit
-   (d sc and dmin m rounded to fp32, then (d sc) q rounded, then the min subtracted: this
-   file is compiled without FMA contraction); linear_f32 multiplies those with x. */
+   recurrence runs on the group's rows at once. imin too is a vector per (row, superblock),
+   reduced with isum's where both fit the lanes (2 M <= VL; else computed in the rows' lanes
+   from the block sums stored transposed); q6_k's is taken off isum's before the reduction.
+   dequantize gives gguf's values bit for bit (d sc and dmin m rounded to fp32, then (d sc) q
+   rounded, then the min subtracted: this file is compiled without FMA contraction);
+   linear_f32 multiplies those with x. */
 #include "block_types.h"
 #include "isa.h"
 #include "pool.h"
@@ -294,7 +297,7 @@ static int kt_quantize_row(const struct kt_job_i8 *j, const float *x, int64_t m)
 }
 
 /* The shuffles of kt_reduce's stages: the first (LO) and second (HI) s lanes of every 2 s of
-   a, then of b (b's lanes numbered from VL). */
+   a, then of b (b's lanes numbered from VL); SWAP: lane i from lane i ^ s. */
 #if VL == 16
 #define KT_LO8 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
 #define KT_HI8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
@@ -304,6 +307,10 @@ static int kt_quantize_row(const struct kt_job_i8 *j, const float *x, int64_t m)
 #define KT_HI2 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31
 #define KT_LO1 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30
 #define KT_HI1 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
+#define KT_SWAP8 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7
+#define KT_SWAP4 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11
+#define KT_SWAP2 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13
+#define KT_SWAP1 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14
 #elif VL == 8
 #define KT_LO4 0, 1, 2, 3, 8, 9, 10, 11
 #define KT_HI4 4, 5, 6, 7, 12, 13, 14, 15
@@ -311,22 +318,34 @@ static int kt_quantize_row(const struct kt_job_i8 *j, const float *x, int64_t m)
 #define KT_HI2 2, 3, 6, 7, 10, 11, 14, 15
 #define KT_LO1 0, 2, 4, 6, 8, 10, 12, 14
 #define KT_HI1 1, 3, 5, 7, 9, 11, 13, 15
+#define KT_SWAP4 4, 5, 6, 7, 0, 1, 2, 3
+#define KT_SWAP2 2, 3, 0, 1, 6, 7, 4, 5
+#define KT_SWAP1 1, 0, 3, 2, 5, 4, 7, 6
 #else
 #define KT_LO2 0, 1, 4, 5
 #define KT_HI2 2, 3, 6, 7
 #define KT_LO1 0, 2, 4, 6
 #define KT_HI1 1, 3, 5, 7
+#define KT_SWAP2 2, 3, 0, 1
+#define KT_SWAP1 1, 0, 3, 2
 #endif
 
 /* Lane r (r < n) of the result: the sum of v[r]'s lanes (v is overwritten). Each stage halves
-   the lanes per vector and pairs the vectors (an odd last one with itself), in order. */
-static inline __attribute__((always_inline)) vi kt_reduce(vi *v, int n) {
-#define KT_STAGE(S)                                                                    \
-    for (int r = 0; r < (n + 1) / 2; r++) {                                           \
-        const vi a = v[2 * r], b = v[2 * r + 1 < n ? 2 * r + 1 : 2 * r];               \
-        v[r] = __builtin_shufflevector(a, b, KT_LO##S) + __builtin_shufflevector(a, b, KT_HI##S); \
-    }                                                                                  \
-    n = (n + 1) / 2;
+   the lanes per vector and pairs the vectors (an odd last one with itself), in order. With
+   `spread`, once one vector is left its groups of lanes are summed in place instead (a
+   shuffle a stage, not two), and v[r]'s sum is in lane r G, G = VL >> (the stages paired). */
+static inline __attribute__((always_inline)) vi kt_reduce(vi *v, int n, int spread) {
+#define KT_STAGE(S)                                                                      \
+    if (spread && n == 1) {                                                              \
+        v[0] += __builtin_shufflevector(v[0], v[0], KT_SWAP##S);                         \
+    } else {                                                                             \
+        for (int r = 0; r < (n + 1) / 2; r++) {                                          \
+            const vi a = v[2 * r], b = v[2 * r + 1 < n ? 2 * r + 1 : 2 * r];             \
+            v[r] = __builtin_shufflevector(a, b, KT_LO##S) +                             \
+                   __builtin_shufflevector(a, b, KT_HI##S);                              \
+        }                                                                                \
+        n = (n + 1) / 2;                                                                 \
+    }
 #if VL == 16
     KT_STAGE(8)
 #endif
@@ -428,10 +447,11 @@ static inline __attribute__((always_inline)) void kt_row(const struct kt_job_i8 
         }
         for (int m = 0; !KT_MIN && m < MG; m++)
             isum[m] -= kt_dot16(s.mw, XW + (m * nsb + b) * KT_GROUPS);
-        const vi sum = kt_reduce(isum, joint ? 2 * MG : MG);
+        /* One activation row: its sums spread (isum in lane 0, imin in lane VL / 2). */
+        const vi sum = kt_reduce(isum, joint ? 2 * MG : MG, MG == 1);
         const vf dx = loadv(XD + b * VL);
         if (KT_MIN) {
-            vi imin = kt_rotate(sum, MG);
+            vi imin = kt_rotate(sum, MG == 1 ? VL / 2 : MG);
             if (!joint) {
                 const int16_t *mw = (const int16_t *)&s.mw;
                 imin = (vi){0};
