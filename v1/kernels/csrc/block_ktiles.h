@@ -48,14 +48,12 @@ typedef int16_t kt_h16 __attribute__((vector_size(32)));
 typedef uint8_t kt_b64 __attribute__((vector_size(64)));
 typedef uint16_t kt_w64 __attribute__((vector_size(64)));
 
-/* The 32 bytes at p in both halves of 64 (a broadcast load). */
+/* The 32 bytes at p in both halves of 64 (a broadcast load; kt_piece64 is for VL 16). */
 static inline kt_b64 kt_twice32(const uint8_t *p) {
-    kt_b32 v;
-    memcpy(&v, p, 32);
-    return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
-                                   16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31,
-                                   0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17,
-                                   18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+    const vi v = bcast32(p);
+    kt_b64 b;
+    memcpy(&b, &v, sizeof b < sizeof v ? sizeof b : sizeof v);
+    return b;
 }
 
 /* Words shifted right by a in the low half of 64 bytes, by b in the high half. */

@@ -102,6 +102,14 @@ static inline vi madd16_generic(vi a, vi b) {
     return a;
 }
 
+/* The 32 bytes at p in each 32 of a vector (VL 16: both halves; fewer lanes: its first). */
+static inline vi bcast32_generic(const uint8_t *p) {
+    vi v;
+    for (size_t at = 0; at < sizeof v; at += 32)
+        memcpy((uint8_t *)&v + at, p, sizeof v - at < 32 ? sizeof v - at : 32);
+    return v;
+}
+
 /* Word w = p[w / 8], w < 2 VL: p[0 .. VL / 4 - 1], each 8 times. */
 static inline vi words8_generic(const int16_t *p) {
     vi v;

@@ -203,6 +203,10 @@ static inline vi dot_sc_avx512(vi acc, vi u, vi s, vi k) {
     return (vi)_mm512_dpwssd_epi32((__m512i)acc, pairs, (__m512i)k);
 }
 static inline vi madd16_avx512(vi a, vi b) { return (vi)_mm512_madd_epi16((__m512i)a, (__m512i)b); }
+/* One vbroadcasti64x4 from memory (a load; GCC's shuffle of a 32-byte load took a shuffle). */
+static inline vi bcast32_avx512(const uint8_t *p) {
+    return (vi)_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p));
+}
 /* Words p[0 .. 3] broadcast (a load), word L then spread over 128-bit lane L. */
 static inline vi words8_avx512(const int16_t *p) {
     int64_t four;
