@@ -7,11 +7,12 @@
    and every kernel the row has, the tuned kernel and the reference run on the same
    pseudo-random blocks and activations, at shapes that reach every tile: M (activation rows)
    1 .. 70, N (weight rows) never a multiple of the vector width (but a multiple of the rows
-   a type interleaves, the kernels' contract: at most half a vector then), K 32 .. 192, with and
-   without a bias, on 1 and 2 threads. linear_i8 must give the same bits, linear_f32 and
-   dequantize agree within rounding (and the reference linear_f32 with a double-precision
-   product of the reference dequantize); neither may write outside its output. With =INT8_ISA
-   the library must report that integer dot product (v1_block_int8_isa: isa.h's INT8_ISA).
+   a type interleaves, the kernels' contract: at most half a vector then), K 1 .. 6 blocks
+   (superblocks 1, 2), with and without a bias, on 1 and 2 threads. linear_i8 must give the
+   same bits, linear_f32 and dequantize agree within rounding (and the reference linear_f32
+   with a double-precision product of the reference dequantize); neither may write outside
+   its output. With =INT8_ISA the library must report that integer dot product
+   (v1_block_int8_isa: isa.h's INT8_ISA).
    Prints a line per library; exits 0 if all pass, 1 on a mismatch, 2 on a library or
    kernel it cannot check. */
 #include "block_types.h"
@@ -29,14 +30,17 @@ typedef const char *(*kernel_name_fn)(int32_t kernel);
 typedef int32_t (*run_fn)(int32_t kernel, int32_t reference, const struct v1_matmul *call);
 typedef int32_t (*int8_isa_fn)(void);
 
-/* The blocks' leading fp16 fields per type (d, and m where x = d q + m; f16's one value):
-   these get reasonable scales; every other byte is random. A type missing here cannot be
-   checked. (bf16: such a half's bits read as bfloat16, finite: tiny, or 2^-71 .. 2^-31.) */
+/* Where each type's fp16 fields sit in a block (d, and m where x = d q + m; the K-quants'
+   d and dmin, q6_k's d at its end; f16's one value), -1 after the last: these get reasonable
+   scales; every other byte is random. A type missing here cannot be checked. (bf16: such a
+   half's bits read as bfloat16, finite: tiny, or 2^-71 .. 2^-31.) */
 static const struct {
     const char *name;
-    int halves;
-} HEADERS[] = {{"q4_1", 2}, {"q4_1x8", 2}, {"q8_0", 1}, {"q4_0", 1}, {"q5_0", 1}, {"q5_1", 2},
-               {"f16", 1}, {"bf16", 1}};
+    int halves[3];
+} HEADERS[] = {{"q4_1", {0, 2, -1}}, {"q4_1x8", {0, 2, -1}}, {"q8_0", {0, -1}},
+               {"q4_0", {0, -1}},    {"q5_0", {0, -1}},      {"q5_1", {0, 2, -1}},
+               {"f16", {0, -1}},     {"bf16", {0, -1}},      {"q4_k", {0, 2, -1}},
+               {"q5_k", {0, 2, -1}}, {"q6_k", {208, -1}}};
 
 /* M: every dot tile (1-4 rows), the few-row int8 tile's chains (1, 2, more) with and without
    columns ahead (up to 16 rows), then beyond it the outer-product tiles of 1-4 vectors of
@@ -44,7 +48,9 @@ static const struct {
    tile at VL 4, 8 and 16. */
 static const int64_t MS[] = {1, 2, 3, 4, 5, 8, 16, 17, 40, 76};
 static const int64_t NS[] = {1, 13, 37, 70};
-static const int64_t KS[] = {32, 64, 160, 192};
+/* K: blocks per row (K = KS block_elems); superblocks (block_elems above 32) 1 or 2, their
+   kernels loop over them the same way at any count (and the references are slow under qemu). */
+static const int64_t KS[] = {1, 2, 5, 6};
 enum { NM = sizeof MS / sizeof MS[0], NN = sizeof NS / sizeof NS[0], NK = sizeof KS / sizeof KS[0] };
 enum { PAD = 3 };  /* columns past each output row, which no kernel may write */
 
@@ -119,18 +125,19 @@ static int32_t run_both(run_fn run, const struct v1_block_type *row, int32_t k,
 }
 
 /* N rows of K / be blocks of bb bytes, `rows` rows interleaved (block_types.h): random
-   bytes, the first `halves` fp16 fields of each block random scales (the first dword of a
-   block, block_tiles.h's layout, where rows are interleaved). */
+   bytes, the fp16 fields at the offsets `halves` (-1 ends them) of each block random scales
+   (in the first dword of a block, block_tiles.h's layout, where rows are interleaved). */
 static uint8_t *random_blocks(int64_t N, int64_t K, int64_t be, int64_t bb, int rows,
-                              int halves, uint64_t *seed) {
+                              const int *halves, uint64_t *seed) {
     const int64_t rb = K / be * bb;
     uint8_t *w = malloc((size_t)(N * rb));
     for (int64_t i = 0; w && i < N * rb; i++) w[i] = (uint8_t)next(seed);
     for (int64_t n = 0; w && n < N; n++)
         for (int64_t b = 0; b < K / be; b++)
-            for (int h = 0; h < halves; h++) {
+            for (int h = 0; halves[h] >= 0; h++) {
                 const uint16_t d = random_half(seed);
-                memcpy(w + n / rows * rows * rb + 4 * (n % rows) + b * bb * rows + 2 * h, &d, 2);
+                memcpy(w + n / rows * rows * rb + 4 * (n % rows) + b * bb * rows + halves[h], &d,
+                       2);
             }
     return w;
 }
@@ -203,9 +210,10 @@ static void compare_outputs(float *const y[2], int64_t ldy, const float *x, int6
     }
 }
 
-/* Checks one row of the table (its index `code`; `halves` fp16 fields lead its blocks):
+/* Checks one row of the table (its index `code`; its blocks' fp16 fields at `halves`):
    0, 1 on a mismatch, 2 where it cannot be checked. */
-static int check_type(run_fn run, const struct v1_block_type *row, int32_t code, int halves,
+static int check_type(run_fn run, const struct v1_block_type *row, int32_t code,
+                      const int *halves,
                       const char *const *names, int nkernels, struct tally *t) {
     int32_t ki8 = -1, kdq = -1;
     for (int32_t k = 0; k < nkernels; k++) {
@@ -230,7 +238,8 @@ static int check_type(run_fn run, const struct v1_block_type *row, int32_t code,
     for (int in = 0; in < NN; in++)
         for (int ik = 0; ik < NK; ik++) {
             const int64_t R = row->interleave;
-            const int64_t N = (NS[in] + R - 1) / R * R, K = KS[ik];
+            const int64_t N = (NS[in] + R - 1) / R * R;
+            const int64_t K = (row->block_elems > 32 ? 1 + ik % 2 : KS[ik]) * row->block_elems;
             const int64_t rb = K / row->block_elems * row->block_bytes;
             uint8_t *w = random_blocks(N, K, row->block_elems, row->block_bytes, (int)R, halves,
                                        &seed);
@@ -327,10 +336,10 @@ static int check_library(const char *arg) {
     int worst = 0;
     char checked[256] = "";
     for (int32_t code = 0; code < count; code++) {
-        int halves = -1;
+        const int *halves = NULL;
         for (size_t i = 0; i < sizeof HEADERS / sizeof HEADERS[0]; i++)
             if (!strcmp(HEADERS[i].name, rows[code].name)) halves = HEADERS[i].halves;
-        if (halves < 0) {
+        if (!halves) {
             printf("  %s: no block header known to this driver (add it to HEADERS)\n",
                    rows[code].name);
             worst = 2;

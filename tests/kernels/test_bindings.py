@@ -25,7 +25,7 @@ def test_quant_linear_checks() -> None:
         return lambda: q.linear(QuantBlocks(kind, b), x, bias)
 
     bad = {
-        "kind": with_blocks("q5_k", blocks),
+        "kind": with_blocks("q2_k", blocks),  # a GGUF type no row has
         "blocks": with_blocks("q4_1", blocks.view(torch.int8)),
         "blocks ": with_blocks("q4_1", blocks.t().contiguous().t()),
         "blocks  ": with_blocks("q4_1", blocks[:, :30]),

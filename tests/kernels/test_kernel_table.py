@@ -88,7 +88,8 @@ def test_the_bindings_read_the_table() -> None:
     assert q.types is types
     # The C's rows, in its order: GGUF's layouts and ours, every kernel, tuned and reference
     # (f16 and bf16 have no int8 path).
-    assert list(types) == ["q4_1", "q4_1x8", "q8_0", "q4_0", "q5_0", "q5_1", "f16", "bf16"]
+    assert list(types) == ["q4_1", "q4_1x8", "q8_0", "q4_0", "q5_0", "q5_1", "f16", "bf16",
+                           "q4_k", "q5_k", "q6_k"]
     for code, (name, t) in enumerate(types.items()):
         assert (t.name, t.code, (t.block_elems, t.block_bytes)) == (name, code,
                                                                     BLOCK_SIZES[name])
@@ -130,6 +131,8 @@ def test_tuned_kernels_match_their_reference(lib: ctypes.CDLL) -> None:
     tuned, reference = kernels(lib), QuantKernels(lib, reference=True)
     gen = torch.Generator().manual_seed(0)
     for kind, t in block_types(lib).items():
+        if t.block_elems > 32:  # the K-quants: test_block_kquants.py
+            continue
         for rows, k in ((1, 32), (17, 64), (33, 96)):
             n = -(-rows // t.interleave) * t.interleave  # whole groups of interleaved rows
             w = _weights(kind, n, k, gen)

@@ -33,6 +33,11 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "block_f16.c": (),
     "block_bf16.c": (),
     "block_ref.c": (),
+    # The K-quants: dequantize must round as gguf's numpy does (no FMA contraction).
+    "block_q4_k.c": ("-ffp-contract=off",),
+    "block_q5_k.c": ("-ffp-contract=off",),
+    "block_q6_k.c": ("-ffp-contract=off",),
+    "block_ref_k.c": ("-ffp-contract=off",),
     # a * b + c rounded twice, as the torch ops it must match bit for bit do.
     "elementwise.c": ("-ffp-contract=off",),
     "paged_decode_f32.c": (),
@@ -41,7 +46,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     # Calls the others' entry points only (no arithmetic of its own to round).
     "fused_decode_step.c": (),
 }
-HEADERS = ("block_nibbles.h", "block_tiles.h", "block_types.h", "fused_decode_step.h", "isa.h",
+HEADERS = ("block_ktiles.h", "block_nibbles.h", "block_tiles.h", "block_types.h", "fused_decode_step.h", "isa.h",
            "isa_arm.h", "isa_generic.h", "isa_x86.h", "kernels.h", "kv_rows.h", "paged_decode.h",
            "pool.h", "v1.h", "vec.h", "vec8.h")
 

@@ -27,5 +27,8 @@ const struct v1_block_type v1_block_table[] = {
     {"q5_1", 32, 24, 1, NULL, KERNELS(block, q5_1), KERNELS(ref, q5_1)},
     {"f16", 1, 2, 1, NULL, HALF_KERNELS(block, f16), HALF_KERNELS(ref, f16)},
     {"bf16", 1, 2, 1, NULL, HALF_KERNELS(block, bf16), HALF_KERNELS(ref, bf16)},
+    {"q4_k", 256, 144, 1, NULL, KERNELS(block, q4_k), KERNELS(ref, q4_k)},
+    {"q5_k", 256, 176, 1, NULL, KERNELS(block, q5_k), KERNELS(ref, q5_k)},
+    {"q6_k", 256, 210, 1, NULL, KERNELS(block, q6_k), KERNELS(ref, q6_k)},
 };
 const int32_t v1_block_table_size = sizeof v1_block_table / sizeof v1_block_table[0];

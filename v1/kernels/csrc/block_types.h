@@ -93,5 +93,24 @@ int32_t block_bf16_linear_f32(const struct v1_matmul *call);
 int32_t block_bf16_dequantize(const struct v1_matmul *call);
 int32_t ref_bf16_linear_f32(const struct v1_matmul *call);
 int32_t ref_bf16_dequantize(const struct v1_matmul *call);
+/* The K-quants: block_q<n>_k.c (block_ktiles.h), block_ref_k.c. */
+int32_t block_q4_k_linear_f32(const struct v1_matmul *call);
+int32_t block_q4_k_linear_i8(const struct v1_matmul *call);
+int32_t block_q4_k_dequantize(const struct v1_matmul *call);
+int32_t block_q5_k_linear_f32(const struct v1_matmul *call);
+int32_t block_q5_k_linear_i8(const struct v1_matmul *call);
+int32_t block_q5_k_dequantize(const struct v1_matmul *call);
+int32_t block_q6_k_linear_f32(const struct v1_matmul *call);
+int32_t block_q6_k_linear_i8(const struct v1_matmul *call);
+int32_t block_q6_k_dequantize(const struct v1_matmul *call);
+int32_t ref_q4_k_linear_f32(const struct v1_matmul *call);
+int32_t ref_q4_k_linear_i8(const struct v1_matmul *call);
+int32_t ref_q4_k_dequantize(const struct v1_matmul *call);
+int32_t ref_q5_k_linear_f32(const struct v1_matmul *call);
+int32_t ref_q5_k_linear_i8(const struct v1_matmul *call);
+int32_t ref_q5_k_dequantize(const struct v1_matmul *call);
+int32_t ref_q6_k_linear_f32(const struct v1_matmul *call);
+int32_t ref_q6_k_linear_i8(const struct v1_matmul *call);
+int32_t ref_q6_k_dequantize(const struct v1_matmul *call);
 
 #endif

@@ -118,4 +118,22 @@ enum { INT8_SIGNED_WEIGHTS = 0 };
 #define widen_u8_dwords widen_u8_dwords_generic
 #endif
 
+/* The K-quant tiles' integer primitives (block_ktiles.h). */
+#if VL == 16 && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define dot_sc dot_sc_avx512
+#define madd16 madd16_avx512
+#define words8 words8_avx512
+#define bcast32 bcast32_avx512
+#elif VL == 8 && defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define dot_sc dot_sc_avx2
+#define madd16 madd16_avx2
+#define words8 words8_avx2
+#define bcast32 bcast32_generic
+#else
+#define dot_sc dot_sc_generic
+#define madd16 madd16_generic
+#define words8 words8_generic
+#define bcast32 bcast32_generic
+#endif
+
 #endif

@@ -84,4 +84,44 @@ static inline vf halves_generic(vi x, int hi) {
     return f;
 }
 
+/* The K-quant primitives (block_ktiles.h). Word w of a vector is bits 16w .. 16w + 15 (byte
+   2w and 2w + 1), as on x86 and AArch64 (little-endian). */
+
+/* acc[l] + (u0 s0 + u1 s1) k0 + (u2 s2 + u3 s3) k1 in each lane l, u_t its unsigned bytes,
+   s_t its signed ones, k0 and k1 its signed words; each pair sum saturated to int16 (as
+   vpmaddubsw: the callers keep them within it). */
+static inline vi dot_sc_generic(vi acc, vi u, vi s, vi k) {
+    for (int l = 0; l < VL; l++)
+        for (int h = 0; h < 2; h++) {
+            int32_t pair = 0;
+            for (int t = 2 * h; t < 2 * h + 2; t++)
+                pair += (int32_t)(uint8_t)(u[l] >> (8 * t)) * (int8_t)(s[l] >> (8 * t));
+            pair = pair > 32767 ? 32767 : pair < -32768 ? -32768 : pair;
+            acc[l] += pair * (int16_t)(k[l] >> (16 * h));
+        }
+    return acc;
+}
+
+/* a0 b0 + a1 b1 in each lane, a_h and b_h its signed words. */
+static inline vi madd16_generic(vi a, vi b) {
+    for (int l = 0; l < VL; l++)
+        a[l] = (int16_t)a[l] * (int16_t)b[l] + (a[l] >> 16) * (b[l] >> 16);
+    return a;
+}
+
+/* The 32 bytes at p in each 32 of a vector (VL 16: both halves; fewer lanes: its first). */
+static inline vi bcast32_generic(const uint8_t *p) {
+    vi v;
+    for (size_t at = 0; at < sizeof v; at += 32)
+        memcpy((uint8_t *)&v + at, p, sizeof v - at < 32 ? sizeof v - at : 32);
+    return v;
+}
+
+/* Word w = p[w / 8], w < 2 VL: p[0 .. VL / 4 - 1], each 8 times. */
+static inline vi words8_generic(const int16_t *p) {
+    vi v;
+    for (int l = 0; l < VL; l++) v[l] = (int32_t)(uint16_t)p[l / 4] * 0x10001;
+    return v;
+}
+
 #endif

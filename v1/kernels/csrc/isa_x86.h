@@ -105,6 +105,26 @@ static inline void columns4_avx2(const uint8_t *w, int64_t rb, vi col[4]) {
     col[2] = (vi)_mm256_unpacklo_epi64(t1, t3);
     col[3] = (vi)_mm256_unpackhi_epi64(t1, t3);
 }
+
+/* The K-quant primitives (isa_generic.h's dot_sc, madd16, words8): vpmaddubsw's pair sums,
+   times the words k by vpmaddwd (or added in by AVX-VNNI's vpdpwssd). */
+static inline vi dot_sc_avx2(vi acc, vi u, vi s, vi k) {
+    const __m256i pairs = _mm256_maddubs_epi16((__m256i)u, (__m256i)s);
+#ifdef __AVXVNNI__
+    return (vi)_mm256_dpwssd_avx_epi32((__m256i)acc, pairs, (__m256i)k);
+#else
+    return acc + (vi)_mm256_madd_epi16(pairs, (__m256i)k);
+#endif
+}
+static inline vi madd16_avx2(vi a, vi b) { return (vi)_mm256_madd_epi16((__m256i)a, (__m256i)b); }
+/* Words p[0], p[1] broadcast (a load), then each spread over its 128-bit half. */
+static inline vi words8_avx2(const int16_t *p) {
+    int32_t two;
+    memcpy(&two, p, 4);
+    const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                            2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+    return (vi)_mm256_shuffle_epi8(_mm256_set1_epi32(two), spread);
+}
 #endif
 
 #if VL == 8 && defined(__AVXVNNI__)
@@ -184,6 +204,30 @@ static inline void columns4_avx512(const uint8_t *w, int64_t rb, vi col[4]) {
 #if VL == 16 && defined(__AVX512VNNI__)
 static inline vi dot4_avx512vnni(vi acc, vi u, vi s) {
     return (vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)u, (__m512i)s);
+}
+#endif
+
+#if VL == 16 && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* The K-quant primitives (isa_generic.h's dot_sc, madd16, words8): vpmaddubsw's pair sums
+   added in times the words k by vpdpwssd. */
+static inline vi dot_sc_avx512(vi acc, vi u, vi s, vi k) {
+    const __m512i pairs = _mm512_maddubs_epi16((__m512i)u, (__m512i)s);
+    return (vi)_mm512_dpwssd_epi32((__m512i)acc, pairs, (__m512i)k);
+}
+static inline vi madd16_avx512(vi a, vi b) { return (vi)_mm512_madd_epi16((__m512i)a, (__m512i)b); }
+/* One vbroadcasti64x4 from memory (a load; GCC's shuffle of a 32-byte load took a shuffle). */
+static inline vi bcast32_avx512(const uint8_t *p) {
+    return (vi)_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p));
+}
+/* Words p[0 .. 3] broadcast (a load), word L then spread over 128-bit lane L. */
+static inline vi words8_avx512(const int16_t *p) {
+    int64_t four;
+    memcpy(&four, p, 8);
+    const __m512i spread = _mm512_set_epi64(0x0706070607060706, 0x0706070607060706,
+                                            0x0504050405040504, 0x0504050405040504,
+                                            0x0302030203020302, 0x0302030203020302,
+                                            0x0100010001000100, 0x0100010001000100);
+    return (vi)_mm512_shuffle_epi8(_mm512_set1_epi64(four), spread);
 }
 #endif
 

@@ -1,0 +1,124 @@
+"""The kernel table's K-quant rows (q4_k, q5_k, q6_k: csrc/block_ktiles.h, block_ref_k.c) in
+every variant this CPU runs: dequantize gives gguf's values bit for bit (random superblocks,
+extreme fp16 scales and mins among them), the matmuls are close to x @ dequantized.T, the
+int8 path gives the reference's bits and each row the same bits whatever M."""
+
+import ctypes
+import platform
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from v1.kernels import library
+from v1.kernels.block_matmul import QuantBlocks, QuantKernels, block_types
+
+pytestmark = pytest.mark.skipif(library.library() is None, reason="no C kernels")
+
+KINDS = ("q4_k", "q5_k", "q6_k")
+# The fp16 fields of each superblock: d and dmin, or q6_k's d at its end.
+HALVES = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+# Largest finite, smallest subnormal, largest subnormal, zero, minus zero, negative, -largest.
+EXTREME = np.array([0x7BFF, 0x0001, 0x03FF, 0x0000, 0x8000, 0xBC00, 0xFBFF], dtype=np.uint16)
+
+
+def variants() -> list[ctypes.CDLL]:
+    names = library.candidates("", platform.machine(), library.cpu_flags())
+    libs = [library.load_variant(name) for name in names]
+    return [lib for lib in libs if not isinstance(lib, str)]
+
+
+def gguf_type(kind: str) -> gguf.GGMLQuantizationType:
+    return gguf.GGMLQuantizationType[kind.upper()]
+
+
+def superblocks(kind: str, n: int, k: int, rng: np.random.Generator,
+                extreme: bool = False) -> np.ndarray:
+    """[n, k / 256 * bytes] random superblocks: random bytes, the fp16 fields small finite
+    scales, or with `extreme` any of EXTREME or random finite halves."""
+    size = gguf.GGML_QUANT_SIZES[gguf_type(kind)][1]
+    b = rng.integers(0, 256, size=(n, k // 256, size), dtype=np.uint8)
+    for at in HALVES[kind]:
+        if extreme:
+            h = rng.choice(EXTREME, size=(n, k // 256))
+            finite = rng.integers(0, 0x7C00, size=h.shape, dtype=np.uint16)  # below inf
+            sign = rng.integers(0, 2, size=h.shape, dtype=np.uint16) << 15
+            h = np.where(rng.random(h.shape) < 0.5, h, finite | sign)
+        else:
+            h = (rng.standard_normal((n, k // 256)) * 1e-2).astype(np.float16).view(np.uint16)
+        b[:, :, at:at + 2] = h.astype("<u2")[..., None].view(np.uint8)
+    return b.reshape(n, -1)
+
+
+@pytest.fixture(scope="module", params=variants(), ids=lambda lib: lib._name.rsplit("/", 1)[-1])
+def lib(request) -> ctypes.CDLL:
+    return request.param
+
+
+def test_the_rows_are_ggufs(lib: ctypes.CDLL) -> None:
+    types = block_types(lib)
+    for kind in KINDS:
+        t = types[kind]
+        assert (t.block_elems, t.block_bytes) == gguf.GGML_QUANT_SIZES[gguf_type(kind)]
+        assert (t.interleave, t.repack) == (1, None)
+        assert t.kernels == t.reference == {"linear_f32", "linear_i8", "dequantize"}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dequantize_is_ggufs_bit_for_bit(lib: ctypes.CDLL, kind: str) -> None:
+    rng = np.random.default_rng(0)
+    tuned, reference = QuantKernels(lib), QuantKernels(lib, reference=True)
+    for extreme in (False, True):
+        blocks = superblocks(kind, 19, 768, rng, extreme)
+        want = torch.from_numpy(gguf.quants.dequantize(blocks, gguf_type(kind)).copy())
+        w = QuantBlocks(kind, torch.from_numpy(blocks))
+        for q in (tuned, reference):
+            got = q.dequantize(w)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (kind, extreme)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_matmuls_match_the_dequantized_product(lib: ctypes.CDLL, kind: str) -> None:
+    """N = 37 (no multiple of any tile), K = 3 superblocks; the int8 path the reference's
+    bits, every row of it the bits it has alone."""
+    rng = np.random.default_rng(1)
+    gen = torch.Generator().manual_seed(1)
+    tuned, reference = QuantKernels(lib), QuantKernels(lib, reference=True)
+    n, k = 37, 768
+    blocks = superblocks(kind, n, k, rng)
+    w = QuantBlocks(kind, torch.from_numpy(blocks))
+    deq = torch.from_numpy(gguf.quants.dequantize(blocks, gguf_type(kind)).copy())
+    alone = {}
+    for m in (1, 2, 5, 16, 17, 64):
+        x, bias = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
+        exact = x.double() @ deq.double().T + bias.double()
+        y8 = tuned.linear(w, x, bias, int8=True)
+        assert torch.equal(y8, reference.linear(w, x, bias, int8=True)), (kind, m)
+        # int8 activations: a relative error of about 1/127 per value, averaged over K
+        assert ((y8 - exact).norm() / exact.norm()).item() < 2e-2, (kind, m)
+        for q in (tuned, reference):
+            torch.testing.assert_close(q.linear(w, x, bias).double(), exact, rtol=1e-4,
+                                       atol=1e-4 * exact.abs().max().item())
+        # each row's bits whatever M: against the same rows at M = 1
+        for r in (0, m - 1):
+            key = x[r].numpy().tobytes()
+            if key not in alone:
+                alone[key] = tuned.linear(w, x[r:r + 1], bias, int8=True)[0]
+            assert torch.equal(y8[r], alone[key]), (kind, m, r)
+        one = tuned.linear(w, x[m // 2:m // 2 + 1], bias, int8=True)[0]
+        assert torch.equal(y8[m // 2], one), (kind, m)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_row_that_is_not_finite_takes_the_fp32_path(lib: ctypes.CDLL, kind: str) -> None:
+    rng = np.random.default_rng(2)
+    tuned = QuantKernels(lib)
+    blocks = superblocks(kind, 9, 512, rng)
+    w = QuantBlocks(kind, torch.from_numpy(blocks))
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(2))
+    x[1, 300] = float("inf")
+    y8 = tuned.linear(w, x, None, int8=True)
+    torch.testing.assert_close(y8[1], tuned.linear(w, x[1:2], None)[0], equal_nan=True)
+    assert torch.equal(y8[0], tuned.linear(w, x[:1], None, int8=True)[0])
+    assert torch.equal(y8[2], tuned.linear(w, x[2:], None, int8=True)[0])
