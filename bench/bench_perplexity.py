@@ -16,8 +16,8 @@ Per file:
   per chunk); the relative difference, against the issue's 0.5% bound;
 - greedy agreement over bench/quant_eval.py's chat prompts, --greedy-tokens tokens each (EOS
   ignored): v1's `LLM.generate` against llama-server's /completion (temperature 0) on the same
-  token ids; the share of equal positions and of positions before each output's first
-  divergence.
+  token ids, each pair up to v1's first end of turn (`until_special`); the share of equal
+  positions and of positions before each pair's first divergence.
 llama-perplexity is the native build's (the AVX2 build has none); with --avx2, llama-server is
 the AVX2 build's and v1 runs under bench_sizes.AVX2_ENV. Outputs perplexity_<class>.txt/.json
 in --out.
@@ -87,6 +87,15 @@ def added_bos(path: Path) -> int | None:
     return int(fields["tokenizer.ggml.bos_token_id"].contents())
 
 
+def until_special(ours: list[list[int]], reference: list[list[int]], special: set[int]
+                  ) -> tuple[list[list[int]], list[list[int]]]:
+    """Each pair of outputs cut before v1's first special token (an end of turn): there
+    llama.cpp's ignore_eos masks the end-of-generation tokens, v1's generates them and goes
+    on, so the two would differ from there on by construction."""
+    cut = [next((i for i, t in enumerate(a) if t in special), len(a)) for a in ours]
+    return [a[:n] for a, n in zip(ours, cut)], [b[:n] for b, n in zip(reference, cut)]
+
+
 def make_files(args: argparse.Namespace) -> list[tuple[str, Path]]:
     """(source label, path) of the default model and its re-quantized files, made where
     missing."""
@@ -133,13 +142,15 @@ def measure(path: Path, args: argparse.Namespace, text: str,
         tokenizer = llm.get_tokenizer()
         row["tokens_equal"] = tokenizer.encode(text, add_special_tokens=False) == tokens
         row["v1_ppl"] = quant_eval.windows_perplexity(llm, windows, args.ctx // 2 + 1)
-        ours = quant_eval.greedy_tokens(llm, prompts, args.greedy_tokens)
+        ours, reference = until_special(quant_eval.greedy_tokens(llm, prompts, args.greedy_tokens),
+                                        reference, set(tokenizer.all_special_ids))
     finally:
         llm.shutdown()
     row["ppl_diff"] = row["v1_ppl"] / row["llamacpp_ppl"] - 1
     row["within_bound"] = abs(row["ppl_diff"]) <= MAX_PPL_DIFF
     row["greedy_agreement"] = quant_eval.agreement(ours, reference)
     row["greedy_prefix_agreement"] = quant_eval.prefix_agreement(ours, reference)
+    row["greedy_positions"] = sum(len(b) for b in reference)
     row["chunks"], row["scored_tokens"] = len(windows), len(windows) * (args.ctx // 2 - 1)
     return row
 
@@ -147,7 +158,8 @@ def measure(path: Path, args: argparse.Namespace, text: str,
 COLUMNS = (("file", "file"), ("source", "source"), ("llamacpp_ppl", "llama-perplexity"),
            ("llamacpp_ppl_pm", "+/-"), ("v1_ppl", "v1"), ("ppl_diff", "v1/lc - 1"),
            ("within_bound", f"<= {MAX_PPL_DIFF:.1%}"), ("greedy_agreement", "greedy equal"),
-           ("greedy_prefix_agreement", "before 1st diff"), ("tokens_equal", "v1 tokens = lc"))
+           ("greedy_prefix_agreement", "before 1st diff"), ("greedy_positions", "positions"),
+           ("tokens_equal", "v1 tokens = lc"))
 
 
 def parse_args() -> argparse.Namespace:

@@ -637,23 +637,24 @@ def main() -> None:
     result.update({"rounds": args.rounds, "tg_tokens": args.decode_tokens,
                    "pp_tokens": args.prefill_tokens, "stream_buffer_mib": buffer >> 20,
                    "read_gb_s": round(read_bytes_s / 1e9, 1)})
-    rows = []
-    for model, qtype, path in made:
+    rows = result["rows"] = []
+    name = args.name or f"sizes_{klass}"
+    for i, (model, qtype, path) in enumerate(made):
         row = measure_file(model, path, args, read_bytes_s)
         rows.append({"model": model, "type": qtype, **row})
         print_rows(rows[-1:])
-    result["rows"] = rows
-    result["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
-    table = io.StringIO()
-    with redirect_stdout(table):
-        print_rows(rows)
-    lines = [*report_header(result), table.getvalue().rstrip("\n")]
+        result["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
+        table = io.StringIO()
+        with redirect_stdout(table):
+            print_rows(rows)
+        lines = [*report_header(result), table.getvalue().rstrip("\n")]
+        if i + 1 < len(made):
+            lines.append(f"# (partial: {len(made) - i - 1} more file(s) to measure)")
+        if args.out:  # after each file: an interrupted sweep leaves the rows it measured
+            write_report(args.out, name, lines)
+            write_outputs(args.out, name, result, lambda fig: plot_sizes(
+                fig, rows, result["read_gb_s"], f"batch-1 decode, {klass} class ({cpu['model']})"))
     print("\n".join(lines))
-    name = args.name or f"sizes_{klass}"
-    if args.out:
-        write_report(args.out, name, lines)
-        write_outputs(args.out, name, result, lambda fig: plot_sizes(
-            fig, rows, result["read_gb_s"], f"batch-1 decode, {klass} class ({cpu['model']})"))
     print(json.dumps(result))
 
 

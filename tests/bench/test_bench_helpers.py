@@ -487,3 +487,6 @@ def test_perplexity_chunks_as_llama_perplexity_cuts_them():
     assert bench_perplexity.parse_final_estimate(log) == (13.0712, 0.42117)
     with pytest.raises(ValueError):
         bench_perplexity.parse_final_estimate("no estimate")
+    # Greedy pairs end before v1's first end of turn (llama.cpp's ignore_eos masks it).
+    ours, ref = bench_perplexity.until_special([[5, 6, 2, 7], [5, 6]], [[5, 6, 9, 7], [5, 8]], {2})
+    assert (ours, ref) == ([[5, 6], [5, 6]], [[5, 6], [5, 8]])
