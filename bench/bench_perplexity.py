@@ -172,7 +172,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--server-ctx", type=int, default=4096, help="llama-server's -c")
     parser.add_argument("--avx2", action="store_true",
                         help="the AVX2 class: llama-server's build-avx2, v1 under AVX2_ENV")
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="llama.cpp's threads (default: all cores; figures of accuracy)")
     parser.add_argument("--v1-env", action="append", default=[], metavar="VAR=VALUE",
                         type=parse_env_setting, help="more environment for v1, repeatable")
     parser.add_argument("--work-dir", type=Path,

@@ -72,10 +72,10 @@ from bench_llamacpp import (
     weights_read_per_token,
 )
 from common import (
+    descendants,
     engine_core_pid,
     environment,
     print_table,
-    process_parents,
     rss_mb,
     write_outputs,
 )
@@ -284,12 +284,7 @@ def vocab_size(path: Path) -> int:
 
 def descendant_named(name: str) -> int | None:
     """A process under this one whose command name is `name` (its first, by pid)."""
-    parents = process_parents()
-    mine, frontier = set(), {os.getpid()}
-    while frontier:
-        frontier = {p for p, parent in parents.items() if parent in frontier} - mine
-        mine |= frontier
-    for pid in sorted(mine):
+    for pid in sorted(descendants(os.getpid())):
         try:
             if Path(f"/proc/{pid}/comm").read_text().strip() == name:
                 return pid
@@ -500,7 +495,8 @@ def report_header(result: dict[str, Any]) -> list[str]:
         f"buffer); limit = that / MB of weights per token",
         f"# tg{result['tg_tokens']}/pp{result['pp_tokens']} tok/s (lc: llama-bench, v1: "
         "LLM.generate), medians of rounds; load: llama-server to /health vs LLM() to its first "
-        "answer; RSS: peak (VmHWM) of llama-server / v1's engine process",
+        f"answer; RSS: peak (VmHWM) of llama-server (-c {result['ctx']}) / v1's engine process "
+        "(its default KV cache budget)",
     ]
 
 
@@ -634,7 +630,7 @@ def main() -> None:
     klass, cpu = result["cpu_class"], result["cpu"]
     buffer = stream_buffer_bytes(last_level_cache_bytes())
     read_bytes_s = read_bandwidth(buffer)
-    result.update({"rounds": args.rounds, "tg_tokens": args.decode_tokens,
+    result.update({"rounds": args.rounds, "ctx": args.ctx, "tg_tokens": args.decode_tokens,
                    "pp_tokens": args.prefill_tokens, "stream_buffer_mib": buffer >> 20,
                    "read_gb_s": round(read_bytes_s / 1e9, 1)})
     rows = result["rows"] = []
