@@ -208,9 +208,10 @@ def main() -> None:
                        bench_sizes.BENCH.parent)), "rows": rows})
     result["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
     table = io.StringIO()
+    shown = [{**row, "ppl_diff": f"{row['ppl_diff']:+.2%}"} for row in rows]
     with redirect_stdout(table):
         print_table([title for _, title in COLUMNS],
-                    [[row[key] for key, _ in COLUMNS] for row in rows])
+                    [[row[key] for key, _ in COLUMNS] for row in shown])
     lines = [*bench_sizes.preamble(result),
              f"# perplexity: {result['text']}, {rows[0]['chunks']} chunks of {args.ctx} tokens "
              f"({rows[0]['scored_tokens']} scored: each chunk's second half), llama.cpp's "

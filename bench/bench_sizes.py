@@ -25,8 +25,8 @@ reversed every other round; ratios are medians of per-round ratios):
 - peak RSS (VmHWM) MB: v1's engine process after the rounds; llama-server's after one
   --prefill-tokens prompt.
 - each tg128 as a fraction of the bandwidth limit: the bytes of weights a decode step reads
-  (bench_llamacpp.weights_read_per_token) over this machine's streaming read rate (the sum of
-  a buffer `STREAM_BUFFER_X` times the last-level cache, torch's threads = --threads).
+  (bench_llamacpp.weights_read_per_token) over this machine's streaming read rate (the fastest
+  of 21 sums of a buffer `STREAM_BUFFER_X` times the last-level cache, on --threads threads).
 v1 runs in a child process of its own with a deadline per file (--v1-timeout): past it, the
 child is killed and the row says so; llama.cpp's figures are taken regardless.
 
@@ -477,8 +477,6 @@ def preamble(result: dict[str, Any]) -> list[str]:
         f"$ {result['command']}",
         f"# {result['date']} at {result['git_commit']}, load (1 min) {result['loadavg_1m']} at "
         f"the start, {result['loadavg_1m_end']} at the end",
-        "# Noisy: 2 cores shared with other workers compiling and testing meanwhile (paired, "
-        "interleaved rounds; ratios are medians of per-round ratios).",
         f"# CPU class {result['cpu_class']}: {cpu['model']} ({cpu['family_model_stepping']}), "
         f"flags {' '.join(cpu['flags'])}",
         f"# llama.cpp {result['llamacpp_version']} build {result['build']} "
@@ -491,6 +489,8 @@ def preamble(result: dict[str, Any]) -> list[str]:
 def report_header(result: dict[str, Any]) -> list[str]:
     return [
         *preamble(result),
+        "# Noisy: the cores shared with other processes (paired, interleaved rounds; ratios are "
+        "medians of per-round ratios; see the load average above).",
         f"# streaming read {result['read_gb_s']} GB/s ({result['stream_buffer_mib']} MiB "
         f"buffer); limit = that / MB of weights per token",
         f"# tg{result['tg_tokens']}/pp{result['pp_tokens']} tok/s (lc: llama-bench, v1: "
@@ -542,7 +542,8 @@ def git_commit() -> str:
 
 def run_info(bench: str, args: argparse.Namespace) -> dict[str, Any]:
     """What a run's result starts with: the command, date, commit, CPU and its class, both
-    sides' builds and settings (`args`: .avx2, .build, .v1_env, .threads)."""
+    sides' builds and settings (`args`: .avx2, .build, .v1_env, .threads: llama.cpp's and
+    this process's torch threads, which v1's engines fork with)."""
     cpu = cpu_info(Path("/proc/cpuinfo").read_text())
     return {"bench": bench, "command": shlex.join([sys.executable, *sys.argv]),
             "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -550,7 +551,7 @@ def run_info(bench: str, args: argparse.Namespace) -> dict[str, Any]:
             "cpu_class": cpu_class(args.avx2, cpu["flags"]), "build": args.build,
             "llamacpp_build_options": llamacpp.build_options(args.build),
             "llamacpp_version": llamacpp.version(), "v1_env": args.v1_env,
-            "threads": llamacpp.default_threads(args.threads), **environment()}
+            **environment(), "threads": llamacpp.default_threads(args.threads)}
 
 
 def write_report(out: str, name: str, lines: list[str]) -> None:
@@ -629,7 +630,7 @@ def main() -> None:
     result = run_info("sizes", args)
     klass, cpu = result["cpu_class"], result["cpu"]
     buffer = stream_buffer_bytes(last_level_cache_bytes())
-    read_bytes_s = read_bandwidth(buffer)
+    read_bytes_s = read_bandwidth(buffer, best=True)
     result.update({"rounds": args.rounds, "ctx": args.ctx, "tg_tokens": args.decode_tokens,
                    "pp_tokens": args.prefill_tokens, "stream_buffer_mib": buffer >> 20,
                    "read_gb_s": round(read_bytes_s / 1e9, 1)})
