@@ -535,7 +535,8 @@ def plot_sizes(fig: Any, rows: list[dict[str, Any]], read_gb_s: float, title: st
 
 
 def git_commit() -> str:
-    out = subprocess.run(["git", "-C", str(BENCH), "rev-parse", "--short", "HEAD"],
+    """This tree's commit, "-dirty" when it has changes of its own."""
+    out = subprocess.run(["git", "-C", str(BENCH), "describe", "--always", "--dirty"],
                          stdout=subprocess.PIPE, text=True)
     return out.stdout.strip() or "?"
 
