@@ -265,11 +265,16 @@ def process_parents() -> dict[int, int]:
     return parents
 
 
-def engine_core_pid(frontend: int) -> int | None:
-    """The frontend's descendant with the most resident memory: the engine core (weights)."""
+def descendants(pid: int) -> set[int]:
+    """Every live process under `pid` (children, theirs, ...), from /proc."""
     parents = process_parents()
-    found, frontier = set(), {frontend}
+    found, frontier = set(), {pid}
     while frontier:
         frontier = {p for p, parent in parents.items() if parent in frontier} - found
         found |= frontier
-    return max(found, key=lambda p: rss_mb(p) or 0.0, default=None)
+    return found
+
+
+def engine_core_pid(frontend: int) -> int | None:
+    """The frontend's descendant with the most resident memory: the engine core (weights)."""
+    return max(descendants(frontend), key=lambda p: rss_mb(p) or 0.0, default=None)

@@ -34,6 +34,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -175,6 +176,23 @@ def server(model: Path, parallel: int, ctx_per_slot: int, threads: int | None = 
            "-c", str(parallel * ctx_per_slot), "--metrics", *extra_args]
     with served(cmd, port, 120, env=clean_env(build), stderr=sys.stderr) as base:
         yield base
+
+
+def post(base: str, route: str, body: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
+    """A llama-server endpoint's JSON reply to a JSON POST."""
+    request = urllib.request.Request(f"{base}{route}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def greedy(base: str, prompt: Sequence[int], max_tokens: int) -> list[int]:
+    """llama-server's greedy continuation of the token ids `prompt` (taken as they are: no BOS
+    added), exactly `max_tokens` tokens (EOS ignored), from an empty context."""
+    reply = post(base, "/completion", {
+        "prompt": list(prompt), "n_predict": max_tokens, "temperature": 0.0,
+        "ignore_eos": True, "cache_prompt": False, "return_tokens": True})
+    return reply["tokens"]
 
 
 def llama_bench(model: Path, threads: int | None = None, build: str = "native",

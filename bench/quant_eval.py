@@ -140,18 +140,26 @@ def text_token_ids(tokenizer: Any, max_tokens: int | None = None) -> list[int]:
 
 
 def perplexity(llm: Any, token_ids: Sequence[int], window: int) -> float:
-    from v1.sampling_params import SamplingParams
-
     if window < 2:
         raise ValueError(f"perplexity window must be >= 2 tokens, got {window}")
     windows = [list(token_ids[i : i + window]) for i in range(0, len(token_ids), window)]
     windows = [w for w in windows if len(w) >= 2]  # a 1-token tail scores nothing
+    return windows_perplexity(llm, windows, 1)
+
+
+def windows_perplexity(llm: Any, windows: Sequence[Sequence[int]], first_scored: int) -> float:
+    """exp of the mean negative logprob of each window's tokens from index `first_scored` on,
+    each given the tokens before it in its window (the engine's `prompt_logprobs`; every
+    window a prompt of its own)."""
+    from v1.sampling_params import SamplingParams
+
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-    outputs = llm.generate([{"prompt_token_ids": w} for w in windows], params, use_tqdm=False)
+    outputs = llm.generate([{"prompt_token_ids": list(w)} for w in windows], params,
+                           use_tqdm=False)
     logprobs = [
         entry[token].logprob
         for w, out in zip(windows, outputs)
-        for token, entry in zip(w[1:], out.prompt_logprobs[1:])
+        for token, entry in zip(w[first_scored:], out.prompt_logprobs[first_scored:])
     ]
     return math.exp(-statistics.fmean(logprobs))
 

@@ -5,6 +5,7 @@ good as these."""
 import argparse
 import asyncio
 import json
+import math
 import os
 import re
 import socket
@@ -23,8 +24,10 @@ sys.path.insert(0, str(BENCH))
 import bench_ab  # noqa: E402
 import bench_hostile  # noqa: E402
 import bench_llamacpp  # noqa: E402
+import bench_perplexity  # noqa: E402
 import bench_prefix_cache  # noqa: E402
 import bench_serving  # noqa: E402
+import bench_sizes  # noqa: E402
 import bench_step_breakdown  # noqa: E402
 import bench_structured  # noqa: E402
 import bench_throughput  # noqa: E402
@@ -183,7 +186,8 @@ HELP_SCRIPTS = ["bench_prefix_cache", "bench_throughput", "bench_serving", "benc
                 "bench_async", "bench_step_breakdown", "bench_grammar", "bench_structured",
                 "bench_dp", "bench_kv_cache_dtype", "bench_quant", "bench_quant_kernels",
                 "bench_linear", "bench_hostile", "bench_suffix_index", "bench_llamacpp",
-                "bench_spec", "bench_trees", "bench_kernel_variants", "bench_ab"]
+                "bench_spec", "bench_trees", "bench_kernel_variants", "bench_ab", "bench_sizes",
+                "bench_perplexity"]
 
 
 @pytest.fixture(scope="module")
@@ -441,3 +445,48 @@ def test_llamacpp_bench_without_llamacpp_says_so_and_exits_0(monkeypatch, tmp_pa
     out = capsys.readouterr().out
     for part in bench_llamacpp.PARTS:
         assert f"{part}: skipped: llama.cpp is not built" in out
+
+
+@pytest.mark.parametrize("name, vocab, params", [
+    ("qwen2.5-0.5b", 151936, 494_032_768),
+    ("llama-3.2-1b", 128256, 1_235_814_400),
+    ("llama-3.2-3b", 128256, 3_212_749_824),
+])
+def test_size_sweep_bodies_have_their_published_parameter_counts(name, vocab, params):
+    config = bench_sizes.hf_config(bench_sizes.SHAPES[name], vocab, 1, 2)
+    shapes = bench_sizes.tensor_shapes(config)
+    total = sum(math.prod(shape) for _, shape in shapes)
+    assert total == params  # with their own vocabularies: the shapes are the real ones
+    assert "model_type" not in config and "rope_scaling" not in config
+    shards = {bench_sizes.shard_of(n) for n, _ in shapes}
+    assert len(shards) == config["num_hidden_layers"] + 1  # one per layer, one for the rest
+
+
+def test_size_sweep_bandwidth_limit_and_stream_buffer():
+    assert bench_sizes.limit_tok_s(10e9, 500_000_000) == 20.0
+    assert bench_sizes.stream_buffer_bytes(300 << 20) == 1200 << 20  # 4 caches past the L3
+    assert bench_sizes.stream_buffer_bytes(8 << 20) == 1 << 30  # at least 1 GiB
+    assert bench_sizes.cpu_class(False, ["avx2", "avx512f"]) == "avx512"
+    assert bench_sizes.cpu_class(True, ["avx2", "avx512f"]) == "avx2"
+    assert bench_sizes.cpu_class(False, ["avx2"]) == "avx2"
+
+
+def test_size_sweep_avx2_runs_the_avx2_build_with_v1_held_to_avx2():
+    args = bench_sizes.parse_args(["--avx2", "--v1-env", "V1_CPU_KERNELS=portable"])
+    assert args.build == "avx2"
+    assert args.v1_env == {**bench_sizes.AVX2_ENV, "V1_CPU_KERNELS": "portable"}
+    assert bench_sizes.parse_args([]).build == "native"
+    assert bench_sizes.parse_args([]).v1_env == {}
+
+
+def test_perplexity_chunks_as_llama_perplexity_cuts_them():
+    tokens = list(range(10, 21))  # 11 tokens, chunks of 4: the 3-token tail dropped
+    assert bench_perplexity.chunks(tokens, 4, None) == [[10, 11, 12, 13], [14, 15, 16, 17]]
+    assert bench_perplexity.chunks(tokens, 4, 1) == [[1, 11, 12, 13], [1, 15, 16, 17]]
+    log = "...\n[1]12.5,[2]13.1,\nFinal estimate: PPL = 13.0712 +/- 0.42117\n"
+    assert bench_perplexity.parse_final_estimate(log) == (13.0712, 0.42117)
+    with pytest.raises(ValueError):
+        bench_perplexity.parse_final_estimate("no estimate")
+    # Greedy pairs end before v1's first end of turn (llama.cpp's ignore_eos masks it).
+    ours, ref = bench_perplexity.until_special([[5, 6, 2, 7], [5, 6]], [[5, 6, 9, 7], [5, 8]], {2})
+    assert (ours, ref) == ([[5, 6], [5, 6]], [[5, 6], [5, 8]])
