@@ -7,7 +7,6 @@ import ctypes
 import dataclasses
 import platform
 
-import gguf
 import pytest
 import torch
 

@@ -46,9 +46,9 @@ SOURCES: dict[str, tuple[str, ...]] = {
     # Calls the others' entry points only (no arithmetic of its own to round).
     "fused_decode_step.c": (),
 }
-HEADERS = ("block_ktiles.h", "block_nibbles.h", "block_tiles.h", "block_types.h", "fused_decode_step.h", "isa.h",
-           "isa_arm.h", "isa_generic.h", "isa_x86.h", "kernels.h", "kv_rows.h", "paged_decode.h",
-           "pool.h", "v1.h", "vec.h", "vec8.h")
+HEADERS = ("block_ktiles.h", "block_nibbles.h", "block_tiles.h", "block_types.h",
+           "fused_decode_step.h", "isa.h", "isa_arm.h", "isa_generic.h", "isa_x86.h", "kernels.h",
+           "kv_rows.h", "paged_decode.h", "pool.h", "v1.h", "vec.h", "vec8.h")
 
 COMMON_FLAGS = ("-std=gnu11", "-fPIC", "-fvisibility=hidden", "-pthread", "-Wall", "-Wextra",
                 "-Wno-psabi")  # psabi: GCC notes that 64-byte vectors pass differently
