@@ -87,10 +87,11 @@ def test_the_bindings_read_the_table() -> None:
     types = block_types(lib)
     assert q.types is types
     # The C's rows, in its order: GGUF's layouts and ours, every kernel, tuned and reference.
-    assert list(types) == ["q4_1", "q4_1x8", "q8_0", "q4_k", "q5_k", "q6_k"]
+    assert list(types) == ["q4_1", "q4_1x8", "q8_0", "q4_k", "q4_kx8", "q5_k", "q6_k"]
     for code, (name, t) in enumerate(types.items()):
+        gguf_name = INTERLEAVED.get(name, (name,))[0]
         size = ((QK, BLOCK_BYTES[name]) if name in BLOCK_BYTES
-                else gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name.upper()]])
+                else gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[gguf_name.upper()]])
         assert (t.name, t.code, t.block_elems, t.block_bytes) == (name, code, *size)
         assert t.interleave == INTERLEAVED.get(name, (name, 1))[1]
         assert t.kernels == t.reference == {"linear_f32", "linear_i8", "dequantize"}

@@ -30,7 +30,7 @@ BLOCK_BYTES = {"q4_1": 20, "q8_0": 34, "q4_1x8": 20}
 # kind -> (the GGUF kind whose blocks it holds, rows): each group of `rows` rows stores its
 # blocks b together, the block read as dwords, dword f of row i at 4 (rows f + i) from the
 # group's block b (csrc/block_q4_1x8.c). The same bytes, moved.
-INTERLEAVED = {"q4_1x8": ("q4_1", 8)}
+INTERLEAVED = {"q4_1x8": ("q4_1", 8), "q4_kx8": ("q4_k", 8)}
 # By the C's INT8_ISA (csrc/isa.h).
 INT8_ISAS = ("portable", "avx2", "avx_vnni", "avx512_vnni", "neon_dotprod", "neon")
 _F32 = torch.float32

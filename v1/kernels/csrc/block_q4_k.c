@@ -2,7 +2,9 @@
    6-bit scales and mins (8 of each, one per 32 values), 128 bytes of nibbles (bytes
    32 h .. 32 h + 31 hold values 64 h .. + 31 in their low nibbles, the next 32 values in their
    high ones); x = d sc q - dmin m. */
+#ifndef KT_FN
 #define KT_FN(f) block_q4_k_##f
+#endif
 #define KT_BYTES 144
 #define KT_MIN 1
 
