@@ -60,10 +60,12 @@ static inline __attribute__((always_inline)) void kx_set(const struct kt_job_i8 
     const int64_t K = j->K, nsb = j->nsb;
     vf acc[KX_MG];
     for (int m = 0; m < MG; m++) acc[m] = (vf){0};
+    /* the next set's superblock b (its groups follow this set's) */
+    const int64_t ahead = (VL < 8 ? 8 : VL) * j->row_bytes;
     for (int64_t b = 0; b < nsb; b++, p += 8 * KT_BYTES, p2 += 8 * KT_BYTES) {
         for (int i = 0; i < 8 * KT_BYTES; i += 64) {
-            __builtin_prefetch(p + KT_PREFETCH + i);
-            if (VL == 16) __builtin_prefetch(p2 + KT_PREFETCH + i);
+            __builtin_prefetch(p + ahead + i);
+            if (VL == 16) __builtin_prefetch(p2 + ahead + i);
         }
         /* the scales' and mins' 12 bytes per lane (kt_scales_6bit): 0-3, then 4-7 */
         const vi s0 = kx_dwords(p, p2, 1), s1 = kx_dwords(p, p2, 2), s2 = kx_dwords(p, p2, 3);
