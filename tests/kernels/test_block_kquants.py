@@ -165,3 +165,6 @@ def test_interleaved_q4_k_gives_q4_ks_bits(lib: ctypes.CDLL) -> None:
         assert torch.equal(tuned.linear(w8, x, bias, int8=True), y8), m
         assert torch.equal(reference.linear(w8, x, bias, int8=True), y8), m
         torch.testing.assert_close(tuned.linear(w8, x, bias), tuned.linear(w, x, bias))
+    x[1, 300] = float("inf")  # that row through linear_f32, q4_kx8's own
+    torch.testing.assert_close(tuned.linear(w8, x, bias, int8=True)[1],
+                               tuned.linear(w, x[1:2], bias)[0], equal_nan=True)

@@ -153,7 +153,8 @@ static inline vi kt_widen(const uint8_t *p) {
 static inline const uint8_t *kt_superblock(const uint8_t *w, int64_t row_bytes, int64_t n,
                                            int64_t b, uint8_t tmp[KT_BYTES]) {
     if (KT_ROWS == 1) return w + n * row_bytes + b * KT_BYTES;
-    const uint8_t *g = w + (n - n % KT_ROWS) * row_bytes + (b * KT_ROWS * KT_BYTES + n % KT_ROWS * 4);
+    const uint8_t *g = w + (n - n % KT_ROWS) * row_bytes + b * KT_ROWS * KT_BYTES +
+                       n % KT_ROWS * 4;
     for (int f = 0; f < KT_BYTES / 4; f++) memcpy(tmp + 4 * f, g + 4 * KT_ROWS * f, 4);
     return tmp;
 }
@@ -191,7 +192,8 @@ static void kt_dequantize_rows(void *ctx, int64_t n0, int64_t n1, int thread) {
         for (int64_t b = 0; b < j->K / QK_K; b++) {
             uint8_t tmp[KT_BYTES];
             __builtin_prefetch(j->w + n * j->row_bytes + b * KT_BYTES + KT_PREFETCH);
-            kt_dequant(kt_superblock(j->w, j->row_bytes, n, b, tmp), j->out + n * j->ldo + b * QK_K);
+            kt_dequant(kt_superblock(j->w, j->row_bytes, n, b, tmp),
+                       j->out + n * j->ldo + b * QK_K);
         }
 }
 
@@ -535,8 +537,8 @@ int32_t KT_FN(linear_i8)(const struct v1_matmul *c) {
     const int64_t N = c->w.rows, K = c->w.cols, M = c->x.rows;
     const float *x = c->x.data;
     struct kt_job_i8 j = {.w = c->w.data, .row_bytes = c->w.stride, .K = K, .nsb = K / QK_K,
-                          .M = M, .G = (M + VL - 1) / VL, .N = N, .bias = c->bias, .y = c->out.data,
-                          .ldy = c->out.stride};
+                          .M = M, .G = (M + VL - 1) / VL, .N = N, .bias = c->bias,
+                          .y = c->out.data, .ldy = c->out.stride};
     const int64_t rows = j.G * VL;
     /* xq, then XD and XS (4-byte elements both, after K bytes per row: K is a multiple of
        256), then XW. */
