@@ -3,10 +3,11 @@
 For each weight shape (a 1B Llama's: 2048 x 2048 attention, 8192 x 2048 gate/up, 2048 x 8192
 down, and an LM head) and each kernel library variant this CPU runs (--variants), times the
 int8 path (`linear_i8`, what decode runs) at M activation rows on random blocks: q4_k, q5_k,
-q6_k beside q4_1 (in the layout the library repacks it to) and q8_0. Every (variant, kind)
-runs once per round, in an order that rotates between rounds (paired and interleaved on a
-shared machine); a figure is the median over rounds: ms per call and GB/s of weight bytes
-read, and per round the ratio of each kind's GB/s to q4_1's (median).
+q6_k (and q4_k in the layout the library repacks it to, q4_kx8) beside q4_1 (in the layout
+the library repacks it to) and q8_0. Every (variant, kind) runs once per round, in an order
+that rotates between rounds (paired and interleaved on a shared machine); a figure is the
+median over rounds: ms per call and GB/s of weight bytes read, and per round the ratio of
+each kind's GB/s to q4_1's (median).
 
     .venv/bin/python bench/bench_kquants.py [--rows 1,4,16] [--variants x86_64_v4,x86_64_v3]
 
@@ -45,8 +46,18 @@ def k_blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> torch.Tenso
     return torch.from_numpy(b.reshape(n, -1))
 
 
+def interleaved(blocks: torch.Tensor, rows: int, block_bytes: int) -> torch.Tensor:
+    """Each group of `rows` rows' blocks b together, dword f of row i at dword rows f + i."""
+    n = blocks.shape[0]
+    grouped = blocks.view(n // rows, rows, -1, block_bytes // 4, 4)
+    return grouped.permute(0, 2, 3, 1, 4).contiguous().view(n, -1)
+
+
 def weights(q: QuantKernels, n: int, k: int, rng: np.random.Generator) -> dict[str, QuantBlocks]:
     out = {kind: QuantBlocks(kind, k_blocks(kind, n, k, rng)) for kind in K_BYTES}
+    repack = q.types["q4_k"].repack
+    if repack:
+        out[repack] = QuantBlocks(repack, interleaved(out["q4_k"].tensor, 8, K_BYTES["q4_k"]))
     dense = torch.randn(n, k)
     for kind in ("q4_1", "q8_0"):
         w = QuantizedWeight.quantize(dense, kind)

@@ -40,7 +40,7 @@ static const struct {
 } HEADERS[] = {{"q4_1", {0, 2, -1}}, {"q4_1x8", {0, 2, -1}}, {"q8_0", {0, -1}},
                {"q4_0", {0, -1}},    {"q5_0", {0, -1}},      {"q5_1", {0, 2, -1}},
                {"f16", {0, -1}},     {"bf16", {0, -1}},      {"q4_k", {0, 2, -1}},
-               {"q5_k", {0, 2, -1}}, {"q6_k", {208, -1}}};
+               {"q4_kx8", {0, 2, -1}}, {"q5_k", {0, 2, -1}}, {"q6_k", {208, -1}}};
 
 /* M: every dot tile (1-4 rows), the few-row int8 tile's chains (1, 2, more) with and without
    columns ahead (up to 16 rows), then beyond it the outer-product tiles of 1-4 vectors of

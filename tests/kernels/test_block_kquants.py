@@ -1,7 +1,8 @@
-"""The kernel table's K-quant rows (q4_k, q5_k, q6_k: csrc/block_ktiles.h, block_ref_k.c) in
-every variant this CPU runs: dequantize gives gguf's values bit for bit (random superblocks,
-extreme fp16 scales and mins among them), the matmuls are close to x @ dequantized.T, the
-int8 path gives the reference's bits and each row the same bits whatever M."""
+"""The kernel table's K-quant rows (q4_k, q5_k, q6_k: csrc/block_ktiles.h, block_ref_k.c; q4_kx8,
+q4_k's superblocks with 8 rows interleaved) in every variant this CPU runs: dequantize gives
+gguf's values bit for bit (random superblocks, extreme fp16 scales and mins among them), the
+matmuls are close to x @ dequantized.T, the int8 path gives the reference's bits and each row
+the same bits whatever M and whatever the layout."""
 
 import ctypes
 import platform
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from v1.kernels import library
-from v1.kernels.block_matmul import QuantBlocks, QuantKernels, block_types
+from v1.kernels.block_matmul import INTERLEAVED, QuantBlocks, QuantKernels, block_types
 
 pytestmark = pytest.mark.skipif(library.library() is None, reason="no C kernels")
 
@@ -61,8 +62,14 @@ def test_the_rows_are_ggufs(lib: ctypes.CDLL) -> None:
     for kind in KINDS:
         t = types[kind]
         assert (t.block_elems, t.block_bytes) == gguf.GGML_QUANT_SIZES[gguf_type(kind)]
-        assert (t.interleave, t.repack) == (1, None)
+        # q4_k repacked where q4_1 is (the AVX2 and AVX-512 builds)
+        repack = "q4_kx8" if kind == "q4_k" and types["q4_1"].repack else None
+        assert (t.interleave, t.repack) == (1, repack)
         assert t.kernels == t.reference == {"linear_f32", "linear_i8", "dequantize"}
+    t = types["q4_kx8"]
+    assert (t.block_elems, t.block_bytes, t.interleave) == (256, 144, 8)
+    assert INTERLEAVED["q4_kx8"] == ("q4_k", 8)
+    assert t.kernels == t.reference == {"linear_f32", "linear_i8", "dequantize"}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -122,3 +129,42 @@ def test_a_row_that_is_not_finite_takes_the_fp32_path(lib: ctypes.CDLL, kind: st
     torch.testing.assert_close(y8[1], tuned.linear(w, x[1:2], None)[0], equal_nan=True)
     assert torch.equal(y8[0], tuned.linear(w, x[:1], None, int8=True)[0])
     assert torch.equal(y8[2], tuned.linear(w, x[2:], None, int8=True)[0])
+
+
+def interleaved(blocks: np.ndarray) -> np.ndarray:
+    """q4_k rows as q4_kx8: each group of 8 rows' superblock b together, dword f of row i at
+    dword 8 f + i (csrc/block_q4_kx8.c)."""
+    n = blocks.shape[0]
+    grouped = blocks.reshape(n // 8, 8, -1, 144 // 4, 4)
+    return np.ascontiguousarray(grouped.transpose(0, 2, 3, 1, 4)).reshape(n, -1)
+
+
+def test_interleaved_q4_k_gives_q4_ks_bits(lib: ctypes.CDLL) -> None:
+    """q4_kx8 (N = 40: on AVX-512 the last 16 rows are one group) dequantizes to gguf's bits,
+    its int8 path gives q4_k's bits at every M (tuned and reference) and linear_f32 q4_k's
+    values; the layout moves every byte and moves them back."""
+    rng = np.random.default_rng(3)
+    gen = torch.Generator().manual_seed(3)
+    tuned, reference = QuantKernels(lib), QuantKernels(lib, reference=True)
+    n, k = 40, 768
+    blocks = superblocks("q4_k", n, k, rng, extreme=True)
+    moved = interleaved(blocks)
+    assert not np.array_equal(moved, blocks)
+    back = moved.reshape(n // 8, -1, 36, 8, 4).transpose(0, 3, 1, 2, 4).reshape(n, -1)
+    assert np.array_equal(back, blocks)
+    want = torch.from_numpy(gguf.quants.dequantize(blocks, gguf_type("q4_k")).copy())
+    w8 = QuantBlocks("q4_kx8", torch.from_numpy(moved))
+    for q in (tuned, reference):
+        assert torch.equal(q.dequantize(w8).view(torch.int32), want.view(torch.int32))
+    blocks = superblocks("q4_k", n, k, rng)
+    w, w8 = QuantBlocks("q4_k", torch.from_numpy(blocks)), QuantBlocks(
+        "q4_kx8", torch.from_numpy(interleaved(blocks)))
+    for m in (1, 2, 5, 16, 17, 64):
+        x, bias = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
+        y8 = tuned.linear(w, x, bias, int8=True)
+        assert torch.equal(tuned.linear(w8, x, bias, int8=True), y8), m
+        assert torch.equal(reference.linear(w8, x, bias, int8=True), y8), m
+        torch.testing.assert_close(tuned.linear(w8, x, bias), tuned.linear(w, x, bias))
+    x[1, 300] = float("inf")  # that row through linear_f32, q4_kx8's own
+    torch.testing.assert_close(tuned.linear(w8, x, bias, int8=True)[1],
+                               tuned.linear(w, x[1:2], bias)[0], equal_nan=True)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.kernels.kernel_check import INT8_ISA
+from tests.worker.test_model_archs import quantized
 from v1 import envs
 from v1.kernels import library, variants
 from v1.kernels.block_matmul import INT8_ISAS, QuantBlocks, QuantKernels, kernels
@@ -475,6 +476,27 @@ def test_repacked_blocks() -> None:
         odd.repack("q4_1x8")
     with pytest.raises(ValueError, match="multiple of 8"):
         QuantizedWeight("q4_1x8", odd.blocks, 9, 64)
+
+
+def test_repacked_k_quant_blocks() -> None:
+    """q4_kx8 holds q4_k's superblocks moved, and back: dequantize (gguf's bits), the
+    embedding's rows and the kernels see the same weight."""
+    q4_k = gguf.GGMLQuantizationType.Q4_K
+    raw = quantized(np.zeros((16, 512), np.float32), q4_k, seed=3)
+    q = QuantizedWeight("q4_k", torch.from_numpy(raw.reshape(16, -1)), 16, 512)
+    moved = QuantizedWeight("q4_k", q.blocks.clone(), 16, 512)
+    moved.repack("q4_kx8")
+    assert (moved.kind, moved.gguf_kind, moved.nbytes) == ("q4_kx8", "q4_k", q.nbytes)
+    assert not torch.equal(moved.blocks, q.blocks)
+    want = torch.from_numpy(gguf.quants.dequantize(raw, q4_k))
+    assert torch.equal(moved.dequantize(), want) and torch.equal(q.dequantize(), want)
+    ids = torch.tensor([[3, 15], [8, 3]])
+    assert torch.equal(moved.embedding(ids), want[ids])
+    if kernels() is not None:
+        x = torch.randn(3, 512)
+        assert torch.equal(moved.linear(x, path="int8"), q.linear(x, path="int8"))
+    moved.repack("q4_k")
+    assert moved.kind == "q4_k" and torch.equal(moved.blocks, q.blocks)
 
 
 @needs_kernels

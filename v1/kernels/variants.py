@@ -35,6 +35,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "block_ref.c": (),
     # The K-quants: dequantize must round as gguf's numpy does (no FMA contraction).
     "block_q4_k.c": ("-ffp-contract=off",),
+    "block_q4_kx8.c": ("-ffp-contract=off",),
     "block_q5_k.c": ("-ffp-contract=off",),
     "block_q6_k.c": ("-ffp-contract=off",),
     "block_ref_k.c": ("-ffp-contract=off",),

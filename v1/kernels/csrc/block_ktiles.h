@@ -4,6 +4,9 @@
      KT_FN(f)      the name of this type's kernel f (block_<type>_f)
      KT_BYTES      bytes per superblock
      KT_MIN        1: x = d sc q - dmin m (a min per 32 values); 0: x = d sc (q - 32) (q6_k)
+     KT_ROWS       rows interleaved (optional; 1: GGUF's layout): each group of KT_ROWS rows
+                   stores its superblocks b together, dword f of row i at 4 (KT_ROWS f + i);
+                   the includer then defines kt_i8_sets, the int8 path's tile (block_q4_kx8.c)
    and after this file, the inline functions declared below (kt_piece, kt_piece64,
    kt_read_scales).
 
@@ -36,6 +39,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#ifndef KT_ROWS
+#define KT_ROWS 1
+#endif
 
 enum { QK_K = 256, KT_CHUNKS = QK_K / (4 * VL), KT_GROUPS = 16, KT_PAIRS = KT_GROUPS / 2 };
 /* Bytes prefetched ahead of each weight row read (as block_tiles.h). */
@@ -142,6 +149,16 @@ static inline vi kt_widen(const uint8_t *p) {
 
 /* ---- dequantize, and linear_f32 from the dequantized values ----------------------------- */
 
+/* Superblock b of row n: in place, or with rows interleaved its dwords gathered into tmp. */
+static inline const uint8_t *kt_superblock(const uint8_t *w, int64_t row_bytes, int64_t n,
+                                           int64_t b, uint8_t tmp[KT_BYTES]) {
+    if (KT_ROWS == 1) return w + n * row_bytes + b * KT_BYTES;
+    const uint8_t *g = w + (n - n % KT_ROWS) * row_bytes + b * KT_ROWS * KT_BYTES +
+                       n % KT_ROWS * 4;
+    for (int f = 0; f < KT_BYTES / 4; f++) memcpy(tmp + 4 * f, g + 4 * KT_ROWS * f, 4);
+    return tmp;
+}
+
 /* The superblock at p as 256 floats, gguf's bits. */
 static inline __attribute__((always_inline)) void kt_dequant(const uint8_t *p, float *out) {
     struct kt_scales s;
@@ -173,9 +190,10 @@ static void kt_dequantize_rows(void *ctx, int64_t n0, int64_t n1, int thread) {
     (void)thread;
     for (int64_t n = n0; n < n1; n++)
         for (int64_t b = 0; b < j->K / QK_K; b++) {
-            const uint8_t *p = j->w + n * j->row_bytes + b * KT_BYTES;
-            __builtin_prefetch(p + KT_PREFETCH);
-            kt_dequant(p, j->out + n * j->ldo + b * QK_K);
+            uint8_t tmp[KT_BYTES];
+            __builtin_prefetch(j->w + n * j->row_bytes + b * KT_BYTES + KT_PREFETCH);
+            kt_dequant(kt_superblock(j->w, j->row_bytes, n, b, tmp),
+                       j->out + n * j->ldo + b * QK_K);
         }
 }
 
@@ -204,10 +222,10 @@ static void kt_f32_rows(void *ctx, int64_t n0, int64_t n1, int thread) {
     const int64_t K = j->K;
     float *wrow = j->rows + thread * K;
     for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *row = j->w + n * j->row_bytes;
         for (int64_t b = 0; b < K / QK_K; b++) {
-            __builtin_prefetch(row + b * KT_BYTES + KT_PREFETCH);
-            kt_dequant(row + b * KT_BYTES, wrow + b * QK_K);
+            uint8_t tmp[KT_BYTES];
+            __builtin_prefetch(j->w + n * j->row_bytes + b * KT_BYTES + KT_PREFETCH);
+            kt_dequant(kt_superblock(j->w, j->row_bytes, n, b, tmp), wrow + b * QK_K);
         }
         for (int64_t m = 0; m < j->M; m++) {
             const float *x = j->x + m * j->ldx;
@@ -245,7 +263,7 @@ int32_t KT_FN(linear_f32)(const struct v1_matmul *c) {
      XW[(m * nsb + b) * 16 + i]            s_i (int16) */
 struct kt_job_i8 {
     const uint8_t *w;
-    int64_t row_bytes, K, nsb, M, G;
+    int64_t row_bytes, K, nsb, M, G, N;
     const float *bias;
     float *y;
     int64_t ldy;
@@ -470,6 +488,7 @@ static inline __attribute__((always_inline)) void kt_row(const struct kt_job_i8 
     for (int m = 0; m < MG; m++) y[m * j->ldy] = out[m] + bias;
 }
 
+#if KT_ROWS == 1
 #define KT_ROW(MG_) kt_row(j, row, g, MG_, y, bias)
 
 /* Weight rows n0 .. n1 - 1, against every group of activation rows. */
@@ -507,6 +526,10 @@ static void kt_i8_rows(void *ctx, int64_t n0, int64_t n1, int thread) {
         }
     }
 }
+#else
+/* The includer's tile over sets of VL weight rows. */
+static void kt_i8_sets(void *ctx, int64_t s0, int64_t s1, int thread);
+#endif
 
 /* As linear_f32, through int8 activations (see the top). 0, or -1 without scratch memory. A
    row holding inf or NaN is computed by linear_f32 (quantized, it would be NaN throughout). */
@@ -514,8 +537,8 @@ int32_t KT_FN(linear_i8)(const struct v1_matmul *c) {
     const int64_t N = c->w.rows, K = c->w.cols, M = c->x.rows;
     const float *x = c->x.data;
     struct kt_job_i8 j = {.w = c->w.data, .row_bytes = c->w.stride, .K = K, .nsb = K / QK_K,
-                          .M = M, .G = (M + VL - 1) / VL, .bias = c->bias, .y = c->out.data,
-                          .ldy = c->out.stride};
+                          .M = M, .G = (M + VL - 1) / VL, .N = N, .bias = c->bias,
+                          .y = c->out.data, .ldy = c->out.stride};
     const int64_t rows = j.G * VL;
     /* xq, then XD and XS (4-byte elements both, after K bytes per row: K is a multiple of
        256), then XW. */
@@ -526,7 +549,11 @@ int32_t KT_FN(linear_i8)(const struct v1_matmul *c) {
     j.XW = (int16_t *)(j.XS + rows * j.nsb * KT_PAIRS);
     int64_t nonfinite = 0;
     for (int64_t m = 0; m < M; m++) nonfinite += kt_quantize_row(&j, x + m * c->x.stride, m);
+#if KT_ROWS == 1
     v1_parallel_for(c->nthreads, N, 16, kt_i8_rows, &j);
+#else
+    v1_parallel_for(c->nthreads, (N + VL - 1) / VL, (16 + VL - 1) / VL, kt_i8_sets, &j);
+#endif
     free(j.xq);
     for (int64_t m = 0; nonfinite && m < M; m++) {
         const float *xm = x + m * c->x.stride;

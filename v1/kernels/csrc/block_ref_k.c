@@ -87,18 +87,27 @@ static float value(const struct kblock *k, int i) {
 struct kformat {
     void (*read)(const uint8_t *p, struct kblock *k);
     int bytes;
+    int rows;  /* rows interleaved: dword f of row i of a group's superblock at 4 (rows f + i) */
 };
 
+enum { MAX_BYTES = 210 };
+
+/* Superblock b of row n, its dwords gathered into tmp where rows are interleaved. */
 static const uint8_t *superblock(const struct v1_matmul *c, int64_t n, int64_t b,
-                                 struct kformat f) {
-    return (const uint8_t *)c->w.data + n * c->w.stride + b * f.bytes;
+                                 struct kformat f, uint8_t tmp[MAX_BYTES]) {
+    const uint8_t *w = c->w.data;
+    if (f.rows == 1) return w + n * c->w.stride + b * f.bytes;
+    const uint8_t *g = w + (n - n % f.rows) * c->w.stride + b * f.rows * f.bytes + n % f.rows * 4;
+    for (int d = 0; d < f.bytes / 4; d++) memcpy(tmp + 4 * d, g + 4 * f.rows * d, 4);
+    return tmp;
 }
 
 static int32_t dequantize(const struct v1_matmul *c, struct kformat f) {
     for (int64_t n = 0; n < c->w.rows; n++)
         for (int64_t b = 0; b < c->w.cols / QK_K; b++) {
             struct kblock k;
-            f.read(superblock(c, n, b, f), &k);
+            uint8_t tmp[MAX_BYTES];
+            f.read(superblock(c, n, b, f, tmp), &k);
             float *o = (float *)c->out.data + n * c->out.stride + b * QK_K;
             for (int i = 0; i < QK_K; i++) o[i] = value(&k, i);
         }
@@ -113,7 +122,8 @@ static int32_t linear_f32(const struct v1_matmul *c, struct kformat f) {
             float acc = 0.f;
             for (int64_t b = 0; b < c->w.cols / QK_K; b++) {
                 struct kblock k;
-                f.read(superblock(c, n, b, f), &k);
+                uint8_t tmp[MAX_BYTES];
+                f.read(superblock(c, n, b, f, tmp), &k);
                 for (int i = 0; i < QK_K; i++) acc += value(&k, i) * x[b * QK_K + i];
             }
             y[n] = acc + (c->bias ? c->bias[n] : 0.f);
@@ -168,7 +178,8 @@ static int32_t linear_i8(const struct v1_matmul *c, struct kformat f) {
             float acc = 0.f;
             for (int64_t b = 0; b < nsb; b++) {
                 struct kblock k;
-                f.read(superblock(c, n, b, f), &k);
+                uint8_t tmp[MAX_BYTES];
+                f.read(superblock(c, n, b, f, tmp), &k);
                 int32_t isum = 0, imin = 0;
                 for (int g = 0; g < GROUPS; g++) {
                     int32_t dot = 0;
@@ -191,16 +202,17 @@ static int32_t linear_i8(const struct v1_matmul *c, struct kformat f) {
     return 0;
 }
 
-#define REFERENCE(TYPE, BYTES)                                                              \
+#define REFERENCE(TYPE, READ, BYTES, ROWS)                                                  \
     int32_t ref_##TYPE##_linear_f32(const struct v1_matmul *c) {                           \
-        return linear_f32(c, (struct kformat){read_##TYPE, BYTES});                        \
+        return linear_f32(c, (struct kformat){READ, BYTES, ROWS});                         \
     }                                                                                      \
     int32_t ref_##TYPE##_linear_i8(const struct v1_matmul *c) {                            \
-        return linear_i8(c, (struct kformat){read_##TYPE, BYTES});                         \
+        return linear_i8(c, (struct kformat){READ, BYTES, ROWS});                          \
     }                                                                                      \
     int32_t ref_##TYPE##_dequantize(const struct v1_matmul *c) {                           \
-        return dequantize(c, (struct kformat){read_##TYPE, BYTES});                        \
+        return dequantize(c, (struct kformat){READ, BYTES, ROWS});                         \
     }
-REFERENCE(q4_k, 144)
-REFERENCE(q5_k, 176)
-REFERENCE(q6_k, 210)
+REFERENCE(q4_k, read_q4_k, 144, 1)
+REFERENCE(q4_kx8, read_q4_k, 144, 8)
+REFERENCE(q5_k, read_q5_k, 176, 1)
+REFERENCE(q6_k, read_q6_k, 210, 1)
