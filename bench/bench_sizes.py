@@ -364,7 +364,7 @@ def v1_child(path: Path, args: argparse.Namespace) -> None:
     prompts = {"tg": (random_prompt(1, vocab, args.seed), args.decode_tokens),
                "pp": (random_prompt(args.prefill_tokens, vocab, args.seed + 1), 1)}
     t0 = time.perf_counter()
-    llm = make_engine(path)
+    llm = make_engine(path, max_model_len=args.ctx)  # llama-server -c's context
     reply({"load_s": round(time.perf_counter() - t0, 2), "kernels": engine_kernels()})
     try:
         for line in sys.stdin:
@@ -574,7 +574,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="threads of both sides and of the streaming read (default: all)")
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--prefill-tokens", type=int, default=512)
-    parser.add_argument("--ctx", type=int, default=4096, help="llama-server's context (-c)")
+    parser.add_argument("--ctx", type=int, default=4096,
+                        help="the context: llama-server's -c, v1's max_model_len")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--v1-timeout", type=float, default=900,
                         help="seconds v1 may take on one file, load and rounds")
