@@ -555,16 +555,5 @@ int32_t KT_FN(linear_i8)(const struct v1_matmul *c) {
     v1_parallel_for(c->nthreads, (N + VL - 1) / VL, (16 + VL - 1) / VL, kt_i8_sets, &j);
 #endif
     free(j.xq);
-    for (int64_t m = 0; nonfinite && m < M; m++) {
-        const float *xm = x + m * c->x.stride;
-        int64_t k = 0;
-        while (k < K && isfinite(xm[k])) k++;
-        if (k == K) continue;
-        struct v1_matmul one = *c;
-        one.x.data = (void *)xm;
-        one.x.rows = one.out.rows = 1;
-        one.out.data = j.y + m * j.ldy;
-        if (KT_FN(linear_f32)(&one)) return -1;
-    }
-    return 0;
+    return nonfinite ? v1_rerun_nonfinite_rows(c, KT_FN(linear_f32)) : 0;
 }

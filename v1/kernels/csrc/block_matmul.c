@@ -3,6 +3,7 @@
 #include "block_types.h"
 #include "isa.h"
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -30,3 +31,19 @@ V1_API int32_t v1_block_run(int32_t kernel, int32_t reference, const struct v1_m
 
 /* Which integer dot product the int8 path compiled to: INT8_ISA (isa.h). */
 V1_API int32_t v1_block_int8_isa(void) { return INT8_ISA; }
+
+int32_t v1_rerun_nonfinite_rows(const struct v1_matmul *call, v1_block_kernel linear_f32) {
+    const int64_t K = call->x.cols;
+    for (int64_t m = 0; m < call->x.rows; m++) {
+        const float *xm = (const float *)call->x.data + m * call->x.stride;
+        int64_t k = 0;
+        while (k < K && isfinite(xm[k])) k++;
+        if (k == K) continue;
+        struct v1_matmul row = *call;
+        row.x.data = (void *)xm;
+        row.x.rows = row.out.rows = 1;
+        row.out.data = (float *)call->out.data + m * call->out.stride;
+        if (linear_f32(&row)) return -1;
+    }
+    return 0;
+}

@@ -728,18 +728,7 @@ int32_t BT_FN(linear_i8)(const struct v1_matmul *c) {
                     few ? FEW_TILES_PER_ITEM : TILES_PER_ITEM, i8_range, &j);
     free(edge);
     free(j.A);
-    for (int64_t m = 0; nonfinite && m < M; m++) {
-        const float *xm = x + m * j.ldx;
-        int64_t k = 0;
-        while (k < K && isfinite(xm[k])) k++;
-        if (k == K) continue;
-        struct v1_matmul row = *c;
-        row.x.data = (void *)xm;
-        row.x.rows = row.out.rows = 1;
-        row.out.data = j.y + m * j.ldy;
-        if (BT_FN(linear_f32)(&row)) return -1;
-    }
-    return 0;
+    return nonfinite ? v1_rerun_nonfinite_rows(c, BT_FN(linear_f32)) : 0;
 }
 
 /* The whole weight as fp32 out[N, K], for batches big enough that a dense GEMM pays. */

@@ -44,6 +44,11 @@ struct v1_block_type {
     v1_block_kernel reference[V1_KERNEL_COUNT];/* plain C (block_ref.c); NULL: none */
 };
 
+/* The int8 paths' rows of call->x that hold a value that is not finite, each computed again by
+   `linear_f32` (the type's; one row a call): quantized, such a row would be NaN throughout
+   where torch gives +-inf or NaN element by element. 0, or -1 without scratch memory. */
+int32_t v1_rerun_nonfinite_rows(const struct v1_matmul *call, v1_block_kernel linear_f32);
+
 extern const struct v1_block_type v1_block_table[];
 extern const int32_t v1_block_table_size;
 
