@@ -142,7 +142,7 @@ static int32_t linear_f32(const struct v1_matmul *c, struct block_format f) {
    q = roundf(x / dx) (as x * (1 / dx)), then per (row, weight row), over the blocks in order,
    acc = fma(q . qw, dx d, fma(dx sum(q), m, acc)) (m = 0 without a min: the inner fma is then
    acc exactly); y = acc + bias. A row holding inf or NaN takes linear_f32. */
-static int32_t linear_i8(const struct v1_matmul *c, struct block_format f) {
+static int32_t linear_i8(const struct v1_matmul *c, struct block_format f, v1_block_kernel f32) {
     const int64_t K = c->w.cols, nb = K / QK;
     /* A row's blocks quantized once (for every weight row): the quants, then per block the
        sum of the quants; dx per block. */
@@ -159,14 +159,7 @@ static int32_t linear_i8(const struct v1_matmul *c, struct block_format f) {
         float *y = (float *)c->out.data + m * c->out.stride;
         int finite = 1;
         for (int64_t k = 0; k < K; k++) finite &= isfinite(x[k]) != 0;
-        if (!finite) {
-            struct v1_matmul row = *c;
-            row.x.data = (void *)x;
-            row.x.rows = row.out.rows = 1;
-            row.out.data = y;
-            linear_f32(&row, f);
-            continue;
-        }
+        if (!finite) continue;  /* linear_f32's, below */
         for (int64_t b = 0; b < nb; b++) {
             const float *xb = x + b * QK;
             float amax = 0.f;
@@ -190,7 +183,7 @@ static int32_t linear_i8(const struct v1_matmul *c, struct block_format f) {
     }
     free(qx);
     free(dx);
-    return 0;
+    return v1_rerun_nonfinite_rows(c, f32);
 }
 
 #define REFERENCE(TYPE, BYTES, ROWS)                                                        \
@@ -198,7 +191,8 @@ static int32_t linear_i8(const struct v1_matmul *c, struct block_format f) {
         return linear_f32(c, (struct block_format){read_##TYPE, BYTES, ROWS});             \
     }                                                                                      \
     int32_t ref_##TYPE##_linear_i8(const struct v1_matmul *c) {                            \
-        return linear_i8(c, (struct block_format){read_##TYPE, BYTES, ROWS});              \
+        return linear_i8(c, (struct block_format){read_##TYPE, BYTES, ROWS},               \
+                         ref_##TYPE##_linear_f32);                                         \
     }                                                                                      \
     int32_t ref_##TYPE##_dequantize(const struct v1_matmul *c) {                           \
         return dequantize(c, (struct block_format){read_##TYPE, BYTES, ROWS});             \

@@ -138,7 +138,7 @@ static int32_t linear_f32(const struct v1_matmul *c, struct kformat f) {
    acc = fma(isum, dx d, fma(imin, dx (-dmin), acc)) with a min, else
    acc = fma(isum - imin, dx d, acc); y = acc + bias. A row holding inf or NaN takes
    linear_f32. */
-static int32_t linear_i8(const struct v1_matmul *c, struct kformat f) {
+static int32_t linear_i8(const struct v1_matmul *c, struct kformat f, v1_block_kernel f32) {
     const int64_t K = c->w.cols, nsb = K / QK_K;
     int32_t *qx = malloc((size_t)K * sizeof *qx), *sums = malloc((size_t)K / 16 * sizeof *sums);
     float *dx = malloc((size_t)nsb * sizeof *dx);
@@ -153,14 +153,7 @@ static int32_t linear_i8(const struct v1_matmul *c, struct kformat f) {
         float *y = (float *)c->out.data + m * c->out.stride;
         int finite = 1;
         for (int64_t i = 0; i < K; i++) finite &= isfinite(x[i]) != 0;
-        if (!finite) {
-            struct v1_matmul row = *c;
-            row.x.data = (void *)x;
-            row.x.rows = row.out.rows = 1;
-            row.out.data = y;
-            linear_f32(&row, f);
-            continue;
-        }
+        if (!finite) continue;  /* linear_f32's, below */
         for (int64_t b = 0; b < nsb; b++) {
             const float *xb = x + b * QK_K;
             float amax = 0.f;
@@ -199,7 +192,7 @@ static int32_t linear_i8(const struct v1_matmul *c, struct kformat f) {
     free(qx);
     free(sums);
     free(dx);
-    return 0;
+    return v1_rerun_nonfinite_rows(c, f32);
 }
 
 #define REFERENCE(TYPE, READ, BYTES, ROWS)                                                  \
@@ -207,7 +200,8 @@ static int32_t linear_i8(const struct v1_matmul *c, struct kformat f) {
         return linear_f32(c, (struct kformat){READ, BYTES, ROWS});                         \
     }                                                                                      \
     int32_t ref_##TYPE##_linear_i8(const struct v1_matmul *c) {                            \
-        return linear_i8(c, (struct kformat){READ, BYTES, ROWS});                          \
+        return linear_i8(c, (struct kformat){READ, BYTES, ROWS},                           \
+                         ref_##TYPE##_linear_f32);                                         \
     }                                                                                      \
     int32_t ref_##TYPE##_dequantize(const struct v1_matmul *c) {                           \
         return dequantize(c, (struct kformat){READ, BYTES, ROWS});                         \
