@@ -84,7 +84,7 @@ def measure(q: QuantKernels, weights: WeightSet, rows: Sequence[int] = ROWS,
             repeats: int = REPEATS) -> Timings:
     """Times both paths through every weight of `weights` (each counted as often as the
     model uses its shape) at each row count, from the largest down: rounds paired and
-    interleaved (the order alternates), after one call of each to warm up; each figure the
+    interleaved (the order alternates), after a dense call to warm up; each figure the
     median of `repeats`, or of the first round alone where its ratio is CLEAR of MARGIN.
     Stops after the first count where dense misses MARGIN: the choice reads no smaller one
     (with AVX-512 VNNI that is the first, timed once: half of three rounds' time)."""
@@ -112,8 +112,9 @@ def measure(q: QuantKernels, weights: WeightSet, rows: Sequence[int] = ROWS,
 
     measured: list[int] = []
     with torch.inference_mode():
-        for path in paths:
-            run(max(rows), path)  # the count timed first: its first call sets oneDNN up
+        # The count timed first: dense's first call of a shape sets oneDNN up (the int8
+        # kernels have nothing to set up: their first call times as their second).
+        run(max(rows), "dense")
         for m in sorted(rows, reverse=True):
             for r in range(repeats):
                 for path in (paths if r % 2 == 0 else paths[::-1]):
