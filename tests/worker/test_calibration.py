@@ -250,24 +250,32 @@ class ClockedWeight:
 
     def __init__(self, clock: list[float], ms_per_row: dict) -> None:
         self.clock, self.ms_per_row = clock, ms_per_row
+        self.calls: list[tuple[str, int]] = []
 
     def linear(self, x, bias, path, q) -> None:
+        self.calls.append((path, x.shape[0]))
         self.clock[0] += self.ms_per_row[path](x.shape[0]) / 1e3
 
 
-@pytest.mark.parametrize("dense_ms, measured, chosen", [
-    (lambda m: 2.0 if m < 256 else 0.5, (128, 256, 512), 256),
-    (lambda m: 0.5 if m < 512 else 0.95, (512,), None),  # the largest misses: no more timed
-    (lambda m: 2.0 if m < 512 else 0.5, (256, 512), 512),
+@pytest.mark.parametrize("dense_ms, measured, chosen, rounds", [
+    (lambda m: 2.0 if m < 256 else 0.5, (128, 256, 512), 256, (1, 1, 1)),
+    # the largest misses, but not clearly: three rounds there, no smaller count timed
+    (lambda m: 0.5 if m < 512 else 0.95, (512,), None, (3,)),
+    (lambda m: 2.0 if m < 512 else 0.8, (256, 512), 512, (1, 3)),
 ])
 def test_measured_from_the_largest_count_down_until_dense_misses(monkeypatch, dense_ms,
-                                                                  measured, chosen):
+                                                                  measured, chosen, rounds):
     clock = [0.0]
     monkeypatch.setattr(calibration.time, "perf_counter", lambda: clock[0])
     weight = ClockedWeight(clock, {"int8": lambda m: m * 1.0, "dense": lambda m: m * dense_ms(m)})
     result = calibration.measure(None, [(weight, 2)])
     assert result.rows == measured and result.choice() == chosen
     assert result.int8_ms == pytest.approx(tuple(2.0 * m for m in measured))
+    # a dense warm-up call at the largest count, then each count's paired rounds
+    timed = [("dense", 512)] + [
+        (path, m) for m, n in sorted(zip(measured, rounds), reverse=True)
+        for r in range(n) for path in (("int8", "dense") if r % 2 == 0 else ("dense", "int8"))]
+    assert weight.calls == timed
 
 
 def test_the_key_names_the_isa_onednn_is_held_to(monkeypatch):

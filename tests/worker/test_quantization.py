@@ -348,6 +348,27 @@ def test_gguf_blocks_are_the_files_mapping(many_types_gguf, tmp_path):
         assert torch.equal(w.dequantize(), fp32[name]), name
 
 
+def test_a_layers_pages_are_released_after_each_of_its_tensors(tied_gguf, monkeypatch):
+    """After each tensor is taken, the map's pages from its layer's first tensor to its own end
+    are dropped (a fused projection's shards, read again when joined at its last one, with
+    them), then the whole map's once all are taken."""
+    from v1.models import gguf_conversion
+
+    opened = gguf_conversion.read_gguf(tied_gguf)
+    base = opened.mapped.ctypes.data
+    released: list[tuple[int, int]] = []
+    monkeypatch.setattr(gguf_conversion, "_release_pages", lambda mapped, data: released.append(
+        (data.ctypes.data - base, data.ctypes.data - base + data.nbytes)))
+    list(gguf_conversion.iter_hf_tensors(opened, GGUF_KINDS))
+    assert released[-1] == (0, opened.mapped.nbytes)
+    first: dict[str, int] = {}
+    for tensor, span in zip(opened.tensors, released, strict=False):
+        layer = tensor.name.split(".")[1] if tensor.name.startswith("blk.") else tensor.name
+        start = first.setdefault(layer, tensor.offset)
+        assert span == (start, tensor.offset + tensor.data.nbytes), tensor.name
+    assert len(released) == len(opened.tensors) + 1 and len(first) < len(opened.tensors)
+
+
 def test_gguf_mode_runs_every_type(many_types_gguf, tmp_path, monkeypatch):
     """quantization="gguf" on a file of every type, each kept as its blocks (on the kernels
     where this library has them, else the torch reference): the logits are the fp32

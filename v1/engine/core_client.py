@@ -38,7 +38,7 @@ from v1.engine.protocol import (
     UtilityResult,
 )
 from v1.engine.transport import EngineConnection
-from v1.models.loader import LoadedModel, load_tokenizer
+from v1.models.loader import LoadedModel, hf_dir_of, load_tokenizer, resolve_model
 from v1.outputs import EngineCoreOutputs
 from v1.pooling_params import PoolerInfo
 from v1.request import EngineCoreRequest
@@ -129,6 +129,17 @@ class InprocClient(EngineCoreClient):
 
 # ---- the engine core in another process ----------------------------------------------------
 
+def _local_tokenizer(args: EngineArgs) -> tuple[str, Any] | None:
+    """(HF directory, tokenizer) of `args`' model where it is local (a GGUF file converted on
+    first use, as the engine would); None where it cannot be loaded here (the engine process
+    then reports why)."""
+    try:
+        model_dir = str(hf_dir_of(resolve_model(args.model, args.revision)))
+        return model_dir, load_tokenizer(model_dir)
+    except (ValueError, OSError):
+        return None
+
+
 class _Resources:
     """What a client's shutdown releases, apart from the client object (so that a finalizer
     can release it at exit without keeping the client alive)."""
@@ -181,23 +192,34 @@ class MPClient(ABC):
         self._finalizer = weakref.finalize(self, self._res.release)  # runs at exit, too
         self._res.proc = proc
         try:
+            early = None
             if args is not None:
                 if address is None:
                     self._res.tmp_dir = tempfile.mkdtemp(prefix="v1-engine-")
                     address = f"ipc://{self._res.tmp_dir}/engine"
+                # Before the fork: the engine process inherits what loading the tokenizer
+                # imported (transformers' config modules: seconds) and finds a GGUF file
+                # converted.
+                early = _local_tokenizer(args) if self._load_tokenizer else None
                 self._res.proc = launch_engine_core(args, address)
             self.address = address
-            self._connect(address)
+            self._connect(address, early)
         except BaseException:
             self._finalizer()
             raise
 
-    def _connect(self, address: str) -> None:
+    def _connect(self, address: str, early: tuple[str, Any] | None = None) -> None:
+        """`early`: (HF directory, its tokenizer) loaded already, used if the engine's model
+        is in that directory."""
         self._conn = EngineConnection(self._res.ctx, address, self.client_index, self._res.proc)
         self.ready = ready = self._conn.hello()
+        tokenizer = None
+        if self._load_tokenizer:
+            tokenizer = (early[1] if early is not None and early[0] == ready.model_dir
+                         else load_tokenizer(ready.model_dir))
         self.model_info = ModelInfo(
             ready.model_name,
-            load_tokenizer(ready.model_dir) if self._load_tokenizer else None,
+            tokenizer,
             ready.max_model_len,
             ready.vocab_size,
             ready.eos_token_id,

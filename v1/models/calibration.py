@@ -38,6 +38,9 @@ REPEATS = 3  # paired rounds; each figure is the median
 # Dense is chosen where it takes at most this fraction of int8's time: a clear margin, so
 # that timing noise does not flip the choice between machines of one kind.
 MARGIN = 0.9
+# A count whose first paired round puts dense/int8 beyond this factor of MARGIN (either way)
+# is settled by that round (rounds differ by under 10% on a busy 2-core VM).
+CLEAR = 1.2
 
 # (weight, how many times the model multiplies by one of its shape in a forward)
 WeightSet = Sequence[tuple[QuantizedWeight, int]]
@@ -81,9 +84,10 @@ def measure(q: QuantKernels, weights: WeightSet, rows: Sequence[int] = ROWS,
             repeats: int = REPEATS) -> Timings:
     """Times both paths through every weight of `weights` (each counted as often as the
     model uses its shape) at each row count, from the largest down: rounds paired and
-    interleaved (the order alternates), after one call of each to warm up; each figure the
-    median of `repeats`. Stops after the first count where dense misses MARGIN: the choice
-    reads no smaller one (with AVX-512 VNNI that is the first, a third of the time)."""
+    interleaved (the order alternates), after a dense call to warm up; each figure the
+    median of `repeats`, or of the first round alone where its ratio is CLEAR of MARGIN.
+    Stops after the first count where dense misses MARGIN: the choice reads no smaller one
+    (with AVX-512 VNNI that is the first, timed once: half of three rounds' time)."""
     start = time.perf_counter()
     gen = torch.Generator().manual_seed(0)
     xs = {w.in_features: torch.randn(max(rows), w.in_features, generator=gen)
@@ -108,12 +112,15 @@ def measure(q: QuantKernels, weights: WeightSet, rows: Sequence[int] = ROWS,
 
     measured: list[int] = []
     with torch.inference_mode():
-        for path in paths:
-            run(max(rows), path)  # the count timed first: its first call sets oneDNN up
+        # The count timed first: dense's first call of a shape sets oneDNN up (the int8
+        # kernels have nothing to set up: their first call times as their second).
+        run(max(rows), "dense")
         for m in sorted(rows, reverse=True):
             for r in range(repeats):
                 for path in (paths if r % 2 == 0 else paths[::-1]):
                     samples[m, path].append(run(m, path))
+                if not MARGIN / CLEAR <= ratio(m) <= MARGIN * CLEAR:
+                    break
             measured.insert(0, m)
             if ratio(m) > MARGIN:
                 break

@@ -363,7 +363,13 @@ def iter_hf_tensors(
 
     arch, config = model.arch, model.config
     dequantized: dict[str, list[int]] = {}  # type -> [tensors, bytes stored, fp32 bytes]
+    layer, layer_start = "", 0  # the current layer's name prefix ("blk.3."), its first byte
     for tensor in model.tensors:
+        prefix = tensor.name[:tensor.name.index(".", 4) + 1] if tensor.name.startswith(
+            "blk.") else tensor.name
+        start = tensor.data.ctypes.data - model.mapped.ctypes.data  # in the map
+        if prefix != layer:
+            layer, layer_start = prefix, start
         hf_name = hf_tensor_name(arch, tensor.name)
         if hf_name is None:
             raise ValueError(f"{model.path}: unsupported GGUF tensor {tensor.name!r}")
@@ -402,8 +408,11 @@ def iter_hf_tensors(
             # GGUF shapes are (in, out).
             in_features, out_features = (int(n) for n in tensor.shape)
             yield hf_name, QuantizedWeight(kind, _mapped(data), out_features, in_features)
-        _release_pages(model.mapped, tensor.data)
-    # And the pages read again since (a fused projection's shards, joined at its last one).
+        # With its layer's tensors before it: a fused projection's shards are read again
+        # when joined, at its last one.
+        _release_pages(model.mapped, model.mapped[min(layer_start, start):
+                                                  start + tensor.data.nbytes])
+    # And any page read again since.
     _release_pages(model.mapped, model.mapped)
     if block_kinds:
         for type_name, (count, stored, fp32) in dequantized.items():

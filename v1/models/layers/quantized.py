@@ -306,8 +306,9 @@ def _interleave(kind: str, blocks: torch.Tensor) -> torch.Tensor:
     if rows == 1:
         return blocks
     n = blocks.shape[0]
-    grouped = blocks.view(n // rows, rows, -1, BLOCK_SIZES[kind][1] // 4, 4)
-    return grouped.permute(0, 2, 3, 1, 4).contiguous().view(n, -1)
+    # The dwords as int32: torch moves them 2-3x faster than their bytes.
+    grouped = blocks.view(torch.int32).view(n // rows, rows, -1)
+    return grouped.transpose(1, 2).contiguous().view(torch.uint8).view(n, -1)
 
 
 def _plain(kind: str, blocks: torch.Tensor) -> torch.Tensor:
@@ -317,8 +318,8 @@ def _plain(kind: str, blocks: torch.Tensor) -> torch.Tensor:
     if rows == 1:
         return blocks
     n = blocks.shape[0]
-    grouped = blocks.view(n // rows, -1, BLOCK_SIZES[kind][1] // 4, rows, 4)
-    return grouped.permute(0, 3, 1, 2, 4).contiguous().view(n, -1)
+    grouped = blocks.view(torch.int32).view(n // rows, -1, rows)
+    return grouped.transpose(1, 2).contiguous().view(torch.uint8).view(n, -1)
 
 
 def _inverse(d: torch.Tensor) -> torch.Tensor:
