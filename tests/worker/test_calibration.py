@@ -31,16 +31,17 @@ def timings(*ratios: float) -> Timings:
 
 
 class Timer:
-    """A stand-in for `calibration.measure`: these timings, and how often it was asked."""
+    """A stand-in for `calibration.measure`: these timings (or by kind, `per_kind`'s), and
+    how often it was asked."""
 
-    def __init__(self, result: Timings) -> None:
-        self.result = result
+    def __init__(self, result: Timings, per_kind: dict[str, Timings] | None = None) -> None:
+        self.result, self.per_kind = result, per_kind or {}
         self.weights: list[list[tuple[str, int, int, int]]] = []
 
     def __call__(self, q, weights) -> Timings:
         self.weights.append(sorted((w.kind, w.out_features, w.in_features, n)
                                    for w, n in weights))
-        return self.result
+        return self.per_kind.get(weights[0][0].kind, self.result)
 
     @property
     def calls(self) -> int:
@@ -53,8 +54,14 @@ def _new_process(monkeypatch):
     monkeypatch.setattr(calibration, "_chosen", {})
 
 
-def choose(cache: Path, timer: Timer, library_id: str = "_v1_x.so:abc") -> int | None:
-    return calibration.prompt_dense_min_rows(None, library_id, WEIGHTS, cache, timer)
+def choose(cache: Path, timer: Timer, library_id: str = "_v1_x.so:abc",
+           weights=WEIGHTS) -> calibration.DenseMinRows:
+    return calibration.prompt_dense_min_rows(None, library_id, weights, cache, timer)
+
+
+def dense_from(rows: int) -> calibration.DenseMinRows:
+    """The choice for WEIGHTS' one kind: dense from `rows`."""
+    return (("q8_0", rows),)
 
 
 def messages(caplog) -> list[str]:
@@ -77,27 +84,48 @@ def test_the_choice(ratios, chosen):
 def test_measured_once_then_read_from_the_cache(tmp_path, caplog, monkeypatch):
     timer = Timer(timings(1.5, 0.7, 0.7))
     with caplog.at_level(logging.INFO, logger="v1"):
-        assert choose(tmp_path, timer) == 256
+        assert choose(tmp_path, timer) == dense_from(256)
         assert timer.calls == 1
         (path,) = tmp_path.iterdir()
         data = json.loads(path.read_text())
-        assert data["prompt_dense_min_rows"] == 256 and data["dense_vs_int8"] == [1.5, 0.7, 0.7]
+        figures = data["kinds"]["q8_0"]
+        assert figures["prompt_dense_min_rows"] == 256
+        assert figures["dense_vs_int8"] == [1.5, 0.7, 0.7]
         assert data["key"]["library"] == "_v1_x.so:abc"
         # The same process: remembered, not read nor logged again.
-        assert choose(tmp_path, timer) == 256 and timer.calls == 1
+        assert choose(tmp_path, timer) == dense_from(256) and timer.calls == 1
         monkeypatch.setattr(calibration, "_chosen", {})  # the next start
-        assert choose(tmp_path, timer) == 256 and timer.calls == 1
+        assert choose(tmp_path, timer) == dense_from(256) and timer.calls == 1
     first, second = messages(caplog)
     assert "(_v1_x.so:abc" in first and ", measured)" in first and "from cache" in second
     for m in (first, second):
-        assert "rows 128/256/512: int8 10.0/20.0/40.0 ms, dense 15.0/14.0/28.0 ms" in m
+        assert "q8_0 rows 128/256/512: int8 10.0/20.0/40.0 ms, dense 15.0/14.0/28.0 ms" in m
         assert "dense/int8 1.50/0.70/0.70 (measured in 5 ms)" in m
         assert m.endswith("prompt chunks of 256+ rows take dense, smaller ones int8")
     monkeypatch.setattr(calibration, "_chosen", {})
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="v1"):
-        assert choose(tmp_path / "other", Timer(timings(1.2, 1.1, 1.0))) is None
+        assert choose(tmp_path / "other", Timer(timings(1.2, 1.1, 1.0))) == ()
     assert messages(caplog)[0].endswith("prompt chunks take int8 at every size")
+
+
+def test_each_kind_timed_and_chosen_apart(tmp_path, caplog):
+    """A kind whose int8 tile is slow at many rows takes dense where the others keep int8."""
+    weights = [*WEIGHTS, (QuantizedWeight.quantize(torch.ones(64, 64), "q4_1"), 2)]
+    timer = Timer(timings(1.5, 1.2, 1.1), {"q4_1": timings(0.95, 0.8, 0.5)})
+    with caplog.at_level(logging.INFO, logger="v1"):
+        assert choose(tmp_path, timer, weights=weights) == (("q4_1", 256),)
+    assert timer.weights == [[("q4_1", 64, 64, 2)], [("q8_0", 64, 32, 3)]]
+    found = messages(caplog)
+    assert len(found) == 2 and "q4_1 rows" in found[0] and "q8_0 rows" in found[1]
+    assert found[0].endswith("of 256+ rows take dense, smaller ones int8")
+    assert found[1].endswith("take int8 at every size")
+    (path,) = tmp_path.iterdir()
+    data = json.loads(path.read_text())
+    del data["kinds"]["q4_1"]  # a file of other kinds than the model's: measured again
+    path.write_text(json.dumps(data))
+    calibration._chosen.clear()
+    assert choose(tmp_path, timer, weights=weights) == (("q4_1", 256),) and timer.calls == 4
 
 
 @pytest.mark.parametrize("content", [
@@ -112,10 +140,11 @@ def test_a_corrupt_cache_file_is_measured_again(tmp_path, caplog, monkeypatch, c
     path.write_bytes(content)
     monkeypatch.setattr(calibration, "_chosen", {})
     with caplog.at_level(logging.INFO, logger="v1"):
-        assert choose(tmp_path, timer) == 256
+        assert choose(tmp_path, timer) == dense_from(256)
     assert timer.calls == 2
     assert any(f"{path} is corrupt" in m for m in messages(caplog))
-    assert json.loads(path.read_text())["prompt_dense_min_rows"] == 256  # written again
+    written = json.loads(path.read_text())["kinds"]["q8_0"]  # written again
+    assert written["prompt_dense_min_rows"] == 256
 
 
 def test_figures_of_unequal_lengths_or_not_numbers_are_corrupt(tmp_path, monkeypatch):
@@ -123,14 +152,15 @@ def test_figures_of_unequal_lengths_or_not_numbers_are_corrupt(tmp_path, monkeyp
     choose(tmp_path, timer)
     (path,) = tmp_path.iterdir()
     data = json.loads(path.read_text())
-    data["dense_vs_int8"] = [0.5]
+    data["kinds"]["q8_0"]["dense_vs_int8"] = [0.5]
     path.write_text(json.dumps(data))
     monkeypatch.setattr(calibration, "_chosen", {})
-    assert choose(tmp_path, timer) == 256 and timer.calls == 2
-    data["dense_vs_int8"] = [float("nan"), 0.5, 0.5]  # NaN > MARGIN is false: would pass
+    assert choose(tmp_path, timer) == dense_from(256) and timer.calls == 2
+    # NaN > MARGIN is false: would pass
+    data["kinds"]["q8_0"]["dense_vs_int8"] = [float("nan"), 0.5, 0.5]
     path.write_text(json.dumps(data))
     monkeypatch.setattr(calibration, "_chosen", {})
-    assert choose(tmp_path, timer) == 256 and timer.calls == 3
+    assert choose(tmp_path, timer) == dense_from(256) and timer.calls == 3
 
 
 def test_an_unreadable_unwritable_cache_is_no_error(tmp_path, caplog):
@@ -141,7 +171,7 @@ def test_an_unreadable_unwritable_cache_is_no_error(tmp_path, caplog):
     path.mkdir()  # neither read nor replaced
     calibration._chosen.clear()
     with caplog.at_level(logging.WARNING, logger="v1"):
-        assert choose(tmp_path, timer) == 128
+        assert choose(tmp_path, timer) == dense_from(128)
     assert timer.calls == 2
     found = messages(caplog)
     assert any("cannot read" in m for m in found) and any("cannot write" in m for m in found)
@@ -194,11 +224,11 @@ def test_the_planner_applies_it_to_prompt_chunks(gguf_model, tmp_path,  # noqa: 
     monkeypatch.setattr(calibration, "measure", timer)
     options = PlanOptions(calibration_dir=tmp_path)
     planner = StepPlanner(gguf_model, torch.float32, torch.device("cpu"), options)
-    assert planner.options == PlanOptions(matmul=MatmulPolicy(prompt_dense_min_rows=256),
-                                          calibration_dir=tmp_path)
     # The layers' shapes, each once (not the tied LM head's), in the layout they were loaded
     # in for this library.
     kind = block_matmul.kernels().types["q4_1"].repack or "q4_1"
+    assert planner.options == PlanOptions(
+        matmul=MatmulPolicy(prompt_dense_min_rows=((kind, 256),)), calibration_dir=tmp_path)
     assert timer.weights == [[(kind, 576, 576, LAYERS), (kind, 576, 1536, LAYERS),
                               (kind, 960, 576, LAYERS), (kind, 3072, 576, LAYERS)]]
     calls = Calls(monkeypatch)

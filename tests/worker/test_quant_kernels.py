@@ -176,32 +176,37 @@ def test_path_by_batch_size(by_batch_size: MatmulPolicy) -> None:
 
 @needs_kernels
 def test_prompt_chunks_from_the_calibrated_size_take_dense() -> None:
-    """`prompt_dense_min_rows` (the machine's calibration): a forward's prompt rows take
-    "dense" once the call has that many rows; smaller chunks, generated rows and the calls
-    of other sizes (the LM head's) keep int8."""
+    """`prompt_dense_min_rows` (the machine's calibration): a forward's prompt rows by a
+    weight of a listed kind take "dense" once the call has that many rows; smaller chunks,
+    generated rows, the calls of other sizes (the LM head's) and weights of other kinds keep
+    int8."""
     q = QuantizedWeight.quantize(weight(24, 64), "q4_1")
-    policy = MatmulPolicy(prompt_dense_min_rows=6)
+    other = QuantizedWeight.quantize(weight(24, 64), "q8_0")
+    policy = MatmulPolicy(prompt_dense_min_rows=(("q4_1", 6), ("q5_0", 2)))
     x = torch.randn(8, 64)
     prompt = np.ones(8, dtype=bool)
     dense, int8 = q.linear(x, path="dense"), q.linear(x, path="int8")
     assert not torch.equal(dense, int8)
     chunk = policy.rows(prompt, kernels())
-    assert chunk.path(8) == "dense" and torch.equal(chunk.linear(q, x, None), dense)
-    assert chunk.path(2) == "int8"  # the head's rows: by count
+    assert chunk.path(8, "q4_1") == "dense" and torch.equal(chunk.linear(q, x, None), dense)
+    assert chunk.path(8, "q8_0") == "int8"
+    assert torch.equal(chunk.linear(other, x, None), other.linear(x, path="int8"))
+    assert chunk.path(2, "q4_1") == "int8"  # the head's rows: by count
     small = policy.rows(prompt[:5], kernels())
-    assert small.path(5) == "int8" and torch.equal(small.linear(q, x[:5], None), int8[:5])
+    assert small.path(5, "q4_1") == "int8"
+    assert torch.equal(small.linear(q, x[:5], None), int8[:5])
     generated = policy.rows(np.zeros(8, dtype=bool), kernels())
-    assert generated.path(8) == "int8" and torch.equal(generated.linear(q, x, None), int8)
+    assert generated.path(8, "q4_1") == "int8" and torch.equal(generated.linear(q, x, None), int8)
     # Prompt rows beside generated ones: split, each on its own path.
     mixed = prompt.copy()
     mixed[[2, 5]] = False
     rows = policy.rows(mixed, kernels())
-    assert rows.path(8) is None
+    assert rows.path(8, "q4_1") is None and rows.path(8, "q8_0") == "int8"
     got = rows.linear(q, x, None)
     assert torch.equal(got[mixed], q.linear(x[mixed], path="dense"))
     assert torch.equal(got[~mixed], int8[~mixed])
-    assert policy.rows(None, kernels()).path(8) == "int8"  # no row's kind known
-    assert MatmulPolicy().rows(prompt, kernels()).path(8) == "int8"  # the default: no threshold
+    assert policy.rows(None, kernels()).path(8, "q4_1") == "int8"  # no row's kind known
+    assert MatmulPolicy().rows(prompt, kernels()).path(8, "q4_1") == "int8"  # no threshold
 
 
 @needs_kernels

@@ -1,13 +1,15 @@
-"""Which path prompt chunks' matmuls take on this machine: measured once, then cached.
+"""Which path prompt chunks' matmuls take on this machine, per weight kind: measured once,
+then cached.
 
 The int8 block kernels and the dense path (the weight dequantized per call, then oneDNN's
-GEMM) rank differently by CPU: with AVX-512 VNNI int8 wins at every row count, while with
-AVX2 alone dense can be 1.4x faster from a few hundred rows. `prompt_dense_min_rows` times
-the two on the model's own weight shapes at a few prompt-chunk row counts and gives the
-smallest count from which dense is clearly faster (`MatmulPolicy.prompt_dense_min_rows`),
-or None. The result is kept as JSON under `<cache dir>/calibration/`, one file per set of
-facts it depends on (`machine_key`), and remembered for the process. Figures and why:
-docs/kernels.md, "Which path a row takes".
+GEMM) rank differently by CPU and by block kind: with AVX-512 VNNI int8 wins at every row
+count for most kinds, while with AVX2 alone dense can be 1.4x faster from a few hundred rows,
+and a kind whose int8 tile is slow at many rows (q6_k next to q4_kx8) can lose to dense where
+the others win. `prompt_dense_min_rows` times the two on the model's own weight shapes, each
+kind apart, at a few prompt-chunk row counts and gives per kind the smallest count from which
+dense is clearly faster (`MatmulPolicy.prompt_dense_min_rows`). The result is kept as JSON
+under `<cache dir>/calibration/`, one file per set of facts it depends on (`machine_key`), and
+remembered for the process. Figures and why: docs/kernels.md, "Which path a row takes".
 """
 
 import contextlib
@@ -46,7 +48,9 @@ CLEAR = 1.2
 WeightSet = Sequence[tuple[QuantizedWeight, int]]
 
 _FIGURES = ("int8_ms", "dense_ms", "dense_vs_int8")  # Timings' per-row-count fields
-_chosen: dict[str, int | None] = {}  # by cache file name: measured or read in this process
+# (kind, rows from which its prompt rows take dense), for the kinds that have such a count
+DenseMinRows = tuple[tuple[str, int], ...]
+_chosen: dict[str, DenseMinRows] = {}  # by cache file name: measured or read in this process
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +151,7 @@ def machine_key(library: str, weights: WeightSet, threads: int) -> dict[str, str
     for _, needs in variants.variants_for(platform.machine()).values():
         flags.update(needs)
     return {
+        "format": "per kind",  # files of one figure for all kinds have another name
         "cpu": cpu_model(),
         "cpu_flags": " ".join(sorted(flags & cpu_flags())),
         "library": library,
@@ -162,33 +167,51 @@ def machine_key(library: str, weights: WeightSet, threads: int) -> dict[str, str
 def prompt_dense_min_rows(
     q: QuantKernels, library: str, weights: WeightSet, cache_dir: Path,
     timer: Callable[[QuantKernels, WeightSet], Timings] | None = None,
-) -> int | None:
-    """The row count from which prompt chunks take "dense" on this machine (`Timings.choice`
-    of `timer`, default `measure`), or None: from this process's earlier answer, else from
-    the cache file under `cache_dir`, else measured and written there. Logged at INFO once
-    per process with the figures. An unreadable or corrupt cache file is measured again; one
+) -> DenseMinRows:
+    """Per kind of `weights`, the row count from which prompt chunks take "dense" on this
+    machine (`Timings.choice` of `timer`, default `measure`, run on that kind's weights
+    alone); kinds without one are left out: from this process's earlier answer, else from the
+    cache file under `cache_dir`, else measured and written there. Logged at INFO once per
+    process with the figures. An unreadable or corrupt cache file is measured again; one
     that cannot be written is only logged."""
     key = machine_key(library, weights, torch.get_num_threads())
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     path = cache_dir / f"{digest}.json"
     if str(path) in _chosen:
         return _chosen[str(path)]
-    timings = _read(path, key)
+    kinds = sorted({w.kind for w, _ in weights})
+    by_kind = _read(path, key, kinds)
     source = "from cache"
-    if timings is None:
-        timings = (measure if timer is None else timer)(q, weights)
-        _write(path, key, timings)
+    if by_kind is None:
+        by_kind = {kind: (measure if timer is None else timer)(
+            q, [(w, n) for w, n in weights if w.kind == kind]) for kind in kinds}
+        _write(path, key, by_kind)
         source = "measured"
-    chosen = timings.choice()
-    logger.info("matmul calibration (%s, %s threads, %s): %s: prompt chunks %s", library,
-                key["threads"], source, timings.describe(),
-                "take int8 at every size" if chosen is None
-                else f"of {chosen}+ rows take dense, smaller ones int8")
+    chosen = tuple((kind, rows) for kind, t in by_kind.items()
+                   if (rows := t.choice()) is not None)
+    for kind, t in by_kind.items():
+        rows = t.choice()
+        logger.info("matmul calibration (%s, %s threads, %s): %s %s: prompt chunks %s",
+                    library, key["threads"], source, kind, t.describe(),
+                    "take int8 at every size" if rows is None
+                    else f"of {rows}+ rows take dense, smaller ones int8")
     _chosen[str(path)] = chosen
     return chosen
 
 
-def _read(path: Path, key: dict[str, str]) -> Timings | None:
+def _timings(data: dict) -> Timings:
+    """A kind's `Timings` as `_write` stores them; ValueError, KeyError or TypeError if not."""
+    timings = Timings(tuple(int(r) for r in data["rows"]),
+                      *(tuple(float(v) for v in data[f]) for f in _FIGURES),
+                      float(data["took_ms"]))
+    if len({len(timings.rows), *(len(getattr(timings, f)) for f in _FIGURES)}) != 1:
+        raise ValueError("figures of unequal lengths")
+    if not all(math.isfinite(v) and v > 0 for f in _FIGURES for v in getattr(timings, f)):
+        raise ValueError("a figure is not a positive number")
+    return timings
+
+
+def _read(path: Path, key: dict[str, str], kinds: list[str]) -> dict[str, Timings] | None:
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
@@ -200,22 +223,18 @@ def _read(path: Path, key: dict[str, str]) -> Timings | None:
         data = json.loads(raw)  # bytes that are not UTF-8 JSON: ValueError
         if data["key"] != key:
             raise ValueError("written for other facts")
-        timings = Timings(tuple(int(r) for r in data["rows"]),
-                          *(tuple(float(v) for v in data[f]) for f in _FIGURES),
-                          float(data["took_ms"]))
-        if len({len(timings.rows), *(len(getattr(timings, f)) for f in _FIGURES)}) != 1:
-            raise ValueError("figures of unequal lengths")
-        if not all(math.isfinite(v) and v > 0 for f in _FIGURES for v in getattr(timings, f)):
-            raise ValueError("a figure is not a positive number")
-        return timings
+        if sorted(data["kinds"]) != kinds:
+            raise ValueError(f"kinds {sorted(data['kinds'])}, not {kinds}")
+        return {kind: _timings(data["kinds"][kind]) for kind in kinds}
     except (ValueError, KeyError, TypeError) as e:
         logger.warning("matmul calibration: %s is corrupt (%s): measuring again", path, e)
         return None
 
 
-def _write(path: Path, key: dict[str, str], timings: Timings) -> None:
-    data = {"key": key, "rows": timings.rows, **{f: getattr(timings, f) for f in _FIGURES},
-            "took_ms": timings.took_ms, "prompt_dense_min_rows": timings.choice()}
+def _write(path: Path, key: dict[str, str], by_kind: dict[str, Timings]) -> None:
+    data = {"key": key, "kinds": {
+        kind: {"rows": t.rows, **{f: getattr(t, f) for f in _FIGURES}, "took_ms": t.took_ms,
+               "prompt_dense_min_rows": t.choice()} for kind, t in by_kind.items()}}
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -67,7 +67,8 @@ class StepPath(NamedTuple):
     decoder: str  # "fused" (one C call for every layer) or "per-op"
     attention: str  # "kernel" (the C decode kernel), "sdpa", "kernel+sdpa", or "backend"
     matmul: str  # GGUF rows: "int8", "fp32", "dense", "<prompt rows' path>+<the others'>"
-    # (prompt rows split out), "torch" (no kernels), or "none" (no block weights)
+    # (prompt rows split out), "torch" (no kernels), or "none" (no block weights); kinds on
+    # different paths: "<kind>/<kind>: <path>, <kind>: <path>"
     ops: str  # "native", "torch" or "torch-serial"
 
 
@@ -109,7 +110,8 @@ class StepPlanner:
         self._blocks = ("none" if not has_blocks
                         else "torch" if self.block_kernels is None or dtype != torch.float32
                         or device.type != "cpu" else "")
-        weights = _layer_weights(model) if options.calibration_dir is not None else []
+        weights = _layer_weights(model)
+        self._kinds = sorted({w.kind for w, _ in weights})  # the layers' block kinds
         if options.calibration_dir is not None and self._blocks == "" and weights:
             assert self.lib is not None and self.block_kernels is not None
             rows = calibration.prompt_dense_min_rows(
@@ -131,7 +133,7 @@ class StepPlanner:
                                         self.lib) for heads, window in self._layouts]
         native = (plans[0].native_only() if plans and all(p is plans[0] for p in plans)
                   else None)
-        matmul = self._blocks or _rows_path(rows, num_tokens)
+        matmul = self._blocks or _rows_path(rows, num_tokens, self._kinds)
         fused = None
         fd = self._fused
         if (
@@ -166,12 +168,21 @@ def _layer_weights(model: nn.Module) -> list[tuple[QuantizedWeight, int]]:
     return list(shapes.values())
 
 
-def _rows_path(rows: MatmulRows, num_tokens: int) -> str:
-    path = rows.path(num_tokens)
-    if path is not None:
-        return path
-    assert rows.other is not None
-    return f"{rows.prompt_path}+{rows.policy.path_for(len(rows.other))}"
+def _rows_path(rows: MatmulRows, num_tokens: int, kinds: list[str]) -> str:
+    """`StepPath.matmul` of a forward by weights of `kinds`."""
+    def of(kind: str | None) -> str:
+        path = rows.path(num_tokens, kind)
+        if path is not None:
+            return path
+        assert rows.other is not None
+        return f"{rows.prompt_path(kind)}+{rows.policy.path_for(len(rows.other))}"
+
+    by_path: dict[str, list[str]] = {}
+    for kind in kinds or [None]:
+        by_path.setdefault(of(kind), []).append(str(kind))
+    if len(by_path) == 1:
+        return next(iter(by_path))
+    return ", ".join(f"{'/'.join(k)}: {path}" for path, k in by_path.items())
 
 
 def _attention_path(plans: list[AttentionPlan]) -> str:

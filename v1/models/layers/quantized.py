@@ -51,19 +51,20 @@ class MatmulPolicy:
     never depend on its step's other rows. Otherwise prompt tokens' rows take "int8" when
     `prompt_int8`, and the rest go by the call's row count (`path_for`).
 
-    `prompt_dense_min_rows` (None by default; set by the machine's calibration,
-    v1.models.calibration): the prompt rows of a call of at least that many rows take "dense"
-    instead, where oneDNN's GEMM on the dequantized weight outruns the int8 kernels (CPUs
-    whose int8 dot products are slow next to their BLAS). The trade: a prompt token's numbers
-    then depend on the size of the chunk it was computed in (int8 below the threshold, dense
-    fp32 at or above it), so the same prompt split into other chunks may give other logits.
-    Generated tokens' rows never change path for it."""
+    `prompt_dense_min_rows` (none by default; set by the machine's calibration,
+    v1.models.calibration): (kind, rows) pairs: the prompt rows of a call of at least that
+    many rows by a weight of that kind take "dense" instead, where oneDNN's GEMM on the
+    dequantized weight outruns the int8 kernels (CPUs whose int8 dot products are slow next
+    to their BLAS, kinds whose int8 tile is). The trade: a prompt token's numbers then depend
+    on the size of the chunk it was computed in (int8 below the threshold, dense fp32 at or
+    above it), so the same prompt split into other chunks may give other logits. Generated
+    tokens' rows never change path for it."""
 
     all_int8: bool = True
     prompt_int8: bool = True
     int8_min_rows: int | None = None
     dense_min_rows: int | None = DENSE_MIN_ROWS
-    prompt_dense_min_rows: int | None = None
+    prompt_dense_min_rows: tuple[tuple[str, int], ...] = ()
 
     @classmethod
     def from_env(cls, env: Environment) -> "MatmulPolicy":
@@ -82,13 +83,12 @@ class MatmulPolicy:
         if is_prompt is None or not is_prompt.any():
             return MatmulRows(self, q)
         m = len(is_prompt)
-        dense = self.prompt_dense_min_rows is not None and m >= self.prompt_dense_min_rows
+        dense = frozenset(kind for kind, rows in self.prompt_dense_min_rows if m >= rows)
         if not dense and (self.all_int8 or not self.prompt_int8):
             return MatmulRows(self, q)
-        path = "dense" if dense else "int8"
         if is_prompt.all():
-            return MatmulRows(self, q, m, path)
-        return MatmulRows(self, q, m, path, torch.from_numpy(np.flatnonzero(is_prompt)),
+            return MatmulRows(self, q, m, dense)
+        return MatmulRows(self, q, m, dense, torch.from_numpy(np.flatnonzero(is_prompt)),
                           torch.from_numpy(np.flatnonzero(~is_prompt)))
 
 
@@ -98,23 +98,33 @@ DEFAULT_POLICY = MatmulPolicy()
 @dataclass(frozen=True, slots=True)
 class MatmulRows:
     """One forward's path per activation row. A call with `num_rows` rows (the forward's
-    own layers) runs its prompt rows (`prompt`; None: all rows) through `prompt_path` and the
-    others (`other`) by their count; any other call (the LM head's fewer rows) by its count
-    alone."""
+    own layers) runs its prompt rows (`prompt`; None: all rows) on `prompt_path` (by a weight
+    of a kind in `prompt_dense`: "dense") and the others (`other`) by their count; any other
+    call (the LM head's fewer rows) by its count alone."""
 
     policy: MatmulPolicy
     q: QuantKernels | None  # the step's block kernels; None: the torch reference
     num_rows: int = -1  # -1: no row is split out by kind
-    prompt_path: str = "int8"
+    prompt_dense: frozenset[str] = frozenset()
     prompt: torch.Tensor | None = None
     other: torch.Tensor | None = None
 
-    def path(self, m: int) -> str | None:
-        """The path every row of an m-row call takes; None where prompt rows and the others
-        take different paths (`linear` splits the call)."""
-        if m == self.num_rows:
-            return self.prompt_path if self.prompt is None else None
-        return self.policy.path_for(m)
+    def prompt_path(self, kind: str | None) -> str | None:
+        """The prompt rows' path by a weight of `kind`; None: by the call's count."""
+        if kind in self.prompt_dense:
+            return "dense"
+        return "int8" if self.policy.prompt_int8 and not self.policy.all_int8 else None
+
+    def path(self, m: int, kind: str | None = None) -> str | None:
+        """The path every row of an m-row call by a weight of `kind` (None: of none in
+        `prompt_dense`) takes; None where prompt rows and the others take different paths
+        (`linear` splits the call)."""
+        if m != self.num_rows:
+            return self.policy.path_for(m)
+        path = self.prompt_path(kind)
+        if path is None:
+            return self.policy.path_for(m)
+        return path if self.prompt is None else None
 
     def linear(
         self, weight: "QuantizedWeight", x: torch.Tensor, bias: torch.Tensor | None
@@ -123,13 +133,14 @@ class MatmulRows:
         m = x.numel() // weight.in_features
         if self.q is None:
             return weight.linear(x, bias, "torch")
-        path = self.path(m)
+        path = self.path(m, weight.kind)
         if path is not None:
             return weight.linear(x, bias, path, self.q)
         assert self.prompt is not None and self.other is not None
         rows = x.reshape(m, weight.in_features)
         out = x.new_empty(m, weight.out_features)
-        out[self.prompt] = weight.linear(rows[self.prompt], bias, self.prompt_path, self.q)
+        out[self.prompt] = weight.linear(rows[self.prompt], bias, self.prompt_path(weight.kind),
+                                         self.q)
         out[self.other] = weight.linear(rows[self.other], bias,
                                         self.policy.path_for(len(self.other)), self.q)
         return out.reshape(*x.shape[:-1], weight.out_features)
