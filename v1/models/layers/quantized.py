@@ -234,10 +234,10 @@ class QuantizedWeight:
         rows = _rows(self.kind)
         if rows == 1:
             blocks = self.blocks[flat]
-        else:  # row i of group g: [g, every block, every dword, i] (see `_interleave`)
-            grouped = self.blocks.view(self.out_features // rows, -1,
-                                       BLOCK_SIZES[self.kind][1] // 4, rows, 4)
-            blocks = grouped[flat // rows, :, :, flat % rows].reshape(len(flat), -1)
+        else:  # row i of its group, the group's blocks in GGUF's layout (see `_interleave`)
+            groups = self.blocks.view(self.out_features // rows, -1)[flat // rows]
+            plain = _plain(self.kind, groups.view(len(flat) * rows, -1)).view(len(flat), rows, -1)
+            blocks = plain[torch.arange(len(flat)), flat % rows]
         return _dequantize(self.gguf_kind, blocks).reshape(*ids.shape, self.in_features)
 
     def linear(
@@ -300,14 +300,17 @@ def _rows(kind: str) -> int:
 
 def _interleave(kind: str, blocks: torch.Tensor) -> torch.Tensor:
     """GGUF-layout blocks [N, nb * bytes] in `kind`'s layout: each group of its rows
-    interleaved, [group, row, block, dword] -> [group, block, dword, row], dwords of 4 bytes
-    (a new tensor; GGUF's layout: `blocks` itself)."""
+    interleaved, [group, row, block, dword] -> [group, block, dword, row], dwords of 4 bytes,
+    then a block's bytes past its last whole dword [group, block, row, tail] (a new tensor;
+    GGUF's layout: `blocks` itself)."""
     rows = _rows(kind)
     if rows == 1:
         return blocks
-    n = blocks.shape[0]
-    grouped = blocks.view(n // rows, rows, -1, BLOCK_SIZES[kind][1] // 4, 4)
-    return grouped.permute(0, 2, 3, 1, 4).contiguous().view(n, -1)
+    n, size = blocks.shape[0], BLOCK_SIZES[kind][1]
+    grouped = blocks.view(n // rows, rows, -1, size)
+    head = grouped[..., :size // 4 * 4].unflatten(-1, (size // 4, 4)).permute(0, 2, 3, 1, 4)
+    tail = grouped[..., size // 4 * 4:].permute(0, 2, 1, 3)
+    return torch.cat([head.flatten(2), tail.flatten(2)], -1).view(n, -1)
 
 
 def _plain(kind: str, blocks: torch.Tensor) -> torch.Tensor:
@@ -316,9 +319,12 @@ def _plain(kind: str, blocks: torch.Tensor) -> torch.Tensor:
     rows = _rows(kind)
     if rows == 1:
         return blocks
-    n = blocks.shape[0]
-    grouped = blocks.view(n // rows, -1, BLOCK_SIZES[kind][1] // 4, rows, 4)
-    return grouped.permute(0, 3, 1, 2, 4).contiguous().view(n, -1)
+    n, size = blocks.shape[0], BLOCK_SIZES[kind][1]
+    grouped = blocks.view(n // rows, -1, rows * size)
+    split = rows * (size // 4 * 4)
+    head = grouped[..., :split].unflatten(-1, (size // 4, rows, 4)).permute(0, 3, 1, 2, 4)
+    tail = grouped[..., split:].unflatten(-1, (rows, size % 4)).permute(0, 2, 1, 3)
+    return torch.cat([head.flatten(3), tail], -1).view(n, -1)
 
 
 def _inverse(d: torch.Tensor) -> torch.Tensor:
