@@ -563,8 +563,8 @@ int32_t KT_FN(linear_i8)(const struct v1_matmul *c) {
 }
 
 /* ---- rows interleaved: a lane per weight row (KT_ROWS 8) ---------------------------------
-   For an includer that defines KT_SET_MG (activation rows per pass over a set's weights, at
-   most 4) and, after this file, kt_set: the tile of VL weight rows in the lanes of a vector
+   For an includer that defines KT_SET_MG (activation rows per pass over a set's weights: 2,
+   3, 4 or 8) and, after this file, kt_set: the tile of VL weight rows in the lanes of a vector
    (block_q6_kx8.c). This file gives it the sets' driver (kt_i8_sets) and the loads. */
 #if KT_ROWS > 1 && defined(KT_SET_MG)
 
@@ -618,6 +618,12 @@ static void kt_i8_sets(void *ctx, int64_t s0, int64_t s1, int thread) {
 #endif
 #if KT_SET_MG > 3
                 case 3: KT_SET(3); break;
+#endif
+#if KT_SET_MG > 4
+                case 4: KT_SET(4); break;
+                case 5: KT_SET(5); break;
+                case 6: KT_SET(6); break;
+                case 7: KT_SET(7); break;
 #endif
                 default: KT_SET(KT_SET_MG);
             }

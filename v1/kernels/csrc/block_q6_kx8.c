@@ -10,8 +10,9 @@
    dequantize and linear_f32 are q6_k's on each superblock's bytes gathered back. */
 #define KT_ROWS 8
 #define KT_FN(f) block_q6_kx8_##f
-/* Activation rows per pass over a set's weights (their sums stay in registers). */
-#define KT_SET_MG (NREGS >= 32 ? 4 : 2)
+/* Activation rows per pass over a set's weights: the values' decode is shared by them (8 ran
+   faster than 4 on AVX2 and AVX-512 at 64 and 512 rows, 16 registers or 32: docs/kernels.md). */
+#define KT_SET_MG 8
 #include "block_q6_k.c"
 
 /* The 4 products of 4 6-bit values and 4 activation bytes, summed per lane (pair sums as
