@@ -494,6 +494,7 @@ def test_repacked_k_quant_blocks(kind: str) -> None:
     assert torch.equal(moved.dequantize(), want) and torch.equal(q.dequantize(), want)
     ids = torch.tensor([[3, 15], [8, 3]])
     assert torch.equal(moved.embedding(ids), want[ids])
+    assert moved.embedding(torch.tensor([], dtype=torch.long)).shape == (0, 512)
     if kernels() is not None:
         x = torch.randn(3, 512)
         assert torch.equal(moved.linear(x, path="int8"), q.linear(x, path="int8"))

@@ -235,9 +235,10 @@ class QuantizedWeight:
         if rows == 1:
             blocks = self.blocks[flat]
         else:  # row i of its group, the group's blocks in GGUF's layout (see `_interleave`)
-            groups = self.blocks.view(self.out_features // rows, -1)[flat // rows]
-            plain = _plain(self.kind, groups.view(len(flat) * rows, -1)).view(len(flat), rows, -1)
-            blocks = plain[torch.arange(len(flat)), flat % rows]
+            width = self.blocks.shape[1]
+            groups = self.blocks.view(self.out_features // rows, rows * width)[flat // rows]
+            plain = _plain(self.kind, groups.view(len(flat) * rows, width))
+            blocks = plain.view(len(flat), rows, width)[torch.arange(len(flat)), flat % rows]
         return _dequantize(self.gguf_kind, blocks).reshape(*ids.shape, self.in_features)
 
     def linear(
@@ -307,10 +308,14 @@ def _interleave(kind: str, blocks: torch.Tensor) -> torch.Tensor:
     if rows == 1:
         return blocks
     n, size = blocks.shape[0], BLOCK_SIZES[kind][1]
-    grouped = blocks.view(n // rows, rows, -1, size)
-    head = grouped[..., :size // 4 * 4].unflatten(-1, (size // 4, 4)).permute(0, 2, 3, 1, 4)
-    tail = grouped[..., size // 4 * 4:].permute(0, 2, 1, 3)
-    return torch.cat([head.flatten(2), tail.flatten(2)], -1).view(n, -1)
+    dwords, nb = size // 4, blocks.shape[1] // size
+    grouped = blocks.view(n // rows, rows, nb, size)
+    out = torch.empty_like(blocks).view(n // rows, nb, rows * size)
+    out[..., :rows * dwords * 4].unflatten(-1, (dwords, rows, 4)).copy_(
+        grouped[..., :dwords * 4].unflatten(-1, (dwords, 4)).permute(0, 2, 3, 1, 4))
+    out[..., rows * dwords * 4:].unflatten(-1, (rows, size % 4)).copy_(
+        grouped[..., dwords * 4:].permute(0, 2, 1, 3))
+    return out.view(blocks.shape)
 
 
 def _plain(kind: str, blocks: torch.Tensor) -> torch.Tensor:
@@ -320,11 +325,14 @@ def _plain(kind: str, blocks: torch.Tensor) -> torch.Tensor:
     if rows == 1:
         return blocks
     n, size = blocks.shape[0], BLOCK_SIZES[kind][1]
-    grouped = blocks.view(n // rows, -1, rows * size)
-    split = rows * (size // 4 * 4)
-    head = grouped[..., :split].unflatten(-1, (size // 4, rows, 4)).permute(0, 3, 1, 2, 4)
-    tail = grouped[..., split:].unflatten(-1, (rows, size % 4)).permute(0, 2, 1, 3)
-    return torch.cat([head.flatten(3), tail], -1).view(n, -1)
+    dwords, nb = size // 4, blocks.shape[1] // size
+    grouped = blocks.view(n // rows, nb, rows * size)
+    out = torch.empty_like(blocks).view(n // rows, rows, nb, size)
+    out[..., :dwords * 4].unflatten(-1, (dwords, 4)).copy_(
+        grouped[..., :rows * dwords * 4].unflatten(-1, (dwords, rows, 4)).permute(0, 3, 1, 2, 4))
+    out[..., dwords * 4:].copy_(
+        grouped[..., rows * dwords * 4:].unflatten(-1, (rows, size % 4)).permute(0, 2, 1, 3))
+    return out.view(blocks.shape)
 
 
 def _inverse(d: torch.Tensor) -> torch.Tensor:
