@@ -1,13 +1,13 @@
 """The K-quant rows of the kernel table against q4_1 and q8_0, at decode's batch sizes.
 
 For each weight shape (a 1B Llama's: 2048 x 2048 attention, 8192 x 2048 gate/up, 2048 x 8192
-down, and an LM head) and each kernel library variant this CPU runs (--variants), times the
-int8 path (`linear_i8`, what decode runs) at M activation rows on random blocks: q4_k, q5_k,
-q6_k (and q4_k in the layout the library repacks it to, q4_kx8) beside q4_1 (in the layout
-the library repacks it to) and q8_0. Every (variant, kind) runs once per round, in an order
-that rotates between rounds (paired and interleaved on a shared machine); a figure is the
-median over rounds: ms per call and GB/s of weight bytes read, and per round the ratio of
-each kind's GB/s to q4_1's (median).
+down, an LM head, 512 x 2048 attn_v) and each kernel library variant this CPU runs
+(--variants), times the int8 path (`linear_i8`, what decode runs) at M activation rows on
+random blocks: q4_k, q5_k, q6_k (and each in the layout the library repacks it to: q4_kx8,
+q6_kx8) beside q4_1 (in the layout the library repacks it to) and q8_0. Every (variant, kind)
+runs once per round, in an order that rotates between rounds (paired and interleaved on a
+shared machine); a figure is the median over rounds: ms per call and GB/s of weight bytes
+read, and per round the ratio of each kind's GB/s to q4_1's (median).
 
     .venv/bin/python bench/bench_kquants.py [--rows 1,4,16] [--variants x86_64_v4,x86_64_v3]
 
@@ -32,7 +32,8 @@ from v1.kernels.block_matmul import QuantBlocks, QuantKernels  # noqa: E402
 from v1.models.layers.quantized import QuantizedWeight  # noqa: E402
 
 SHAPES = {"attn 2048x2048": (2048, 2048), "gate/up 8192x2048": (8192, 2048),
-          "down 2048x8192": (2048, 8192), "head 49152x2048": (49152, 2048)}
+          "down 2048x8192": (2048, 8192), "head 49152x2048": (49152, 2048),
+          "attn_v 512x2048": (512, 2048)}
 K_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210}  # per 256 values
 HALF_AT = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}  # the fp16 scales' offsets
 
@@ -46,18 +47,13 @@ def k_blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> torch.Tenso
     return torch.from_numpy(b.reshape(n, -1))
 
 
-def interleaved(blocks: torch.Tensor, rows: int, block_bytes: int) -> torch.Tensor:
-    """Each group of `rows` rows' blocks b together, dword f of row i at dword rows f + i."""
-    n = blocks.shape[0]
-    grouped = blocks.view(n // rows, rows, -1, block_bytes // 4, 4)
-    return grouped.permute(0, 2, 3, 1, 4).contiguous().view(n, -1)
-
-
 def weights(q: QuantKernels, n: int, k: int, rng: np.random.Generator) -> dict[str, QuantBlocks]:
     out = {kind: QuantBlocks(kind, k_blocks(kind, n, k, rng)) for kind in K_BYTES}
-    repack = q.types["q4_k"].repack
-    if repack:
-        out[repack] = QuantBlocks(repack, interleaved(out["q4_k"].tensor, 8, K_BYTES["q4_k"]))
+    for kind in K_BYTES:  # also in the layout the library repacks it to (q4_kx8, q6_kx8)
+        w = QuantizedWeight(kind, out[kind].tensor.clone(), n, k)
+        w.repack_for(q)
+        if w.kind != kind:
+            out[w.kind] = w.kernel_blocks()
     dense = torch.randn(n, k)
     for kind in ("q4_1", "q8_0"):
         w = QuantizedWeight.quantize(dense, kind)

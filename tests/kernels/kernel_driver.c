@@ -40,7 +40,8 @@ static const struct {
 } HEADERS[] = {{"q4_1", {0, 2, -1}}, {"q4_1x8", {0, 2, -1}}, {"q8_0", {0, -1}},
                {"q4_0", {0, -1}},    {"q5_0", {0, -1}},      {"q5_1", {0, 2, -1}},
                {"f16", {0, -1}},     {"bf16", {0, -1}},      {"q4_k", {0, 2, -1}},
-               {"q4_kx8", {0, 2, -1}}, {"q5_k", {0, 2, -1}}, {"q6_k", {208, -1}}};
+               {"q4_kx8", {0, 2, -1}}, {"q5_k", {0, 2, -1}}, {"q6_k", {208, -1}},
+               {"q6_kx8", {208, -1}}};
 
 /* M: every dot tile (1-4 rows), the few-row int8 tile's chains (1, 2, more) with and without
    columns ahead (up to 16 rows), then beyond it the outer-product tiles of 1-4 vectors of
@@ -124,9 +125,17 @@ static int32_t run_both(run_fn run, const struct v1_block_type *row, int32_t k,
     return 0;
 }
 
+/* Where byte `at` of row n's block b sits, `rows` rows interleaved (rb bytes a row, bb a
+   block): in its dword, or past the block's whole dwords, in the group's tail row by row. */
+static int64_t byte_at(int64_t n, int64_t b, int64_t rb, int64_t bb, int rows, int at) {
+    const int64_t block = n / rows * rows * rb + b * bb * rows, i = n % rows, dwords = bb / 4;
+    if (rows == 1) return n * rb + b * bb + at;
+    if (at < 4 * dwords) return block + 4 * (rows * (at / 4) + i) + at % 4;
+    return block + 4 * rows * dwords + bb % 4 * i + at - 4 * dwords;
+}
+
 /* N rows of K / be blocks of bb bytes, `rows` rows interleaved (block_types.h): random
-   bytes, the fp16 fields at the offsets `halves` (-1 ends them) of each block random scales
-   (in the first dword of a block, block_tiles.h's layout, where rows are interleaved). */
+   bytes, the fp16 fields at the offsets `halves` (-1 ends them) of each block random scales. */
 static uint8_t *random_blocks(int64_t N, int64_t K, int64_t be, int64_t bb, int rows,
                               const int *halves, uint64_t *seed) {
     const int64_t rb = K / be * bb;
@@ -136,8 +145,7 @@ static uint8_t *random_blocks(int64_t N, int64_t K, int64_t be, int64_t bb, int 
         for (int64_t b = 0; b < K / be; b++)
             for (int h = 0; halves[h] >= 0; h++) {
                 const uint16_t d = random_half(seed);
-                memcpy(w + n / rows * rows * rb + 4 * (n % rows) + b * bb * rows + halves[h], &d,
-                       2);
+                memcpy(w + byte_at(n, b, rb, bb, rows, halves[h]), &d, 2);
             }
     return w;
 }

@@ -1,8 +1,8 @@
-"""The kernel table's K-quant rows (q4_k, q5_k, q6_k: csrc/block_ktiles.h, block_ref_k.c; q4_kx8,
-q4_k's superblocks with 8 rows interleaved) in every variant this CPU runs: dequantize gives
-gguf's values bit for bit (random superblocks, extreme fp16 scales and mins among them), the
-matmuls are close to x @ dequantized.T, the int8 path gives the reference's bits and each row
-the same bits whatever M and whatever the layout."""
+"""The kernel table's K-quant rows (q4_k, q5_k, q6_k: csrc/block_ktiles.h, block_ref_k.c;
+q4_kx8 and q6_kx8, their superblocks with 8 rows interleaved) in every variant this CPU runs:
+dequantize gives gguf's values bit for bit (random superblocks, extreme fp16 scales and mins
+among them), the matmuls are close to x @ dequantized.T, the int8 path gives the reference's
+bits and each row the same bits whatever M and whatever the layout."""
 
 import ctypes
 import platform
@@ -14,10 +14,12 @@ import torch
 
 from v1.kernels import library
 from v1.kernels.block_matmul import INTERLEAVED, QuantBlocks, QuantKernels, block_types
+from v1.models.layers.quantized import QuantizedWeight
 
 pytestmark = pytest.mark.skipif(library.library() is None, reason="no C kernels")
 
 KINDS = ("q4_k", "q5_k", "q6_k")
+INTERLEAVED_AS = {"q4_k": "q4_kx8", "q6_k": "q6_kx8"}
 # The fp16 fields of each superblock: d and dmin, or q6_k's d at its end.
 HALVES = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
 # Largest finite, smallest subnormal, largest subnormal, zero, minus zero, negative, -largest.
@@ -62,14 +64,15 @@ def test_the_rows_are_ggufs(lib: ctypes.CDLL) -> None:
     for kind in KINDS:
         t = types[kind]
         assert (t.block_elems, t.block_bytes) == gguf.GGML_QUANT_SIZES[gguf_type(kind)]
-        # q4_k repacked where q4_1 is (the AVX2 and AVX-512 builds)
-        repack = "q4_kx8" if kind == "q4_k" and types["q4_1"].repack else None
+        # q4_k and q6_k repacked where q4_1 is (the AVX2 and AVX-512 builds)
+        repack = INTERLEAVED_AS.get(kind) if types["q4_1"].repack else None
         assert (t.interleave, t.repack) == (1, repack)
         assert t.kernels == t.reference == {"linear_f32", "linear_i8", "dequantize"}
-    t = types["q4_kx8"]
-    assert (t.block_elems, t.block_bytes, t.interleave) == (256, 144, 8)
-    assert INTERLEAVED["q4_kx8"] == ("q4_k", 8)
-    assert t.kernels == t.reference == {"linear_f32", "linear_i8", "dequantize"}
+    for kind, moved in INTERLEAVED_AS.items():
+        t = types[moved]
+        assert (t.block_elems, t.block_bytes) == (256, types[kind].block_bytes)
+        assert (t.interleave, INTERLEAVED[moved]) == (8, (kind, 8))
+        assert t.kernels == t.reference == {"linear_f32", "linear_i8", "dequantize"}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -131,40 +134,52 @@ def test_a_row_that_is_not_finite_takes_the_fp32_path(lib: ctypes.CDLL, kind: st
     assert torch.equal(y8[2], tuned.linear(w, x[2:], None, int8=True)[0])
 
 
-def interleaved(blocks: np.ndarray) -> np.ndarray:
-    """q4_k rows as q4_kx8: each group of 8 rows' superblock b together, dword f of row i at
-    dword 8 f + i (csrc/block_q4_kx8.c)."""
-    n = blocks.shape[0]
-    grouped = blocks.reshape(n // 8, 8, -1, 144 // 4, 4)
-    return np.ascontiguousarray(grouped.transpose(0, 2, 3, 1, 4)).reshape(n, -1)
+def interleaved(kind: str, blocks: np.ndarray) -> np.ndarray:
+    """`kind`'s rows (any dtype: a byte's index moves as the byte) interleaved by 8: each
+    group's superblock b together, dword f of row i at dword 8 f + i, then the bytes past the
+    last whole dword (q6_k's d) row by row (csrc/block_q4_kx8.c, block_q6_kx8.c)."""
+    n, size = blocks.shape[0], gguf.GGML_QUANT_SIZES[gguf_type(kind)][1]
+    grouped = blocks.reshape(n // 8, 8, -1, size)
+    head = grouped[..., :size // 4 * 4].reshape(n // 8, 8, grouped.shape[2], -1, 4)
+    head = head.transpose(0, 2, 3, 1, 4).reshape(n // 8, grouped.shape[2], -1)
+    tail = grouped[..., size // 4 * 4:].transpose(0, 2, 1, 3).reshape(head.shape[:2] + (-1,))
+    return np.concatenate([head, tail], -1).reshape(n, -1)
 
 
-def test_interleaved_q4_k_gives_q4_ks_bits(lib: ctypes.CDLL) -> None:
-    """q4_kx8 (N = 40: on AVX-512 the last 16 rows are one group) dequantizes to gguf's bits,
-    its int8 path gives q4_k's bits at every M (tuned and reference) and linear_f32 q4_k's
-    values; the layout moves every byte and moves them back."""
+@pytest.mark.parametrize("kind", INTERLEAVED_AS)
+def test_interleaved_rows_give_the_plain_bits(lib: ctypes.CDLL, kind: str) -> None:
+    """q4_kx8 and q6_kx8 (N = 40: on AVX-512 the last 16 rows are one group) dequantize to
+    gguf's bits, their int8 path gives the plain rows' bits at every M (tuned and reference)
+    and linear_f32 their values; the layout moves every byte once, as the bindings' does."""
     rng = np.random.default_rng(3)
     gen = torch.Generator().manual_seed(3)
     tuned, reference = QuantKernels(lib), QuantKernels(lib, reference=True)
-    n, k = 40, 768
-    blocks = superblocks("q4_k", n, k, rng, extreme=True)
-    moved = interleaved(blocks)
+    n, k, kx8 = 40, 768, INTERLEAVED_AS[kind]
+    blocks = superblocks(kind, n, k, rng, extreme=True)
+    moved = interleaved(kind, blocks)
+    order = interleaved(kind, np.arange(blocks.size).reshape(blocks.shape))
+    assert np.array_equal(np.sort(order, None), np.arange(blocks.size))
+    assert np.array_equal(moved.reshape(-1), blocks.reshape(-1)[order.reshape(-1)])
     assert not np.array_equal(moved, blocks)
-    back = moved.reshape(n // 8, -1, 36, 8, 4).transpose(0, 3, 1, 2, 4).reshape(n, -1)
-    assert np.array_equal(back, blocks)
-    want = torch.from_numpy(gguf.quants.dequantize(blocks, gguf_type("q4_k")).copy())
-    w8 = QuantBlocks("q4_kx8", torch.from_numpy(moved))
+    if kind == "q6_k":  # group 1's superblock 2: 52 runs of 8 dwords, then the 8 rows' d
+        group = moved[8:16].reshape(-1)[2 * 8 * 210:3 * 8 * 210]
+        assert np.array_equal(group[52 * 32:], blocks[8:16, 2 * 210 + 208:2 * 210 + 210].ravel())
+    w8 = QuantBlocks(kx8, torch.from_numpy(moved))
+    repacked = QuantizedWeight(kind, torch.from_numpy(blocks.copy()), n, k)
+    repacked.repack(kx8)
+    assert torch.equal(repacked.blocks, w8.tensor)
+    want = torch.from_numpy(gguf.quants.dequantize(blocks, gguf_type(kind)).copy())
     for q in (tuned, reference):
         assert torch.equal(q.dequantize(w8).view(torch.int32), want.view(torch.int32))
-    blocks = superblocks("q4_k", n, k, rng)
-    w, w8 = QuantBlocks("q4_k", torch.from_numpy(blocks)), QuantBlocks(
-        "q4_kx8", torch.from_numpy(interleaved(blocks)))
-    for m in (1, 2, 5, 16, 17, 64):
+    blocks = superblocks(kind, n, k, rng)
+    w, w8 = QuantBlocks(kind, torch.from_numpy(blocks)), QuantBlocks(
+        kx8, torch.from_numpy(interleaved(kind, blocks)))
+    for m in (1, 2, 3, 5, 16, 17, 64):
         x, bias = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
         y8 = tuned.linear(w, x, bias, int8=True)
         assert torch.equal(tuned.linear(w8, x, bias, int8=True), y8), m
         assert torch.equal(reference.linear(w8, x, bias, int8=True), y8), m
         torch.testing.assert_close(tuned.linear(w8, x, bias), tuned.linear(w, x, bias))
-    x[1, 300] = float("inf")  # that row through linear_f32, q4_kx8's own
+    x[1, 300] = float("inf")  # that row through linear_f32, the interleaved row's own
     torch.testing.assert_close(tuned.linear(w8, x, bias, int8=True)[1],
                                tuned.linear(w, x[1:2], bias)[0], equal_nan=True)

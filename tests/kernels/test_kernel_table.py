@@ -88,7 +88,7 @@ def test_the_bindings_read_the_table() -> None:
     # The C's rows, in its order: GGUF's layouts and ours, every kernel, tuned and reference
     # (f16 and bf16 have no int8 path).
     assert list(types) == ["q4_1", "q4_1x8", "q8_0", "q4_0", "q5_0", "q5_1", "f16", "bf16",
-                           "q4_k", "q4_kx8", "q5_k", "q6_k"]
+                           "q4_k", "q4_kx8", "q5_k", "q6_k", "q6_kx8"]
     for code, (name, t) in enumerate(types.items()):
         assert (t.name, t.code, (t.block_elems, t.block_bytes)) == (name, code,
                                                                     BLOCK_SIZES[name])

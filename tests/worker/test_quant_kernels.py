@@ -483,25 +483,28 @@ def test_repacked_blocks() -> None:
         QuantizedWeight("q4_1x8", odd.blocks, 9, 64)
 
 
-def test_repacked_k_quant_blocks() -> None:
-    """q4_kx8 holds q4_k's superblocks moved, and back: dequantize (gguf's bits), the
-    embedding's rows and the kernels see the same weight."""
-    q4_k = gguf.GGMLQuantizationType.Q4_K
-    raw = quantized(np.zeros((16, 512), np.float32), q4_k, seed=3)
-    q = QuantizedWeight("q4_k", torch.from_numpy(raw.reshape(16, -1)), 16, 512)
-    moved = QuantizedWeight("q4_k", q.blocks.clone(), 16, 512)
-    moved.repack("q4_kx8")
-    assert (moved.kind, moved.gguf_kind, moved.nbytes) == ("q4_kx8", "q4_k", q.nbytes)
+@pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
+def test_repacked_k_quant_blocks(kind: str) -> None:
+    """q4_kx8 and q6_kx8 hold q4_k's and q6_k's superblocks moved (q6_k's d, past its whole
+    dwords, too), and back: dequantize (gguf's bits), the embedding's rows and the kernels see
+    the same weight."""
+    gguf_type = gguf.GGMLQuantizationType[kind.upper()]
+    raw = quantized(np.zeros((16, 512), np.float32), gguf_type, seed=3)
+    q = QuantizedWeight(kind, torch.from_numpy(raw.reshape(16, -1)), 16, 512)
+    moved = QuantizedWeight(kind, q.blocks.clone(), 16, 512)
+    moved.repack(kind + "x8")
+    assert (moved.kind, moved.gguf_kind, moved.nbytes) == (kind + "x8", kind, q.nbytes)
     assert not torch.equal(moved.blocks, q.blocks)
-    want = torch.from_numpy(gguf.quants.dequantize(raw, q4_k))
+    want = torch.from_numpy(gguf.quants.dequantize(raw, gguf_type))
     assert torch.equal(moved.dequantize(), want) and torch.equal(q.dequantize(), want)
     ids = torch.tensor([[3, 15], [8, 3]])
     assert torch.equal(moved.embedding(ids), want[ids])
+    assert moved.embedding(torch.tensor([], dtype=torch.long)).shape == (0, 512)
     if kernels() is not None:
         x = torch.randn(3, 512)
         assert torch.equal(moved.linear(x, path="int8"), q.linear(x, path="int8"))
-    moved.repack("q4_k")
-    assert moved.kind == "q4_k" and torch.equal(moved.blocks, q.blocks)
+    moved.repack(kind)
+    assert moved.kind == kind and torch.equal(moved.blocks, q.blocks)
 
 
 @needs_kernels

@@ -38,6 +38,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "block_q4_kx8.c": ("-ffp-contract=off",),
     "block_q5_k.c": ("-ffp-contract=off",),
     "block_q6_k.c": ("-ffp-contract=off",),
+    "block_q6_kx8.c": ("-ffp-contract=off",),
     "block_ref_k.c": ("-ffp-contract=off",),
     # a * b + c rounded twice, as the torch ops it must match bit for bit do.
     "elementwise.c": ("-ffp-contract=off",),

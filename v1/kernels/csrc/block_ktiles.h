@@ -149,13 +149,17 @@ static inline vi kt_widen(const uint8_t *p) {
 
 /* ---- dequantize, and linear_f32 from the dequantized values ----------------------------- */
 
-/* Superblock b of row n: in place, or with rows interleaved its dwords gathered into tmp. */
+/* Superblock b of row n: in place, or with rows interleaved its dwords (and its bytes past
+   the last whole dword, KT_TAIL of them: stored after the group's dwords, row by row)
+   gathered into tmp. */
+enum { KT_TAIL = KT_BYTES % 4, KT_DWORDS = KT_BYTES / 4 };
 static inline const uint8_t *kt_superblock(const uint8_t *w, int64_t row_bytes, int64_t n,
                                            int64_t b, uint8_t tmp[KT_BYTES]) {
     if (KT_ROWS == 1) return w + n * row_bytes + b * KT_BYTES;
-    const uint8_t *g = w + (n - n % KT_ROWS) * row_bytes + b * KT_ROWS * KT_BYTES +
-                       n % KT_ROWS * 4;
-    for (int f = 0; f < KT_BYTES / 4; f++) memcpy(tmp + 4 * f, g + 4 * KT_ROWS * f, 4);
+    const uint8_t *g = w + (n - n % KT_ROWS) * row_bytes + b * KT_ROWS * KT_BYTES;
+    for (int f = 0; f < KT_DWORDS; f++)
+        memcpy(tmp + 4 * f, g + 4 * (KT_ROWS * f + n % KT_ROWS), 4);
+    memcpy(tmp + 4 * KT_DWORDS, g + 4 * KT_ROWS * KT_DWORDS + KT_TAIL * (n % KT_ROWS), KT_TAIL);
     return tmp;
 }
 
@@ -557,3 +561,74 @@ int32_t KT_FN(linear_i8)(const struct v1_matmul *c) {
     free(j.xq);
     return nonfinite ? v1_rerun_nonfinite_rows(c, KT_FN(linear_f32)) : 0;
 }
+
+/* ---- rows interleaved: a lane per weight row (KT_ROWS 8) ---------------------------------
+   For an includer that defines KT_SET_MG (activation rows per pass over a set's weights: 2,
+   3, 4 or 8) and, after this file, kt_set: the tile of VL weight rows in the lanes of a vector
+   (block_q6_kx8.c). This file gives it the sets' driver (kt_i8_sets) and the loads. */
+#if KT_ROWS > 1 && defined(KT_SET_MG)
+
+/* Dword f of VL rows' superblock (p: the first row's dword 0 in its group; AVX-512: p2, the
+   next group's, or p again for a last group alone). */
+static inline __attribute__((always_inline)) vi kt_lanes(const uint8_t *p, const uint8_t *p2,
+                                                          int f) {
+#if VL == 16
+    return join_halves(p + 4 * KT_ROWS * f, p2 + 4 * KT_ROWS * f);
+#else
+    (void)p2;
+    return loadvi(p + 4 * KT_ROWS * f);
+#endif
+}
+
+/* 4 bytes at p in every lane (a broadcast load). */
+static inline vi kt_bcast4(const void *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return (vi){0} + v;
+}
+
+/* VL weight rows (their superblocks at p, p2 as kt_lanes's; lane0: the first one's row in its
+   group, `rows` of them real) against activation rows m0 .. m0 + MG - 1: y[m * ldy + lane]
+   for each. */
+static inline __attribute__((always_inline)) void kt_set(const struct kt_job_i8 *j,
+                                                          const uint8_t *p, const uint8_t *p2,
+                                                          int lane0, int64_t m0, int MG,
+                                                          float *y, const float *bias,
+                                                          int rows);
+
+#define KT_SET(MG_) kt_set(j, p, p2, (int)(n0 % KT_ROWS), m0, MG_, y, bias, rows)
+
+/* Sets of VL weight rows s0 .. s1 - 1 (rows VL s ..; a last set on AVX-512 may be one group),
+   each against every activation row, KT_SET_MG at a time. */
+static void kt_i8_sets(void *ctx, int64_t s0, int64_t s1, int thread) {
+    const struct kt_job_i8 *j = ctx;
+    (void)thread;
+    for (int64_t s = s0; s < s1; s++) {
+        const int64_t n0 = s * VL;
+        const uint8_t *p = j->w + (n0 - n0 % KT_ROWS) * j->row_bytes + n0 % KT_ROWS * 4;
+        const int rows = (int)(j->N - n0 < VL ? j->N - n0 : VL);
+        const uint8_t *p2 = rows > KT_ROWS ? p + KT_ROWS * j->row_bytes : p;
+        const float *bias = j->bias ? j->bias + n0 : NULL;
+        for (int64_t m0 = 0; m0 < j->M; m0 += KT_SET_MG) {
+            float *y = j->y + m0 * j->ldy + n0;
+            switch (j->M - m0 < KT_SET_MG ? j->M - m0 : KT_SET_MG) {
+                case 1: KT_SET(1); break;
+#if KT_SET_MG > 2
+                case 2: KT_SET(2); break;
+#endif
+#if KT_SET_MG > 3
+                case 3: KT_SET(3); break;
+#endif
+#if KT_SET_MG > 4
+                case 4: KT_SET(4); break;
+                case 5: KT_SET(5); break;
+                case 6: KT_SET(6); break;
+                case 7: KT_SET(7); break;
+#endif
+                default: KT_SET(KT_SET_MG);
+            }
+        }
+    }
+}
+#undef KT_SET
+#endif

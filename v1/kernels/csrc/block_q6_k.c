@@ -1,8 +1,11 @@
 /* GGUF q6_k superblocks, tuned (block_ktiles.h): 256 values as 128 bytes of low nibbles, 64
    bytes of 2-bit high parts, 16 int8 scales (one per 16 values), fp16 d at the end. Each half
    of 128 values has 64 bytes of nibbles (byte l: value l low, value 64 + l high) and 32 of high
-   parts (bits 2 u, 2 u + 1 of byte l: value 32 u + l's); x = d sc (q - 32). */
+   parts (bits 2 u, 2 u + 1 of byte l: value 32 u + l's); x = d sc (q - 32). block_q6_kx8.c
+   builds the same kernels for 8 rows interleaved (KT_ROWS). */
+#ifndef KT_FN
 #define KT_FN(f) block_q6_k_##f
+#endif
 #define KT_BYTES 210
 #define KT_MIN 0
 

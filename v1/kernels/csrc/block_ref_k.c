@@ -87,18 +87,21 @@ static float value(const struct kblock *k, int i) {
 struct kformat {
     void (*read)(const uint8_t *p, struct kblock *k);
     int bytes;
-    int rows;  /* rows interleaved: dword f of row i of a group's superblock at 4 (rows f + i) */
+    int rows;  /* rows interleaved: dword f of row i of a group's superblock at 4 (rows f + i),
+                  its bytes past the last whole dword after the group's dwords, row by row */
 };
 
 enum { MAX_BYTES = 210 };
 
-/* Superblock b of row n, its dwords gathered into tmp where rows are interleaved. */
+/* Superblock b of row n, its bytes gathered into tmp where rows are interleaved. */
 static const uint8_t *superblock(const struct v1_matmul *c, int64_t n, int64_t b,
                                  struct kformat f, uint8_t tmp[MAX_BYTES]) {
     const uint8_t *w = c->w.data;
     if (f.rows == 1) return w + n * c->w.stride + b * f.bytes;
-    const uint8_t *g = w + (n - n % f.rows) * c->w.stride + b * f.rows * f.bytes + n % f.rows * 4;
-    for (int d = 0; d < f.bytes / 4; d++) memcpy(tmp + 4 * d, g + 4 * f.rows * d, 4);
+    const uint8_t *g = w + (n - n % f.rows) * c->w.stride + b * f.rows * f.bytes;
+    const int i = (int)(n % f.rows), dwords = f.bytes / 4, tail = f.bytes % 4;
+    for (int d = 0; d < dwords; d++) memcpy(tmp + 4 * d, g + 4 * (f.rows * d + i), 4);
+    memcpy(tmp + 4 * dwords, g + 4 * f.rows * dwords + tail * i, (size_t)tail);
     return tmp;
 }
 
@@ -210,3 +213,4 @@ REFERENCE(q4_k, read_q4_k, 144, 1)
 REFERENCE(q4_kx8, read_q4_k, 144, 8)
 REFERENCE(q5_k, read_q5_k, 176, 1)
 REFERENCE(q6_k, read_q6_k, 210, 1)
+REFERENCE(q6_kx8, read_q6_k, 210, 8)

@@ -10,14 +10,16 @@
 #define HALF_KERNELS(PREFIX, TYPE) \
     {PREFIX##_##TYPE##_linear_f32, NULL, PREFIX##_##TYPE##_dequantize}
 
-/* q4_1 and q4_k interleaved by 8 rows where that measured faster (AVX2 and AVX-512:
+/* q4_1, q4_k and q6_k interleaved by 8 rows where that measured faster (AVX2 and AVX-512:
    docs/kernels.md); the SSE2 and NEON builds keep GGUF's layout. */
 #if VL >= 8
 #define Q4_1_REPACK "q4_1x8"
 #define Q4_K_REPACK "q4_kx8"
+#define Q6_K_REPACK "q6_kx8"
 #else
 #define Q4_1_REPACK NULL
 #define Q4_K_REPACK NULL
+#define Q6_K_REPACK NULL
 #endif
 
 const struct v1_block_type v1_block_table[] = {
@@ -32,6 +34,7 @@ const struct v1_block_type v1_block_table[] = {
     {"q4_k", 256, 144, 1, Q4_K_REPACK, KERNELS(block, q4_k), KERNELS(ref, q4_k)},
     {"q4_kx8", 256, 144, 8, NULL, KERNELS(block, q4_kx8), KERNELS(ref, q4_kx8)},
     {"q5_k", 256, 176, 1, NULL, KERNELS(block, q5_k), KERNELS(ref, q5_k)},
-    {"q6_k", 256, 210, 1, NULL, KERNELS(block, q6_k), KERNELS(ref, q6_k)},
+    {"q6_k", 256, 210, 1, Q6_K_REPACK, KERNELS(block, q6_k), KERNELS(ref, q6_k)},
+    {"q6_kx8", 256, 210, 8, NULL, KERNELS(block, q6_kx8), KERNELS(ref, q6_kx8)},
 };
 const int32_t v1_block_table_size = sizeof v1_block_table / sizeof v1_block_table[0];

@@ -111,6 +111,9 @@ int32_t block_q5_k_dequantize(const struct v1_matmul *call);
 int32_t block_q6_k_linear_f32(const struct v1_matmul *call);
 int32_t block_q6_k_linear_i8(const struct v1_matmul *call);
 int32_t block_q6_k_dequantize(const struct v1_matmul *call);
+int32_t block_q6_kx8_linear_f32(const struct v1_matmul *call);
+int32_t block_q6_kx8_linear_i8(const struct v1_matmul *call);
+int32_t block_q6_kx8_dequantize(const struct v1_matmul *call);
 int32_t ref_q4_k_linear_f32(const struct v1_matmul *call);
 int32_t ref_q4_k_linear_i8(const struct v1_matmul *call);
 int32_t ref_q4_k_dequantize(const struct v1_matmul *call);
@@ -123,5 +126,8 @@ int32_t ref_q5_k_dequantize(const struct v1_matmul *call);
 int32_t ref_q6_k_linear_f32(const struct v1_matmul *call);
 int32_t ref_q6_k_linear_i8(const struct v1_matmul *call);
 int32_t ref_q6_k_dequantize(const struct v1_matmul *call);
+int32_t ref_q6_kx8_linear_f32(const struct v1_matmul *call);
+int32_t ref_q6_kx8_linear_i8(const struct v1_matmul *call);
+int32_t ref_q6_kx8_dequantize(const struct v1_matmul *call);
 
 #endif

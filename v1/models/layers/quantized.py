@@ -245,10 +245,11 @@ class QuantizedWeight:
         rows = _rows(self.kind)
         if rows == 1:
             blocks = self.blocks[flat]
-        else:  # row i of group g: [g, every block, every dword, i] (see `_interleave`)
-            grouped = self.blocks.view(self.out_features // rows, -1,
-                                       BLOCK_SIZES[self.kind][1] // 4, rows, 4)
-            blocks = grouped[flat // rows, :, :, flat % rows].reshape(len(flat), -1)
+        else:  # row i of its group, the group's blocks in GGUF's layout (see `_interleave`)
+            width = self.blocks.shape[1]
+            groups = self.blocks.view(self.out_features // rows, rows * width)[flat // rows]
+            plain = _plain(self.kind, groups.view(len(flat) * rows, width))
+            blocks = plain.view(len(flat), rows, width)[torch.arange(len(flat)), flat % rows]
         return _dequantize(self.gguf_kind, blocks).reshape(*ids.shape, self.in_features)
 
     def linear(
@@ -309,17 +310,36 @@ def _rows(kind: str) -> int:
     return INTERLEAVED.get(kind, (kind, 1))[1]
 
 
+def _words(kind: str, blocks: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """`blocks` [N, nb * bytes] of an interleaved `kind` as [group, row, block, words]
+    (words of 4 bytes, or 2 where a block is no whole number of dwords: torch moves them 2-3x
+    faster than bytes), with the whole dwords per block, words per dword and words past the
+    last whole dword."""
+    rows, size = _rows(kind), BLOCK_SIZES[kind][1]
+    unit = torch.int32 if size % 4 == 0 else torch.int16
+    per = 4 // unit.itemsize
+    words = blocks.view(unit)
+    grouped = words.view(blocks.shape[0] // rows, rows, -1, size // unit.itemsize)
+    return grouped, (size // 4, per, size % 4 // unit.itemsize)
+
+
 def _interleave(kind: str, blocks: torch.Tensor) -> torch.Tensor:
     """GGUF-layout blocks [N, nb * bytes] in `kind`'s layout: each group of its rows
-    interleaved, [group, row, block, dword] -> [group, block, dword, row], dwords of 4 bytes
-    (a new tensor; GGUF's layout: `blocks` itself)."""
+    interleaved, [group, row, block, dword] -> [group, block, dword, row], dwords of 4 bytes,
+    then a block's bytes past its last whole dword [group, block, row, tail] (a new tensor;
+    GGUF's layout: `blocks` itself)."""
     rows = _rows(kind)
     if rows == 1:
         return blocks
-    n = blocks.shape[0]
-    # The dwords as int32: torch moves them 2-3x faster than their bytes.
-    grouped = blocks.view(torch.int32).view(n // rows, rows, -1)
-    return grouped.transpose(1, 2).contiguous().view(torch.uint8).view(n, -1)
+    grouped, (dwords, per, tail) = _words(kind, blocks)
+    groups, nb = grouped.shape[0], grouped.shape[2]
+    out = torch.empty_like(grouped).view(groups, nb, -1)
+    out[..., :rows * dwords * per].unflatten(-1, (dwords, rows, per)).copy_(
+        grouped[..., :dwords * per].unflatten(-1, (dwords, per)).permute(0, 2, 3, 1, 4))
+    if tail:
+        out[..., rows * dwords * per:].unflatten(-1, (rows, tail)).copy_(
+            grouped[..., dwords * per:].permute(0, 2, 1, 3))
+    return out.view(torch.uint8).view(blocks.shape)
 
 
 def _plain(kind: str, blocks: torch.Tensor) -> torch.Tensor:
@@ -328,9 +348,17 @@ def _plain(kind: str, blocks: torch.Tensor) -> torch.Tensor:
     rows = _rows(kind)
     if rows == 1:
         return blocks
-    n = blocks.shape[0]
-    grouped = blocks.view(torch.int32).view(n // rows, -1, rows)
-    return grouped.transpose(1, 2).contiguous().view(torch.uint8).view(n, -1)
+    plain, (dwords, per, tail) = _words(kind, blocks)
+    groups, nb = plain.shape[0], plain.shape[2]
+    grouped = plain.view(groups, nb, -1)
+    out = torch.empty_like(plain)
+    out[..., :dwords * per].unflatten(-1, (dwords, per)).copy_(
+        grouped[..., :rows * dwords * per].unflatten(-1, (dwords, rows, per))
+        .permute(0, 3, 1, 2, 4))
+    if tail:
+        out[..., dwords * per:].copy_(
+            grouped[..., rows * dwords * per:].unflatten(-1, (rows, tail)).permute(0, 2, 1, 3))
+    return out.view(torch.uint8).view(blocks.shape)
 
 
 def _inverse(d: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,114 @@
+/* q6_k superblocks with 8 rows interleaved: each group of 8 rows stores its superblocks b
+   together, as 52 runs of 8 dwords (dword f of the 8 rows: the low nibbles' 32, the high
+   parts' 16, the scales' 4), then the 8 rows' fp16 d (16 bytes, row by row: the 2 bytes past
+   a superblock's last whole dword), the same bytes as q6_k's, moved (block_matmul.py's
+   `interleave`). The int8 path puts VL weight rows in the lanes of a vector (AVX-512: two
+   groups, joined): a value's 6 bits come from a dword of nibbles and one of high parts by
+   shifts and masks in each lane, go into dot4 against 4 activation bytes broadcast from
+   memory, a sum per lane per 16 values times its signed scale, and the 8 rows' d is one
+   conversion of the group's tail: no gather, no transpose, no reduction across lanes.
+   dequantize and linear_f32 are q6_k's on each superblock's bytes gathered back. */
+#define KT_ROWS 8
+#define KT_FN(f) block_q6_kx8_##f
+/* Activation rows per pass over a set's weights: the values' decode is shared by them (8 ran
+   faster than 4 on AVX2 and AVX-512 at 64 and 512 rows, 16 registers or 32: docs/kernels.md). */
+#define KT_SET_MG 8
+#include "block_q6_k.c"
+
+/* The 4 products of 4 6-bit values and 4 activation bytes, summed per lane (pair sums as
+   int16 where the ISA keeps them so: 2 of them stay within 2 x 2 x 63 x 127), and such sums
+   times a signed scale per lane, exactly. */
+#ifdef dot4_i16
+#define K6_DOT dot4_i16
+enum { K6_DEPTH = 2 };  /* dot4s per sum */
+static inline vi k6_scaled(vi sums, vi sc) { return madd16(sums, (sc & 0xffff) | sc << 16); }
+#else
+#define K6_DOT dot4
+enum { K6_DEPTH = 4 };
+static inline vi k6_scaled(vi sums, vi sc) { return sums * sc; }
+#endif
+
+/* Signed byte k of each lane of v, as the lane's int32. */
+static inline vi k6_sbyte(vi v, int k) { return (v << (24 - 8 * k)) >> 24; }
+
+/* The fp16 d of VL rows: the 2-byte tails at t (lane0's group; AVX-512: t2 for the next 8). */
+static inline vf k6_d(const uint8_t *t, const uint8_t *t2) {
+    uint8_t h[2 * VL];
+    memcpy(h, t, VL < 8 ? 2 * VL : 16);
+    if (VL == 16) memcpy(h + 16, t2, 16);
+    return fp16v(h);
+}
+
+enum { K6_NIBBLES = 0, K6_HIGH = 32, K6_SCALES = 48, K6_TAIL = 4 * KT_ROWS * KT_DWORDS };
+
+static inline __attribute__((always_inline)) void kt_set(const struct kt_job_i8 *j,
+                                                          const uint8_t *p, const uint8_t *p2,
+                                                          int lane0, int64_t m0, int MG,
+                                                          float *y, const float *bias,
+                                                          int rows) {
+    const int64_t K = j->K, nsb = j->nsb;
+    vf acc[KT_SET_MG];
+    for (int m = 0; m < MG; m++) acc[m] = (vf){0};
+    /* the next set's superblock b (its groups follow this set's) */
+    const int64_t ahead = (VL < 8 ? 8 : VL) * j->row_bytes;
+    for (int64_t b = 0; b < nsb; b++, p += KT_ROWS * KT_BYTES, p2 += KT_ROWS * KT_BYTES) {
+        for (int i = 0; i < KT_ROWS * KT_BYTES; i += 64) {
+            __builtin_prefetch(p + ahead + i);
+            if (VL == 16) __builtin_prefetch(p2 + ahead + i);
+        }
+        vi isum[KT_SET_MG];
+        for (int m = 0; m < MG; m++) isum[m] = (vi){0};
+        /* value 128 h + 32 t + l (l < 32): nibble t / 2 of byte 64 h + 32 (t % 2) + l, and
+           bits 2 t, 2 t + 1 of high-part byte 32 h + l; its block of 16 (scale g) is
+           8 h + 2 t + l / 16 */
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++)
+#pragma GCC unroll 4
+            for (int t = 0; t < 4; t++)
+#pragma GCC unroll 2
+                for (int half = 0; half < 2; half++) {
+                    const int g = 8 * h + 2 * t + half;
+                    const vi sc = k6_sbyte(kt_lanes(p, p2, K6_SCALES + g / 4), g % 4);
+#pragma GCC unroll 2
+                    for (int c0 = 4 * half; c0 < 4 * half + 4; c0 += K6_DEPTH) {
+                        vi part[KT_SET_MG];
+                        for (int m = 0; m < MG; m++) part[m] = (vi){0};
+#pragma GCC unroll 4
+                        for (int c = c0; c < c0 + K6_DEPTH; c++) {  /* l = 4 c .. 4 c + 3 */
+                            const vi ql = kt_lanes(p, p2, K6_NIBBLES + 16 * h + 8 * (t % 2) + c);
+                            const vi qh = kt_lanes(p, p2, K6_HIGH + 8 * h + c);
+                            const vi lo = (t / 2 ? (vi)((vu)ql >> 4) : ql) & 0x0f0f0f0f;
+                            const vi hi = t == 3 ? (vi)((vu)qh >> 2) : qh << (4 - 2 * t);
+                            const vi q = lo | (hi & 0x30303030);
+                            for (int m = 0; m < MG; m++) {
+                                const int8_t *x = j->xq + (m0 + m) * K + b * QK_K + 128 * h +
+                                                  32 * t + 4 * c;
+                                part[m] = K6_DOT(part[m], q, kt_bcast4(x));
+                            }
+                        }
+                        for (int m = 0; m < MG; m++) isum[m] += k6_scaled(part[m], sc);
+                    }
+                }
+        /* imin = 32 sum_g sc_g s_g: the scales of blocks 2 i, 2 i + 1 as the words of a lane
+           against s_2i, s_2i+1 */
+        vi pairs[8];
+        for (int i = 0; i < 8; i++) {
+            const vi s = kt_lanes(p, p2, K6_SCALES + i / 2);
+            pairs[i] = (k6_sbyte(s, 2 * (i % 2)) & 0xffff) | k6_sbyte(s, 2 * (i % 2) + 1) << 16;
+        }
+        const vf d = k6_d(p - 2 * lane0 + K6_TAIL, p2 + K6_TAIL);
+        for (int m = 0; m < MG; m++) {
+            const int16_t *s = j->XW + ((m0 + m) * nsb + b) * KT_GROUPS;
+            vi imin = (vi){0};
+            for (int i = 0; i < 8; i++) imin += madd16(pairs[i], kt_bcast4(s + 2 * i));
+            const int64_t g = (m0 + m) / VL, l = (m0 + m) % VL;
+            const vf dx = splatv(j->XD[(g * nsb + b) * VL + l]);
+            acc[m] = fmav(__builtin_convertvector(isum[m] - 32 * imin, vf), dx * d, acc[m]);
+        }
+    }
+    for (int m = 0; m < MG; m++) {
+        float out[VL];
+        memcpy(out, &acc[m], sizeof out);
+        for (int l = 0; l < rows; l++) y[m * j->ldy + l] = out[l] + (bias ? bias[l] : 0.f);
+    }
+}
