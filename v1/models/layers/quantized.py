@@ -319,7 +319,8 @@ def _words(kind: str, blocks: torch.Tensor) -> tuple[torch.Tensor, tuple[int, in
     unit = torch.int32 if size % 4 == 0 else torch.int16
     per = 4 // unit.itemsize
     words = blocks.view(unit)
-    grouped = words.view(blocks.shape[0] // rows, rows, -1, size // unit.itemsize)
+    grouped = words.view(blocks.shape[0] // rows, rows, blocks.shape[1] // size,
+                         size // unit.itemsize)
     return grouped, (size // 4, per, size % 4 // unit.itemsize)
 
 
@@ -332,8 +333,8 @@ def _interleave(kind: str, blocks: torch.Tensor) -> torch.Tensor:
     if rows == 1:
         return blocks
     grouped, (dwords, per, tail) = _words(kind, blocks)
-    groups, nb = grouped.shape[0], grouped.shape[2]
-    out = torch.empty_like(grouped).view(groups, nb, -1)
+    groups, nb, size = grouped.shape[0], grouped.shape[2], grouped.shape[3]
+    out = torch.empty_like(grouped).view(groups, nb, rows * size)
     out[..., :rows * dwords * per].unflatten(-1, (dwords, rows, per)).copy_(
         grouped[..., :dwords * per].unflatten(-1, (dwords, per)).permute(0, 2, 3, 1, 4))
     if tail:
@@ -349,8 +350,8 @@ def _plain(kind: str, blocks: torch.Tensor) -> torch.Tensor:
     if rows == 1:
         return blocks
     plain, (dwords, per, tail) = _words(kind, blocks)
-    groups, nb = plain.shape[0], plain.shape[2]
-    grouped = plain.view(groups, nb, -1)
+    groups, nb, size = plain.shape[0], plain.shape[2], plain.shape[3]
+    grouped = plain.view(groups, nb, rows * size)
     out = torch.empty_like(plain)
     out[..., :dwords * per].unflatten(-1, (dwords, per)).copy_(
         grouped[..., :rows * dwords * per].unflatten(-1, (dwords, rows, per))
