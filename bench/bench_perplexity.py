@@ -20,7 +20,8 @@ Per file:
   token ids, each pair up to v1's first end of turn (`until_special`); the share of equal
   positions and of positions before each pair's first divergence.
 llama-perplexity is the native build's (the AVX2 build has none); with --avx2, llama-server is
-the AVX2 build's and v1 runs under bench_sizes.AVX2_ENV. Outputs perplexity_<class>.txt/.json
+the AVX2 build's and v1 runs under bench_sizes.AVX2_ENV; v1's prompts take the int8 path
+(`PINNED_ENV`). Outputs perplexity_<class>.txt/.json
 in --out.
 
     make bench-llamacpp
@@ -47,6 +48,10 @@ from bench_llamacpp import parse_env_setting
 from common import print_table
 
 TYPES = ("Q4_K_M", "Q6_K")
+# The matmul calibration off: prompt rows on the int8 path whatever this run's timings say
+# (with it on, a loaded machine can time dense faster and give the 512-token windows oneDNN's
+# fp32 numerics instead: Q4_K_M read 23.26 then, 23.43 on int8). --v1-env may set it back.
+PINNED_ENV = {"V1_MATMUL_CALIBRATION": "0"}
 # The issue's bound on v1's perplexity against llama-perplexity's on the same file.
 MAX_PPL_DIFF = 0.005
 
@@ -193,7 +198,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", default=None, help="directory for perplexity_<class>.txt/.json")
     args = parser.parse_args()
     args.build = "avx2" if args.avx2 else "native"
-    args.v1_env = {**(bench_sizes.AVX2_ENV if args.avx2 else {}), **dict(args.v1_env)}
+    args.v1_env = {**PINNED_ENV, **(bench_sizes.AVX2_ENV if args.avx2 else {}),
+                   **dict(args.v1_env)}
     return args
 
 
