@@ -67,38 +67,57 @@ static inline vi kx_byte(vi v, int k) { return (vi)((vu)v >> (8 * k)) & 0xff; }
 #define KX_MG 4
 #endif
 
-/* Rows 0 .. MG - 1 (at x, K bytes apart) of a pass (see kx_pass): isum[m] += their scaled
-   sums. */
-static inline __attribute__((always_inline)) void kx_rows(const vi w[KX_SUBS][8], const vi *k,
-                                                          const int8_t *x, int64_t K, int MG,
+/* Sub-block s's nibbles (values 32 s + 4 t .. 32 s + 4 t + 3 of VL rows) from q, the dword
+   4 + 8 (s / 2) + t that holds them. */
+static inline vi kx_nibbles(vi q, int s) { return (s % 2 ? (vi)((vu)q >> 4) : q) & 0x0f0f0f0f; }
+
+/* Activation rows 0 .. MG - 1 (at x, K bytes apart, from value 32 s of their superblock)
+   against sub-blocks s .. s + SUBS - 1 of the superblock at p, p2 (their scale words k[]):
+   isum[m] += the scaled sums (= with `first`). The nibbles are w's (kx_pass unpacked them
+   once for its groups of rows) or, w NULL, loaded here as the dot products take them (a tile
+   of at most KX_MG rows has no other group to share them with). */
+static inline __attribute__((always_inline)) void kx_rows(const uint8_t *p, const uint8_t *p2,
+                                                          int s, int SUBS, const vi (*w)[8],
+                                                          const vi *k, const int8_t *x,
+                                                          int64_t K, int MG, int first,
                                                           vi *isum) {
-    vi d[KX_MG][KX_SUBS];
+    vi d[KX_MG][2];
     for (int m = 0; m < MG; m++)
-        for (int u = 0; u < KX_SUBS; u++) d[m][u] = (vi){0};
-    for (int t = 0; t < 8; t++)
-        for (int u = 0; u < KX_SUBS; u++)
+        for (int u = 0; u < SUBS; u++) d[m][u] = (vi){0};
+    for (int t = 0; t < 8; t++) {
+        const vi q = w ? (vi){0} : kx_dwords(p, p2, 4 + 8 * (s / 2) + t);
+        for (int u = 0; u < SUBS; u++) {
+            const vi wt = w ? w[u][t] : kx_nibbles(q, s + u);
             for (int m = 0; m < MG; m++)
-                d[m][u] = KX_DOT(d[m][u], w[u][t], kx_bcast(x + m * K + 32 * u + 4 * t));
+                d[m][u] = KX_DOT(d[m][u], wt, kx_bcast(x + m * K + 32 * u + 4 * t));
+        }
+    }
     for (int m = 0; m < MG; m++) {
-        vi sum = isum[m];
-        for (int u = 0; u < KX_SUBS; u++) sum += kx_scaled(d[m][u], k[u]);
+        vi sum = first ? (vi){0} : isum[m];
+        for (int u = 0; u < SUBS; u++) sum += kx_scaled(d[m][u], k[u]);
         isum[m] = sum;
     }
 }
 
-#define KX_ROWS(MG_) kx_rows(w, k, x + m * K + 32 * s, K, MG_, isum + m)
+/* The scale words of sub-blocks s .. s + n - 1 (sc: the scales' bytes, 0-3 then 4-7). */
+static inline void kx_scales(const vi sc[2], int s, int n, vi *k) {
+    for (int u = 0; u < n; u++) k[u] = kx_scale(kx_byte(sc[(s + u) / 4], (s + u) % 4));
+}
 
-/* Sub-blocks s .. s + KX_SUBS - 1 of the superblock at p, p2 (their scale words k[]) against
-   activation rows 0 .. mt - 1 of the tile (row m's superblock at x + m K): isum[m] += the
-   scaled sums. */
+#define KX_ROWS(MG_) kx_rows(p, p2, s, KX_SUBS, w, k, x + m * K + 32 * s, K, MG_, first, isum + m)
+
+/* Sub-blocks s .. s + KX_SUBS - 1 of the superblock at p, p2 against activation rows
+   0 .. mt - 1 of the tile (row m's superblock at x + m K), KX_MG at a time: isum[m] += the
+   scaled sums (= in the superblock's first pass, `first`). */
 static inline __attribute__((always_inline)) void kx_pass(const uint8_t *p, const uint8_t *p2,
-                                                          int s, const vi *k, const int8_t *x,
-                                                          int64_t K, int mt, vi *isum) {
-    vi w[KX_SUBS][8];
-    for (int t = 0; t < 8; t++) {  /* nibbles of values 32 s + 4 t .. (as bytes 64 h + 4 t) */
+                                                          int s, const int8_t *x, int64_t K,
+                                                          int mt, int first, const vi sc[2],
+                                                          vi *isum) {
+    vi k[KX_SUBS], w[KX_SUBS][8];
+    kx_scales(sc, s, KX_SUBS, k);
+    for (int t = 0; t < 8; t++) {
         const vi q = kx_dwords(p, p2, 4 + 8 * (s / 2) + t);
-        for (int u = 0; u < KX_SUBS; u++)
-            w[u][t] = ((s + u) % 2 ? (vi)((vu)q >> 4) : q) & 0x0f0f0f0f;
+        for (int u = 0; u < KX_SUBS; u++) w[u][t] = kx_nibbles(q, s + u);
     }
     int m = 0;
     for (; m + KX_MG <= mt; m += KX_MG) KX_ROWS(KX_MG);
@@ -109,6 +128,19 @@ static inline __attribute__((always_inline)) void kx_pass(const uint8_t *p, cons
         case 3: KX_ROWS(3); break;
 #endif
         default: break;
+    }
+}
+
+/* The whole superblock at p, p2 against a tile of MG <= KX_MG rows (at x, K bytes apart),
+   both nibbles of each load at once: isum[m] = the scaled sums. */
+static inline __attribute__((always_inline)) void kx_few(const uint8_t *p, const uint8_t *p2,
+                                                         const int8_t *x, int64_t K, int MG,
+                                                         const vi sc[2], vi *isum) {
+#pragma GCC unroll 4
+    for (int s = 0; s < 8; s += 2) {
+        vi k[2];
+        kx_scales(sc, s, 2, k);
+        kx_rows(p, p2, s, 2, NULL, k, x + 32 * s, K, MG, s == 0, isum);
     }
 }
 
@@ -140,11 +172,16 @@ static void kx_tile(const struct kt_job_i8 *j, const uint8_t *p, const uint8_t *
         const vi s0 = kx_dwords(p, p2, 1), s1 = kx_dwords(p, p2, 2), s2 = kx_dwords(p, p2, 3);
         const vi sc[2] = {s0 & 0x3f3f3f3f, (s2 & 0x0f0f0f0f) | ((s0 >> 2) & 0x30303030)};
         const int8_t *x = j->xq + m0 * K + b * QK_K;
-        for (int m = 0; m < mt; m++) isum[m] = (vi){0};
-        for (int s = 0; s < 8; s += KX_SUBS) {
-            vi k[KX_SUBS];
-            for (int u = 0; u < KX_SUBS; u++) k[u] = kx_scale(kx_byte(sc[(s + u) / 4], (s + u) % 4));
-            kx_pass(p, p2, s, k, x, K, mt, isum);
+        switch (mt) {
+            case 1: kx_few(p, p2, x, K, 1, sc, isum); break;
+            case 2: kx_few(p, p2, x, K, 2, sc, isum); break;
+#if KX_MG == 4
+            case 3: kx_few(p, p2, x, K, 3, sc, isum); break;
+            case 4: kx_few(p, p2, x, K, 4, sc, isum); break;
+#endif
+            default:
+                kx_pass(p, p2, 0, x, K, mt, 1, sc, isum);
+                for (int s = KX_SUBS; s < 8; s += KX_SUBS) kx_pass(p, p2, s, x, K, mt, 0, sc, isum);
         }
         const vi mn[2] = {s1 & 0x3f3f3f3f,
                           ((vi)((vu)s2 >> 4) & 0x0f0f0f0f) | ((s1 >> 2) & 0x30303030)};
