@@ -159,7 +159,7 @@ def test_interleaved_q4_k_gives_q4_ks_bits(lib: ctypes.CDLL) -> None:
     blocks = superblocks("q4_k", n, k, rng)
     w, w8 = QuantBlocks("q4_k", torch.from_numpy(blocks)), QuantBlocks(
         "q4_kx8", torch.from_numpy(interleaved(blocks)))
-    for m in (1, 2, 5, 16, 17, 64):
+    for m in (1, 2, 5, 16, 17, 64, 75):  # 75: q4_kx8's tiles of 32 rows, and 11
         x, bias = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
         y8 = tuned.linear(w, x, bias, int8=True)
         assert torch.equal(tuned.linear(w8, x, bias, int8=True), y8), m
