@@ -71,12 +71,16 @@ static inline __attribute__((always_inline)) vi kx_dot(vi acc, vi w, const int8_
 /* Byte k of each lane of v, as the lane's int32. */
 static inline vi kx_byte(vi v, int k) { return (vi)((vu)v >> (8 * k)) & 0xff; }
 
-/* Activation rows whose dot products run together (independent chains: vpdpbusd's latency
-   would otherwise bound a row's 8 dependent ones; vpmaddubsw's pair sums add in one cycle). */
+/* Activation rows whose dot products run together in kx_pass (independent chains:
+   vpdpbusd's latency would otherwise bound a row's 8 dependent ones; vpmaddubsw's pair sums
+   add in one cycle, and with AVX2's 16 registers a second row measured slower), and the most
+   rows a tile takes kx_few for. */
 #ifdef dot4_i16
-#define KX_MG 2
+#define KX_MG 1
+#define KX_FEW 2
 #else
 #define KX_MG 4
+#define KX_FEW 4
 #endif
 
 /* Sub-block s's nibbles (values 32 s + 4 t .. 32 s + 4 t + 3 of VL rows) from q, the dword
@@ -87,13 +91,13 @@ static inline vi kx_nibbles(vi q, int s) { return (s % 2 ? (vi)((vu)q >> 4) : q)
    against sub-blocks s .. s + SUBS - 1 of the superblock at p, p2 (their scale words k[]):
    isum[m] += the scaled sums (= with `first`). The nibbles are w's (kx_pass unpacked them
    once for its groups of rows) or, w NULL, loaded here as the dot products take them (a tile
-   of at most KX_MG rows has no other group to share them with). */
+   of at most KX_FEW rows: too few to share them). */
 static inline __attribute__((always_inline)) void kx_rows(const uint8_t *p, const uint8_t *p2,
                                                           int s, int SUBS, const vi (*w)[8],
                                                           const vi *k, const int8_t *x,
                                                           int64_t K, int MG, int first,
                                                           vi *isum) {
-    vi d[KX_MG][2];
+    vi d[KX_FEW][2];
     for (int m = 0; m < MG; m++)
         for (int u = 0; u < SUBS; u++) d[m][u] = (vi){0};
     for (int t = 0; t < 8; t++) {
@@ -133,17 +137,17 @@ static inline __attribute__((always_inline)) void kx_pass(const uint8_t *p, cons
     }
     int m = 0;
     for (; m + KX_MG <= mt; m += KX_MG) KX_ROWS(KX_MG);
+#if KX_MG == 4
     switch (mt - m) {
         case 1: KX_ROWS(1); break;
-#if KX_MG == 4
         case 2: KX_ROWS(2); break;
         case 3: KX_ROWS(3); break;
-#endif
         default: break;
     }
+#endif
 }
 
-/* The whole superblock at p, p2 against a tile of MG <= KX_MG rows (at x, K bytes apart),
+/* The whole superblock at p, p2 against a tile of MG <= KX_FEW rows (at x, K bytes apart),
    both nibbles of each load at once: isum[m] = the scaled sums. */
 static inline __attribute__((always_inline)) void kx_few(const uint8_t *p, const uint8_t *p2,
                                                          const int8_t *x, int64_t K, int MG,
@@ -187,7 +191,7 @@ static void kx_tile(const struct kt_job_i8 *j, const uint8_t *p, const uint8_t *
         switch (mt) {
             case 1: kx_few(p, p2, x, K, 1, sc, isum); break;
             case 2: kx_few(p, p2, x, K, 2, sc, isum); break;
-#if KX_MG == 4
+#if KX_FEW == 4
             case 3: kx_few(p, p2, x, K, 3, sc, isum); break;
             case 4: kx_few(p, p2, x, K, 4, sc, isum); break;
 #endif
