@@ -264,7 +264,11 @@ int32_t KT_FN(linear_f32)(const struct v1_matmul *c) {
      xq[m * K + k]                         qx of row m, in order
      XD[(g * nsb + b) * VL + l]            dx of superblock b
      XS[((g * nsb + b) * 8 + i) * VL + l]  s_2i and s_2i+1 as the low and high word
-     XW[(m * nsb + b) * 16 + i]            s_i (int16) */
+     XW[(m * nsb + b) * 16 + i]            s_i (int16)
+     XP[(m * nsb + b) * 4 + p]             with rows interleaved (the includer's tile): the
+                                           sums of 32 values S_j = s_2j + s_2j+1 in pairs as
+                                           low and high word, (S_0, S_2), (S_1, S_3),
+                                           (S_4, S_6), (S_5, S_7) (kx_mins' order) */
 struct kt_job_i8 {
     const uint8_t *w;
     int64_t row_bytes, K, nsb, M, G, N;
@@ -275,6 +279,7 @@ struct kt_job_i8 {
     float *XD;
     int32_t *XS;
     int16_t *XW;
+    int32_t *XP;
 };
 
 /* Row m of x quantized into the job's arrays; 1 if it holds a value that is not finite (its
@@ -312,6 +317,14 @@ static int kt_quantize_row(const struct kt_job_i8 *j, const float *x, int64_t m)
         for (int i = 0; i < KT_PAIRS; i++)
             j->XS[(gb * KT_PAIRS + i) * VL + l] =
                 (int32_t)((uint32_t)(uint16_t)sums[2 * i] | (uint32_t)sums[2 * i + 1] << 16);
+#if KT_ROWS > 1
+        for (int p = 0; p < 4; p++) {
+            const int a = 2 * (p / 2 * 4 + p % 2);  /* s index of S_j, j = 0, 1, 4, 5 */
+            j->XP[(m * j->nsb + b) * 4 + p] =
+                (int32_t)((uint32_t)(uint16_t)(sums[a] + sums[a + 1]) |
+                          (uint32_t)(sums[a + 4] + sums[a + 5]) << 16);
+        }
+#endif
     }
     return nonfinite;
 }
@@ -545,12 +558,14 @@ int32_t KT_FN(linear_i8)(const struct v1_matmul *c) {
                           .y = c->out.data, .ldy = c->out.stride};
     const int64_t rows = j.G * VL;
     /* xq, then XD and XS (4-byte elements both, after K bytes per row: K is a multiple of
-       256), then XW. */
-    j.xq = calloc((size_t)(rows * K + rows * j.nsb * ((1 + KT_PAIRS) * 4 + KT_GROUPS * 2)), 1);
+       256), then XW, then with rows interleaved XP. */
+    j.xq = calloc((size_t)(rows * K + rows * j.nsb * ((1 + KT_PAIRS) * 4 + KT_GROUPS * 2 +
+                                                      (KT_ROWS > 1 ? 16 : 0))), 1);
     if (!j.xq) return -1;
     j.XD = (float *)(j.xq + rows * K);
     j.XS = (int32_t *)(j.XD + rows * j.nsb);
     j.XW = (int16_t *)(j.XS + rows * j.nsb * KT_PAIRS);
+    j.XP = (int32_t *)(j.XW + rows * j.nsb * KT_GROUPS);
     int64_t nonfinite = 0;
     for (int64_t m = 0; m < M; m++) nonfinite += kt_quantize_row(&j, x + m * c->x.stride, m);
 #if KT_ROWS == 1
