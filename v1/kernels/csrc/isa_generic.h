@@ -120,7 +120,8 @@ static inline vi bcast32_generic(const uint8_t *p) {
 /* Word w = p[w / 8], w < 2 VL: p[0 .. VL / 4 - 1], each 8 times. */
 static inline vi words8_generic(const int16_t *p) {
     vi v;
-    for (int l = 0; l < VL; l++) v[l] = (int32_t)(uint16_t)p[l / 4] * 0x10001;
+    /* unsigned: a negative word times 0x10001 would overflow int */
+    for (int l = 0; l < VL; l++) v[l] = (int32_t)((uint32_t)(uint16_t)p[l / 4] * 0x10001u);
     return v;
 }
 
