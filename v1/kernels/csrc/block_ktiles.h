@@ -6,7 +6,8 @@
      KT_MIN        1: x = d sc q - dmin m (a min per 32 values); 0: x = d sc (q - 32) (q6_k)
      KT_ROWS       rows interleaved (optional; 1: GGUF's layout): each group of KT_ROWS rows
                    stores its superblocks b together, dword f of row i at 4 (KT_ROWS f + i);
-                   the includer then defines kt_i8_sets, the int8 path's tile (block_q4_kx8.c)
+                   the includer then defines KT_TILE_M and kt_tile, the int8 path's tile
+                   (block_q4_kx8.c, block_q6_kx8.c: see the end of this file)
    and after this file, the inline functions declared below (kt_piece, kt_piece64,
    kt_read_scales).
 
@@ -578,10 +579,11 @@ int32_t KT_FN(linear_i8)(const struct v1_matmul *c) {
 }
 
 /* ---- rows interleaved: a lane per weight row (KT_ROWS 8) ---------------------------------
-   For an includer that defines KT_SET_MG (activation rows per pass over a set's weights: 2,
-   3, 4 or 8) and, after this file, kt_set: the tile of VL weight rows in the lanes of a vector
-   (block_q6_kx8.c). This file gives it the sets' driver (kt_i8_sets) and the loads. */
-#if KT_ROWS > 1 && defined(KT_SET_MG)
+   For an includer with KT_ROWS > 1 that defines KT_TILE_M (activation rows per tile) and,
+   after this file, kt_tile: VL weight rows in the lanes of a vector against up to KT_TILE_M
+   activation rows (block_q4_kx8.c, block_q6_kx8.c). This file gives it the sets' driver
+   (kt_i8_sets) and the loads. */
+#if KT_ROWS > 1
 
 /* Dword f of VL rows' superblock (p: the first row's dword 0 in its group; AVX-512: p2, the
    next group's, or p again for a last group alone). */
@@ -603,18 +605,13 @@ static inline vi kt_bcast4(const void *p) {
 }
 
 /* VL weight rows (their superblocks at p, p2 as kt_lanes's; lane0: the first one's row in its
-   group, `rows` of them real) against activation rows m0 .. m0 + MG - 1: y[m * ldy + lane]
-   for each. */
-static inline __attribute__((always_inline)) void kt_set(const struct kt_job_i8 *j,
-                                                          const uint8_t *p, const uint8_t *p2,
-                                                          int lane0, int64_t m0, int MG,
-                                                          float *y, const float *bias,
-                                                          int rows);
-
-#define KT_SET(MG_) kt_set(j, p, p2, (int)(n0 % KT_ROWS), m0, MG_, y, bias, rows)
+   group, `rows` of them real) against activation rows m0 .. m0 + mt - 1 (mt <= KT_TILE_M):
+   y[m * ldy + lane] for each. */
+static void kt_tile(const struct kt_job_i8 *j, const uint8_t *p, const uint8_t *p2, int lane0,
+                    int64_t m0, int mt, float *y, const float *bias, int rows);
 
 /* Sets of VL weight rows s0 .. s1 - 1 (rows VL s ..; a last set on AVX-512 may be one group),
-   each against every activation row, KT_SET_MG at a time. */
+   each against every activation row, KT_TILE_M at a time. */
 static void kt_i8_sets(void *ctx, int64_t s0, int64_t s1, int thread) {
     const struct kt_job_i8 *j = ctx;
     (void)thread;
@@ -624,26 +621,10 @@ static void kt_i8_sets(void *ctx, int64_t s0, int64_t s1, int thread) {
         const int rows = (int)(j->N - n0 < VL ? j->N - n0 : VL);
         const uint8_t *p2 = rows > KT_ROWS ? p + KT_ROWS * j->row_bytes : p;
         const float *bias = j->bias ? j->bias + n0 : NULL;
-        for (int64_t m0 = 0; m0 < j->M; m0 += KT_SET_MG) {
-            float *y = j->y + m0 * j->ldy + n0;
-            switch (j->M - m0 < KT_SET_MG ? j->M - m0 : KT_SET_MG) {
-                case 1: KT_SET(1); break;
-#if KT_SET_MG > 2
-                case 2: KT_SET(2); break;
-#endif
-#if KT_SET_MG > 3
-                case 3: KT_SET(3); break;
-#endif
-#if KT_SET_MG > 4
-                case 4: KT_SET(4); break;
-                case 5: KT_SET(5); break;
-                case 6: KT_SET(6); break;
-                case 7: KT_SET(7); break;
-#endif
-                default: KT_SET(KT_SET_MG);
-            }
-        }
+        for (int64_t m0 = 0; m0 < j->M; m0 += KT_TILE_M)
+            kt_tile(j, p, p2, (int)(n0 % KT_ROWS), m0,
+                    (int)(j->M - m0 < KT_TILE_M ? j->M - m0 : KT_TILE_M),
+                    j->y + m0 * j->ldy + n0, bias, rows);
     }
 }
-#undef KT_SET
 #endif

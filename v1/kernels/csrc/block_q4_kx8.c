@@ -9,12 +9,12 @@
    each superblock's dwords gathered back. */
 #define KT_ROWS 8
 #define KT_FN(f) block_q4_kx8_##f
-#include "block_q4_k.c"
-
 /* Activation rows per tile: each pass over a set's superblock holds its weights in registers
    while every row of the tile meets them, and the tile's sums live in memory (a load and a
    store per row and sub-block pass, against 8 or 16 dot products). */
-enum { KX_MT = 32 };
+#define KT_TILE_M 32
+#include "block_q4_k.c"
+
 /* Sub-blocks of 32 values per pass: both nibbles of a run of 8 loads (16 registers of
    weights) with 32 registers; with 16, one (8 registers). */
 #if NREGS >= 32
@@ -22,25 +22,6 @@ enum { KX_MT = 32 };
 #else
 #define KX_SUBS 1
 #endif
-
-/* Dword f of VL rows' superblock (p: the first row's dword 0 in its group; AVX-512: p2, the
-   next group's, or p again for a last group alone). */
-static inline __attribute__((always_inline)) vi kx_dwords(const uint8_t *p, const uint8_t *p2,
-                                                          int f) {
-#if VL == 16
-    return join_halves(p + 32 * f, p2 + 32 * f);
-#else
-    (void)p2;
-    return loadvi(p + 32 * f);
-#endif
-}
-
-/* 4 bytes at p in every lane (a broadcast load). */
-static inline vi kx_bcast(const void *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return (vi){0} + v;
-}
 
 /* The 4 products of 4 nibbles and 4 activation bytes, summed per lane (pair sums as int16
    where the ISA keeps them so: 8 of them stay within 8 x 2 x 15 x 127), and such sums over
@@ -64,7 +45,7 @@ static inline __attribute__((always_inline)) vi kx_dot(vi acc, vi w, const int8_
     __asm__("vpdpbusd %1%{1to16%}, %2, %0" : "+v"(acc) : "m"(*(const int8_t(*)[4])x), "v"(w));
     return acc;
 #else
-    return KX_DOT(acc, w, kx_bcast(x));
+    return KX_DOT(acc, w, kt_bcast4(x));
 #endif
 }
 
@@ -101,7 +82,7 @@ static inline __attribute__((always_inline)) void kx_rows(const uint8_t *p, cons
     for (int m = 0; m < MG; m++)
         for (int u = 0; u < SUBS; u++) d[m][u] = (vi){0};
     for (int t = 0; t < 8; t++) {
-        const vi q = w ? (vi){0} : kx_dwords(p, p2, 4 + 8 * (s / 2) + t);
+        const vi q = w ? (vi){0} : kt_lanes(p, p2, 4 + 8 * (s / 2) + t);
         for (int u = 0; u < SUBS; u++) {
             const vi wt = w ? w[u][t] : kx_nibbles(q, s + u);
             for (int m = 0; m < MG; m++)
@@ -132,7 +113,7 @@ static inline __attribute__((always_inline)) void kx_pass(const uint8_t *p, cons
     vi k[KX_SUBS], w[KX_SUBS][8];
     kx_scales(sc, s, KX_SUBS, k);
     for (int t = 0; t < 8; t++) {
-        const vi q = kx_dwords(p, p2, 4 + 8 * (s / 2) + t);
+        const vi q = kt_lanes(p, p2, 4 + 8 * (s / 2) + t);
         for (int u = 0; u < KX_SUBS; u++) w[u][t] = kx_nibbles(q, s + u);
     }
     int m = 0;
@@ -164,18 +145,17 @@ static inline __attribute__((always_inline)) void kx_few(const uint8_t *p, const
    m_2), (m_1, m_3), (m_4, m_6), (m_5, m_7)), against the row's sums S_j in the same pairs
    (XP). */
 static inline vi kx_mins(const vi mp[4], const int32_t *xp) {
-    vi imin = madd16(mp[0], kx_bcast(xp));
-    for (int i = 1; i < 4; i++) imin += madd16(mp[i], kx_bcast(xp + i));
+    vi imin = madd16(mp[0], kt_bcast4(xp));
+    for (int i = 1; i < 4; i++) imin += madd16(mp[i], kt_bcast4(xp + i));
     return imin;
 }
 
-/* VL weight rows (their superblocks at p, p2; `rows` of them real) against activation rows
-   m0 .. m0 + mt - 1 (mt <= KX_MT): y[m * ldy + lane] for each. */
-static void kx_tile(const struct kt_job_i8 *j, const uint8_t *p, const uint8_t *p2,
+static void kt_tile(const struct kt_job_i8 *j, const uint8_t *p, const uint8_t *p2, int lane0,
                     int64_t m0, int mt, float *y, const float *bias, int rows) {
+    (void)lane0;
     const int64_t K = j->K, nsb = j->nsb;
-    vf acc[KX_MT];
-    vi isum[KX_MT];
+    vf acc[KT_TILE_M];
+    vi isum[KT_TILE_M];
     for (int m = 0; m < mt; m++) acc[m] = (vf){0};
     /* the next set's superblock b (its groups follow this set's) */
     const int64_t ahead = (VL < 8 ? 8 : VL) * j->row_bytes;
@@ -185,7 +165,7 @@ static void kx_tile(const struct kt_job_i8 *j, const uint8_t *p, const uint8_t *
             if (VL == 16) __builtin_prefetch(p2 + ahead + i);
         }
         /* the scales' and mins' 12 bytes per lane (kt_scales_6bit): 0-3, then 4-7 */
-        const vi s0 = kx_dwords(p, p2, 1), s1 = kx_dwords(p, p2, 2), s2 = kx_dwords(p, p2, 3);
+        const vi s0 = kt_lanes(p, p2, 1), s1 = kt_lanes(p, p2, 2), s2 = kt_lanes(p, p2, 3);
         const vi sc[2] = {s0 & 0x3f3f3f3f, (s2 & 0x0f0f0f0f) | ((s0 >> 2) & 0x30303030)};
         const int8_t *x = j->xq + m0 * K + b * QK_K;
         switch (mt) {
@@ -203,7 +183,7 @@ static void kx_tile(const struct kt_job_i8 *j, const uint8_t *p, const uint8_t *
                           ((vi)((vu)s2 >> 4) & 0x0f0f0f0f) | ((s1 >> 2) & 0x30303030)};
         const vi mp[4] = {mn[0] & 0x00ff00ff, (vi)((vu)mn[0] >> 8) & 0x00ff00ff,
                           mn[1] & 0x00ff00ff, (vi)((vu)mn[1] >> 8) & 0x00ff00ff};
-        const vi dd = kx_dwords(p, p2, 0);
+        const vi dd = kt_lanes(p, p2, 0);
         const vf d = halves(dd, 0), dmin = halves(dd, 1);
         for (int m = 0; m < mt; m++) {
             const vi imin = kx_mins(mp, j->XP + ((m0 + m) * nsb + b) * 4);
@@ -220,19 +200,3 @@ static void kx_tile(const struct kt_job_i8 *j, const uint8_t *p, const uint8_t *
     }
 }
 
-/* Sets of VL weight rows s0 .. s1 - 1 (rows VL s ..; a last set on AVX-512 may be one group),
-   each against every activation row, KX_MT at a time. */
-static void kt_i8_sets(void *ctx, int64_t s0, int64_t s1, int thread) {
-    const struct kt_job_i8 *j = ctx;
-    (void)thread;
-    for (int64_t s = s0; s < s1; s++) {
-        const int64_t n0 = s * VL;
-        const uint8_t *p = j->w + (n0 - n0 % 8) * j->row_bytes + n0 % 8 * 4;
-        const int rows = (int)(j->N - n0 < VL ? j->N - n0 : VL);
-        const uint8_t *p2 = rows > 8 ? p + 8 * j->row_bytes : p;
-        const float *bias = j->bias ? j->bias + n0 : NULL;
-        for (int64_t m0 = 0; m0 < j->M; m0 += KX_MT)
-            kx_tile(j, p, p2, m0, (int)(j->M - m0 < KX_MT ? j->M - m0 : KX_MT),
-                    j->y + m0 * j->ldy + n0, bias, rows);
-    }
-}

@@ -12,7 +12,7 @@
 #define KT_FN(f) block_q6_kx8_##f
 /* Activation rows per pass over a set's weights: the values' decode is shared by them (8 ran
    faster than 4 on AVX2 and AVX-512 at 64 and 512 rows, 16 registers or 32: docs/kernels.md). */
-#define KT_SET_MG 8
+#define KT_TILE_M 8
 #include "block_q6_k.c"
 
 /* The 4 products of 4 6-bit values and 4 activation bytes, summed per lane (pair sums as
@@ -47,7 +47,7 @@ static inline __attribute__((always_inline)) void kt_set(const struct kt_job_i8 
                                                           float *y, const float *bias,
                                                           int rows) {
     const int64_t K = j->K, nsb = j->nsb;
-    vf acc[KT_SET_MG];
+    vf acc[KT_TILE_M];
     for (int m = 0; m < MG; m++) acc[m] = (vf){0};
     /* the next set's superblock b (its groups follow this set's) */
     const int64_t ahead = (VL < 8 ? 8 : VL) * j->row_bytes;
@@ -56,7 +56,7 @@ static inline __attribute__((always_inline)) void kt_set(const struct kt_job_i8 
             __builtin_prefetch(p + ahead + i);
             if (VL == 16) __builtin_prefetch(p2 + ahead + i);
         }
-        vi isum[KT_SET_MG];
+        vi isum[KT_TILE_M];
         for (int m = 0; m < MG; m++) isum[m] = (vi){0};
         /* value 128 h + 32 t + l (l < 32): nibble t / 2 of byte 64 h + 32 (t % 2) + l, and
            bits 2 t, 2 t + 1 of high-part byte 32 h + l; its block of 16 (scale g) is
@@ -71,7 +71,7 @@ static inline __attribute__((always_inline)) void kt_set(const struct kt_job_i8 
                     const vi sc = k6_sbyte(kt_lanes(p, p2, K6_SCALES + g / 4), g % 4);
 #pragma GCC unroll 2
                     for (int c0 = 4 * half; c0 < 4 * half + 4; c0 += K6_DEPTH) {
-                        vi part[KT_SET_MG];
+                        vi part[KT_TILE_M];
                         for (int m = 0; m < MG; m++) part[m] = (vi){0};
 #pragma GCC unroll 4
                         for (int c = c0; c < c0 + K6_DEPTH; c++) {  /* l = 4 c .. 4 c + 3 */
@@ -112,3 +112,20 @@ static inline __attribute__((always_inline)) void kt_set(const struct kt_job_i8 
         for (int l = 0; l < rows; l++) y[m * j->ldy + l] = out[l] + (bias ? bias[l] : 0.f);
     }
 }
+
+/* kt_set with the tile's row count a constant (its loops unrolled per count). */
+#define K6_SET(MG_) kt_set(j, p, p2, lane0, m0, MG_, y, bias, rows)
+static void kt_tile(const struct kt_job_i8 *j, const uint8_t *p, const uint8_t *p2, int lane0,
+                    int64_t m0, int mt, float *y, const float *bias, int rows) {
+    switch (mt) {
+        case 1: K6_SET(1); break;
+        case 2: K6_SET(2); break;
+        case 3: K6_SET(3); break;
+        case 4: K6_SET(4); break;
+        case 5: K6_SET(5); break;
+        case 6: K6_SET(6); break;
+        case 7: K6_SET(7); break;
+        default: K6_SET(KT_TILE_M);
+    }
+}
+#undef K6_SET
