@@ -56,8 +56,13 @@ static inline vf k6_d(const uint8_t *t, const uint8_t *t2) {
 
 enum { K6_NIBBLES = 0, K6_HIGH = 32, K6_SCALES = 48, K6_TAIL = 4 * KT_ROWS * KT_DWORDS };
 
-/* Activation rows a tile takes k6_few for. */
+/* The most activation rows a tile takes k6_few for: its 2 sums per row and value pair fit
+   4 rows in 32 registers, 2 in 16 (4 spilled there, slower than k6_many's order). */
+#if NREGS >= 32
 #define K6_FEW 4
+#else
+#define K6_FEW 2
+#endif
 
 /* The superblock at p, p2 against MG <= K6_FEW activation rows (at x, K bytes apart):
    isum[m] = the scaled sums. Streams the weights once, in order: each dword of nibbles is
