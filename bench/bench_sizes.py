@@ -363,12 +363,12 @@ def v1_child(path: Path, args: argparse.Namespace) -> None:
         out.write(json.dumps(message) + "\n")
         out.flush()
 
-    vocab = vocab_size(path)
-    prompts = {"tg": (random_prompt(1, vocab, args.seed), args.decode_tokens),
-               "pp": (random_prompt(args.prefill_tokens, vocab, args.seed + 1), 1)}
     t0 = time.perf_counter()
     llm = make_engine(path, max_model_len=args.ctx)  # llama-server -c's context
     reply({"load_s": round(time.perf_counter() - t0, 2), "kernels": engine_kernels()})
+    vocab = vocab_size(path)  # after the load: gguf's reader takes seconds on the header
+    prompts = {"tg": (random_prompt(1, vocab, args.seed), args.decode_tokens),
+               "pp": (random_prompt(args.prefill_tokens, vocab, args.seed + 1), 1)}
     try:
         for line in sys.stdin:
             prompt, max_tokens = prompts[line.strip()]
