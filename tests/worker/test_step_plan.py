@@ -16,7 +16,7 @@ from v1.kernels import block_matmul as kernels_block_matmul
 from v1.kernels import fused_step as kernels_fused_step
 from v1.lora.layers import LinearWithLoRA, LoRABatch
 from v1.models.layers.quantized import DEFAULT_POLICY, MatmulPolicy
-from v1.models.step_plan import PlanOptions, StepPath, StepPlanner
+from v1.models.step_plan import PlanOptions, StepPath, StepPlanner, _rows_path
 from v1.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.model
@@ -181,3 +181,17 @@ def test_prompt_logprobs_take_the_runners_head_rows(default_model, monkeypatch):
     out = prefill(runner, "a", SamplingParams(temperature=0.0, prompt_logprobs=1), block_id=0)
     assert out.prompt_logprobs_dict["a"]
     assert len(seen) == 2 and all(rows is runner.planner.head_rows for rows in seen)
+
+
+def test_the_step_path_names_the_kinds_on_different_paths():
+    """With the calibration per kind, a prompt chunk's kinds can take different paths: the
+    step's path says which took which (one path: just its name)."""
+    policy = MatmulPolicy(prompt_dense_min_rows=(("q6_kx8", 4),))
+    prompt = np.ones(8, dtype=bool)
+    kinds = ["q4_kx8", "q6_kx8"]
+    assert _rows_path(policy.rows(prompt, None), 8, kinds) == "q4_kx8: int8, q6_kx8: dense"
+    assert _rows_path(policy.rows(prompt, None), 8, ["q6_kx8"]) == "dense"
+    mixed = prompt.copy()
+    mixed[0] = False  # a generated token's row beside: split out for the dense kind only
+    assert _rows_path(policy.rows(mixed, None), 8, kinds) == "q4_kx8: int8, q6_kx8: dense+int8"
+    assert _rows_path(policy.rows(prompt[:3], None), 3, kinds) == "int8"  # below its count
