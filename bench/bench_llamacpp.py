@@ -67,7 +67,6 @@ Prints each part's table, then one JSON line; `--out DIR` writes llamacpp.json/.
 import argparse
 import json
 import os
-import platform
 import random
 import shlex
 import signal
@@ -78,7 +77,15 @@ from pathlib import Path
 from typing import Any
 
 import llamacpp
-from common import agreement, engine_core_pid, environment, median, print_table, write_outputs
+from common import (
+    CPU_FLAGS,
+    agreement,
+    engine_core_pid,
+    environment,
+    median,
+    print_table,
+    write_outputs,
+)
 
 BENCH = Path(__file__).resolve().parent
 HELPDESK = BENCH / "data" / "helpdesk.json"
@@ -91,9 +98,6 @@ DEFAULT_SPEC_CONFIGS = (
 PARTS = ("decode", "helpdesk", "serving", "bench")
 # What each part needs of llama.cpp (llamacpp.missing): None is the llama-cpp-python worker.
 PART_TOOLS = {"decode": None, "helpdesk": None, "serving": "llama-server", "bench": "llama-bench"}
-# The CPU flags that decide which kernels run (v1's variants and llama.cpp's native build).
-CPU_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512_vnni",
-             "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16", "asimd", "asimddp")
 
 
 def chat_prompt(tokenizer: Any, question: str, system: str | None = None) -> list[int]:
@@ -127,26 +131,6 @@ def parse_env_setting(text: str) -> tuple[str, str]:
     if not sep or not var.isidentifier():
         raise ValueError(f"--v1-env {text!r}: expected VAR=VALUE")
     return var, value
-
-
-def cpu_info(cpuinfo: str) -> dict[str, Any]:
-    """The CPU of a /proc/cpuinfo text (its first processor): model name, vendor, family,
-    model and stepping numbers (a VM may hide the name, not those), and which of `CPU_FLAGS`
-    it has."""
-    fields: dict[str, str] = {}
-    for line in cpuinfo.splitlines():
-        key, sep, value = line.partition(":")
-        if not sep:
-            if fields:  # the blank line after the first processor
-                break
-            continue
-        fields.setdefault(key.strip(), value.strip())
-    flags = set((fields.get("flags") or fields.get("Features", "")).split())
-    numbers = ("cpu family", "model", "stepping")
-    return {"model": fields.get("model name", platform.processor() or platform.machine()),
-            "vendor": fields.get("vendor_id", ""),
-            "family_model_stepping": "/".join(fields.get(k, "?") for k in numbers),
-            "flags": [f for f in CPU_FLAGS if f in flags]}
 
 
 def kernel_libraries(maps: str) -> list[str]:
@@ -502,7 +486,7 @@ def main() -> None:
     result: dict[str, Any] = {
         "bench": "llamacpp", "command": shlex.join([sys.executable, *sys.argv]),
         "model": path.name, "rounds": args.rounds,
-        "cpu": cpu_info(Path("/proc/cpuinfo").read_text()), "v1_env": v1_env,
+        "v1_env": v1_env,
         "llamacpp_build": args.llamacpp_build,
         "llamacpp_build_options": llamacpp.build_options(args.llamacpp_build),
         "llamacpp_threads": llamacpp.default_threads(args.threads),

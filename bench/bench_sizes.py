@@ -62,7 +62,6 @@ from typing import Any
 
 import llamacpp
 from bench_llamacpp import (
-    cpu_info,
     engine_kernels,
     engine_run,
     make_engine,
@@ -549,14 +548,14 @@ def run_info(bench: str, args: argparse.Namespace) -> dict[str, Any]:
     """What a run's result starts with: the command, date, commit, CPU and its class, both
     sides' builds and settings (`args`: .avx2, .build, .v1_env, .threads: llama.cpp's and
     this process's torch threads, which v1's engines fork with)."""
-    cpu = cpu_info(Path("/proc/cpuinfo").read_text())
+    env = environment()
     return {"bench": bench, "command": shlex.join([sys.executable, *sys.argv]),
             "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "git_commit": git_commit(), "cpu": cpu,
-            "cpu_class": cpu_class(args.avx2, cpu["flags"]), "build": args.build,
+            "git_commit": git_commit(),
+            "cpu_class": cpu_class(args.avx2, env["cpu"]["flags"]), "build": args.build,
             "llamacpp_build_options": llamacpp.build_options(args.build),
             "llamacpp_version": llamacpp.version(), "v1_env": args.v1_env,
-            **environment(), "threads": llamacpp.default_threads(args.threads)}
+            **env, "threads": llamacpp.default_threads(args.threads)}
 
 
 def write_report(out: str, name: str, lines: list[str]) -> None:

@@ -13,6 +13,7 @@ import functools
 import glob
 import json
 import os
+import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +29,10 @@ from typing import Any
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
+
+# The CPU flags that decide which kernels run (v1's variants and llama.cpp's native build).
+CPU_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512_vnni",
+             "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16", "asimd", "asimddp")
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -215,9 +220,42 @@ def cpu_seconds() -> float:
     return total
 
 
+def cpu_info(cpuinfo: str) -> dict[str, Any]:
+    """The CPU of a /proc/cpuinfo text (its first processor): model name, vendor, family,
+    model and stepping numbers (a VM may hide the name, not those), and which of `CPU_FLAGS`
+    it has."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if not sep:
+            if fields:  # the blank line after the first processor
+                break
+            continue
+        fields.setdefault(key.strip(), value.strip())
+    flags = set((fields.get("flags") or fields.get("Features", "")).split())
+    numbers = ("cpu family", "model", "stepping")
+    return {"model": fields.get("model name", platform.processor() or platform.machine()),
+            "vendor": fields.get("vendor_id", ""),
+            "family_model_stepping": "/".join(fields.get(k, "?") for k in numbers),
+            "flags": [f for f in CPU_FLAGS if f in flags]}
+
+
+def v1_kernel_library() -> str:
+    """The file name of the kernel library this process's V1_CPU_KERNELS setting loads (an
+    engine process started from here loads the same), or "none"."""
+    from v1.kernels.library import library
+
+    lib = library()
+    return Path(lib._name).name if lib is not None else "none"
+
+
 def environment() -> dict[str, Any]:
+    """What a result must name to be compared: torch and its threads, the CPU and which of
+    v1's kernel libraries ran, the load when the run started."""
     return {"torch": torch.__version__, "threads": torch.get_num_threads(),
             "cpus": os.cpu_count(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "cpu": cpu_info(Path("/proc/cpuinfo").read_text()),
+            "v1_kernel_library": v1_kernel_library(),
             "loadavg_1m": round(os.getloadavg()[0], 2)}
 
 

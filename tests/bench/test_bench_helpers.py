@@ -31,6 +31,7 @@ import bench_sizes  # noqa: E402
 import bench_step_breakdown  # noqa: E402
 import bench_structured  # noqa: E402
 import bench_throughput  # noqa: E402
+import common  # noqa: E402
 import llamacpp  # noqa: E402
 
 # SmolLM2-135M's shapes (the default model), no weights needed.
@@ -381,15 +382,15 @@ flags\t\t: fpu
 
 
 def test_cpu_info_names_the_first_cpu_and_its_kernel_flags():
-    assert bench_llamacpp.cpu_info(CPUINFO) == {
+    assert common.cpu_info(CPUINFO) == {
         "model": "Intel(R) Xeon(R) Processor", "vendor": "GenuineIntel",
         "family_model_stepping": "6/143/8",
         "flags": ["avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512_vnni",
                   "amx_tile", "amx_int8"]}
     zen3 = CPUINFO.replace(" avx512f avx512bw avx_vnni avx512_vnni amx_tile amx_int8", "")
-    assert bench_llamacpp.cpu_info(zen3)["flags"] == ["avx2", "fma", "f16c"]
+    assert common.cpu_info(zen3)["flags"] == ["avx2", "fma", "f16c"]
     arm = "processor\t: 0\nFeatures\t: fp asimd asimddp\nCPU part\t: 0xd0c\n"
-    assert bench_llamacpp.cpu_info(arm)["flags"] == ["asimd", "asimddp"]
+    assert common.cpu_info(arm)["flags"] == ["asimd", "asimddp"]
 
 
 def test_kernel_libraries_are_read_from_a_process_maps():
@@ -490,3 +491,12 @@ def test_perplexity_chunks_as_llama_perplexity_cuts_them():
     # Greedy pairs end before v1's first end of turn (llama.cpp's ignore_eos masks it).
     ours, ref = bench_perplexity.until_special([[5, 6, 2, 7], [5, 6]], [[5, 6, 9, 7], [5, 8]], {2})
     assert (ours, ref) == ([[5, 6], [5, 6]], [[5, 6], [5, 8]])
+
+
+def test_environment_names_the_cpu_and_the_kernel_library(monkeypatch):
+    """Every result names what it ran on: the CPU's kernel flags and the library a
+    V1_CPU_KERNELS setting loads (the AVX2 one on any x86-64 machine that has AVX2)."""
+    monkeypatch.setenv("V1_CPU_KERNELS", "portable")
+    env = common.environment()
+    assert env["v1_kernel_library"] == "_v1_portable.so"
+    assert env["cpu"] == common.cpu_info(Path("/proc/cpuinfo").read_text())
