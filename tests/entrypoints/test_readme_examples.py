@@ -26,6 +26,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -139,18 +140,37 @@ def test_make_targets_named_in_the_readme() -> None:
         _make_dry_run(target)
 
 
-def _headline_rows() -> list[tuple[list[str], str, Path]]:
-    """(bold figures, command, committed output) of each row of the headline table."""
+class HeadlineRow(NamedTuple):
+    figures: list[str]  # the bold figures of the row
+    cpu: str  # the CPU column: the machine and which kernel library ran
+    command: str
+    output: Path  # the committed output of `command`
+
+
+def _headline_rows() -> list[HeadlineRow]:
     section = README.read_text().split("\n## Headline figures\n", 1)[1].split("\n## ", 1)[0]
     rows = []
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) != 4 or not cells[2].startswith("`bench/"):
+        if len(cells) != 5 or not cells[3].startswith("`bench/"):
             continue
-        command = cells[2].strip("`")
-        output = ROOT / cells[3].strip("`")
-        rows.append((re.findall(r"\*\*([^*]+)\*\*", cells[1]), command, output))
+        rows.append(HeadlineRow(re.findall(r"\*\*([^*]+)\*\*", cells[1]), cells[2],
+                                cells[3].strip("`"), ROOT / cells[4].strip("`")))
     return rows
+
+
+def _recorded_class(output: str) -> str | None:
+    """The instruction-set class an output says it ran on ("AVX2" where v1 ran its
+    x86_64_v3 library, "AVX-512" where the CPU has AVX-512 and v1 its best library), or None
+    where it records no CPU."""
+    if sizes_class := re.search(r"CPU class (avx512|avx2)", output):  # bench_sizes' header
+        return {"avx512": "AVX-512", "avx2": "AVX2"}[sizes_class.group(1)]
+    flags = re.search(r'"cpu": \{[^}]*"flags": \[([^\]]*)\]', output)
+    if flags is None:
+        return None
+    if "x86_64_v3" in output:
+        return "AVX2"
+    return "AVX-512" if '"avx512f"' in flags.group(1) else "AVX2"
 
 
 def _matches(figure: str, numbers: list[float]) -> bool:
@@ -165,12 +185,22 @@ def _matches(figure: str, numbers: list[float]) -> bool:
 def test_headline_figures_come_from_committed_outputs() -> None:
     rows = _headline_rows()
     assert len(rows) >= 8, rows
-    for figures, command, output in rows:
-        assert figures, command
-        assert output.is_file(), output
-        numbers = [float(n) for n in re.findall(r"\d+(?:\.\d+)?", output.read_text())]
-        for figure in figures:
-            assert _matches(figure, numbers), f"{figure} is not in {output} ({command})"
+    for row in rows:
+        assert row.figures, row.command
+        assert row.output.is_file(), row.output
+        numbers = [float(n) for n in re.findall(r"\d+(?:\.\d+)?", row.output.read_text())]
+        for figure in row.figures:
+            assert _matches(figure, numbers), f"{figure} is not in {row.output} ({row.command})"
+
+
+def test_headline_rows_name_the_cpu_their_output_records() -> None:
+    """Each row says which instruction-set class its figure ran on, and where the output
+    records its CPU (and the library that ran), the row says the same."""
+    for row in _headline_rows():
+        named = [c for c in ("AVX-512", "AVX2") if c in row.cpu]
+        assert len(named) == 1, f"{row.output.name}: the CPU cell {row.cpu!r} names no one class"
+        recorded = _recorded_class(row.output.read_text())
+        assert recorded in (None, named[0]), f"{row.output.name}: {row.cpu!r}, ran {recorded}"
 
 
 @pytest.mark.slow
@@ -178,8 +208,8 @@ def test_headline_commands_take_their_flags() -> None:
     """Checked, not run: every flag of each command is in its script's `--help` (all the
     scripts' --help from one helper process: see tests/bench/script_help.py)."""
     flags_by_script: dict[str, set[str]] = {}
-    for _, command, _ in _headline_rows():
-        script, *args = command.split()
+    for row in _headline_rows():
+        script, *args = row.command.split()
         flags_by_script.setdefault(script, set()).update(a for a in args if a.startswith("--"))
     helps = run_help([ROOT / script for script in flags_by_script], cwd=ROOT)
     for script, flags in flags_by_script.items():
