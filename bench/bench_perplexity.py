@@ -8,13 +8,14 @@ Q4_1 file itself, re-quantized (llama-quantize --allow-requantize: Q4_1's values
 again, a fallback the output names as such).
 
 Per file:
-- perplexity on bench/data/perplexity.txt by llama.cpp's own llama-perplexity (-c --ctx: the
-  text's tokens cut into whole chunks of --ctx, the tail dropped; each chunk evaluated alone,
-  its first token BOS where the model adds one, the logprobs of its second half scored; once
-  with its defaults, once with v1's attention numerics, `V1_NUMERICS`) and by
-  v1 on the very same tokens (llama.cpp's tokenization of the text, from llama-server's
-  /tokenize) cut and scored the same way, through `LLM.generate`'s prompt_logprobs (one prompt
-  per chunk); the relative difference, against the issue's 0.5% bound;
+- perplexity on --text (default bench/data/perplexity_long.txt: 18 chunks of 512 tokens;
+  bench/data/perplexity.txt's 3 are too few to resolve the 0.5% bound) by llama.cpp's own
+  llama-perplexity (-c --ctx: the text's tokens cut into whole chunks of --ctx, the tail
+  dropped; each chunk evaluated alone, its first token BOS where the model adds one, the
+  logprobs of its second half scored; once with its defaults, once with v1's attention
+  numerics, `V1_NUMERICS`) and by v1 on the very same tokens (llama.cpp's tokenization of the
+  text, from llama-server's /tokenize) cut and scored the same way, through `LLM.generate`'s
+  prompt_logprobs (one prompt per chunk); the relative difference, against the issue's 0.5% bound;
 - greedy agreement over bench/quant_eval.py's chat prompts, --greedy-tokens tokens each (EOS
   ignored): v1's `LLM.generate` against llama-server's /completion (temperature 0) on the same
   token ids, each pair up to v1's first end of turn (`until_special`); the share of equal
@@ -54,10 +55,12 @@ TYPES = ("Q4_K_M", "Q6_K")
 PINNED_ENV = {"V1_MATMUL_CALIBRATION": "0"}
 # The issue's bound on v1's perplexity against llama-perplexity's on the same file.
 MAX_PPL_DIFF = 0.005
+TEXT_PATH = bench_sizes.BENCH / "data" / "perplexity_long.txt"
 
 
 # llama-perplexity's options for v1's attention numerics: no flash attention, an fp32 KV cache
-# (its default: flash attention, f16 KV). On a 765-token text the two differ by ~0.7%.
+# (its default: flash attention, f16 KV). On perplexity.txt's 765 scored tokens the two differ
+# by ~0.7%.
 V1_NUMERICS = ("-fa", "off", "-ctk", "f32", "-ctv", "f32")
 
 
@@ -71,6 +74,12 @@ def llamacpp_perplexity(path: Path, text: Path, ctx: int, threads: int | None,
     out = subprocess.run(cmd, env=llamacpp.clean_env(), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, check=True).stdout
     return parse_final_estimate(out)
+
+
+def shown_path(path: Path) -> str:
+    """`path` (absolute) as the results name it: relative to the repository when inside it."""
+    root = bench_sizes.BENCH.parent
+    return str(path.relative_to(root) if path.is_relative_to(root) else path)
 
 
 def parse_final_estimate(log: str) -> tuple[float, float]:
@@ -144,9 +153,9 @@ def measure(path: Path, args: argparse.Namespace, text: str,
 
     row: dict[str, Any] = {}
     row["llamacpp_ppl"], row["llamacpp_ppl_pm"] = llamacpp_perplexity(
-        path, quant_eval.TEXT_PATH, args.ctx, args.threads)
+        path, args.text, args.ctx, args.threads)
     row["llamacpp_f32kv_ppl"], _ = llamacpp_perplexity(
-        path, quant_eval.TEXT_PATH, args.ctx, args.threads, V1_NUMERICS)
+        path, args.text, args.ctx, args.threads, V1_NUMERICS)
     with llamacpp.server(path, 1, args.server_ctx, args.threads, build=args.build) as base:
         tokens = llamacpp.post(base, "/tokenize", {"content": text})["tokens"]
         reference = [llamacpp.greedy(base, p, args.greedy_tokens) for p in prompts]
@@ -184,6 +193,8 @@ def parse_args() -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hf-dir", type=Path, default=None,
                         help="an HF checkpoint of the default model to quantize from")
+    parser.add_argument("--text", type=Path, default=TEXT_PATH,
+                        help=f"the text both sides score (default: {shown_path(TEXT_PATH)})")
     parser.add_argument("--ctx", type=int, default=512, help="llama-perplexity's -c (chunk)")
     parser.add_argument("--greedy-tokens", type=int, default=64)
     parser.add_argument("--server-ctx", type=int, default=4096, help="llama-server's -c")
@@ -198,6 +209,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", default=None, help="directory for perplexity_<class>.txt/.json")
     args = parser.parse_args()
     args.build = "avx2" if args.avx2 else "native"
+    args.text = args.text.resolve()
     args.v1_env = {**PINNED_ENV, **(bench_sizes.AVX2_ENV if args.avx2 else {}),
                    **dict(args.v1_env)}
     return args
@@ -213,7 +225,7 @@ def main() -> None:
             sys.exit(reason)
     from v1.models.loader import default_model_path, hf_dir_of, load_tokenizer
 
-    text = quant_eval.TEXT_PATH.read_text()
+    text = args.text.read_text()
     prompts = quant_eval.chat_prompt_ids(load_tokenizer(hf_dir_of(default_model_path())))
     result = bench_sizes.run_info("perplexity", args)
     rows = []
@@ -222,8 +234,7 @@ def main() -> None:
                      **measure(path, args, text, prompts)})
         print(json.dumps(rows[-1]), file=sys.stderr)
     result.update({"ctx": args.ctx, "greedy_tokens": args.greedy_tokens,
-                   "prompts": len(prompts), "text": str(quant_eval.TEXT_PATH.relative_to(
-                       bench_sizes.BENCH.parent)), "rows": rows})
+                   "prompts": len(prompts), "text": shown_path(args.text), "rows": rows})
     result["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
     table = io.StringIO()
     shown = [{**row, "ppl_diff": f"{row['ppl_diff']:+.2%}",

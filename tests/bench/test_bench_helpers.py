@@ -480,6 +480,13 @@ def test_size_sweep_avx2_runs_the_avx2_build_with_v1_held_to_avx2():
     assert bench_sizes.parse_args([]).v1_env == {}
 
 
+def test_perplexity_text_is_named_relative_to_the_repository_when_inside_it(tmp_path):
+    assert bench_perplexity.TEXT_PATH.is_file()
+    assert bench_perplexity.shown_path(bench_perplexity.TEXT_PATH) == (
+        "bench/data/perplexity_long.txt")
+    assert bench_perplexity.shown_path(tmp_path / "t.txt") == str(tmp_path / "t.txt")
+
+
 def test_perplexity_chunks_as_llama_perplexity_cuts_them():
     tokens = list(range(10, 21))  # 11 tokens, chunks of 4: the 3-token tail dropped
     assert bench_perplexity.chunks(tokens, 4, None) == [[10, 11, 12, 13], [14, 15, 16, 17]]
