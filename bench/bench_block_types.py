@@ -1,16 +1,18 @@
 """Every block type of the kernel table, at decode's and prompts' row counts.
 
 For each weight shape (a 1B Llama's: 2048 x 2048 attention, 512 x 2048 k/v, 8192 x 2048
-gate/up, 16384 x 2048 the two joined, 2048 x 8192 down, an LM head) and each kernel library
-variant this CPU runs (--variants), times each block type's matmul at M activation rows on
-random blocks: its int8 path (`linear_i8`, what the engine runs by default) or, for a type
-without one (f16, bf16), its fp32 path; a type the library repacks (q4_1, q4_k, q6_k) also in
-the layout it repacks it to (q4_1x8, q4_kx8, q6_kx8). --kinds: some of them. Every (variant,
-kind) runs once per round, in an order that rotates between rounds (paired and interleaved on
-a shared machine); a figure is the median over rounds: ms per call, GB/s of weight bytes read,
-and per round the ratio of each kind's GB/s to that of q4_1 in the layout the library runs it
-in (median; with q4_1 among the kinds). --against DIR times the same variants' libraries in
-DIR too (another build of the kernels, e.g. an earlier commit's: its variants named
+gate/up, 16384 x 2048 the two joined, 2048 x 8192 down, an LM head; --shapes takes any
+"<name> <N>x<K>") and each kernel library variant this CPU runs (--variants), times each block
+type's matmul at M activation rows on random blocks: its int8 path (`linear_i8`, what the
+engine runs by default) or, for a type without one (f16, bf16), its fp32 path; a type the
+library repacks (q4_1, q8_0, q4_k, q6_k) also in the layout it repacks it to (q4_1x8, q8_0x8,
+q4_kx8, q6_kx8). --kinds: some of them. Every (variant, kind) runs once per round, in an order
+that rotates between rounds (paired and interleaved on a shared machine); a figure is the
+median over rounds: ms per call, GB/s of weight bytes read, and per round the ratio of each
+kind's GB/s to that of q4_1 in the layout the library runs it in (median; with q4_1 among the
+kinds), and of a repacked layout's time to its GGUF kind's ("vs plain": q8_0x8's over
+q8_0's, paired per round; median). --against DIR times the same variants' libraries in DIR
+too (another build of the kernels, e.g. an earlier commit's: its variants named
 "<variant>@"), and gives each kind's time in this build over its time in DIR's (median of the
 rounds' ratios).
 
@@ -37,12 +39,17 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from v1.kernels import library, variants  # noqa: E402
-from v1.kernels.block_matmul import BLOCK_SIZES, GGUF_KINDS, QuantBlocks, QuantKernels  # noqa: E402
+from v1.kernels.block_matmul import (  # noqa: E402
+    BLOCK_SIZES,
+    GGUF_KINDS,
+    INTERLEAVED,
+    QuantBlocks,
+    QuantKernels,
+)
 from v1.models.layers.quantized import QuantizedWeight  # noqa: E402
 
-SHAPES = {"attn 2048x2048": (2048, 2048), "k/v 512x2048": (512, 2048),
-          "gate/up 8192x2048": (8192, 2048), "gate+up 16384x2048": (16384, 2048),
-          "down 2048x8192": (2048, 8192), "head 49152x2048": (49152, 2048)}
+SHAPES = ("attn 2048x2048", "k/v 512x2048", "gate/up 8192x2048", "gate+up 16384x2048",
+          "down 2048x8192", "head 49152x2048")
 # Where a block stores fp16 scales (byte offsets): kept small and finite.
 HALF_AT = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,),
            "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
@@ -51,7 +58,10 @@ FLOATS = {"f16": torch.float16, "bf16": torch.bfloat16}  # rows of halves
 
 def random_blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
     """n rows of k values of `kind` in GGUF's layout, random (speed does not depend on
-    values, but a scale's NaN or inf would send a row down the non-finite rerun)."""
+    values, but a scale's NaN or inf would send a row down the non-finite rerun), in torch's
+    memory as a repacked weight is: numpy's gets huge pages (THP in madvise mode), which made
+    an LM head's plain layout read faster than its repacked copy (docs/kernels.md); in the
+    engine both are on 4 KiB pages (the file's mapping, torch's memory)."""
     if kind in FLOATS:
         return torch.from_numpy(rng.standard_normal((n, k), np.float32)).to(
             FLOATS[kind]).view(torch.uint8)
@@ -60,7 +70,7 @@ def random_blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> torch.
     for at in HALF_AT[kind]:
         b[:, :, at:at + 2] = (rng.standard_normal((n, k // elems, 1)) * 1e-2).astype(
             np.float16).view(np.uint8)
-    return torch.from_numpy(b.reshape(n, -1))
+    return torch.from_numpy(b.reshape(n, -1)).clone()
 
 
 def weights(q: QuantKernels, n: int, k: int, rng: np.random.Generator,
@@ -112,9 +122,9 @@ def main() -> None:
     print(f"threads {torch.get_num_threads()}, {library.cpu_model()}; medians of "
           f"{args.rounds} interleaved rounds; f16/bf16: the fp32 path, the others int8")
     print(f"{'shape':20} {'variant':16} {'M':>3} {'kind':6} {'ms':>8} {'GB/s':>7} "
-          f"{'vs q4_1':>8}" + (f" {'vs @':>6}" if args.against else ""))
+          f"{'vs q4_1':>8} {'vs plain':>8}" + (f" {'vs @':>6}" if args.against else ""))
     for shape in args.shapes.split(","):
-        n, k = SHAPES[shape]
+        n, k = map(int, shape.rsplit(" ", 1)[1].split("x"))
         ws = {v: weights(q, n, k, rng, kinds) for v, q in libs.items()}
         for m in map(int, args.rows.split(",")):
             x = torch.randn(m, k)
@@ -129,9 +139,12 @@ def main() -> None:
                 ratio = statistics.median(
                     times[v, ref][i] / t * nbytes / ws[v][ref].tensor.numel()
                     for i, t in enumerate(times[v, kind])) if ref in ws[v] else math.nan
+                plain = INTERLEAVED.get(kind, (kind,))[0]
+                vs_plain = statistics.median(map(truediv, times[v, kind], times[v, plain])) \
+                    if plain != kind and (v, plain) in times else math.nan
                 t = statistics.median(times[v, kind])
                 line = (f"{shape:20} {v:16} {m:3} {kind:6} {t * 1e3:8.3f} "
-                        f"{nbytes / t / 1e9:7.2f} {ratio:8.2f}")
+                        f"{nbytes / t / 1e9:7.2f} {ratio:8.2f} {vs_plain:8.3f}")
                 if (v + "@", kind) in times:
                     vs = statistics.median(map(truediv, times[v, kind], times[v + "@", kind]))
                     line += f" {vs:6.3f}"

@@ -31,17 +31,17 @@ typedef int32_t (*run_fn)(int32_t kernel, int32_t reference, const struct v1_mat
 typedef int32_t (*int8_isa_fn)(void);
 
 /* Where each type's fp16 fields sit in a block (d, and m where x = d q + m; the K-quants'
-   d and dmin, q6_k's d at its end; f16's one value), -1 after the last: these get reasonable
-   scales; every other byte is random. A type missing here cannot be checked. (bf16: such a
-   half's bits read as bfloat16, finite: tiny, or 2^-71 .. 2^-31.) */
+   d and dmin, q6_k's d at its end, q8_0x8's moved there; f16's one value), -1 after the
+   last: these get reasonable scales; every other byte is random. A type missing here cannot
+   be checked. (bf16: such a half's bits read as bfloat16, finite: tiny, or 2^-71 .. 2^-31.) */
 static const struct {
     const char *name;
     int halves[3];
 } HEADERS[] = {{"q4_1", {0, 2, -1}}, {"q4_1x8", {0, 2, -1}}, {"q8_0", {0, -1}},
-               {"q4_0", {0, -1}},    {"q5_0", {0, -1}},      {"q5_1", {0, 2, -1}},
-               {"f16", {0, -1}},     {"bf16", {0, -1}},      {"q4_k", {0, 2, -1}},
-               {"q4_kx8", {0, 2, -1}}, {"q5_k", {0, 2, -1}}, {"q6_k", {208, -1}},
-               {"q6_kx8", {208, -1}}};
+               {"q8_0x8", {32, -1}}, {"q4_0", {0, -1}},      {"q5_0", {0, -1}},
+               {"q5_1", {0, 2, -1}}, {"f16", {0, -1}},       {"bf16", {0, -1}},
+               {"q4_k", {0, 2, -1}}, {"q4_kx8", {0, 2, -1}}, {"q5_k", {0, 2, -1}},
+               {"q6_k", {208, -1}},  {"q6_kx8", {208, -1}}};
 
 /* M: every dot tile (1-4 rows), the few-row int8 tile's chains (1, 2, more) with and without
    columns ahead (up to 16 rows), then beyond it the outer-product tiles of 1-4 vectors of

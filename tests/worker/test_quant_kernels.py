@@ -456,15 +456,23 @@ def test_embedding_rows() -> None:
     assert torch.equal(q.embedding(ids), q.dequantize()[ids])
 
 
-def test_repacked_blocks() -> None:
-    """q4_1x8 holds q4_1's bytes moved, and back; every path that reads them (dequantize, the
-    embedding's rows, the torch fallback, the kernels) sees the same weight."""
-    q = QuantizedWeight.quantize(weight(16, 64), "q4_1")
-    moved = QuantizedWeight("q4_1", q.blocks.clone(), 16, 64)
-    moved.repack("q4_1x8")
-    assert (moved.kind, moved.gguf_kind, moved.nbytes) == ("q4_1x8", "q4_1", q.nbytes)
+@pytest.mark.parametrize("kind, other", [("q4_1", "q8_0"), ("q8_0", "q4_1")])
+def test_repacked_blocks(kind: str, other: str) -> None:
+    """q4_1x8 (q8_0x8) holds q4_1's (q8_0's) bytes moved, and back; every path that reads them
+    (dequantize, the embedding's rows, the torch fallback, the kernels) sees the same weight."""
+    x8 = kind + "x8"
+    q = QuantizedWeight.quantize(weight(16, 64), kind)
+    moved = QuantizedWeight(kind, q.blocks.clone(), 16, 64)
+    moved.repack(x8)
+    assert (moved.kind, moved.gguf_kind, moved.nbytes) == (x8, kind, q.nbytes)
     assert not torch.equal(moved.blocks, q.blocks)
-    assert torch.equal(moved.blocks, QuantizedWeight.quantize(weight(16, 64), "q4_1x8").blocks)
+    assert torch.equal(moved.blocks, QuantizedWeight.quantize(weight(16, 64), x8).blocks)
+    if kind == "q8_0":  # a group's block: dword f of its rows' quants (f < 8), then their d
+        group = moved.blocks.view(2, 2, 8 * 34)[1, 0]  # rows 8 .. 15, block 0
+        plain = q.blocks.view(2, 8, 2, 34)[1, :, 0]
+        assert torch.equal(group[:256].view(8, 8, 4).transpose(0, 1).reshape(8, 32),
+                           plain[:, 2:])
+        assert torch.equal(group[256:].view(8, 2), plain[:, :2])
     assert torch.equal(moved.dequantize(), q.dequantize())
     ids = torch.tensor([[3, 15], [8, 3]])
     assert torch.equal(moved.embedding(ids), q.dequantize()[ids])
@@ -472,15 +480,15 @@ def test_repacked_blocks() -> None:
     assert torch.equal(moved.linear(x, path="torch"), q.linear(x, path="torch"))
     if kernels() is not None:
         assert torch.equal(moved.linear(x, path="int8"), q.linear(x, path="int8"))
-    moved.repack("q4_1")
-    assert moved.kind == "q4_1" and torch.equal(moved.blocks, q.blocks)
-    with pytest.raises(ValueError, match="cannot be laid out as 'q8_0'"):
-        moved.repack("q8_0")
-    odd = QuantizedWeight.quantize(weight(9, 64), "q4_1")
+    moved.repack(kind)
+    assert moved.kind == kind and torch.equal(moved.blocks, q.blocks)
+    with pytest.raises(ValueError, match=f"cannot be laid out as '{other}'"):
+        moved.repack(other)
+    odd = QuantizedWeight.quantize(weight(9, 64), kind)
     with pytest.raises(ValueError, match="multiple of 8 rows"):
-        odd.repack("q4_1x8")
+        odd.repack(x8)
     with pytest.raises(ValueError, match="multiple of 8"):
-        QuantizedWeight("q4_1x8", odd.blocks, 9, 64)
+        QuantizedWeight(x8, odd.blocks, 9, 64)
 
 
 @pytest.mark.parametrize("kind", ["q4_k", "q6_k"])

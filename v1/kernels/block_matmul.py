@@ -28,13 +28,17 @@ from v1.kernels.tensors import stamp
 BLOCK_SIZES = {
     "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24), "q8_0": (32, 34),
     "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210), "f16": (1, 2), "bf16": (1, 2),
-    "q4_1x8": (32, 20), "q4_kx8": (256, 144), "q6_kx8": (256, 210),
+    "q4_1x8": (32, 20), "q8_0x8": (32, 34), "q4_kx8": (256, 144), "q6_kx8": (256, 210),
 }
 # kind -> (the GGUF kind whose blocks it holds, rows): each group of `rows` rows stores its
 # blocks b together, the block read as dwords, dword f of row i at 4 (rows f + i) from the
 # group's block b (csrc/block_q4_1x8.c), then the bytes past a block's last whole dword (q6_k:
 # its 2 of d), row by row. The same bytes, moved.
-INTERLEAVED = {"q4_1x8": ("q4_1", 8), "q4_kx8": ("q4_k", 8), "q6_kx8": ("q6_k", 8)}
+INTERLEAVED = {"q4_1x8": ("q4_1", 8), "q8_0x8": ("q8_0", 8), "q4_kx8": ("q4_k", 8),
+               "q6_kx8": ("q6_k", 8)}
+# Bytes at the start of a block moved to its end before it is read as dwords: q8_0's fp16 d,
+# so that its 32 quants are the whole dwords and d the bytes past them (csrc/block_q8_0x8.c).
+LEADING = {"q8_0x8": 2}
 # The GGUF types among them (a file stores these).
 GGUF_KINDS = frozenset(kind for kind in BLOCK_SIZES if kind not in INTERLEAVED)
 # By the C's INT8_ISA (csrc/isa.h).

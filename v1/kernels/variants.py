@@ -27,6 +27,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "block_q4_1.c": (),
     "block_q4_1x8.c": (),
     "block_q8_0.c": (),
+    "block_q8_0x8.c": (),
     "block_q4_0.c": (),
     "block_q5_0.c": (),
     "block_q5_1.c": (),

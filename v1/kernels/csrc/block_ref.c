@@ -39,21 +39,15 @@ static float half(const uint8_t *p) {
     return f;
 }
 
-/* q4_1's 5 dwords (d and m, then the nibbles' 4), dword f at p + 4 rows f: `rows` rows
-   interleaved (block_q4_1x8.c). */
-static void read_q4_1_rows(const uint8_t *p, struct block_ints *b, int rows) {
+static void read_q4_1(const uint8_t *p, struct block_ints *b) {
     b->d = half(p);
     b->m = half(p + 2);
     b->min = 1;
     for (int j = 0; j < QK / 2; j++) {
-        const uint8_t q = p[4 * rows * (1 + j / 4) + j % 4];
-        b->q[j] = q & 15;
-        b->q[j + QK / 2] = q >> 4;
+        b->q[j] = p[4 + j] & 15;
+        b->q[j + QK / 2] = p[4 + j] >> 4;
     }
 }
-
-static void read_q4_1(const uint8_t *p, struct block_ints *b) { read_q4_1_rows(p, b, 1); }
-static void read_q4_1x8(const uint8_t *p, struct block_ints *b) { read_q4_1_rows(p, b, 8); }
 
 static void read_q8_0(const uint8_t *p, struct block_ints *b) {
     b->d = half(p);
@@ -95,17 +89,29 @@ static void read_q5_1(const uint8_t *p, struct block_ints *b) {
     read_nibbles(p, b, 8, 4, 0);
 }
 
-/* A type's reader and layout: block bytes, rows interleaved (block_tiles.h's BT_ROWS). */
+/* A type's reader and layout: block bytes, rows interleaved (block_tiles.h's BT_ROWS) and
+   the block's leading bytes moved past its dwords where interleaved (block_matmul.py's
+   LEADING: q8_0x8's d). */
 struct block_format {
     void (*read)(const uint8_t *p, struct block_ints *b);
-    int bytes, rows;
+    int bytes, rows, lead;
 };
 
-/* Where row n's block b starts. */
+enum { MAX_BYTES = 34 };
+
+/* Row n's block b: in place, or with rows interleaved its bytes gathered into tmp: dword f of
+   row i at 4 (rows f + i) from the group's block, then the bytes past them row by row (the
+   block's leading ones, or else its last ones). */
 static const uint8_t *block_at(const struct v1_matmul *c, int64_t n, int64_t b,
-                               struct block_format f) {
-    return (const uint8_t *)c->w.data + n / f.rows * f.rows * c->w.stride + 4 * (n % f.rows)
-           + b * f.bytes * f.rows;
+                               struct block_format f, uint8_t tmp[MAX_BYTES]) {
+    const uint8_t *w = c->w.data;
+    if (f.rows == 1) return w + n * c->w.stride + b * f.bytes;
+    const uint8_t *g = w + (n - n % f.rows) * c->w.stride + b * f.rows * f.bytes;
+    const int i = (int)(n % f.rows), dwords = (f.bytes - f.lead) / 4;
+    const int rest = f.bytes - 4 * dwords, at = f.lead ? 0 : 4 * dwords;
+    for (int d = 0; d < dwords; d++) memcpy(tmp + f.lead + 4 * d, g + 4 * (f.rows * d + i), 4);
+    memcpy(tmp + at, g + 4 * f.rows * dwords + rest * i, (size_t)rest);
+    return tmp;
 }
 
 static int32_t dequantize(const struct v1_matmul *c, struct block_format f) {
@@ -113,7 +119,8 @@ static int32_t dequantize(const struct v1_matmul *c, struct block_format f) {
     for (int64_t n = 0; n < c->w.rows; n++)
         for (int64_t b = 0; b < K / QK; b++) {
             struct block_ints blk;
-            f.read(block_at(c, n, b, f), &blk);
+            uint8_t tmp[MAX_BYTES];
+            f.read(block_at(c, n, b, f, tmp), &blk);
             float *o = (float *)c->out.data + n * c->out.stride + b * QK;
             for (int j = 0; j < QK; j++) o[j] = value(&blk, j);
         }
@@ -129,7 +136,8 @@ static int32_t linear_f32(const struct v1_matmul *c, struct block_format f) {
             float acc = 0.f;
             for (int64_t b = 0; b < K / QK; b++) {
                 struct block_ints blk;
-                f.read(block_at(c, n, b, f), &blk);
+                uint8_t tmp[MAX_BYTES];
+                f.read(block_at(c, n, b, f, tmp), &blk);
                 for (int j = 0; j < QK; j++) acc += value(&blk, j) * x[b * QK + j];
             }
             y[n] = acc + (c->bias ? c->bias[n] : 0.f);
@@ -173,7 +181,8 @@ static int32_t linear_i8(const struct v1_matmul *c, struct block_format f, v1_bl
             float acc = 0.f;
             for (int64_t b = 0; b < nb; b++) {
                 struct block_ints blk;
-                f.read(block_at(c, n, b, f), &blk);
+                uint8_t tmp[MAX_BYTES];
+                f.read(block_at(c, n, b, f, tmp), &blk);
                 int32_t isum = 0;
                 for (int j = 0; j < QK; j++) isum += blk.q[j] * qx[b * QK + j];
                 acc = fmaf((float)isum, dx[b] * blk.d, fmaf(dx[b] * (float)sums[b], blk.m, acc));
@@ -186,23 +195,24 @@ static int32_t linear_i8(const struct v1_matmul *c, struct block_format f, v1_bl
     return v1_rerun_nonfinite_rows(c, f32);
 }
 
-#define REFERENCE(TYPE, BYTES, ROWS)                                                        \
+#define REFERENCE(TYPE, READ, BYTES, ROWS, LEAD)                                            \
     int32_t ref_##TYPE##_linear_f32(const struct v1_matmul *c) {                           \
-        return linear_f32(c, (struct block_format){read_##TYPE, BYTES, ROWS});             \
+        return linear_f32(c, (struct block_format){READ, BYTES, ROWS, LEAD});              \
     }                                                                                      \
     int32_t ref_##TYPE##_linear_i8(const struct v1_matmul *c) {                            \
-        return linear_i8(c, (struct block_format){read_##TYPE, BYTES, ROWS},               \
+        return linear_i8(c, (struct block_format){READ, BYTES, ROWS, LEAD},                \
                          ref_##TYPE##_linear_f32);                                         \
     }                                                                                      \
     int32_t ref_##TYPE##_dequantize(const struct v1_matmul *c) {                           \
-        return dequantize(c, (struct block_format){read_##TYPE, BYTES, ROWS});             \
+        return dequantize(c, (struct block_format){READ, BYTES, ROWS, LEAD});              \
     }
-REFERENCE(q4_0, 18, 1)
-REFERENCE(q4_1, 20, 1)
-REFERENCE(q4_1x8, 20, 8)
-REFERENCE(q5_0, 22, 1)
-REFERENCE(q5_1, 24, 1)
-REFERENCE(q8_0, 34, 1)
+REFERENCE(q4_0, read_q4_0, 18, 1, 0)
+REFERENCE(q4_1, read_q4_1, 20, 1, 0)
+REFERENCE(q4_1x8, read_q4_1, 20, 8, 0)
+REFERENCE(q5_0, read_q5_0, 22, 1, 0)
+REFERENCE(q5_1, read_q5_1, 24, 1, 0)
+REFERENCE(q8_0, read_q8_0, 34, 1, 0)
+REFERENCE(q8_0x8, read_q8_0, 34, 8, 2)
 
 /* f16 and bf16: one value per 2 bytes (`block_elems` 1), any K, converted exactly. */
 static float bfloat16(const uint8_t *p) {

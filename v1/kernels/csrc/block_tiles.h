@@ -17,6 +17,9 @@
                        other); > 1: each group of BT_ROWS rows stores its blocks b together,
                        dword f of the block of row i at 4 (BT_ROWS f + i), so tile_i8_few
                        reads VL rows' dwords with plain loads (bt_row)
+     BT_SCALES         (optional, 0) with rows interleaved, where a group's block keeps its
+                       rows' fp16 d, row by row (bytes from the block's start); 0: each
+                       row's d (and m) in its first dword
    and the inline functions
      bt_chunk(p, c)              values VL c .. VL c + VL - 1 of the block before scaling,
                                  as floats (c < BV)
@@ -25,7 +28,7 @@
                                  given the block's high-bits dword qh (BT_QH; else 0)
      bt_qs(h)                    where run h of quant bytes starts in the block.
    A row's block starts at p = bt_row(w, n, row_bytes) + b BT_ROWS BT_BYTES, its scale d (and
-   min m) at p (and p + 2) whatever BT_ROWS.
+   min m) at bt_scale(p, n) (and + 2): p, but with BT_SCALES.
    The tiling is the same for every format: only these differ. Each kernel takes a
    `struct v1_matmul` (block_types.h), whose shapes the bindings checked. */
 #include "block_types.h"
@@ -44,6 +47,10 @@
 #ifndef BT_QH
 #define BT_QH 0
 #endif
+#ifndef BT_SCALES
+#define BT_SCALES 0
+#endif
+_Static_assert(!BT_SCALES || (BT_ROWS > 1 && !BT_MIN), "scales apart: interleaved, no min");
 
 /* Weights stream from memory once per call; the kernels prefetch this many bytes ahead of
    each weight row they read (the hardware prefetchers alone left a one-row LM head waiting
@@ -58,6 +65,10 @@ enum { QK = 32 };
 enum { BLOCK_STEP = BT_BYTES * BT_ROWS };
 static inline const uint8_t *bt_row(const uint8_t *w, int64_t n, int64_t row_bytes) {
     return w + n / BT_ROWS * BT_ROWS * row_bytes + 4 * (n % BT_ROWS);
+}
+/* Where the block at p (in row n) keeps its d (and m, 2 bytes on). */
+static inline const uint8_t *bt_scale(const uint8_t *p, int64_t n) {
+    return BT_SCALES ? p - 4 * (n % BT_ROWS) + BT_SCALES + 2 * (n % BT_ROWS) : p;
 }
 
 /* ---- fp32 activations: blocks dequantized to fp32, FMA with the activations ------------- */
@@ -103,7 +114,7 @@ static inline __attribute__((always_inline)) void tile_dot(
         for (int r = 0; r < NR; r++) {
             const uint8_t *p = row[r] + b * bytes;
             __builtin_prefetch(p + PREFETCH);
-            d[r] = fp16(p);
+            d[r] = fp16(bt_scale(p, n0 + (r < nr ? r : nr - 1)));
             mins[r] = BT_MIN ? fp16(p + 2) : 0.f;
         }
         for (int c = 0; c < BV; c++) {
@@ -138,7 +149,7 @@ static inline __attribute__((always_inline)) void tile_dot1(
             __builtin_prefetch(p + PREFETCH);
             vf t = bt_chunk(p, 0) * xv[0];
             for (int c = 1; c < BV; c++) t += bt_chunk(p, c) * xv[c];
-            acc[r] += t * fp16(p);
+            acc[r] += t * fp16(bt_scale(p, n0 + (r < nr ? r : nr - 1)));
             if (BT_MIN) offsets[r] += fp16(p + 2) * sx[b];
         }
     }
@@ -186,11 +197,12 @@ static inline __attribute__((always_inline)) void dequant_rows(
     const uint8_t *w, int64_t row_bytes, int64_t n0, int nl, int nr, int64_t K, float *wb) {
     const int64_t bytes = BLOCK_STEP;
     for (int r = 0; r < nl; r++) {
-        const uint8_t *row = bt_row(w, n0 + (r < nr ? r : nr - 1), row_bytes);
+        const int64_t n = n0 + (r < nr ? r : nr - 1);
+        const uint8_t *row = bt_row(w, n, row_bytes);
         for (int64_t b = 0; b < K / QK; b++) {
             const uint8_t *p = row + b * bytes;
             __builtin_prefetch(p + PREFETCH);
-            const float d = fp16(p), m = BT_MIN ? fp16(p + 2) : 0.f;
+            const float d = fp16(bt_scale(p, n)), m = BT_MIN ? fp16(p + 2) : 0.f;
             for (int c = 0; c < BV; c++) {
                 const vf v = dequant_chunk(p, c, d, m);
                 memcpy(wb + r * K + b * QK + c * VL, &v, sizeof v);
@@ -478,9 +490,11 @@ static inline __attribute__((always_inline)) void tile_i8(
                 }
             } else {
                 const vi offset = W_OFFSET ? loadvi(Q + gb) * W_OFFSET : (vi){0};
-                for (int r = 0; r < NRI; r++)
+                for (int r = 0; r < NRI; r++) {
+                    const uint8_t *d = bt_scale(row[r] + b * bytes, n0 + (r < nr ? r : nr - 1));
                     acc[r][g] = fmav(__builtin_convertvector(dot[r][g] - offset, vf),
-                                     dx * splatv(fp16(row[r] + b * bytes)), acc[r][g]);
+                                     dx * splatv(fp16(d)), acc[r][g]);
+                }
             }
         }
     }
@@ -515,11 +529,19 @@ static inline __attribute__((always_inline)) void tile_columns(const uint8_t *p,
 #endif
 }
 
-/* Tile: VL weight rows (the lanes; from w = bt_row(weight, n0, rb)) x MF activation rows
-   (lanes = MF in A, D, Q, T), MF <= FEW_ROWS_MAX a constant at each call; the first nr rows
-   are stored. */
+/* The fp16 d of VL rows kept apart (BT_SCALES), the first one's at p, as floats. */
+static inline __attribute__((always_inline)) vf tile_scales(const uint8_t *p, int64_t rb) {
+    uint8_t h[2 * VL];
+    memcpy(h, p, 2 * (VL < BT_ROWS ? VL : BT_ROWS));
+    if (VL > BT_ROWS) memcpy(h + 2 * BT_ROWS, p + BT_ROWS * rb, 2 * BT_ROWS);
+    return fp16v(h);
+}
+
+/* Tile: VL weight rows (the lanes; from w = bt_row(weight, n0, rb), lane0 = n0 % BT_ROWS)
+   x MF activation rows (lanes = MF in A, D, Q, T), MF <= FEW_ROWS_MAX a constant at each
+   call; the first nr rows are stored. */
 static inline __attribute__((always_inline)) void tile_i8_few(
-    const uint8_t *w, int64_t rb, int nr, int64_t nb, const int32_t *A,
+    const uint8_t *w, int lane0, int64_t rb, int nr, int64_t nb, const int32_t *A,
     const float *D, const int32_t *Q, const float *T, int MF, float *y, int64_t ldy,
     const float *bias) {
     const int64_t bytes = BLOCK_STEP;
@@ -534,14 +556,15 @@ static inline __attribute__((always_inline)) void tile_i8_few(
     const int HALVES = BT_HALVES, AHEAD = BT_COLS_AHEAD && 2 * MF + 8 <= NREGS - 4;
     vf acc[FEW_ROWS_MAX];
     for (int m = 0; m < MF; m++) acc[m] = (vf){0};
-    vi dm_next = tile_dwords(w, rb), qh_next = BT_QH ? tile_dwords(w + BT_QH, rb) : (vi){0};
+    vi dm_next = BT_SCALES ? (vi){0} : tile_dwords(w, rb);
+    vi qh_next = BT_QH ? tile_dwords(w + BT_QH, rb) : (vi){0};
     vi cols_next[2][4];
     if (AHEAD)
         for (int h = 0; h < HALVES; h++) tile_columns(w + bt_qs(h), rb, cols_next[h]);
     for (int64_t b = 0; b < nb; b++) {
         const int64_t p = b * bytes, pn = b + 1 < nb ? p + bytes : p;  /* next block's */
         const vi dm = dm_next, qh = qh_next;
-        dm_next = tile_dwords(w + pn, rb);
+        if (!BT_SCALES) dm_next = tile_dwords(w + pn, rb);
         if (BT_QH) qh_next = tile_dwords(w + pn + BT_QH, rb);
         vi cols[2][4];
         for (int h = 0; h < HALVES; h++) {
@@ -580,7 +603,7 @@ static inline __attribute__((always_inline)) void tile_i8_few(
             isum[m][0] = block_sum(isum[m][0]);
             for (int c = 1; c < CH; c++) isum[m][0] += block_sum(isum[m][c]);
         }
-        const vf d = halves(dm, 0);
+        const vf d = BT_SCALES ? tile_scales(bt_scale(w + p, lane0), rb) : halves(dm, 0);
         const vf mw = BT_MIN ? halves(dm, 1) : (vf){0};
         for (int m = 0; m < MF; m++) {
             const vf dxd = splatv(D[b * MF + m]) * d;
@@ -611,7 +634,7 @@ static inline __attribute__((always_inline)) void tile_i8_few(
 
 /* MF beyond FEW_ROWS_MAX never comes (the constant keeps the arrays' bounds). */
 #define TILE_FEW(MF_)                                                                        \
-    tile_i8_few(wn, row_bytes, nr, nb, j->A, j->D, j->Q, j->T,                              \
+    tile_i8_few(wn, (int)(n0 % BT_ROWS), row_bytes, nr, nb, j->A, j->D, j->Q, j->T,         \
                 (MF_) < FEW_ROWS_MAX ? (MF_) : FEW_ROWS_MAX, j->y + n0, ldy, bn)
 #define TILES_FEW()                      \
     switch (M) {                         \

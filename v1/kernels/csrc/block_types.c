@@ -14,10 +14,12 @@
    docs/kernels.md); the SSE2 and NEON builds keep GGUF's layout. */
 #if VL >= 8
 #define Q4_1_REPACK "q4_1x8"
+#define Q8_0_REPACK "q8_0x8"
 #define Q4_K_REPACK "q4_kx8"
 #define Q6_K_REPACK "q6_kx8"
 #else
 #define Q4_1_REPACK NULL
+#define Q8_0_REPACK NULL
 #define Q4_K_REPACK NULL
 #define Q6_K_REPACK NULL
 #endif
@@ -25,7 +27,8 @@
 const struct v1_block_type v1_block_table[] = {
     {"q4_1", 32, 20, 1, Q4_1_REPACK, KERNELS(block, q4_1), KERNELS(ref, q4_1)},
     {"q4_1x8", 32, 20, 8, NULL, KERNELS(block, q4_1x8), KERNELS(ref, q4_1x8)},
-    {"q8_0", 32, 34, 1, NULL, KERNELS(block, q8_0), KERNELS(ref, q8_0)},
+    {"q8_0", 32, 34, 1, Q8_0_REPACK, KERNELS(block, q8_0), KERNELS(ref, q8_0)},
+    {"q8_0x8", 32, 34, 8, NULL, KERNELS(block, q8_0x8), KERNELS(ref, q8_0x8)},
     {"q4_0", 32, 18, 1, NULL, KERNELS(block, q4_0), KERNELS(ref, q4_0)},
     {"q5_0", 32, 22, 1, NULL, KERNELS(block, q5_0), KERNELS(ref, q5_0)},
     {"q5_1", 32, 24, 1, NULL, KERNELS(block, q5_1), KERNELS(ref, q5_1)},

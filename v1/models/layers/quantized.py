@@ -31,6 +31,7 @@ from v1.envs import Environment
 from v1.kernels.block_matmul import (
     BLOCK_SIZES,
     INTERLEAVED,
+    LEADING,
     QuantBlocks,
     QuantKernels,
     kernels,
@@ -310,36 +311,38 @@ def _rows(kind: str) -> int:
     return INTERLEAVED.get(kind, (kind, 1))[1]
 
 
-def _words(kind: str, blocks: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+def _words(kind: str, blocks: torch.Tensor) -> tuple[torch.Tensor, int, slice, slice]:
     """`blocks` [N, nb * bytes] of an interleaved `kind` as [group, row, block, words]
     (words of 4 bytes, or 2 where a block is no whole number of dwords: torch moves them 2-3x
-    faster than bytes), with the whole dwords per block, words per dword and words past the
-    last whole dword."""
+    faster than bytes), with the words per dword and, in a block's words, those of its whole
+    dwords and those of the bytes past them (its last ones, or its `LEADING` ones)."""
     rows, size = _rows(kind), BLOCK_SIZES[kind][1]
     unit = torch.int32 if size % 4 == 0 else torch.int16
-    per = 4 // unit.itemsize
-    words = blocks.view(unit)
-    grouped = words.view(blocks.shape[0] // rows, rows, blocks.shape[1] // size,
-                         size // unit.itemsize)
-    return grouped, (size // 4, per, size % 4 // unit.itemsize)
+    per, words, lead = 4 // unit.itemsize, size // unit.itemsize, LEADING.get(kind, 0)
+    grouped = blocks.view(unit).view(blocks.shape[0] // rows, rows,
+                                     blocks.shape[1] // size, words)
+    start = lead // unit.itemsize
+    body = slice(start, start + (size - lead) // 4 * per)
+    return grouped, per, body, slice(0, start) if lead else slice(body.stop, words)
 
 
 def _interleave(kind: str, blocks: torch.Tensor) -> torch.Tensor:
     """GGUF-layout blocks [N, nb * bytes] in `kind`'s layout: each group of its rows
     interleaved, [group, row, block, dword] -> [group, block, dword, row], dwords of 4 bytes,
-    then a block's bytes past its last whole dword [group, block, row, tail] (a new tensor;
+    then a block's bytes past its whole dwords [group, block, row, tail] (a new tensor;
     GGUF's layout: `blocks` itself)."""
     rows = _rows(kind)
     if rows == 1:
         return blocks
-    grouped, (dwords, per, tail) = _words(kind, blocks)
+    grouped, per, body, rest = _words(kind, blocks)
     groups, nb, size = grouped.shape[0], grouped.shape[2], grouped.shape[3]
+    dwords, tail = (body.stop - body.start) // per, rest.stop - rest.start
     out = torch.empty_like(grouped).view(groups, nb, rows * size)
     out[..., :rows * dwords * per].unflatten(-1, (dwords, rows, per)).copy_(
-        grouped[..., :dwords * per].unflatten(-1, (dwords, per)).permute(0, 2, 3, 1, 4))
+        grouped[..., body].unflatten(-1, (dwords, per)).permute(0, 2, 3, 1, 4))
     if tail:
         out[..., rows * dwords * per:].unflatten(-1, (rows, tail)).copy_(
-            grouped[..., dwords * per:].permute(0, 2, 1, 3))
+            grouped[..., rest].permute(0, 2, 1, 3))
     return out.view(torch.uint8).view(blocks.shape)
 
 
@@ -349,15 +352,16 @@ def _plain(kind: str, blocks: torch.Tensor) -> torch.Tensor:
     rows = _rows(kind)
     if rows == 1:
         return blocks
-    plain, (dwords, per, tail) = _words(kind, blocks)
+    plain, per, body, rest = _words(kind, blocks)
     groups, nb, size = plain.shape[0], plain.shape[2], plain.shape[3]
+    dwords, tail = (body.stop - body.start) // per, rest.stop - rest.start
     grouped = plain.view(groups, nb, rows * size)
     out = torch.empty_like(plain)
-    out[..., :dwords * per].unflatten(-1, (dwords, per)).copy_(
+    out[..., body].unflatten(-1, (dwords, per)).copy_(
         grouped[..., :rows * dwords * per].unflatten(-1, (dwords, rows, per))
         .permute(0, 3, 1, 2, 4))
     if tail:
-        out[..., dwords * per:].copy_(
+        out[..., rest].copy_(
             grouped[..., rows * dwords * per:].unflatten(-1, (rows, tail)).permute(0, 2, 1, 3))
     return out.view(torch.uint8).view(blocks.shape)
 
