@@ -168,6 +168,17 @@ def test_interleaved_rows_give_the_plain_bits(lib: ctypes.CDLL, kind: str) -> No
     repacked = QuantizedWeight(kind, torch.from_numpy(blocks.copy()), n, k)
     repacked.repack(kx8)
     assert torch.equal(repacked.blocks, w8.tensor)
+    # A fused projection's shards stacked: laid out as written where this library repacks
+    # and every shard is whole groups of rows; else joined as they are.
+    def stacked(*ends: int) -> QuantizedWeight:
+        parts = [QuantizedWeight(kind, torch.from_numpy(blocks[a:b].copy()), b - a, k)
+                 for a, b in zip((0, *ends), ends)]
+        return QuantizedWeight.stacked(parts, tuned)
+    whole, uneven = stacked(16, 40), stacked(4, 40)
+    repacks = tuned.types[kind].repack == kx8
+    assert whole.kind == (kx8 if repacks else kind) and uneven.kind == kind
+    assert torch.equal(whole.blocks, w8.tensor if repacks else torch.from_numpy(blocks))
+    assert torch.equal(uneven.blocks, torch.from_numpy(blocks))
     want = torch.from_numpy(gguf.quants.dequantize(blocks, gguf_type(kind)).copy())
     for q in (tuned, reference):
         assert torch.equal(q.dequantize(w8).view(torch.int32), want.view(torch.int32))
