@@ -194,3 +194,21 @@ def test_interleaved_rows_give_the_plain_bits(lib: ctypes.CDLL, kind: str) -> No
     x[1, 300] = float("inf")  # that row through linear_f32, the interleaved row's own
     torch.testing.assert_close(tuned.linear(w8, x, bias, int8=True)[1],
                                tuned.linear(w, x[1:2], bias)[0], equal_nan=True)
+
+
+@pytest.mark.parametrize("kind", INTERLEAVED_AS)
+def test_large_weights_repack_on_several_threads(kind: str) -> None:
+    """A weight of over 1 MiB is moved by 3 threads, each its share of the row groups (65
+    groups: unequal shares): the reference layout's bytes, and back."""
+    size = gguf.GGML_QUANT_SIZES[gguf_type(kind)][1]
+    blocks = np.random.default_rng(5).integers(0, 256, (520, 32 * size), dtype=np.uint8)
+    weight = QuantizedWeight(kind, torch.from_numpy(blocks.copy()), 520, 32 * 256)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        weight.repack(INTERLEAVED_AS[kind])
+        assert np.array_equal(weight.blocks.numpy(), interleaved(kind, blocks))
+        weight.repack(kind)
+    finally:
+        torch.set_num_threads(threads)
+    assert np.array_equal(weight.blocks.numpy(), blocks)

@@ -21,6 +21,7 @@ Paths and measurements: docs/benchmarks.md, "Matmul paths".
 """
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -360,12 +361,25 @@ def _relayout(
     if tail:  # [group, block, row, tail]
         views += [plain[..., dwords * 4:].transpose(0, 2, 1, 3),
                   mixed[..., rows * dwords * 4:].reshape(groups, nb, rows, tail)]
-    for source, target in zip(views[::2], views[1::2], strict=True):
-        if interleave:
-            target[...] = source
-        else:
-            source[...] = target
+    pairs = [(t, s) if interleave else (s, t)
+             for s, t in zip(views[::2], views[1::2], strict=True)]
+    # Spread over torch's threads by groups (numpy releases the GIL while it copies).
+    threads = min(torch.get_num_threads(), groups)
+    if threads > 1 and out.nbytes >= 1 << 20:
+        bounds = [groups * i // threads for i in range(threads + 1)]
+        with ThreadPoolExecutor(threads - 1) as pool:
+            done = [pool.submit(_copy, pairs, a, b) for a, b in zip(bounds[1:], bounds[2:])]
+            _copy(pairs, bounds[0], bounds[1])
+            for d in done:
+                d.result()
+    else:
+        _copy(pairs, 0, groups)
     return out
+
+
+def _copy(pairs: list[tuple[np.ndarray, np.ndarray]], start: int, end: int) -> None:
+    for target, source in pairs:
+        target[start:end] = source[start:end]
 
 
 def _interleave(kind: str, blocks: torch.Tensor) -> torch.Tensor:
