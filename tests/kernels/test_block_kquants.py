@@ -168,6 +168,17 @@ def test_interleaved_rows_give_the_plain_bits(lib: ctypes.CDLL, kind: str) -> No
     repacked = QuantizedWeight(kind, torch.from_numpy(blocks.copy()), n, k)
     repacked.repack(kx8)
     assert torch.equal(repacked.blocks, w8.tensor)
+    # A fused projection's shards stacked: laid out as written where this library repacks
+    # and every shard is whole groups of rows; else joined as they are.
+    def stacked(*ends: int) -> QuantizedWeight:
+        parts = [QuantizedWeight(kind, torch.from_numpy(blocks[a:b].copy()), b - a, k)
+                 for a, b in zip((0, *ends), ends)]
+        return QuantizedWeight.stacked(parts, tuned)
+    whole, uneven = stacked(16, 40), stacked(4, 40)
+    repacks = tuned.types[kind].repack == kx8
+    assert whole.kind == (kx8 if repacks else kind) and uneven.kind == kind
+    assert torch.equal(whole.blocks, w8.tensor if repacks else torch.from_numpy(blocks))
+    assert torch.equal(uneven.blocks, torch.from_numpy(blocks))
     want = torch.from_numpy(gguf.quants.dequantize(blocks, gguf_type(kind)).copy())
     for q in (tuned, reference):
         assert torch.equal(q.dequantize(w8).view(torch.int32), want.view(torch.int32))
@@ -183,3 +194,21 @@ def test_interleaved_rows_give_the_plain_bits(lib: ctypes.CDLL, kind: str) -> No
     x[1, 300] = float("inf")  # that row through linear_f32, the interleaved row's own
     torch.testing.assert_close(tuned.linear(w8, x, bias, int8=True)[1],
                                tuned.linear(w, x[1:2], bias)[0], equal_nan=True)
+
+
+@pytest.mark.parametrize("kind", INTERLEAVED_AS)
+def test_large_weights_repack_on_several_threads(kind: str) -> None:
+    """A weight of over 1 MiB is moved by 3 threads, each its share of the row groups (65
+    groups: unequal shares): the reference layout's bytes, and back."""
+    size = gguf.GGML_QUANT_SIZES[gguf_type(kind)][1]
+    blocks = np.random.default_rng(5).integers(0, 256, (520, 32 * size), dtype=np.uint8)
+    weight = QuantizedWeight(kind, torch.from_numpy(blocks.copy()), 520, 32 * 256)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        weight.repack(INTERLEAVED_AS[kind])
+        assert np.array_equal(weight.blocks.numpy(), interleaved(kind, blocks))
+        weight.repack(kind)
+    finally:
+        torch.set_num_threads(threads)
+    assert np.array_equal(weight.blocks.numpy(), blocks)

@@ -221,9 +221,16 @@ def test_hf_overrides_change_the_config_before_the_model_is_built(tmp_path):
 
     HFLlama(tiny_llama_config()).save_pretrained(tmp_path)
     cpu = torch.device("cpu")
+    # A tokenizer loaded already (a forking frontend's) is taken for its own directory only.
+    given = types.SimpleNamespace(eos_token_id=None)
     loaded = load_model(str(tmp_path), torch.float32, cpu, TorchAttentionImpl,
-                        hf_overrides={"max_position_embeddings": 128})
+                        hf_overrides={"max_position_embeddings": 128},
+                        loaded_tokenizer=(str(tmp_path / "other"), given))
     assert loaded.hf_config.max_position_embeddings == 128 and loaded.max_model_len == 128
+    assert loaded.tokenizer is None  # the directory has no tokenizer files
+    again = load_model(str(tmp_path), torch.float32, cpu, TorchAttentionImpl,
+                       loaded_tokenizer=(str(tmp_path.resolve()), given))
+    assert again.tokenizer is given
 
     def shorter(config):
         config.max_position_embeddings = 200

@@ -51,7 +51,12 @@ UTILITY_METHODS = frozenset({
 PAUSE_MODES = ("abort", "wait", "keep")
 
 class EngineCore:
-    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None) -> None:
+    def __init__(
+        self, args: EngineArgs, loaded: LoadedModel | None = None,
+        tokenizer: tuple[str, Any] | None = None,
+    ) -> None:
+        """`loaded`: a model loaded in this process, used as it is; `tokenizer`: (HF
+        directory, its tokenizer) loaded already (`load_model`'s)."""
         device, dtype = resolve_device_and_dtype(args.device, args.dtype)
         # A disk tier that cannot be written fails before the model loads.
         kv_dir = None if args.kv_cache_dir is None else open_kv_cache_dir(args.kv_cache_dir)
@@ -63,7 +68,7 @@ class EngineCore:
             loaded = load_model(
                 path, dtype, device, attention_impl_for(device),
                 quantization=resolve_quantization(args.quantization, path, device, dtype),
-                hf_overrides=args.hf_overrides,
+                hf_overrides=args.hf_overrides, loaded_tokenizer=tokenizer,
             )
         self.loaded = loaded
         scheduler_config, cache_config = args.create_configs(

@@ -198,10 +198,10 @@ class MPClient(ABC):
                     self._res.tmp_dir = tempfile.mkdtemp(prefix="v1-engine-")
                     address = f"ipc://{self._res.tmp_dir}/engine"
                 # Before the fork: the engine process inherits what loading the tokenizer
-                # imported (transformers' config modules: seconds) and finds a GGUF file
-                # converted.
+                # imported (transformers' config modules: seconds), finds a GGUF file
+                # converted, and takes the tokenizer itself rather than load its own.
                 early = _local_tokenizer(args) if self._load_tokenizer else None
-                self._res.proc = launch_engine_core(args, address)
+                self._res.proc = launch_engine_core(args, address, tokenizer=early)
             self.address = address
             self._connect(address, early)
         except BaseException:

@@ -110,13 +110,14 @@ class EngineCoreProc:
         parent_pid: int,
         num_threads: int | None = None,
         hook: str | None = None,
+        tokenizer: tuple[str, Any] | None = None,
     ) -> None:
         """Main of the engine process: build the core, report ("ready", "", "") or
         ("error", exception type, message) through `report`, then serve until terminated.
         `num_threads`: torch's intra-op threads (a data-parallel core's share of the CPU
         cores); None leaves torch's default. `hook`: "module:function", called with the
         core once it is built, before serving (tests inject failures this way; the
-        launcher passes V1_ENGINE_CORE_HOOK)."""
+        launcher passes V1_ENGINE_CORE_HOOK). `tokenizer`: the launcher's (`EngineLaunch`)."""
         # A forked child inherits the parent's signal wakeup fd (an asyncio loop's): our
         # signals must not wake the parent's handlers.
         signal.set_wakeup_fd(-1)
@@ -128,7 +129,7 @@ class EngineCoreProc:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         try:
-            engine_core = EngineCore(args)
+            engine_core = EngineCore(args, tokenizer=tokenizer)
             if hook is not None:
                 module, _, function = hook.partition(":")
                 getattr(importlib.import_module(module), function)(engine_core)

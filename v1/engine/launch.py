@@ -17,7 +17,7 @@ import threading
 from collections.abc import Iterator
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from v1 import envs
 from v1.config import EngineArgs
@@ -53,10 +53,11 @@ def engine_start_method() -> StartMethod:
 
 
 def launch_engine_core(
-    args: EngineArgs, address: str, num_threads: int | None = None
+    args: EngineArgs, address: str, num_threads: int | None = None,
+    tokenizer: tuple[str, Any] | None = None,
 ) -> BaseProcess:
     """Start an engine process serving at `address`; return once its model is loaded."""
-    return EngineLaunch(args, address, num_threads).wait()
+    return EngineLaunch(args, address, num_threads, tokenizer=tokenizer).wait()
 
 
 class EngineLaunch:
@@ -68,7 +69,11 @@ class EngineLaunch:
         address: str,
         num_threads: int | None = None,
         name: str = "v1-engine-core",
+        tokenizer: tuple[str, Any] | None = None,
     ) -> None:
+        """`tokenizer`: (HF directory, its tokenizer) loaded by the caller, which a forked
+        engine takes for its model's directory instead of loading it again (a spawned one
+        loads its own: no pickling)."""
         self.address = address
         self.method = method = engine_start_method()
         ctx = multiprocessing.get_context(method.name)
@@ -76,7 +81,8 @@ class EngineLaunch:
         hook = envs.read().engine_core_hook
         self.proc = proc = ctx.Process(
             target=EngineCoreProc.run_engine_core,
-            args=(args, address, writer, os.getpid(), num_threads, hook),
+            args=(args, address, writer, os.getpid(), num_threads, hook,
+                  tokenizer if method.name == "fork" else None),
             name=name,
             daemon=True,  # multiprocessing terminates it at exit, should all else fail
         )

@@ -145,9 +145,12 @@ def load_model(
     revision: str | None = None,
     quantization: str | None = None,
     hf_overrides: HfOverrides | None = None,
+    loaded_tokenizer: tuple[str, Any] | None = None,
 ) -> LoadedModel:
     """`hf_overrides` (vLLM's): changes the HF config before the model is built from it
-    (`apply_hf_overrides`)."""
+    (`apply_hf_overrides`). `loaded_tokenizer`: (HF directory, its tokenizer) loaded already (by the
+    frontend that forked this engine process), taken where it is the model's directory:
+    loading it again costs a start a few tenths of a second."""
     start = time.perf_counter()
     path = resolve_model(model, revision)
     check_quantization(quantization, path, torch.device(device), dtype)
@@ -173,7 +176,9 @@ def load_model(
     llm.load_weights(weights, quantize=_QUANTIZE_AT_LOAD.get(quantization or ""))
     llm.eval()
 
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = (loaded_tokenizer[1]
+                 if loaded_tokenizer is not None and loaded_tokenizer[0] == str(model_dir)
+                 else load_tokenizer(model_dir))
     if isinstance(llm, BertModel) and tokenizer is not None:
         llm.sep_token_id = tokenizer.sep_token_id  # where a text pair's second text starts
     eos_token_id, stop_token_ids = _eos_ids(model_dir, hf_config, tokenizer)

@@ -149,8 +149,7 @@ class Linear(nn.Module):
             self.kernel = parts[0]
         elif len(kinds) == 1:
             # Shards of one type: one block tensor (a copy), so a fused matmul reads it whole.
-            self.kernel = QuantizedWeight(kinds.pop(), torch.cat([w.blocks for w in parts]),
-                                          self.out_features, self.in_features)
+            self.kernel = QuantizedWeight.stacked(parts, kernels())
         else:
             self.kernel = QuantizedShards(parts)
         self.weight = None

@@ -21,6 +21,7 @@ Paths and measurements: docs/benchmarks.md, "Matmul paths".
 """
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -229,12 +230,26 @@ class QuantizedWeight:
             self.kind = kind
 
     def repack_for(self, q: QuantKernels | None) -> None:
-        """Move the blocks into the layout the kernels `q` run faster (their table's `repack`
-        for this kind; None, no kernels: none), where the weight's rows allow it."""
-        row = None if q is None else q.types.get(self.kind)
-        kind = None if row is None else row.repack
-        if kind is not None and self.out_features % _rows(kind) == 0:
-            self.repack(kind)
+        """Move the blocks into the layout the kernels `q` run faster (`_layout_for`)."""
+        self.repack(_layout_for(self.kind, self.out_features, q))
+
+    @classmethod
+    def stacked(
+        cls, parts: Sequence["QuantizedWeight"], q: QuantKernels | None
+    ) -> "QuantizedWeight":
+        """Weights of one kind in GGUF's layout stacked by rows into one (one block tensor, so
+        that a fused matmul reads it whole), laid out for the kernels `q` as it is written
+        where every part's rows allow (`repack_for`'s layout): each part moved once, rather
+        than joined, then moved."""
+        kind, in_features = parts[0].kind, parts[0].in_features
+        out_features = sum(w.out_features for w in parts)
+        layout = _layout_for(kind, out_features, q)
+        if layout == kind or any(w.out_features % _rows(layout) for w in parts):
+            return cls(kind, torch.cat([w.blocks for w in parts]), out_features, in_features)
+        blocks = parts[0].blocks.new_empty(out_features, parts[0].blocks.shape[1])
+        for w, rows in zip(parts, blocks.split([w.out_features for w in parts]), strict=True):
+            _relayout(layout, w.blocks, True, rows)
+        return cls(layout, blocks, out_features, in_features)
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight [out, in], computed as gguf's reference dequantizers do."""
@@ -311,59 +326,75 @@ def _rows(kind: str) -> int:
     return INTERLEAVED.get(kind, (kind, 1))[1]
 
 
-def _words(kind: str, blocks: torch.Tensor) -> tuple[torch.Tensor, int, slice, slice]:
-    """`blocks` [N, nb * bytes] of an interleaved `kind` as [group, row, block, words]
-    (words of 4 bytes, or 2 where a block is no whole number of dwords: torch moves them 2-3x
-    faster than bytes), with the words per dword and, in a block's words, those of its whole
-    dwords and those of the bytes past them (its last ones, or its `LEADING` ones)."""
-    rows, size = _rows(kind), BLOCK_SIZES[kind][1]
-    unit = torch.int32 if size % 4 == 0 else torch.int16
-    per, words, lead = 4 // unit.itemsize, size // unit.itemsize, LEADING.get(kind, 0)
-    grouped = blocks.view(unit).view(blocks.shape[0] // rows, rows,
-                                     blocks.shape[1] // size, words)
-    start = lead // unit.itemsize
-    body = slice(start, start + (size - lead) // 4 * per)
-    return grouped, per, body, slice(0, start) if lead else slice(body.stop, words)
+def _layout_for(kind: str, out_features: int, q: QuantKernels | None) -> str:
+    """The layout of a `kind` weight of `out_features` rows that the kernels `q` run faster:
+    their table's `repack` for the kind where the rows allow it, else `kind` itself (no
+    kernels: `kind`)."""
+    row = None if q is None else q.types.get(kind)
+    layout = None if row is None else row.repack
+    return layout if layout is not None and out_features % _rows(layout) == 0 else kind
+
+
+def _relayout(
+    kind: str, blocks: torch.Tensor, interleave: bool, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`blocks` [N, nb * bytes] of an interleaved `kind` moved from GGUF's layout into
+    `kind`'s (`interleave`) or back, into `out` (contiguous, of `blocks`' shape; None: a new
+    tensor), which is returned. `kind`'s layout: each group of its rows interleaved, [group,
+    row, block, dword] -> [group, block, dword, row], dwords of 4 bytes, then a block's bytes
+    past its last whole dword, or its `LEADING` ones, [group, block, row, tail]."""
+    rows, size, lead = _rows(kind), BLOCK_SIZES[kind][1], LEADING.get(kind, 0)
+    n, width = blocks.shape
+    groups, nb = n // rows, width // size
+    dwords, tail = divmod(size - lead, 4)
+    tail += lead
+    if out is None:
+        out = torch.empty_like(blocks, memory_format=torch.contiguous_format)
+    src, dst = blocks.numpy(), out.numpy()
+    plain, mixed = (src, dst) if interleave else (dst, src)
+    plain = plain.reshape(groups, rows, nb, size)
+    mixed = mixed.reshape(groups, nb, rows * size)
+    # Both sides as [group, block, dword, row] of 4-byte items, which numpy moves whatever
+    # their alignment (a 210-byte block puts every other one at 2 mod 4): several times
+    # faster than torch's permuted copy of 2- or 4-byte words, and a model's load moves
+    # every interleaved weight once.
+    views = [plain[..., lead:lead + dwords * 4].view("V4").transpose(0, 2, 3, 1),
+             mixed[..., :rows * dwords * 4].view("V4").reshape(groups, nb, dwords, rows)]
+    if tail:  # [group, block, row, tail]
+        rest = plain[..., :lead] if lead else plain[..., dwords * 4:]
+        views += [rest.transpose(0, 2, 1, 3),
+                  mixed[..., rows * dwords * 4:].reshape(groups, nb, rows, tail)]
+    pairs = [(t, s) if interleave else (s, t)
+             for s, t in zip(views[::2], views[1::2], strict=True)]
+    # Spread over torch's threads by groups (numpy releases the GIL while it copies).
+    threads = min(torch.get_num_threads(), groups)
+    if threads > 1 and out.nbytes >= 1 << 20:
+        bounds = [groups * i // threads for i in range(threads + 1)]
+        with ThreadPoolExecutor(threads - 1) as pool:
+            done = [pool.submit(_copy, pairs, a, b) for a, b in zip(bounds[1:], bounds[2:])]
+            _copy(pairs, bounds[0], bounds[1])
+            for d in done:
+                d.result()
+    else:
+        _copy(pairs, 0, groups)
+    return out
+
+
+def _copy(pairs: list[tuple[np.ndarray, np.ndarray]], start: int, end: int) -> None:
+    for target, source in pairs:
+        target[start:end] = source[start:end]
 
 
 def _interleave(kind: str, blocks: torch.Tensor) -> torch.Tensor:
-    """GGUF-layout blocks [N, nb * bytes] in `kind`'s layout: each group of its rows
-    interleaved, [group, row, block, dword] -> [group, block, dword, row], dwords of 4 bytes,
-    then a block's bytes past its whole dwords [group, block, row, tail] (a new tensor;
+    """GGUF-layout blocks [N, nb * bytes] in `kind`'s layout (`_relayout`; a new tensor;
     GGUF's layout: `blocks` itself)."""
-    rows = _rows(kind)
-    if rows == 1:
-        return blocks
-    grouped, per, body, rest = _words(kind, blocks)
-    groups, nb, size = grouped.shape[0], grouped.shape[2], grouped.shape[3]
-    dwords, tail = (body.stop - body.start) // per, rest.stop - rest.start
-    out = torch.empty_like(grouped).view(groups, nb, rows * size)
-    out[..., :rows * dwords * per].unflatten(-1, (dwords, rows, per)).copy_(
-        grouped[..., body].unflatten(-1, (dwords, per)).permute(0, 2, 3, 1, 4))
-    if tail:
-        out[..., rows * dwords * per:].unflatten(-1, (rows, tail)).copy_(
-            grouped[..., rest].permute(0, 2, 1, 3))
-    return out.view(torch.uint8).view(blocks.shape)
+    return blocks if _rows(kind) == 1 else _relayout(kind, blocks, interleave=True)
 
 
 def _plain(kind: str, blocks: torch.Tensor) -> torch.Tensor:
     """`kind`'s blocks in GGUF's layout (`_interleave` undone: a new tensor where it moves
     bytes)."""
-    rows = _rows(kind)
-    if rows == 1:
-        return blocks
-    plain, per, body, rest = _words(kind, blocks)
-    groups, nb, size = plain.shape[0], plain.shape[2], plain.shape[3]
-    dwords, tail = (body.stop - body.start) // per, rest.stop - rest.start
-    grouped = plain.view(groups, nb, rows * size)
-    out = torch.empty_like(plain)
-    out[..., body].unflatten(-1, (dwords, per)).copy_(
-        grouped[..., :rows * dwords * per].unflatten(-1, (dwords, rows, per))
-        .permute(0, 3, 1, 2, 4))
-    if tail:
-        out[..., rest].copy_(
-            grouped[..., rows * dwords * per:].unflatten(-1, (rows, tail)).permute(0, 2, 1, 3))
-    return out.view(torch.uint8).view(blocks.shape)
+    return blocks if _rows(kind) == 1 else _relayout(kind, blocks, interleave=False)
 
 
 def _inverse(d: torch.Tensor) -> torch.Tensor:
