@@ -261,11 +261,18 @@ class QuantizedWeight:
         rows = _rows(self.kind)
         if rows == 1:
             blocks = self.blocks[flat]
-        else:  # row i of its group, the group's blocks in GGUF's layout (see `_interleave`)
-            width = self.blocks.shape[1]
-            groups = self.blocks.view(self.out_features // rows, rows * width)[flat // rows]
-            plain = _plain(self.kind, groups.view(len(flat) * rows, width))
-            blocks = plain.view(len(flat), rows, width)[torch.arange(len(flat)), flat % rows]
+        else:  # each id's own row out of its group (the layout: `_relayout`), not the group's
+            size, lead = BLOCK_SIZES[self.kind][1], LEADING.get(self.kind, 0)
+            dwords, tail = divmod(size - lead, 4)
+            tail += lead
+            groups = self.blocks.view(self.out_features // rows, -1, rows * size)
+            group, row = flat // rows, flat % rows
+            body = groups[..., :rows * dwords * 4].unflatten(-1, (dwords, rows, 4))
+            parts = [body[group, :, :, row].flatten(-2)]  # [ids, block, dwords * 4]
+            if tail:
+                rest = groups[..., rows * dwords * 4:].unflatten(-1, (rows, tail))[group, :, row]
+                parts.insert(0 if lead else 1, rest)
+            blocks = torch.cat(parts, -1).flatten(1)
         return _dequantize(self.gguf_kind, blocks).reshape(*ids.shape, self.in_features)
 
     def linear(
@@ -347,6 +354,7 @@ def _relayout(
     n, width = blocks.shape
     groups, nb = n // rows, width // size
     dwords, tail = divmod(size - lead, 4)
+    assert not (lead and tail), f"{kind}: leading bytes and bytes past the last dword"
     tail += lead
     if out is None:
         out = torch.empty_like(blocks, memory_format=torch.contiguous_format)
