@@ -69,7 +69,7 @@ def main() -> None:
             for w in moved:
                 w.repack(kind)
             libs[f"{name}/{kind}"] = (q, [w.kernel_blocks() for w in moved])
-    print(environment(), "contenders:", list(libs))
+    print(environment(kernels=False), "contenders:", list(libs))
     plain_of = {name: name.split("/")[0] for name in libs if "/" in name}  # repacked: plain
     rows, repacked = [], []
     for path in ("fp32", "int8"):

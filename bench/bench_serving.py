@@ -243,7 +243,7 @@ def main() -> None:
         "hit_rate_source": "usage.prompt_tokens_details.cached_tokens",
         "metrics_hit_rate": None if metrics_hit_rate is None else round(metrics_hit_rate, 4),
         "ideal_hit_rate": round(ideal, 4),
-        **environment(),
+        **environment(kernels=args.base_url is None),  # --base-url: another server's
     }
 
     print_table(["ms", "mean", "p50", "p99"],

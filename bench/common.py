@@ -249,14 +249,17 @@ def v1_kernel_library() -> str:
     return Path(lib._name).name if lib is not None else "none"
 
 
-def environment() -> dict[str, Any]:
+def environment(kernels: bool = True) -> dict[str, Any]:
     """What a result must name to be compared: torch and its threads, the CPU and which of
-    v1's kernel libraries ran, the load when the run started."""
-    return {"torch": torch.__version__, "threads": torch.get_num_threads(),
-            "cpus": os.cpu_count(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-            "cpu": cpu_info(Path("/proc/cpuinfo").read_text()),
-            "v1_kernel_library": v1_kernel_library(),
-            "loadavg_1m": round(os.getloadavg()[0], 2)}
+    v1's kernel libraries ran (`kernels` False: a run that measured another server, or several
+    libraries, names none), the load when the run started."""
+    env = {"torch": torch.__version__, "threads": torch.get_num_threads(),
+           "cpus": os.cpu_count(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+           "cpu": cpu_info(Path("/proc/cpuinfo").read_text()),
+           "loadavg_1m": round(os.getloadavg()[0], 2)}
+    if kernels:
+        env["v1_kernel_library"] = v1_kernel_library()
+    return env
 
 
 class CallClock:

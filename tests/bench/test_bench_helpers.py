@@ -507,3 +507,5 @@ def test_environment_names_the_cpu_and_the_kernel_library(monkeypatch):
     env = common.environment()
     assert env["v1_kernel_library"] == "_v1_portable.so"
     assert env["cpu"] == common.cpu_info(Path("/proc/cpuinfo").read_text())
+    # a run against another server (or of several libraries) names none
+    assert "v1_kernel_library" not in common.environment(kernels=False)
