@@ -262,9 +262,7 @@ class QuantizedWeight:
         if rows == 1:
             blocks = self.blocks[flat]
         else:  # each id's own row out of its group (the layout: `_relayout`), not the group's
-            size, lead = BLOCK_SIZES[self.kind][1], LEADING.get(self.kind, 0)
-            dwords, tail = divmod(size - lead, 4)
-            tail += lead
+            size, lead, dwords, tail = _block_parts(self.kind)
             groups = self.blocks.view(self.out_features // rows, -1, rows * size)
             group, row = flat // rows, flat % rows
             body = groups[..., :rows * dwords * 4].unflatten(-1, (dwords, rows, 4))
@@ -342,6 +340,15 @@ def _layout_for(kind: str, out_features: int, q: QuantKernels | None) -> str:
     return layout if layout is not None and out_features % _rows(layout) == 0 else kind
 
 
+def _block_parts(kind: str) -> tuple[int, int, int, int]:
+    """An interleaved `kind`'s block as its layout reads it: (bytes, leading bytes moved to
+    its end, whole dwords after them, bytes past those dwords: the leading ones or the last)."""
+    size, lead = BLOCK_SIZES[kind][1], LEADING.get(kind, 0)
+    dwords, tail = divmod(size - lead, 4)
+    assert not (lead and tail), f"{kind}: leading bytes and bytes past the last dword"
+    return size, lead, dwords, tail + lead
+
+
 def _relayout(
     kind: str, blocks: torch.Tensor, interleave: bool, out: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -350,12 +357,9 @@ def _relayout(
     tensor), which is returned. `kind`'s layout: each group of its rows interleaved, [group,
     row, block, dword] -> [group, block, dword, row], dwords of 4 bytes, then a block's bytes
     past its last whole dword, or its `LEADING` ones, [group, block, row, tail]."""
-    rows, size, lead = _rows(kind), BLOCK_SIZES[kind][1], LEADING.get(kind, 0)
+    rows, (size, lead, dwords, tail) = _rows(kind), _block_parts(kind)
     n, width = blocks.shape
     groups, nb = n // rows, width // size
-    dwords, tail = divmod(size - lead, 4)
-    assert not (lead and tail), f"{kind}: leading bytes and bytes past the last dword"
-    tail += lead
     if out is None:
         out = torch.empty_like(blocks, memory_format=torch.contiguous_format)
     src, dst = blocks.numpy(), out.numpy()
