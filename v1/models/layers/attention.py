@@ -8,7 +8,6 @@ expands KV heads for GQA and applies the layer's sliding window) -> o_proj.
 
 import torch
 from torch import nn
-from torch.nn.utils import skip_init
 
 from v1.attention.backends.abstract import AttentionImpl
 from v1.models.layers.linear import Linear
@@ -41,12 +40,12 @@ class Attention(nn.Module):
         self.q_size = num_heads * head_dim
         self.kv_size = num_kv_heads * head_dim
         self.sliding_window = sliding_window
-        self.qkv_proj = skip_init(
-            Linear, hidden_size, self.q_size + 2 * self.kv_size,
+        self.qkv_proj = Linear(
+            hidden_size, self.q_size + 2 * self.kv_size,
             bias=qkv_bias, device=device, dtype=dtype,
         )
-        self.o_proj = skip_init(
-            Linear, self.q_size, hidden_size, bias=o_bias, device=device, dtype=dtype
+        self.o_proj = Linear(
+            self.q_size, hidden_size, bias=o_bias, device=device, dtype=dtype
         )
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None

@@ -8,7 +8,6 @@ fuses them already, as Phi-3's does).
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import skip_init
 
 from v1.models.layers.linear import Linear
 from v1.models.step_plan import StepPlan
@@ -35,11 +34,11 @@ class GatedMLP(nn.Module):
             )
         self.hidden_act = hidden_act
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = skip_init(
-            Linear, hidden_size, 2 * intermediate_size, bias=bias, device=device, dtype=dtype
+        self.gate_up_proj = Linear(
+            hidden_size, 2 * intermediate_size, bias=bias, device=device, dtype=dtype
         )
-        self.down_proj = skip_init(
-            Linear, intermediate_size, hidden_size, bias=bias, device=device, dtype=dtype
+        self.down_proj = Linear(
+            intermediate_size, hidden_size, bias=bias, device=device, dtype=dtype
         )
 
     def forward(self, x: torch.Tensor, step: StepPlan) -> torch.Tensor:
