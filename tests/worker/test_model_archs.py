@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from transformers import AutoConfig
 
 from tests.entrypoints.conftest import Reference
 from tests.entrypoints.test_llm import MAX_TOKENS, assert_matches_hf, check_idle
@@ -585,6 +586,13 @@ def test_gguf_loads_as_the_same_model(tmp_path, monkeypatch, name):
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_key_value_heads",
                 "tie_word_embeddings"):
         assert getattr(ours.hf_config, key) == getattr(hf.config, key), key
+    # The converted config loads without its transformers class (`load_config`), yet says
+    # all that class says, but for what AutoConfig adds on loading and a field we never read.
+    by_class = AutoConfig.from_pretrained(ours.model_dir)
+    assert type(by_class) is not type(ours.hf_config)
+    unread = ("_name_or_path", "use_cache")
+    assert ({k: v for k, v in ours.hf_config.to_dict().items() if k not in unread}
+            == {k: v for k, v in by_class.to_dict().items() if k not in unread})
     assert [s.sliding_window for s in ours.model.layer_specs] == [
         s.sliding_window for s in reference.model.layer_specs
     ]

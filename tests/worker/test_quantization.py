@@ -12,6 +12,8 @@
 """
 
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -209,6 +211,27 @@ def test_prompt_rows_take_int8_whatever_the_batch(tied_gguf, monkeypatch, all_in
     chunked, _, _ = greedy_runs(tied_gguf, None, [batch, batch], max_num_batched_tokens=7,
                                 long_prefill_token_threshold=7)
     assert chunked == [reference, reference]  # chunks, then every prompt a prefix-cache hit
+
+
+def test_a_gguf_load_imports_neither_config_classes_nor_sympy():
+    """What a converted GGUF file's load leaves out of a start: transformers' config classes
+    (importing one pulls in torch.distributed, about 1.5 s), the first touch of
+    `transformers.models` (it reads every model's module, about 0.4 s) and sympy (torch's
+    meta tensors import it, about 0.6 s)."""
+    loader_module.hf_dir_of(loader_module.default_model_path())  # converted, if it was not
+    heavy = ("transformers.models", "torch.distributed.tensor", "sympy")
+    code = (
+        "import sys, torch\n"
+        "from v1.attention.backends.torch_attn import TorchAttentionImpl\n"
+        "from v1.models.loader import load_model\n"
+        "loaded = load_model(None, torch.float32, 'cpu', TorchAttentionImpl, "
+        "quantization='gguf')\n"
+        "assert loaded.tokenizer('Hello')['input_ids'] and loaded.hf_config.model_type\n"
+        f"print([m for m in {heavy!r} if m in sys.modules])\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert run.stdout.splitlines()[-1] == "[]", run.stdout
 
 
 def test_unset_quantization_resolves_as_vllm(tmp_path, tied_gguf, monkeypatch):

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerFast
+from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 from v1 import envs, hub
 from v1.attention.backends.abstract import AttentionImpl
@@ -49,6 +49,10 @@ _CONVERSION_VERSION = 2
 # In a GGUF file's converted directory: where its tensors lie in the file
 # (`gguf_conversion.write_index`), so a load maps them without parsing the header again.
 TENSOR_INDEX = "gguf_tensors.json"
+
+# tokenizer_config.json's names of transformers' generic fast tokenizer: a tokenizer.json's
+# own pipeline, which `PreTrainedTokenizerFast` loads without looking a class up.
+_GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 # quantization -> the block kind weight matrices are quantized to at load.
 _QUANTIZE_AT_LOAD = {"int8": "q8_0"}
@@ -158,7 +162,7 @@ def load_model(
     opened = functools.cache(lambda: gguf_conversion.read_gguf(path))
     model_dir = convert_gguf(path, opened) if path.is_file() else path
 
-    hf_config = AutoConfig.from_pretrained(model_dir)
+    hf_config = load_config(model_dir)
     if hf_overrides is not None:
         hf_config = apply_hf_overrides(hf_config, hf_overrides)
     try:
@@ -168,7 +172,7 @@ def load_model(
     llm = model_cls(hf_config, attn_impl_cls, dtype=dtype, device=device)
     if quantization == "gguf":
         mapped = gguf_conversion.open_indexed(path, model_dir / TENSOR_INDEX,
-                                              AutoConfig.from_pretrained(model_dir))
+                                              load_config(model_dir))
         weights = gguf_conversion.iter_hf_tensors(mapped, gguf_block_kinds())
     else:
         weights = _iter_safetensors(fp32_checkpoint(path, opened) if path.is_file()
@@ -297,10 +301,39 @@ def _iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, tensor
 
 
+def is_gguf_conversion(model_dir: Path) -> bool:
+    """Whether `model_dir` is a GGUF file's converted directory (`convert_gguf`): its files
+    were written by this module, by transformers' own classes."""
+    return (model_dir / TENSOR_INDEX).is_file()
+
+
+def load_config(model_dir: Path) -> PretrainedConfig:
+    """The HF config of an HF-format model directory. A GGUF file's converted one loads as a
+    plain PretrainedConfig: its config class saved it, so config.json spells out every field
+    that differs from PretrainedConfig's defaults, and importing the class would cost a start
+    about 1.5 s (transformers' config modules pull in torch.distributed). transformers'
+    Auto* classes are imported where an HF directory needs them: the first touch of
+    `transformers.models` reads every model's module (about 0.4 s)."""
+    if is_gguf_conversion(model_dir):
+        fields = json.loads((model_dir / "config.json").read_text())
+        return _plain_config_class(fields["model_type"]).from_dict(fields)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir)
+
+
+@functools.cache
+def _plain_config_class(model_type: str) -> type[PretrainedConfig]:
+    """PretrainedConfig under `model_type` (a class attribute there, which `to_dict` writes)."""
+    return type(f"PlainConfig_{model_type}", (PretrainedConfig,), {"model_type": model_type})
+
+
 def load_tokenizer(model_dir: str | os.PathLike[str]) -> PreTrainedTokenizerFast | None:
     """The tokenizer of an HF-format model directory (`LoadedModel.model_dir`), or None when it
     has no tokenizer files. Light: reads no weights, so a frontend whose engine core runs in
-    another process loads only this."""
+    another process loads only this. A generic fast tokenizer loads as itself; any other
+    class through `AutoTokenizer`, given the config, which it would otherwise load by its
+    class (`load_config` says why not)."""
     model_dir = Path(model_dir)
     has_tokenizer = any(
         (model_dir / name).is_file()
@@ -308,7 +341,13 @@ def load_tokenizer(model_dir: str | os.PathLike[str]) -> PreTrainedTokenizerFast
     )
     if not has_tokenizer:
         return None
-    return AutoTokenizer.from_pretrained(model_dir)
+    settings = model_dir / "tokenizer_config.json"
+    named = json.loads(settings.read_text()).get("tokenizer_class") if settings.is_file() else None
+    if named in _GENERIC_TOKENIZER_CLASSES and (model_dir / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(model_dir)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir, config=load_config(model_dir))
 
 
 def _eos_ids(
@@ -425,6 +464,8 @@ def _write_config_and_tokenizer(model: gguf_conversion.GGUFModel, out_dir: Path)
         # transformers builds the tokenizer (and chat template) from the GGUF metadata;
         # saving it turns that into plain tokenizer files, which load in well under a second.
         path = model.path
+        from transformers import AutoTokenizer
+
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         tokenizer.save_pretrained(out_dir)
     model.config.save_pretrained(out_dir)
