@@ -214,10 +214,10 @@ def test_prompt_rows_take_int8_whatever_the_batch(tied_gguf, monkeypatch, all_in
 
 
 def test_a_gguf_load_imports_neither_config_classes_nor_sympy():
-    """What a converted GGUF file's load leaves out of a start: transformers' config classes
-    (importing one pulls in torch.distributed, about 1.5 s), the first touch of
-    `transformers.models` (it reads every model's module, about 0.4 s) and sympy (torch's
-    meta tensors import it, about 0.6 s)."""
+    """What a converted GGUF file's load leaves out of a start (`python -X importtime` gives
+    each one's cost): transformers' config classes (importing one pulls in torch.distributed),
+    the first touch of `transformers.models` (it reads every model's module) and sympy
+    (torch's meta tensors import it)."""
     loader_module.hf_dir_of(loader_module.default_model_path())  # converted, if it was not
     heavy = ("transformers.models", "torch.distributed.tensor", "sympy")
     code = (

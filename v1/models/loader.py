@@ -310,10 +310,10 @@ def is_gguf_conversion(model_dir: Path) -> bool:
 def load_config(model_dir: Path) -> PretrainedConfig:
     """The HF config of an HF-format model directory. A GGUF file's converted one loads as a
     plain PretrainedConfig: its config class saved it, so config.json spells out every field
-    that differs from PretrainedConfig's defaults, and importing the class would cost a start
-    about 1.5 s (transformers' config modules pull in torch.distributed). transformers'
-    Auto* classes are imported where an HF directory needs them: the first touch of
-    `transformers.models` reads every model's module (about 0.4 s)."""
+    that differs from PretrainedConfig's defaults, and importing the class would slow a start
+    (transformers' config modules pull in torch.distributed). transformers' Auto* classes are
+    imported where an HF directory needs them: the first touch of `transformers.models` reads
+    every model's module."""
     if is_gguf_conversion(model_dir):
         fields = json.loads((model_dir / "config.json").read_text())
         return _plain_config_class(fields["model_type"]).from_dict(fields)
