@@ -1,5 +1,6 @@
 """The Llama model over the paged KV cache, and its loader, against transformers."""
 
+import json
 import re
 import types
 from dataclasses import dataclass
@@ -245,6 +246,28 @@ def test_hf_overrides_change_the_config_before_the_model_is_built(tmp_path):
     )
     assert config.text_config.vocab_size == 9 and config.text_config.hidden_size == 64
     assert config.rope_parameters == {"rope_type": "default"}  # a plain dict is replaced
+
+
+def test_an_hf_directory_tokenizer_is_what_autotokenizer_gives(tmp_path):
+    """A directory's tokenizer_config.json naming the generic fast class is not the last word
+    for an HF directory: transformers takes Qwen2's own class (its own normalizer and
+    pre-tokenizer) where hub files are known to name the wrong one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
+
+    vocab = {"<|endoftext|>": 0, **{c: i + 1 for i, c in enumerate("abcdefghij ")}}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    generic = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>")
+    generic.save_pretrained(tmp_path)
+    Qwen2Config(vocab_size=len(vocab), hidden_size=16, num_attention_heads=2).save_pretrained(
+        tmp_path
+    )
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["tokenizer_class"] in (
+        model_loader._GENERIC_TOKENIZER_CLASSES
+    )
+    ours, theirs = model_loader.load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    assert type(ours) is type(theirs) and type(ours).__name__ == "Qwen2Tokenizer"
 
 
 def test_hf_directory_matches_hf(tmp_path):

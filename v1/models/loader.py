@@ -331,9 +331,11 @@ def _plain_config_class(model_type: str) -> type[PretrainedConfig]:
 def load_tokenizer(model_dir: str | os.PathLike[str]) -> PreTrainedTokenizerFast | None:
     """The tokenizer of an HF-format model directory (`LoadedModel.model_dir`), or None when it
     has no tokenizer files. Light: reads no weights, so a frontend whose engine core runs in
-    another process loads only this. A generic fast tokenizer loads as itself; any other
-    class through `AutoTokenizer`, given the config, which it would otherwise load by its
-    class (`load_config` says why not)."""
+    another process loads only this. A GGUF file's converted generic fast tokenizer loads as
+    itself; any other through `AutoTokenizer`, given the config, which it would otherwise load
+    by its class (`load_config` says why not). An HF directory's generic one may not be what
+    AutoTokenizer gives (it takes the model type's own class where hub files are known to
+    name the wrong one)."""
     model_dir = Path(model_dir)
     has_tokenizer = any(
         (model_dir / name).is_file()
@@ -343,7 +345,8 @@ def load_tokenizer(model_dir: str | os.PathLike[str]) -> PreTrainedTokenizerFast
         return None
     settings = model_dir / "tokenizer_config.json"
     named = json.loads(settings.read_text()).get("tokenizer_class") if settings.is_file() else None
-    if named in _GENERIC_TOKENIZER_CLASSES and (model_dir / "tokenizer.json").is_file():
+    if (named in _GENERIC_TOKENIZER_CLASSES and (model_dir / "tokenizer.json").is_file()
+            and is_gguf_conversion(model_dir)):
         return PreTrainedTokenizerFast.from_pretrained(model_dir)
     from transformers import AutoTokenizer
 
