@@ -248,6 +248,22 @@ def test_hf_overrides_change_the_config_before_the_model_is_built(tmp_path):
     assert config.rope_parameters == {"rope_type": "default"}  # a plain dict is replaced
 
 
+def test_hf_overrides_on_a_gguf_file_meet_its_config_class():
+    """Where `hf_overrides` change a GGUF file's config, it loads by its transformers class,
+    not as the plain one a start takes: the class checks the values' types (a string for a
+    bool is refused, not taken as true), and a function is given the class vLLM gives it."""
+    from huggingface_hub.errors import StrictDataclassFieldValidationError
+
+    cpu = torch.device("cpu")
+    with pytest.raises(StrictDataclassFieldValidationError, match="tie_word_embeddings"):
+        load_model(None, torch.float32, cpu, TorchAttentionImpl, quantization="gguf",
+                   hf_overrides={"tie_word_embeddings": "false"})
+    given: list[str] = []
+    load_model(None, torch.float32, cpu, TorchAttentionImpl, quantization="gguf",
+               hf_overrides=lambda config: given.append(type(config).__name__) or config)
+    assert given == ["LlamaConfig"]
+
+
 def test_an_hf_directory_tokenizer_is_what_autotokenizer_gives(tmp_path):
     """A directory's tokenizer_config.json naming the generic fast class is not the last word
     for an HF directory: transformers takes Qwen2's own class (its own normalizer and

@@ -162,7 +162,9 @@ def load_model(
     opened = functools.cache(lambda: gguf_conversion.read_gguf(path))
     model_dir = convert_gguf(path, opened) if path.is_file() else path
 
-    hf_config = load_config(model_dir)
+    # Overrides go to the config's own class: it checks their types, and a function of the
+    # config gets the class it would get from vLLM.
+    hf_config = load_config(model_dir, by_class=hf_overrides is not None)
     if hf_overrides is not None:
         hf_config = apply_hf_overrides(hf_config, hf_overrides)
     try:
@@ -307,14 +309,14 @@ def is_gguf_conversion(model_dir: Path) -> bool:
     return (model_dir / TENSOR_INDEX).is_file()
 
 
-def load_config(model_dir: Path) -> PretrainedConfig:
+def load_config(model_dir: Path, by_class: bool = False) -> PretrainedConfig:
     """The HF config of an HF-format model directory. A GGUF file's converted one loads as a
-    plain PretrainedConfig: its config class saved it, so config.json spells out every field
-    that differs from PretrainedConfig's defaults, and importing the class would slow a start
-    (transformers' config modules pull in torch.distributed). transformers' Auto* classes are
-    imported where an HF directory needs them: the first touch of `transformers.models` reads
-    every model's module."""
-    if is_gguf_conversion(model_dir):
+    plain PretrainedConfig unless `by_class`: its config class saved it, so config.json spells
+    out every field that differs from PretrainedConfig's defaults, and importing the class would
+    slow a start (transformers' config modules pull in torch.distributed). transformers' Auto*
+    classes are imported where an HF directory needs them: the first touch of
+    `transformers.models` reads every model's module."""
+    if is_gguf_conversion(model_dir) and not by_class:
         fields = json.loads((model_dir / "config.json").read_text())
         return _plain_config_class(fields["model_type"]).from_dict(fields)
     from transformers import AutoConfig
