@@ -198,8 +198,8 @@ class MPClient(ABC):
                     self._res.tmp_dir = tempfile.mkdtemp(prefix="v1-engine-")
                     address = f"ipc://{self._res.tmp_dir}/engine"
                 # Before the fork: the engine process inherits what loading the tokenizer
-                # imported (transformers' config modules: seconds), finds a GGUF file
-                # converted, and takes the tokenizer itself rather than load its own.
+                # imported (transformers; an HF directory's config classes too), finds a GGUF
+                # file converted, and takes the tokenizer itself rather than load its own.
                 early = _local_tokenizer(args) if self._load_tokenizer else None
                 self._res.proc = launch_engine_core(args, address, tokenizer=early)
             self.address = address
