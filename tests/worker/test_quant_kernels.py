@@ -474,8 +474,8 @@ def test_repacked_blocks(kind: str, other: str) -> None:
                            plain[:, 2:])
         assert torch.equal(group[256:].view(8, 2), plain[:, :2])
     assert torch.equal(moved.dequantize(), q.dequantize())
-    ids = torch.tensor([[3, 15], [8, 3]])
-    assert torch.equal(moved.embedding(ids), q.dequantize()[ids])
+    for ids in (torch.tensor([[3, 15], [8, 3]]), torch.tensor([15]), torch.tensor([[8], [3]])):
+        assert torch.equal(moved.embedding(ids), q.dequantize()[ids])  # gather, a few ids
     x = torch.randn(3, 64)
     assert torch.equal(moved.linear(x, path="torch"), q.linear(x, path="torch"))
     if kernels() is not None:
@@ -489,6 +489,25 @@ def test_repacked_blocks(kind: str, other: str) -> None:
         odd.repack(x8)
     with pytest.raises(ValueError, match="multiple of 8"):
         QuantizedWeight(x8, odd.blocks, 9, 64)
+
+
+@pytest.mark.skipif(kernels() is None, reason="no kernel library")
+def test_embedding_of_few_ids_dequantizes_their_groups(monkeypatch) -> None:
+    """Up to FEW_IDS ids of an interleaved embedding are each their group's 8 rows through
+    the C kernel; more, or an id out of range, take the gather (which raises for the latter)."""
+    moved = QuantizedWeight.quantize(weight(16, 64), "q8_0x8")
+    calls = []
+    dequantize = QuantKernels.dequantize
+    monkeypatch.setattr(QuantKernels, "dequantize",
+                        lambda self, w: calls.append(len(w.tensor)) or dequantize(self, w))
+    ids = torch.tensor([15, 2])
+    assert torch.equal(moved.embedding(ids), moved.dequantize()[ids])
+    assert calls == [8, 8]
+    calls.clear()
+    moved.embedding(torch.tensor([15, 2, 3]))
+    assert calls == []
+    with pytest.raises(IndexError):
+        moved.embedding(torch.tensor([16]))
 
 
 @pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
@@ -505,8 +524,8 @@ def test_repacked_k_quant_blocks(kind: str) -> None:
     assert not torch.equal(moved.blocks, q.blocks)
     want = torch.from_numpy(gguf.quants.dequantize(raw, gguf_type))
     assert torch.equal(moved.dequantize(), want) and torch.equal(q.dequantize(), want)
-    ids = torch.tensor([[3, 15], [8, 3]])
-    assert torch.equal(moved.embedding(ids), want[ids])
+    for ids in (torch.tensor([[3, 15], [8, 3]]), torch.tensor([15]), torch.tensor([[8], [3]])):
+        assert torch.equal(moved.embedding(ids), want[ids])  # gather, a few ids
     assert moved.embedding(torch.tensor([], dtype=torch.long)).shape == (0, 512)
     if kernels() is not None:
         x = torch.randn(3, 512)

@@ -45,6 +45,9 @@ QUANTIZE_KINDS = ("q4_1", "q8_0")
 # Calls of at least this many rows take "dense" when they go by count: from about 256 rows
 # oneDNN's GEMM outruns the fp32 block path by more than the dequantization costs.
 DENSE_MIN_ROWS = 256
+# An interleaved embedding looks up at most this many ids by dequantizing each one's group of
+# rows (a decode step's); more take the gather, which does not dequantize 8 rows per id.
+FEW_IDS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,9 +259,22 @@ class QuantizedWeight:
         return _dequantize(self.gguf_kind, _plain(self.kind, self.blocks))
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
-        """fp32 rows [*ids.shape, in] for token ids: only the rows asked for are dequantized."""
+        """fp32 rows [*ids.shape, in] for token ids: only the rows asked for are dequantized
+        (up to FEW_IDS ids of an interleaved kind: each one's group of rows)."""
         flat = ids.reshape(-1)
         rows = _rows(self.kind)
+        few = flat.tolist() if rows > 1 and 0 < flat.numel() <= FEW_IDS else []
+        q = kernels() if few and all(0 <= i < self.out_features for i in few) else None
+        if q is not None and q.has(self.kind, "dequantize") and self.blocks.is_cpu:
+            # Each id's whole group of rows through the C kernel, then its row: at a decode
+            # step's few ids, cheaper than the gather's ~15 torch ops below.
+            parts = []
+            for i in few:
+                group, row = divmod(i, rows)
+                blocks = QuantBlocks(self.kind, self.blocks[group * rows : (group + 1) * rows])
+                parts.append(q.dequantize(blocks)[row : row + 1])
+            out = parts[0] if len(parts) == 1 else torch.cat(parts)
+            return out.reshape(*ids.shape, self.in_features)
         if rows == 1:
             blocks = self.blocks[flat]
         else:  # each id's own row out of its group (the layout: `_relayout`), not the group's
