@@ -20,7 +20,7 @@ from v1.kernels.attention import KV_DTYPES, MAX_HEAD_FLOATS, BoundStep, PagedDec
 from v1.kernels.block_matmul import BlockType, QuantBlocks, block_types
 from v1.kernels.library import library
 from v1.kernels.structs import CStruct, c_layout, check_layout
-from v1.kernels.tensors import stamp
+from v1.kernels.tensors import stamps
 
 _F32 = torch.float32
 # The cache dtype codes of fused_decode_step.c (its paged_decode kernels' order).
@@ -141,7 +141,7 @@ class DecoderLayers:
         self.array = (_Layer * len(structs))(*structs)
         self.num_layers = len(structs)
         self.dims = _Dims(hidden, num_heads, num_kv_heads, head_dim, inter)
-        self._stamps = [stamp(t) for t in self._tensors]
+        self._stamps = stamps(self._tensors)
         # Scratch widths per row, in _Scratch's order.
         self._widths = (hidden, shapes["qkv"][0], q_size, hidden, 2 * inter, inter)
         self._scratch: list[torch.Tensor] = []
@@ -182,7 +182,7 @@ class DecoderLayers:
 
     def unchanged(self) -> bool:
         """Whether every tensor is where, and as long as, when it was checked."""
-        return [stamp(t) for t in self._tensors] == self._stamps
+        return stamps(self._tensors) == self._stamps
 
     def scratch_for(self, rows: int) -> torch.Tensor:
         """The scratch for `rows` rows (`self.scratch` points into it); returns the block
@@ -200,16 +200,16 @@ class DecoderLayers:
         changed since the last call."""
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"kv_caches: {len(kv_caches)} caches for {self.num_layers} layers")
-        stamps = [stamp(c) for c in kv_caches]
+        now = stamps(kv_caches)
         last = self._caches
-        if last is not None and last[0] == stamps and last[1] == shape and (
+        if last is not None and last[0] == now and last[1] == shape and (
             last[2] is kernel.kv_dtype
         ):
             return last[3]
         for cache in kv_caches:
             kernel.check_cache(cache, shape)
-        array = (ctypes.c_void_p * self.num_layers)(*(address for address, _ in stamps))
-        self._caches = (stamps, shape, kernel.kv_dtype, array)
+        array = (ctypes.c_void_p * self.num_layers)(*(address for address, _ in now))
+        self._caches = (now, shape, kernel.kv_dtype, array)
         return array
 
 
