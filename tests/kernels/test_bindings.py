@@ -4,6 +4,7 @@ argument for each way an argument can be wrong, and a good call beside the bad o
 import pytest
 import torch
 
+from v1.kernels import attention
 from v1.kernels.attention import paged_decode_kernel
 from v1.kernels.block_matmul import QuantBlocks, kernels
 from v1.kernels.elementwise import native_ops
@@ -108,9 +109,11 @@ class Step:
         return self.kernel.bind(**{**args, **changed})
 
 
-def test_paged_decode_bind_checks() -> None:
+@pytest.mark.parametrize("list_max", [attention.LIST_MAX_ENTRIES, 0])  # entries as lists, numpy
+def test_paged_decode_bind_checks(monkeypatch, list_max) -> None:
+    monkeypatch.setattr(attention, "LIST_MAX_ENTRIES", list_max)
     s = Step()
-    s.bind()
+    assert s.bind().max_token == 1
     bad = {
         "kv_cache": dict(kv_cache=s.cache.bfloat16()),
         "kv_cache ": dict(kv_cache=torch.zeros(2, 8, 16, 3, 128)[..., ::2]),
