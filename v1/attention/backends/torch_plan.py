@@ -12,6 +12,7 @@ window is read: docs/design.md, "Attention on the CPU".
 """
 
 import ctypes
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -160,7 +161,8 @@ class AttentionPlan:
         plan = plans.get((key, window))
         if plan is None:
             # Gathers are sized by what SDPA reads: the blocks widened to the query's dtype.
-            block_bytes = kv_cache[:, 0].numel() * query_dtype.itemsize
+            shape = kv_cache.shape  # [2, num_blocks, ...]: one block's K and V
+            block_bytes = shape[0] * math.prod(shape[2:]) * query_dtype.itemsize
             plan = cls.build(metadata, kv_cache.shape[2], block_bytes,
                              paged_decode_kernel(kv_cache, num_heads, query_dtype, lib), window)
             plans[(key, window)] = plan
@@ -259,10 +261,10 @@ def _lone_decode(metadata: AttentionMetadata, kernel: PagedDecodeKernel, q_row: 
     slots = metadata.slot_mapping
     start = 0 if w is None else seq_len - w
     # Its table row, query row, start and end, as 1-element views of one tensor.
-    entry = torch.tensor([0, q_row, start, seq_len], dtype=torch.int64).to(slots.device)
+    entry = torch.from_numpy(np.array([[0], [q_row], [start], [seq_len]], dtype=np.int64))
     return _NativeDecodes(
         kernel, metadata.block_table.to(torch.int32).contiguous(),
-        *(entry[i : i + 1] for i in range(4)), slots, slots.to(torch.int64).contiguous(),
+        *entry.to(slots.device).unbind(), slots, slots.to(torch.int64).contiguous(),
     )
 
 
