@@ -133,10 +133,11 @@ class PagedDecodeKernel:
                     raise ValueError(f"block id {t_lo if t_lo < 0 else t_hi} is outside the "
                                      f"cache's {num_blocks} blocks")
             max_token = hi[1]
+        half = num_blocks * block_size * num_kv_heads * head_dim  # K's (V's) values
         struct = PagedDecodeStep(
             table.data_ptr(), table.stride(0), table_rows.data_ptr(), tokens.data_ptr(),
             start.data_ptr(), end.data_ptr(), max(n, 0), slots.data_ptr(), slots.shape[0],
-            num_kv_heads, head_dim, block_size, kv_cache[0].numel(), torch.get_num_threads(),
+            num_kv_heads, head_dim, block_size, half, torch.get_num_threads(),
         )
         return BoundStep(struct, ctypes.addressof(struct), kv_cache.shape,
                          (table, *entries, slots), max_token, slots.shape[0])
