@@ -11,7 +11,7 @@ from v1.sample.logits_processor import (
     load_logits_processors,
 )
 from v1.sampling_params import SamplingParams
-from v1.worker.sampler import Sampler, SamplingMetadata
+from v1.worker.sampler import Sampler, SamplingMetadata, argmax
 
 VOCAB = 1000
 
@@ -38,6 +38,21 @@ def test_greedy_is_argmax() -> None:
     out = sample(logits, [SamplingParams(temperature=0.0)] * 8)
     assert torch.equal(out.sampled_token_ids, logits.argmax(dim=-1))
     assert out.logprobs_tensors is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_argmax_is_torchs(dtype) -> None:
+    """Ties go to the first index, a NaN counts as greatest, an all -inf row gives 0: as
+    torch's argmax, through numpy or not (bfloat16)."""
+    nan, inf = float("nan"), float("inf")
+    logits = make_logits(6).to(dtype)
+    logits[0, 3] = logits[0, 7] = 100.0
+    logits[1, 5] = logits[1, 9] = nan
+    logits[2] = -inf
+    logits[3, 2] = logits[3, 4] = inf
+    got = argmax(logits)
+    assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(dim=-1))
+    assert got[:4].tolist() == [3, 5, 0, 2]
 
 
 def test_metadata_skips_unused_filters() -> None:

@@ -213,7 +213,7 @@ class PagedDecodeKernel:
 
 
 # Up to this many entries `_bounds` reads them as Python lists: numpy's per-call cost is most
-# of what checking a decode step's few entries takes (4x the lists' time at one entry, 1.5x at 32).
+# of what checking a decode step's few entries takes (docs/benchmarks.md, "Fused decode step").
 LIST_MAX_ENTRIES = 32
 
 

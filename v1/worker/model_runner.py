@@ -40,6 +40,7 @@ from v1.worker.input_batch import InputBatch
 from v1.worker.kv_disk_store import DiskKVStore, cache_key_facts
 from v1.worker.pooling import RunnerPooling
 from v1.worker.sampler import (
+    NUMPY_FLOATS,
     BadWords,
     Sampler,
     SamplingMetadata,
@@ -78,7 +79,7 @@ def apply_grammar_bitmask(
     the fastest of the ways measured (docs/benchmarks.md); elsewhere torch unpacks them on the
     device."""
     vocab_size = logits.shape[1]
-    if logits.device.type == "cpu" and logits.dtype in _NUMPY_FLOATS and _LITTLE_ENDIAN:
+    if logits.device.type == "cpu" and logits.dtype in NUMPY_FLOATS and _LITTLE_ENDIAN:
         forbidden = np.unpackbits(
             np.invert(bitmask).view(np.uint8), axis=1, count=vocab_size, bitorder="little"
         ).view(np.bool_)
@@ -93,8 +94,6 @@ def apply_grammar_bitmask(
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
-# Logits dtypes that numpy can view in place (not bfloat16).
-_NUMPY_FLOATS = (torch.float32, torch.float16, torch.float64)
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
