@@ -162,19 +162,18 @@ def load_model(
     opened = functools.cache(lambda: gguf_conversion.read_gguf(path))
     model_dir = convert_gguf(path, opened) if path.is_file() else path
 
-    # Overrides go to the config's own class: it checks their types, and a function of the
-    # config gets the class it would get from vLLM.
-    hf_config = load_config(model_dir, by_class=hf_overrides is not None)
+    file_config = hf_config = load_config(model_dir)
     if hf_overrides is not None:
-        hf_config = apply_hf_overrides(hf_config, hf_overrides)
+        # Overrides go to a copy by the config's own class: it checks their types, and a
+        # function of the config gets the class it would get from vLLM.
+        hf_config = apply_hf_overrides(load_config(model_dir, by_class=True), hf_overrides)
     try:
         model_cls = get_model_cls(hf_config)
     except ValueError as e:
         raise ValueError(f"model {str(path)!r}: {e}") from None
     llm = model_cls(hf_config, attn_impl_cls, dtype=dtype, device=device)
     if quantization == "gguf":
-        mapped = gguf_conversion.open_indexed(path, model_dir / TENSOR_INDEX,
-                                              load_config(model_dir))
+        mapped = gguf_conversion.open_indexed(path, model_dir / TENSOR_INDEX, file_config)
         weights = gguf_conversion.iter_hf_tensors(mapped, gguf_block_kinds())
     else:
         weights = _iter_safetensors(fp32_checkpoint(path, opened) if path.is_file()
