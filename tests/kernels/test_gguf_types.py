@@ -113,15 +113,15 @@ def test_linear_is_close_to_the_dequantized_product(variant: str) -> None:
 @pytest.mark.parametrize("variant", variant_names())
 def test_int8_rows_are_the_same_in_any_call(variant: str) -> None:
     """As tests/worker/test_quant_kernels.py's for q4_1 and q8_0: a row's int8 result alone
-    and inside calls of 2 .. 40 rows (both int8 tiles), bit for bit."""
+    and inside calls of 2 .. 40, 64, 65, 129 and 130 rows (both int8 tiles), bit for bit."""
     tuned, _ = paths(variant)
     for kind in ("q4_0", "q5_0", "q5_1"):
         for n, k in ((37, 96), (1, 32)):
             g = torch.Generator().manual_seed(n)
             blocks = QuantBlocks(kind, quantized(kind, torch.randn(n, k, generator=g)))
-            x, bias = torch.randn(40, k, generator=g), torch.randn(n, generator=g)
+            x, bias = torch.randn(130, k, generator=g), torch.randn(n, generator=g)
             alone = torch.cat([tuned.linear(blocks, x[i:i + 1], bias, int8=True)
-                               for i in range(40)])
-            for m in range(2, 41):
+                               for i in range(130)])
+            for m in (*range(2, 41), 64, 65, 129, 130):
                 assert torch.equal(tuned.linear(blocks, x[:m], bias, int8=True), alone[:m]), (
                     kind, n, k, m)

@@ -138,7 +138,9 @@ def test_tuned_kernels_match_their_reference(lib: ctypes.CDLL) -> None:
             w = _weights(kind, n, k, gen)
             deq = reference.dequantize(w)
             torch.testing.assert_close(tuned.dequantize(w), deq, rtol=1e-6, atol=1e-6)
-            for m in (1, 3, 5, 16, 17, 40):
+            # tile_i8_few in one group, in groups (the last one short), tile_i8 (past
+            # GROUPED_ROWS_MAX: 64 rows with AVX2, 128 with AVX-512).
+            for m in (1, 3, 5, 16, 17, 40, 130):
                 x, bias = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
                 # The int8 path: the same bits, whichever tile serves the rows.
                 if "linear_i8" in t.kernels:
@@ -166,7 +168,7 @@ def test_interleaved_blocks_give_the_plain_bits(lib: ctypes.CDLL) -> None:
         assert not torch.equal(moved.blocks, plain.blocks)
         a, b = plain.kernel_blocks(), moved.kernel_blocks()
         assert torch.equal(q.dequantize(a), q.dequantize(b))
-        for m in (1, 2, 5, 8, 16, 17, 40):
+        for m in (1, 2, 5, 8, 16, 17, 40, 130):
             x, bias = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
             assert torch.equal(q.linear(a, x, bias, int8=True), q.linear(b, x, bias, int8=True))
             tol = 1e-6 if kind == "q4_1" else 1e-5

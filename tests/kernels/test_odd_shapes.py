@@ -25,7 +25,8 @@ from v1.models.layers.quantized import QuantizedWeight
 pytestmark = pytest.mark.skipif(library() is None, reason="no C kernels")
 
 # Every tile edge of the quant kernels: 1-4 rows (dot tiles), 5-16 (pairs of rows per lane),
-# 17-64 and beyond (16 rows per vector, 64 per tile), and the int8 path's groups of 16.
+# 17-64 and beyond (16 rows per vector, 64 per tile), and the int8 path's groups (of up to
+# 8 or 12 rows to 64 or 128 rows, then 8 or 16 rows per vector).
 ROWS = (0, 1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 48, 63, 64, 65, 127, 129, 255, 256, 257)
 
 

@@ -292,10 +292,11 @@ def test_each_variant(variant: str) -> None:
 
 @pytest.mark.parametrize("variant", VARIANT_INT8_ISA)
 def test_int8_rows_are_the_same_in_any_call(variant: str) -> None:
-    """A row's int8 result is bit for bit the same alone and inside calls of 2 .. 40 rows (the
-    few-row tile up to 16 rows, tile_i8's 16-row groups beyond), on each variant: every variant
-    computes the same numbers (exact integer block sums, one explicit-FMA recurrence), so they
-    also equal each other's. Odd N: the few-row tile's last 16 rows are partly copies."""
+    """A row's int8 result is bit for bit the same alone and inside calls of 2 .. 40 rows and
+    of 64, 65, 129 and 130 (the few-row tile in one group, in groups, tile_i8 past 64 rows with
+    AVX2 and 128 with AVX-512), on each variant: every variant computes the same numbers (exact
+    integer block sums, one explicit-FMA recurrence), so they also equal each other's. Odd N:
+    the few-row tile's last 16 rows are partly copies."""
     if variant not in library.candidates("", platform.machine(), library.cpu_flags()):
         pytest.skip(f"this CPU does not run {variant}")
     lib = library.load_variant(variant)
@@ -307,12 +308,12 @@ def test_int8_rows_are_the_same_in_any_call(variant: str) -> None:
             g = torch.Generator().manual_seed(n)
             q = QuantizedWeight.quantize(torch.randn(n, k, generator=g), kind)
             blocks = QuantBlocks(kind, q.blocks)
-            x, bias = torch.randn(40, k, generator=g), torch.randn(n, generator=g)
+            x, bias = torch.randn(130, k, generator=g), torch.randn(n, generator=g)
             alone = torch.cat([q_kernels.linear(blocks, x[i:i + 1], bias, int8=True)
-                               for i in range(40)])
+                               for i in range(130)])
             close(alone, int8_activations(x).double() @ q.dequantize().double().T + bias,
                   x, q.dequantize())
-            for m in range(2, 41):
+            for m in (*range(2, 41), 64, 65, 129, 130):
                 got = q_kernels.linear(blocks, x[:m], bias, int8=True)
                 assert torch.equal(got, alone[:m]), (kind, n, k, m)
             assert torch.equal(chosen.linear(blocks, x, bias, int8=True), alone)

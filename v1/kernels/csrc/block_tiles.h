@@ -353,9 +353,11 @@ int32_t BT_FN(linear_f32)(const struct v1_matmul *c) {
      D, Q, T[(g * nb + b) * lanes + l]       dx, sum of the q, dx * sum (float)
    Two tiles read them. tile_i8 (lanes = VL): a weight's 4 bytes for the same values,
    broadcast, meet VL activation rows in one u8 x s8 dot product (dot4). tile_i8_few
-   (lanes = M, one group): VL weight rows' 4 bytes, transposed into one vector, meet one
-   activation row's 4 bytes, broadcast; each weight byte then serves every row of the call
-   with none of tile_i8's idle lanes at a few rows. Weights must be the unsigned side (but
+   (lanes = M in one group, or groups of lanes <= SPLIT_ROWS rows, the last one maybe
+   shorter): VL weight
+   rows' 4 bytes, transposed into one vector, meet one activation row's 4 bytes, broadcast;
+   each weight byte then serves every row of its group with none of tile_i8's idle lanes.
+   Weights must be the unsigned side (but
    with INT8_SIGNED_WEIGHTS, where signed ones go into dot4s as they are): q4_1's nibbles are;
    q8_0's bytes are offset by 128 (q ^ 0x80), taken back as 128 * sum(q) per block
    (W_OFFSET), as q4_0's and q5_0's zero points (8, 16) are. Rows past M are 0.
@@ -368,14 +370,20 @@ int32_t BT_FN(linear_f32)(const struct v1_matmul *c) {
      q8_0: acc = fma(isum_b, dx_b * d_b, acc)    (isum_b less W_OFFSET * sum q_b, exactly)
    then y = acc + bias. Every variant of the library computes these bit for bit.
 
-   tile_i8_few serves up to FEW_ROWS_MAX rows (where it beats tile_i8: docs/kernels.md); more
-   would not fit its sums in registers. tile_i8 (more rows than FEW_ROWS_MAX >= VL: two groups
-   of VL activation rows or more) runs I8_ROWS weight rows x GM_MAX groups. */
+   tile_i8_few serves up to FEW_ROWS_MAX rows in one group (more would not fit its sums in
+   registers), up to GROUPED_ROWS_MAX in groups of at most SPLIT_ROWS, each group meeting a
+   tile's weights while the cache still holds them (L1 for K up to a few thousand). Grouped,
+   it beat tile_i8 at 9-64 rows with AVX2 (lost at 96) and 17-128 with AVX-512 (lost at
+   256); with AVX-512 groups of 12 beat groups of 16 (a 16-row group's sums fill the
+   registers), with AVX2 groups of 8 beat 6 (docs/kernels.md, "Figures"). NEON takes the
+   first set, SSE2 the second: not measured. tile_i8 (more rows: groups of VL activation rows)
+   runs I8_ROWS weight rows x GM_MAX groups. */
 #if NREGS >= 32
-enum { FEW_ROWS_MAX = 16, I8_ROWS = 6, GM_MAX = 2 };
+enum { FEW_ROWS_MAX = 16, SPLIT_ROWS = 12, GROUPED_ROWS_MAX = 128, I8_ROWS = 6, GM_MAX = 2 };
 #else
-enum { FEW_ROWS_MAX = 8, I8_ROWS = 3, GM_MAX = 2 };
+enum { FEW_ROWS_MAX = 8, SPLIT_ROWS = 8, GROUPED_ROWS_MAX = 64, I8_ROWS = 3, GM_MAX = 2 };
 #endif
+_Static_assert(SPLIT_ROWS <= FEW_ROWS_MAX, "a group's rows are tile_i8_few's MF");
 enum { GROUPS = QK / 4, W_OFFSET = BT_SIGNED && !INT8_SIGNED_WEIGHTS ? 128 : BT_ZERO };
 _Static_assert(!(BT_MIN && W_OFFSET), "a format with a min has no zero point");
 
@@ -539,10 +547,10 @@ static inline __attribute__((always_inline)) vf tile_scales(const uint8_t *p, in
 
 /* Tile: VL weight rows (the lanes; from w = bt_row(weight, n0, rb), lane0 = n0 % BT_ROWS)
    x MF activation rows (lanes = MF in A, D, Q, T), MF <= FEW_ROWS_MAX a constant at each
-   call; the first nr rows are stored. */
+   call; the first nr weight rows of the first mv activation rows are stored. */
 static inline __attribute__((always_inline)) void tile_i8_few(
     const uint8_t *w, int lane0, int64_t rb, int nr, int64_t nb, const int32_t *A,
-    const float *D, const int32_t *Q, const float *T, int MF, float *y, int64_t ldy,
+    const float *D, const int32_t *Q, const float *T, int MF, int mv, float *y, int64_t ldy,
     const float *bias) {
     const int64_t bytes = BLOCK_STEP;
     const int CH = MF == 1 ? 4 : MF == 2 ? 2 : 1;
@@ -616,7 +624,7 @@ static inline __attribute__((always_inline)) void tile_i8_few(
                               dxd, acc[m]);
         }
     }
-    for (int m = 0; m < MF; m++) {
+    for (int m = 0; m < mv; m++) {
         float sums[VL];  /* (indexing acc by r would keep acc in memory throughout) */
         memcpy(sums, &acc[m], sizeof sums);
         for (int r = 0; r < nr; r++) y[m * ldy + r] = sums[r] + (bias ? bias[r] : 0.f);
@@ -632,12 +640,14 @@ static inline __attribute__((always_inline)) void tile_i8_few(
     if (gm == 2) TILE_I8(I8_ROWS, GM_MAX);   \
     else TILE_I8(I8_ROWS, 1);
 
-/* MF beyond FEW_ROWS_MAX never comes (the constant keeps the arrays' bounds). */
+/* MF beyond FEW_ROWS_MAX never comes (the constant keeps the arrays' bounds). Group g of
+   the call's `lanes` rows each (the last one's first mv stored). */
 #define TILE_FEW(MF_)                                                                        \
-    tile_i8_few(wn, (int)(n0 % BT_ROWS), row_bytes, nr, nb, j->A, j->D, j->Q, j->T,         \
-                (MF_) < FEW_ROWS_MAX ? (MF_) : FEW_ROWS_MAX, j->y + n0, ldy, bn)
+    tile_i8_few(wn, (int)(n0 % BT_ROWS), row_bytes, nr, nb, j->A + o * GROUPS, j->D + o,    \
+                j->Q + o, j->T + o, (MF_) < FEW_ROWS_MAX ? (MF_) : FEW_ROWS_MAX, mv,        \
+                j->y + g * lanes * ldy + n0, ldy, bn)
 #define TILES_FEW()                      \
-    switch (M) {                         \
+    switch (lanes) {                     \
         case 1: TILE_FEW(1); break;      \
         case 2: TILE_FEW(2); break;      \
         case 3: TILE_FEW(3); break;      \
@@ -665,6 +675,7 @@ struct job_i8 {
     const float *bias;
     float *y;
     int64_t ldy;
+    int few;                  /* 1: tile_i8_few, G groups of `lanes` rows; 0: tile_i8 */
     int nri;                  /* weight rows per tile; VL: tile_i8_few */
     const uint8_t *edge;      /* tile_i8_few's last VL rows, when N % VL rows are left:
                                  those, then the last one repeated */
@@ -689,9 +700,16 @@ static inline __attribute__((always_inline)) void i8_tiles(const struct job_i8 *
     for (int64_t n0 = t0 * nri; n0 < t1 * nri && n0 < j->N; n0 += nri) {
         const int nr = j->N - n0 < nri ? (int)(j->N - n0) : nri;
         const float *bn = j->bias ? j->bias + n0 : NULL;
-        if (M <= FEW_ROWS_MAX) {
+        if (j->few) {
+            /* Each group meets the tile's weights, from memory for the first one only (a
+               tile is VL rows of K: still cached for the next). */
             const uint8_t *wn = nr < VL ? j->edge : bt_row(j->w, n0, row_bytes);
-            TILES_FEW()
+            const int64_t lanes = j->lanes;
+            for (int64_t g = 0; g < G; g++) {
+                const int64_t o = g * j->per_group;
+                const int mv = (int)(M - g * lanes < lanes ? M - g * lanes : lanes);
+                TILES_FEW()
+            }
             continue;
         }
         for (int64_t g0 = 0; g0 < G; g0 += GM_MAX) {
@@ -713,17 +731,19 @@ enum { FEW_TILES_PER_ITEM = 32 / VL };
 
 /* As linear_f32, through int8 activations. 0, or -1 without scratch memory. A row
    holding inf or NaN is computed by the fp32 path: quantized, it would be NaN throughout
-   (its scale inf), where torch gives +-inf or NaN element by element. Up to FEW_ROWS_MAX rows
-   take tile_i8_few, more tile_i8: the same numbers for each row either way (see above). */
+   (its scale inf), where torch gives +-inf or NaN element by element. Up to GROUPED_ROWS_MAX
+   rows take tile_i8_few (past FEW_ROWS_MAX in groups of at most SPLIT_ROWS, as even as they
+   go), more tile_i8: the same numbers for each row either way (see above). */
 int32_t BT_FN(linear_i8)(const struct v1_matmul *c) {
     const int64_t N = c->w.rows, K = c->w.cols, M = c->x.rows;
     const uint8_t *w = c->w.data;
     const float *x = c->x.data;
-    const int few = M <= FEW_ROWS_MAX;
+    const int few = M <= GROUPED_ROWS_MAX;
+    const int64_t groups = M <= FEW_ROWS_MAX ? 1 : (M + SPLIT_ROWS - 1) / SPLIT_ROWS;
     struct job_i8 j = {.w = w, .N = N, .nb = K / QK, .M = M, .x = x, .ldx = c->x.stride,
-                       .bias = c->bias, .y = c->out.data, .ldy = c->out.stride};
+                       .bias = c->bias, .y = c->out.data, .ldy = c->out.stride, .few = few};
     j.row_bytes = c->w.stride;
-    j.lanes = few ? M : VL;
+    j.lanes = few ? (M + groups - 1) / groups : VL;
     j.G = (M + j.lanes - 1) / j.lanes;
     j.per_group = j.nb * j.lanes;
     /* A, then D, Q, T (4-byte elements all); rows past M stay 0. */
