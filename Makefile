@@ -34,7 +34,9 @@ kernels-native: .venv/.installed
 # <variant>_asan (-O1 -g), then the kernel and attention tests (odd shapes included:
 # tests/kernels/test_odd_shapes.py) on each. A read or write past a buffer, or undefined
 # behaviour, aborts the run with a report. Python itself is not instrumented: libasan is
-# preloaded so that the libraries' allocations and torch's go through it.
+# preloaded so that the libraries' allocations and torch's go through it. Not run: the test
+# whose torch indexing raises IndexError (few_ids): that C++ throw aborts in libasan's
+# __cxa_throw interceptor (its CHECK "real___cxa_throw != 0" fails), whatever our C does.
 SANITIZE_TESTS := tests/kernels tests/worker/test_quant_kernels.py tests/worker/test_ops.py \
 	tests/attention/test_torch_attn.py tests/attention/test_kv_cache_dtype.py
 SANITIZE_ENV := LD_PRELOAD=$$($${CC:-cc} -print-file-name=libasan.so) \
@@ -46,7 +48,7 @@ sanitize: .venv/.installed
 	for v in $$($(PY) -m v1.kernels.library asan); do \
 		echo "== $$v"; \
 		$(SANITIZE_ENV) V1_CPU_KERNELS=$$v $(PY) -m pytest -q -x $(SANITIZE_TESTS) \
-			-k "not late_worker" || exit 1; \
+			-k "not late_worker and not few_ids" || exit 1; \
 	done
 	# The C kernel driver (tests/kernels/kernel_driver.c), built with the same sanitizers.
 	ASAN_OPTIONS=abort_on_error=1 $(PY) -m tests.kernels.kernel_check native --asan
