@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 # common first: it sets the OpenMP wait policy torch reads as it loads.
-from common import median  # isort: skip
+from common import cpu_info, cpu_line, median  # isort: skip
 from bench_llamacpp import DECODE_QUESTION, HELPDESK, chat_prompt
 
 BENCH = Path(__file__).resolve().parent
@@ -204,9 +204,11 @@ def main() -> None:
                                           f"vs_{base}": round(ratio, 3)}
             print(f"{workload:10} {name:14} {median(values):15.1f} {ratio:10.3f}")
         print(f"{workload:10} greedy tokens equal across contenders: {equal[workload]}")
+    cpu = cpu_info(Path("/proc/cpuinfo").read_text())
+    print(cpu_line(cpu))
     print(json.dumps({"contenders": [c.name for c in children],
                       "v1": {c.name: c.ready["v1"] for c in children},
-                      "rounds": args.rounds, "rows": rows, "tokens_equal": equal,
+                      "rounds": args.rounds, "rows": rows, "tokens_equal": equal, "cpu": cpu,
                       "loadavg_1m": round(os.getloadavg()[0], 2)}))
 
 

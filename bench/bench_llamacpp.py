@@ -78,8 +78,8 @@ from typing import Any
 
 import llamacpp
 from common import (
-    CPU_FLAGS,
     agreement,
+    cpu_line,
     engine_core_pid,
     environment,
     median,
@@ -510,9 +510,7 @@ def main() -> None:
         result["v1_kernels"] = result["bench_llamacpp"]["v1_kernels"]
 
     result["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
-    cpu = result["cpu"]
-    print(f"CPU: {cpu['model']} ({cpu['vendor']} {cpu['family_model_stepping']}), flags: "
-          f"{' '.join(cpu['flags']) or 'none of ' + ' '.join(CPU_FLAGS)}")
+    print(cpu_line(result["cpu"]))
     options = result["llamacpp_build_options"]
     print(f"llama.cpp {result['llamacpp_version']}, build {args.llamacpp_build}: "
           f"{' '.join(f'{k}={v}' for k, v in options.items())}; {result['llamacpp_threads']} "

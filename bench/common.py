@@ -220,6 +220,12 @@ def cpu_seconds() -> float:
     return total
 
 
+def cpu_line(cpu: dict[str, Any]) -> str:
+    """`cpu_info`'s record as the line a result prints to name its CPU."""
+    return (f"CPU: {cpu['model']} ({cpu['vendor']} {cpu['family_model_stepping']}), flags: "
+            f"{' '.join(cpu['flags']) or 'none of ' + ' '.join(CPU_FLAGS)}")
+
+
 def cpu_info(cpuinfo: str) -> dict[str, Any]:
     """The CPU of a /proc/cpuinfo text (its first processor): model name, vendor, family,
     model and stepping numbers (a VM may hide the name, not those), and which of `CPU_FLAGS`

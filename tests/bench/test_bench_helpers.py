@@ -393,6 +393,16 @@ def test_cpu_info_names_the_first_cpu_and_its_kernel_flags():
     assert common.cpu_info(arm)["flags"] == ["asimd", "asimddp"]
 
 
+def test_cpu_line_names_the_cpu_a_result_ran_on():
+    """The line bench_llamacpp and bench_ab print: model, vendor and family/model/stepping,
+    the kernel flags (or that it has none of them)."""
+    assert common.cpu_line(common.cpu_info(CPUINFO)) == (
+        "CPU: Intel(R) Xeon(R) Processor (GenuineIntel 6/143/8), flags: avx2 fma f16c avx_vnni "
+        "avx512f avx512bw avx512_vnni amx_tile amx_int8")
+    bare = dict(common.cpu_info(CPUINFO), flags=[])
+    assert common.cpu_line(bare).endswith("flags: none of " + " ".join(common.CPU_FLAGS))
+
+
 def test_kernel_libraries_are_read_from_a_process_maps():
     maps = (
         "7f0000000000-7f0000001000 r--p 00000000 08:01 42 /usr/lib/libc.so.6\n"
