@@ -354,10 +354,9 @@ int32_t BT_FN(linear_f32)(const struct v1_matmul *c) {
    Two tiles read them. tile_i8 (lanes = VL): a weight's 4 bytes for the same values,
    broadcast, meet VL activation rows in one u8 x s8 dot product (dot4). tile_i8_few
    (lanes = M in one group, or groups of lanes <= SPLIT_ROWS rows, the last one maybe
-   shorter): VL weight
-   rows' 4 bytes, transposed into one vector, meet one activation row's 4 bytes, broadcast;
-   each weight byte then serves every row of its group with none of tile_i8's idle lanes.
-   Weights must be the unsigned side (but
+   shorter): VL weight rows' 4 bytes, transposed into one vector, meet one activation row's 4
+   bytes, broadcast; each weight byte then serves every row of its group with none of
+   tile_i8's idle lanes. Weights must be the unsigned side (but
    with INT8_SIGNED_WEIGHTS, where signed ones go into dot4s as they are): q4_1's nibbles are;
    q8_0's bytes are offset by 128 (q ^ 0x80), taken back as 128 * sum(q) per block
    (W_OFFSET), as q4_0's and q5_0's zero points (8, 16) are. Rows past M are 0.
@@ -675,7 +674,6 @@ struct job_i8 {
     const float *bias;
     float *y;
     int64_t ldy;
-    int few;                  /* 1: tile_i8_few, G groups of `lanes` rows; 0: tile_i8 */
     int nri;                  /* weight rows per tile; VL: tile_i8_few */
     const uint8_t *edge;      /* tile_i8_few's last VL rows, when N % VL rows are left:
                                  those, then the last one repeated */
@@ -700,7 +698,7 @@ static inline __attribute__((always_inline)) void i8_tiles(const struct job_i8 *
     for (int64_t n0 = t0 * nri; n0 < t1 * nri && n0 < j->N; n0 += nri) {
         const int nr = j->N - n0 < nri ? (int)(j->N - n0) : nri;
         const float *bn = j->bias ? j->bias + n0 : NULL;
-        if (j->few) {
+        if (M <= GROUPED_ROWS_MAX) {  /* tile_i8_few, G groups of `lanes` rows */
             /* Each group meets the tile's weights, from memory for the first one only (a
                tile is VL rows of K: still cached for the next). */
             const uint8_t *wn = nr < VL ? j->edge : bt_row(j->w, n0, row_bytes);
@@ -732,8 +730,9 @@ enum { FEW_TILES_PER_ITEM = 32 / VL };
 /* As linear_f32, through int8 activations. 0, or -1 without scratch memory. A row
    holding inf or NaN is computed by the fp32 path: quantized, it would be NaN throughout
    (its scale inf), where torch gives +-inf or NaN element by element. Up to GROUPED_ROWS_MAX
-   rows take tile_i8_few (past FEW_ROWS_MAX in groups of at most SPLIT_ROWS, as even as they
-   go), more tile_i8: the same numbers for each row either way (see above). */
+   rows take tile_i8_few (past FEW_ROWS_MAX in groups of the same lanes <= SPLIT_ROWS rows,
+   the last one maybe shorter), more tile_i8: the same numbers for each row either way (see
+   above). */
 int32_t BT_FN(linear_i8)(const struct v1_matmul *c) {
     const int64_t N = c->w.rows, K = c->w.cols, M = c->x.rows;
     const uint8_t *w = c->w.data;
@@ -741,7 +740,7 @@ int32_t BT_FN(linear_i8)(const struct v1_matmul *c) {
     const int few = M <= GROUPED_ROWS_MAX;
     const int64_t groups = M <= FEW_ROWS_MAX ? 1 : (M + SPLIT_ROWS - 1) / SPLIT_ROWS;
     struct job_i8 j = {.w = w, .N = N, .nb = K / QK, .M = M, .x = x, .ldx = c->x.stride,
-                       .bias = c->bias, .y = c->out.data, .ldy = c->out.stride, .few = few};
+                       .bias = c->bias, .y = c->out.data, .ldy = c->out.stride};
     j.row_bytes = c->w.stride;
     j.lanes = few ? (M + groups - 1) / groups : VL;
     j.G = (M + j.lanes - 1) / j.lanes;
