@@ -9,7 +9,6 @@ continues) is most often what it wrote last. Stateless: nothing to forget per re
 from collections.abc import Hashable, Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 class NgramProposer:
@@ -24,13 +23,17 @@ class NgramProposer:
 
     def propose(self, req_id: str, token_ids: Sequence[int], k: int) -> list[int]:
         tokens = np.asarray(token_ids)
-        num_tokens = len(tokens)
-        for n in range(min(self.max_n, num_tokens - 1), self.min_n - 1, -1):
-            # Windows starting at 0 .. num_tokens - n - 1: each has at least one token after it.
-            windows = sliding_window_view(tokens[:-1], n)
-            matches = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+        # An n-gram match ends where the last token occurs earlier: on text that does not
+        # repeat there are few such places (often none), so only they are compared.
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+        if not len(ends):
+            return []
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            fit = ends[ends >= n - 1]  # room for n tokens up to the end
+            windows = tokens[fit[:, None] - np.arange(n - 1, -1, -1)]
+            matches = fit[(windows == tokens[-n:]).all(axis=1)]
             if len(matches):
-                start = int(matches[-1]) + n
+                start = int(matches[-1]) + 1
                 return tokens[start : start + k].tolist()
         return []
 
