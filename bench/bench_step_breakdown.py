@@ -1,4 +1,4 @@
-"""Where a batched decode step's time goes: GEMMs, attention and the rest.
+"""Where a decode step's time goes: GEMMs, attention and the rest.
 
 The workload of `bench_throughput.py --decode`: `--seqs` concurrent requests of `--input-len`
 random tokens, each generating `--output-len` tokens, all prefilled in the first step; the
@@ -11,12 +11,16 @@ its own calls (on CPU every op is synchronous, so a call's wall time is its work
   update_from_output), then output processing (detokenization, stop checks);
 - GEMMs: every `Linear.forward` (q/k/v, o, gate/up, down of each layer) and the LM head
   (`compute_logits`);
+- fused layers: with `--weights gguf` (the engine's default for a .gguf file: its blocks in
+  the C kernels), a decode step runs every layer as one C call (`FusedDecoder`: the layers'
+  GEMMs, attention, norms and RoPE inside it); then "gemm" is the LM head alone;
 - attention: `paged_attention`, reading the K/V cache (the C decode kernel on CPU); the KV
   write and the attention plan count under "other";
 - sampling: the `Sampler`;
-- other model work: the runner minus the above (input preparation, embedding, norms, RoPE,
-  SiLU-and-mul, KV write); scheduler: the core's step minus the runner; output processing:
-  the step minus the core's step.
+- other model work: the runner minus the above (input preparation and the step's plan,
+  embedding, norms, RoPE, SiLU-and-mul, KV write, outside the fused call): Python and the
+  small ops; scheduler: the core's step minus the runner; output processing: the step minus
+  the core's step.
 Figures are means over the pure-decode steps (every request decoding) of `--repeat` runs.
 GFLOP/s counts 2 FLOPs per weight of every linear layer and the LM head per token (from the
 model config); GB/s counts the K and V bytes of every context token in every layer.
@@ -30,6 +34,7 @@ Prints a table, then one JSON line. `--out DIR` writes step_breakdown.json and a
 
     .venv/bin/python bench/bench_step_breakdown.py --floors
     .venv/bin/python bench/bench_step_breakdown.py --seqs 8 --input-len 32 --output-len 16
+    .venv/bin/python bench/bench_step_breakdown.py --seqs 1 --input-len 8 --weights gguf
 """
 
 import argparse
@@ -63,17 +68,19 @@ from common import (
 from v1.attention.backends import torch_attn
 from v1.engine.core import EngineCore
 from v1.engine.llm_engine import LLMEngine
+from v1.kernels.fused_step import FusedDecoder
 from v1.models import DecoderForCausalLM, head_dim_of
 from v1.models.layers.linear import Linear
 from v1.sampling_params import SamplingParams
 from v1.worker.model_runner import ModelRunner
 from v1.worker.sampler import Sampler
 
-# The timed calls, each nested in the next ones: gemm, attention, sampling < runner < core
-# < step.
-TIMED = ("gemm", "attention", "sampling", "runner", "core", "step")
+# The timed calls, each nested in the next ones: gemm, attention, sampling, fused < runner <
+# core < step.
+TIMED = ("gemm", "attention", "sampling", "fused", "runner", "core", "step")
 # What a step is split into, as printed.
-PARTS = ("gemm", "attention", "sampling", "other model work", "scheduler", "output processing")
+PARTS = ("fused layers", "gemm", "attention", "sampling", "other model work", "scheduler",
+         "output processing")
 
 
 def linear_weights(config: Any) -> int:
@@ -105,11 +112,12 @@ def mean_decode_context(input_len: int, output_len: int) -> float:
 def split_step(timed: dict[str, float]) -> dict[str, float]:
     """One step's timed calls (seconds) as the printed parts."""
     return {
+        "fused layers": timed["fused"],
         "gemm": timed["gemm"],
         "attention": timed["attention"],
         "sampling": timed["sampling"],
-        "other model work": timed["runner"] - timed["gemm"] - timed["attention"]
-        - timed["sampling"],
+        "other model work": timed["runner"] - timed["fused"] - timed["gemm"]
+        - timed["attention"] - timed["sampling"],
         "scheduler": timed["core"] - timed["runner"],
         "output processing": timed["step"] - timed["core"],
     }
@@ -153,6 +161,7 @@ class StepClock(CallClock):
                 (DecoderForCausalLM, "compute_logits", functools.partial(self._timed, "gemm")),
                 (torch_attn, "paged_attention", functools.partial(self._timed, "attention")),
                 (Sampler, "__call__", functools.partial(self._timed, "sampling")),
+                (FusedDecoder, "__call__", functools.partial(self._timed, "fused")),
                 (ModelRunner, "execute_model", self._runner),
                 (EngineCore, "step", functools.partial(self._timed, "core")),
                 (LLMEngine, "step", self._step),
@@ -216,17 +225,22 @@ def main() -> None:
     parser.add_argument("--floors", action="store_true",
                         help="also measure the matmul, GEMM and read floors of this machine")
     parser.add_argument("--floor-repeat", type=int, default=10, help="calls per floor (median)")
+    parser.add_argument("--weights", choices=("fp32", "gguf"), default="fp32",
+                        help="fp32 (oneDNN GEMMs) or a .gguf file's blocks in the C kernels, "
+                             "as the engine's default (fused layers at decode)")
     parser.add_argument("--out", default=None, help="directory for the JSON result and a PNG plot")
     add_model_args(parser)
     args = parser.parse_args()
     if args.output_len < 2:
         parser.error("--output-len must be at least 2: the first token comes from the prefill")
     setup_threads(args)
-    # Float weights: the breakdown and its floors are fp32's (oneDNN GEMMs).
-    loaded = load(args.model, "none")
+    # The floors are fp32's (oneDNN GEMMs): measured on float weights only.
+    if args.floors and args.weights != "fp32":
+        parser.error("--floors measures fp32 GEMMs: use it with --weights fp32")
+    loaded = load(args.model, "none" if args.weights == "fp32" else None)
     config = loaded.hf_config
     n = args.seqs
-    element_size = next(loaded.model.parameters()).element_size()
+    element_size = 4  # load() computes in fp32: an fp32 K/V cache (whatever the weights)
     context = mean_decode_context(args.input_len, args.output_len)
     kv_bytes = n * context * kv_bytes_per_token(config, element_size)
     flops = n * gemm_flops_per_token(config)
@@ -254,6 +268,9 @@ def main() -> None:
     assert len(decode_steps) == args.repeat * (args.output_len - 1), len(decode_steps)
     ms = {p: 1e3 * statistics.fmean(s[p] for s in decode_steps) for p in PARTS}
     step_ms = sum(ms.values())
+    # Fused layers: "gemm" timed the LM head alone, "attention" nothing (both in the C call).
+    head_flops = n * 2 * config.hidden_size * config.vocab_size
+    gemm_flops = head_flops if ms["fused layers"] else flops
 
     result: dict[str, Any] = {
         "bench": "step_breakdown",
@@ -265,16 +282,23 @@ def main() -> None:
         "step_ms": round(step_ms, 2),
         "decode_tok_s": round(n / step_ms * 1e3, 1),
         **{f"{p.replace(' ', '_')}_ms": round(v, 2) for p, v in ms.items()},
-        "gemm_gflop_per_step": round(flops / 1e9, 3),
-        "gemm_gflop_s": round(flops / ms["gemm"] / 1e6, 1),
+        "weights": args.weights,
+        "gemm_gflop_per_step": round(gemm_flops / 1e9, 3),
+        "gemm_gflop_s": round(gemm_flops / ms["gemm"] / 1e6, 1),
         "kv_mb_per_step": round(kv_bytes / 1e6, 1),
-        "attention_gb_s": round(kv_bytes / ms["attention"] / 1e6, 2),
+        "attention_gb_s": (round(kv_bytes / ms["attention"] / 1e6, 2) if ms["attention"]
+                           else None),
         "run_step_ms": [round(x, 2) for x in run_step_ms],
         **floor,
         **environment(),
     }
-    rates = {"gemm": f"{result['gemm_gflop_s']} GFLOP/s ({result['gemm_gflop_per_step']} GFLOP)",
-             "attention": f"{result['attention_gb_s']} GB/s ({result['kv_mb_per_step']} MB K/V)"}
+    rates = {"gemm": f"{result['gemm_gflop_s']} GFLOP/s ({result['gemm_gflop_per_step']} GFLOP"
+                     f"{': the LM head' if ms['fused layers'] else ''})"}
+    if ms["attention"]:
+        rates["attention"] = f"{result['attention_gb_s']} GB/s ({result['kv_mb_per_step']} MB K/V)"
+    if ms["fused layers"]:
+        rates["fused layers"] = (f"{(flops - head_flops) / ms['fused layers'] / 1e6:.1f} GFLOP/s "
+                                 f"of the layers' GEMMs, with their attention")
     print_table(["part", "ms/step", "share", "rate"],
                 [[p, ms[p], f"{ms[p] / step_ms:.1%}", rates.get(p, "")] for p in PARTS]
                 + [["step", step_ms, "100%", f"{result['decode_tok_s']} tok/s"]])

@@ -144,14 +144,21 @@ def test_step_breakdown_counts_gemm_flops_and_kv_bytes():
 
 
 def test_step_breakdown_splits_nested_timers():
-    timed = {"gemm": 0.140, "attention": 0.030, "sampling": 0.003, "runner": 0.180,
-             "core": 0.181, "step": 0.183}
+    timed = {"gemm": 0.140, "attention": 0.030, "sampling": 0.003, "fused": 0.0,
+             "runner": 0.180, "core": 0.181, "step": 0.183}
     parts = bench_step_breakdown.split_step(timed)
     assert list(parts) == list(bench_step_breakdown.PARTS)
     assert parts["other model work"] == pytest.approx(0.007)
     assert parts["scheduler"] == pytest.approx(0.001)
     assert parts["output processing"] == pytest.approx(0.002)
     assert sum(parts.values()) == pytest.approx(timed["step"])
+    # A fused step (GGUF blocks): the C call holds the layers; gemm timed the LM head alone.
+    fused = {"gemm": 0.0025, "attention": 0.0, "sampling": 0.0001, "fused": 0.0068,
+             "runner": 0.0118, "core": 0.0119, "step": 0.0120}
+    parts = bench_step_breakdown.split_step(fused)
+    assert parts["fused layers"] == 0.0068
+    assert parts["other model work"] == pytest.approx(0.0024)
+    assert sum(parts.values()) == pytest.approx(fused["step"])
 
 
 def test_serving_summary_in_milliseconds():
