@@ -328,7 +328,9 @@ def test_native_kernel_serves_decodes_and_short_prefills(decode_impl, always_cas
 def test_a_long_decode_is_the_same_bits_alone_and_in_a_batch(decode_impl):
     """The C kernel cuts an entry's keys into parts by the entry's own length (so one long
     decode uses every thread): its output must not depend on the other entries of the call
-    nor on the thread count."""
+    nor on the thread count. Through SDPA, not on the other entries at one thread count:
+    torch's kernel splits a lone query's keys over threads by its own rule (with torch's
+    AVX2 kernels, on a Zen 3, 2 threads gave other bits than 1)."""
     batch = Batch(*SCENARIOS["decode-lengths"], 9, 3, 64, 16)
     impl = TorchAttentionImpl(9, 64, 3, 0.125)
     md = batch.metadata
@@ -346,8 +348,9 @@ def test_a_long_decode_is_the_same_bits_alone_and_in_a_batch(decode_impl):
                                             batch.kv_cache.clone(), alone)
     finally:
         torch.set_num_threads(threads)
-    for (where, _), out in outs.items():
-        assert torch.equal(out[0 if where == "alone" else 1], outs["alone", 1][0])
+    for (where, n), out in outs.items():
+        alone_ref = outs["alone", 1 if decode_impl == "native" else n][0]
+        assert torch.equal(out[0 if where == "alone" else 1], alone_ref)
     ref, _ = batch.run_reference(0.125)
     torch.testing.assert_close(outs["batch", 2], ref, atol=ATOL, rtol=RTOL)
 
