@@ -47,6 +47,7 @@ class Fixed:
 
     def propose(self, req_id, token_ids, k):
         self.calls += 1
+        self.last_tokens = token_ids
         return [] if req_id in self.silent else list(range(k))
 
     def finish(self, req_id):
@@ -271,6 +272,15 @@ def test_who_drafts_and_async_placeholders():
     drafter.finish("r")
     assert drafter.proposer.finished == ["dropped q", "r"]
     assert drafter.drafts_for_step("r", [-1]) == [-1]
+
+
+def test_the_history_reaches_the_proposer_uncopied():
+    # The runner's view of its token buffer goes as it is: no list of the whole history per
+    # request and step (the proposers read it during the call and copy what they keep).
+    drafter = drafter_on(CHEAP)
+    history = np.arange(600, dtype=np.int32)[:512]
+    drafter.propose("r", history, SamplingParams(), 1)
+    assert drafter.proposer.last_tokens is history
 
 
 def test_suffix_method_builds_its_proposer_or_says_why_not():

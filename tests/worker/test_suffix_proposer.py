@@ -3,6 +3,7 @@ Arctic's path-mode semantics (checked against a plain trie), exact eviction, bou
 
 import random
 
+import numpy as np
 import pytest
 
 from v1.worker.spec_decode import suffix
@@ -53,6 +54,19 @@ def test_own_prompt_lookup_while_running() -> None:
     # Its own output is searchable too: a loop it started repeats.
     loop = [7000, 7001, 7002, 7003, 7004, 7005]
     assert p.propose("a", prompt + passage[:5] + loop + loop[:4], 4) == loop[4:] + loop[:2]
+
+
+def test_a_numpy_view_of_a_reused_buffer_is_read_as_a_list() -> None:
+    # As the runner calls it: views of its token buffer, which it reuses once the request
+    # leaves. Drafts are as from lists; what the index keeps is Python ints, not the view.
+    buf = np.array(PROMPT + ANSWER, dtype=np.int32)
+    p = SuffixProposer()
+    views = [p.propose("a", buf[: len(PROMPT) + i + 1], 8) for i in range(len(ANSWER))]
+    assert all(type(t) is int for t in p._requests["a"].tokens)
+    p.finish("a")
+    buf[:] = 0  # the runner's row, reused
+    assert views == run_request(SuffixProposer(), "a", PROMPT, ANSWER)
+    assert p.propose("b", PROMPT + ANSWER[:1], 8) == ANSWER[1:9]
 
 
 def test_min_token_prob_cuts_the_draft() -> None:

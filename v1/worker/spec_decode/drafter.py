@@ -131,7 +131,8 @@ class Drafter:
         the requests decoding in that step, `other_rows`: the others' drafts (its rows but
         this request's drafts: `batch_size + other_rows`). The proposer is asked only when
         the request drafts (an index catches up on the tokens it missed the next time): no
-        lookup, and no copy of the history, for the others."""
+        lookup for the others. `token_ids` goes to the proposer as given (the runner's view
+        of its token buffer: never copied whole)."""
         drafts: list[int] = []
         if can_draft(params, num_output):
             state = self._requests.get(req_id)
@@ -139,8 +140,6 @@ class Drafter:
                 state = self._requests[req_id] = _Request(_Acceptance())
             k = self.draft_length(state, batch_size, batch_size + other_rows)
             if k:
-                if isinstance(token_ids, np.ndarray):
-                    token_ids = token_ids.tolist()
                 drafts = self.proposer.propose(req_id, token_ids, k)
         self.pending[req_id] = drafts
         return drafts

@@ -21,7 +21,9 @@ class DraftProposer(Protocol):
 
     def propose(self, req_id: str, token_ids: Sequence[int], k: int) -> list[int]:
         """Up to k draft tokens continuing `token_ids` (the request's prompt + its accepted output
-        so far, newest last); [] when it has none. Called once per request per step."""
+        so far, newest last; a list, or the runner's numpy view of its token buffer, valid
+        during the call only: copy what is kept); [] when it has none. Called once per request
+        per step."""
         ...
 
     def finish(self, req_id: str) -> None:

@@ -557,11 +557,12 @@ class SuffixProposer:
             )
         tokens = req.tokens
         num_new = len(token_ids) - len(tokens)
-        tokens.extend(token_ids[len(tokens) :])
+        # int(): the runner passes a numpy view, whose scalars hash and compare slower; only
+        # the tokens new since the last call are read (and kept: the view is the runner's).
+        tokens.extend(map(int, token_ids[len(tokens) :]))
         tree = req.tree
-        # int(): a caller may pass numpy arrays, whose scalars hash and compare slower.
         done = len(tree.seq)
-        tree.extend([int(t) for t in tokens[done : done + self.max_index_tokens]])
+        tree.extend(tokens[done : done + self.max_index_tokens])
         shared = self._trees.get(req.scope) if self._shared else None
         if shared is None:
             req.shared, req.matches = None, []
@@ -572,7 +573,7 @@ class SuffixProposer:
                 req.shared, req.version, req.matches = shared, shared.version, []
                 num_new = min(len(tokens), self.max_tree_depth - 1)
             for t in tokens[len(tokens) - num_new :]:
-                req.matches = shared.follow(req.matches, int(t))
+                req.matches = shared.follow(req.matches, t)
         if k <= 0:
             return []
         score, draft = 0.0, []
@@ -598,7 +599,7 @@ class SuffixProposer:
         self._scopes.pop(req_id, None)
         if req is None or not self._shared:
             return
-        tokens = [int(t) for t in req.tokens[max(0, req.first_len - self.max_tree_depth) :]]
+        tokens = req.tokens[max(0, req.first_len - self.max_tree_depth) :]
         if len(tokens) > self.max_cached_tokens:
             return  # it would evict everything, itself included
         tree = self._trees.get(req.scope)
