@@ -56,8 +56,10 @@ static void kv_write(const struct paged_decode_step *step, const float *k, int64
    entry's keys only; p.v summed in key order. An entry of one part is written by its task;
    the parts of a longer one are merged after all tasks, in part order. So an entry's result
    is the same bits in any step (a batch-1 decode, a verify step's rows, a batch) and at any
-   thread count: parts are what lets one long decode use every thread. D must be a multiple
-   of 8. Tasks are spread over the pool's threads (pool.h).
+   thread count: parts are what lets one long decode use every thread. A call of fewer tasks
+   than threads (a lone decode of up to PART_KEYS keys is one) runs each task as one per kv
+   head instead, which computes each head as the whole task does. D must be a multiple of 8.
+   Tasks are spread over the pool's threads (pool.h).
 
        entries  r0 r1 r2 (one request: a token and 2 drafts; end = e, e + 1, e + 2)
        keys     | part 0: 128 | part 1: 128 | part 2: e - 256 + (0, 1, 2) |
@@ -94,6 +96,9 @@ struct decode_call {
        partial + (partial_at[r] + p) * H (2 + D). */
     const int64_t *group_first, *task_group, *task_part, *partial_at;
     float *partial;
+    /* Each (group, part) is this many tasks, one per range of KVH / heads_split kv heads
+       (1 or KVH: see PAGED_DECODE); a head's arithmetic is the same in any range. */
+    int64_t heads_split;
 };
 
 /* rows[t] for t in [0, n) (n <= TMAX): kv head j's row of key t as fp32 (16-bit caches
@@ -190,10 +195,12 @@ static void softmax_step(float *s, int64_t n, float *m, float *l, v8 *acc, int64
 }
 
 /* The online softmax of g entries of one group (entries rows[i], keys [t_begin, ends[i]),
-   each ends[i] > t_begin or the whole of an empty entry) into m[i H + h], l[i H + h] and
-   acc[(i H + h) NV + v] (unnormalised), from m = -FLT_MAX, l = 0, acc = 0. */
+   each ends[i] > t_begin or the whole of an empty entry) for the query heads of kv heads
+   [j0, j1) into m[i H + h], l[i H + h] and acc[(i H + h) NV + v] (unnormalised), from
+   m = -FLT_MAX, l = 0, acc = 0 (the other heads' left as they are). */
 static void attend_group(const struct decode_call *c, const int64_t *rows, const int64_t *ends,
-                         int64_t g, int64_t t_begin, float *m, float *l, v8 *acc) {
+                         int64_t g, int64_t t_begin, int64_t j0, int64_t j1, float *m, float *l,
+                         v8 *acc) {
     const struct paged_decode_step *step = c->step;
     const int64_t H = c->H, KVH = step->KVH, D = step->D, B = step->B;
     const int64_t G = H / KVH, NV = D / 8, row = KVH * D;
@@ -206,7 +213,7 @@ static void attend_group(const struct decode_call *c, const int64_t *rows, const
     int64_t t_end = t_begin;
     for (int64_t i = 0; i < g; i++) {
         t_end = ends[i] > t_end ? ends[i] : t_end;
-        for (int64_t h = 0; h < H; h++) {
+        for (int64_t h = j0 * G; h < j1 * G; h++) {
             const float *qp = c->q + step->tok[rows[i]] * c->q_row + h * D;
             for (int64_t x = 0; x < NV; x++) {
                 qv[i * H + h][x] = load8(qp + 8 * x) * c->scale;
@@ -239,7 +246,7 @@ static void attend_group(const struct decode_call *c, const int64_t *rows, const
         }
         /* Scores s[i H + h][t] = scale * q . k_t over the whole chunk (lanes past an entry's
            keys are never read), the queries of a kv head two at a time. */
-        for (int64_t j = 0; j < KVH; j++) {
+        for (int64_t j = j0; j < j1; j++) {
             chunk_rows(kr, n, j, D, wide, kv_rows);
             int64_t qs[g * G], nq = 0;
             for (int64_t i = 0; i < g; i++)
@@ -257,11 +264,11 @@ static void attend_group(const struct decode_call *c, const int64_t *rows, const
             }
         }
         for (int64_t i = 0; i < g; i++)
-            for (int64_t h = 0; keys[i] && h < H; h++)
+            for (int64_t h = j0 * G; keys[i] && h < j1 * G; h++)
                 softmax_step(s[i * H + h], keys[i], &m[i * H + h], &l[i * H + h],
                              acc + (i * H + h) * NV, NV);
         /* acc += p . v over each entry's own keys, a kv head's queries of an entry in pairs. */
-        for (int64_t j = 0; j < KVH; j++) {
+        for (int64_t j = j0; j < j1; j++) {
             chunk_rows(vr, n, j, D, wide, kv_rows);
             for (int64_t i = 0; i < g; i++) {
                 int64_t h = j * G;
@@ -277,11 +284,11 @@ static void attend_group(const struct decode_call *c, const int64_t *rows, const
     }
 }
 
-/* Entry r's output and lse from its m, l and acc. */
+/* Entry r's output and lse of heads [h0, h1) from its m, l and acc. */
 static void finish(const struct decode_call *c, int64_t r, const float *m, const float *l,
-                   const v8 *acc) {
+                   const v8 *acc, int64_t h0, int64_t h1) {
     const int64_t H = c->H, NV = c->step->D / 8, tok = c->step->tok[r];
-    for (int64_t h = 0; h < H; h++) {
+    for (int64_t h = h0; h < h1; h++) {
         float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
         float *op = c->out + tok * c->out_row + h * NV * 8;
         for (int64_t i = 0; i < NV; i++) store8(op + 8 * i, acc[h * NV + i] * inv);
@@ -294,9 +301,11 @@ static void decode_tasks(void *ctx, int64_t t0, int64_t t1, int thread) {
     const struct paged_decode_step *step = c->step;
     const int64_t H = c->H, NV = step->D / 8, gmax = group_rows(H, step->D);
     (void)thread;
-    for (int64_t t = t0; t < t1; t++) {
+    const int64_t split = c->heads_split, per = step->KVH / split, G = H / step->KVH;
+    for (int64_t task = t0; task < t1; task++) {
         float m[gmax * H], l[gmax * H];
         v8 acc[gmax * H * NV];
+        const int64_t t = task / split, j0 = task % split * per, h0 = j0 * G, h1 = h0 + per * G;
         const int64_t grp = c->task_group ? c->task_group[t] : t;
         const int64_t first = c->group_first ? c->group_first[grp] : grp;
         const int64_t last = c->group_first ? c->group_first[grp + 1] : grp + 1;
@@ -310,17 +319,18 @@ static void decode_tasks(void *ctx, int64_t t0, int64_t t1, int thread) {
             rows[g] = r;
             ends[g++] = c->task_group && stop < step->end[r] ? stop : step->end[r];
         }
-        attend_group(c, rows, ends, g, begin, m, l, acc);
+        attend_group(c, rows, ends, g, begin, j0, j0 + per, m, l, acc);
         for (int64_t i = 0; i < g; i++) {
             const int64_t r = rows[i];
-            if (!c->task_group || c->partial_at[r] < 0) {
-                finish(c, r, m + i * H, l + i * H, acc + i * H * NV);  /* the entry whole */
+            if (!c->task_group || c->partial_at[r] < 0) {  /* the entry whole */
+                finish(c, r, m + i * H, l + i * H, acc + i * H * NV, h0, h1);
                 continue;
             }
             float *p = c->partial + (c->partial_at[r] + part) * H * (2 + step->D);
-            memcpy(p, m + i * H, H * sizeof(float));
-            memcpy(p + H, l + i * H, H * sizeof(float));
-            memcpy(p + 2 * H, acc + i * H * NV, H * NV * sizeof(v8));
+            memcpy(p + h0, m + i * H + h0, (h1 - h0) * sizeof(float));
+            memcpy(p + H + h0, l + i * H + h0, (h1 - h0) * sizeof(float));
+            memcpy(p + 2 * H + h0 * step->D, acc + (i * H + h0) * NV,
+                   (h1 - h0) * NV * sizeof(v8));
         }
     }
 }
@@ -351,7 +361,7 @@ static void merge_parts(const struct decode_call *c, int64_t r, int64_t parts) {
         l[h] = sum;
         for (int64_t i = 0; i < NV; i++) acc[h * NV + i] = a[i];
     }
-    finish(c, r, m, l, acc);
+    finish(c, r, m, l, acc, 0, H);
 }
 
 V1_API void PAGED_DECODE(const struct paged_decode_step *step,
@@ -363,7 +373,8 @@ V1_API void PAGED_DECODE(const struct paged_decode_step *step,
     const int64_t H = io->q.cols / step->D;
     struct decode_call c = {.step = step, .q = io->q.data, .q_row = io->q.stride, .H = H,
                             .k = cache, .v = cache + step->half, .scale = io->scale,
-                            .out = io->out.data, .out_row = io->out.stride, .lse = io->lse};
+                            .out = io->out.data, .out_row = io->out.stride, .lse = io->lse,
+                            .heads_split = 1};
     const int64_t R = step->R, gmax = group_rows(H, step->D);
     /* Scratch: at most R groups and as many tasks as parts, partial slots for the entries of
        several parts. */
@@ -415,7 +426,10 @@ V1_API void PAGED_DECODE(const struct paged_decode_step *step,
     c.task_group = task_group;
     c.task_part = task_part;
     c.partial_at = partial_at;
-    v1_parallel_for((int)step->nthreads, tasks, 1, decode_tasks, &c);
+    /* Fewer tasks than threads (a lone decode of up to PART_KEYS keys is one): each is
+       split by kv head, so the others' threads are not idle through it. */
+    if (tasks < step->nthreads) c.heads_split = step->KVH;
+    v1_parallel_for((int)step->nthreads, tasks * c.heads_split, 1, decode_tasks, &c);
     for (int64_t r = 0; r < R; r++)
         if (partial_at[r] >= 0) merge_parts(&c, r, entry_parts(step, r));
     free(index);
