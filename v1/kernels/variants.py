@@ -102,6 +102,31 @@ def variants_for(machine: str) -> dict[str, tuple[tuple[str, ...], tuple[str, ..
     return VARIANTS[architecture(machine)]
 
 
+def runnable(machine: str, flags: set[str]) -> list[str]:
+    """The variants of `machine` a CPU with these /proc/cpuinfo `flags` runs, best first."""
+    return [name for name, (_, needs) in variants_for(machine).items() if flags.issuperset(needs)]
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    """The CPU's flags as Linux reports them in `cpuinfo` (only those the OS supports), or
+    none: x86's "flags" line, AArch64's "Features"."""
+    return set(cpuinfo_value(("flags", "Features"), cpuinfo).split())
+
+
+def cpuinfo_value(fields: tuple[str, ...], cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The value of `cpuinfo`'s first line naming one of `fields`, or "" (none, or no such
+    file)."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name.strip() in fields:
+                    return value
+    except OSError:
+        pass
+    return ""
+
+
 def compiler() -> list[str]:
     """The C compiler's command words: $CC (arguments allowed, e.g. "ccache gcc"), else the
     one Python was built with, else cc."""
@@ -130,6 +155,13 @@ def compile_commands(cc: Sequence[str], flags: Sequence[str], csrc: Path,
         out.append(([*cc, *COMMON_FLAGS, *flags, *own, define, "-c", str(csrc / source), "-o",
                      str(obj)], obj))
     return out
+
+
+def check_commands(cc: Sequence[str], flags: Sequence[str], csrc: Path) -> list[list[str]]:
+    """compile_commands' sources checked, not compiled (-fsyntax-only: types, declarations,
+    the intrinsics the flags allow), for a variant this machine does not build."""
+    return [[*c[: c.index("-c")], "-fsyntax-only", c[c.index("-c") + 1]]
+            for c, _ in compile_commands(cc, flags, csrc, Path())]
 
 
 def link_command(cc: Sequence[str], flags: Sequence[str], objects: Sequence[Path],
