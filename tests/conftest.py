@@ -82,3 +82,18 @@ def default_model(default_model_path: Path):
 
     return load_model(str(default_model_path), torch.float32, torch.device("cpu"),
                       TorchAttentionImpl)
+
+
+@pytest.fixture(scope="session")
+def gguf_model(default_model_path: Path):
+    """The default model as `LLM()` loads it: its GGUF blocks in the C kernels, with the
+    attention `LLM()` picks on this CPU. Several times faster here than `default_model`'s
+    float weights: for tests that compare engines running it with each other, not with HF.
+    Its outputs depend on the kernel variant the CPU runs, so no test may hard-code them."""
+    from v1.models.loader import load_model
+    from v1.worker.model_runner import attention_impl_for
+
+    cpu = torch.device("cpu")
+    return load_model(str(default_model_path), torch.float32, cpu, attention_impl_for(cpu),
+                      quantization="gguf")
+

@@ -245,7 +245,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 SchedulerMachine.TestCase.settings = settings(
-    max_examples=1500, stateful_step_count=50, deadline=None,
+    max_examples=500, stateful_step_count=50, deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestScheduler = SchedulerMachine.TestCase

@@ -11,11 +11,11 @@ def tokenizer(hf_tokenizer):
 
 
 @pytest.fixture(scope="module")
-def dp1_llm(default_model):
+def dp1_llm(gguf_model):
     """One engine core (in process, sharing the session's weights): the reference the
     data-parallel tests compare with."""
     from tests.engine.mp_utils import SMALL_ENGINE
     from v1 import LLM
 
-    with LLM(loaded_model=default_model, **SMALL_ENGINE) as llm:
+    with LLM(loaded_model=gguf_model, **SMALL_ENGINE) as llm:
         yield llm

@@ -14,11 +14,11 @@ from v1 import LLM, SamplingParams
 from v1.engine.exceptions import EngineCoreDeadError
 from v1.engine.protocol import output_address
 
-# Small KV caches: engine processes start fast and several fit in memory at once.
-# Float weights ("none", not the .gguf file's default blocks): the engine processes these tests
-# start load the model themselves, and their tokens are compared with the in-process fp32
-# engine's (the session's `default_model`) and HF's exactly.
-SMALL_ENGINE = {"num_gpu_blocks": 256, "max_model_len": 1024, "quantization": "none"}
+# Small KV caches: engine processes start fast and several fit in memory at once. The weights
+# are `LLM()`'s default, the .gguf file's blocks, as the session's in-process `gguf_model` has
+# them: the engine processes these tests start load the model themselves, and their tokens
+# are compared with an in-process engine's exactly.
+SMALL_ENGINE = {"num_gpu_blocks": 256, "max_model_len": 1024}
 
 # Prompts of a few kinds (prose, numbers, code) and lengths, for the engine-process tests.
 PROMPTS = [

@@ -27,7 +27,7 @@ from v1 import LLM
 
 pytestmark = pytest.mark.model
 
-ENGINE_FLAGS = ["--quantization", "none", "--num-gpu-blocks", str(SMALL_ENGINE["num_gpu_blocks"]),
+ENGINE_FLAGS = ["--num-gpu-blocks", str(SMALL_ENGINE["num_gpu_blocks"]),
                 "--max-model-len", str(SMALL_ENGINE["max_model_len"])]
 
 

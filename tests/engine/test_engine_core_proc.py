@@ -45,8 +45,8 @@ def mp_llm(default_model_path):
 
 
 @pytest.fixture(scope="module")
-def inproc_llm(default_model):
-    llm = LLM(loaded_model=default_model, **SMALL_ENGINE)
+def inproc_llm(gguf_model):
+    llm = LLM(loaded_model=gguf_model, **SMALL_ENGINE)
     yield llm
     llm.shutdown()
 

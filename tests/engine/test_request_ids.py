@@ -45,8 +45,8 @@ def test_late_outputs_of_an_aborted_request_skip_its_successor(tokenizer) -> Non
 
 
 @pytest.fixture(scope="module")
-def llm(default_model):
-    llm = LLM(loaded_model=default_model, async_scheduling=True, **SMALL_ENGINE)
+def llm(gguf_model):
+    llm = LLM(loaded_model=gguf_model, async_scheduling=True, **SMALL_ENGINE)
     yield llm
     llm.shutdown()
 

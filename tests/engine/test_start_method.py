@@ -63,8 +63,8 @@ def start_script(args: list[str], method: str | None) -> tuple[subprocess.Popen,
 
 
 @pytest.fixture(scope="module")
-def inproc_tokens(default_model) -> list[list[int]]:
-    llm = LLM(loaded_model=default_model, **SMALL_ENGINE)
+def inproc_tokens(gguf_model) -> list[list[int]]:
+    llm = LLM(loaded_model=gguf_model, **SMALL_ENGINE)
     try:
         return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     finally:

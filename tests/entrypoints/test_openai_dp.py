@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 MODEL = "smol"
 # Float weights, as the in-process fp32 engine its tokens are compared with.
-ENGINE = ["--quantization", "none", "--max-model-len", "512", "--num-gpu-blocks", "128"]
+ENGINE = ["--max-model-len", "512", "--num-gpu-blocks", "128"]
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +64,8 @@ def complete(http: httpx.Client, prompt: str, **extra) -> httpx.Response:
     return http.post("/v1/completions", json=body)
 
 
-def test_greedy_outputs_match_one_core_and_metrics_per_core(server: Server, default_model):
-    with LLM(loaded_model=default_model, max_model_len=512, num_gpu_blocks=128) as dp1:
+def test_greedy_outputs_match_one_core_and_metrics_per_core(server: Server, gguf_model):
+    with LLM(loaded_model=gguf_model, max_model_len=512, num_gpu_blocks=128) as dp1:
         expected = [
             o.outputs[0].text
             for o in dp1.generate(PLAIN_PROMPTS, SamplingParams(temperature=0, max_tokens=12),

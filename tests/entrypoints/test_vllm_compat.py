@@ -49,9 +49,9 @@ ROOT = Path(__file__).parents[2]
 
 
 @pytest.fixture(scope="module")
-def reference(default_model) -> dict[str, tuple[list[int], str]]:
+def reference(gguf_model) -> dict[str, tuple[list[int], str]]:
     """Each prompt's greedy tokens and text from an in-process LLM."""
-    with LLM(loaded_model=default_model, **SMALL_ENGINE) as llm:
+    with LLM(loaded_model=gguf_model, **SMALL_ENGINE) as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     return {o.prompt: (o.outputs[0].token_ids, o.outputs[0].text) for o in outputs}
 
@@ -67,7 +67,7 @@ def test_argparse_script_then_del_and_cleanup(reference) -> None:
     sampling.add_argument("--max-tokens", type=int)
     sampling.add_argument("--temperature", type=float)
     args = vars(parser.parse_args([
-        "--max_model_len=1024", "--num-gpu-blocks", "256", "--quantization", "none",
+        "--max_model_len=1024", "--num-gpu-blocks", "256",
         "--enforce-eager", "--trust-remote-code", "--max-tokens", str(MAX_TOKENS),
         "--temperature", "0",
     ]))
@@ -89,15 +89,15 @@ def test_argparse_script_then_del_and_cleanup(reference) -> None:
 
 @pytest.mark.model
 @pytest.mark.parametrize("kind", list(RequestOutputKind))
-def test_engine_loop_in_vllms_order(default_model, reference, kind) -> None:
+def test_engine_loop_in_vllms_order(gguf_model, reference, kind) -> None:
     """llm_engine_example.py: EngineArgs.from_cli_args, LLMEngine.from_engine_args,
     add_request(request_id, prompt, params) and step() until nothing is unfinished; each
     output of the params' output_kind."""
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
     engine_args = EngineArgs.from_cli_args(parser.parse_args(
-        ["--max-model-len", "1024", "--num-gpu-blocks", "256", "--quantization", "none"]
+        ["--max-model-len", "1024", "--num-gpu-blocks", "256"]
     ))
-    engine = LLMEngine.from_engine_args(engine_args, loaded_model=default_model)
+    engine = LLMEngine.from_engine_args(engine_args, loaded_model=gguf_model)
     try:
         params = dataclasses.replace(GREEDY, output_kind=kind)
         with pytest.raises(TypeError, match=r"\(request_id, prompt, params\)"):
@@ -117,10 +117,10 @@ def test_engine_loop_in_vllms_order(default_model, reference, kind) -> None:
 
 
 @pytest.mark.model
-def test_engine_tokenizer_count_and_abort_request(default_model) -> None:
+def test_engine_tokenizer_count_and_abort_request(gguf_model) -> None:
     """vLLM's LLMEngine.get_tokenizer(), get_num_unfinished_requests() (n > 1: each
     sequence) and abort_request(one id or several)."""
-    engine = LLMEngine.from_engine_args(EngineArgs(**SMALL_ENGINE), loaded_model=default_model)
+    engine = LLMEngine.from_engine_args(EngineArgs(**SMALL_ENGINE), loaded_model=gguf_model)
     try:
         tokenizer = engine.get_tokenizer()
         assert tokenizer is engine.tokenizer and tokenizer.encode(PROMPTS[0])
@@ -197,13 +197,13 @@ def test_async_streaming_with_each_output_kind(default_model_path, reference) ->
 
 
 @pytest.mark.model
-def test_metrics_through_get_metrics(default_model) -> None:
+def test_metrics_through_get_metrics(gguf_model) -> None:
     """metrics.py: LLM(disable_log_stats=False), generate, then get_metrics()'s Counter,
     Gauge and Histogram objects under vLLM's names; off by default, as in vLLM."""
-    with LLM(loaded_model=default_model, **SMALL_ENGINE) as quiet:
+    with LLM(loaded_model=gguf_model, **SMALL_ENGINE) as quiet:
         with pytest.raises(ValueError, match="disable_log_stats=False"):
             quiet.get_metrics()
-    with LLM(loaded_model=default_model, disable_log_stats=False, **SMALL_ENGINE) as llm:
+    with LLM(loaded_model=gguf_model, disable_log_stats=False, **SMALL_ENGINE) as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         metrics = llm.get_metrics()
     by_name = {(m.name, tuple(sorted(m.labels.items()))): m for m in metrics}
@@ -250,7 +250,7 @@ def test_reader_makes_position_counters_a_vector() -> None:
 
 
 @pytest.mark.model
-def test_vllms_options_are_accepted_or_refused(default_model, caplog) -> None:
+def test_vllms_options_are_accepted_or_refused(gguf_model, caplog) -> None:
     """The options vLLM's scripts pass (data_parallel.py's among them): those that mean
     nothing here run, one log line each; those we cannot honour are a ValueError."""
     options = {
@@ -263,7 +263,7 @@ def test_vllms_options_are_accepted_or_refused(default_model, caplog) -> None:
         "load_format": "safetensors",
     }
     with caplog.at_level(logging.INFO, logger="v1"):
-        with LLM(loaded_model=default_model, **SMALL_ENGINE, **options) as llm:
+        with LLM(loaded_model=gguf_model, **SMALL_ENGINE, **options) as llm:
             (out,) = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
     assert out.outputs[0].token_ids
     ignored = [r.getMessage() for r in caplog.records if "accepted and ignored" in r.message]
@@ -286,7 +286,7 @@ def test_vllms_options_are_accepted_or_refused(default_model, caplog) -> None:
         ({"logits_processors": ["no_colon"]}, "must be classes or 'module:Class' names"),
     ]:
         with pytest.raises(ValueError, match=match):
-            LLM(loaded_model=default_model, **bad)
+            LLM(loaded_model=gguf_model, **bad)
     assert current_platform.device_type in ("cpu", "cuda")
     assert 0 < get_open_port() < 65536
 
@@ -299,10 +299,10 @@ def test_the_ignored_options_table_is_the_fields() -> None:
 
 
 @pytest.mark.model
-def test_prompt_types(default_model, reference) -> None:
+def test_prompt_types(gguf_model, reference) -> None:
     """vLLM's prompt types; `lora_request=None`, which scripts pass, is taken (anything but
     a LoRARequest is refused)."""
-    with LLM(loaded_model=default_model, **SMALL_ENGINE) as llm:
+    with LLM(loaded_model=gguf_model, **SMALL_ENGINE) as llm:
         ids = llm.get_tokenizer().encode(PROMPTS[0])
         outputs = llm.generate(
             [TextPrompt(prompt=PROMPTS[0]), TokensPrompt(prompt_token_ids=ids)], GREEDY,
@@ -520,7 +520,7 @@ class FirstPromptTokenProcessor(AdapterLogitsProcessor):
 
 
 @pytest.mark.model
-def test_custom_logits_processor_with_extra_args(default_model, reference) -> None:
+def test_custom_logits_processor_with_extra_args(gguf_model, reference) -> None:
     """logits_processor/custom.py, logits_processor_fqn.py and custom_req.py: `LLM(
     logits_processors=["module:Class", AdapterSubclass])`, some requests asking for a target
     token in `extra_args`, one for the adapter's per-request processor. Those
@@ -530,7 +530,7 @@ def test_custom_logits_processor_with_extra_args(default_model, reference) -> No
     TargetTokenProcessor.seen.clear()
     name = f"{__name__}:TargetTokenProcessor"
     processors = [name, FirstPromptTokenProcessor]
-    with LLM(loaded_model=default_model, logits_processors=processors, **SMALL_ENGINE) as llm:
+    with LLM(loaded_model=gguf_model, logits_processors=processors, **SMALL_ENGINE) as llm:
         params = [
             SamplingParams(temperature=0.0, max_tokens=n, extra_args=extra)
             for n, extra in [(MAX_TOKENS, {"target_token": 128}), (2, None), (MAX_TOKENS, None),
