@@ -23,11 +23,11 @@ ENGINE = {"num_gpu_blocks": 64, "max_model_len": 512, "multiprocess": False}
 pytestmark = pytest.mark.model
 
 
-def engine(default_model, kv_dir: Path | None, **kwargs) -> LLM:
+def engine(gguf_model, kv_dir: Path | None, **kwargs) -> LLM:
     options = {**ENGINE, **kwargs}
     if kv_dir is not None:
         options["kv_cache_dir"] = str(kv_dir)
-    return LLM(loaded_model=default_model, **options)
+    return LLM(loaded_model=gguf_model, **options)
 
 
 def run(llm: LLM, prompt, params: SamplingParams = GREEDY):
@@ -45,14 +45,14 @@ def block_files(kv_dir: Path) -> list[Path]:
     return sorted(kv_dir.glob("*/*.kv"))
 
 
-def test_a_restarted_engine_reads_the_prefix_from_disk_same_tokens(default_model, tmp_path):
+def test_a_restarted_engine_reads_the_prefix_from_disk_same_tokens(gguf_model, tmp_path):
     question = SYSTEM + "When do you open on Saturday?"
-    with engine(default_model, tmp_path) as first:
+    with engine(gguf_model, tmp_path) as first:
         cold_tokens, cold_cached = run(first, question)
     assert cold_cached == 0
     files = block_files(tmp_path)
     assert files, "the computed blocks were written"
-    with engine(default_model, tmp_path) as second:  # a restart: nothing in RAM
+    with engine(gguf_model, tmp_path) as second:  # a restart: nothing in RAM
         warm_tokens, warm_cached = run(second, question)
         stats = second.get_stats()
         expected = full_prefix(second, question)
@@ -61,29 +61,29 @@ def test_a_restarted_engine_reads_the_prefix_from_disk_same_tokens(default_model
     assert stats.prefix_cache_hits == warm_cached
 
 
-def test_async_scheduling_reads_a_new_question_on_a_cached_prefix(default_model, tmp_path):
-    with engine(default_model, tmp_path) as first:
+def test_async_scheduling_reads_a_new_question_on_a_cached_prefix(gguf_model, tmp_path):
+    with engine(gguf_model, tmp_path) as first:
         run(first, SYSTEM + "How long can I keep a book?")
         reference, _ = run(first, SYSTEM + "Are you open on Sunday?")  # RAM hit in `first`
-    with engine(default_model, tmp_path, async_scheduling=True) as second:
+    with engine(gguf_model, tmp_path, async_scheduling=True) as second:
         tokens, cached = run(second, SYSTEM + "Are you open on Sunday?")
     assert tokens == reference and cached > 0
 
 
 @pytest.mark.parametrize("change", [{"block_size": 32}, {"kv_cache_dtype": "bfloat16"}])
-def test_another_kv_setting_never_reads_the_files(default_model, tmp_path, change):
-    with engine(default_model, tmp_path) as first:
+def test_another_kv_setting_never_reads_the_files(gguf_model, tmp_path, change):
+    with engine(gguf_model, tmp_path) as first:
         run(first, SYSTEM + "Hello?")
-    with engine(default_model, tmp_path, **change) as other:
+    with engine(gguf_model, tmp_path, **change) as other:
         _, cached = run(other, SYSTEM + "Hello?")
         assert other.get_stats().disk_cache_hits == 0
     assert cached == 0
     assert len(list(tmp_path.iterdir())) == 2  # a directory per key
 
 
-def test_truncated_and_corrupt_files_are_ignored(default_model, tmp_path):
+def test_truncated_and_corrupt_files_are_ignored(gguf_model, tmp_path):
     question = SYSTEM + "What is the late fee?"
-    with engine(default_model, tmp_path) as first:
+    with engine(gguf_model, tmp_path) as first:
         reference, _ = run(first, question)
     files = block_files(tmp_path)
     assert len(files) >= 4
@@ -92,13 +92,13 @@ def test_truncated_and_corrupt_files_are_ignored(default_model, tmp_path):
     data = bytearray(files[1].read_bytes())
     data[-1] ^= 0xFF
     files[1].write_bytes(data)
-    with engine(default_model, tmp_path) as second:
+    with engine(gguf_model, tmp_path) as second:
         tokens, cached = run(second, question)
         assert cached < full_prefix(second, question)
     assert tokens == reference  # whatever was read before the bad file, the rest computed
 
 
-def test_block_files_copied_onto_another_prompts_names_are_not_read(default_model, tmp_path):
+def test_block_files_copied_onto_another_prompts_names_are_not_read(gguf_model, tmp_path):
     """A file carries the hash its name stands for under its checksum: copied or renamed onto
     another block's name it is a miss, never another prompt's K/V."""
     other = (
@@ -108,28 +108,28 @@ def test_block_files_copied_onto_another_prompts_names_are_not_read(default_mode
         "Bicycles ride along outside rush hours, dogs on a lead at all times, and lost "
         "property waits a month at the depot on the harbour road before it is given away. "
     )
-    with engine(default_model, tmp_path) as first:
+    with engine(gguf_model, tmp_path) as first:
         run(first, SYSTEM + "Hi?")
     first_files = block_files(tmp_path)  # written by the time it is closed
-    with engine(default_model, tmp_path) as first:
+    with engine(gguf_model, tmp_path) as first:
         reference, _ = run(first, other + "Hi?")
     other_files = sorted(set(block_files(tmp_path)) - set(first_files))
     assert first_files and len(other_files) >= 4
     for i, target in enumerate(other_files):
         shutil.copyfile(first_files[i % len(first_files)], target)
-    with engine(default_model, tmp_path) as second:
+    with engine(gguf_model, tmp_path) as second:
         tokens, cached = run(second, other + "Hi?")
     assert tokens == reference and cached == 0
 
 
-def test_a_fifo_in_place_of_a_block_file_is_a_miss_and_blocks_nothing(default_model, tmp_path):
+def test_a_fifo_in_place_of_a_block_file_is_a_miss_and_blocks_nothing(gguf_model, tmp_path):
     """A block file replaced by a FIFO while the server runs: the read takes it as a miss
     (opened O_NONBLOCK, regular files only), the request is served. The join's timeout only
     keeps a failing run from hanging."""
     question = SYSTEM + "Can I renew a loan?"
-    with engine(default_model, tmp_path) as first:
+    with engine(gguf_model, tmp_path) as first:
         reference, _ = run(first, question)
-    with engine(default_model, tmp_path) as second:
+    with engine(gguf_model, tmp_path) as second:
         fifos = block_files(tmp_path)  # which is the first block: by name, so all of them
         for fifo in fifos:
             fifo.unlink()
@@ -153,13 +153,13 @@ def test_a_fifo_in_place_of_a_block_file_is_a_miss_and_blocks_nothing(default_mo
     assert any(fifo.is_file() for fifo in fifos)
 
 
-def test_a_read_longer_than_a_steps_bound_goes_on_over_steps(default_model, tmp_path):
+def test_a_read_longer_than_a_steps_bound_goes_on_over_steps(gguf_model, tmp_path):
     """A step reads at most `max_read_blocks` files: a longer read goes on in the next steps
     and its request runs once it is done, as a full hit, same tokens."""
     question = SYSTEM + "Where can I study?"
-    with engine(default_model, tmp_path) as first:
+    with engine(gguf_model, tmp_path) as first:
         reference, _ = run(first, question)
-    with engine(default_model, tmp_path) as second:
+    with engine(gguf_model, tmp_path) as second:
         store = second.llm_engine.client.engine_core.model_runner.kv_disk
         store.max_read_blocks = 1
         read_per_step: list[int] = []  # files read by each step's `load`
@@ -181,30 +181,30 @@ def test_a_read_longer_than_a_steps_bound_goes_on_over_steps(default_model, tmp_
     assert max(read_per_step) == 1 and sum(read_per_step) == expected // 16
 
 
-def test_the_byte_bound_holds(default_model, tmp_path):
-    with engine(default_model, tmp_path) as probe:
+def test_the_byte_bound_holds(gguf_model, tmp_path):
+    with engine(gguf_model, tmp_path) as probe:
         run(probe, SYSTEM)
     file_bytes = block_files(tmp_path)[0].stat().st_size
     bound = 3 * file_bytes + 100
-    with engine(default_model, tmp_path / "bounded", kv_cache_disk_bytes=bound) as llm:
+    with engine(gguf_model, tmp_path / "bounded", kv_cache_disk_bytes=bound) as llm:
         run(llm, SYSTEM + "First?")
         run(llm, "Something else entirely, to write more blocks than the bound allows. " * 4)
     assert len(block_files(tmp_path / "bounded")) == 3
 
 
-def test_cache_salt_isolates_on_disk(default_model, tmp_path):
+def test_cache_salt_isolates_on_disk(gguf_model, tmp_path):
     salted = {"prompt": SYSTEM + "Hi?", "cache_salt": "tenant-a"}
-    with engine(default_model, tmp_path) as first:
+    with engine(gguf_model, tmp_path) as first:
         run(first, salted)
-    with engine(default_model, tmp_path) as second:
+    with engine(gguf_model, tmp_path) as second:
         _, other_salt = run(second, {**salted, "cache_salt": "tenant-b"})
         _, same_salt = run(second, salted)
         assert second.get_stats().disk_cache_hits == same_salt
     assert other_salt == 0 and same_salt > 0
 
 
-def test_reset_prefix_cache_keeps_the_disk_unless_asked(default_model, tmp_path):
-    with engine(default_model, tmp_path) as llm:
+def test_reset_prefix_cache_keeps_the_disk_unless_asked(gguf_model, tmp_path):
+    with engine(gguf_model, tmp_path) as llm:
         run(llm, SYSTEM + "Hi?")
         assert llm.reset_prefix_cache()
         _, cached = run(llm, SYSTEM + "Hi?")
@@ -215,10 +215,10 @@ def test_reset_prefix_cache_keeps_the_disk_unless_asked(default_model, tmp_path)
     assert cached == 0
 
 
-def test_other_requests_keep_running_while_one_reads(default_model, tmp_path):
-    with engine(default_model, tmp_path) as first:
+def test_other_requests_keep_running_while_one_reads(gguf_model, tmp_path):
+    with engine(gguf_model, tmp_path) as first:
         run(first, SYSTEM + "Hi?")
-    with engine(default_model, tmp_path) as llm:
+    with engine(gguf_model, tmp_path) as llm:
         engine_ = llm.llm_engine
         scheduler = engine_.client.engine_core.scheduler
         long = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -247,9 +247,9 @@ def test_other_requests_keep_running_while_one_reads(default_model, tmp_path):
                                         r"block on disk \(\d+ bytes\)"),
     ],
 )
-def test_bad_bounds_are_refused(default_model, tmp_path, options, message):
+def test_bad_bounds_are_refused(gguf_model, tmp_path, options, message):
     with pytest.raises(ValueError, match=message):
-        engine(default_model, tmp_path, **options)
+        engine(gguf_model, tmp_path, **options)
 
 
 def test_a_directory_that_cannot_be_written_fails_before_the_model_loads(

@@ -216,7 +216,7 @@ def test_nothing_to_apply_when_unused() -> None:
 
 @pytest.mark.model
 @pytest.mark.slow
-def test_counts_survive_preemption_and_n(default_model) -> None:
+def test_counts_survive_preemption_and_n(gguf_model) -> None:
     """Penalised greedy outputs are the same whether requests are preempted (and resumed
     from all their tokens) or not, and for each of n choices."""
     from tests.entrypoints.conftest import QUESTIONS, SYSTEM
@@ -230,8 +230,8 @@ def test_counts_survive_preemption_and_n(default_model) -> None:
         frequency_penalty=0.5,
         repetition_penalty=1.2,
     )
-    roomy = LLM(loaded_model=default_model, num_gpu_blocks=256, max_model_len=384)
-    tight = LLM(loaded_model=default_model, num_gpu_blocks=24, max_model_len=384)
+    roomy = LLM(loaded_model=gguf_model, num_gpu_blocks=256, max_model_len=384)
+    tight = LLM(loaded_model=gguf_model, num_gpu_blocks=24, max_model_len=384)
     try:
         expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, penalised)]
         plain = roomy.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32))
