@@ -1,8 +1,12 @@
 """What the bindings share about the tensors they check."""
 
+import mmap
 from collections.abc import Sequence
 
 import torch
+
+# Weights this large go on memory advised for transparent huge pages (`weight_empty`).
+HUGE_PAGE_BYTES = 2 << 20
 
 
 def stamp(t: torch.Tensor) -> tuple[int, int]:
@@ -19,3 +23,20 @@ def stamps(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
     """`stamp` of each tensor, in order (without a Python call per tensor: hundreds of
     weights are compared every step)."""
     return list(zip(map(torch.Tensor.data_ptr, tensors), map(torch.Tensor.numel, tensors)))
+
+
+def weight_empty(rows: int, width: int) -> torch.Tensor:
+    """An uninitialised uint8 [rows, width] for weight blocks the kernels stream at every
+    step: from `HUGE_PAGE_BYTES` up, on anonymous memory advised for transparent huge pages
+    (MADV_HUGEPAGE: "madvise" is many distributions' THP mode, where torch's allocations get
+    4 KiB pages). Streaming a 1B model's ~600 MB a token through 4 KiB pages costs a TLB miss
+    every 4 KiB: the layers of a 1B Q4_K_M decode step took 0.83-0.88x the time on huge pages
+    on an AVX2 EPYC (bench/bench_fused_step.py, docs/kernels.md). Elsewhere, or smaller:
+    torch's own memory. The mapping lives as long as the tensor (it holds the buffer)."""
+    nbytes = rows * width
+    if nbytes < HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(rows, width, dtype=torch.uint8)
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    memory.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(memory, dtype=torch.uint8).view(rows, width)
+

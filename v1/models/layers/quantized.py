@@ -37,6 +37,7 @@ from v1.kernels.block_matmul import (
     QuantKernels,
     kernels,
 )
+from v1.kernels.tensors import weight_empty
 from v1.models.layers.onednn import ONEDNN_LINEAR, onednn_linear
 
 PATHS = ("fp32", "int8", "dense", "torch")
@@ -247,9 +248,10 @@ class QuantizedWeight:
         kind, in_features = parts[0].kind, parts[0].in_features
         out_features = sum(w.out_features for w in parts)
         layout = _layout_for(kind, out_features, q)
+        blocks = weight_empty(out_features, parts[0].blocks.shape[1])
         if layout == kind or any(w.out_features % _rows(layout) for w in parts):
-            return cls(kind, torch.cat([w.blocks for w in parts]), out_features, in_features)
-        blocks = parts[0].blocks.new_empty(out_features, parts[0].blocks.shape[1])
+            return cls(kind, torch.cat([w.blocks for w in parts], out=blocks), out_features,
+                       in_features)
         for w, rows in zip(parts, blocks.split([w.out_features for w in parts]), strict=True):
             _relayout(layout, w.blocks, True, rows)
         return cls(layout, blocks, out_features, in_features)
@@ -377,7 +379,7 @@ def _relayout(
     n, width = blocks.shape
     groups, nb = n // rows, width // size
     if out is None:
-        out = torch.empty_like(blocks, memory_format=torch.contiguous_format)
+        out = weight_empty(*blocks.shape)
     src, dst = blocks.numpy(), out.numpy()
     plain, mixed = (src, dst) if interleave else (dst, src)
     plain = plain.reshape(groups, rows, nb, size)
