@@ -248,7 +248,10 @@ def main() -> None:
 
     prompts = random_prompts(random.Random(args.seed), n, (args.input_len, args.input_len),
                              int(config.vocab_size))
+    # A context as long as the workload's, not the model's (a 1B Llama's 131072 tokens
+    # would not fit the default KV cache).
     llm = make_llm(loaded, async_scheduling=False,
+                   max_model_len=max(args.input_len, 32) + args.output_len + 16,
                    **decode_engine_kwargs({"max_num_seqs": n}, n, args.input_len))
     timed_generate(llm, [prompts[0][:32]], SamplingParams(max_tokens=2, ignore_eos=True))
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
