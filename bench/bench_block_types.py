@@ -46,6 +46,7 @@ from v1.kernels.block_matmul import (  # noqa: E402
     QuantBlocks,
     QuantKernels,
 )
+from v1.kernels.tensors import weight_empty  # noqa: E402
 from v1.models.layers.quantized import QuantizedWeight  # noqa: E402
 
 SHAPES = ("attn 2048x2048", "k/v 512x2048", "gate/up 8192x2048", "gate+up 16384x2048",
@@ -58,10 +59,11 @@ FLOATS = {"f16": torch.float16, "bf16": torch.bfloat16}  # rows of halves
 
 def random_blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
     """n rows of k values of `kind` in GGUF's layout, random (speed does not depend on
-    values, but a scale's NaN or inf would send a row down the non-finite rerun), in torch's
-    memory as a repacked weight is: numpy's gets huge pages (THP in madvise mode), which made
-    an LM head's plain layout read faster than its repacked copy (docs/kernels.md); in the
-    engine both are on 4 KiB pages (the file's mapping, torch's memory)."""
+    values, but a scale's NaN or inf would send a row down the non-finite rerun), on the
+    memory a repacked weight gets (`weight_empty`: huge pages from 2 MiB), so that the two
+    layouts are timed on the same pages (numpy's own arrays get huge pages, torch's 4 KiB
+    ones: either way one layout was favoured, docs/kernels.md). In the engine a plain weight
+    is read from the file's mapping, on huge pages where the page cache has large folios."""
     if kind in FLOATS:
         return torch.from_numpy(rng.standard_normal((n, k), np.float32)).to(
             FLOATS[kind]).view(torch.uint8)
@@ -70,7 +72,9 @@ def random_blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> torch.
     for at in HALF_AT[kind]:
         b[:, :, at:at + 2] = (rng.standard_normal((n, k // elems, 1)) * 1e-2).astype(
             np.float16).view(np.uint8)
-    return torch.from_numpy(b.reshape(n, -1)).clone()
+    blocks = weight_empty(n, b.shape[1] * size)
+    blocks.numpy()[:] = b.reshape(n, -1)
+    return blocks
 
 
 def weights(q: QuantKernels, n: int, k: int, rng: np.random.Generator,
