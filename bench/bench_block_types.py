@@ -1,20 +1,20 @@
 """Every block type of the kernel table, at decode's and prompts' row counts.
 
 For each weight shape (a 1B Llama's: 2048 x 2048 attention, 512 x 2048 k/v, 8192 x 2048
-gate/up, 16384 x 2048 the two joined, 2048 x 8192 down, an LM head; --shapes takes any
-"<name> <N>x<K>") and each kernel library variant this CPU runs (--variants), times each block
-type's matmul at M activation rows on random blocks: its int8 path (`linear_i8`, what the
-engine runs by default) or, for a type without one (f16, bf16), its fp32 path; a type the
-library repacks (q4_1, q8_0, q4_k, q6_k) also in the layout it repacks it to (q4_1x8, q8_0x8,
-q4_kx8, q6_kx8). --kinds: some of them. Every (variant, kind) runs once per round, in an order
-that rotates between rounds (paired and interleaved on a shared machine); a figure is the
-median over rounds: ms per call, GB/s of weight bytes read, and per round the ratio of each
-kind's GB/s to that of q4_1 in the layout the library runs it in (median; with q4_1 among the
-kinds), and of a repacked layout's time to its GGUF kind's ("vs plain": q8_0x8's over
-q8_0's, paired per round; median). --against DIR times the same variants' libraries in DIR
-too (another build of the kernels, e.g. an earlier commit's: its variants named
-"<variant>@"), and gives each kind's time in this build over its time in DIR's (median of the
-rounds' ratios).
+gate/up, 16384 x 2048 the two joined, 2048 x 8192 down, an LM head; --shapes takes any "<name>
+<N>x<K>") and each kernel library variant this CPU runs (--variants), times each block type's
+matmul at M activation rows on random blocks: its int8 path (`linear_i8`, what the engine runs
+by default) or, for a type without one (f16, bf16), its fp32 path; a type the library can
+interleave (q4_1, q8_0, q4_k, q6_k) also in that layout (q4_1x8, q8_0x8, q4_kx8, q6_kx8),
+whether or not this library repacks it. --kinds: some of them. Every (variant, kind) runs once
+per round, in an order that rotates between rounds (paired and interleaved on a shared
+machine); a figure is the median over rounds: ms per call, GB/s of weight bytes read, and per
+round the ratio of each kind's GB/s to that of q4_1 in the layout the library runs it in
+(median; with q4_1 among the kinds), and of a repacked layout's time to its GGUF kind's ("vs
+plain": q8_0x8's over q8_0's, paired per round; median). --against DIR times the same variants'
+libraries in DIR too (another build of the kernels, e.g. an earlier commit's: its variants
+named "<variant>@"), and gives each kind's time in this build over its time in DIR's (median of
+the rounds' ratios).
 
     .venv/bin/python bench/bench_block_types.py [--rows 1,4,16] [--variants x86_64_v4,x86_64_v3]
         [--kinds q4_k,q6_k] [--against /path/to/other/v1/kernels]
@@ -80,16 +80,19 @@ def random_blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> torch.
 def weights(q: QuantKernels, n: int, k: int, rng: np.random.Generator,
             kinds: set[str] | None) -> dict[str, QuantBlocks]:
     """Random weights of each GGUF kind this library runs (those in `kinds`, or all), and of
-    the layouts it repacks them to."""
+    each interleaved layout of it the library runs, whether or not it repacks the kind to it
+    (so that the choice can be measured again)."""
     out = {}
     for kind in sorted(GGUF_KINDS):
         if not q.runs(kind) or (kinds is not None and kind not in kinds):
             continue
-        w = QuantizedWeight(kind, random_blocks(kind, n, k, rng), n, k)
-        out[kind] = w.kernel_blocks()
-        w.repack_for(q)
-        if w.kind != kind:
-            out[w.kind] = w.kernel_blocks()
+        blocks = random_blocks(kind, n, k, rng)
+        out[kind] = QuantizedWeight(kind, blocks, n, k).kernel_blocks()
+        for layout, (base, _) in INTERLEAVED.items():
+            if base == kind and q.runs(layout):
+                w = QuantizedWeight(kind, blocks, n, k)
+                w.repack(layout)
+                out[layout] = w.kernel_blocks()
     return out
 
 
