@@ -12,8 +12,8 @@
 
 /* q4_1, q8_0, q4_k and q6_k interleaved by 8 rows where that measured faster (AVX2 and
    AVX-512: docs/kernels.md); the SSE2 and NEON builds keep GGUF's layout. q6_k stays in it on
-   AVX2 without VNNI: on a Zen 3 EPYC q6_kx8 took 1.2-2x q6_k's time at 1 to 512 rows, both on
-   huge pages (docs/kernels.md, "Interleaved layouts"). */
+   AVX2 without VNNI: on a Zen 3 EPYC q6_kx8 took up to 2.6x q6_k's time on the 1B shapes,
+   ahead only on a small k/v weight at 1 to 4 rows (docs/kernels.md, "Interleaved layouts"). */
 #if VL >= 8
 #define Q4_1_REPACK "q4_1x8"
 #define Q8_0_REPACK "q8_0x8"
