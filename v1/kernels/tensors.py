@@ -37,6 +37,9 @@ def weight_empty(rows: int, width: int) -> torch.Tensor:
     if nbytes < HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(rows, width, dtype=torch.uint8)
     memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    memory.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        memory.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # EINVAL: a kernel without transparent huge pages; the memory serves as is
+        pass
     return torch.frombuffer(memory, dtype=torch.uint8).view(rows, width)
 
