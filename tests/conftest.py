@@ -86,14 +86,18 @@ def default_model(default_model_path: Path):
 
 @pytest.fixture(scope="session")
 def gguf_model(default_model_path: Path):
-    """The default model as `LLM()` loads it: its GGUF blocks in the C kernels, with the
-    attention `LLM()` picks on this CPU. Several times faster here than `default_model`'s
-    float weights: for tests that compare engines running it with each other, not with HF.
-    Its outputs depend on the kernel variant the CPU runs, so no test may hard-code them."""
-    from v1.models.loader import load_model
+    """The default model as `LLM()` loads it: its GGUF blocks in the C kernels (fp32 weights
+    where none run), with the attention `LLM()` picks on this CPU. Several times faster here
+    than `default_model`'s float weights: for tests that compare engines running it with each
+    other, not with HF. Its outputs depend on the kernel variant the CPU runs, so no test may
+    hard-code them."""
+    from v1.models.loader import load_model, resolve_quantization
     from v1.worker.model_runner import attention_impl_for
 
     cpu = torch.device("cpu")
+    # What LLM() picks: the blocks, or fp32 weights where no kernel library runs here
+    # (V1_CPU_KERNELS=0, or none built), as the engine processes the tests start pick too.
+    quantization = resolve_quantization(None, default_model_path, cpu, torch.float32)
     return load_model(str(default_model_path), torch.float32, cpu, attention_impl_for(cpu),
-                      quantization="gguf")
+                      quantization=quantization)
 

@@ -24,7 +24,7 @@ from v1 import LLM, SamplingParams
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 MODEL = "smol"
-# Float weights, as the in-process fp32 engine its tokens are compared with.
+# LLM()'s default weights, as the in-process engine its tokens are compared with (gguf_model).
 ENGINE = ["--max-model-len", "512", "--num-gpu-blocks", "128"]
 
 

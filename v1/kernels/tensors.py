@@ -30,16 +30,21 @@ def weight_empty(rows: int, width: int) -> torch.Tensor:
     step: from `HUGE_PAGE_BYTES` up, on anonymous memory advised for transparent huge pages
     (MADV_HUGEPAGE: "madvise" is many distributions' THP mode, where torch's allocations get
     4 KiB pages). Streaming a 1B model's ~600 MB a token through 4 KiB pages costs a TLB miss
-    every 4 KiB: the layers of a 1B Q4_K_M decode step took 0.83-0.88x the time on huge pages
+    every 4 KiB: the layers of a 1B Q4_K_M decode step took 0.85-0.86x the time on huge pages
     on an AVX2 EPYC (bench/bench_fused_step.py, docs/kernels.md). Elsewhere, or smaller:
-    torch's own memory. The mapping lives as long as the tensor (it holds the buffer)."""
+    torch's own memory. The blocks start on a 2 MiB boundary (the kernel aligns only mappings
+    whose length is a multiple of it: a 4.4 MiB weight got one huge page); the mapping's
+    untouched tail is never resident. The mapping lives as long as the tensor (it holds the
+    buffer)."""
     nbytes = rows * width
     if nbytes < HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(rows, width, dtype=torch.uint8)
-    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    memory = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES,
+                       flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         memory.madvise(mmap.MADV_HUGEPAGE)
     except OSError:  # EINVAL: a kernel without transparent huge pages; the memory serves as is
         pass
-    return torch.frombuffer(memory, dtype=torch.uint8).view(rows, width)
-
+    whole = torch.frombuffer(memory, dtype=torch.uint8)
+    skip = -whole.data_ptr() % HUGE_PAGE_BYTES
+    return whole[skip:skip + nbytes].view(rows, width)

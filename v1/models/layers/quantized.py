@@ -378,8 +378,9 @@ def _relayout(
     rows, (size, lead, dwords, tail) = _rows(kind), _block_parts(kind)
     n, width = blocks.shape
     groups, nb = n // rows, width // size
-    if out is None:
-        out = weight_empty(*blocks.shape)
+    if out is None:  # a weight the kernels stream, or a throwaway plain copy
+        out = (weight_empty(*blocks.shape) if interleave
+               else torch.empty_like(blocks, memory_format=torch.contiguous_format))
     src, dst = blocks.numpy(), out.numpy()
     plain, mixed = (src, dst) if interleave else (dst, src)
     plain = plain.reshape(groups, rows, nb, size)
