@@ -38,6 +38,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import cpu_info, cpu_line  # noqa: E402
 from v1.kernels import library, variants  # noqa: E402
 from v1.kernels.block_matmul import (  # noqa: E402
     BLOCK_SIZES,
@@ -118,7 +119,7 @@ def main() -> None:
     parser.add_argument("--kinds", default="", help="GGUF kinds, comma-separated (all)")
     parser.add_argument("--against", type=Path)
     args = parser.parse_args()
-    runnable = library.candidates("", os.uname().machine, library.cpu_flags())
+    runnable = library.candidates("", os.uname().machine, variants.cpu_flags())
     libs = {v: QuantKernels(library.load_variant(v))
             for v in args.variants.split(",") if v in runnable}
     if args.against:  # its sources differ from this tree's: loaded without load_variant's check
@@ -126,7 +127,8 @@ def main() -> None:
                  for v in list(libs)}
     kinds = set(args.kinds.split(",")) if args.kinds else None
     rng = np.random.default_rng(0)
-    print(f"threads {torch.get_num_threads()}, {library.cpu_model()}; medians of "
+    print(cpu_line(cpu_info(Path("/proc/cpuinfo").read_text())))
+    print(f"threads {torch.get_num_threads()}; medians of "
           f"{args.rounds} interleaved rounds; f16/bf16: the fp32 path, the others int8")
     print(f"{'shape':20} {'variant':16} {'M':>3} {'kind':6} {'ms':>8} {'GB/s':>7} "
           f"{'vs q4_1':>8} {'vs plain':>8}" + (f" {'vs @':>6}" if args.against else ""))

@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import environment, load, make_llm, print_table  # noqa: E402
-from v1.kernels import library  # noqa: E402
+from v1.kernels import library, variants  # noqa: E402
 from v1.kernels.fused_step import FusedDecoder  # noqa: E402
 from v1.models.layers.quantized import block_weights  # noqa: E402
 from v1.sampling_params import SamplingParams  # noqa: E402
@@ -79,7 +79,7 @@ def main() -> None:
 
     libs = dict(a.split("=", 1) for a in args.lib) or {
         v: str(library.KERNELS_DIR / f"_v1_{v}.so")
-        for v in library.candidates("", platform.machine(), library.cpu_flags())}
+        for v in library.candidates("", platform.machine(), variants.cpu_flags())}
     call, weight_bytes = last_fused_call(args)
     layers, hidden, *rest = call
     hidden = hidden.clone()

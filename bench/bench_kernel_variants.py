@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import environment, print_table  # noqa: E402
-from v1.kernels import library  # noqa: E402
+from v1.kernels import library, variants  # noqa: E402
 from v1.kernels.block_matmul import QuantBlocks, QuantKernels, kernels  # noqa: E402
 from v1.models.layers.quantized import QuantizedWeight  # noqa: E402
 
@@ -54,7 +54,7 @@ def main() -> None:
     plain = [QuantizedWeight.quantize(torch.randn(n, k) * 0.05, "q4_1") for n, k in SHAPES]
     # contender -> (its library, the weights in its layout)
     libs: dict[str, tuple[QuantKernels, list[QuantBlocks]]] = {}
-    runnable = library.candidates("", platform.machine(), library.cpu_flags())
+    runnable = library.candidates("", platform.machine(), variants.cpu_flags())
     chosen = args.variants.split(",") if args.variants else runnable
     for name, path in [
         *((v, str(library.KERNELS_DIR / f"_v1_{v}.so")) for v in runnable if v in chosen),

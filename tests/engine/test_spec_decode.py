@@ -265,10 +265,10 @@ def stop_strings(tokenizer, reference) -> list[list[str]]:
     stops = []
     for i, (tokens, _) in enumerate(reference):
         span = 2 + i % 2
-        for start in range(min(8 + 2 * i, len(tokens) - span), -1, -1):
-            text = tokenizer.decode(tokens[start:start + span])
-            if text.strip() and "\ufffd" not in text:
-                break
+        texts = (tokenizer.decode(tokens[start:start + span])
+                 for start in range(min(8 + 2 * i, len(tokens) - span), -1, -1))
+        text = next((t for t in texts if t.strip() and "\ufffd" not in t), None)
+        assert text is not None, f"prompt {i}: no stop string in its output {tokens}"
         stops.append([text, "never met"])
     return stops
 

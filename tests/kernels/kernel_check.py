@@ -121,7 +121,7 @@ def check_native(asan: bool) -> int:
     """Runs the driver, built by the compiler setup.py uses, on this CPU's variants as built
     in place."""
     machine = platform.machine()
-    names = library.candidates("asan" if asan else "", machine, library.cpu_flags())
+    names = library.candidates("asan" if asan else "", machine, variants.cpu_flags())
     libraries = {name: library.KERNELS_DIR / variants.library_name(name) for name in names}
     absent = [str(path) for path in libraries.values() if not path.is_file()]
     if absent:

@@ -14,6 +14,7 @@ import torch
 
 from v1.kernels import library
 from v1.kernels.block_matmul import INTERLEAVED, QuantBlocks, QuantKernels, block_types
+from v1.kernels.variants import cpu_flags
 from v1.models.layers import quantized
 from v1.models.layers.quantized import QuantizedWeight
 
@@ -28,7 +29,7 @@ EXTREME = np.array([0x7BFF, 0x0001, 0x03FF, 0x0000, 0x8000, 0xBC00, 0xFBFF], dty
 
 
 def variants() -> list[ctypes.CDLL]:
-    names = library.candidates("", platform.machine(), library.cpu_flags())
+    names = library.candidates("", platform.machine(), cpu_flags())
     libs = [library.load_variant(name) for name in names]
     return [lib for lib in libs if not isinstance(lib, str)]
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.worker.test_quant_kernels import close, int8_activations
-from v1.kernels import library
+from v1.kernels import library, variants
 from v1.kernels.block_matmul import QuantBlocks, QuantKernels
 
 pytestmark = pytest.mark.skipif(library.library() is None, reason="no C kernels")
@@ -28,7 +28,7 @@ def qtype(kind: str) -> gguf.GGMLQuantizationType:
 
 
 def variant_names() -> list[str]:
-    return library.candidates("", platform.machine(), library.cpu_flags())
+    return library.candidates("", platform.machine(), variants.cpu_flags())
 
 
 def paths(variant: str) -> tuple[QuantKernels, QuantKernels]:

@@ -24,6 +24,7 @@ from v1.kernels.block_matmul import (
     kernels,
 )
 from v1.kernels.structs import CStruct, LayoutError, View, c_layout, check_layout
+from v1.kernels.variants import cpu_flags
 from v1.models.layers.quantized import QUANTIZE_KINDS, QuantizedWeight
 
 pytestmark = pytest.mark.skipif(library.library() is None, reason="no C kernels")
@@ -33,7 +34,7 @@ MIRRORS = (View, Matmul, PagedDecodeStep, PagedDecodeIO, fused_step._Proj, fused
 
 
 def variants() -> list[ctypes.CDLL]:
-    names = library.candidates("", platform.machine(), library.cpu_flags())
+    names = library.candidates("", platform.machine(), cpu_flags())
     libs = [library.load_variant(name) for name in names]
     return [lib for lib in libs if not isinstance(lib, str)]
 

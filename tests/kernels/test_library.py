@@ -141,14 +141,14 @@ def test_cpu_flags_of_each_architecture(tmp_path: Path) -> None:
     flags the variants need."""
     x86 = tmp_path / "x86"
     x86.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 fma f16c\nbugs\t\t: spectre\n")
-    assert library.cpu_flags(x86) == {"fpu", "sse2", "avx2", "fma", "f16c"}
+    assert variants.cpu_flags(x86) == {"fpu", "sse2", "avx2", "fma", "f16c"}
     arm = tmp_path / "arm"
     arm.write_text("processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd evtstrm aes pmull "
                    "sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp "
                    "ssbs\nCPU implementer\t: 0x41\n")
-    assert library.candidates("", "aarch64", library.cpu_flags(arm)) == ["armv8_2_dotprod",
+    assert library.candidates("", "aarch64", variants.cpu_flags(arm)) == ["armv8_2_dotprod",
                                                                          "portable"]
-    assert library.cpu_flags(tmp_path / "missing") == set()
+    assert variants.cpu_flags(tmp_path / "missing") == set()
 
 
 def test_this_machine_has_its_best_variant_built() -> None:
@@ -156,8 +156,8 @@ def test_this_machine_has_its_best_variant_built() -> None:
     sources only checked), and the loader takes the best one (the CI machine's flags decide
     which), or the one V1_CPU_KERNELS names."""
     setting = os.environ.get("V1_CPU_KERNELS", "").strip().lower()
-    names = library.candidates(setting, platform.machine(), library.cpu_flags())
-    for name in variants.runnable(platform.machine(), library.cpu_flags()):
+    names = library.candidates(setting, platform.machine(), variants.cpu_flags())
+    for name in variants.runnable(platform.machine(), variants.cpu_flags()):
         assert (library.KERNELS_DIR / variants.library_name(name)).is_file(), name
     lib = library.library()
     assert lib is not None and Path(lib._name).name == variants.library_name(names[0])

@@ -275,7 +275,7 @@ VARIANT_INT8_ISA = {variant: INT8_ISAS[code] for variant, code
 def test_each_variant(variant: str) -> None:
     """Each variant of the library that this CPU runs computes what the chosen one does,
     with the int8 dot product it was built for."""
-    if variant not in library.candidates("", platform.machine(), library.cpu_flags()):
+    if variant not in library.candidates("", platform.machine(), variants.cpu_flags()):
         pytest.skip(f"this CPU does not run {variant}")
     lib = library.load_variant(variant)
     assert not isinstance(lib, str), lib
@@ -297,7 +297,7 @@ def test_int8_rows_are_the_same_in_any_call(variant: str) -> None:
     AVX2 and 128 with AVX-512), on each variant: every variant computes the same numbers (exact
     integer block sums, one explicit-FMA recurrence), so they also equal each other's. Odd N:
     the few-row tile's last 16 rows are partly copies."""
-    if variant not in library.candidates("", platform.machine(), library.cpu_flags()):
+    if variant not in library.candidates("", platform.machine(), variants.cpu_flags()):
         pytest.skip(f"this CPU does not run {variant}")
     lib = library.load_variant(variant)
     assert not isinstance(lib, str), lib

@@ -19,7 +19,6 @@ from pathlib import Path
 
 from v1 import envs
 from v1.kernels import variants
-from v1.kernels.variants import cpu_flags
 
 logger = logging.getLogger("v1")
 
@@ -53,11 +52,11 @@ def library(setting: str | None = None) -> ctypes.CDLL | None:
         return _loaded[setting]
 
 
-def candidates(setting: str, machine: str, cpu_flags: set[str]) -> list[str]:
+def candidates(setting: str, machine: str, flags: set[str]) -> list[str]:
     """The variants to try for a V1_CPU_KERNELS value, best first: those whose CPU flags
     this machine has (all of them for an explicit name: the user asked for it)."""
     table = variants.variants_for(machine)
-    runnable = variants.runnable(machine, cpu_flags)
+    runnable = variants.runnable(machine, flags)
     if setting in _DEFAULT:
         return runnable
     if setting == "asan":
@@ -101,7 +100,7 @@ def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
 
 def _load(setting: str) -> ctypes.CDLL | None:
     failed = []
-    for variant in candidates(setting, platform.machine(), cpu_flags()):
+    for variant in candidates(setting, platform.machine(), variants.cpu_flags()):
         lib = load_variant(variant)
         if isinstance(lib, str):
             failed.append(f"{variant}: {lib}")
@@ -154,4 +153,4 @@ if __name__ == "__main__":
     import sys
 
     print(" ".join(candidates(sys.argv[1] if len(sys.argv) > 1 else "", platform.machine(),
-                              cpu_flags())))
+                              variants.cpu_flags())))

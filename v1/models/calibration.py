@@ -30,7 +30,8 @@ import torch
 
 from v1.kernels import variants
 from v1.kernels.block_matmul import QuantKernels
-from v1.kernels.library import cpu_flags, cpu_model
+from v1.kernels.library import cpu_model
+from v1.kernels.variants import cpu_flags
 from v1.models.layers.quantized import QuantizedWeight
 
 logger = logging.getLogger("v1")
