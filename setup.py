@@ -44,9 +44,13 @@ def _variants_module():
 V = _variants_module()
 
 
+def _setting() -> str:
+    return os.environ.get("V1_KERNELS_BUILD", "").strip().lower()
+
+
 def _wanted() -> dict[str, tuple[str, ...]]:
     """Variant name -> its compiler flags, for V1_KERNELS_BUILD."""
-    what = os.environ.get("V1_KERNELS_BUILD", "").strip().lower()
+    what = _setting()
     isa = {name: flags for name, (flags, _) in V.variants_for(platform.machine()).items()}
     if what in ("", "default"):
         return isa
@@ -67,7 +71,7 @@ def _wanted() -> dict[str, tuple[str, ...]]:
 
 def _checked_only() -> dict[str, tuple[str, ...]]:
     """The ISA variants V1_KERNELS_BUILD=runnable leaves unbuilt, by name: their flags."""
-    if os.environ.get("V1_KERNELS_BUILD", "").strip().lower() != "runnable":
+    if _setting() != "runnable":
         return {}
     built = _wanted()
     return {name: flags for name, (flags, _) in V.variants_for(platform.machine()).items()

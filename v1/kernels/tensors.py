@@ -1,4 +1,4 @@
-"""What the bindings share about the tensors they check."""
+"""What the bindings share about the tensors they check, and the memory weight blocks live in."""
 
 import mmap
 from collections.abc import Sequence
