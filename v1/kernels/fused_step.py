@@ -3,8 +3,9 @@ every layer of an all-decode step in one C call, running the per-op path's kerne
 order, so its results are the same bits.
 
 What the C reads is checked here (ValueError naming the argument): `DecoderLayers`, built once
-per set of weights (norms, `QuantBlocks` projections, biases; `unchanged()` compares the
-tensors' stamps), and per call the hidden states, RoPE tables, attention step and caches
+per set of weights (norms, `QuantBlocks` projections, biases; it holds aliases of them, so the
+memory its structs point into lives as long as it does, whatever becomes of the modules'
+tensors), and per call the hidden states, RoPE tables, attention step and caches
 (checked again only when their stamps or the step's shape change). The scratch buffers are
 `DecoderLayers`' own: one call at a time per `DecoderLayers` (one per model).
 """
@@ -125,6 +126,9 @@ class DecoderLayers:
         # (N, K) of each projection.
         shapes = {"qkv": (q_size + 2 * num_kv_heads * head_dim, hidden), "o": (hidden, q_size),
                   "gate_up": (2 * inter, hidden), "down": (hidden, inter)}
+        # Detached aliases of the tensors the structs point into: they keep that memory
+        # alive, and a `.data =` on a module's tensor leaves them as they were (the model is
+        # re-planned after new weights: `FusedDecode.current`).
         self._tensors: list[torch.Tensor] = []
         structs = []
         for i, layer in enumerate(layers):
@@ -141,7 +145,6 @@ class DecoderLayers:
         self.array = (_Layer * len(structs))(*structs)
         self.num_layers = len(structs)
         self.dims = _Dims(hidden, num_heads, num_kv_heads, head_dim, inter)
-        self._stamps = stamps(self._tensors)
         # Scratch widths per row, in _Scratch's order.
         self._widths = (hidden, shapes["qkv"][0], q_size, hidden, 2 * inter, inter)
         self._scratch: list[torch.Tensor] = []
@@ -166,7 +169,7 @@ class DecoderLayers:
             if not {"linear_f32", "linear_i8"} <= types[blocks.kind].kernels:
                 raise ValueError(f"{name}: {blocks.kind} blocks lack a linear kernel in this "
                                  f"library")
-            self._tensors.append(blocks.tensor)
+            self._tensors.append(blocks.tensor.detach())
             bias = None if proj.bias is None else proj.bias.data_ptr() + 4 * row
             shards.append(_Proj(w, bias, blocks.N, blocks.code))
             row += blocks.N
@@ -178,11 +181,7 @@ class DecoderLayers:
         if t.dtype is not _F32 or not t.is_cpu or t.shape != (n,) or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous fp32 [{n}] on the CPU, got {t.dtype} "
                              f"{list(t.shape)} on {t.device}")
-        self._tensors.append(t)
-
-    def unchanged(self) -> bool:
-        """Whether every tensor is where, and as long as, when it was checked."""
-        return stamps(self._tensors) == self._stamps
+        self._tensors.append(t.detach())
 
     def scratch_for(self, rows: int) -> torch.Tensor:
         """The scratch for `rows` rows (`self.scratch` points into it); returns the block

@@ -139,7 +139,7 @@ class StepPlanner:
         if (
             self.options.fused_decode and fd is not None and native is not None
             and self.fused_decoder is not None and isinstance(ops, NativeOps)
-            and matmul in ("fp32", "int8") and fd.current() is not None
+            and matmul in ("fp32", "int8") and fd.layers is not None
         ):
             fused = FusedStep(self.fused_decoder, native.kernel, native.bound(kv_caches[0]),
                               matmul == "int8")

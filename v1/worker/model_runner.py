@@ -424,12 +424,18 @@ class ModelRunner:
             self.planner.plan(metadata, self.kv_caches, is_prompt),
         )
 
+    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+        """A host array as a tensor on the runner's device (on the CPU: the array's memory;
+        a `.to` that changes nothing still costs a dispatch, several per step)."""
+        t = torch.from_numpy(a)
+        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
+
     def _attention_metadata(
         self, rows: np.ndarray, token_rows: np.ndarray, positions: np.ndarray,
         query_start_loc: np.ndarray, seq_lens: np.ndarray, num_scheduled: np.ndarray,
         num_computed: np.ndarray,
     ) -> AttentionMetadata:
-        batch, dev = self.input_batch, self.device
+        batch = self.input_batch
         slot_mapping = batch.block_table.slot_mapping(token_rows, positions)
         max_blocks = int(batch.block_table.num_blocks[rows].max())
         block_table = batch.block_table.table[rows, :max_blocks]
@@ -437,10 +443,10 @@ class ModelRunner:
             num_actual_tokens=int(query_start_loc[-1]),
             max_query_len=int(num_scheduled.max()),
             max_seq_len=int(seq_lens.max()),
-            query_start_loc=torch.from_numpy(query_start_loc).to(dev, non_blocking=True),
-            seq_lens=torch.from_numpy(seq_lens).to(dev, non_blocking=True),
-            block_table=torch.from_numpy(block_table).to(dev, non_blocking=True),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev, non_blocking=True),
+            query_start_loc=self._to_device(query_start_loc),
+            seq_lens=self._to_device(seq_lens),
+            block_table=self._to_device(block_table),
+            slot_mapping=self._to_device(slot_mapping),
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
             generated_cpu=num_computed >= batch.num_prompt_tokens[rows],
@@ -455,8 +461,7 @@ class ModelRunner:
         )
         with lora_rows:
             return self.model(
-                torch.from_numpy(step.input_ids).to(dev, non_blocking=True),
-                torch.from_numpy(step.positions).to(dev, non_blocking=True),
+                self._to_device(step.input_ids), self._to_device(step.positions),
                 self.kv_caches, step.plan.metadata, step.plan,
             )
 
@@ -514,9 +519,10 @@ class ModelRunner:
             step.query_start_loc[1:][sample_idx] - num_logit_rows - first_logit_row[:-1],
             num_logit_rows,
         ) + np.arange(len(logit_req))
-        logits = self.model.compute_logits(
-            hidden[torch.from_numpy(logits_idx).to(self.device)], self.planner.head_rows
-        )
+        # The rows ascend: as many as `hidden` has are all of them (a decode step's).
+        sampled_hidden = (hidden if len(logits_idx) == hidden.shape[0]
+                          else hidden[self._to_device(logits_idx)])
+        logits = self.model.compute_logits(sampled_hidden, self.planner.head_rows)
         if out.grammar_bitmask is not None:
             # Structured requests are never drafted: one logits row each.
             sample_pos = {req_ids[j]: i for i, j in enumerate(logit_req.tolist())}

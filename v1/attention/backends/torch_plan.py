@@ -185,7 +185,9 @@ class AttentionPlan:
         plan = cls(
             num_tokens=int(qsl[num_reqs]),
             block_size=block_size,
-            any_padding_slot=bool(slots.numel()) and bool((slots < 0).any()),
+            # In numpy where the slots are on the CPU: a torch reduction costs a few ops.
+            any_padding_slot=bool(slots.numel()) and bool(
+                ((slots.numpy() if slots.is_cpu else slots.cpu().numpy()) < 0).any()),
             sliding_window=w,
         )
         if kernel is not None and num_reqs == 1 and qsl[1] - qsl[0] == 1:
@@ -258,13 +260,17 @@ def _lone_decode(metadata: AttentionMetadata, kernel: PagedDecodeKernel, q_row: 
     """A lone decode (batch-1 generation, where this runs once per token): one kernel
     entry, no cascade. Built directly: the general planning is ~30 numpy calls on 1-element
     arrays, ~40 us a step, as much as a few layers' attention."""
-    slots = metadata.slot_mapping
+    slots, table = metadata.slot_mapping, metadata.block_table
     start = 0 if w is None else seq_len - w
-    # Its table row, query row, start and end, as 1-element views of one tensor.
+    # Its table row, query row, start and end, as 1-element views of one tensor. (The
+    # kernel serves CPU caches: the runner's metadata is there, and its table int32.)
     entry = torch.from_numpy(np.array([[0], [q_row], [start], [seq_len]], dtype=np.int64))
+    if table.dtype != torch.int32 or not table.is_contiguous():
+        table = table.to(torch.int32).contiguous()
     return _NativeDecodes(
-        kernel, metadata.block_table.to(torch.int32).contiguous(),
-        *entry.to(slots.device).unbind(), slots, slots.to(torch.int64).contiguous(),
+        kernel, table, *entry.unbind(), slots,
+        slots if slots.dtype == torch.int64 and slots.is_contiguous()
+        else slots.to(torch.int64).contiguous(),
     )
 
 

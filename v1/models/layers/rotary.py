@@ -162,12 +162,16 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq, attention_scaling = rope_inv_freq(params, head_dim, max_position_embeddings)
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        # Kept in fp32 whatever the model dtype; cast per step, like transformers.
+        cos, sin = freqs.cos() * attention_scaling, freqs.sin() * attention_scaling
+        # The tables `ops.rope` reads, [max_position, 1, head_dim]: cat(cos, cos) and
+        # cat(-sin, sin), in fp32 whatever the model dtype (cast per step, like transformers).
+        # Stored whole (twice the memory of cos and sin: 64 MB for 128K positions of 64),
+        # a step's are one index each: built per step, they cost 7 ops of a decode step.
         self.register_buffer(
-            "cos_cache", (freqs.cos() * attention_scaling).to(device), persistent=False
+            "cos_table", torch.cat((cos, cos), -1).unsqueeze(1).to(device), persistent=False
         )
         self.register_buffer(
-            "sin_cache", (freqs.sin() * attention_scaling).to(device), persistent=False
+            "sin_table", torch.cat((-sin, sin), -1).unsqueeze(1).to(device), persistent=False
         )
 
     def cos_sin(
@@ -175,6 +179,7 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's tables for `ops.rope`, [T, 1, head_dim] each: cat(cos, cos) and
         cat(-sin, sin). Built once per forward and shared by every layer that uses them."""
-        cos = self.cos_cache[positions].to(dtype)
-        sin = self.sin_cache[positions].to(dtype)
-        return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
+        cos, sin = self.cos_table[positions], self.sin_table[positions]
+        if dtype != torch.float32:
+            cos, sin = cos.to(dtype), sin.to(dtype)
+        return cos, sin
