@@ -8,6 +8,7 @@ from v1.kernels import attention
 from v1.kernels.attention import paged_decode_kernel
 from v1.kernels.block_matmul import QuantBlocks, kernels
 from v1.kernels.elementwise import native_ops
+from v1.kernels.interleave import BlockParts, relayout
 from v1.kernels.library import library
 from v1.models.layers.quantized import QuantizedWeight
 
@@ -162,3 +163,24 @@ def test_paged_decode_call_checks() -> None:
     for name, (q, cache, o, lse, k, v) in bad.items():
         with pytest.raises(ValueError, match=f"^{name.strip()}"):
             s.kernel(step, q, cache, o, lse, 0.125, k, v)
+
+
+def test_relayout_checks() -> None:
+    """The block relayout refuses what its C would read or write past."""
+    move = relayout()
+    parts = BlockParts(34, 0, 8, 2)  # q8_0: 8 dwords, then 2 bytes
+    src = torch.zeros(16, 68, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    move(src, dst, 8, parts, True)
+    bad = {
+        "src": lambda: move(src.view(torch.int8), dst, 8, parts, True),
+        "dst": lambda: move(src, dst[:8], 8, parts, True),
+        "dst ": lambda: move(src, torch.empty(68, 16, dtype=torch.uint8).t(), 8, parts, True),
+        "blocks": lambda: move(src[:12], dst[:12], 8, parts, True),  # 12 rows: no 8-row group
+        "blocks ": lambda: move(src, dst, 8, BlockParts(34, 0, 8, 3), True),
+        "blocks  ": lambda: move(src, dst, 32, parts, True),  # more rows than a group may have
+        "dst overlaps": lambda: move(src, src, 8, parts, True),
+    }
+    for name, call in bad.items():
+        with pytest.raises(ValueError, match=f"^{name.strip()}"):
+            call()

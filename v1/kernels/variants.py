@@ -20,6 +20,7 @@ from pathlib import Path
 SOURCES: dict[str, tuple[str, ...]] = {
     "pool.c": (),
     "layout.c": (),
+    "interleave.c": (),
     # The kernel table (block_types.h): its rows, its entry points, each type's tuned
     # kernels and the plain C references.
     "block_types.c": (),

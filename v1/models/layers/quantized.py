@@ -21,7 +21,6 @@ Paths and measurements: docs/benchmarks.md, "Matmul paths".
 """
 
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +36,7 @@ from v1.kernels.block_matmul import (
     QuantKernels,
     kernels,
 )
+from v1.kernels.interleave import BlockParts, relayout
 from v1.kernels.tensors import weight_empty
 from v1.models.layers.onednn import ONEDNN_LINEAR, onednn_linear
 
@@ -358,13 +358,12 @@ def _layout_for(kind: str, out_features: int, q: QuantKernels | None) -> str:
     return layout if layout is not None and out_features % _rows(layout) == 0 else kind
 
 
-def _block_parts(kind: str) -> tuple[int, int, int, int]:
-    """An interleaved `kind`'s block as its layout reads it: (bytes, leading bytes moved to
-    its end, whole dwords after them, bytes past those dwords: the leading ones or the last)."""
+def _block_parts(kind: str) -> BlockParts:
+    """An interleaved `kind`'s block as its layout reads it."""
     size, lead = BLOCK_SIZES[kind][1], LEADING.get(kind, 0)
     dwords, tail = divmod(size - lead, 4)
     assert not (lead and tail), f"{kind}: leading bytes and bytes past the last dword"
-    return size, lead, dwords, tail + lead
+    return BlockParts(size, lead, dwords, tail + lead)
 
 
 def _relayout(
@@ -374,46 +373,16 @@ def _relayout(
     `kind`'s (`interleave`) or back, into `out` (contiguous, of `blocks`' shape; None: a new
     tensor), which is returned. `kind`'s layout: each group of its rows interleaved, [group,
     row, block, dword] -> [group, block, dword, row], dwords of 4 bytes, then a block's bytes
-    past its last whole dword, or its `LEADING` ones, [group, block, row, tail]."""
-    rows, (size, lead, dwords, tail) = _rows(kind), _block_parts(kind)
-    n, width = blocks.shape
-    groups, nb = n // rows, width // size
+    past its last whole dword, or its `LEADING` ones, [group, block, row, tail]. Interleaved
+    kinds come from a kernel library's table: its C moves them (`v1.kernels.interleave`)."""
+    move = relayout()
+    if move is None:
+        raise ValueError(f"{kind} blocks need the kernel library (V1_CPU_KERNELS is off)")
     if out is None:  # a weight the kernels stream, or a throwaway plain copy
         out = (weight_empty(*blocks.shape) if interleave
                else torch.empty_like(blocks, memory_format=torch.contiguous_format))
-    src, dst = blocks.numpy(), out.numpy()
-    plain, mixed = (src, dst) if interleave else (dst, src)
-    plain = plain.reshape(groups, rows, nb, size)
-    mixed = mixed.reshape(groups, nb, rows * size)
-    # Both sides as [group, block, dword, row] of 4-byte items, which numpy moves whatever
-    # their alignment (a 210-byte block puts every other one at 2 mod 4): several times
-    # faster than torch's permuted copy of 2- or 4-byte words, and a model's load moves
-    # every interleaved weight once.
-    views = [plain[..., lead:lead + dwords * 4].view("V4").transpose(0, 2, 3, 1),
-             mixed[..., :rows * dwords * 4].view("V4").reshape(groups, nb, dwords, rows)]
-    if tail:  # [group, block, row, tail]
-        rest = plain[..., :lead] if lead else plain[..., dwords * 4:]
-        views += [rest.transpose(0, 2, 1, 3),
-                  mixed[..., rows * dwords * 4:].reshape(groups, nb, rows, tail)]
-    pairs = [(t, s) if interleave else (s, t)
-             for s, t in zip(views[::2], views[1::2], strict=True)]
-    # Spread over torch's threads by groups (numpy releases the GIL while it copies).
-    threads = min(torch.get_num_threads(), groups)
-    if threads > 1 and out.nbytes >= 1 << 20:
-        bounds = [groups * i // threads for i in range(threads + 1)]
-        with ThreadPoolExecutor(threads - 1) as pool:
-            done = [pool.submit(_copy, pairs, a, b) for a, b in zip(bounds[1:], bounds[2:])]
-            _copy(pairs, bounds[0], bounds[1])
-            for d in done:
-                d.result()
-    else:
-        _copy(pairs, 0, groups)
+    move(blocks.contiguous(), out, _rows(kind), _block_parts(kind), interleave)
     return out
-
-
-def _copy(pairs: list[tuple[np.ndarray, np.ndarray]], start: int, end: int) -> None:
-    for target, source in pairs:
-        target[start:end] = source[start:end]
 
 
 def _interleave(kind: str, blocks: torch.Tensor) -> torch.Tensor:
