@@ -324,7 +324,7 @@ class DecoderForCausalLM(nn.Module):
         cap = self.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        return logits if logits.dtype == torch.float32 else logits.float()
 
     # ---- weight loading -------------------------------------------------------------------
 

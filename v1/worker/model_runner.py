@@ -510,15 +510,19 @@ class ModelRunner:
         """Samples the last 1 + k rows of each request in `sample_idx` and stores its new
         tokens (drafted requests: those that `Drafter.accept` keeps)."""
         batch, req_ids = self.input_batch, step.req_ids
-        num_logit_rows = 1 + step.drafts.num[sample_idx]
-        logit_req = np.repeat(sample_idx, num_logit_rows)  # request index per logits row
-        first_logit_row = np.zeros(len(sample_idx) + 1, dtype=np.int64)
-        np.cumsum(num_logit_rows, out=first_logit_row[1:])
-        # Logits row j of request i reads query row end_i - (1 + k_i) + j.
-        logits_idx = np.repeat(
-            step.query_start_loc[1:][sample_idx] - num_logit_rows - first_logit_row[:-1],
-            num_logit_rows,
-        ) + np.arange(len(logit_req))
+        if step.drafts.by_index:
+            num_logit_rows = 1 + step.drafts.num[sample_idx]
+            logit_req = np.repeat(sample_idx, num_logit_rows)  # request index per logits row
+            first_logit_row = np.zeros(len(sample_idx) + 1, dtype=np.int64)
+            np.cumsum(num_logit_rows, out=first_logit_row[1:])
+            # Logits row j of request i reads query row end_i - (1 + k_i) + j.
+            logits_idx = np.repeat(
+                step.query_start_loc[1:][sample_idx] - num_logit_rows - first_logit_row[:-1],
+                num_logit_rows,
+            ) + np.arange(len(logit_req))
+        else:  # no drafts: each request's last query row
+            logit_req = sample_idx
+            logits_idx = step.query_start_loc[1:][sample_idx] - 1
         # The rows ascend: as many as `hidden` has are all of them (a decode step's).
         sampled_hidden = (hidden if len(logits_idx) == hidden.shape[0]
                           else hidden[self._to_device(logits_idx)])

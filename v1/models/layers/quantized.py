@@ -263,7 +263,7 @@ class QuantizedWeight:
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """fp32 rows [*ids.shape, in] for token ids: only the rows asked for are dequantized
         (up to FEW_IDS ids of an interleaved kind: each one's group of rows)."""
-        flat = ids.reshape(-1)
+        flat = ids if ids.dim() == 1 else ids.reshape(-1)
         rows = _rows(self.kind)
         few = flat.tolist() if rows > 1 and 0 < flat.numel() <= FEW_IDS else []
         q = kernels() if few and all(0 <= i < self.out_features for i in few) else None
@@ -276,7 +276,7 @@ class QuantizedWeight:
                 blocks = QuantBlocks(self.kind, self.blocks[group * rows : (group + 1) * rows])
                 parts.append(q.dequantize(blocks)[row : row + 1])
             out = parts[0] if len(parts) == 1 else torch.cat(parts)
-            return out.reshape(*ids.shape, self.in_features)
+            return out if ids.dim() == 1 else out.reshape(*ids.shape, self.in_features)
         if rows == 1:
             blocks = self.blocks[flat]
         else:  # each id's own row out of its group (the layout: `_relayout`), not the group's
