@@ -22,9 +22,9 @@
    few us: its norms, RoPE, activations' quantization), then yielding its CPU between polls
    (so it keeps no runnable thread off that CPU for long), then sleeps on a futex: a
    forward's back-to-back calls find it awake, an idle engine costs nothing. (Yielding from
-   the first poll, each a system call, the layers of a 135M batch-1 step took ~5% longer on
-   a 2-core EPYC: bench/bench_fused_step.py.) The caller waits for the job's last workers
-   the same way.
+   the first poll, each a system call, the layers of a 135M batch-1 step took 1.4% longer
+   on a 2-core EPYC over 100 paired rounds: bench/results/fused_step_pause_zen3.txt.) The
+   caller waits for the job's last workers the same way.
    One job at a time: a caller that finds the pool busy (another Python thread in a kernel)
    runs its job alone. The caller waits only for the workers that joined its job, not for
    all of them: on a shared machine a worker may be off its CPU (asleep, or behind another
