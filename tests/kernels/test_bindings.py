@@ -179,8 +179,13 @@ def test_relayout_checks() -> None:
         "blocks": lambda: move(src[:12], dst[:12], 8, parts, True),  # 12 rows: no 8-row group
         "blocks ": lambda: move(src, dst, 8, BlockParts(34, 0, 8, 3), True),
         "blocks  ": lambda: move(src, dst, 32, parts, True),  # more rows than a group may have
+        "blocks   ": lambda: move(src, dst, 8, BlockParts(34, 2, 8, 100), True),  # lead, rest
+        "blocks    ": lambda: move(src, dst, 8, BlockParts(0, 0, 0, 0), True),
+        "blocks     ": lambda: move(src, dst, 8, BlockParts(34, -2, 9, 0), True),
         "dst overlaps": lambda: move(src, src, 8, parts, True),
     }
     for name, call in bad.items():
         with pytest.raises(ValueError, match=f"^{name.strip()}"):
             call()
+    empty = torch.zeros(8, 0, dtype=torch.uint8)
+    move(empty, torch.empty_like(empty), 8, parts, True)  # nothing to move

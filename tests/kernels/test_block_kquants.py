@@ -203,9 +203,9 @@ def test_interleaved_rows_give_the_plain_bits(lib: ctypes.CDLL, kind: str) -> No
 
 @pytest.mark.parametrize("kind", INTERLEAVED_AS)
 def test_large_weights_repack_on_several_threads(kind: str) -> None:
-    """A weight of over 1 MiB, 65 row groups, is moved on the kernels' pool by 3 threads
-    (each claiming chunks of groups as it comes free): the reference layout's bytes, and
-    back."""
+    """A weight of over 1 MiB, 65 row groups, moved on the kernels' pool with 3 threads
+    allowed (each claims chunks of groups as it comes free): the reference layout's bytes,
+    and back."""
     size = gguf.GGML_QUANT_SIZES[gguf_type(kind)][1]
     blocks = np.random.default_rng(5).integers(0, 256, (520, 32 * size), dtype=np.uint8)
     weight = QuantizedWeight(kind, torch.from_numpy(blocks.copy()), 520, 32 * 256)

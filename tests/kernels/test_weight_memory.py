@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from v1.kernels import tensors
+from v1.kernels.interleave import relayout
 from v1.kernels.tensors import HUGE_PAGE_BYTES, weight_empty
 from v1.models.layers.quantized import QuantizedWeight
 
@@ -27,6 +28,7 @@ def test_small_weights_are_torchs_and_large_ones_hold_their_mapping() -> None:
     assert int(view.sum()) == 7 * 1024
 
 
+@pytest.mark.skipif(relayout() is None, reason="no C kernels: nothing interleaves")
 def test_a_kernel_without_huge_pages_still_gets_the_memory(monkeypatch) -> None:
     """madvise(MADV_HUGEPAGE) answers EINVAL where the kernel has no transparent huge pages:
     the weights are laid out all the same."""

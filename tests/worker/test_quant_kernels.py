@@ -457,6 +457,7 @@ def test_embedding_rows() -> None:
     assert torch.equal(q.embedding(ids), q.dequantize()[ids])
 
 
+@needs_kernels  # interleaved layouts come from, and are moved by, the C library
 @pytest.mark.parametrize("kind, other", [("q4_1", "q8_0"), ("q8_0", "q4_1")])
 def test_repacked_blocks(kind: str, other: str) -> None:
     """q4_1x8 (q8_0x8) holds q4_1's (q8_0's) bytes moved, and back; every path that reads them
@@ -511,6 +512,7 @@ def test_embedding_of_few_ids_dequantizes_their_groups(monkeypatch) -> None:
         moved.embedding(torch.tensor([16]))
 
 
+@needs_kernels
 @pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
 def test_repacked_k_quant_blocks(kind: str) -> None:
     """q4_kx8 and q6_kx8 hold q4_k's and q6_k's superblocks moved (q6_k's d, past its whole

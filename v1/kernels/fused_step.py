@@ -126,9 +126,10 @@ class DecoderLayers:
         # (N, K) of each projection.
         shapes = {"qkv": (q_size + 2 * num_kv_heads * head_dim, hidden), "o": (hidden, q_size),
                   "gate_up": (2 * inter, hidden), "down": (hidden, inter)}
-        # Detached aliases of the tensors the structs point into: they keep that memory
-        # alive, and a `.data =` on a module's tensor leaves them as they were (the model is
-        # re-planned after new weights: `FusedDecode.current`).
+        # Detached aliases of the tensors the structs point into: they keep that storage
+        # alive, and a `.data =` on a module's tensor leaves them as they were. A change of
+        # that storage in place (resize_, set_, share_memory_) moves what they point to: new
+        # weights, or any such change, are followed by `FusedDecode.replan`.
         self._tensors: list[torch.Tensor] = []
         structs = []
         for i, layer in enumerate(layers):

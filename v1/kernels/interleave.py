@@ -48,11 +48,14 @@ class Relayout:
         n, width = src.shape
         size, lead, dwords, rest = parts
         if (
-            not 1 <= rows <= MAX_ROWS or n % rows or width % size
+            not 1 <= rows <= MAX_ROWS or min(lead, dwords, rest) < 0 or size < 1
+            or n % rows or width % size or (lead and rest != lead)
             or lead + 4 * dwords + (0 if lead else rest) != size
         ):
             raise ValueError(f"blocks [{n}, {width}] are not groups of {rows} rows of "
                              f"{size}-byte blocks of {parts}")
+        if src.numel() == 0:
+            return
         a, b = src.data_ptr(), dst.data_ptr()
         if a < b + dst.nbytes and b < a + src.nbytes:
             raise ValueError("dst overlaps src")

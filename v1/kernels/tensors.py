@@ -20,8 +20,8 @@ def stamp(t: torch.Tensor) -> tuple[int, int]:
 
 
 def stamps(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
-    """`stamp` of each tensor, in order (without a Python call per tensor: hundreds of
-    weights are compared every step)."""
+    """`stamp` of each tensor, in order (without a Python call per tensor: a step compares
+    every layer's cache)."""
     return list(zip(map(torch.Tensor.data_ptr, tensors), map(torch.Tensor.numel, tensors)))
 
 

@@ -41,10 +41,12 @@ class FusedDecode:
         self._layers = layers
         # The descriptors the step runs with (None: the layers do not qualify). They point
         # into the weights as they were at the last `replan`: whoever gives the layers new
-        # weights or modules re-plans (`load_weights`, LoRA's manager), as a CUDA graph is
-        # captured again. They hold that memory, so a weight replaced without a re-plan is
-        # never read freed, only not seen. (Checking every weight's address each step cost
-        # ~0.3 ms of a 10 ms batch-1 step: cold caches after the weights streamed through.)
+        # weights or modules, or changes a weight's storage in place (resize_, set_,
+        # share_memory_), re-plans (`load_weights`, LoRA's manager do), as a CUDA graph is
+        # captured again. They hold the weights' storage, so a weight replaced (`.data =`, a
+        # new Parameter) without a re-plan is not seen, never read freed. (Checking every
+        # weight's address each step cost ~0.3 ms of a 10 ms batch-1 step: the caches are
+        # cold after the weights streamed through them.)
         self.layers: DecoderLayers | None = None
         self.reason = "the weights are not loaded"  # why not, where they do not
         self.rope_key = ""

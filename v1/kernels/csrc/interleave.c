@@ -71,7 +71,9 @@ V1_API void v1_relayout(const uint8_t *src, uint8_t *dst, int64_t groups, int64_
                         int32_t rows, int32_t size, int32_t lead, int32_t dwords,
                         int32_t rest, int32_t interleave, int32_t nthreads) {
     const struct relayout r = {src, dst, blocks, rows, size, lead, dwords, rest, interleave};
+    const int64_t group_bytes = (int64_t)rows * blocks * size;
+    if (groups < 1 || group_bytes < 1) return;
     /* ~256 KiB a chunk: few claims, and every thread gets some of a 1 MiB weight. */
-    int64_t chunk = (256 << 10) / ((int64_t)rows * blocks * size);
+    int64_t chunk = (256 << 10) / group_bytes;
     v1_parallel_for(nthreads, groups, chunk < 1 ? 1 : chunk, move_groups, (void *)&r);
 }

@@ -377,7 +377,8 @@ def _relayout(
     kinds come from a kernel library's table: its C moves them (`v1.kernels.interleave`)."""
     move = relayout()
     if move is None:
-        raise ValueError(f"{kind} blocks need the kernel library (V1_CPU_KERNELS is off)")
+        raise ValueError(f"{kind} blocks need a kernel library, and none is loaded "
+                         f"(V1_CPU_KERNELS=0, or no variant built for this CPU)")
     if out is None:  # a weight the kernels stream, or a throwaway plain copy
         out = (weight_empty(*blocks.shape) if interleave
                else torch.empty_like(blocks, memory_format=torch.contiguous_format))
