@@ -199,8 +199,8 @@ def max_chars_per_token(tokenizer: Any) -> int | None:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None
-    # The parts read one by one: the whole tokenizer as JSON (vocabulary and merges) took
-    # ~0.4 s to write and parse, a tenth of a small model's start.
+    # The parts read one by one: writing the whole tokenizer as JSON (vocabulary and merges)
+    # and parsing it back was a large share of every start.
     shrink = _shrink_factor(_config(backend.normalizer))
     if shrink is None or _shrink_factor(_config(backend.pre_tokenizer)) != 1:
         return None

@@ -45,8 +45,8 @@ class FusedDecode:
         # share_memory_), re-plans (`load_weights`, LoRA's manager do), as a CUDA graph is
         # captured again. They hold the weights' storage, so a weight replaced (`.data =`, a
         # new Parameter) without a re-plan is not seen, never read freed. (Checking every
-        # weight's address each step cost ~0.3 ms of a 10 ms batch-1 step: the caches are
-        # cold after the weights streamed through them.)
+        # weight's address each step took ~540 calls a step, each on caches the weights had
+        # just streamed through: bench/bench_cold_host.py.)
         self.layers: DecoderLayers | None = None
         self.reason = "the weights are not loaded"  # why not, where they do not
         self.rope_key = ""

@@ -1,6 +1,7 @@
 /* A weight's blocks moved between GGUF's layout and an interleaved one (the layouts:
-   v1/models/layers/quantized.py's `_relayout`), once per weight at load. numpy's strided copy
-   of 4-byte items moved them at ~1 GB/s: most of a 1B model's load. */
+   v1/models/layers/quantized.py's `_relayout`), once per weight at load, where numpy's
+   strided copy of 4-byte items was a large share of a 1B model's load (docs/benchmarks.md,
+   "Model sizes"). */
 #include "pool.h"
 #include "v1.h"
 
