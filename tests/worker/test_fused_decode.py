@@ -179,6 +179,34 @@ def test_new_weights_are_read(gguf_model, fused_calls):
         gguf_model.replan()
 
 
+def test_a_weight_replaced_without_replan_is_not_seen_and_not_freed(gguf_model, fused_calls):
+    """The descriptors hold what they were planned with: a norm's weight replaced in place of
+    its old tensor (`.data =`, the old one dropped) is not read until the model is re-planned
+    (no per-step check of the weights), and the old memory stays theirs meanwhile: the step
+    is the same bits as before, whatever is allocated in between."""
+    kv_caches = prefilled(gguf_model, [list(range(200, 212))])
+    chunks = [Chunk([9], 12, TABLES[0])]
+    before = forward(gguf_model, [c.clone() for c in kv_caches], chunks, True)
+    weight = gguf_model.model.layers[5].post_attention_layernorm.weight
+    old = weight.data
+    saved = old.clone()
+    weight.data = old * 1.5
+    del old
+    try:
+        litter = [torch.full((576,), float("nan")) for _ in range(64)]  # reuse freed memory
+        unseen = forward(gguf_model, [c.clone() for c in kv_caches], chunks, True)
+        assert torch.equal(unseen, before)
+        del litter
+        gguf_model.replan()
+        fused = forward(gguf_model, [c.clone() for c in kv_caches], chunks, True)
+        per_op = forward(gguf_model, [c.clone() for c in kv_caches], chunks, False)
+        assert len(fused_calls) == 3
+        assert torch.equal(fused, per_op) and not torch.equal(fused, before)
+    finally:
+        weight.data = saved
+        gguf_model.replan()
+
+
 @pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3,
                                          "prompt_lookup_max": 3, "prompt_lookup_min": 1}])
 def test_greedy_tokens_equal_through_llm(default_model_path, fused_calls, monkeypatch, spec):

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, NoReturn
 
+from tokenizers.models import BPE
+
 from v1.config.checks import check_ints
 
 # The range of the integers the engine core's msgpack messages (and torch) carry.
@@ -205,7 +207,7 @@ def max_chars_per_token(tokenizer: Any) -> int | None:
     if shrink is None or _shrink_factor(_config(backend.pre_tokenizer)) != 1:
         return None
     model = backend.model
-    if type(model).__name__ != "BPE" or (model.fuse_unk and not model.byte_fallback):
+    if not isinstance(model, BPE) or (model.fuse_unk and not model.byte_fallback):
         return None
     added = list(backend.get_added_tokens_decoder().values())
     if any(token.lstrip or token.rstrip for token in added):

@@ -33,9 +33,14 @@
 enum { MAX_WORKERS = V1_MAX_THREADS - 1 };
 static const int64_t PAUSE_NS = 30000, SPIN_NS = 200000;
 
-/* One poll of a busy wait: the CPU's spin-wait hint (the other hardware thread of the core
-   runs meanwhile; the loop exits without a pipeline flush). */
-static inline void cpu_relax(void) {
+/* One poll of a wait begun `waited` ns ago: for PAUSE_NS the CPU's spin-wait hint (the other
+   hardware thread of the core runs meanwhile; the loop exits without a pipeline flush), then
+   a yield of the CPU. */
+static inline void poll_pause(int64_t waited) {
+    if (waited >= PAUSE_NS) {
+        sched_yield();
+        return;
+    }
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
 #elif defined(__aarch64__)
@@ -92,12 +97,8 @@ static void *worker(void *arg) {
         uint32_t g;
         while ((g = atomic_load(&pool.gen)) == seen) {
             const int64_t idle = now_ns() - t0;
-            if (idle < PAUSE_NS) {
-                cpu_relax();
-                continue;
-            }
             if (idle < SPIN_NS) {
-                sched_yield();
+                poll_pause(idle);
                 continue;
             }
             /* A job published after this increment wakes us; one published before it
@@ -156,11 +157,7 @@ void v1_parallel_for(int nthreads, int64_t n, int64_t chunk, v1_range_fn fn, voi
     run_items(0);
     /* Every item is taken: close the job to workers yet to join, wait for those in it. */
     atomic_fetch_sub(&pool.members, 1);
-    for (int64_t t0 = now_ns(); atomic_load(&pool.members) > 0;)
-        if (now_ns() - t0 < PAUSE_NS)
-            cpu_relax();
-        else
-            sched_yield();
+    for (int64_t t0 = now_ns(); atomic_load(&pool.members) > 0;) poll_pause(now_ns() - t0);
     pthread_mutex_unlock(&pool.lock);
 }
 
