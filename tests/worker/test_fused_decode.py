@@ -14,7 +14,13 @@ from v1.attention.backends.torch_attn import TorchAttentionImpl
 from v1.attention.backends.torch_plan import AttentionPlan
 from v1.kernels import fused_step as kernels_fused_step
 from v1.kernels.attention import paged_decode_kernel
-from v1.kernels.fused_step import DecoderLayers, LayerWeights, Projection, fused_decoder
+from v1.kernels.fused_step import (
+    DecoderLayers,
+    LayerWeights,
+    ModelEnds,
+    Projection,
+    fused_decoder,
+)
 from v1.lora.layers import LinearWithLoRA, LoRABatch
 from v1.models.layers.quantized import DEFAULT_POLICY, MatmulPolicy
 from v1.models.loader import load_model
@@ -100,6 +106,32 @@ def test_fused_step_is_the_per_op_step(gguf_model, fused_calls, step, kv_dtype):
     assert len(fused_calls) == 1
     assert torch.equal(fused, per_op)
     assert all(torch.equal(a, b) for a, b in zip(caches_a, kv_caches))
+
+
+@pytest.mark.parametrize("matmul", [DEFAULT_POLICY, MatmulPolicy(all_int8=False)],
+                         ids=["int8", "fp32"])
+@pytest.mark.parametrize("step", [[(1, 20)], BATCH3], ids=["batch1", "batch3"])
+def test_the_fused_head_is_compute_logits(gguf_model, fused_calls, step, matmul):
+    """A step planned for every row's logits runs the embedding lookup, the final norm and
+    the LM head in the fused call: the hidden states and logits of the per-op step and
+    `compute_logits` on the head's own path, bit for bit; planned without, no logits."""
+    prompts = [[(5 * i + 7 * r) % 4000 + 20 for i in range(n)] for r, (_, n) in enumerate(step)]
+    kv_caches = prefilled(gguf_model, prompts)
+    chunks = [Chunk([40 + r], n, t) for r, ((_, n), t) in enumerate(zip(step, TABLES))]
+    input_ids, positions, metadata = step_inputs(chunks)
+    planner = StepPlanner(gguf_model, torch.float32, torch.device("cpu"),
+                          PlanOptions(matmul=matmul))
+    with torch.inference_mode():
+        plans = [planner.plan(metadata, kv_caches, None, logits) for logits in (True, False)]
+        assert [p.path.decoder for p in plans] == ["fused+head", "fused"]
+        hidden = [gguf_model(input_ids, positions, [c.clone() for c in kv_caches], metadata, p)
+                  for p in plans]
+        per_op = forward(gguf_model, kv_caches, chunks, False, matmul)
+        expected = gguf_model.compute_logits(per_op, planner.head_rows)
+    assert len(fused_calls) == 2
+    assert torch.equal(hidden[0], per_op) and torch.equal(hidden[1], per_op)
+    assert plans[1].logits is None
+    assert plans[0].logits is not None and torch.equal(plans[0].logits, expected)
 
 
 def test_steps_that_do_not_qualify_run_per_op(gguf_model, fused_calls):
@@ -210,8 +242,9 @@ def test_a_weight_replaced_without_replan_is_not_seen_and_not_freed(gguf_model, 
 @pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3,
                                          "prompt_lookup_max": 3, "prompt_lookup_min": 1}])
 def test_greedy_tokens_equal_through_llm(default_model_path, fused_calls, monkeypatch, spec):
+    """Tokens and their logprobs (the LM head's logits, in the fused call or not)."""
     prompts = ["The capital of France is", "1, 2, 3, 4, 5,", "Write a haiku about the sea:"]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
     outputs = {}
     for flag in ("1", "0"):
         monkeypatch.setenv("V1_FUSED_DECODE", flag)  # read when the engine is built
@@ -219,7 +252,7 @@ def test_greedy_tokens_equal_through_llm(default_model_path, fused_calls, monkey
                  max_model_len=256, speculative_config=spec) as llm:
             fused_calls.clear()
             outs = llm.generate(prompts, params, use_tqdm=False)
-            outputs[flag] = [o.outputs[0].token_ids for o in outs]
+            outputs[flag] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
             assert bool(fused_calls) == (flag == "1")
     assert outputs["1"] == outputs["0"]
 
@@ -330,3 +363,46 @@ def test_bad_step_arguments_raise(gguf_model, one_layer):
     with pytest.raises(ValueError, match="step"):
         fused(**{**good, "step": wide_step})
     assert isinstance(layers.array, ctypes.Array)
+
+
+def test_bad_ends_raise(gguf_model, one_layer):
+    """The ends' checks, at build and per call; an id outside the vocabulary is refused
+    before anything is computed (the caches as they were)."""
+    fused = fused_decoder()
+    assert fused is not None
+    decoder = gguf_model.model
+    blocks = decoder.embed_tokens.kernel.kernel_blocks()
+    norm = decoder.norm
+    ends = ModelEnds(norm.weight, norm.eps, blocks, blocks)
+    layers = DecoderLayers([one_layer], 9, 3, 64, ends=ends)
+    assert layers.embeds and layers.vocab == 49152
+    down = one_layer.down.shards[0]
+    for bad, match in [(ModelEnds(torch.ones(575), 1e-5, blocks, blocks), "final_norm"),
+                       (ModelEnds(norm.weight, 1e-5, down, blocks), "embedding"),
+                       (ModelEnds(norm.weight, 1e-5, blocks, down), "head")]:
+        with pytest.raises(ValueError, match=match):
+            DecoderLayers([one_layer], 9, 3, 64, ends=bad)
+    kv_caches = prefilled(gguf_model, [[1, 2, 3]])[:1]
+    _, _, metadata = step_inputs([Chunk([4], 3, TABLES[0])])
+    native = AttentionPlan.for_step(metadata, kv_caches[0], 9).native_only()
+    table = torch.zeros(1, 1, 64)
+    good = dict(layers=layers, hidden=None, cos=table, sin=table,
+                step=native.bound(kv_caches[0]), kernel=native.kernel, kv_caches=kv_caches,
+                int8=True, ids=torch.tensor([4]), logits=torch.empty(1, 49152), head_int8=True)
+    fused(**good)  # these are fine
+    before = kv_caches[0].clone()
+    for name, value, match in [
+        ("ids", torch.tensor([49152]), r"token id 49152 is outside the vocabulary \[0, 49152\)"),
+        ("ids", torch.tensor([-1]), "token id -1"),
+        ("ids", torch.tensor([4], dtype=torch.int32), "ids must"),
+        ("ids", torch.tensor([[4]]), "ids must"),
+        ("ids", None, "hidden: None needs ids"),
+        ("logits", torch.empty(1, 49151), "logits must"),
+        ("logits", torch.empty(1, 49152, dtype=torch.float64), "logits must"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            fused(**{**good, name: value})
+    assert torch.equal(kv_caches[0], before)
+    plain = _layers(one_layer)
+    with pytest.raises(ValueError, match="run no embedding or LM head"):
+        fused(**{**good, "layers": plain, "hidden": torch.zeros(1, 576)})

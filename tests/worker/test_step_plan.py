@@ -158,10 +158,10 @@ def test_the_fused_decision_is_logged_with_its_reason(gguf_model, default_model,
             gguf_model.replan()
         default_model.model.replan()
     assert [r.getMessage() for r in caplog.records if "fused decode" in r.getMessage()] == [
-        f"fused decode step: on ({LAYERS} layers)",
+        f"fused decode step: on ({LAYERS} layers, embedding, LM head)",
         "fused decode step: off (layer 3 (PreNormDecoderLayer): its projections are not GGUF "
         "blocks in plain Linears (float weights, LoRA))",
-        f"fused decode step: on ({LAYERS} layers)",
+        f"fused decode step: on ({LAYERS} layers, embedding, LM head)",
         "fused decode step: off (layer 0 (PreNormDecoderLayer): its projections are not GGUF "
         "blocks in plain Linears (float weights, LoRA))",
     ]

@@ -3,11 +3,12 @@ every layer of an all-decode step in one C call, running the per-op path's kerne
 order, so its results are the same bits.
 
 What the C reads is checked here (ValueError naming the argument): `DecoderLayers`, built once
-per set of weights (norms, `QuantBlocks` projections, biases; it holds aliases of them, so the
-memory its structs point into lives as long as it does, whatever becomes of the modules'
-tensors), and per call the hidden states, RoPE tables, attention step and caches
-(checked again only when their stamps or the step's shape change). The scratch buffers are
-`DecoderLayers`' own: one call at a time per `DecoderLayers` (one per model).
+per set of weights (norms, `QuantBlocks` projections, biases, and the model's `ModelEnds` where
+the step runs them too; it holds aliases of them, so the memory its structs point into lives as
+long as it does, whatever becomes of the modules' tensors), and per call the hidden states or
+token ids, RoPE tables, attention step and caches (checked again only when their stamps or the
+step's shape change). The scratch buffers are `DecoderLayers`' own: one call at a time per
+`DecoderLayers` (one per model).
 """
 
 import ctypes
@@ -58,6 +59,18 @@ class LayerWeights:
     down: Projection
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class ModelEnds:
+    """What the step runs around the layers, as the per-op forward does: the final norm, and
+    where given the token embedding's blocks (None: the caller embeds) and the LM head's (None:
+    the caller's head reads the hidden states the step returns)."""
+
+    final_norm: torch.Tensor
+    final_eps: float
+    embedding: QuantBlocks | None
+    head: QuantBlocks | None
+
+
 class _Proj(CStruct):
     c_name = "decoder_proj"
     _fields_ = [("w", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("rows", ctypes.c_int64),
@@ -83,7 +96,16 @@ class _Dims(CStruct):
 
 class _Scratch(CStruct):
     c_name = "decoder_scratch"
-    _fields_ = [(name, ctypes.c_void_p) for name in ("x", "qkv", "attn", "h", "gate_up", "act")]
+    _fields_ = [(name, ctypes.c_void_p)
+                for name in ("x", "qkv", "attn", "h", "gate_up", "act", "group")]
+
+
+class _Ends(CStruct):
+    c_name = "decoder_ends"
+    _fields_ = [("ids", ctypes.c_void_p), ("embed", _Proj), ("final_norm", ctypes.c_void_p),
+                ("final_eps", ctypes.c_float), ("out", ctypes.c_void_p),
+                ("head_kernel", ctypes.c_int32),
+                ("head", _Shards), ("logits", ctypes.c_void_p)]
 
 
 class _Call(CStruct):
@@ -93,19 +115,22 @@ class _Call(CStruct):
         ("T", ctypes.c_int64), ("residual", ctypes.c_void_p), ("cos", ctypes.c_void_p),
         ("sin", ctypes.c_void_p), ("step", ctypes.c_void_p), ("kv_caches", ctypes.c_void_p),
         ("scratch", ctypes.c_void_p), ("kv_dtype", ctypes.c_int32), ("int8", ctypes.c_int32),
-        ("nthreads", ctypes.c_int32),
+        ("nthreads", ctypes.c_int32), ("ends", ctypes.c_void_p),
     ]
+
+# The kernel indices of csrc/block_types.h, for the head's path.
+_LINEAR_F32, _LINEAR_I8 = 0, 1
 
 
 class DecoderLayers:
-    """The layers as fused_decode_step.c reads them (an array of `struct decoder_layer`),
-    checked once against the kernel table of `lib` (default: this process's library), with
-    what its calls reuse: the scratch buffers, the caches last checked. Holds every tensor it
-    points into."""
+    """The layers as fused_decode_step.c reads them (an array of `struct decoder_layer`), and
+    the model's `ends` (None: none run in the step), checked once against the kernel table of
+    `lib` (default: this process's library), with what its calls reuse: the scratch buffers,
+    the caches last checked. Holds every tensor it points into."""
 
     def __init__(
         self, layers: Sequence[LayerWeights], num_heads: int, num_kv_heads: int, head_dim: int,
-        lib: ctypes.CDLL | None = None,
+        lib: ctypes.CDLL | None = None, ends: ModelEnds | None = None,
     ) -> None:
         if not layers:
             raise ValueError("layers: expected at least one layer")
@@ -146,14 +171,38 @@ class DecoderLayers:
         self.array = (_Layer * len(structs))(*structs)
         self.num_layers = len(structs)
         self.dims = _Dims(hidden, num_heads, num_kv_heads, head_dim, inter)
-        # Scratch widths per row, in _Scratch's order.
-        self._widths = (hidden, shapes["qkv"][0], q_size, hidden, 2 * inter, inter)
+        # Scratch widths per row, in _Scratch's order (the residual stream's last: the step's
+        # own where the ends embed).
+        self._widths = (hidden, shapes["qkv"][0], q_size, hidden, 2 * inter, inter, hidden)
         self._scratch: list[torch.Tensor] = []
         self._scratch_rows = 0
         self.scratch = _Scratch()
+        self._group: torch.Tensor | None = None  # one group of the embedding's rows
+        self.ends = None if ends is None else self._ends(ends, hidden, types)
+        self.embeds = self.ends is not None and ends.embedding is not None
+        self.vocab = 0 if self.ends is None else self.ends.head[0].rows  # 0: no head
         # The caches last checked: (their stamps, the step's cache shape, the kernel's dtype,
         # their addresses for the C).
         self._caches: tuple | None = None
+
+    def _ends(self, ends: ModelEnds, hidden: int, types: dict[str, BlockType]) -> _Ends:
+        self._vector("final_norm", ends.final_norm, hidden)
+        embed = _Proj()
+        if (blocks := ends.embedding) is not None:
+            w = blocks.checked(types)
+            row = types[blocks.kind]
+            if blocks.K != hidden or "dequantize" not in row.kernels:
+                raise ValueError(f"embedding: [{blocks.N}, {blocks.K}] {blocks.kind} blocks, "
+                                 f"expected [vocab, {hidden}] blocks this library dequantizes")
+            self._tensors.append(blocks.tensor.detach())
+            self._group = torch.empty(row.interleave, hidden, dtype=_F32)
+            embed = _Proj(w, None, blocks.N, blocks.code)
+        head = _Shards()
+        if ends.head is not None:
+            head = self._shards("head", Projection((ends.head,), None), ends.head.N, hidden,
+                                types)
+        return _Ends(None, embed, ends.final_norm.data_ptr(), ends.final_eps, None, _LINEAR_F32,
+                     head, None)
 
     def _shards(self, name: str, proj: Projection, n: int, k: int,
                 types: dict[str, BlockType]) -> ctypes.Array:
@@ -184,14 +233,15 @@ class DecoderLayers:
                              f"{list(t.shape)} on {t.device}")
         self._tensors.append(t.detach())
 
-    def scratch_for(self, rows: int) -> torch.Tensor:
-        """The scratch for `rows` rows (`self.scratch` points into it); returns the block
-        output's buffer h, those rows of it."""
+    def scratch_for(self, rows: int) -> list[torch.Tensor]:
+        """The scratch for `rows` rows (`self.scratch` points into it), in _Scratch's order,
+        then the residual stream's."""
         if rows > self._scratch_rows:
             self._scratch = [torch.empty(rows, w, dtype=_F32) for w in self._widths]
             self._scratch_rows = rows
-            self.scratch = _Scratch(*(t.data_ptr() for t in self._scratch))
-        return self._scratch[3][:rows]
+            group = 0 if self._group is None else self._group.data_ptr()
+            self.scratch = _Scratch(*(t.data_ptr() for t in self._scratch[:-1]), group)
+        return self._scratch
 
     def caches(
         self, kv_caches: Sequence[torch.Tensor], shape: torch.Size, kernel: PagedDecodeKernel
@@ -217,30 +267,55 @@ class FusedDecoder:
     """`v1_fused_decode_step` of one library."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        check_layout(c_layout(lib), _Proj, _Layer, _Dims, _Scratch, _Call)
+        check_layout(c_layout(lib), _Proj, _Layer, _Dims, _Scratch, _Ends, _Call)
         self._fn = lib.v1_fused_decode_step
         self._fn.argtypes = [ctypes.POINTER(_Call)]
         self._fn.restype = ctypes.c_int32
 
     def __call__(
-        self, layers: DecoderLayers, hidden: torch.Tensor, cos: torch.Tensor,
+        self, layers: DecoderLayers, hidden: torch.Tensor | None, cos: torch.Tensor,
         sin: torch.Tensor, step: BoundStep, kernel: PagedDecodeKernel,
-        kv_caches: Sequence[torch.Tensor], int8: bool,
+        kv_caches: Sequence[torch.Tensor], int8: bool, *, ids: torch.Tensor | None = None,
+        logits: torch.Tensor | None = None, head_int8: bool = False,
     ) -> torch.Tensor:
-        """Runs every layer on `hidden` [T, hidden] (the embeddings; on return, in place, the
-        residual stream before the last layer's block output) and returns that output
-        [T, hidden], which the final norm adds (a view of the scratch: valid until the next
-        call). Stores each layer's K/V through `step` into its cache. `int8`: every
-        projection through int8 activations, else fp32 ones."""
+        """Runs every layer on `hidden` [T, hidden] (the embeddings; None where `ids` [T]
+        gives the tokens whose rows `layers`' ends look up) and stores each layer's K/V
+        through `step` into its cache. `int8`: every projection through int8 activations,
+        else fp32 ones. Without ends it returns the last layer's block output [T, hidden],
+        which the caller's final norm adds to `hidden` (left, in place, the residual stream
+        before it: a view of the scratch, valid until the next call); with them, the final
+        norm's output (a new tensor), and the LM head's into `logits` [T, vocab] where given
+        (`head_int8`: its path)."""
         dims = layers.dims
-        shape = hidden.shape
-        if (
-            hidden.dtype is not _F32 or not hidden.is_cpu or len(shape) != 2
-            or shape[1] != dims.hidden or shape[0] < 1 or not hidden.is_contiguous()
+        ends = layers.ends
+        if ends is None and (ids is not None or logits is not None):
+            raise ValueError("ids, logits: these layers run no embedding or LM head")
+        if hidden is None:
+            if ids is None or not layers.embeds:
+                raise ValueError("hidden: None needs ids and layers that embed them")
+            rows = ids.shape[0] if ids.dim() == 1 else 0
+        else:
+            shape = hidden.shape
+            if (
+                hidden.dtype is not _F32 or not hidden.is_cpu or len(shape) != 2
+                or shape[1] != dims.hidden or shape[0] < 1 or not hidden.is_contiguous()
+            ):
+                raise ValueError(f"hidden must be contiguous fp32 [T >= 1, {dims.hidden}] on "
+                                 f"the CPU, got {hidden.dtype} {list(shape)} on {hidden.device}")
+            rows = shape[0]
+        if ids is not None and (
+            ids.dtype is not torch.int64 or not ids.is_cpu or ids.shape != (rows,)
+            or not ids.is_contiguous() or rows < 1
         ):
-            raise ValueError(f"hidden must be contiguous fp32 [T >= 1, {dims.hidden}] on the "
-                             f"CPU, got {hidden.dtype} {list(shape)} on {hidden.device}")
-        rows = shape[0]
+            raise ValueError(f"ids must be contiguous int64 [T >= 1] on the CPU (T = {rows} "
+                             f"rows), got {ids.dtype} {list(ids.shape)} on {ids.device}")
+        if logits is not None and (
+            logits.dtype is not _F32 or not logits.is_cpu or not logits.is_contiguous()
+            or logits.shape != (rows, layers.vocab) or not layers.vocab
+        ):
+            raise ValueError(f"logits must be contiguous fp32 [{rows}, vocab] on the CPU for "
+                             f"layers with an LM head (vocab {layers.vocab}), got "
+                             f"{logits.dtype} {list(logits.shape)}")
         for name, table in (("cos", cos), ("sin", sin)):
             if (
                 table.dtype is not _F32 or not table.is_cpu or not table.is_contiguous()
@@ -257,18 +332,33 @@ class FusedDecoder:
                              f"{step.max_token} and {step.num_slots} slots; expected "
                              f"{dims.KVH} kv heads of {dims.D} and at most {rows} rows")
         caches = layers.caches(kv_caches, cache_shape, kernel)
-        h = layers.scratch_for(rows)
+        scratch = layers.scratch_for(rows)
+        if hidden is None:
+            hidden = scratch[-1][:rows]
+        out = scratch[3][:rows]
+        if ends is not None:
+            out = torch.empty(rows, dims.hidden, dtype=_F32)
+            ends.out = out.data_ptr()
+            ends.ids = None if ids is None else ids.data_ptr()
+            ends.logits = None if logits is None else logits.data_ptr()
+            ends.head_kernel = _LINEAR_I8 if head_int8 else _LINEAR_F32
         status = self._fn(_Call(
             ctypes.addressof(layers.array), layers.num_layers, ctypes.addressof(dims), rows,
             hidden.data_ptr(), cos.data_ptr(), sin.data_ptr(), step.address,
             ctypes.addressof(caches), ctypes.addressof(layers.scratch),
             KV_CODES[kernel.kv_dtype], int8, torch.get_num_threads(),
+            None if ends is None else ctypes.addressof(ends),
         ))
         if status == -1:
             raise MemoryError(f"no scratch memory for a {rows}-row decode step's matmuls")
+        if status == -4:
+            assert ids is not None
+            bad = ids[(ids < 0) | (ids >= ends.embed.rows)][0]
+            raise ValueError(f"ids: token id {int(bad)} is outside the vocabulary "
+                             f"[0, {ends.embed.rows})")
         if status:
             raise ValueError(f"kv_caches: this library has no {kernel.kv_dtype} decode kernel")
-        return h
+        return out
 
 
 def fused_decoder(lib: ctypes.CDLL | None = None) -> FusedDecoder | None:

@@ -183,7 +183,12 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = final_norm
         self.rotary_embs = nn.ModuleDict(rotary_embs)
-        self.fused_decode = FusedDecode(self.layers)
+        self.fused_decode = FusedDecode(self.layers, final_norm,
+                                        self.embed_tokens if embed_scale is None else None)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        return hidden_states if self.embed_scale is None else hidden_states * self.embed_scale
 
     def forward(
         self,
@@ -192,24 +197,23 @@ class DecoderModel(nn.Module):
         kv_caches: list[torch.Tensor],
         step: StepPlan,
     ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        if self.embed_scale is not None:
-            hidden_states = hidden_states * self.embed_scale
+        if step.fused is not None:  # the final norm's output, from one C call
+            fd = self.fused_decode
+            assert fd.layers is not None
+            rope = self.rotary_embs[fd.rope_key].cos_sin(positions, torch.float32)
+            embeddings = None if fd.layers.embeds else self._embed(input_ids)
+            return fd.run(input_ids, embeddings, rope, kv_caches, step)
+        hidden_states = self._embed(input_ids)
         # One table per RoPE kind per step: positions are the same in every layer.
         ropes = {
             key: emb.cos_sin(positions, hidden_states.dtype)
             for key, emb in self.rotary_embs.items()
         }
-        if (fused := step.fused) is not None:
-            residual = hidden_states  # the C step leaves the residual stream there
-            hidden_states = self.fused_decode.run(
-                hidden_states, ropes[self.fused_decode.rope_key], kv_caches, fused)
-        else:
-            residual = None
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                hidden_states, residual = layer(
-                    ropes[layer.rope_key], hidden_states, residual, kv_cache, step
-                )
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden_states, residual = layer(
+                ropes[layer.rope_key], hidden_states, residual, kv_cache, step
+            )
         return self.norm(hidden_states, residual, step.ops)[0]
 
 
@@ -313,7 +317,9 @@ class DecoderForCausalLM(nn.Module):
     def replan(self) -> None:
         """Decide again whether the layers run as the fused decode step: after changing
         their modules or weights (LoRA's wrappers)."""
-        self.model.fused_decode.replan()
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        self.model.fused_decode.replan(
+            head if self.has_lm_head and self.final_logit_softcapping is None else None)
 
     def compute_logits(
         self, hidden_states: torch.Tensor, rows: MatmulRows | None = None

@@ -1,5 +1,7 @@
 """The decoder layers of a decode step as one C call (`v1.kernels.fused_step`), bit for bit what
-the per-op path computes: the same kernels, in the same order, on the same shapes.
+the per-op path computes: the same kernels, in the same order, on the same shapes. The call
+also runs the final norm, and where they are GGUF blocks the token embedding's lookup and the
+LM head (a step the runner samples every row of: `StepPlan.logits`).
 
 Whether the layers can run fused is decided once, at load (`replan`), and again only by an
 explicit `replan` (LoRA's wrappers); when they cannot, one INFO line says why. Which steps run
@@ -8,37 +10,54 @@ fused is the step plan's business. Why: docs/benchmarks.md, "Fused decode step".
 
 import logging
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
 
 from v1.kernels.attention import BoundStep, PagedDecodeKernel
-from v1.kernels.fused_step import DecoderLayers, FusedDecoder, LayerWeights, fused_decoder
-from v1.models.layers.linear import Linear
+from v1.kernels.block_matmul import QuantBlocks, kernels
+from v1.kernels.fused_step import (
+    DecoderLayers,
+    FusedDecoder,
+    LayerWeights,
+    ModelEnds,
+    fused_decoder,
+)
+from v1.models.layers.linear import Linear, VocabEmbedding
+from v1.models.layers.norm import RMSNorm
 from v1.models.layers.quantized import block_weights
+
+if TYPE_CHECKING:
+    from v1.models.step_plan import StepPlan
 
 logger = logging.getLogger("v1")
 
 
 class FusedStep(NamedTuple):
     """What the fused decode step takes from the step: the planner's library's entry point,
-    the C attention kernel, its entries bound to the caches, and the matmul path of every
-    row."""
+    the C attention kernel, its entries bound to the caches, the matmul path of every row,
+    and the LM head's ("int8" or "fp32"; None: the step runs no head)."""
 
     decoder: FusedDecoder
     kernel: PagedDecodeKernel
     entries: BoundStep
     int8: bool
+    head: str | None = None
 
 
 class FusedDecode:
-    """A decoder's layers as the fused step runs them. Layers that can be fused have
+    """A decoder's layers as the fused step runs them, with its final norm and where they
+    qualify its token embedding (`embedding`; None: looked up by the caller, as where a factor
+    scales it) and LM head (the `replan` argument). Layers that can be fused have
     `fused_weights() -> LayerWeights | None` and `rope_key`, their attention module
     `self_attn` with its backend `attn`."""
 
-    def __init__(self, layers: Sequence[nn.Module]) -> None:
+    def __init__(self, layers: Sequence[nn.Module], final_norm: RMSNorm,
+                 embedding: nn.Module | None) -> None:
         self._layers = layers
+        self._final_norm = final_norm
+        self._embedding = embedding
         # The descriptors the step runs with (None: the layers do not qualify). They point
         # into the weights as they were at the last `replan`: whoever gives the layers new
         # weights or modules, or changes a weight's storage in place (resize_, set_,
@@ -53,28 +72,41 @@ class FusedDecode:
         # The layers' distinct (heads, window): the attention plans the step needs.
         self.attention: list[tuple[int, int | None]] = []
 
-    def replan(self) -> None:
-        """Decides (again) whether the layers run fused, from what they are now; logs the
+    def replan(self, head: nn.Module | None = None) -> None:
+        """Decides (again) whether the layers run fused, from what they are now, `head` the
+        LM head whose output alone makes the logits (None: none runs in the step); logs the
         decision at INFO, with the reason where they do not qualify."""
-        self.layers, self.reason = self._make()
+        self.layers, self.reason = self._make(head)
         if self.layers is None:
             logger.info("fused decode step: off (%s)", self.reason)
         else:
-            logger.info("fused decode step: on (%d layers)", len(self._layers))
+            ends = [part for part, on in (("embedding", self.layers.embeds),
+                                          ("LM head", self.layers.vocab)) if on]
+            logger.info("fused decode step: on (%d layers%s)", len(self._layers),
+                        "".join(f", {part}" for part in ends))
 
     def run(
-        self, hidden_states: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-        kv_caches: list[torch.Tensor], fused: FusedStep,
+        self, input_ids: torch.Tensor, embeddings: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor], kv_caches: list[torch.Tensor], step: "StepPlan",
     ) -> torch.Tensor:
-        """Every layer on `hidden_states` (left, in place, the residual stream before the
-        last block output, which is returned) through the step's bound C attention entries;
-        K/V stored into `kv_caches`."""
+        """The model's last hidden states (after the final norm) from the tokens
+        `input_ids`, or from their `embeddings` where the layers do not look them up, through
+        the step's bound C attention entries; K/V stored into `kv_caches`; the LM head's
+        output into `step.logits` where the plan runs it."""
         assert self.layers is not None
+        fused = step.fused
+        assert fused is not None
         cos, sin = rope
-        return fused.decoder(self.layers, hidden_states, cos, sin, fused.entries, fused.kernel,
-                             kv_caches, fused.int8)
+        logits = (None if fused.head is None
+                  else torch.empty(input_ids.shape[0], self.layers.vocab))
+        hidden = fused.decoder(
+            self.layers, embeddings, cos, sin, fused.entries, fused.kernel, kv_caches,
+            fused.int8, ids=input_ids if embeddings is None else None, logits=logits,
+            head_int8=fused.head == "int8")
+        step.logits = logits
+        return hidden
 
-    def _make(self) -> tuple[DecoderLayers | None, str]:
+    def _make(self, head: nn.Module | None) -> tuple[DecoderLayers | None, str]:
         if fused_decoder() is None:
             return None, "the kernel library has no fused decode step"
         weights: list[LayerWeights] = []
@@ -93,10 +125,28 @@ class FusedDecode:
         self.rope_key = rope_keys.pop()
         self.attention = sorted({(impl.num_heads, impl.sliding_window) for impl in impls},
                                 key=repr)
+        if self._final_norm.unit_offset:
+            return None, "the final norm has a unit offset"
+        ends = ModelEnds(self._final_norm.weight, self._final_norm.eps,
+                         _blocks(self._embedding, "dequantize"),
+                         _blocks(head, "linear_f32", "linear_i8"))
         try:
-            return DecoderLayers(weights, num_heads, num_kv_heads, head_dim), ""
+            return DecoderLayers(weights, num_heads, num_kv_heads, head_dim, ends=ends), ""
         except ValueError as e:  # e.g. a block type whose linear kernels this library lacks
             return None, str(e)
+
+
+def _blocks(module: nn.Module | None, *needs: str) -> QuantBlocks | None:
+    """The blocks of `module`'s weight where it is one GGUF weight with no bias in a plain
+    `Linear` or `VocabEmbedding` and this process's library has the kernels `needs` for
+    them; else None."""
+    if type(module) not in (Linear, VocabEmbedding) or module.bias is not None:
+        return None
+    weights = block_weights(module.kernel)
+    q = kernels()
+    if len(weights) != 1 or q is None or not all(q.has(weights[0].kind, n) for n in needs):
+        return None
+    return weights[0].kernel_blocks()
 
 
 def _why_not(layer: nn.Module) -> str:

@@ -3,9 +3,10 @@ forward and passed down to every layer (no thread-local or environment read on t
 
 `StepPlanner` is made once per model runner (`PlanOptions.from_env`); for GGUF blocks on
 the C kernels it settles then, by the machine's calibration (v1.models.calibration), from
-which chunk size prompt rows take "dense". `plan(metadata, kv_caches, is_prompt)` gives the
-`StepPlan`: op set, each matmul row's path, attention plans (in `metadata.plans`), fused or
-not. `StepPlan.path` names the paths taken (tests, DEBUG log).
+which chunk size prompt rows take "dense". `plan(metadata, kv_caches, is_prompt, logits)`
+gives the `StepPlan`: op set, each matmul row's path, attention plans (in `metadata.plans`),
+fused or not, the LM head in the fused call or not. `StepPlan.path` names the paths taken
+(tests, DEBUG log).
 """
 
 import logging
@@ -64,7 +65,8 @@ class PlanOptions:
 class StepPath(NamedTuple):
     """Which path a step's forward took, by part."""
 
-    decoder: str  # "fused" (one C call for every layer) or "per-op"
+    decoder: str  # "fused" (one C call for every layer), "fused+head" (the LM head in it too)
+    # or "per-op"
     attention: str  # "kernel" (the C decode kernel), "sdpa", "kernel+sdpa", or "backend"
     matmul: str  # GGUF rows: "int8", "fp32", "dense", "<prompt rows' path>+<the others'>"
     # (prompt rows split out), "torch" (no kernels), or "none" (no block weights); kinds on
@@ -75,13 +77,15 @@ class StepPath(NamedTuple):
 @dataclass(slots=True)
 class StepPlan:
     """What every layer of one step reads: `metadata` (with its attention plans), `ops`, the
-    matmul `rows`, and the fused step's attention entries where the step runs fused."""
+    matmul `rows`, and the fused step's attention entries where the step runs fused; after
+    the forward, `logits` where the fused step ran the LM head (`fused.head`)."""
 
     metadata: AttentionMetadata
     ops: StepOps
     rows: MatmulRows
     path: StepPath
     fused: FusedStep | None = None  # None: the layers run one by one
+    logits: torch.Tensor | None = None  # fp32 [T, vocab]: every row's, by the LM head
 
 
 class StepPlanner:
@@ -123,9 +127,10 @@ class StepPlanner:
         self.head_rows = MatmulRows(options.matmul, self.block_kernels)  # by count alone
 
     def plan(self, metadata: AttentionMetadata, kv_caches: list[torch.Tensor],
-             is_prompt: np.ndarray | None = None) -> StepPlan:
+             is_prompt: np.ndarray | None = None, logits: bool = False) -> StepPlan:
         """The step's plan; `is_prompt[t]`: whether token t is a prompt token (None: no
-        token's kind matters)."""
+        token's kind matters); `logits`: whether the caller takes every row's logits (a
+        fused step then runs the LM head, on the path `compute_logits` would take)."""
         num_tokens = metadata.num_actual_tokens
         ops = ops_for_step(self.device, self.dtype, num_tokens, self.native_ops)
         rows = self.options.matmul.rows(is_prompt, self.block_kernels)
@@ -141,10 +146,13 @@ class StepPlanner:
             and self.fused_decoder is not None and isinstance(ops, NativeOps)
             and matmul in ("fp32", "int8") and fd.layers is not None
         ):
+            head = self.head_rows.policy.path_for(num_tokens)
             fused = FusedStep(self.fused_decoder, native.kernel, native.bound(kv_caches[0]),
-                              matmul == "int8")
+                              matmul == "int8", head if logits and fd.layers.vocab
+                              and head in ("int8", "fp32") else None)
         path = StepPath(
-            "fused" if fused is not None else "per-op", _attention_path(plans), matmul,
+            "per-op" if fused is None else "fused+head" if fused.head else "fused",
+            _attention_path(plans), matmul,
             "native" if isinstance(ops, NativeOps)
             else "torch-serial" if isinstance(ops, TorchOps) and ops.serial else "torch",
         )

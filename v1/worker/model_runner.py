@@ -421,7 +421,7 @@ class ModelRunner:
         return StepInputs(
             req_ids, rows, num_scheduled, num_computed, query_start_loc, seq_lens, drafts,
             batch.token_ids[token_rows, positions], positions,
-            self.planner.plan(metadata, self.kv_caches, is_prompt),
+            self.planner.plan(metadata, self.kv_caches, is_prompt, self.pooling is None),
         )
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
@@ -523,10 +523,14 @@ class ModelRunner:
         else:  # no drafts: each request's last query row
             logit_req = sample_idx
             logits_idx = step.query_start_loc[1:][sample_idx] - 1
-        # The rows ascend: as many as `hidden` has are all of them (a decode step's).
-        sampled_hidden = (hidden if len(logits_idx) == hidden.shape[0]
-                          else hidden[self._to_device(logits_idx)])
-        logits = self.model.compute_logits(sampled_hidden, self.planner.head_rows)
+        # The rows ascend: as many as `hidden` has are all of them (a decode step's), whose
+        # logits a fused step has computed.
+        every_row = len(logits_idx) == hidden.shape[0]
+        if every_row and step.plan.logits is not None:
+            logits = step.plan.logits
+        else:
+            sampled_hidden = hidden if every_row else hidden[self._to_device(logits_idx)]
+            logits = self.model.compute_logits(sampled_hidden, self.planner.head_rows)
         if out.grammar_bitmask is not None:
             # Structured requests are never drafted: one logits row each.
             sample_pos = {req_ids[j]: i for i, j in enumerate(logit_req.tolist())}

@@ -11,6 +11,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 /* The paged decode kernels by cache dtype code: f32, bf16, f16 (none without F16C). */
 static const v1_paged_decode_fn paged_decode[] = {
@@ -51,11 +52,36 @@ static int32_t project(const struct decoder_proj *p, int32_t kernel, float *x, i
     return 0;
 }
 
+/* Each id's row of e->embed into residual [T, n], by the type's dequantize (the kernel the
+   per-op lookup calls: an interleaved type's whole group of rows into `group`, then the row).
+   0, or the kernel's status. */
+static int32_t embed(const struct decoder_ends *e, float *residual, int64_t n, int64_t T,
+                     float *group) {
+    const struct v1_block_type *t = &v1_block_table[e->embed.type];
+    const int64_t R = t->interleave, row_bytes = n / t->block_elems * t->block_bytes;
+    for (int64_t i = 0; i < T; i++) {
+        const int64_t id = e->ids[i], first = id - id % R;
+        float *out = R == 1 ? residual + i * n : group;
+        const struct v1_matmul m = {
+            .w = {.data = (void *)(e->embed.w + first * row_bytes), .rows = R, .cols = n,
+                  .stride = row_bytes},
+            .out = rows(out, R, n), .type = e->embed.type, .nthreads = 1};
+        const int32_t status = t->kernels[V1_DEQUANTIZE](&m);
+        if (status) return status;
+        if (R > 1) memcpy(residual + i * n, group + (id - first) * n, n * sizeof(float));
+    }
+    return 0;
+}
+
 /* 0; -1 when a matmul had no scratch memory, -3 when a projection's type lacks the kernel
    (the layers before it are done: the caller gives up on the step); -2 for a cache dtype
-   this build has no kernel for (nothing done). */
+   this build has no kernel for, -4 for an id outside the embedding's rows (nothing done). */
 V1_API int32_t v1_fused_decode_step(const struct fused_step_call *c) {
     if (c->kv_dtype < 0 || c->kv_dtype >= KV_DTYPES || !paged_decode[c->kv_dtype]) return -2;
+    const struct decoder_ends *e = c->ends;
+    if (e && e->ids)
+        for (int64_t i = 0; i < c->T; i++)
+            if (e->ids[i] < 0 || e->ids[i] >= e->embed.rows) return -4;
     const v1_paged_decode_fn decode = paged_decode[c->kv_dtype];
     const struct decoder_scratch *s = c->scratch;
     const int64_t n = c->dims->hidden, H = c->dims->H, KVH = c->dims->KVH, D = c->dims->D;
@@ -69,6 +95,7 @@ V1_API int32_t v1_fused_decode_step(const struct fused_step_call *c) {
     const struct v1_view v = {s->qkv + (H + KVH) * D, T, KVH * D, nqkv};
     const struct v1_view q_and_k = {s->qkv, T, (H + KVH) * D, nqkv};
     int32_t status;
+    if (e && e->ids && (status = embed(e, c->residual, n, T, s->group))) return status;
     for (int64_t l = 0; l < c->num_layers; l++) {
         const struct decoder_layer *y = c->layers + l;
         /* Attention: x = norm(residual += h) (the first layer: norm(residual)), q | k | v,
@@ -88,5 +115,8 @@ V1_API int32_t v1_fused_decode_step(const struct fused_step_call *c) {
         v1_silu_and_mul(&gate_up, &act);
         if ((status = project(y->down, kernel, s->act, I, s->h, n, c))) return status;
     }
-    return 0;
+    if (!e || !e->final_norm) return 0;
+    v1_rms_norm(&h, &residual, e->final_norm, e->final_eps, &(struct v1_view){e->out, T, n, n});
+    return e->logits ? project(e->head, e->head_kernel, e->out, n, e->logits, e->head[0].rows, c)
+                     : 0;
 }

@@ -46,13 +46,17 @@ static const struct v1_field fields[] = {
     FIELD(decoder_dims, KVH), FIELD(decoder_dims, D), FIELD(decoder_dims, I),
     STRUCT(decoder_scratch), FIELD(decoder_scratch, x), FIELD(decoder_scratch, qkv),
     FIELD(decoder_scratch, attn), FIELD(decoder_scratch, h), FIELD(decoder_scratch, gate_up),
-    FIELD(decoder_scratch, act),
+    FIELD(decoder_scratch, act), FIELD(decoder_scratch, group),
+    STRUCT(decoder_ends), FIELD(decoder_ends, ids), FIELD(decoder_ends, embed),
+    FIELD(decoder_ends, final_norm), FIELD(decoder_ends, final_eps), FIELD(decoder_ends, out),
+    FIELD(decoder_ends, head_kernel), FIELD(decoder_ends, head), FIELD(decoder_ends, logits),
     STRUCT(fused_step_call), FIELD(fused_step_call, layers),
     FIELD(fused_step_call, num_layers), FIELD(fused_step_call, dims), FIELD(fused_step_call, T),
     FIELD(fused_step_call, residual), FIELD(fused_step_call, cos), FIELD(fused_step_call, sin),
     FIELD(fused_step_call, step), FIELD(fused_step_call, kv_caches),
     FIELD(fused_step_call, scratch), FIELD(fused_step_call, kv_dtype),
     FIELD(fused_step_call, int8), FIELD(fused_step_call, nthreads),
+    FIELD(fused_step_call, ends),
 };
 
 V1_API const struct v1_field *v1_layout(int32_t *count) {
