@@ -30,7 +30,7 @@ from v1.models.layers.quantized import QUANTIZE_KINDS, QuantizedWeight
 pytestmark = pytest.mark.skipif(library.library() is None, reason="no C kernels")
 
 MIRRORS = (View, Matmul, PagedDecodeStep, PagedDecodeIO, fused_step._Proj, fused_step._Layer,
-           fused_step._Dims, fused_step._Scratch, fused_step._Call)
+           fused_step._Dims, fused_step._Scratch, fused_step._Ends, fused_step._Call)
 
 
 def variants() -> list[ctypes.CDLL]:

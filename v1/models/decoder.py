@@ -197,12 +197,14 @@ class DecoderModel(nn.Module):
         kv_caches: list[torch.Tensor],
         step: StepPlan,
     ) -> torch.Tensor:
-        if step.fused is not None:  # the final norm's output, from one C call
+        if step.fused is not None:  # the final norm's output (and the logits), one C call
             fd = self.fused_decode
             assert fd.layers is not None
             rope = self.rotary_embs[fd.rope_key].cos_sin(positions, torch.float32)
             embeddings = None if fd.layers.embeds else self._embed(input_ids)
-            return fd.run(input_ids, embeddings, rope, kv_caches, step)
+            hidden_states, step.logits = fd.run(input_ids, embeddings, rope, kv_caches,
+                                                step.fused)
+            return hidden_states
         hidden_states = self._embed(input_ids)
         # One table per RoPE kind per step: positions are the same in every layer.
         ropes = {

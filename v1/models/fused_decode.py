@@ -10,7 +10,7 @@ fused is the step plan's business. Why: docs/benchmarks.md, "Fused decode step".
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -27,9 +27,6 @@ from v1.kernels.fused_step import (
 from v1.models.layers.linear import Linear, VocabEmbedding
 from v1.models.layers.norm import RMSNorm
 from v1.models.layers.quantized import block_weights
-
-if TYPE_CHECKING:
-    from v1.models.step_plan import StepPlan
 
 logger = logging.getLogger("v1")
 
@@ -87,15 +84,14 @@ class FusedDecode:
 
     def run(
         self, input_ids: torch.Tensor, embeddings: torch.Tensor | None,
-        rope: tuple[torch.Tensor, torch.Tensor], kv_caches: list[torch.Tensor], step: "StepPlan",
-    ) -> torch.Tensor:
+        rope: tuple[torch.Tensor, torch.Tensor], kv_caches: list[torch.Tensor],
+        fused: FusedStep,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model's last hidden states (after the final norm) from the tokens
         `input_ids`, or from their `embeddings` where the layers do not look them up, through
-        the step's bound C attention entries; K/V stored into `kv_caches`; the LM head's
-        output into `step.logits` where the plan runs it."""
+        the step's bound C attention entries, K/V stored into `kv_caches`; and the LM head's
+        output where the step runs it (`fused.head`; else None)."""
         assert self.layers is not None
-        fused = step.fused
-        assert fused is not None
         cos, sin = rope
         logits = (None if fused.head is None
                   else torch.empty(input_ids.shape[0], self.layers.vocab))
@@ -103,8 +99,7 @@ class FusedDecode:
             self.layers, embeddings, cos, sin, fused.entries, fused.kernel, kv_caches,
             fused.int8, ids=input_ids if embeddings is None else None, logits=logits,
             head_int8=fused.head == "int8")
-        step.logits = logits
-        return hidden
+        return hidden, logits
 
     def _make(self, head: nn.Module | None) -> tuple[DecoderLayers | None, str]:
         if fused_decoder() is None:
