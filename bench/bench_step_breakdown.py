@@ -13,7 +13,8 @@ its own calls (on CPU every op is synchronous, so a call's wall time is its work
   (`compute_logits`);
 - fused layers: with `--weights gguf` (the engine's default for a .gguf file: its blocks in
   the C kernels), a decode step runs every layer as one C call (`FusedDecoder`: the layers'
-  GEMMs, attention, norms and RoPE inside it); then "gemm" is the LM head alone;
+  GEMMs, attention, norms and RoPE inside it), and where the step samples every row, the
+  embedding lookup, final norm and LM head too; then "gemm" is empty (else the LM head alone);
 - attention: `paged_attention`, reading the K/V cache (the C decode kernel on CPU); the KV
   write and the attention plan count under "other";
 - sampling: the `Sampler`;
@@ -271,9 +272,12 @@ def main() -> None:
     assert len(decode_steps) == args.repeat * (args.output_len - 1), len(decode_steps)
     ms = {p: 1e3 * statistics.fmean(s[p] for s in decode_steps) for p in PARTS}
     step_ms = sum(ms.values())
-    # Fused layers: "gemm" timed the LM head alone, "attention" nothing (both in the C call).
+    # Fused layers: "gemm" timed the LM head alone or nothing (the head in the C call too),
+    # "attention" nothing (in the C call).
     head_flops = n * 2 * config.hidden_size * config.vocab_size
-    gemm_flops = head_flops if ms["fused layers"] else flops
+    head_fused = bool(ms["fused layers"]) and not ms["gemm"]
+    gemm_flops = 0 if head_fused else head_flops if ms["fused layers"] else flops
+    fused_flops = flops if head_fused else flops - head_flops
 
     result: dict[str, Any] = {
         "bench": "step_breakdown",
@@ -287,7 +291,7 @@ def main() -> None:
         **{f"{p.replace(' ', '_')}_ms": round(v, 2) for p, v in ms.items()},
         "weights": args.weights,
         "gemm_gflop_per_step": round(gemm_flops / 1e9, 3),
-        "gemm_gflop_s": round(gemm_flops / ms["gemm"] / 1e6, 1),
+        "gemm_gflop_s": round(gemm_flops / ms["gemm"] / 1e6, 1) if ms["gemm"] else None,
         "kv_mb_per_step": round(kv_bytes / 1e6, 1),
         "attention_gb_s": (round(kv_bytes / ms["attention"] / 1e6, 2) if ms["attention"]
                            else None),
@@ -295,13 +299,16 @@ def main() -> None:
         **floor,
         **environment(),
     }
-    rates = {"gemm": f"{result['gemm_gflop_s']} GFLOP/s ({result['gemm_gflop_per_step']} GFLOP"
-                     f"{': the LM head' if ms['fused layers'] else ''})"}
+    rates = {}
+    if ms["gemm"]:
+        rates["gemm"] = (f"{result['gemm_gflop_s']} GFLOP/s ({result['gemm_gflop_per_step']} "
+                         f"GFLOP{': the LM head' if ms['fused layers'] else ''})")
     if ms["attention"]:
         rates["attention"] = f"{result['attention_gb_s']} GB/s ({result['kv_mb_per_step']} MB K/V)"
     if ms["fused layers"]:
-        rates["fused layers"] = (f"{(flops - head_flops) / ms['fused layers'] / 1e6:.1f} GFLOP/s "
-                                 f"of the layers' GEMMs, with their attention")
+        rates["fused layers"] = (f"{fused_flops / ms['fused layers'] / 1e6:.1f} GFLOP/s of the "
+                                 f"layers' GEMMs{' and the LM head' if head_fused else ''}, "
+                                 f"with their attention")
     print_table(["part", "ms/step", "share", "rate"],
                 [[p, ms[p], f"{ms[p] / step_ms:.1%}", rates.get(p, "")] for p in PARTS]
                 + [["step", step_ms, "100%", f"{result['decode_tok_s']} tok/s"]])
