@@ -3,14 +3,16 @@ interleaved in one process: a kernel change's effect on a real batch-1 step, whi
 of a shared 2-core machine (10-30% between runs) hides in whole-engine figures.
 
 The fused step is every decoder layer of a decode step in one C call (v1.models.fused_decode):
-the layers' matmuls, attention, norms and RoPE, without the LM head or any Python. The model
+the layers' matmuls, attention, norms and RoPE, and where the engine's step ran them there
+(GGUF embedding and head, every row sampled) the embedding lookup, final norm and LM head;
+no Python. The model
 (the default one: its GGUF blocks in the C kernels) decodes `--context` tokens of one request
 in this process; that request's last decode step is then run again and again from the same
 inputs. Each round runs every contender once, in an order that alternates between rounds:
 a pause (an idle library's pool workers then sleep, as between an engine's steps), `--warmup`
 calls, then `--calls` timed ones. A figure is the median over rounds of a contender's time per
-call, and of its ratio to the first contender's in the same round. GB/s: the layers' weight
-bytes per call over that time.
+call, and of its ratio to the first contender's in the same round. GB/s: the weight bytes the
+call reads (the layers', and the LM head's where it runs) over that time.
 
 Contenders: each kernel library (`--lib NAME=PATH`, e.g. a build of another commit or of
 edited C; default: every variant of this package this CPU runs, which must all have the same
@@ -39,17 +41,18 @@ from v1.models.layers.quantized import block_weights  # noqa: E402
 from v1.sampling_params import SamplingParams  # noqa: E402
 
 
-def last_fused_call(args: argparse.Namespace) -> tuple[tuple, int]:
-    """The arguments of the last fused decode step of one request decoding `--context` tokens,
-    and the bytes of the layers' block weights (the LM head's and embedding's not counted)."""
+def last_fused_call(args: argparse.Namespace) -> tuple[tuple, dict, int]:
+    """The arguments (positional, keyword) of the last fused decode step of one request
+    decoding `--context` tokens, and the bytes of block weights it reads: the layers', and the
+    LM head's where it ran (the embedding's one row not counted)."""
     loaded = load(args.model)
     llm = make_llm(loaded, max_model_len=args.context + 64)
-    calls: list[tuple] = []
+    calls: list[tuple[tuple, dict]] = []
     real = FusedDecoder.__call__
 
-    def record(self: FusedDecoder, *call_args: object) -> object:
-        calls.append(call_args)
-        return real(self, *call_args)
+    def record(self: FusedDecoder, *call_args: object, **kwargs: object) -> object:
+        calls.append((call_args, kwargs))
+        return real(self, *call_args, **kwargs)
 
     with mock.patch.object(FusedDecoder, "__call__", record):
         llm.generate(["Tell me a story about a lighthouse."],
@@ -59,10 +62,15 @@ def last_fused_call(args: argparse.Namespace) -> tuple[tuple, int]:
         raise SystemExit("no fused decode step ran: the model's layers do not qualify "
                          "(the INFO log says why)")
     model = llm.llm_engine.client.engine_core.model_runner.model
-    head = {id(m) for m in (getattr(model, "lm_head", None), model.model.embed_tokens)}
-    weight_bytes = sum(w.blocks.nbytes for m in model.modules() if id(m) not in head
+    ends = [getattr(model, "lm_head", None), model.model.embed_tokens]
+    head = ends[0] or ends[1]
+    weight_bytes = sum(w.blocks.nbytes for m in model.modules()
+                       if all(m is not end for end in ends)
                        for w in block_weights(getattr(m, "kernel", None)))
-    return calls[-1], weight_bytes
+    call_args, kwargs = calls[-1]
+    if kwargs.get("logits") is not None:
+        weight_bytes += sum(w.blocks.nbytes for w in block_weights(head.kernel))
+    return call_args, kwargs, weight_bytes
 
 
 def main() -> None:
@@ -80,18 +88,19 @@ def main() -> None:
     libs = dict(a.split("=", 1) for a in args.lib) or {
         v: str(library.KERNELS_DIR / f"_v1_{v}.so")
         for v in library.candidates("", platform.machine(), variants.cpu_flags())}
-    call, weight_bytes = last_fused_call(args)
+    call, kwargs, weight_bytes = last_fused_call(args)
     layers, hidden, *rest = call
-    hidden = hidden.clone()
-    start = hidden.clone()
+    # The embeddings it updates in place (None: it looks the ids up into its own scratch).
+    start = None if hidden is None else hidden.clone()
     contenders = {f"{name} x{t}": (FusedDecoder(ctypes.CDLL(path)), t)
                   for name, path in libs.items() for t in map(int, args.threads.split(","))}
     print(environment(kernels=False), "contenders:", list(contenders), "context:", args.context)
 
     def run(fused: FusedDecoder, calls: int) -> None:
         for _ in range(calls):
-            hidden.copy_(start)  # the step updates it in place
-            fused(layers, hidden, *rest)
+            if start is not None:
+                hidden.copy_(start)
+            fused(layers, hidden, *rest, **kwargs)
 
     times: dict[str, list[float]] = {name: [] for name in contenders}
     for r in range(args.rounds):

@@ -304,8 +304,11 @@ def one_layer(gguf_model):
     return layer.fused_weights()
 
 
+ROPE = (torch.zeros(10, 1, 64), torch.zeros(10, 1, 64))  # 10 positions
+
+
 def _layers(weights: LayerWeights) -> DecoderLayers:
-    return DecoderLayers([weights], 9, 3, 64)
+    return DecoderLayers([weights], 9, 3, 64, ROPE)
 
 
 def test_bad_layers_raise(one_layer):
@@ -324,7 +327,12 @@ def test_bad_layers_raise(one_layer):
     with pytest.raises(ValueError, match=r"layers\[0\].o"):
         _layers(swapped)
     with pytest.raises(ValueError, match="heads"):
-        DecoderLayers([one_layer], 9, 2, 64)
+        DecoderLayers([one_layer], 9, 2, 64, ROPE)
+    for rope in [(ROPE[0], torch.zeros(9, 1, 64)), (torch.zeros(10, 1, 32),) * 2,
+                 (ROPE[0].double(), ROPE[1]), (torch.zeros(10, 64), ROPE[1]),
+                 (torch.zeros(0, 1, 64),) * 2]:
+        with pytest.raises(ValueError, match="rope"):
+            DecoderLayers([one_layer], 9, 3, 64, rope)
 
 
 def _fields(w: LayerWeights) -> dict:
@@ -340,16 +348,18 @@ def test_bad_step_arguments_raise(gguf_model, one_layer):
     native = AttentionPlan.for_step(metadata, kv_caches[0], 9).native_only()
     step = native.bound(kv_caches[0])
     hidden = torch.zeros(1, 576)
-    table = torch.zeros(1, 1, 64)
-    good = dict(layers=layers, hidden=hidden, cos=table, sin=table, step=step,
+    good = dict(layers=layers, hidden=hidden, positions=torch.tensor([9]), step=step,
                 kernel=native.kernel, kv_caches=kv_caches, int8=False)
     fused(**good)  # these are fine
+    before = kv_caches[0].clone()
     for name, value, match in [
         ("hidden", hidden.double(), "hidden"),
         ("hidden", torch.zeros(1, 577), "hidden"),
         ("hidden", torch.zeros(4, 576)[::2], "hidden"),
-        ("cos", torch.zeros(2, 1, 64), "cos"),
-        ("sin", torch.zeros(1, 1, 32), "sin"),
+        ("positions", torch.tensor([10]), "positions: 10 is outside the RoPE tables' 10"),
+        ("positions", torch.tensor([-1]), "positions: -1 is outside"),
+        ("positions", torch.tensor([1, 2]), "positions must"),
+        ("positions", torch.tensor([1], dtype=torch.int32), "positions must"),
         ("kv_caches", kv_caches * 2, "kv_caches"),
         ("kv_caches", [kv_caches[0].to(torch.bfloat16)], "kv_cache"),
         ("kv_caches", [kv_caches[0][:, :4].clone()], "kv_cache"),
@@ -357,6 +367,7 @@ def test_bad_step_arguments_raise(gguf_model, one_layer):
     ]:
         with pytest.raises(ValueError, match=match):
             fused(**{**good, name: value})
+    assert torch.equal(kv_caches[0], before)  # refused before anything ran
     # A step bound for another head layout, or reading rows the hidden states lack.
     _, _, wide = step_inputs([Chunk([4, 5, 6], 3, TABLES[0])])
     wide_step = AttentionPlan.for_step(wide, kv_caches[0], 9).native_only().bound(kv_caches[0])
@@ -374,19 +385,18 @@ def test_bad_ends_raise(gguf_model, one_layer):
     blocks = decoder.embed_tokens.kernel.kernel_blocks()
     norm = decoder.norm
     ends = ModelEnds(norm.weight, norm.eps, blocks, blocks)
-    layers = DecoderLayers([one_layer], 9, 3, 64, ends=ends)
+    layers = DecoderLayers([one_layer], 9, 3, 64, ROPE, ends=ends)
     assert layers.embeds and layers.vocab == 49152
     down = one_layer.down.shards[0]
     for bad, match in [(ModelEnds(torch.ones(575), 1e-5, blocks, blocks), "final_norm"),
                        (ModelEnds(norm.weight, 1e-5, down, blocks), "embedding"),
                        (ModelEnds(norm.weight, 1e-5, blocks, down), "head")]:
         with pytest.raises(ValueError, match=match):
-            DecoderLayers([one_layer], 9, 3, 64, ends=bad)
+            DecoderLayers([one_layer], 9, 3, 64, ROPE, ends=bad)
     kv_caches = prefilled(gguf_model, [[1, 2, 3]])[:1]
     _, _, metadata = step_inputs([Chunk([4], 3, TABLES[0])])
     native = AttentionPlan.for_step(metadata, kv_caches[0], 9).native_only()
-    table = torch.zeros(1, 1, 64)
-    good = dict(layers=layers, hidden=None, cos=table, sin=table,
+    good = dict(layers=layers, hidden=None, positions=torch.tensor([3]),
                 step=native.bound(kv_caches[0]), kernel=native.kernel, kv_caches=kv_caches,
                 int8=True, ids=torch.tensor([4]), logits=torch.empty(1, 49152), head_int8=True)
     fused(**good)  # these are fine

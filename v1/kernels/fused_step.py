@@ -97,7 +97,7 @@ class _Dims(CStruct):
 class _Scratch(CStruct):
     c_name = "decoder_scratch"
     _fields_ = [(name, ctypes.c_void_p)
-                for name in ("x", "qkv", "attn", "h", "gate_up", "act", "group")]
+                for name in ("x", "qkv", "attn", "h", "gate_up", "act", "cos", "sin", "group")]
 
 
 class _Ends(CStruct):
@@ -113,9 +113,11 @@ class _Call(CStruct):
     _fields_ = [
         ("layers", ctypes.c_void_p), ("num_layers", ctypes.c_int64), ("dims", ctypes.c_void_p),
         ("T", ctypes.c_int64), ("residual", ctypes.c_void_p), ("cos", ctypes.c_void_p),
-        ("sin", ctypes.c_void_p), ("step", ctypes.c_void_p), ("kv_caches", ctypes.c_void_p),
-        ("scratch", ctypes.c_void_p), ("kv_dtype", ctypes.c_int32), ("int8", ctypes.c_int32),
-        ("nthreads", ctypes.c_int32), ("ends", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p), ("positions", ctypes.c_void_p),
+        ("max_position", ctypes.c_int64), ("step", ctypes.c_void_p),
+        ("kv_caches", ctypes.c_void_p), ("scratch", ctypes.c_void_p),
+        ("kv_dtype", ctypes.c_int32), ("int8", ctypes.c_int32), ("nthreads", ctypes.c_int32),
+        ("ends", ctypes.c_void_p),
     ]
 
 # The kernel indices of csrc/block_types.h, for the head's path.
@@ -123,14 +125,17 @@ _LINEAR_F32, _LINEAR_I8 = 0, 1
 
 
 class DecoderLayers:
-    """The layers as fused_decode_step.c reads them (an array of `struct decoder_layer`), and
-    the model's `ends` (None: none run in the step), checked once against the kernel table of
-    `lib` (default: this process's library), with what its calls reuse: the scratch buffers,
-    the caches last checked. Holds every tensor it points into."""
+    """The layers as fused_decode_step.c reads them (an array of `struct decoder_layer`), their
+    RoPE tables (`rope`: cos and sin [max_position, 1, head_dim], as
+    `RotaryEmbedding.cos_table` and `sin_table` hold them), and the model's `ends` (None: none
+    run in the step), checked once against the kernel table of `lib` (default: this process's
+    library), with what its calls reuse: the scratch buffers, the caches last checked. Holds
+    every tensor it points into."""
 
     def __init__(
         self, layers: Sequence[LayerWeights], num_heads: int, num_kv_heads: int, head_dim: int,
-        lib: ctypes.CDLL | None = None, ends: ModelEnds | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor], lib: ctypes.CDLL | None = None,
+        ends: ModelEnds | None = None,
     ) -> None:
         if not layers:
             raise ValueError("layers: expected at least one layer")
@@ -171,9 +176,22 @@ class DecoderLayers:
         self.array = (_Layer * len(structs))(*structs)
         self.num_layers = len(structs)
         self.dims = _Dims(hidden, num_heads, num_kv_heads, head_dim, inter)
+        cos, sin = rope
+        self.max_position = cos.shape[0] if cos.dim() == 3 else 0
+        for name, table in (("cos", cos), ("sin", sin)):
+            if (
+                table.dtype is not _F32 or not table.is_cpu or not table.is_contiguous()
+                or table.shape != (self.max_position, 1, head_dim) or not self.max_position
+            ):
+                raise ValueError(f"rope: {name} must be contiguous fp32 [max_position, 1, "
+                                 f"{head_dim}] on the CPU, got {table.dtype} "
+                                 f"{list(table.shape)} (and the other table's rows)")
+            self._tensors.append(table.detach())
+        self.rope = cos.data_ptr(), sin.data_ptr()
         # Scratch widths per row, in _Scratch's order (the residual stream's last: the step's
         # own where the ends embed).
-        self._widths = (hidden, shapes["qkv"][0], q_size, hidden, 2 * inter, inter, hidden)
+        self._widths = (hidden, shapes["qkv"][0], q_size, hidden, 2 * inter, inter, head_dim,
+                        head_dim, hidden)
         self._scratch: list[torch.Tensor] = []
         self._scratch_rows = 0
         self.scratch = _Scratch()
@@ -273,19 +291,19 @@ class FusedDecoder:
         self._fn.restype = ctypes.c_int32
 
     def __call__(
-        self, layers: DecoderLayers, hidden: torch.Tensor | None, cos: torch.Tensor,
-        sin: torch.Tensor, step: BoundStep, kernel: PagedDecodeKernel,
+        self, layers: DecoderLayers, hidden: torch.Tensor | None, positions: torch.Tensor,
+        step: BoundStep, kernel: PagedDecodeKernel,
         kv_caches: Sequence[torch.Tensor], int8: bool, *, ids: torch.Tensor | None = None,
         logits: torch.Tensor | None = None, head_int8: bool = False,
     ) -> torch.Tensor:
         """Runs every layer on `hidden` [T, hidden] (the embeddings; None where `ids` [T]
-        gives the tokens whose rows `layers`' ends look up) and stores each layer's K/V
-        through `step` into its cache. `int8`: every projection through int8 activations,
-        else fp32 ones. Without ends it returns the last layer's block output [T, hidden],
-        which the caller's final norm adds to `hidden` (left, in place, the residual stream
-        before it: a view of the scratch, valid until the next call); with them, the final
-        norm's output (a new tensor), and the LM head's into `logits` [T, vocab] where given
-        (`head_int8`: its path)."""
+        gives the tokens whose rows `layers`' ends look up), at `positions` [T] (their rows
+        of the RoPE tables), and stores each layer's K/V through `step` into its cache.
+        `int8`: every projection through int8 activations, else fp32 ones. Without ends it
+        returns the last layer's block output [T, hidden], which the caller's final norm adds
+        to `hidden` (left, in place, the residual stream before it: a view of the scratch,
+        valid until the next call); with them, the final norm's output (a new tensor), and
+        the LM head's into `logits` [T, vocab] where given (`head_int8`: its path)."""
         dims = layers.dims
         ends = layers.ends
         if ends is None and (ids is not None or logits is not None):
@@ -316,13 +334,12 @@ class FusedDecoder:
             raise ValueError(f"logits must be contiguous fp32 [{rows}, vocab] on the CPU for "
                              f"layers with an LM head (vocab {layers.vocab}), got "
                              f"{logits.dtype} {list(logits.shape)}")
-        for name, table in (("cos", cos), ("sin", sin)):
-            if (
-                table.dtype is not _F32 or not table.is_cpu or not table.is_contiguous()
-                or table.shape != (rows, 1, dims.D)
-            ):
-                raise ValueError(f"{name} must be contiguous fp32 [{rows}, 1, {dims.D}] on the "
-                                 f"CPU, got {table.dtype} {list(table.shape)}")
+        if (
+            positions.dtype is not torch.int64 or not positions.is_cpu
+            or positions.shape != (rows,) or not positions.is_contiguous()
+        ):
+            raise ValueError(f"positions must be contiguous int64 [{rows}] on the CPU, got "
+                             f"{positions.dtype} {list(positions.shape)} on {positions.device}")
         cache_shape = step.cache_shape
         if (
             len(cache_shape) != 5 or cache_shape[3] != dims.KVH or cache_shape[4] != dims.D
@@ -344,13 +361,18 @@ class FusedDecoder:
             ends.head_kernel = _LINEAR_I8 if head_int8 else _LINEAR_F32
         status = self._fn(_Call(
             ctypes.addressof(layers.array), layers.num_layers, ctypes.addressof(dims), rows,
-            hidden.data_ptr(), cos.data_ptr(), sin.data_ptr(), step.address,
+            hidden.data_ptr(), *layers.rope, positions.data_ptr(), layers.max_position,
+            step.address,
             ctypes.addressof(caches), ctypes.addressof(layers.scratch),
             KV_CODES[kernel.kv_dtype], int8, torch.get_num_threads(),
             None if ends is None else ctypes.addressof(ends),
         ))
         if status == -1:
             raise MemoryError(f"no scratch memory for a {rows}-row decode step's matmuls")
+        if status == -5:
+            bad = positions[(positions < 0) | (positions >= layers.max_position)][0]
+            raise ValueError(f"positions: {int(bad)} is outside the RoPE tables' "
+                             f"{layers.max_position} positions")
         if status == -4:
             assert ids is not None
             bad = ids[(ids < 0) | (ids >= ends.embed.rows)][0]

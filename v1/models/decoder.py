@@ -183,7 +183,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = final_norm
         self.rotary_embs = nn.ModuleDict(rotary_embs)
-        self.fused_decode = FusedDecode(self.layers, final_norm,
+        self.fused_decode = FusedDecode(self.layers, self.rotary_embs, final_norm,
                                         self.embed_tokens if embed_scale is None else None)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -200,9 +200,8 @@ class DecoderModel(nn.Module):
         if step.fused is not None:  # the final norm's output (and the logits), one C call
             fd = self.fused_decode
             assert fd.layers is not None
-            rope = self.rotary_embs[fd.rope_key].cos_sin(positions, torch.float32)
             embeddings = None if fd.layers.embeds else self._embed(input_ids)
-            hidden_states, step.logits = fd.run(input_ids, embeddings, rope, kv_caches,
+            hidden_states, step.logits = fd.run(input_ids, embeddings, positions, kv_caches,
                                                 step.fused)
             return hidden_states
         hidden_states = self._embed(input_ids)

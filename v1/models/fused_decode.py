@@ -9,7 +9,7 @@ fused is the step plan's business. Why: docs/benchmarks.md, "Fused decode step".
 """
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -50,9 +50,10 @@ class FusedDecode:
     `fused_weights() -> LayerWeights | None` and `rope_key`, their attention module
     `self_attn` with its backend `attn`."""
 
-    def __init__(self, layers: Sequence[nn.Module], final_norm: RMSNorm,
-                 embedding: nn.Module | None) -> None:
+    def __init__(self, layers: Sequence[nn.Module], rotary_embs: Mapping[str, nn.Module],
+                 final_norm: RMSNorm, embedding: nn.Module | None) -> None:
         self._layers = layers
+        self._rotary_embs = rotary_embs
         self._final_norm = final_norm
         self._embedding = embedding
         # The descriptors the step runs with (None: the layers do not qualify). They point
@@ -83,20 +84,18 @@ class FusedDecode:
                         "".join(f", {part}" for part in ends))
 
     def run(
-        self, input_ids: torch.Tensor, embeddings: torch.Tensor | None,
-        rope: tuple[torch.Tensor, torch.Tensor], kv_caches: list[torch.Tensor],
-        fused: FusedStep,
+        self, input_ids: torch.Tensor, embeddings: torch.Tensor | None, positions: torch.Tensor,
+        kv_caches: list[torch.Tensor], fused: FusedStep,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model's last hidden states (after the final norm) from the tokens
-        `input_ids`, or from their `embeddings` where the layers do not look them up, through
-        the step's bound C attention entries, K/V stored into `kv_caches`; and the LM head's
-        output where the step runs it (`fused.head`; else None)."""
+        `input_ids` at `positions`, or from their `embeddings` where the layers do not look
+        them up, through the step's bound C attention entries, K/V stored into `kv_caches`;
+        and the LM head's output where the step runs it (`fused.head`; else None)."""
         assert self.layers is not None
-        cos, sin = rope
         logits = (None if fused.head is None
                   else torch.empty(input_ids.shape[0], self.layers.vocab))
         hidden = fused.decoder(
-            self.layers, embeddings, cos, sin, fused.entries, fused.kernel, kv_caches,
+            self.layers, embeddings, positions, fused.entries, fused.kernel, kv_caches,
             fused.int8, ids=input_ids if embeddings is None else None, logits=logits,
             head_int8=fused.head == "int8")
         return hidden, logits
@@ -118,6 +117,7 @@ class FusedDecode:
             return None, "the layers differ in RoPE table or head shape"
         ((num_heads, num_kv_heads, head_dim),) = shapes
         self.rope_key = rope_keys.pop()
+        rotary = self._rotary_embs[self.rope_key]
         self.attention = sorted({(impl.num_heads, impl.sliding_window) for impl in impls},
                                 key=repr)
         if self._final_norm.unit_offset:
@@ -126,7 +126,8 @@ class FusedDecode:
                          _blocks(self._embedding, "dequantize"),
                          _blocks(head, "linear_f32", "linear_i8"))
         try:
-            return DecoderLayers(weights, num_heads, num_kv_heads, head_dim, ends=ends), ""
+            return DecoderLayers(weights, num_heads, num_kv_heads, head_dim,
+                                 (rotary.cos_table, rotary.sin_table), ends=ends), ""
         except ValueError as e:  # e.g. a block type whose linear kernels this library lacks
             return None, str(e)
 

@@ -75,13 +75,16 @@ static int32_t embed(const struct decoder_ends *e, float *residual, int64_t n, i
 
 /* 0; -1 when a matmul had no scratch memory, -3 when a projection's type lacks the kernel
    (the layers before it are done: the caller gives up on the step); -2 for a cache dtype
-   this build has no kernel for, -4 for an id outside the embedding's rows (nothing done). */
+   this build has no kernel for, -4 for an id outside the embedding's rows, -5 for a position
+   outside the RoPE tables (nothing done). */
 V1_API int32_t v1_fused_decode_step(const struct fused_step_call *c) {
     if (c->kv_dtype < 0 || c->kv_dtype >= KV_DTYPES || !paged_decode[c->kv_dtype]) return -2;
     const struct decoder_ends *e = c->ends;
     if (e && e->ids)
         for (int64_t i = 0; i < c->T; i++)
             if (e->ids[i] < 0 || e->ids[i] >= e->embed.rows) return -4;
+    for (int64_t i = 0; i < c->T; i++)
+        if (c->positions[i] < 0 || c->positions[i] >= c->max_position) return -5;
     const v1_paged_decode_fn decode = paged_decode[c->kv_dtype];
     const struct decoder_scratch *s = c->scratch;
     const int64_t n = c->dims->hidden, H = c->dims->H, KVH = c->dims->KVH, D = c->dims->D;
@@ -94,6 +97,10 @@ V1_API int32_t v1_fused_decode_step(const struct fused_step_call *c) {
     const struct v1_view q = {s->qkv, T, H * D, nqkv}, k = {s->qkv + H * D, T, KVH * D, nqkv};
     const struct v1_view v = {s->qkv + (H + KVH) * D, T, KVH * D, nqkv};
     const struct v1_view q_and_k = {s->qkv, T, (H + KVH) * D, nqkv};
+    for (int64_t t = 0; t < T; t++) {  /* the rows' RoPE tables, which every layer reads */
+        memcpy(s->cos + t * D, c->cos + c->positions[t] * D, D * sizeof(float));
+        memcpy(s->sin + t * D, c->sin + c->positions[t] * D, D * sizeof(float));
+    }
     int32_t status;
     if (e && e->ids && (status = embed(e, c->residual, n, T, s->group))) return status;
     for (int64_t l = 0; l < c->num_layers; l++) {
@@ -102,7 +109,7 @@ V1_API int32_t v1_fused_decode_step(const struct fused_step_call *c) {
            RoPE on q and k in place, the kernel stores k and v and attends, o_proj. */
         v1_rms_norm(l ? &h : NULL, &residual, y->input_norm, y->input_eps, &x);
         if ((status = project(y->qkv, kernel, s->x, n, s->qkv, nqkv, c))) return status;
-        v1_rope(&q_and_k, D, c->cos, c->sin);
+        v1_rope(&q_and_k, D, s->cos, s->sin);
         const struct paged_decode_io io = {.q = q, .k = k, .v = v,
                                            .out = rows(s->attn, T, H * D),
                                            .cache = c->kv_caches[l], .scale = y->scale};

@@ -35,10 +35,10 @@ struct decoder_dims {
 
 /* Per-step buffers of T rows each (row strides: their widths): x [hidden] a norm's output,
    qkv [(H + 2 KVH) D], attn [H D], h [hidden] a block's output (o_proj's, then down's),
-   gate_up [2 I], act [I]; and group [interleave, hidden], one group of the embedding's rows
-   (NULL without `decoder_ends.ids`). */
+   gate_up [2 I], act [I], cos and sin [D] (the rows' RoPE tables); and group
+   [interleave, hidden], one group of the embedding's rows (NULL without `decoder_ends.ids`). */
 struct decoder_scratch {
-    float *x, *qkv, *attn, *h, *gate_up, *act, *group;
+    float *x, *qkv, *attn, *h, *gate_up, *act, *cos, *sin, *group;
 };
 
 /* What runs around the layers in the same call (`_Ends` mirrors it), each part optional.
@@ -62,8 +62,8 @@ struct decoder_ends {
 /* One call: the layers on T rows. `residual` [T, hidden] holds the embeddings on entry (or
    gets them from `ends`) and the residual stream before the last layer's block output on
    return; that output is left in scratch->h (the final norm adds the two: the caller's, or
-   `ends`' when it has one). cos, sin [T, D] per row (the RoPE
-   tables), `step` the paged decode kernel's bound step (every query row an entry of it, its
+   `ends`' when it has one). cos, sin [max_position, D]: the RoPE tables, row positions[t]
+   row t's (positions [T]), `step` the paged decode kernel's bound step (every query row an entry of it, its
    K/V written by it: the step's slots are rows 0 .. num_slots - 1), kv_caches[l] layer l's
    cache of dtype kv_dtype (KV_CODES in fused_step.py). int8: every projection through its
    type's linear_i8, else linear_f32 (the rows' path, from the step plan: v1.models.step_plan).
@@ -75,6 +75,8 @@ struct fused_step_call {
     int64_t T;
     float *residual;
     const float *cos, *sin;
+    const int64_t *positions;
+    int64_t max_position;
     const struct paged_decode_step *step;
     void *const *kv_caches;
     const struct decoder_scratch *scratch;
