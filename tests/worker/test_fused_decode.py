@@ -406,13 +406,19 @@ def test_bad_ends_raise(gguf_model, one_layer):
         ("ids", torch.tensor([-1]), "token id -1"),
         ("ids", torch.tensor([4], dtype=torch.int32), "ids must"),
         ("ids", torch.tensor([[4]]), "ids must"),
-        ("ids", None, "hidden: None needs ids"),
+        ("ids", None, "hidden, ids: one of the two"),
         ("logits", torch.empty(1, 49151), "logits must"),
         ("logits", torch.empty(1, 49152, dtype=torch.float64), "logits must"),
     ]:
         with pytest.raises(ValueError, match=match):
             fused(**{**good, name: value})
     assert torch.equal(kv_caches[0], before)
+    with pytest.raises(ValueError, match="hidden, ids: one of the two"):
+        fused(**{**good, "hidden": torch.zeros(1, 576)})
+    no_embedding = DecoderLayers([one_layer], 9, 3, 64, ROPE,
+                                 ends=ModelEnds(norm.weight, norm.eps, None, blocks))
+    with pytest.raises(ValueError, match="ids only for layers that embed them"):
+        fused(**{**good, "layers": no_embedding})
     plain = _layers(one_layer)
     with pytest.raises(ValueError, match="run no embedding or LM head"):
         fused(**{**good, "layers": plain, "hidden": torch.zeros(1, 576)})

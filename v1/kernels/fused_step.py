@@ -308,10 +308,10 @@ class FusedDecoder:
         ends = layers.ends
         if ends is None and (ids is not None or logits is not None):
             raise ValueError("ids, logits: these layers run no embedding or LM head")
+        if (hidden is None) != (ids is not None) or (ids is not None and not layers.embeds):
+            raise ValueError("hidden, ids: one of the two, ids only for layers that embed them")
         if hidden is None:
-            if ids is None or not layers.embeds:
-                raise ValueError("hidden: None needs ids and layers that embed them")
-            rows = ids.shape[0] if ids.dim() == 1 else 0
+            rows = ids.shape[0] if ids is not None and ids.dim() == 1 else 0
         else:
             shape = hidden.shape
             if (
