@@ -295,6 +295,38 @@ def test_shards_of_several_types_run_fused(tmp_path, monkeypatch, fused_calls):
         assert torch.equal(fused, per_op)
 
 
+def test_an_untied_head_runs_fused(tmp_path, monkeypatch, fused_calls):
+    """A model with its own LM head (not the embedding's) runs the fused step with that head
+    too: the per-op step's hidden states and `compute_logits`' logits, bit for bit."""
+    import gguf
+
+    from tests.worker.test_model_archs import build_hf_model, gguf_case_config, write_gguf
+    from tests.worker.test_quantization import gguf_tensor_type
+
+    monkeypatch.setenv("V1_CACHE_DIR", str(tmp_path / "cache"))
+    config = gguf_case_config("llama")
+    config.attention_bias = False
+    assert not config.tie_word_embeddings
+    write_gguf(build_hf_model(config), tmp_path / "untied.gguf", "llama",
+               tensor_type=gguf_tensor_type(gguf.GGMLQuantizationType.Q8_0))
+    model = load_model(str(tmp_path / "untied.gguf"), torch.float32, torch.device("cpu"),
+                       TorchAttentionImpl, quantization="gguf").model
+    layers = model.model.fused_decode.layers
+    assert layers is not None and layers.embeds and layers.vocab == config.vocab_size
+    kv_caches = new_kv_caches(model, 8)
+    forward(model, kv_caches, [Chunk([5, 9, 2, 7], 0, TABLES[0])], False)
+    input_ids, positions, metadata = step_inputs([Chunk([11], 4, TABLES[0])])
+    planner = StepPlanner(model, torch.float32, torch.device("cpu"))
+    with torch.inference_mode():
+        plan = planner.plan(metadata, kv_caches, None, logits=True)
+        assert plan.path.decoder == "fused+head"
+        hidden = model(input_ids, positions, [c.clone() for c in kv_caches], metadata, plan)
+        per_op = forward(model, kv_caches, [Chunk([11], 4, TABLES[0])], False)
+        expected = model.compute_logits(per_op, planner.head_rows)
+    assert len(fused_calls) == 1
+    assert torch.equal(hidden, per_op) and torch.equal(plan.logits, expected)
+
+
 # ---- the binding's checks -------------------------------------------------------------------
 
 

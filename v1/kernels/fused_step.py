@@ -216,9 +216,9 @@ class DecoderLayers:
             self._group = torch.empty(row.interleave, hidden, dtype=_F32)
             embed = _Proj(w, None, blocks.N, blocks.code)
         head = _Shards()
-        if ends.head is not None:
-            head = self._shards("head", Projection((ends.head,), None), ends.head.N, hidden,
-                                types)
+        if (blocks := ends.head) is not None:
+            blocks.checked(types)  # its N, read next (a block weight knows it once checked)
+            head = self._shards("head", Projection((blocks,), None), blocks.N, hidden, types)
         return _Ends(None, embed, ends.final_norm.data_ptr(), ends.final_eps, None, _LINEAR_F32,
                      head, None)
 
@@ -378,8 +378,11 @@ class FusedDecoder:
             bad = ids[(ids < 0) | (ids >= ends.embed.rows)][0]
             raise ValueError(f"ids: token id {int(bad)} is outside the vocabulary "
                              f"[0, {ends.embed.rows})")
-        if status:
+        if status == -2:
             raise ValueError(f"kv_caches: this library has no {kernel.kv_dtype} decode kernel")
+        if status:  # -3 (checked against at build) or a kernel's own failure
+            raise RuntimeError(f"the fused decode step failed (status {status}): a weight's "
+                               f"kernel is missing from this library or failed")
         return out
 
 
