@@ -144,6 +144,39 @@ def test_the_runner_takes_the_kernel_library_once(default_model, monkeypatch):
     assert make_runner(default_model).planner.lib is not None
 
 
+def test_the_runner_runs_the_head_in_the_step_only_where_every_row_samples(
+    default_model_path, monkeypatch
+):
+    """A prompt chunk short enough for the fused step runs it without the LM head (only its
+    last row is sampled; a middle chunk none); the decode step after it runs the head in the
+    same call, and its token is the per-op step's."""
+    from v1.attention.backends.torch_attn import TorchAttentionImpl
+    from v1.core.sched.output import CachedRequestData, SchedulerOutput
+    from v1.models.loader import load_model
+
+    loaded = load_model(str(default_model_path), torch.float32, torch.device("cpu"),
+                        TorchAttentionImpl, quantization="gguf")
+    paths: list[str] = []
+    plan = StepPlanner.plan
+
+    def spy(self, *args, **kwargs):
+        step = plan(self, *args, **kwargs)
+        paths.append(step.path.decoder)
+        return step
+
+    monkeypatch.setattr(StepPlanner, "plan", spy)
+    tokens = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("V1_FUSED_DECODE", fused)  # read when the runner is built
+        runner = make_runner(loaded)
+        first = prefill(runner, "a", SamplingParams(temperature=0.0), block_id=0)
+        cached = CachedRequestData(["a"], [False], [None], [[]], [len(PROMPT)])
+        second = runner.execute_model(SchedulerOutput([], cached, {"a": 1}, 1, set(), set()))
+        tokens[fused] = first.sampled_token_ids + second.sampled_token_ids
+    assert paths == ["fused", "fused+head", "per-op", "per-op"]
+    assert tokens["1"] == tokens["0"]
+
+
 def test_the_fused_decision_is_logged_with_its_reason(gguf_model, default_model,  # noqa: F811
                                                       caplog):
     attn = gguf_model.model.layers[3].self_attn

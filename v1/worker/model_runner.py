@@ -107,6 +107,9 @@ class StepInputs(NamedTuple):
     query_start_loc: np.ndarray
     seq_lens: np.ndarray  # after this step
     drafts: StepDrafts
+    # The requests that sample: every known token is computed after this step; each samples
+    # its last 1 + k rows (k drafts).
+    sample_idx: np.ndarray
     input_ids: np.ndarray  # per token
     positions: np.ndarray
     plan: StepPlan
@@ -418,10 +421,16 @@ class ModelRunner:
             positions < batch.num_prompt_tokens[token_rows]
             if self.loaded.quantization is not None else None
         )
+        sample_idx = np.flatnonzero(seq_lens - drafts.num >= batch.num_tokens[rows])
+        # Every row a logits row (each request samples its 1 + k scheduled rows): the plan may
+        # run the LM head in the step (a prompt chunk's rows would be computed for nothing).
+        every_row = self.pooling is None and len(sample_idx) == len(req_ids) and (
+            out.total_num_scheduled_tokens
+            == len(req_ids) + (int(drafts.num.sum()) if drafts.by_index else 0))
         return StepInputs(
             req_ids, rows, num_scheduled, num_computed, query_start_loc, seq_lens, drafts,
-            batch.token_ids[token_rows, positions], positions,
-            self.planner.plan(metadata, self.kv_caches, is_prompt, self.pooling is None),
+            sample_idx, batch.token_ids[token_rows, positions], positions,
+            self.planner.plan(metadata, self.kv_caches, is_prompt, every_row),
         )
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
@@ -486,11 +495,7 @@ class ModelRunner:
                                            step.num_scheduled)
             if self.in_progress_prompt_logprobs else {}
         )
-        # Requests that sample: every known token is computed after this step; each samples
-        # its last 1 + k rows (k drafts).
-        sample_idx = np.flatnonzero(
-            step.seq_lens - step.drafts.num >= batch.num_tokens[step.rows]
-        )
+        sample_idx = step.sample_idx
         tokens = (self._sample(out, step, hidden, sample_idx) if len(sample_idx)
                   else StepTokens.empty(len(step.req_ids)))
         batch.num_computed_tokens[step.rows] = step.seq_lens - tokens.num_rejected
