@@ -57,8 +57,9 @@ class FusedDecode:
         self._final_norm = final_norm
         self._embedding = embedding
         # The descriptors the step runs with (None: the layers do not qualify). They point
-        # into the weights as they were at the last `replan`: whoever gives the layers new
-        # weights or modules, or changes a weight's storage in place (resize_, set_,
+        # into the weights as they were at the last `replan` (the layers', the final norm's,
+        # the embedding's and head's, the RoPE tables): whoever gives the model new weights,
+        # tables or modules, or changes their storage in place (resize_, set_,
         # share_memory_), re-plans (`load_weights`, LoRA's manager do), as a CUDA graph is
         # captured again. They hold the weights' storage, so a weight replaced (`.data =`, a
         # new Parameter) without a re-plan is not seen, never read freed. (Checking every
