@@ -91,6 +91,12 @@ def block_types(lib: ctypes.CDLL) -> dict[str, BlockType]:
     return _table(lib)[0]
 
 
+def kernel_index(lib: ctypes.CDLL, kernel: str) -> int:
+    """Where `kernel` ("linear_f32", "linear_i8", "dequantize") sits in a row of `lib`'s
+    table: the index the C calls it by."""
+    return _table(lib)[1].index(kernel)
+
+
 @functools.cache
 def _table(lib: ctypes.CDLL) -> tuple[dict[str, BlockType], tuple[str, ...]]:
     """(the table, the kernels' names by their index in a row)."""

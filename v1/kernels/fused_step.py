@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from v1.kernels.attention import KV_DTYPES, MAX_HEAD_FLOATS, BoundStep, PagedDecodeKernel
-from v1.kernels.block_matmul import BlockType, QuantBlocks, block_types
+from v1.kernels.block_matmul import BlockType, QuantBlocks, block_types, kernel_index
 from v1.kernels.library import library
 from v1.kernels.structs import CStruct, c_layout, check_layout
 from v1.kernels.tensors import stamps
@@ -120,9 +120,6 @@ class _Call(CStruct):
         ("ends", ctypes.c_void_p),
     ]
 
-# The kernel indices of csrc/block_types.h, for the head's path.
-_LINEAR_F32, _LINEAR_I8 = 0, 1
-
 
 class DecoderLayers:
     """The layers as fused_decode_step.c reads them (an array of `struct decoder_layer`), their
@@ -219,8 +216,9 @@ class DecoderLayers:
         if (blocks := ends.head) is not None:
             blocks.checked(types)  # its N, read next (a block weight knows it once checked)
             head = self._shards("head", Projection((blocks,), None), blocks.N, hidden, types)
-        return _Ends(None, embed, ends.final_norm.data_ptr(), ends.final_eps, None, _LINEAR_F32,
-                     head, None)
+        # ids, out, logits and head_kernel are the call's.
+        return _Ends(embed=embed, final_norm=ends.final_norm.data_ptr(),
+                     final_eps=ends.final_eps, head=head)
 
     def _shards(self, name: str, proj: Projection, n: int, k: int,
                 types: dict[str, BlockType]) -> ctypes.Array:
@@ -286,6 +284,8 @@ class FusedDecoder:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         check_layout(c_layout(lib), _Proj, _Layer, _Dims, _Scratch, _Ends, _Call)
+        # The head's kernel by its path (fp32, int8 activations), as the table numbers them.
+        self._linear = (kernel_index(lib, "linear_f32"), kernel_index(lib, "linear_i8"))
         self._fn = lib.v1_fused_decode_step
         self._fn.argtypes = [ctypes.POINTER(_Call)]
         self._fn.restype = ctypes.c_int32
@@ -358,7 +358,7 @@ class FusedDecoder:
             ends.out = out.data_ptr()
             ends.ids = None if ids is None else ids.data_ptr()
             ends.logits = None if logits is None else logits.data_ptr()
-            ends.head_kernel = _LINEAR_I8 if head_int8 else _LINEAR_F32
+            ends.head_kernel = self._linear[head_int8]
         status = self._fn(_Call(
             ctypes.addressof(layers.array), layers.num_layers, ctypes.addressof(dims), rows,
             hidden.data_ptr(), *layers.rope, positions.data_ptr(), layers.max_position,

@@ -110,6 +110,7 @@ class StepInputs(NamedTuple):
     # The requests that sample: every known token is computed after this step; each samples
     # its last 1 + k rows (k drafts).
     sample_idx: np.ndarray
+    every_row: bool  # every row is sampled (each request's rows are its 1 + k)
     input_ids: np.ndarray  # per token
     positions: np.ndarray
     plan: StepPlan
@@ -422,15 +423,15 @@ class ModelRunner:
             if self.loaded.quantization is not None else None
         )
         sample_idx = np.flatnonzero(seq_lens - drafts.num >= batch.num_tokens[rows])
-        # Every row a logits row (each request samples its 1 + k scheduled rows): the plan may
-        # run the LM head in the step (a prompt chunk's rows would be computed for nothing).
-        every_row = self.pooling is None and len(sample_idx) == len(req_ids) and (
-            out.total_num_scheduled_tokens
-            == len(req_ids) + (int(drafts.num.sum()) if drafts.by_index else 0))
+        every_row = len(sample_idx) == len(req_ids) and out.total_num_scheduled_tokens == (
+            len(req_ids) + (int(drafts.num.sum()) if drafts.by_index else 0))
+        # Only then may the plan run the LM head in the step (a prompt chunk's rows would be
+        # computed for nothing).
         return StepInputs(
             req_ids, rows, num_scheduled, num_computed, query_start_loc, seq_lens, drafts,
-            sample_idx, batch.token_ids[token_rows, positions], positions,
-            self.planner.plan(metadata, self.kv_caches, is_prompt, every_row),
+            sample_idx, every_row, batch.token_ids[token_rows, positions], positions,
+            self.planner.plan(metadata, self.kv_caches, is_prompt,
+                              every_row and self.pooling is None),
         )
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
@@ -528,13 +529,10 @@ class ModelRunner:
         else:  # no drafts: each request's last query row
             logit_req = sample_idx
             logits_idx = step.query_start_loc[1:][sample_idx] - 1
-        # The rows ascend: as many as `hidden` has are all of them (a decode step's), whose
-        # logits a fused step has computed.
-        every_row = len(logits_idx) == hidden.shape[0]
-        if every_row and step.plan.logits is not None:
+        if step.plan.logits is not None:  # the fused step ran the head: every row samples
             logits = step.plan.logits
         else:
-            sampled_hidden = hidden if every_row else hidden[self._to_device(logits_idx)]
+            sampled_hidden = hidden if step.every_row else hidden[self._to_device(logits_idx)]
             logits = self.model.compute_logits(sampled_hidden, self.planner.head_rows)
         if out.grammar_bitmask is not None:
             # Structured requests are never drafted: one logits row each.
