@@ -195,7 +195,7 @@ HELP_SCRIPTS = ["bench_prefix_cache", "bench_throughput", "bench_serving", "benc
                 "bench_dp", "bench_kv_cache_dtype", "bench_quant", "bench_quant_kernels",
                 "bench_linear", "bench_hostile", "bench_suffix_index", "bench_llamacpp",
                 "bench_spec", "bench_trees", "bench_kernel_variants", "bench_ab", "bench_sizes",
-                "bench_perplexity", "bench_fused_step"]
+                "bench_perplexity", "bench_fused_step", "bench_spec_steps"]
 
 
 @pytest.fixture(scope="module")
@@ -210,6 +210,22 @@ def test_help(helps: dict[str, Help], name: str) -> None:
     out = helps[name]
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage:")
+
+
+def test_spec_steps_price_the_drafts_rows_against_one_row_steps():
+    from bench.bench_spec_steps import Step, summarize
+
+    steps = [Step(40, 0, 1, 0.5),  # a prompt chunk
+             Step(1, 0, 1, 0.010), Step(1, 0, 1, 0.012), Step(1, 0, 1, 0.011),
+             Step(3, 2, 3, 0.015), Step(3, 2, 1, 0.017)]
+    got = summarize(steps)
+    assert got["decode_steps"] == 5 and got["prompt_s"] == 0.5
+    assert got["by_rows"] == {1: {"steps": 3, "median_ms": 11.0, "tokens_per_step": 1.0},
+                              3: {"steps": 2, "median_ms": 16.0, "tokens_per_step": 2.0}}
+    # Rows free: the five decode steps at a 1-row step's 11 ms; the drafts' rows cost the rest.
+    assert got["rows_free_decode_s"] == 0.055
+    assert got["rows_cost_s"] == round(0.065 - 0.055, 3)
+    assert "rows_free_decode_s" not in summarize([Step(3, 2, 3, 0.015)])
 
 
 def test_ab_contenders_name_a_tree_and_its_settings(tmp_path):

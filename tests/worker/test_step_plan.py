@@ -14,6 +14,7 @@ from tests.worker.test_model_runner import PROMPT, make_runner, prefill
 from v1.kernels import attention as kernels_attention
 from v1.kernels import block_matmul as kernels_block_matmul
 from v1.kernels import fused_step as kernels_fused_step
+from v1.kernels.library import library
 from v1.lora.layers import LinearWithLoRA, LoRABatch
 from v1.models.layers.quantized import DEFAULT_POLICY, MatmulPolicy
 from v1.models.step_plan import PlanOptions, StepPath, StepPlanner, _rows_path
@@ -142,6 +143,16 @@ def test_the_runner_takes_the_kernel_library_once(default_model, monkeypatch):
     assert runner.planner.options.cpu_kernels == "0"
     assert runner.planner.lib is None and runner.planner.native_ops is None
     assert make_runner(default_model).planner.lib is not None
+
+
+def test_a_planner_without_a_runner_takes_the_environments_library(
+        gguf_model, monkeypatch):  # noqa: F811
+    # The weights are laid out, and the fused layers bound, for the environment's library;
+    # a model called without a runner plans its steps on that one too, not on the best.
+    monkeypatch.setenv("V1_CPU_KERNELS", "portable")
+    assert gguf_model.default_planner().lib is library() is library("portable")
+    monkeypatch.setenv("V1_CPU_KERNELS", "0")
+    assert gguf_model.default_planner().lib is None
 
 
 def test_the_runner_runs_the_head_in_the_step_only_where_every_row_samples(

@@ -15,6 +15,7 @@ import ctypes
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -98,6 +99,19 @@ class _Scratch(CStruct):
     c_name = "decoder_scratch"
     _fields_ = [(name, ctypes.c_void_p)
                 for name in ("x", "qkv", "attn", "h", "gate_up", "act", "cos", "sin", "group")]
+
+
+# Where the last layer's block output is in the scratch (kept in _Scratch's order).
+_H = [name for name, _ in _Scratch._fields_].index("h")
+
+
+class StepBuffers(NamedTuple):
+    """What a caller reads of the scratch for T rows (views, valid until the next call):
+    `h`, the last layer's block output (the step's output without ends), and `residual`,
+    the residual stream (the step's input where the ends do not embed)."""
+
+    h: torch.Tensor
+    residual: torch.Tensor
 
 
 class _Ends(CStruct):
@@ -249,15 +263,15 @@ class DecoderLayers:
                              f"{list(t.shape)} on {t.device}")
         self._tensors.append(t.detach())
 
-    def scratch_for(self, rows: int) -> list[torch.Tensor]:
-        """The scratch for `rows` rows (`self.scratch` points into it), in _Scratch's order,
-        then the residual stream's."""
+    def scratch_for(self, rows: int) -> StepBuffers:
+        """The scratch for `rows` rows (`self.scratch` points into it, in _Scratch's order,
+        the residual stream's kept beside it), and what the caller reads of it."""
         if rows > self._scratch_rows:
             self._scratch = [torch.empty(rows, w, dtype=_F32) for w in self._widths]
             self._scratch_rows = rows
             group = 0 if self._group is None else self._group.data_ptr()
             self.scratch = _Scratch(*(t.data_ptr() for t in self._scratch[:-1]), group)
-        return self._scratch
+        return StepBuffers(self._scratch[_H][:rows], self._scratch[-1][:rows])
 
     def caches(
         self, kv_caches: Sequence[torch.Tensor], shape: torch.Size, kernel: PagedDecodeKernel
@@ -349,10 +363,10 @@ class FusedDecoder:
                              f"{step.max_token} and {step.num_slots} slots; expected "
                              f"{dims.KVH} kv heads of {dims.D} and at most {rows} rows")
         caches = layers.caches(kv_caches, cache_shape, kernel)
-        scratch = layers.scratch_for(rows)
+        buffers = layers.scratch_for(rows)
         if hidden is None:
-            hidden = scratch[-1][:rows]
-        out = scratch[3][:rows]
+            hidden = buffers.residual
+        out = buffers.h
         if ends is not None:
             out = torch.empty(rows, dims.hidden, dtype=_F32)
             ends.out = out.data_ptr()
