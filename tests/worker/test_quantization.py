@@ -216,10 +216,11 @@ def test_prompt_rows_take_int8_whatever_the_batch(tied_gguf, monkeypatch, all_in
 def test_a_gguf_load_imports_neither_config_classes_nor_sympy():
     """What a converted GGUF file's load leaves out of a start (`python -X importtime` gives
     each one's cost): transformers' config classes (importing one pulls in torch.distributed),
-    the first touch of `transformers.models` (it reads every model's module) and sympy
-    (torch's meta tensors import it)."""
+    the first touch of `transformers.models` (it reads every model's module), sympy (torch's
+    meta tensors import it) and the gguf package (its tables' set-up) where every tensor is
+    kept as blocks or is F32."""
     loader_module.hf_dir_of(loader_module.default_model_path())  # converted, if it was not
-    heavy = ("transformers.models", "torch.distributed.tensor", "sympy")
+    heavy = ("transformers.models", "torch.distributed.tensor", "sympy", "gguf")
     code = (
         "import sys, torch\n"
         "from v1.attention.backends.torch_attn import TorchAttentionImpl\n"
