@@ -3,13 +3,15 @@ shared system prompt, questions of which some repeat) run in this process withou
 with them, every model runner step timed and kept by its rows.
 
 Per step: its token rows (a decode's 1 + its drafts; a prompt chunk's tokens), the tokens it
-produced and its wall time (`ModelRunner.execute_model`, which on the CPU is its work). The
-table gives, per row count of the decode steps (each request one token and its drafts), their
-number, median time and tokens per step; then each run's wall time and tokens per second, and
-two bounds on the drafted run:
-- rows free: every decode step at the median time of a 1-row step (the drafts' rows cost
-  nothing): the most the drafts could gain with these acceptances;
-- rows' cost: what the drafted decode steps took beyond that, the price of the rows verified.
+produced, its wall time (`ModelRunner.execute_model`, which on the CPU is its work) and
+whether every request in it was past its prompt (a decode step). The table gives, per row
+count of the decode steps, their number, median time and tokens per step (`--rounds` runs
+pooled); then per run (means over the rounds) its wall time and tokens per second, and two
+figures of the drafted run:
+- rows' cost: what its decode steps of more than one row took beyond the median 1-row step,
+  the price of the rows verified;
+- rows free: its decode steps without that cost, the most the drafts could gain with these
+  acceptances (the ratio then).
 A drafted run gains over the plain one where a step's tokens outweigh its rows' cost, so its
 ratio is bounded by how cheap a step's extra rows are on this machine (its matmuls' cost per
 row at a few rows) as much as by how many drafts are accepted.
@@ -41,17 +43,19 @@ from bench.common import bar, environment, print_table, write_outputs  # noqa: E
 
 
 class Step(NamedTuple):
-    rows: int  # token rows (a decode: 1 + its drafts)
+    rows: int  # token rows (a decode: each request's token and its drafts)
     drafts: int
     tokens: int  # tokens it produced (sampled and kept)
     seconds: float
+    decode: bool  # every request past its prompt (else a prompt chunk is in it)
 
 
-def summarize(steps: list[Step]) -> dict[str, Any]:
-    """Per row count of the decode steps (rows == 1 + drafts) their count, median ms and
-    tokens per step; the prompt steps' seconds; and the rows-free bound and the rows' cost
-    (module docstring), in seconds, where some 1-row decode steps were timed."""
-    decode = [s for s in steps if s.rows == 1 + s.drafts]
+def summarize(steps: list[Step], runs: int = 1) -> dict[str, Any]:
+    """Per row count of the decode steps their count, median ms and tokens per step; and per
+    run (`steps` of `runs` runs pooled) the decode and prompt steps' seconds, the rows' cost
+    (each decode step of more than one row beyond the median 1-row step) and the rows-free
+    decode time (module docstring), where some 1-row decode steps were timed."""
+    decode = [s for s in steps if s.decode]
     by_rows: dict[int, list[Step]] = {}
     for s in decode:
         by_rows.setdefault(s.rows, []).append(s)
@@ -59,15 +63,17 @@ def summarize(steps: list[Step]) -> dict[str, Any]:
                 "median_ms": round(1e3 * statistics.median(s.seconds for s in group), 2),
                 "tokens_per_step": round(sum(s.tokens for s in group) / len(group), 2)}
             for n, group in sorted(by_rows.items())}
+    decode_s = sum(s.seconds for s in decode) / runs
     result: dict[str, Any] = {
-        "decode_steps": len(decode), "decode_s": round(sum(s.seconds for s in decode), 3),
-        "prompt_s": round(sum(s.seconds for s in steps if s.rows != 1 + s.drafts), 3),
+        "decode_steps": round(len(decode) / runs, 1), "decode_s": round(decode_s, 3),
+        "prompt_s": round(sum(s.seconds for s in steps if not s.decode) / runs, 3),
         "by_rows": rows,
     }
     if 1 in by_rows:
         one = statistics.median(s.seconds for s in by_rows[1])
-        result["rows_free_decode_s"] = round(one * len(decode), 3)
-        result["rows_cost_s"] = round(result["decode_s"] - result["rows_free_decode_s"], 3)
+        cost = sum(s.seconds - one for s in decode if s.rows > 1) / runs
+        result["rows_cost_s"] = round(cost, 3)
+        result["rows_free_decode_s"] = round(decode_s - cost, 3)
     return result
 
 
@@ -80,12 +86,16 @@ def timed_run(llm: Any, prompts: list[list[int]], tokens: int) -> tuple[float, l
     real = ModelRunner.execute_model
 
     def execute(runner: ModelRunner, out: Any) -> Any:
+        batch = runner.input_batch  # before the step: a request's tokens computed so far
+        rows = [batch.req_id_to_index.get(r) for r in out.num_scheduled_tokens]
+        decode = all(i is not None and batch.num_computed_tokens[i] >= batch.num_prompt_tokens[i]
+                     for i in rows)
         t = time.perf_counter()
         result = real(runner, out)
         seconds = time.perf_counter() - t
         drafts = sum(map(len, (out.scheduled_spec_decode_tokens or {}).values()))
         steps.append(Step(out.total_num_scheduled_tokens, drafts,
-                          sum(map(len, result.sampled_token_ids or [])), seconds))
+                          sum(map(len, result.sampled_token_ids or [])), seconds, decode))
         return result
 
     with mock.patch.object(ModelRunner, "execute_model", execute):
@@ -113,7 +123,8 @@ def main() -> None:
     spec = json.loads(args.speculative_config)
     contenders = {"plain": {}, "drafts": {"speculative_config": spec}}
     walls: dict[str, list[float]] = {name: [] for name in contenders}
-    steps: dict[str, list[Step]] = {}
+    steps: dict[str, list[Step]] = {name: [] for name in contenders}
+    env = environment()  # before the runs: the load they started under
     for r in range(args.rounds):
         for name in (contenders if r % 2 == 0 else reversed(contenders)):
             # In this process (no engine process): the runner's steps are timed here.
@@ -121,18 +132,19 @@ def main() -> None:
             try:
                 prompts = [chat_prompt(llm.get_tokenizer(), q, data["system"])
                            for q in questions]
-                wall, steps[name] = timed_run(llm, prompts, args.tokens)
+                wall, run_steps = timed_run(llm, prompts, args.tokens)
             finally:
                 llm.shutdown()
+                del llm  # its weights and KV cache go before the next engine's
             walls[name].append(wall)
+            steps[name].extend(run_steps)
     tokens = len(questions) * args.tokens
     result: dict[str, Any] = {"bench": "spec_steps", "requests": len(questions),
-                              "tokens": tokens, "speculative_config": spec,
-                              **environment()}
+                              "tokens": tokens, "speculative_config": spec, **env}
     for name in contenders:
-        wall = statistics.median(walls[name])
+        wall = statistics.fmean(walls[name])
         result[name] = {"wall_s": round(wall, 3), "tok_s": round(tokens / wall, 1),
-                        **summarize(steps[name])}  # the last round's steps
+                        **summarize(steps[name], args.rounds)}
     plain, drafts = result["plain"], result["drafts"]
     result["ratio"] = round(plain["wall_s"] / drafts["wall_s"], 3)
     if "rows_free_decode_s" in drafts:

@@ -215,17 +215,19 @@ def test_help(helps: dict[str, Help], name: str) -> None:
 def test_spec_steps_price_the_drafts_rows_against_one_row_steps():
     from bench.bench_spec_steps import Step, summarize
 
-    steps = [Step(40, 0, 1, 0.5),  # a prompt chunk
-             Step(1, 0, 1, 0.010), Step(1, 0, 1, 0.012), Step(1, 0, 1, 0.011),
-             Step(3, 2, 3, 0.015), Step(3, 2, 1, 0.017)]
+    steps = [Step(40, 0, 1, 0.5, False),  # a prompt chunk
+             Step(1, 0, 1, 0.2, False),  # a one-token prompt tail: not a decode step
+             Step(1, 0, 1, 0.010, True), Step(1, 0, 1, 0.012, True), Step(1, 0, 1, 0.011, True),
+             Step(3, 2, 3, 0.015, True), Step(3, 2, 1, 0.017, True)]
     got = summarize(steps)
-    assert got["decode_steps"] == 5 and got["prompt_s"] == 0.5
+    assert got["decode_steps"] == 5 and got["prompt_s"] == 0.7
     assert got["by_rows"] == {1: {"steps": 3, "median_ms": 11.0, "tokens_per_step": 1.0},
                               3: {"steps": 2, "median_ms": 16.0, "tokens_per_step": 2.0}}
-    # Rows free: the five decode steps at a 1-row step's 11 ms; the drafts' rows cost the rest.
-    assert got["rows_free_decode_s"] == 0.055
-    assert got["rows_cost_s"] == round(0.065 - 0.055, 3)
-    assert "rows_free_decode_s" not in summarize([Step(3, 2, 3, 0.015)])
+    # The 3-row steps cost 4 and 6 ms beyond a 1-row step's 11: the drafts' rows.
+    assert got["rows_cost_s"] == 0.01 and got["rows_free_decode_s"] == 0.055
+    # Two runs pooled: per-run figures.
+    assert summarize(steps + steps, runs=2)["rows_cost_s"] == 0.01
+    assert "rows_cost_s" not in summarize([Step(3, 2, 3, 0.015, True)])
 
 
 def test_ab_contenders_name_a_tree_and_its_settings(tmp_path):
