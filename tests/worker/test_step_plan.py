@@ -123,11 +123,12 @@ def test_the_runner_reads_the_settings_once_and_logs_each_step(default_model, mo
     monkeypatch.setenv("V1_QUANT_ALL_INT8", "0")
     runner = make_runner(default_model)
     monkeypatch.setenv("V1_FUSED_DECODE", "1")  # after the build: not read again
-    assert runner.planner.options == PlanOptions(False, MatmulPolicy(all_int8=False))
+    # (cpu_kernels "": V1_CPU_KERNELS unset, read with the rest.)
+    assert runner.planner.options == PlanOptions(False, MatmulPolicy(all_int8=False), "")
     assert make_runner(default_model).planner.options == PlanOptions(True, MatmulPolicy(
-        all_int8=False))
+        all_int8=False), "")
     monkeypatch.delenv("V1_QUANT_ALL_INT8")
-    assert make_runner(default_model).planner.options == PlanOptions(True, DEFAULT_POLICY)
+    assert make_runner(default_model).planner.options == PlanOptions(True, DEFAULT_POLICY, "")
     with caplog.at_level(logging.DEBUG, logger="v1"):
         prefill(runner, "a", SamplingParams(temperature=0.0), block_id=0)
     # fp32 weights (no GGUF blocks): no matmul path to choose.
@@ -148,7 +149,8 @@ def test_the_runner_takes_the_kernel_library_once(default_model, monkeypatch):
 def test_a_planner_without_a_runner_takes_the_environments_library(
         gguf_model, monkeypatch):  # noqa: F811
     # The weights are laid out, and the fused layers bound, for the environment's library;
-    # a model called without a runner plans its steps on that one too, not on the best.
+    # a planner made without options (a model called without a runner) plans its steps on
+    # that one too, not on the best.
     monkeypatch.setenv("V1_CPU_KERNELS", "portable")
     assert gguf_model.default_planner().lib is library() is library("portable")
     monkeypatch.setenv("V1_CPU_KERNELS", "0")

@@ -15,7 +15,6 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from v1 import envs
 from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata, AttentionType
 from v1.attention.backends.torch_attn import TorchAttentionImpl
 from v1.kernels.fused_step import LayerWeights, Projection
@@ -26,7 +25,7 @@ from v1.models.layers.mlp import GatedMLP
 from v1.models.layers.norm import RMSNorm
 from v1.models.layers.quantized import MatmulRows, QuantizedWeight, block_weights
 from v1.models.layers.rotary import RotaryEmbedding, rope_parameters
-from v1.models.step_plan import PlanOptions, StepPlan, StepPlanner
+from v1.models.step_plan import StepPlan, StepPlanner
 
 DEFAULT_ROPE = "default"
 
@@ -312,12 +311,9 @@ class DecoderForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, step)
 
     def default_planner(self) -> StepPlanner:
-        """A planner with the default options, for callers without a runner, on the
-        environment's kernel library (V1_CPU_KERNELS): the one the weights were laid out for
-        and the fused layers bound to."""
+        """A planner with the default options, for callers without a runner."""
         params = next(self.parameters())
-        return StepPlanner(self, params.dtype, params.device,
-                           PlanOptions(cpu_kernels=envs.value("cpu_kernels")))
+        return StepPlanner(self, params.dtype, params.device)
 
     def replan(self) -> None:
         """Decide again whether the layers run as the fused decode step: after changing

@@ -49,7 +49,9 @@ class PlanOptions:
 
     fused_decode: bool = True
     matmul: MatmulPolicy = DEFAULT_POLICY
-    cpu_kernels: str = ""  # a V1_CPU_KERNELS value ("": the best library for this CPU)
+    # A V1_CPU_KERNELS value ("": the best library for this CPU); None: the environment's at
+    # the planner's making, the library this process's weights were laid out for.
+    cpu_kernels: str | None = None
     calibration_dir: Path | None = None
 
     @classmethod
