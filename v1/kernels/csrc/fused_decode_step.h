@@ -63,10 +63,11 @@ struct decoder_ends {
    gets them from `ends`) and the residual stream before the last layer's block output on
    return; that output is left in scratch->h (the final norm adds the two: the caller's, or
    `ends`' when it has one). cos, sin [max_position, D]: the RoPE tables, row positions[t]
-   row t's (positions [T]), `step` the paged decode kernel's bound step (every query row an entry of it, its
-   K/V written by it: the step's slots are rows 0 .. num_slots - 1), kv_caches[l] layer l's
-   cache of dtype kv_dtype (KV_CODES in fused_step.py). int8: every projection through its
-   type's linear_i8, else linear_f32 (the rows' path, from the step plan: v1.models.step_plan).
+   row t's (positions [T]); `step` the paged decode kernel's bound step (every query row an
+   entry of it, its K/V written by it: the step's slots are rows 0 .. num_slots - 1),
+   kv_caches[l] layer l's cache of dtype kv_dtype (KV_CODES in fused_step.py). int8: every
+   projection through its type's linear_i8, else linear_f32 (the rows' path, from the step
+   plan: v1.models.step_plan).
    ends: NULL, or the model's ends around the layers. */
 struct fused_step_call {
     const struct decoder_layer *layers;
