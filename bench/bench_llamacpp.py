@@ -159,9 +159,9 @@ def random_prompt(length: int, vocab_size: int, seed: int) -> list[int]:
 
 
 def make_engine(path: Path, **kwargs: Any) -> Any:
-    """A default (engine process) `LLM` on `path`, warmed up by a tiny untimed request."""
-    from v1.entrypoints.llm import LLM
-    from v1.sampling_params import SamplingParams
+    """A default (engine process) `LLM` on `path`, warmed up by a tiny untimed request;
+    imported as users do (`from v1 import LLM`: v1/startup_gc.py)."""
+    from v1 import LLM, SamplingParams
 
     llm = LLM(model=str(path), **kwargs)
     llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}],

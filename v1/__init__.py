@@ -43,6 +43,9 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 
+        from v1.startup_gc import paused_gc
+
         module, attribute = _LAZY[name]
-        return getattr(importlib.import_module(module), attribute)
+        with paused_gc(freeze=True):  # torch's and transformers' imports: v1/startup_gc.py
+            return getattr(importlib.import_module(module), attribute)
     raise AttributeError(f"module 'v1' has no attribute {name!r}")

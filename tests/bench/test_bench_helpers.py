@@ -195,7 +195,7 @@ HELP_SCRIPTS = ["bench_prefix_cache", "bench_throughput", "bench_serving", "benc
                 "bench_dp", "bench_kv_cache_dtype", "bench_quant", "bench_quant_kernels",
                 "bench_linear", "bench_hostile", "bench_suffix_index", "bench_llamacpp",
                 "bench_spec", "bench_trees", "bench_kernel_variants", "bench_ab", "bench_sizes",
-                "bench_perplexity", "bench_fused_step", "bench_spec_steps"]
+                "bench_perplexity", "bench_fused_step", "bench_spec_steps", "bench_start"]
 
 
 @pytest.fixture(scope="module")

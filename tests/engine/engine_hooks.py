@@ -1,6 +1,7 @@
 """Hooks that engine processes started by tests run (`V1_ENGINE_CORE_HOOK=module:function`
 in the environment of the process that starts the engine; see v1/engine/core.py)."""
 
+import gc
 import itertools
 import json
 import os
@@ -44,3 +45,11 @@ def cheap_draft_rows(engine_core: EngineCore) -> None:
     drafter = engine_core.model_runner.drafter
     assert drafter is not None
     drafter.costs = cheap_rows()
+
+
+def record_gc_state(engine_core: EngineCore) -> None:
+    """Write the collector's state once the engine is built ({"enabled", "frozen": objects
+    in the permanent generation, "full_collections"}, as JSON) to V1_TEST_GC_FILE."""
+    with open(os.environ["V1_TEST_GC_FILE"], "w") as f:
+        json.dump({"enabled": gc.isenabled(), "frozen": gc.get_freeze_count(),
+                   "full_collections": gc.get_stats()[2]["collections"]}, f)

@@ -40,6 +40,7 @@ from v1.engine.protocol import (
 )
 from v1.outputs import EngineCoreOutput, EngineCoreOutputs
 from v1.request import EngineCoreRequest
+from v1.startup_gc import paused_gc
 
 logger = logging.getLogger("v1")
 
@@ -129,7 +130,8 @@ class EngineCoreProc:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         try:
-            engine_core = EngineCore(args, tokenizer=tokenizer)
+            with paused_gc(freeze=True):  # the model's objects live as long as the process
+                engine_core = EngineCore(args, tokenizer=tokenizer)
             if hook is not None:
                 module, _, function = hook.partition(":")
                 getattr(importlib.import_module(module), function)(engine_core)

@@ -1,0 +1,34 @@
+"""Python's cyclic garbage collector during a start.
+
+Importing torch and transformers and loading a model make ~1M objects that live as long as
+the process. Each full collection scans all of them: a 1B GGUF's start (process start to its
+first answer) ran 3 full collections during `from v1 import LLM` and one more in `LLM()`,
+~0.6 s of a ~5.5 s start on a 2-core EPYC (docs/models.md, "What a start costs").
+`paused_gc()` runs a start with the collector off and, where `freeze`, moves what is alive
+at its end into the permanent generation (`gc.freeze()`, as vLLM's engine core and API server
+do after their start), where no collection scans it again.
+
+A freeze is bounded: once per process at the lazy import of v1's engine (`v1.__getattr__`)
+and once in an engine process after its model is built. Never per `LLM()`: a process that
+makes engines one after another (a test suite) would freeze each dropped engine still
+waiting in a reference cycle, and never free it.
+"""
+
+import contextlib
+import gc
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def paused_gc(freeze: bool) -> Iterator[None]:
+    """The body with the collector off; after it, what is alive frozen (`freeze`) and the
+    collector as it was."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if freeze:
+            gc.freeze()
+        if was_enabled:
+            gc.enable()
