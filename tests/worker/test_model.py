@@ -214,6 +214,23 @@ def tiny_llama_config():
     )
 
 
+def test_a_model_loaded_for_an_engines_max_model_len_serves_that_far(tmp_path):
+    """The RoPE tables go as far as the engine's max_model_len, not the model's context (a
+    Llama 3.2's 131072 positions: 128 MB of tables); a longer one than the context is the
+    context."""
+    from transformers import LlamaForCausalLM as HFLlama
+
+    config = tiny_llama_config()
+    HFLlama(config).save_pretrained(tmp_path)
+    cpu = torch.device("cpu")
+    for asked, served in ((48, 48), (None, config.max_position_embeddings),
+                          (10**6, config.max_position_embeddings)):
+        loaded = load_model(str(tmp_path), torch.float32, cpu, TorchAttentionImpl,
+                            max_model_len=asked)
+        (rope,) = loaded.model.model.rotary_embs.values()
+        assert loaded.max_model_len == served and rope.cos_table.shape[0] == served
+
+
 def test_hf_overrides_change_the_config_before_the_model_is_built(tmp_path):
     """vLLM's `hf_overrides`: a dict's keys set on the config (a nested config updated key by
     key), or a function's result; the model (its context length here) is built from it."""

@@ -297,7 +297,8 @@ class EngineArgs:
         max_model_len = model_max_len if self.max_model_len is None else self.max_model_len
         if max_model_len > model_max_len:
             raise ValueError(
-                f"max_model_len {max_model_len} exceeds the model's context length {model_max_len}"
+                f"max_model_len {max_model_len} exceeds the model's context length "
+                f"{model_max_len} (or the max_model_len it was loaded for)"
             )
         batched = self.max_num_batched_tokens
         if batched is None:

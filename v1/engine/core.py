@@ -69,6 +69,7 @@ class EngineCore:
                 path, dtype, device, attention_impl_for(device),
                 quantization=resolve_quantization(args.quantization, path, device, dtype),
                 hf_overrides=args.hf_overrides, loaded_tokenizer=tokenizer,
+                max_model_len=args.max_model_len,
             )
         self.loaded = loaded
         scheduler_config, cache_config = args.create_configs(

@@ -133,7 +133,8 @@ class BertModel(nn.Module):
         device = torch.device(device if device is not None else "cpu")
         self.config = config
         offset = self.offset_of(config)
-        self.max_position = max_position or config.max_position_embeddings - offset
+        context = config.max_position_embeddings - offset
+        self.max_position = min(max_position or context, context)  # as the decoder's
         self.embeddings = BertEmbeddings(config, offset, device, dtype)
         self.encoder = BertEncoder(config, attn_impl_cls, device, dtype)
         # The [SEP] id that starts a pair's second segment (type 1); None: every token type 0.

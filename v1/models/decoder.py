@@ -248,7 +248,11 @@ class DecoderForCausalLM(nn.Module):
         device = torch.device(device if device is not None else "cpu")
         self.config = config
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.max_position = max_position or config.max_position_embeddings
+        # `max_position`: the longest sequence an engine will run (its max_model_len), where
+        # shorter than the model's context: the RoPE tables go that far only (131072
+        # positions of a Llama 3.2 are 128 MB of tables and 0.15 s of a start).
+        context = config.max_position_embeddings
+        self.max_position = min(max_position or context, context)
         specs = [self.layer_spec(config, i) for i in range(config.num_hidden_layers)]
         self.layer_specs = specs
         layers = [self.layer_cls(spec, attn_impl_cls, device, dtype) for spec in specs]

@@ -69,7 +69,9 @@ class LoadedModel:
     model_name: str  # short display name, e.g. "SmolLM2-135M-Instruct.Q4_1"
     model_path: Path  # what was resolved: the .gguf file or the HF directory
     model_dir: Path  # the HF-format directory of the config and tokenizer (cache for GGUF)
-    max_model_len: int  # the model's context length (max_position_embeddings)
+    # The longest sequence it serves: the model's context length (max_position_embeddings),
+    # or the engine's max_model_len it was loaded for where shorter.
+    max_model_len: int
     quantization: str | None = None  # what the weights were loaded as (None: float)
 
 
@@ -150,11 +152,14 @@ def load_model(
     quantization: str | None = None,
     hf_overrides: HfOverrides | None = None,
     loaded_tokenizer: tuple[str, Any] | None = None,
+    max_model_len: int | None = None,
 ) -> LoadedModel:
     """`hf_overrides` (vLLM's): changes the HF config before the model is built from it
-    (`apply_hf_overrides`). `loaded_tokenizer`: (HF directory, its tokenizer) loaded already (by the
-    frontend that forked this engine process), taken where it is the model's directory:
-    loading it again costs a start a few tenths of a second."""
+    (`apply_hf_overrides`). `loaded_tokenizer`: (HF directory, its tokenizer) loaded already
+    (by the frontend that forked this engine process), taken where it is the model's
+    directory: loading it again costs a start a few tenths of a second. `max_model_len`: the
+    engine's, where given; the model then serves no longer sequences
+    (`LoadedModel.max_model_len`)."""
     start = time.perf_counter()
     path = resolve_model(model, revision)
     check_quantization(quantization, path, torch.device(device), dtype)
@@ -171,7 +176,8 @@ def load_model(
         model_cls = get_model_cls(hf_config)
     except ValueError as e:
         raise ValueError(f"model {str(path)!r}: {e}") from None
-    llm = model_cls(hf_config, attn_impl_cls, dtype=dtype, device=device)
+    llm = model_cls(hf_config, attn_impl_cls, dtype=dtype, device=device,
+                    max_position=max_model_len)
     if quantization == "gguf":
         mapped = gguf_conversion.open_indexed(path, model_dir / TENSOR_INDEX, file_config)
         weights = gguf_conversion.iter_hf_tensors(mapped, gguf_block_kinds())
