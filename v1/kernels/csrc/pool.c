@@ -29,7 +29,12 @@
    runs its job alone. The caller waits only for the workers that joined its job, not for
    all of them: on a shared machine a worker may be off its CPU (asleep, or behind another
    process) for a time slice or more, and the caller, which takes whatever items are left,
-   can finish alone meanwhile. */
+   can finish alone meanwhile.
+   A thread claims a share of the items left, 1 / (2 nthreads) of them in whole chunks (at
+   least one): each claim moves the counter's cache line between the cores, and a chunk each
+   made ~100 claims of a batch-1 MLP matmul; the last claims are single chunks, so no thread
+   is left holding much when the others finish (the layers of a 135M batch-1 step took
+   0.94x and 0.99x the time in two runs of bench/bench_fused_step.py on a 2-core EPYC). */
 enum { MAX_WORKERS = V1_MAX_THREADS - 1 };
 static const int64_t PAUSE_NS = 30000, SPIN_NS = 200000;
 
@@ -70,10 +75,13 @@ static int64_t now_ns(void) {
 }
 
 static void run_items(int thread) {
-    for (;;) {
-        const int64_t b = atomic_fetch_add(&pool.next, pool.chunk);
-        if (b >= pool.n) return;
-        pool.fn(pool.ctx, b, b + pool.chunk < pool.n ? b + pool.chunk : pool.n, thread);
+    int64_t b = atomic_load(&pool.next);
+    while (b < pool.n) {
+        int64_t take = (pool.n - b) / (2 * pool.nthreads) / pool.chunk * pool.chunk;
+        if (take < pool.chunk) take = pool.chunk;
+        if (!atomic_compare_exchange_weak(&pool.next, &b, b + take)) continue;  /* b reread */
+        pool.fn(pool.ctx, b, b + take < pool.n ? b + take : pool.n, thread);
+        b = atomic_load(&pool.next);
     }
 }
 
