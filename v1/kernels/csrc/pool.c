@@ -33,8 +33,9 @@
    A thread claims a share of the items left, 1 / (2 nthreads) of them in whole chunks (at
    least one): each claim moves the counter's cache line between the cores, and a chunk each
    made ~100 claims of a batch-1 MLP matmul; the last claims are single chunks, so no thread
-   is left holding much when the others finish (the layers of a 135M batch-1 step took
-   0.94x and 0.99x the time in two runs of bench/bench_fused_step.py on a 2-core EPYC). */
+   is left holding much when the others finish (a 135M batch-1 fused step took 0.959x the
+   time over 100 paired rounds on a 2-core EPYC: bench/results/fused_step_guided_zen3.txt,
+   chunk_each the library built before this). */
 enum { MAX_WORKERS = V1_MAX_THREADS - 1 };
 static const int64_t PAUSE_NS = 30000, SPIN_NS = 200000;
 
