@@ -36,7 +36,8 @@ def main() -> None:
     gc.callbacks.append(_timed)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="a model path (default: v1's)")
-    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="LLM's max_model_len (default: the model's context)")
     args = parser.parse_args()
 
     from v1 import LLM, SamplingParams

@@ -42,10 +42,13 @@ def __getattr__(name: str) -> Any:
         return importlib.metadata.version("v1")
     if name in _LAZY:
         import importlib
+        import sys
 
         from v1.startup_gc import paused_gc
 
         module, attribute = _LAZY[name]
+        if "transformers" in sys.modules:  # the heavy imports are done (import_module
+            return getattr(importlib.import_module(module), attribute)  # waits for a thread's)
         with paused_gc(freeze=True):  # torch's and transformers' imports: v1/startup_gc.py
             return getattr(importlib.import_module(module), attribute)
     raise AttributeError(f"module 'v1' has no attribute {name!r}")

@@ -8,10 +8,12 @@ first answer) ran 3 full collections during `from v1 import LLM` and one more in
 at its end into the permanent generation (`gc.freeze()`, as vLLM's engine core and API server
 do after their start), where no collection scans it again.
 
-A freeze is bounded: once per process at the lazy import of v1's engine (`v1.__getattr__`)
-and once in an engine process after its model is built. Never per `LLM()`: a process that
-makes engines one after another (a test suite) would freeze each dropped engine still
-waiting in a reference cycle, and never free it.
+A freeze is bounded: at v1's lazy imports (`v1.__getattr__`, `from v1 import LLM`) until one
+has brought in transformers (the last of the heavy ones), and once in an engine process
+after its model is built (the garbage the build made collected first: only the young
+generation's objects are scanned then). Never per `LLM()`: a process that makes engines one
+after another (a test suite) would freeze each dropped engine still waiting in a reference
+cycle, and never free it.
 """
 
 import contextlib
@@ -20,14 +22,17 @@ from collections.abc import Iterator
 
 
 @contextlib.contextmanager
-def paused_gc(freeze: bool) -> Iterator[None]:
-    """The body with the collector off; after it, what is alive frozen (`freeze`) and the
-    collector as it was."""
+def paused_gc(freeze: bool, collect_young: bool = False) -> Iterator[None]:
+    """The body with the collector off; after it, the youngest generation collected
+    (`collect_young`: the body's garbage, which nothing would free once frozen), what is
+    alive frozen (`freeze`), and the collector as it was."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
+        if collect_young:
+            gc.collect(0)
         if freeze:
             gc.freeze()
         if was_enabled:

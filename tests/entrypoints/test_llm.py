@@ -287,25 +287,39 @@ def test_bad_inputs_raise_and_engine_keeps_working(llm, hf_greedy, prompt, param
     assert_matches_hf(llm, [out], hf_greedy)
 
 
+@pytest.fixture(scope="module")
+def model_for_64(default_model_path):
+    """`default_model` loaded for an engine's max_model_len 64, as an engine process loads
+    it: RoPE tables of 64 positions, every one of which the test below reaches."""
+    from v1.attention.backends.torch_attn import TorchAttentionImpl
+    from v1.models.loader import load_model
+
+    loaded = load_model(str(default_model_path), torch.float32, torch.device("cpu"),
+                        TorchAttentionImpl, max_model_len=64)
+    (rope,) = loaded.model.model.rotary_embs.values()
+    assert loaded.max_model_len == 64 and rope.cos_table.shape[0] == 64
+    return loaded
+
+
 @pytest.mark.parametrize("prompt_len, max_tokens", [(64, None), (64, 8), (61, 8), (65, 1)])
-def test_output_capped_by_max_model_len(make_llm, hf_greedy, hf_tokenizer, prompt_len,
+def test_output_capped_by_max_model_len(model_for_64, hf_greedy, hf_tokenizer, prompt_len,
                                         max_tokens):
     """As vLLM's LLM: a prompt may fill max_model_len (its one output token needs no KV
     slot), and generation stops there whatever max_tokens asks; longer prompts are refused."""
     max_model_len = 64
-    llm = make_llm(max_model_len=max_model_len, num_gpu_blocks=8)
     prompt = hf_tokenizer(SYSTEM).input_ids[:prompt_len]
     assert len(prompt) == prompt_len
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    if prompt_len > max_model_len:
-        with pytest.raises(ValueError, match="max_model_len"):
-            llm.generate([prompt], params, use_tqdm=False)
-    else:
-        (out,) = llm.generate([prompt], params, use_tqdm=False)
-        num_expected = max(max_model_len - prompt_len, 1)
-        assert out.outputs[0].token_ids == hf_greedy(prompt, num_expected).token_ids
-        assert out.outputs[0].finish_reason == "length"
-    check_idle(llm)
+    with LLM(loaded_model=model_for_64, max_model_len=max_model_len, num_gpu_blocks=8) as llm:
+        if prompt_len > max_model_len:
+            with pytest.raises(ValueError, match="max_model_len"):
+                llm.generate([prompt], params, use_tqdm=False)
+        else:
+            (out,) = llm.generate([prompt], params, use_tqdm=False)
+            num_expected = max(max_model_len - prompt_len, 1)
+            assert out.outputs[0].token_ids == hf_greedy(prompt, num_expected).token_ids
+            assert out.outputs[0].finish_reason == "length"
+        check_idle(llm)
 
 
 def test_kv_cache_sized_from_memory(default_model, hf_greedy, chat_prompts):

@@ -9,6 +9,7 @@ its requests aborted. Why one thread: docs/serving.md, "One thread in the engine
 """
 
 import ctypes
+import gc
 import importlib
 import logging
 import multiprocessing
@@ -130,8 +131,9 @@ class EngineCoreProc:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         try:
-            with paused_gc(freeze=True):  # the model's objects live as long as the process
+            with paused_gc(freeze=True, collect_young=True):  # they live as long as we do
                 engine_core = EngineCore(args, tokenizer=tokenizer)
+            gc.enable()  # whatever the forking thread had (another thread's start paused)
             if hook is not None:
                 module, _, function = hook.partition(":")
                 getattr(importlib.import_module(module), function)(engine_core)

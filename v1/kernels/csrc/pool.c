@@ -35,7 +35,9 @@
    made ~100 claims of a batch-1 MLP matmul; the last claims are single chunks, so no thread
    is left holding much when the others finish (a 135M batch-1 fused step took 0.959x the
    time over 100 paired rounds on a 2-core EPYC: bench/results/fused_step_guided_zen3.txt,
-   chunk_each the library built before this). */
+   chunk_each the library built before this). Items whose chunk is 1 are claimed one at a
+   time: attention's tasks, of uneven cost (a prompt chunk's beside decodes), where a share
+   taken at the start could hold most of the work. */
 enum { MAX_WORKERS = V1_MAX_THREADS - 1 };
 static const int64_t PAUSE_NS = 30000, SPIN_NS = 200000;
 
@@ -78,8 +80,11 @@ static int64_t now_ns(void) {
 static void run_items(int thread) {
     int64_t b = atomic_load(&pool.next);
     while (b < pool.n) {
-        int64_t take = (pool.n - b) / (2 * pool.nthreads) / pool.chunk * pool.chunk;
-        if (take < pool.chunk) take = pool.chunk;
+        int64_t take = pool.chunk;
+        if (take > 1) {  /* (a chunk of 1: tasks of uneven cost, one at a time; see above) */
+            take = (pool.n - b) / (2 * pool.nthreads) / pool.chunk * pool.chunk;
+            if (take < pool.chunk) take = pool.chunk;
+        }
         if (!atomic_compare_exchange_weak(&pool.next, &b, b + take)) continue;  /* b reread */
         pool.fn(pool.ctx, b, b + take < pool.n ? b + take : pool.n, thread);
         b = atomic_load(&pool.next);
