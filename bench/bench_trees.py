@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from common import cpu_info, cpu_line  # isort: skip
+
 
 def run(tree: Path, argv: list[str]) -> dict[str, Any]:
     """The last JSON object line `argv` (a script of the tree's bench/ and its options)
@@ -75,7 +77,9 @@ def main() -> None:
     common = [k for k in rounds[0]["a"] if all(k in rd["a"] and k in rd["b"] for rd in rounds)]
     if args.fields:
         common = [k for k in common if k in args.fields]
+    cpu = cpu_info(Path("/proc/cpuinfo").read_text())
     print(f"A = {trees['a']}\nB = {trees['b']}\nbench: {' '.join(bench)}; {args.rounds} rounds")
+    print(cpu_line(cpu))
     print(f"{'field':48s} {'A median':>12s} {'B median':>12s} {'B/A (paired)':>13s}")
     summary = {}
     for key in common:
@@ -85,7 +89,7 @@ def main() -> None:
         ratio = statistics.median(pairs) if pairs else float("nan")
         summary[key] = {"a": a, "b": b, "ratio": ratio, "pairs": pairs}
         print(f"{key:48s} {a:12.4g} {b:12.4g} {ratio:13.3f}")
-    print(json.dumps({"bench": bench, "rounds": args.rounds, "fields": summary}))
+    print(json.dumps({"bench": bench, "rounds": args.rounds, "cpu": cpu, "fields": summary}))
 
 
 if __name__ == "__main__":

@@ -49,6 +49,6 @@ def __getattr__(name: str) -> Any:
         module, attribute = _LAZY[name]
         if "transformers" in sys.modules:  # the heavy imports are done (import_module
             return getattr(importlib.import_module(module), attribute)  # waits for a thread's)
-        with paused_gc(freeze=True):  # torch's and transformers' imports: v1/startup_gc.py
+        with paused_gc():  # torch's and transformers' imports: v1/startup_gc.py
             return getattr(importlib.import_module(module), attribute)
     raise AttributeError(f"module 'v1' has no attribute {name!r}")

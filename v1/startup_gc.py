@@ -4,8 +4,8 @@ Importing torch and transformers and loading a model make ~1M objects that live 
 the process. Each full collection scans all of them: a 1B GGUF's start (process start to its
 first answer) ran 3 full collections during `from v1 import LLM` and one more in `LLM()`,
 ~0.6 s of a ~5.5 s start on a 2-core EPYC (docs/models.md, "What a start costs").
-`paused_gc()` runs a start with the collector off and, where `freeze`, moves what is alive
-at its end into the permanent generation (`gc.freeze()`, as vLLM's engine core and API server
+`paused_gc()` runs a start with the collector off and then moves what is alive at its end
+into the permanent generation (`gc.freeze()`, as vLLM's engine core and API server
 do after their start), where no collection scans it again.
 
 A freeze is bounded: at v1's lazy imports (`v1.__getattr__`, `from v1 import LLM`) until one
@@ -22,10 +22,10 @@ from collections.abc import Iterator
 
 
 @contextlib.contextmanager
-def paused_gc(freeze: bool, collect_young: bool = False) -> Iterator[None]:
+def paused_gc(collect_young: bool = False) -> Iterator[None]:
     """The body with the collector off; after it, the youngest generation collected
     (`collect_young`: the body's garbage, which nothing would free once frozen), what is
-    alive frozen (`freeze`), and the collector as it was."""
+    alive frozen, and the collector as it was."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -33,7 +33,6 @@ def paused_gc(freeze: bool, collect_young: bool = False) -> Iterator[None]:
     finally:
         if collect_young:
             gc.collect(0)
-        if freeze:
-            gc.freeze()
+        gc.freeze()
         if was_enabled:
             gc.enable()

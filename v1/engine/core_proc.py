@@ -131,7 +131,7 @@ class EngineCoreProc:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         try:
-            with paused_gc(freeze=True, collect_young=True):  # they live as long as we do
+            with paused_gc(collect_young=True):  # they live as long as we do
                 engine_core = EngineCore(args, tokenizer=tokenizer)
             gc.enable()  # whatever the forking thread had (another thread's start paused)
             if hook is not None:

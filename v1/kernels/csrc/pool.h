@@ -19,9 +19,9 @@ static inline int v1_pool_width(int nthreads) {
 }
 
 /* fn over items [0, n) in runs of whole chunks of `chunk` (a share of those left, see
-   pool.c; with chunk 1, one item at a time: items of uneven cost), claimed by the caller and up to nthreads - 1 workers as they come free; returns
-   when all are done. nthreads: the caller's torch thread
-   count (the Python bindings pass torch.get_num_threads()). */
+   pool.c; with chunk 1, one item at a time: items of uneven cost), claimed by the caller
+   and up to nthreads - 1 workers as they come free; returns when all are done. nthreads:
+   the caller's torch thread count (the Python bindings pass torch.get_num_threads()). */
 void v1_parallel_for(int nthreads, int64_t n, int64_t chunk, v1_range_fn fn, void *ctx);
 
 #endif
