@@ -19,9 +19,9 @@ reversed every other round; ratios are medians of per-round ratios):
   of a 1-token prompt and 128 greedy tokens; of a 512-token prompt and max_tokens=1; an
   empty prefix cache each time; same threads as llama-bench).
 - load seconds: v1, a fresh process started until `LLM(model=...)` is constructed and its
-  first tiny request answered (Python's start and imports included; `v1_llm_s` in the JSON:
-  the `LLM()` and the request alone; a first load also converts the file into v1's cache,
-  when v1 does that);
+  first tiny request answered, as a user's script does it (sizes_child.py: `from v1 import
+  LLM` first; Python's start and imports included; `v1_llm_s` in the JSON: the `LLM()` and
+  the request alone);
   llama.cpp, `llama-server -np 1 -c --ctx` started until /health answers (model loaded and
   its warm-up run done). Both: process start to ready to serve.
 - peak RSS (VmHWM) MB: v1's engine process after the rounds; llama-server's after one
@@ -62,9 +62,6 @@ from typing import Any
 
 import llamacpp
 from bench_llamacpp import (
-    engine_kernels,
-    engine_run,
-    make_engine,
     parse_env_setting,
     random_prompt,
     read_bandwidth,
@@ -74,7 +71,6 @@ from bench_llamacpp import (
 )
 from common import (
     descendants,
-    engine_core_pid,
     environment,
     print_table,
     rss_mb,
@@ -308,13 +304,13 @@ def llamacpp_server_figures(path: Path, args: argparse.Namespace) -> dict[str, A
 
 
 class V1Child:
-    """v1 on one file in a child process (this script's --v1-child) and its session (the
+    """v1 on one file in a child process (sizes_child.py) and its session (the
     engine process with it), answering one test at a time; every answer must come before
     `deadline` (time.monotonic()), else `TimeoutError`."""
 
     def __init__(self, path: Path, args: argparse.Namespace, deadline: float) -> None:
-        cmd = [sys.executable, __file__, "--v1-child", str(path), "--seed", str(args.seed),
-               "--decode-tokens", str(args.decode_tokens),
+        cmd = [sys.executable, str(BENCH / "sizes_child.py"), str(path), "--seed", str(args.seed),
+               "--ctx", str(args.ctx), "--decode-tokens", str(args.decode_tokens),
                "--prefill-tokens", str(args.prefill_tokens),
                *(["--threads", str(args.threads)] if args.threads else [])]
         self.deadline = deadline
@@ -351,33 +347,6 @@ class V1Child:
         self._proc.wait()
 
 
-def v1_child(path: Path, args: argparse.Namespace) -> None:
-    """The child's side of `V1Child`: JSON lines on the stdout it was given ({"load_s",
-    "kernels"} once ready; {"seconds"} per test; {"peak_rss_mb"} at the end of input); all
-    else that would reach that stdout goes to stderr."""
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-
-    def reply(message: dict[str, Any]) -> None:
-        out.write(json.dumps(message) + "\n")
-        out.flush()
-
-    t0 = time.perf_counter()
-    llm = make_engine(path, max_model_len=args.ctx)  # llama-server -c's context
-    reply({"load_s": round(time.perf_counter() - t0, 2), "kernels": engine_kernels()})
-    vocab = vocab_size(path)  # after the load: gguf's reader takes seconds on the header
-    prompts = {"tg": (random_prompt(1, vocab, args.seed), args.decode_tokens),
-               "pp": (random_prompt(args.prefill_tokens, vocab, args.seed + 1), 1)}
-    try:
-        for line in sys.stdin:
-            prompt, max_tokens = prompts[line.strip()]
-            reply({"seconds": engine_run(llm, [prompt], max_tokens)[0]})
-        pid = engine_core_pid(os.getpid())
-        reply({"peak_rss_mb": rss_mb(pid, "VmHWM") if pid else None})
-    finally:
-        llm.shutdown()
-
-
 def measure_file(model: str, path: Path, args: argparse.Namespace, read_bytes_s: float
                  ) -> dict[str, Any]:
     """One file's row (see the module docstring): `args.rounds` rounds of llama-bench against
@@ -398,9 +367,9 @@ def measure_file(model: str, path: Path, args: argparse.Namespace, read_bytes_s:
     try:
         if child is not None:
             try:
-                ready = child.ask()
+                row["v1_llm_s"] = child.ask()["load_s"]
                 row["v1_load_s"] = round(time.perf_counter() - child.started, 2)
-                row["v1_llm_s"], row["v1_kernels"] = ready["load_s"], ready["kernels"]
+                row["v1_kernels"] = child.ask()["kernels"]
             except (TimeoutError, RuntimeError) as e:
                 row["v1_status"] = v1_failure(e, args.v1_timeout, "loading")
                 child.kill()
@@ -593,7 +562,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default=None,
                         help="directory for sizes_<class>.txt/.json/.png (--name)")
     parser.add_argument("--name", default=None, help="the outputs' name (default sizes_<class>)")
-    parser.add_argument("--v1-child", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.build = "avx2" if args.avx2 else "native"
     args.v1_env = {**(AVX2_ENV if args.avx2 else {}), **dict(args.v1_env)}
@@ -617,9 +585,6 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-    if args.v1_child is not None:
-        v1_child(args.v1_child, args)
-        return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     tools = ["llama-quantize"] if args.prepare_only else ["llama-quantize", "llama-bench",
                                                           "llama-server"]

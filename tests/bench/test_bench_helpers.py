@@ -10,6 +10,7 @@ import os
 import re
 import socket
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -195,7 +196,8 @@ HELP_SCRIPTS = ["bench_prefix_cache", "bench_throughput", "bench_serving", "benc
                 "bench_dp", "bench_kv_cache_dtype", "bench_quant", "bench_quant_kernels",
                 "bench_linear", "bench_hostile", "bench_suffix_index", "bench_llamacpp",
                 "bench_spec", "bench_trees", "bench_kernel_variants", "bench_ab", "bench_sizes",
-                "bench_perplexity", "bench_fused_step", "bench_spec_steps", "bench_start"]
+                "bench_perplexity", "bench_fused_step", "bench_spec_steps", "bench_start",
+                "sizes_child"]
 
 
 @pytest.fixture(scope="module")
@@ -513,6 +515,23 @@ def test_size_sweep_avx2_runs_the_avx2_build_with_v1_held_to_avx2():
     assert args.v1_env == {**bench_sizes.AVX2_ENV, "V1_CPU_KERNELS": "portable"}
     assert bench_sizes.parse_args([]).build == "native"
     assert bench_sizes.parse_args([]).v1_env == {}
+
+
+def test_size_sweep_child_loads_a_file_and_answers_each_test():
+    """bench_sizes' v1 side on the default model's GGUF: ready (a load timed), its kernels, a
+    time per test asked, its engine's peak RSS at the end."""
+    from v1.models.loader import default_model_path
+
+    args = bench_sizes.parse_args(["--threads", "1", "--decode-tokens", "2",
+                                   "--prefill-tokens", "8", "--ctx", "64"])
+    child = bench_sizes.V1Child(default_model_path(), args, time.monotonic() + 240)
+    try:
+        assert child.ask()["load_s"] > 0
+        assert any(name.startswith("_v1_") for name in child.ask()["kernels"])
+        assert child.ask("tg")["seconds"] > 0 and child.ask("pp")["seconds"] > 0
+        assert child.finish()["peak_rss_mb"] > 0
+    finally:
+        child.kill()
 
 
 def test_perplexity_text_is_named_relative_to_the_repository_when_inside_it(tmp_path):

@@ -1,0 +1,73 @@
+"""v1's side of bench_sizes.py (its `V1Child`): one GGUF file loaded as a user's script loads
+it, then the tests on request.
+
+The load is what a user's script pays: `from v1 import LLM` before anything else imports
+torch (v1/startup_gc.py pauses the collector over that import), the threads set, `LLM()`
+and one tiny untimed request. bench_sizes.py times it from this process's start. Only then
+are the bench's helpers imported (they import torch themselves: done before v1, they would
+load it with the collector on, a cost no user's script has).
+
+JSON lines on the stdout it was given: {"load_s"} once ready (`LLM()` and the request alone;
+the line's arrival ends bench_sizes.py's load), then {"kernels"}; {"seconds"} per test named
+on stdin ("tg": a 1-token prompt and --decode-tokens greedy tokens; "pp": a --prefill-tokens
+prompt and 1 token); {"peak_rss_mb"} (the engine process's VmHWM) at the end of input. All
+else that would reach that stdout goes to stderr.
+
+    python bench/sizes_child.py FILE.gguf [--threads N] [--ctx 4096] ...  # from bench_sizes
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("path")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--ctx", type=int, default=4096, help="LLM's max_model_len")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+
+    def reply(message: dict) -> None:
+        out.write(json.dumps(message) + "\n")
+        out.flush()
+
+    from v1 import LLM, SamplingParams
+
+    if args.threads:
+        import torch  # v1's import brought it in
+
+        torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    llm = LLM(model=args.path, max_model_len=args.ctx)  # llama-server -c's context
+    llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}],
+                 SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    reply({"load_s": round(time.perf_counter() - t0, 2)})
+
+    from bench_llamacpp import engine_kernels, engine_run, random_prompt
+    from bench_sizes import vocab_size
+    from common import engine_core_pid, rss_mb
+
+    reply({"kernels": engine_kernels()})
+    vocab = vocab_size(args.path)  # after the load: gguf's reader takes seconds on the header
+    prompts = {"tg": (random_prompt(1, vocab, args.seed), args.decode_tokens),
+               "pp": (random_prompt(args.prefill_tokens, vocab, args.seed + 1), 1)}
+    try:
+        for line in sys.stdin:
+            prompt, max_tokens = prompts[line.strip()]
+            reply({"seconds": engine_run(llm, [prompt], max_tokens)[0]})
+        pid = engine_core_pid(os.getpid())
+        reply({"peak_rss_mb": rss_mb(pid, "VmHWM") if pid else None})
+    finally:
+        llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
