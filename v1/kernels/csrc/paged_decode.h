@@ -110,6 +110,13 @@ static inline void chunk_rows(const KV_T *const *kv, int64_t n, int64_t j, int64
     for (int64_t t = n; t % 8; t++) rows[t] = rows[0];
 }
 
+/* The tiles below keep their sums in registers: a score tile 8 per query, a p.v tile W per
+   query. Two queries at a time (each row loaded once for both) need 16 sums and more beside:
+   with 16 registers they spilled, so there scores take one query at a time and p.v tiles
+   4 vectors (a verify step's 2-13 rows attended in 0.90-0.93x the time on Zen 3:
+   docs/kernels.md). A score's or an output's arithmetic is the same either way. */
+enum { SCORE_QN = V8_REGS >= 32 ? 2 : 1, PV_W = V8_REGS >= 32 ? 8 : 4 };
+
 /* s[x][t] = q[x] . rows[t] for QN <= 2 queries (a constant where inlined) and t < n rounded
    up to 8: per query, 8 keys' running vectors (one FMA lane chain each, dimensions in order)
    reduced together by hsum8; each key row loaded once for both queries. */
@@ -157,7 +164,7 @@ static void pv_queries(v8 *const *acc, const float *const *p, int QN, const floa
                        int64_t n, int64_t NV) {
     int64_t i = 0;
     if (QN == 2) {
-        for (; i + 8 <= NV; i += 8) pv_tile(acc, p, 2, rows, n, i, 8);
+        for (; i + PV_W <= NV; i += PV_W) pv_tile(acc, p, 2, rows, n, i, PV_W);
         for (; i < NV; i++) pv_tile(acc, p, 2, rows, n, i, 1);
     } else {
         for (; i + 8 <= NV; i += 8) pv_tile(acc, p, 1, rows, n, i, 8);
@@ -245,19 +252,19 @@ static void attend_group(const struct decode_call *c, const int64_t *rows, const
             keys[i] = left < 0 ? 0 : left < n ? left : n;
         }
         /* Scores s[i H + h][t] = scale * q . k_t over the whole chunk (lanes past an entry's
-           keys are never read), the queries of a kv head two at a time. */
+           keys are never read), the queries of a kv head SCORE_QN at a time. */
         for (int64_t j = j0; j < j1; j++) {
             chunk_rows(kr, n, j, D, wide, kv_rows);
             int64_t qs[g * G], nq = 0;
             for (int64_t i = 0; i < g; i++)
                 for (int64_t h = j * G; keys[i] && h < (j + 1) * G; h++) qs[nq++] = i * H + h;
             int64_t x = 0;
-            for (; x + 2 <= nq; x += 2) {
+            for (; SCORE_QN == 2 && x + 2 <= nq; x += 2) {
                 const v8 *q2[2] = {qv[qs[x]], qv[qs[x + 1]]};
                 float *s2[2] = {s[qs[x]], s[qs[x + 1]]};
                 score_tile(q2, s2, 2, kv_rows, n, NV);
             }
-            if (x < nq) {
+            for (; x < nq; x++) {
                 const v8 *q1[1] = {qv[qs[x]]};
                 float *s1[1] = {s[qs[x]]};
                 score_tile(q1, s1, 1, kv_rows, n, NV);
