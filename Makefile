@@ -63,10 +63,11 @@ sanitize: .venv/.installed
 # kernels checked against the references under qemu-user (tests/kernels/kernel_check.py;
 # tests/kernels/test_cross_aarch64.py runs the same when the tools are installed). Installs
 # Debian's cross compiler and emulator if they are missing; without apt-get, says so and
-# skips. Needs only python3 and its standard library.
+# skips. Runs in the .venv: the check imports v1's variant table, and importing v1 imports
+# its config (tokenizers among it).
 CROSS_TOOLS := gcc-aarch64-linux-gnu qemu-user
 .PHONY: check-aarch64
-check-aarch64:
+check-aarch64: .venv/.installed
 	@if ! command -v aarch64-linux-gnu-gcc >/dev/null || ! command -v qemu-aarch64 >/dev/null; then \
 		if ! command -v apt-get >/dev/null; then \
 			echo "check-aarch64: skipped: no apt-get to install $(CROSS_TOOLS)"; exit 0; \
@@ -74,7 +75,7 @@ check-aarch64:
 		sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 		$$sudo apt-get update -qq && $$sudo apt-get install -y -qq $(CROSS_TOOLS) || exit 1; \
 	fi; \
-	python3 -m tests.kernels.kernel_check aarch64
+	$(PY) -m tests.kernels.kernel_check aarch64
 
 # The suite on two workers, a test file each at a time (a file's fixtures, e.g. its server,
 # start once): much of it waits on engine processes and servers, so two cores finish it in
