@@ -8,7 +8,8 @@ are the bench's helpers imported (they import torch themselves: done before v1, 
 load it with the collector on, a cost no user's script has).
 
 JSON lines on the stdout it was given: {"load_s"} once ready (`LLM()` and the request alone;
-the line's arrival ends bench_sizes.py's load), then {"kernels"}; {"seconds"} per test named
+the line's arrival ends bench_sizes.py's load), then {"kernels", "threads", "max_model_len"}
+(the engine's libraries, torch's threads here, the LLM's max_model_len); {"seconds"} per test named
 on stdin ("tg": a 1-token prompt and --decode-tokens greedy tokens; "pp": a --prefill-tokens
 prompt and 1 token); {"peak_rss_mb"} (the engine process's VmHWM) at the end of input. All
 else that would reach that stdout goes to stderr.
@@ -41,9 +42,8 @@ def main() -> None:
 
     from v1 import LLM, SamplingParams
 
+    torch = sys.modules["torch"]  # v1's import brought it in
     if args.threads:
-        import torch  # v1's import brought it in
-
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     llm = LLM(model=args.path, max_model_len=args.ctx)  # llama-server -c's context
@@ -55,7 +55,8 @@ def main() -> None:
     from bench_sizes import vocab_size
     from common import engine_core_pid, rss_mb
 
-    reply({"kernels": engine_kernels()})
+    reply({"kernels": engine_kernels(), "threads": torch.get_num_threads(),
+           "max_model_len": llm.llm_engine.max_model_len})
     vocab = vocab_size(args.path)  # after the load: gguf's reader takes seconds on the header
     prompts = {"tg": (random_prompt(1, vocab, args.seed), args.decode_tokens),
                "pp": (random_prompt(args.prefill_tokens, vocab, args.seed + 1), 1)}

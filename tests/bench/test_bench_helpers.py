@@ -9,6 +9,7 @@ import math
 import os
 import re
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -241,6 +242,17 @@ def test_ab_contenders_name_a_tree_and_its_settings(tmp_path):
     for bad in ("noequals", "=tree", "a=", f"a={tmp_path},novalue", f"a={tmp_path / 'v1'}"):
         with pytest.raises(ValueError, match="contender"):
             bench_ab.parse_contender(bad)
+
+
+def test_kernel_variants_times_every_library_on_matmuls_and_attention():
+    """bench_kernel_variants.py through this package's libraries, tiny: both parts' tables
+    (its attention outputs checked close across libraries whose roundings differ)."""
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "bench_kernel_variants.py"), "--rows", "2", "--rounds", "1",
+         "--attention-rows", "1,3", "--context", "40"],
+        capture_output=True, text=True, timeout=300, check=True).stdout
+    assert re.search(r"^int8\s+2\s", out, re.M)
+    assert re.search(r"^3\s+\d+\.\d+\s", out.split("attention:")[1], re.M)
 
 
 def test_helpdesk_questions_repeat_earlier_ones_verbatim():
@@ -518,8 +530,9 @@ def test_size_sweep_avx2_runs_the_avx2_build_with_v1_held_to_avx2():
 
 
 def test_size_sweep_child_loads_a_file_and_answers_each_test():
-    """bench_sizes' v1 side on the default model's GGUF: ready (a load timed), its kernels, a
-    time per test asked, its engine's peak RSS at the end."""
+    """bench_sizes' v1 side on the default model's GGUF: ready (a load timed), its kernels and
+    the sweep's threads and context, a time per test asked, its engine's peak RSS at the
+    end."""
     from v1.models.loader import default_model_path
 
     args = bench_sizes.parse_args(["--threads", "1", "--decode-tokens", "2",
@@ -527,7 +540,9 @@ def test_size_sweep_child_loads_a_file_and_answers_each_test():
     child = bench_sizes.V1Child(default_model_path(), args, time.monotonic() + 240)
     try:
         assert child.ask()["load_s"] > 0
-        assert any(name.startswith("_v1_") for name in child.ask()["kernels"])
+        ready = child.ask()
+        assert any(name.startswith("_v1_") for name in ready["kernels"])
+        assert (ready["threads"], ready["max_model_len"]) == (1, 64)
         assert child.ask("tg")["seconds"] > 0 and child.ask("pp")["seconds"] > 0
         assert child.finish()["peak_rss_mb"] > 0
     finally:

@@ -9,9 +9,9 @@
 typedef float v8 __attribute__((vector_size(32)));
 
 /* How many v8 the registers hold, which sizes the attention kernel's tiles: 32 with
-   AVX-512 (ymm0-31), 16 with AVX/AVX2 and on aarch64 (a pair of NEON registers each), 8
-   on SSE2 (pairs of its 16). */
-#if defined(__AVX512F__)
+   AVX-512's VL extension (ymm0-31), 16 with AVX/AVX2 and on aarch64 (a pair of NEON
+   registers each), 8 on SSE2 (pairs of its 16). */
+#if defined(__AVX512VL__)
 #define V8_REGS 32
 #elif defined(__AVX__) || defined(__aarch64__)
 #define V8_REGS 16
