@@ -7,6 +7,8 @@ import subprocess
 import sys
 import weakref
 
+import pytest
+
 from tests.engine.mp_utils import SMALL_ENGINE
 from v1 import LLM
 from v1.startup_gc import paused_gc
@@ -53,13 +55,20 @@ def test_importing_the_engine_runs_no_full_collection():
     assert enabled and full_collections == 0 and frozen > 100_000 and frozen_again == 0
 
 
+@pytest.mark.parametrize("parent_collector", [True, False])
 def test_the_engine_process_starts_with_its_heap_frozen(default_model_path, monkeypatch,
-                                                         tmp_path):
+                                                         tmp_path, parent_collector):
     """The engine process freezes what its build made (beside what it inherited frozen from
-    this process) and runs with the collector on."""
+    this process) and runs with the collector on, even forked while this process's was off
+    (another thread's start had paused it)."""
     gc_file = tmp_path / "gc.json"
     monkeypatch.setenv("V1_ENGINE_CORE_HOOK", "tests.engine.engine_hooks:record_gc_state")
     monkeypatch.setenv("V1_TEST_GC_FILE", str(gc_file))
-    with LLM(**SMALL_ENGINE):
-        state = json.loads(gc_file.read_text())
+    if not parent_collector:
+        gc.disable()
+    try:
+        with LLM(**SMALL_ENGINE):
+            state = json.loads(gc_file.read_text())
+    finally:
+        gc.enable()
     assert state["enabled"] and state["frozen"] > gc.get_freeze_count() + 1000

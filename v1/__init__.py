@@ -41,14 +41,17 @@ def __getattr__(name: str) -> Any:
 
         return importlib.metadata.version("v1")
     if name in _LAZY:
+        import contextlib
         import importlib
         import sys
 
         from v1.startup_gc import paused_gc
 
         module, attribute = _LAZY[name]
-        if "transformers" in sys.modules:  # the heavy imports are done (import_module
-            return getattr(importlib.import_module(module), attribute)  # waits for a thread's)
-        with paused_gc():  # torch's and transformers' imports: v1/startup_gc.py
+        # torch's and transformers' imports with the collector paused (v1/startup_gc.py);
+        # once transformers is in, the heavy imports are done (or another thread's is under
+        # way: import_module waits for it).
+        heavy = "transformers" not in sys.modules
+        with paused_gc() if heavy else contextlib.nullcontext():
             return getattr(importlib.import_module(module), attribute)
     raise AttributeError(f"module 'v1' has no attribute {name!r}")

@@ -123,6 +123,9 @@ class EngineCoreProc:
         # A forked child inherits the parent's signal wakeup fd (an asyncio loop's): our
         # signals must not wake the parent's handlers.
         signal.set_wakeup_fd(-1)
+        # And the collector's state: off where another thread's start had paused it
+        # (v1/startup_gc.py). Ours runs, paused below while the core is built.
+        gc.enable()
         # Ctrl-C reaches the whole process group: the frontend handles it and shuts us down.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, _exit_on_signal)
@@ -133,7 +136,6 @@ class EngineCoreProc:
         try:
             with paused_gc(collect_young=True):  # they live as long as we do
                 engine_core = EngineCore(args, tokenizer=tokenizer)
-            gc.enable()  # whatever the forking thread had (another thread's start paused)
             if hook is not None:
                 module, _, function = hook.partition(":")
                 getattr(importlib.import_module(module), function)(engine_core)
