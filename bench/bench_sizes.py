@@ -367,9 +367,9 @@ def measure_file(model: str, path: Path, args: argparse.Namespace, read_bytes_s:
     try:
         if child is not None:
             try:
-                row["v1_llm_s"] = child.ask()["load_s"]
+                ready = child.ask()
                 row["v1_load_s"] = round(time.perf_counter() - child.started, 2)
-                row["v1_kernels"] = child.ask()["kernels"]
+                row["v1_llm_s"], row["v1_kernels"] = ready["load_s"], ready["kernels"]
             except (TimeoutError, RuntimeError) as e:
                 row["v1_status"] = v1_failure(e, args.v1_timeout, "loading")
                 child.kill()
