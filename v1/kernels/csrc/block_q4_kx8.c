@@ -85,8 +85,10 @@ static inline __attribute__((always_inline)) void kx_rows(const uint8_t *p, cons
         const vi q = w ? (vi){0} : kt_lanes(p, p2, 4 + 8 * (s / 2) + t);
         for (int u = 0; u < SUBS; u++) {
             const vi wt = w ? w[u][t] : kx_nibbles(q, s + u);
-            for (int m = 0; m < MG; m++)
+            for (int m = 0; m < MG; m++) {
                 d[m][u] = kx_dot(d[m][u], wt, x + m * K + 32 * u + 4 * t);
+                keep_sum(d[m][u]);
+            }
         }
     }
     for (int m = 0; m < MG; m++) {

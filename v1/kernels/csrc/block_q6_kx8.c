@@ -135,11 +135,16 @@ static inline __attribute__((always_inline)) void k6_many(const uint8_t *p, cons
                         const vi lo = (t / 2 ? (vi)((vu)ql >> 4) : ql) & 0x0f0f0f0f;
                         const vi hi = t == 3 ? (vi)((vu)qh >> 2) : qh << (4 - 2 * t);
                         const vi q = lo | (hi & 0x30303030);
-                        for (int m = 0; m < MG; m++)
+                        for (int m = 0; m < MG; m++) {
                             part[m] = K6_DOT(part[m], q,
                                              kt_bcast4(x + m * K + 128 * h + 32 * t + 4 * c));
+                            keep_sum(part[m]);
+                        }
                     }
-                    for (int m = 0; m < MG; m++) isum[m] += k6_scaled(part[m], sc, g % 4);
+                    for (int m = 0; m < MG; m++) {
+                        isum[m] += k6_scaled(part[m], sc, g % 4);
+                        keep_sum(isum[m]);
+                    }
                 }
             }
 }

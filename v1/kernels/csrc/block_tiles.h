@@ -480,8 +480,10 @@ static inline __attribute__((always_inline)) void tile_i8(
                 memcpy(&bytes4, bt_group4(p, j), 4);
                 if (BT_QH) memcpy(&qh, p + BT_QH, 4);
                 const vi u = bt_weight_bytes((vi){0} + bytes4, (vi){0} + qh, j);
-                for (int g = 0; g < GM; g++)
+                for (int g = 0; g < GM; g++) {
                     dot[r][g] = dot4w(dot[r][g], u, loadvi(A + ((g * nb + b) * GROUPS + j) * VL));
+                    keep_sum(dot[r][g]);
+                }
             }
         for (int r = 0; r < NRI; r++)
             for (int g = 0; g < GM; g++) dot[r][g] = block_sum(dot[r][g]);
@@ -591,19 +593,26 @@ static inline __attribute__((always_inline)) void tile_i8_few(
             for (int64_t i = 0; i < RUN * BT_BYTES; i += 64)
                 __builtin_prefetch(w + r * RUN * rb + RUN * b * BT_BYTES + i + 4 * PREFETCH);
         /* CH chains of dot products per row, added at the end (exactly): with one, a row's
-           8 dependent dot products per block would bound the time at 1 or 2 rows. */
+           8 dependent dot products per block would bound the time at 1 or 2 rows. From 2
+           rows on each chain is kept one (keep_sum), and the groups are unrolled (the
+           columns then stay in registers, not in an array indexed at run time): with AVX2,
+           2-64 rows took 0.73-0.90x the time (docs/kernels.md). One row's four chains are
+           left to the compiler: kept, they ran slower. */
         vi isum[FEW_ROWS_MAX][4];
         for (int m = 0; m < MF; m++)
             for (int c = 0; c < CH; c++) isum[m][c] = (vi){0};
         for (int h = 0; h < HALVES; h++) {
             const vi *col = cols[h];
+            #pragma GCC unroll 8
             for (int j = 0; j < GROUPS / HALVES; j++) {
                 /* q4_1's values j and j + 16 share byte j */
                 const int group = GROUPS / HALVES * h + j;
                 const vi u = bt_weight_bytes(col[j & 3], qh, group);
-                for (int m = 0; m < MF; m++)
+                for (int m = 0; m < MF; m++) {
                     isum[m][group % CH] = dot4w(isum[m][group % CH], u,
                                                 (vi){0} + A[(b * GROUPS + group) * MF + m]);
+                    if (MF > 1) keep_sum(isum[m][group % CH]);
+                }
             }
         }
         for (int m = 0; m < MF; m++) {

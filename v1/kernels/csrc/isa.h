@@ -88,6 +88,17 @@
 #define dot4 dot4_generic
 #endif
 
+/* keep_sum(v): the integer sum v is in a register here, so its adds stay one chain. AVX2's
+   dot4 forms end in a plain add, and GCC reassociated a sum's adds over a block into a tree:
+   every product of a tile's rows was then live at once, and with 16 registers they spilled
+   (tile_i8_few at 8 rows: 124 stack accesses a block, 18 kept). The other ISAs' forms are
+   one instruction taking the sum: no tree forms there. */
+#if INT8_ISA == 1
+#define keep_sum(v) __asm__("" : "+x"(v))
+#else
+#define keep_sum(v) ((void)0)
+#endif
+
 /* Whether signed weight bytes go into dot4s as they are (else a signed format's bytes go
    into dot4 + 128, and 128 * sum(x) comes off after). */
 #ifdef dot4s
