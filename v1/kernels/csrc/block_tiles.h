@@ -596,7 +596,7 @@ static inline __attribute__((always_inline)) void tile_i8_few(
            8 dependent dot products per block would bound the time at 1 or 2 rows. From 2
            rows on each chain is kept one (keep_sum), and the groups are unrolled (the
            columns then stay in registers, not in an array indexed at run time): with AVX2,
-           2-64 rows took 0.73-0.90x the time (docs/kernels.md). One row's four chains are
+           2-64 rows took 0.73-0.92x the time (docs/kernels.md). One row's four chains are
            left to the compiler: kept, they ran slower. */
         vi isum[FEW_ROWS_MAX][4];
         for (int m = 0; m < MF; m++)
