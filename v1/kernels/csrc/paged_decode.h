@@ -113,7 +113,7 @@ static inline void chunk_rows(const KV_T *const *kv, int64_t n, int64_t j, int64
 /* The tiles below keep their sums in registers: a score tile 8 per query, a p.v tile W per
    query. Two queries at a time (each row loaded once for both) need 16 sums and more beside:
    with 16 registers they spilled, so there scores take one query at a time and p.v tiles
-   4 vectors (a verify step's 2-13 rows attended in 0.90-0.95x the time on Zen 3:
+   4 vectors (a verify step's 2-13 rows attended in 0.92-0.95x the time on Zen 3:
    docs/kernels.md). A score's or an output's arithmetic is the same either way. */
 enum { SCORE_QN = V8_REGS >= 32 ? 2 : 1, PV_W = V8_REGS >= 32 ? 8 : 4 };
 
