@@ -140,7 +140,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from v1.entrypoints.llm import LLM
-    from v1.models.loader import hf_dir_of, load_tokenizer, resolve_model
+    from v1.models.model_files import hf_dir_of, load_tokenizer, resolve_model
     from v1.sampling_params import SamplingParams
 
     model_path = resolve_model(args.model)

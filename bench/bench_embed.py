@@ -157,7 +157,7 @@ def main() -> None:
     args = parser.parse_args()
     setup_threads(args)
 
-    from v1.models.loader import hf_checkpoint_dir
+    from v1.models.gguf_cache import hf_checkpoint_dir
 
     loaded = load(args.model, "none")  # float weights: what sentence-transformers runs
     texts = make_texts(loaded.tokenizer, args.num_texts, args.min_tokens, args.max_tokens,
@@ -199,7 +199,7 @@ def main() -> None:
 
 
 def load_model_dir(model: str | None) -> Path:
-    from v1.models.loader import hf_dir_of, resolve_model
+    from v1.models.model_files import hf_dir_of, resolve_model
 
     return hf_dir_of(resolve_model(model))
 

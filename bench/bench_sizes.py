@@ -23,7 +23,9 @@ reversed every other round; ratios are medians of per-round ratios):
   LLM` first; Python's start and imports included; `v1_llm_s` in the JSON: the `LLM()` and
   the request alone);
   llama.cpp, `llama-server -np 1 -c --ctx` started until /health answers (model loaded and
-  its warm-up run done). Both: process start to ready to serve.
+  its warm-up run done). Both: process start to ready to serve. One of each, or with
+  --load-rounds N, N of each, paired and interleaved (`paired_loads`: the load seconds are
+  then medians, `load_x` the median of per-round ratios v1 / llama.cpp).
 - peak RSS (VmHWM) MB: v1's engine process after the rounds; llama-server's after one
   --prefill-tokens prompt.
 - each tg128 as a fraction of the bandwidth limit: the bytes of weights a decode step reads
@@ -51,6 +53,7 @@ import select
 import shlex
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -217,7 +220,7 @@ def quantize(source: Path, out: Path, qtype: str, threads: int,
 def prepare(model: str, types: tuple[str, ...], work: Path, threads: int, seed: int
             ) -> list[Path]:
     """The GGUF files of `model` in `types`, made where missing (see the module docstring)."""
-    from v1.models.loader import default_model_path, hf_dir_of, load_tokenizer
+    from v1.models.model_files import default_model_path, hf_dir_of, load_tokenizer
 
     if model == DEFAULT_MODEL:
         return [default_model_path()]
@@ -303,6 +306,31 @@ def llamacpp_server_figures(path: Path, args: argparse.Namespace) -> dict[str, A
     return {"load_s": round(load, 2), "peak_rss_mb": peak}
 
 
+def paired_loads(path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """--load-rounds loads of each side, the order reversed every other round: v1's child
+    process started until its ready line (then stopped), llama-server until /health."""
+    loads: dict[str, list[float]] = {"llama.cpp": [], "v1": []}
+    for r in range(args.load_rounds):
+        for name in rounds_order(list(loads), r):
+            if name == "v1":
+                child = V1Child(path, args, time.monotonic() + args.v1_timeout)
+                try:
+                    child.ask()
+                    loads[name].append(time.perf_counter() - child.started)
+                finally:
+                    child.kill()
+            else:
+                t0 = time.perf_counter()
+                with llamacpp.server(path, 1, args.ctx, args.threads, build=args.build):
+                    loads[name].append(time.perf_counter() - t0)
+    ratios = [v / lc for v, lc in zip(loads["v1"], loads["llama.cpp"], strict=True)]
+    return {"v1_load_s": round(statistics.median(loads["v1"]), 2),
+            "llamacpp_load_s": round(statistics.median(loads["llama.cpp"]), 2),
+            "load_x": round(statistics.median(ratios), 3),
+            "v1_load_runs": [round(t, 2) for t in loads["v1"]],
+            "llamacpp_load_runs": [round(t, 2) for t in loads["llama.cpp"]]}
+
+
 class V1Child:
     """v1 on one file in a child process (sizes_child.py) and its session (the
     engine process with it), answering one test at a time; every answer must come before
@@ -369,7 +397,7 @@ def measure_file(model: str, path: Path, args: argparse.Namespace, read_bytes_s:
             try:
                 ready = child.ask()
                 row["v1_load_s"] = round(time.perf_counter() - child.started, 2)
-                row["v1_llm_s"], row["v1_kernels"] = ready["load_s"], ready["kernels"]
+                row["v1_llm_s"], row["v1_kernels"] = ready["load_s"], child.ask()["kernels"]
             except (TimeoutError, RuntimeError) as e:
                 row["v1_status"] = v1_failure(e, args.v1_timeout, "loading")
                 child.kill()
@@ -419,6 +447,8 @@ def measure_file(model: str, path: Path, args: argparse.Namespace, read_bytes_s:
             row[f"{key}_fraction_of_limit"] = round(row[f"{key}_tg_tok_s"] / row["limit_tok_s"], 3)
     server = llamacpp_server_figures(path, args)
     row["llamacpp_load_s"], row["llamacpp_peak_rss_mb"] = server["load_s"], server["peak_rss_mb"]
+    if args.load_rounds:
+        row.update(paired_loads(path, args))
     return row
 
 
@@ -437,7 +467,7 @@ COLUMNS = (("model", "model"), ("type", "type"), ("file_mib", "MiB"),
            ("v1_tg_vs_llamacpp", "tg x"), ("llamacpp_fraction_of_limit", "lc/lim"),
            ("v1_fraction_of_limit", "v1/lim"), ("llamacpp_pp_tok_s", "lc pp"),
            ("v1_pp_tok_s", "v1 pp"), ("v1_pp_vs_llamacpp", "pp x"),
-           ("llamacpp_load_s", "lc load s"), ("v1_load_s", "v1 load s"),
+           ("llamacpp_load_s", "lc load s"), ("v1_load_s", "v1 load s"), ("load_x", "load x"),
            ("llamacpp_peak_rss_mb", "lc RSS MB"), ("v1_peak_rss_mb", "v1 RSS MB"))
 
 
@@ -467,7 +497,8 @@ def report_header(result: dict[str, Any]) -> list[str]:
         f"buffer); limit = that / MB of weights per token",
         f"# tg{result['tg_tokens']}/pp{result['pp_tokens']} tok/s (lc: llama-bench, v1: "
         "LLM.generate), medians of rounds; load: llama-server to /health vs LLM() to its first "
-        f"answer; RSS: peak (VmHWM) of llama-server (-c {result['ctx']}) / v1's engine process "
+        f"answer ({result['load_rounds'] or 1} of each; load x: the median of per-round "
+        f"v1/lc); RSS: peak (VmHWM) of llama-server (-c {result['ctx']}) / v1's engine process "
         "(its default KV cache budget)",
     ]
 
@@ -542,6 +573,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--avx2", action="store_true",
                         help="the AVX2 class: llama.cpp's build-avx2, v1 under AVX2_ENV")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--load-rounds", type=int, default=0,
+                        help="paired loads of each side after the rounds (paired_loads); 0: "
+                        "the one load of each the rounds take")
     parser.add_argument("--threads", type=int, default=None,
                         help="threads of both sides and of the streaming read (default: all)")
     parser.add_argument("--decode-tokens", type=int, default=128)
@@ -601,7 +635,8 @@ def main() -> None:
     klass, cpu = result["cpu_class"], result["cpu"]
     buffer = stream_buffer_bytes(last_level_cache_bytes())
     read_bytes_s = read_bandwidth(buffer, best=True)
-    result.update({"rounds": args.rounds, "ctx": args.ctx, "tg_tokens": args.decode_tokens,
+    result.update({"rounds": args.rounds, "load_rounds": args.load_rounds, "ctx": args.ctx,
+                   "tg_tokens": args.decode_tokens,
                    "pp_tokens": args.prefill_tokens, "stream_buffer_mib": buffer >> 20,
                    "read_gb_s": round(read_bytes_s / 1e9, 1)})
     rows = result["rows"] = []

@@ -115,7 +115,7 @@ def main() -> None:
     parser.add_argument("--name", default="spec_steps")
     args = parser.parse_args()
 
-    from v1.models.loader import default_model_path
+    from v1.models.model_files import default_model_path
 
     data = json.loads(HELPDESK.read_text())
     questions = helpdesk_questions(data["questions"], args.helpdesk_requests,

@@ -70,7 +70,7 @@ from v1.attention.backends import torch_attn
 from v1.engine.core import EngineCore
 from v1.engine.llm_engine import LLMEngine
 from v1.kernels.fused_step import FusedDecoder
-from v1.models import DecoderForCausalLM, head_dim_of
+from v1.models.decoder import DecoderForCausalLM, head_dim_of
 from v1.models.layers.linear import Linear
 from v1.sampling_params import SamplingParams
 from v1.worker.model_runner import ModelRunner

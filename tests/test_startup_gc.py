@@ -41,9 +41,9 @@ def test_paused_gc_restores_the_collector_and_collects_before_it_freezes():
 
 
 def test_importing_the_engine_runs_no_full_collection():
-    """`from v1 import LLM` imports torch and transformers (~1M objects): three full
-    collections (~0.4 s on a 2-core EPYC) without the pause. Only the first import freezes:
-    what the program made after it stays the collector's."""
+    """`from v1 import LLM` imports v1's frontend (~70k objects; when it imported torch and
+    transformers, ~1M, three full collections without the pause: ~0.4 s on a 2-core EPYC).
+    Only the first import freezes: what the program made after it stays the collector's."""
     code = ("import gc\nfrom v1 import LLM\nimport json\n"
             "frozen = gc.get_freeze_count()\nmade = [[] for _ in range(10_000)]\n"
             "from v1 import LLM\n"
@@ -52,7 +52,7 @@ def test_importing_the_engine_runs_no_full_collection():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     enabled, full_collections, frozen, frozen_again = json.loads(out.splitlines()[-1])
-    assert enabled and full_collections == 0 and frozen > 100_000 and frozen_again == 0
+    assert enabled and full_collections == 0 and frozen > 20_000 and frozen_again == 0
 
 
 @pytest.mark.parametrize("parent_collector", [True, False])
@@ -66,9 +66,10 @@ def test_the_engine_process_starts_with_its_heap_frozen(default_model_path, monk
     monkeypatch.setenv("V1_TEST_GC_FILE", str(gc_file))
     if not parent_collector:
         gc.disable()
+    inherited = gc.get_freeze_count()  # this process may freeze more after the fork
     try:
         with LLM(**SMALL_ENGINE):
             state = json.loads(gc_file.read_text())
     finally:
         gc.enable()
-    assert state["enabled"] and state["frozen"] > gc.get_freeze_count() + 1000
+    assert state["enabled"] and state["frozen"] > inherited + 1000

@@ -41,17 +41,11 @@ def __getattr__(name: str) -> Any:
 
         return importlib.metadata.version("v1")
     if name in _LAZY:
-        import contextlib
         import importlib
-        import sys
 
-        from v1.startup_gc import paused_gc
+        from v1.startup_gc import paused_for_import
 
         module, attribute = _LAZY[name]
-        # torch's and transformers' imports with the collector paused (v1/startup_gc.py);
-        # once transformers is in, the heavy imports are done (or another thread's is under
-        # way: import_module waits for it).
-        heavy = "transformers" not in sys.modules
-        with paused_gc() if heavy else contextlib.nullcontext():
+        with paused_for_import(module):  # v1/startup_gc.py
             return getattr(importlib.import_module(module), attribute)
     raise AttributeError(f"module 'v1' has no attribute {name!r}")

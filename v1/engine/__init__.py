@@ -1,9 +1,7 @@
 """The engine: processor, output processor, engine core and its clients (docs/architecture.md).
 
-Importing it loads torch under OpenMP's passive wait policy, leaving the environment as it
-was (`v1.engine.openmp`): every engine, in process or forked, runs its OpenMP threads so.
+Importing it loads no torch: a frontend (`LLM`, the server) that only generates never does.
+What runs an engine loads torch first under OpenMP's passive wait policy
+(`v1.openmp.load_torch_passively`): the engine process (`launch`), an engine in this
+process (`InprocClient`), a Ray actor (`dp_ray`).
 """
-
-from v1.engine.openmp import load_torch_passively
-
-load_torch_passively()

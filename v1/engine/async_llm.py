@@ -15,7 +15,7 @@ import warnings
 from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
-from typing import Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from v1.config import EngineArgs
 from v1.config.limits import DEFAULT_LIMITS, InputLimits
@@ -24,12 +24,14 @@ from v1.engine.dp_client import DPAsyncMPClient
 from v1.engine.dp_router import check_data_parallel_rank
 from v1.engine.exceptions import EngineCoreDeadError, EngineDeadError
 from v1.engine.output_processor import IterationStats, OutputProcessor
-from v1.engine.processor import Processor, PromptType
+from v1.engine.processor import Processor, PromptType, logits_processor_classes
 from v1.lora.request import LoRARequest
 from v1.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput, SchedulerStats
 from v1.pooling_params import PoolingParams
-from v1.sample.logits_processor import LogitsProcessor, load_logits_processors
 from v1.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from v1.sample.logits_processor import LogitsProcessor
 
 logger = logging.getLogger("v1")
 
@@ -52,7 +54,7 @@ class AsyncLLM:
         client: AsyncMPClient | DPAsyncMPClient,
         limits: InputLimits = DEFAULT_LIMITS,
         input_workers: int = INPUT_WORKERS,
-        logits_processors: Sequence[type[LogitsProcessor]] = (),
+        logits_processors: Sequence[type["LogitsProcessor"]] = (),
     ) -> None:
         """`limits`: what one request may ask for (`EngineArgs.input_limits`);
         `logits_processors`: the engine's custom ones (their `validate_params` checks
@@ -84,7 +86,7 @@ class AsyncLLM:
         client = DPAsyncMPClient(args) if args.data_parallel_size > 1 else AsyncMPClient(args)
         return cls(
             client, args.input_limits(),
-            logits_processors=load_logits_processors(args.logits_processors),
+            logits_processors=logits_processor_classes(args.logits_processors),
         )
 
     @property

@@ -25,13 +25,8 @@ from v1.engine.preload import preload_token_ids
 from v1.engine.structured_output import StructuredOutputManager
 from v1.lora.request import LoRARequest
 from v1.lora.worker_manager import LoRAWorkerManager
-from v1.models.loader import (
-    LoadedModel,
-    load_model,
-    resolve_device_and_dtype,
-    resolve_model,
-    resolve_quantization,
-)
+from v1.models.loader import LoadedModel, load_model, resolve_device_and_dtype, resolve_quantization
+from v1.models.model_files import has_tokenizer_files, resolve_model
 from v1.outputs import EngineCoreOutputs, ModelRunnerOutput, SchedulerStats
 from v1.request import EngineCoreRequest
 from v1.sample.logits_processor import build_logitsprocs
@@ -51,12 +46,8 @@ UTILITY_METHODS = frozenset({
 PAUSE_MODES = ("abort", "wait", "keep")
 
 class EngineCore:
-    def __init__(
-        self, args: EngineArgs, loaded: LoadedModel | None = None,
-        tokenizer: tuple[str, Any] | None = None,
-    ) -> None:
-        """`loaded`: a model loaded in this process, used as it is; `tokenizer`: (HF
-        directory, its tokenizer) loaded already (`load_model`'s)."""
+    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None) -> None:
+        """`loaded`: a model loaded in this process, used as it is."""
         device, dtype = resolve_device_and_dtype(args.device, args.dtype)
         # A disk tier that cannot be written fails before the model loads.
         kv_dir = None if args.kv_cache_dir is None else open_kv_cache_dir(args.kv_cache_dir)
@@ -68,7 +59,7 @@ class EngineCore:
             loaded = load_model(
                 path, dtype, device, attention_impl_for(device),
                 quantization=resolve_quantization(args.quantization, path, device, dtype),
-                hf_overrides=args.hf_overrides, loaded_tokenizer=tokenizer,
+                hf_overrides=args.hf_overrides,
                 max_model_len=args.max_model_len,
             )
         self.loaded = loaded
@@ -103,11 +94,11 @@ class EngineCore:
         self.num_blocks = num_blocks
         self.structured_output_manager = (
             StructuredOutputManager(
-                loaded.tokenizer, loaded.hf_config.vocab_size,
+                lambda: loaded.tokenizer, loaded.hf_config.vocab_size,
                 [i for i in (loaded.eos_token_id, *loaded.stop_token_ids) if i is not None],
                 envs.read().xgrammar_cache_mb << 20,
             )
-            if loaded.tokenizer is not None
+            if has_tokenizer_files(loaded.model_dir)
             else None
         )
         disk_index = None

@@ -18,19 +18,18 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import Future
 from multiprocessing.process import BaseProcess
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 import zmq
 
 from v1.config import EngineArgs
-from v1.engine.core import EngineCore
 from v1.engine.exceptions import (
     EngineCoreDeadError,
     EngineDeadError,
     error_from_remote,
 )
-from v1.engine.launch import launch_engine_core, stop_process
+from v1.engine.launch import EngineLaunch, stop_process
 from v1.engine.protocol import (
     UTILITY_RESULT_TYPES,
     EngineCoreRequestType,
@@ -38,10 +37,15 @@ from v1.engine.protocol import (
     UtilityResult,
 )
 from v1.engine.transport import EngineConnection
-from v1.models.loader import LoadedModel, hf_dir_of, load_tokenizer, resolve_model
+from v1.models.model_files import hf_dir_of, load_tokenizer, resolve_model
+from v1.openmp import import_engine_module
 from v1.outputs import EngineCoreOutputs
 from v1.pooling_params import PoolerInfo
 from v1.request import EngineCoreRequest
+from v1.startup_gc import paused_for_import
+
+if TYPE_CHECKING:
+    from v1.models.loader import LoadedModel
 
 
 class ModelInfo(NamedTuple):
@@ -89,8 +93,8 @@ class EngineCoreClient(ABC):
 class InprocClient(EngineCoreClient):
     """The engine core in this process: `get_output` steps it."""
 
-    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None) -> None:
-        self.engine_core = EngineCore(args, loaded)
+    def __init__(self, args: EngineArgs, loaded: "LoadedModel | None" = None) -> None:
+        self.engine_core = import_engine_module("v1.engine.core").EngineCore(args, loaded)
         loaded = self.engine_core.loaded
         self.model_info = ModelInfo(
             loaded.model_name,
@@ -129,13 +133,20 @@ class InprocClient(EngineCoreClient):
 
 # ---- the engine core in another process ----------------------------------------------------
 
-def _local_tokenizer(args: EngineArgs) -> tuple[str, Any] | None:
-    """(HF directory, tokenizer) of `args`' model where it is local (a GGUF file converted on
-    first use, as the engine would); None where it cannot be loaded here (the engine process
-    then reports why)."""
+def _local_model_dir(args: EngineArgs) -> str | None:
+    """The HF directory of `args`' model where it is local (a GGUF file converted on first
+    use, as the engine would); None where it cannot be found here (the engine process then
+    reports why)."""
     try:
-        model_dir = str(hf_dir_of(resolve_model(args.model, args.revision)))
-        return model_dir, load_tokenizer(model_dir)
+        return str(hf_dir_of(resolve_model(args.model, args.revision)))
+    except (ValueError, OSError):
+        return None
+
+
+def _local_tokenizer(model_dir: str | None) -> tuple[str, Any] | None:
+    """(`model_dir`, its tokenizer), or None where it cannot be loaded here."""
+    try:
+        return None if model_dir is None else (model_dir, load_tokenizer(model_dir))
     except (ValueError, OSError):
         return None
 
@@ -197,11 +208,18 @@ class MPClient(ABC):
                 if address is None:
                     self._res.tmp_dir = tempfile.mkdtemp(prefix="v1-engine-")
                     address = f"ipc://{self._res.tmp_dir}/engine"
-                # Before the fork: the engine process inherits what loading the tokenizer
-                # imported (transformers; an HF directory's config classes too), finds a GGUF
-                # file converted, and takes the tokenizer itself rather than load its own.
-                early = _local_tokenizer(args) if self._load_tokenizer else None
-                self._res.proc = launch_engine_core(args, address, tokenizer=early)
+                # A GGUF file is converted before the engine process starts (it finds it so);
+                # then the engine loads the model while this process imports transformers
+                # and loads the tokenizer, which a GGUF file's engine needs neither of.
+                model_dir = _local_model_dir(args)
+                launch = EngineLaunch(args, address)
+                try:
+                    with paused_for_import("transformers"):
+                        early = _local_tokenizer(model_dir) if self._load_tokenizer else None
+                except BaseException:
+                    launch.cancel()
+                    raise
+                self._res.proc = launch.wait()
             self.address = address
             self._connect(address, early)
         except BaseException:

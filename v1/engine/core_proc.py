@@ -112,22 +112,17 @@ class EngineCoreProc:
         parent_pid: int,
         num_threads: int | None = None,
         hook: str | None = None,
-        tokenizer: tuple[str, Any] | None = None,
     ) -> None:
         """Main of the engine process: build the core, report ("ready", "", "") or
         ("error", exception type, message) through `report`, then serve until terminated.
         `num_threads`: torch's intra-op threads (a data-parallel core's share of the CPU
         cores); None leaves torch's default. `hook`: "module:function", called with the
         core once it is built, before serving (tests inject failures this way; the
-        launcher passes V1_ENGINE_CORE_HOOK). `tokenizer`: the launcher's (`EngineLaunch`)."""
-        # A forked child inherits the parent's signal wakeup fd (an asyncio loop's): our
-        # signals must not wake the parent's handlers.
-        signal.set_wakeup_fd(-1)
-        # And the collector's state: off where another thread's start had paused it
-        # (v1/startup_gc.py). Ours runs, paused below while the core is built.
+        launcher passes V1_ENGINE_CORE_HOOK)."""
+        # The collector's state is the parent's: off where another thread's start had paused
+        # it (v1/startup_gc.py). Ours runs, paused below while the core is built. (SIGINT and
+        # the wakeup fd: `launch._engine_main`, before torch loads.)
         gc.enable()
-        # Ctrl-C reaches the whole process group: the frontend handles it and shuts us down.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, _exit_on_signal)
         _watch_parent(parent_pid)
         _set_process_name(multiprocessing.current_process().name)
@@ -135,7 +130,7 @@ class EngineCoreProc:
             torch.set_num_threads(num_threads)
         try:
             with paused_gc(collect_young=True):  # they live as long as we do
-                engine_core = EngineCore(args, tokenizer=tokenizer)
+                engine_core = EngineCore(args)
             if hook is not None:
                 module, _, function = hook.partition(":")
                 getattr(importlib.import_module(module), function)(engine_core)

@@ -25,9 +25,12 @@ class EngineCoreActor:
 
     def __init__(self, args: EngineArgs, rank: int, num_threads: int) -> None:
         import ray
+
+        from v1.openmp import import_engine_module
+
+        EngineCore = import_engine_module("v1.engine.core").EngineCore
         import torch
 
-        from v1.engine.core import EngineCore
         from v1.engine.core_proc import EngineCoreProc
         from v1.engine.dp_launch import free_port_pair
 

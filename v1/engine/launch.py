@@ -1,17 +1,19 @@
 """Starting and stopping engine-core processes.
 
-`EngineLaunch` starts one (`EngineCoreProc.run_engine_core` is its main) and `wait()`s for its
-model to load, so several launches load at once (data parallelism); `launch_engine_core` is
-both in one call. A failure to start is raised in the caller as the engine raised it (same type
-and message). The start method is `fork` unless V1_WORKER_MULTIPROC_METHOD=spawn or CUDA is
-initialised (then `spawn`, with a warning); a spawned engine gets OMP_WAIT_POLICY=PASSIVE unless
-the caller's environment sets one (docs/serving.md, "The engine process").
+`EngineLaunch` starts one (`EngineCoreProc.run_engine_core` is its main, torch loaded first)
+and `wait()`s for its model to load, so several launches load at once (data parallelism), or
+the caller works meanwhile (`MPClient` loads the tokenizer). A failure to start is raised in
+the caller as the engine raised it (same type and message). The start method is `fork` unless
+V1_WORKER_MULTIPROC_METHOD=spawn or CUDA is initialised (then `spawn`, with a warning); a
+spawned engine gets OMP_WAIT_POLICY=PASSIVE unless the caller's environment sets one
+(docs/serving.md, "The engine process").
 """
 
 import contextlib
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 import threading
 from collections.abc import Iterator
@@ -21,9 +23,8 @@ from typing import Any, NamedTuple
 
 from v1 import envs
 from v1.config import EngineArgs
-from v1.engine.core_proc import EngineCoreProc
 from v1.engine.exceptions import error_from_remote
-from v1.engine.openmp import POLICY_ENV
+from v1.openmp import POLICY_ENV, import_engine_module
 
 logger = logging.getLogger("v1")
 
@@ -52,12 +53,15 @@ def engine_start_method() -> StartMethod:
     return StartMethod("fork", "")
 
 
-def launch_engine_core(
-    args: EngineArgs, address: str, num_threads: int | None = None,
-    tokenizer: tuple[str, Any] | None = None,
-) -> BaseProcess:
-    """Start an engine process serving at `address`; return once its model is loaded."""
-    return EngineLaunch(args, address, num_threads, tokenizer=tokenizer).wait()
+def _engine_main(*args: Any) -> None:
+    """The engine process: torch loaded under the passive policy (the frontend that started
+    it may never have loaded torch), then `EngineCoreProc.run_engine_core(*args)`."""
+    # A forked child inherits the parent's signal wakeup fd (an asyncio loop's): our signals
+    # must not wake the parent's handlers. Ctrl-C reaches the whole process group: the
+    # frontend handles it and shuts us down (from the start: torch's import takes seconds).
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import_engine_module("v1.engine.core_proc").EngineCoreProc.run_engine_core(*args)
 
 
 class EngineLaunch:
@@ -69,20 +73,15 @@ class EngineLaunch:
         address: str,
         num_threads: int | None = None,
         name: str = "v1-engine-core",
-        tokenizer: tuple[str, Any] | None = None,
     ) -> None:
-        """`tokenizer`: (HF directory, its tokenizer) loaded by the caller, which a forked
-        engine takes for its model's directory instead of loading it again (a spawned one
-        loads its own: no pickling)."""
         self.address = address
         self.method = method = engine_start_method()
         ctx = multiprocessing.get_context(method.name)
         self.reader, writer = ctx.Pipe(duplex=False)
         hook = envs.read().engine_core_hook
         self.proc = proc = ctx.Process(
-            target=EngineCoreProc.run_engine_core,
-            args=(args, address, writer, os.getpid(), num_threads, hook,
-                  tokenizer if method.name == "fork" else None),
+            target=_engine_main,
+            args=(args, address, writer, os.getpid(), num_threads, hook),
             name=name,
             daemon=True,  # multiprocessing terminates it at exit, should all else fail
         )

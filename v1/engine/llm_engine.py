@@ -19,17 +19,17 @@ from v1.engine.dp_client import DPSyncMPClient
 from v1.engine.dp_router import check_data_parallel_rank
 from v1.engine.exceptions import EngineCoreDeadError
 from v1.engine.output_processor import IterationStats, OutputProcessor
-from v1.engine.processor import Processor, PromptType
+from v1.engine.processor import Processor, PromptType, logits_processor_classes
 from v1.lora.request import LoRARequest
 from v1.metrics.prometheus import PrometheusMetrics
 from v1.metrics.reader import Metric, get_metrics_snapshot
 from v1.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput, SchedulerStats
 from v1.pooling_params import PoolingParams
-from v1.sample.logits_processor import LogitsProcessor, load_logits_processors
 from v1.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from v1.models.loader import LoadedModel
+    from v1.sample.logits_processor import LogitsProcessor
 
 
 class LLMEngine:
@@ -38,7 +38,7 @@ class LLMEngine:
         client: EngineCoreClient,
         limits: InputLimits = DEFAULT_LIMITS,
         log_stats: bool = False,
-        logits_processors: Sequence[type[LogitsProcessor]] = (),
+        logits_processors: Sequence[type["LogitsProcessor"]] = (),
     ) -> None:
         """`limits`: what one request may ask for (`EngineArgs.input_limits`); `log_stats`:
         gather the metrics `get_metrics()` returns; `logits_processors`: the engine's custom
@@ -104,7 +104,7 @@ class LLMEngine:
         )
         return cls(
             client, engine_args.input_limits(), not engine_args.disable_log_stats,
-            load_logits_processors(engine_args.logits_processors),
+            logits_processor_classes(engine_args.logits_processors),
         )
 
     def add_request(

@@ -15,10 +15,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
-import torch
 from tokenizers import Tokenizer
 
 from v1.engine.detokenizer import IncrementalDetokenizer, TokenTexts, get_backend_tokenizer
+from v1.openmp import load_torch_passively
 from v1.outputs import (
     CompletionOutput,
     EngineCoreOutput,
@@ -428,7 +428,11 @@ def _pooling_output(
     state: RequestState, output: EngineCoreOutput
 ) -> PoolingRequestOutput[PoolingOutput]:
     """A finished pooling request's output; an empty vector if it finished without one (the
-    scheduler could never run it: `finish_reason` "length")."""
+    scheduler could never run it: `finish_reason` "length"). torch is imported here, at the
+    first: a frontend that only generates never loads it."""
+    load_torch_passively()
+    import torch
+
     data = torch.tensor(output.pooling_output or [], dtype=torch.float32)
     return PoolingRequestOutput(
         state.external_req_id, PoolingOutput(data), state.prompt_token_ids, True

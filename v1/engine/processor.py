@@ -11,7 +11,7 @@ import copy
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 
@@ -27,10 +27,24 @@ from v1.config.limits import (
 from v1.engine.structured_output import validate_structured_output_params
 from v1.inputs import PromptType
 from v1.lora.request import LoRARequest
+from v1.openmp import load_torch_passively
 from v1.pooling_params import PoolerInfo, PoolingParams
 from v1.request import POOLING_SAMPLING_PARAMS, EngineCoreRequest
-from v1.sample.logits_processor import LogitsProcessor
 from v1.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from v1.sample.logits_processor import LogitsProcessor
+
+
+def logits_processor_classes(specs: Sequence[Any] | None) -> list[type["LogitsProcessor"]]:
+    """vLLM's `logits_processors` option as classes (`load_logits_processors`); their module
+    imports torch, so only where one is given (a frontend otherwise never loads torch)."""
+    if not specs:
+        return []
+    load_torch_passively()  # v1/openmp.py
+    from v1.sample.logits_processor import load_logits_processors
+
+    return load_logits_processors(specs)
 
 
 def check_token_ids(token_ids: Any, vocab_size: int) -> list[int]:
@@ -84,7 +98,7 @@ class Processor:
         scheduling_policy: str = "fcfs",
         limits: InputLimits = DEFAULT_LIMITS,
         pooler: PoolerInfo | None = None,
-        logits_processors: Sequence[type[LogitsProcessor]] = (),
+        logits_processors: Sequence[type["LogitsProcessor"]] = (),
     ) -> None:
         """`logits_processors`: the engine's custom ones, whose `validate_params` check
         each request's parameters here."""

@@ -11,12 +11,14 @@ xgrammar, and why not its own cache: docs/serving.md, "Structured output".
 import json
 import sys
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
+from v1.openmp import load_torch_passively
 from v1.request import Request, StructuredOutputGrammar
 from v1.sampling_params import StructuredOutputsParams
 
@@ -51,7 +53,9 @@ def grammar_key(params: StructuredOutputsParams) -> GrammarKey:
 
 def validate_structured_output_params(params: StructuredOutputsParams) -> None:
     """Parse the spec without a tokenizer (cheap), so a bad one is the caller's ValueError
-    before the request reaches the engine core."""
+    before the request reaches the engine core. xgrammar imports torch: in a frontend, the
+    first grammar loads it (passively, as an engine would)."""
+    load_torch_passively()
     import xgrammar as xgr
 
     kind, spec = grammar_key(params)
@@ -157,10 +161,12 @@ class GrammarCache:
 
 class StructuredOutputManager:
     def __init__(
-        self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
+        self, tokenizer: Callable[[], Any], vocab_size: int, stop_token_ids: list[int],
         cache_limit_bytes: int,
     ) -> None:
-        """`cache_limit_bytes`: the compiled grammars kept for reuse, in bytes (0: none)."""
+        """`tokenizer`: gives the model's tokenizer, called at the first compilation (an
+        engine that serves no grammar loads none). `cache_limit_bytes`: the compiled grammars
+        kept for reuse, in bytes (0: none)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
@@ -172,11 +178,11 @@ class StructuredOutputManager:
         self._waiting: dict[GrammarKey, tuple[Future[xgr.CompiledGrammar], set[str]]] = {}
 
     def _compile(self, key: GrammarKey) -> "xgr.CompiledGrammar":
-        if self._compiler is None:  # built on first use: costs ~0.1 s, off the step loop
-            import xgrammar as xgr
+        if self._compiler is None:  # built on first use, off the step loop: ~0.1 s, and
+            import xgrammar as xgr  # the tokenizer's load where none was loaded (~0.3 s)
 
             info = xgr.TokenizerInfo.from_huggingface(
-                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+                self.tokenizer(), vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
             )
             self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
         kind, spec = key

@@ -3,7 +3,7 @@
 import copy
 import itertools
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
@@ -14,10 +14,13 @@ from v1.engine.processor import PromptType, prompt_list
 from v1.entrypoints.llm_pooling import PoolingMixin
 from v1.lora.request import LoRARequest
 from v1.metrics.reader import Metric
-from v1.models.loader import LoadedModel, resolve_model
+from v1.models.model_files import resolve_model
 from v1.outputs import RequestOutput, SchedulerStats
 from v1.pooling_params import PoolingParams
 from v1.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from v1.models.loader import LoadedModel
 
 Messages = Sequence[Mapping[str, Any]]
 
@@ -57,7 +60,7 @@ class LLM(PoolingMixin):
         self,
         model: str | None = None,
         *,
-        loaded_model: LoadedModel | None = None,
+        loaded_model: "LoadedModel | None" = None,
         multiprocess: bool | None = None,
         **kwargs: Any,
     ) -> None:

@@ -10,8 +10,6 @@ is the score.
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch.nn.functional as F
-
 from v1.engine.processor import Processor, PromptType
 from v1.outputs import PoolingOutput, PoolingRequestOutput
 from v1.pooling_params import PoolerInfo
@@ -49,6 +47,8 @@ class ScorePlan:
     def scores(self, outputs: Sequence[PoolingRequestOutput[PoolingOutput]]) -> list[float]:
         if self.pairs is None:
             return [float(o.outputs.data.reshape(-1)[0]) for o in outputs]
+        import torch.nn.functional as F  # loaded already: the outputs are tensors
+
         return [
             float(F.cosine_similarity(outputs[a].outputs.data, outputs[b].outputs.data, dim=0))
             for a, b in self.pairs

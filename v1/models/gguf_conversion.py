@@ -321,16 +321,20 @@ def read_gguf(gguf_path: Path) -> GGUFModel:
                      "tokenizer.ggml.model" in reader.fields)
 
 
-def write_index(model: GGUFModel, path: Path) -> None:
+def write_index(model: GGUFModel, path: Path, eos_token_id: int | None) -> None:
     """Where each tensor of `model` lies in its file, as JSON at `path`: what `open_indexed`
-    maps the file by without parsing its header again."""
+    maps the file by without parsing its header again; with the config's every field
+    (`to_dict()`, defaults included) and the tokenizer's EOS id, what a load reads instead of
+    importing transformers (`v1.models.gguf_cache`)."""
     tensors = [
         {"name": t.name, "type": t.type_name, "shape": t.shape, "offset": t.offset,
          "dtype": t.data.dtype.str, "array_shape": t.data.shape}
         for t in model.tensors
     ]
-    path.write_text(json.dumps({"arch": model.arch_name, "tokenizer": model.has_tokenizer,
-                                "tensors": tensors}))
+    path.write_text(json.dumps({
+        "arch": model.arch_name, "tokenizer": model.has_tokenizer, "eos_token_id": eos_token_id,
+        "config": json.loads(model.config.to_json_string(use_diff=False)), "tensors": tensors,
+    }))
 
 
 def open_indexed(gguf_path: Path, index: Path, config: Any) -> GGUFModel:

@@ -29,7 +29,7 @@ from v1.attention.backends.abstract import AttentionImpl, AttentionMetadata, kv_
 from v1.config import CacheConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
 from v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from v1.lora.worker_manager import LoRAWorkerManager
-from v1.models import head_dim_of, num_kv_heads_of
+from v1.models.decoder import head_dim_of, num_kv_heads_of
 from v1.models.loader import LoadedModel
 from v1.models.pooler import Pooler
 from v1.models.step_plan import PlanOptions, StepPlan, StepPlanner

@@ -73,7 +73,7 @@ from v1.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from v1.entrypoints.openai.serving_responses import OpenAIServingResponses
 from v1.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from v1.metrics.prometheus import PrometheusMetrics
-from v1.models.loader import resolve_model
+from v1.models.model_files import resolve_model
 
 T = TypeVar("T")
 
