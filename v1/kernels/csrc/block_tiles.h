@@ -351,6 +351,7 @@ int32_t BT_FN(linear_f32)(const struct v1_matmul *c) {
    and laid out so that `lanes` rows' 4 consecutive values sit side by side:
      A[((g * nb + b) * 8 + j) * lanes + l]   int8 x 4: row lanes g + l, values 32 b + 4 j .. + 3
      D, Q, T[(g * nb + b) * lanes + l]       dx, sum of the q, dx * sum (float)
+   (tile_i8_few's last group, where shorter, as wide as its rows: `width` in quantize_row).
    Two tiles read them. tile_i8 (lanes = VL): a weight's 4 bytes for the same values,
    broadcast, meet VL activation rows in one u8 x s8 dot product (dot4). tile_i8_few
    (lanes = M in one group, or groups of lanes <= SPLIT_ROWS rows, the last one maybe
@@ -415,10 +416,14 @@ static inline __attribute__((always_inline)) vi block_sum(vi sums) {
 
 /* Row `row` of x quantized, in the layout for `lanes` rows; 1 if it holds a value that is not
    finite (its blocks are then stored as 0: the caller recomputes the row), else 0. */
-static int quantize_row(const float *x, int64_t nb, int64_t row, int64_t lanes, int32_t *A,
-                        float *D, int32_t *Q, float *T) {
-    const int64_t g = row / lanes, l = row % lanes;
+static int quantize_row(const float *x, int64_t nb, int64_t g, int64_t l, int64_t lanes,
+                        int64_t width, int32_t *A, float *D, int32_t *Q, float *T) {
     int nonfinite = 0;
+    /* group g's place (every group before it `lanes` wide), then lane l of `width` */
+    A += g * nb * GROUPS * lanes;
+    D += g * nb * lanes;
+    Q += g * nb * lanes;
+    T += g * nb * lanes;
     for (int64_t b = 0; b < nb; b++) {
         vf xv[BV];
         vi amax = {0};
@@ -444,11 +449,10 @@ static int quantize_row(const float *x, int64_t nb, int64_t row, int64_t lanes, 
             memcpy(q + c * VL, &bytes, VL);
         }
         const int32_t sum = sumvi(qsum);
-        const int64_t gb = g * nb + b;
-        for (int j = 0; j < GROUPS; j++) memcpy(A + (gb * GROUPS + j) * lanes + l, q + 4 * j, 4);
-        D[gb * lanes + l] = d;
-        Q[gb * lanes + l] = sum;
-        T[gb * lanes + l] = d * (float)sum;
+        for (int j = 0; j < GROUPS; j++) memcpy(A + (b * GROUPS + j) * width + l, q + 4 * j, 4);
+        D[b * width + l] = d;
+        Q[b * width + l] = sum;
+        T[b * width + l] = d * (float)sum;
     }
     return nonfinite;
 }
@@ -548,10 +552,10 @@ static inline __attribute__((always_inline)) vf tile_scales(const uint8_t *p, in
 
 /* Tile: VL weight rows (the lanes; from w = bt_row(weight, n0, rb), lane0 = n0 % BT_ROWS)
    x MF activation rows (lanes = MF in A, D, Q, T), MF <= FEW_ROWS_MAX a constant at each
-   call; the first nr weight rows of the first mv activation rows are stored. */
+   call; the first nr weight rows are stored. */
 static inline __attribute__((always_inline)) void tile_i8_few(
     const uint8_t *w, int lane0, int64_t rb, int nr, int64_t nb, const int32_t *A,
-    const float *D, const int32_t *Q, const float *T, int MF, int mv, float *y, int64_t ldy,
+    const float *D, const int32_t *Q, const float *T, int MF, float *y, int64_t ldy,
     const float *bias) {
     const int64_t bytes = BLOCK_STEP;
     const int CH = MF == 1 ? 4 : MF == 2 ? 2 : 1;
@@ -632,7 +636,7 @@ static inline __attribute__((always_inline)) void tile_i8_few(
                               dxd, acc[m]);
         }
     }
-    for (int m = 0; m < mv; m++) {
+    for (int m = 0; m < MF; m++) {
         float sums[VL];  /* (indexing acc by r would keep acc in memory throughout) */
         memcpy(sums, &acc[m], sizeof sums);
         for (int r = 0; r < nr; r++) y[m * ldy + r] = sums[r] + (bias ? bias[r] : 0.f);
@@ -649,13 +653,14 @@ static inline __attribute__((always_inline)) void tile_i8_few(
     else TILE_I8(I8_ROWS, 1);
 
 /* MF beyond FEW_ROWS_MAX never comes (the constant keeps the arrays' bounds). Group g of
-   the call's `lanes` rows each (the last one's first mv stored). */
+   the call's `lanes` rows each but a last, shorter one: its mv rows, mv lanes wide
+   (quantize_rows), so 13 rows are groups of 7 and 6, not two of 7 with a row of zeros. */
 #define TILE_FEW(MF_)                                                                        \
     tile_i8_few(wn, (int)(n0 % BT_ROWS), row_bytes, nr, nb, j->A + o * GROUPS, j->D + o,    \
-                j->Q + o, j->T + o, (MF_) < FEW_ROWS_MAX ? (MF_) : FEW_ROWS_MAX, mv,        \
+                j->Q + o, j->T + o, (MF_) < FEW_ROWS_MAX ? (MF_) : FEW_ROWS_MAX,            \
                 j->y + g * lanes * ldy + n0, ldy, bn)
 #define TILES_FEW()                      \
-    switch (lanes) {                     \
+    switch (mv) {                        \
         case 1: TILE_FEW(1); break;      \
         case 2: TILE_FEW(2); break;      \
         case 3: TILE_FEW(3); break;      \
@@ -694,8 +699,14 @@ struct job_i8 {
    How many rows hold values that are not finite. */
 static int64_t quantize_rows(const struct job_i8 *j) {
     int64_t nonfinite = 0;
-    for (int64_t m = 0; m < j->M; m++)
-        nonfinite += quantize_row(j->x + m * j->ldx, j->nb, m, j->lanes, j->A, j->D, j->Q, j->T);
+    for (int64_t m = 0; m < j->M; m++) {
+        /* A group is `lanes` wide; tile_i8_few's last one only as wide as its rows (tile_i8
+           reads VL lanes: its rows past M stay 0). */
+        const int64_t g = m / j->lanes, rest = j->M - g * j->lanes;
+        const int64_t width = j->M <= GROUPED_ROWS_MAX && rest < j->lanes ? rest : j->lanes;
+        nonfinite += quantize_row(j->x + m * j->ldx, j->nb, g, m % j->lanes, j->lanes, width,
+                                  j->A, j->D, j->Q, j->T);
+    }
     return nonfinite;
 }
 
