@@ -99,7 +99,11 @@ enum { NR = 4, NR1 = 4, NL_PAIRS = 12, NL = 6, MV = 4 };
 #else
 enum { NR = 2, NR1 = 4, NL_PAIRS = 6, NL = 6, MV = 2 };
 #endif
-enum { MR = 4, DOT_ROWS_MAX = MR, PAIR_ROWS_MAX = VL, NL_MAX = NL_PAIRS > NL ? NL_PAIRS : NL };
+/* Dot tiles take MR rows a pass, their weights dequantized once a pass: AVX-512 up to two
+   passes (at 8 rows the outer products took 1.5x their time on Zen 5, docs/kernels.md), AVX2
+   one (there two would take ~1.1x the outer products' time; NEON unmeasured). */
+enum { MR = 4, DOT_ROWS_MAX = VL >= 16 ? 2 * MR : MR, PAIR_ROWS_MAX = VL,
+       NL_MAX = NL_PAIRS > NL ? NL_PAIRS : NL };
 
 /* y[m][r] = x[m] . W[n0 + r] (+ bias[r]) for r < nr, m < mr; rows past nr repeat the last one. */
 static inline __attribute__((always_inline)) void tile_dot(
@@ -237,12 +241,19 @@ static inline __attribute__((always_inline)) void dot_tiles(const struct job *j,
         const float *bn = j->bias ? j->bias + n0 : NULL;
         float *yn = j->y + n0;
         const int64_t rb = j->row_bytes, nb = j->nb, ldx = j->ldx, ldy = j->ldy;
-        switch (j->dot1 ? 0 : j->M) {
-            case 0: tile_dot1(w, rb, n0, nr, nb, j->x, j->sx, yn, bn); break;
-            case 1: tile_dot(w, rb, n0, nr, nb, j->x, ldx, 1, yn, ldy, bn); break;
-            case 2: tile_dot(w, rb, n0, nr, nb, j->x, ldx, 2, yn, ldy, bn); break;
-            case 3: tile_dot(w, rb, n0, nr, nb, j->x, ldx, 3, yn, ldy, bn); break;
-            default: tile_dot(w, rb, n0, nr, nb, j->x, ldx, 4, yn, ldy, bn);
+        if (j->dot1) {
+            tile_dot1(w, rb, n0, nr, nb, j->x, j->sx, yn, bn);
+            continue;
+        }
+        for (int64_t m0 = 0; m0 < j->M; m0 += MR) {  /* MR rows a pass, the weights in cache */
+            const float *xm = j->x + m0 * ldx;
+            float *ym = yn + m0 * ldy;
+            switch (j->M - m0) {
+                case 1: tile_dot(w, rb, n0, nr, nb, xm, ldx, 1, ym, ldy, bn); break;
+                case 2: tile_dot(w, rb, n0, nr, nb, xm, ldx, 2, ym, ldy, bn); break;
+                case 3: tile_dot(w, rb, n0, nr, nb, xm, ldx, 3, ym, ldy, bn); break;
+                default: tile_dot(w, rb, n0, nr, nb, xm, ldx, MR, ym, ldy, bn);
+            }
         }
     }
 }
