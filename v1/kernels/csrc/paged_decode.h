@@ -52,7 +52,7 @@ static void kv_write(const struct paged_decode_step *step, const float *k, int64
    (they are cut from the same start), and so do the chunks of a part, so each entry sees the
    same chunks in a group as alone: its own, the last cut at its end. Every value an entry
    computes follows the same operations in the same order whatever else its task or call
-   holds: a score is 8 FMA lanes reduced by hsum8's fixed tree; the chunk's max over the
+   holds: a score is 8 FMA lanes reduced by hsum8's fixed tree (AVX-512: 16, folded to 8); the chunk's max over the
    entry's keys only; p.v summed in key order. An entry of one part is written by its task;
    the parts of a longer one are merged after all tasks, in part order. So an entry's result
    is the same bits in any step (a batch-1 decode, a verify step's rows, a batch) and at any
@@ -117,12 +117,56 @@ static inline void chunk_rows(const KV_T *const *kv, int64_t n, int64_t j, int64
    docs/kernels.md). A score's or an output's arithmetic is the same either way. */
 enum { SCORE_QN = V8_REGS >= 32 ? 2 : 1, PV_W = V8_REGS >= 32 ? 8 : 4 };
 
+#if defined(__AVX512F__)
+typedef float v16 __attribute__((vector_size(64)));
+
+/* score_tile's scores with AVX-512 where D is a multiple of 16: per query and key a 16-lane
+   chain over the dimensions, lanes l and l + 8 then added and the 8 keys' vectors reduced by
+   hsum8. Other bits than the 8-lane chains, and again the same for an entry whatever else
+   its call computes; half the FMAs. */
+static inline __attribute__((always_inline)) void score_tile16(const v8 *const *q, float *const *s,
+                                                               int QN, const float *const *rows,
+                                                               int64_t n, int64_t NV) {
+    for (int64_t t = 0; t < n; t += 8) {
+        v16 a[2][8], k, qx;
+        for (int u = 0; u < 8; u++) {
+            __builtin_memcpy(&k, rows[t + u], 64);
+            for (int x = 0; x < QN; x++) {
+                __builtin_memcpy(&qx, q[x], 64);
+                a[x][u] = k * qx;
+            }
+        }
+        for (int64_t i = 1; i < NV / 2; i++)
+            for (int u = 0; u < 8; u++) {
+                __builtin_memcpy(&k, rows[t + u] + 16 * i, 64);
+                for (int x = 0; x < QN; x++) {
+                    __builtin_memcpy(&qx, q[x] + 2 * i, 64);
+                    a[x][u] += k * qx;
+                }
+            }
+        for (int x = 0; x < QN; x++) {
+            v8 h[8];
+            for (int u = 0; u < 8; u++)
+                h[u] = __builtin_shufflevector(a[x][u], a[x][u], 0, 1, 2, 3, 4, 5, 6, 7) +
+                       __builtin_shufflevector(a[x][u], a[x][u], 8, 9, 10, 11, 12, 13, 14, 15);
+            store8(&s[x][t], hsum8(h));
+        }
+    }
+}
+#endif
+
 /* s[x][t] = q[x] . rows[t] for QN <= 2 queries (a constant where inlined) and t < n rounded
    up to 8: per query, 8 keys' running vectors (one FMA lane chain each, dimensions in order)
    reduced together by hsum8; each key row loaded once for both queries. */
 static inline __attribute__((always_inline)) void score_tile(const v8 *const *q, float *const *s,
                                                              int QN, const float *const *rows,
                                                              int64_t n, int64_t NV) {
+#if defined(__AVX512F__)
+    if (NV % 2 == 0) {
+        score_tile16(q, s, QN, rows, n, NV);
+        return;
+    }
+#endif
     for (int64_t t = 0; t < n; t += 8) {
         v8 a[2][8];
         for (int u = 0; u < 8; u++) {
@@ -159,10 +203,45 @@ static inline __attribute__((always_inline)) void pv_tile(v8 *const *acc, const 
         for (int i = 0; i < W; i++) acc[x][off + i] = a[x][i];
 }
 
+#if defined(__AVX512F__)
+/* pv_tile on 16-lane vectors, each a pair of the acc's v8 (W pairs from v8 `off`): every lane
+   takes the same operations in the same order as in pv_tile, so the same bits, in half the
+   instructions. */
+enum { PV16_W = 4 };
+
+static inline __attribute__((always_inline)) void pv_tile16(v8 *const *acc, const float *const *p,
+                                                            int QN, const float *const *rows,
+                                                            int64_t n, int64_t off, int W) {
+    v16 a[2][PV16_W];
+    for (int x = 0; x < QN; x++)
+        for (int i = 0; i < W; i++) __builtin_memcpy(&a[x][i], acc[x] + off + 2 * i, 64);
+    for (int64_t t = 0; t < n; t++) {
+        v16 pt[2];
+        for (int x = 0; x < QN; x++) pt[x] = (v16){0} + p[x][t];
+        for (int i = 0; i < W; i++) {
+            v16 vt;
+            __builtin_memcpy(&vt, rows[t] + 8 * (off + 2 * i), 64);
+            for (int x = 0; x < QN; x++) a[x][i] += vt * pt[x];
+        }
+    }
+    for (int x = 0; x < QN; x++)
+        for (int i = 0; i < W; i++) __builtin_memcpy(acc[x] + off + 2 * i, &a[x][i], 64);
+}
+#endif
+
 /* acc[x][...] += p[x] . rows for two queries (QN = 2) or one, over n keys, every vector. */
 static void pv_queries(v8 *const *acc, const float *const *p, int QN, const float *const *rows,
                        int64_t n, int64_t NV) {
     int64_t i = 0;
+#if defined(__AVX512F__)
+    if (QN == 2) {
+        for (; i + 2 * PV16_W <= NV; i += 2 * PV16_W) pv_tile16(acc, p, 2, rows, n, i, PV16_W);
+        for (; i + 2 <= NV; i += 2) pv_tile16(acc, p, 2, rows, n, i, 1);
+    } else {
+        for (; i + 2 * PV16_W <= NV; i += 2 * PV16_W) pv_tile16(acc, p, 1, rows, n, i, PV16_W);
+        for (; i + 2 <= NV; i += 2) pv_tile16(acc, p, 1, rows, n, i, 1);
+    }
+#endif
     if (QN == 2) {
         for (; i + PV_W <= NV; i += PV_W) pv_tile(acc, p, 2, rows, n, i, PV_W);
         for (; i < NV; i++) pv_tile(acc, p, 2, rows, n, i, 1);
