@@ -265,7 +265,9 @@ def stop_strings(tokenizer, reference) -> list[list[str]]:
     stops = []
     for i, (tokens, _) in enumerate(reference):
         span = 2 + i % 2
-        texts = (tokenizer.decode(tokens[start:start + span])
+        # Without special tokens: an output that ends at EOS holds its id, whose text no
+        # output's text holds.
+        texts = (tokenizer.decode(tokens[start:start + span], skip_special_tokens=True)
                  for start in range(min(8 + 2 * i, len(tokens) - span), -1, -1))
         text = next((t for t in texts if t.strip() and "\ufffd" not in t), None)
         assert text is not None, f"prompt {i}: no stop string in its output {tokens}"

@@ -366,7 +366,9 @@ def test_checkpoint_config_structures_match_hf(tmp_path, name):
     model = load(tmp_path).model
     assert [s.sliding_window for s in model.layer_specs] == windows
     tokens = prompts()[-1]
-    assert_close_logits(prefill(model, tokens, [3, 1, 0, 2]), hf_logits(hf, tokens), atol=1e-4)
+    # Logits reach ~40 here: 2e-4 is 5e-6 of that; the kernel libraries' fp32 rounding alone
+    # reads 0.8-1.0e-4 on qwen2.5 (Zen 5: portable 7.7e-5, x86_64_v3 9.7e-5, v4 1.01e-4).
+    assert_close_logits(prefill(model, tokens, [3, 1, 0, 2]), hf_logits(hf, tokens), atol=2e-4)
 
 
 # ---- shared layers -----------------------------------------------------------------------------
