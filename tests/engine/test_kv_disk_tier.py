@@ -4,12 +4,14 @@ session's weights, each "restart" a new engine on the same kv_cache_dir."""
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from v1 import LLM, SamplingParams
 from v1.request import RequestStatus
+from v1.worker.kv_disk_store import DiskKVStore
 
 SYSTEM = (
     "You are the help desk of a small public library. Opening hours are Monday to Friday "
@@ -213,6 +215,25 @@ def test_reset_prefix_cache_keeps_the_disk_unless_asked(gguf_model, tmp_path):
         assert not block_files(tmp_path)
         _, cached = run(llm, SYSTEM + "Hi?")
     assert cached == 0
+
+
+def test_a_reset_right_after_a_request_finds_its_blocks_on_disk(gguf_model, tmp_path,
+                                                                monkeypatch):
+    """Writes slower than the request's steps (a loaded machine's disk): the reset waits for
+    them, so its blocks are found on disk after it."""
+    real_write = DiskKVStore._write
+
+    def slow_write(self, *args):
+        time.sleep(0.05)
+        return real_write(self, *args)
+
+    monkeypatch.setattr(DiskKVStore, "_write", slow_write)
+    with engine(gguf_model, tmp_path) as llm:
+        run(llm, SYSTEM + "Hi?")
+        assert llm.reset_prefix_cache()
+        _, cached = run(llm, SYSTEM + "Hi?")
+        assert cached == full_prefix(llm, SYSTEM + "Hi?") > 0
+        assert llm.get_stats().disk_cache_hits == cached
 
 
 def test_other_requests_keep_running_while_one_reads(gguf_model, tmp_path):

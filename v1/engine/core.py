@@ -238,8 +238,12 @@ class EngineCore:
     ) -> bool:
         """vLLM's: forget the prefix cache (`Scheduler.reset_prefix_cache`: refused, False,
         while requests hold blocks, unless `reset_running_requests` preempts them). The disk
-        tier is kept (it is there to outlive such resets, as restarts) unless
-        `reset_connector`: then its files of this model and KV setting are removed too."""
+        tier is kept (it is there to outlive such resets, as restarts), its queued writes
+        finished and indexed first, so every block computed before the reset is found there
+        after it; unless `reset_connector`: then its files of this model and KV setting are
+        removed too."""
+        if self.model_runner.kv_disk is not None:
+            self._index_disk_writes()
         if not self.scheduler.reset_prefix_cache(reset_running_requests, reset_connector):
             return False
         if reset_connector:
@@ -321,11 +325,17 @@ class EngineCore:
         kv_disk = self.model_runner.kv_disk
         if kv_disk is not None:
             # Every queued write done and indexed, then what they evict beyond the bound.
-            disk_tier = self.scheduler.disk_tier
-            assert disk_tier is not None
-            kv_disk.flush()
-            for block_hash, ok in kv_disk.take_stored():
-                disk_tier.index.stored(block_hash, ok)
-            kv_disk.delete(disk_tier.index.take_deletes())
+            self._index_disk_writes()
+            assert self.scheduler.disk_tier is not None
+            kv_disk.delete(self.scheduler.disk_tier.index.take_deletes())
             kv_disk.close()
+
+    def _index_disk_writes(self) -> None:
+        """Wait for the disk tier's queued writes and put their outcomes in its index (a step
+        reports them otherwise, once they are done)."""
+        kv_disk, disk_tier = self.model_runner.kv_disk, self.scheduler.disk_tier
+        assert kv_disk is not None and disk_tier is not None
+        kv_disk.flush()
+        for block_hash, ok in kv_disk.take_stored():
+            disk_tier.index.stored(block_hash, ok)
 
