@@ -239,16 +239,16 @@ class EngineCore:
         """vLLM's: forget the prefix cache (`Scheduler.reset_prefix_cache`: refused, False,
         while requests hold blocks, unless `reset_running_requests` preempts them). The disk
         tier is kept (it is there to outlive such resets, as restarts), its queued writes
-        finished and indexed first, so every block computed before the reset is found there
+        then finished and indexed, so every block computed before the reset is found there
         after it; unless `reset_connector`: then its files of this model and KV setting are
         removed too."""
-        if self.model_runner.kv_disk is not None:
-            self._index_disk_writes()
         if not self.scheduler.reset_prefix_cache(reset_running_requests, reset_connector):
             return False
         if reset_connector:
             assert self.model_runner.kv_disk is not None  # the scheduler has its tier
             self.model_runner.kv_disk.clear()
+        elif self.model_runner.kv_disk is not None:
+            self._index_disk_writes()  # (not before a refusal: it may wait on many writes)
         return True
 
     def pause_scheduler(self, mode: str = "abort", clear_cache: bool = True) -> Future[None]:
