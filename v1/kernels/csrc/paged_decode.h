@@ -45,21 +45,21 @@ static void kv_write(const struct paged_decode_step *step, const float *k, int64
    keeping a running max m, sum l and unnormalised output acc per head (the online softmax).
    All the arithmetic is fp32.
 
-   Consecutive entries of one table row and start (a verify step's rows: a generated token
-   and its drafts, ends one apart) form a group of up to group_rows() entries, and a task is
-   one part of a group: each chunk's K/V rows are gathered (and widened, KV_ROW) once for the
-   group's rows, and a key row loaded once scores two queries. The parts of a group line up
-   (they are cut from the same start), and so do the chunks of a part, so each entry sees the
-   same chunks in a group as alone: its own, the last cut at its end. Every value an entry
-   computes follows the same operations in the same order whatever else its task or call
-   holds: a score is 8 FMA lanes reduced by hsum8's fixed tree (AVX-512: 16, folded to 8); the chunk's max over the
-   entry's keys only; p.v summed in key order. An entry of one part is written by its task;
-   the parts of a longer one are merged after all tasks, in part order. So an entry's result
-   is the same bits in any step (a batch-1 decode, a verify step's rows, a batch) and at any
-   thread count: parts are what lets one long decode use every thread. A call of fewer tasks
-   than threads (a lone decode of up to PART_KEYS keys is one) runs each task as one per kv
-   head instead, which computes each head as the whole task does. D must be a multiple of 8.
-   Tasks are spread over the pool's threads (pool.h).
+   Consecutive entries of one table row and start (a verify step's rows: a generated token and
+   its drafts, ends one apart) form a group of up to group_rows() entries, and a task is one part
+   of a group: each chunk's K/V rows are gathered (and widened, KV_ROW) once for the group's
+   rows, and a key row loaded once scores two queries. The parts of a group line up (they are cut
+   from the same start), and so do the chunks of a part, so each entry sees the same chunks in a
+   group as alone: its own, the last cut at its end. Every value an entry computes follows the
+   same operations in the same order whatever else its task or call holds: a score is 8 FMA lanes
+   reduced by hsum8's fixed tree (AVX-512: 16 folded to 8); the chunk's max over the entry's keys
+   only; p.v summed in key order. An entry of one part is written by its task; the parts of a
+   longer one are merged after all tasks, in part order. So an entry's result is the same bits in
+   any step (a batch-1 decode, a verify step's rows, a batch) and at any thread count: parts are
+   what lets one long decode use every thread. A call of fewer tasks than threads (a lone decode
+   of up to PART_KEYS keys is one) runs each task as one per kv head instead, which computes each
+   head as the whole task does. D must be a multiple of 8. Tasks are spread over the pool's
+   threads (pool.h).
 
        entries  r0 r1 r2 (one request: a token and 2 drafts; end = e, e + 1, e + 2)
        keys     | part 0: 128 | part 1: 128 | part 2: e - 256 + (0, 1, 2) |
