@@ -100,6 +100,36 @@ def test_a_full_write_queue_drops_the_write_without_blocking(tmp_path):
     assert not list(tmp_path.glob("*/*.kv"))
 
 
+def test_a_write_failing_with_a_bug_leaves_the_writer_serving(tmp_path, monkeypatch):
+    """Not an OSError (a disk's failure, reported and survived since ever): anything else
+    raised in a write killed the writer thread, and the next flush (a reset, shutdown)
+    waited forever."""
+    monkeypatch.setattr(kv_disk_store, "_MAX_BATCH_BYTES", 1)  # one block per item
+    digest, calls = kv_disk_store._digest, []
+
+    def failing_once(identity, chunks):
+        calls.append(identity)
+        if len(calls) == 1:
+            raise ValueError("a bug")
+        return digest(identity, chunks)
+
+    monkeypatch.setattr(kv_disk_store, "_digest", failing_once)
+    store = make_store(tmp_path)
+    src = caches()
+    store.save(src, [(0, h(0)), (1, h(1))])
+    flushed = threading.Thread(target=store.flush, daemon=True)
+    flushed.start()
+    flushed.join(timeout=30)
+    assert not flushed.is_alive(), "flush waits on a dead writer"
+    assert sorted(store.take_stored()) == [(h(0), False), (h(1), True)]
+    assert [p.name for p in tmp_path.glob("*/*") if p.name != "meta.json"] == [
+        store.path(h(1)).name]  # no temporary left
+    store.save(src, [(2, h(2))])
+    store.flush()
+    assert store.take_stored() == [(h(2), True)]
+    store.close()
+
+
 def test_another_key_is_another_directory_and_clear_removes_only_its_files(tmp_path):
     a = make_store(tmp_path, torch.float32)
     b = make_store(tmp_path, torch.bfloat16)

@@ -361,10 +361,17 @@ class DiskKVStore:
         self._writer.join()
 
     def _write_loop(self) -> None:
+        """The writer thread. It outlives any one item's failure: a dead writer would leave
+        `flush` (a reset, shutdown) waiting forever and every later write unreported."""
         while True:
             kind, arg, data = self._queue.get()
             if kind == "store":
-                results = [self._write(h, list(data[:, i])) for i, h in enumerate(arg)]
+                results = [False] * len(arg)
+                try:
+                    for i, block_hash in enumerate(arg):
+                        results[i] = self._write(block_hash, list(data[:, i]))
+                except Exception:  # not a disk's failure (those _write reports): a bug
+                    logger.exception("disk KV writer: a write failed; its blocks stay in RAM")
                 with self._lock:
                     self._queued_bytes -= len(arg) * self.payload_bytes
                     self._stored.extend(zip(arg, results))
@@ -389,11 +396,13 @@ class DiskKVStore:
             finally:
                 os.close(fd)
             os.replace(tmp, path)
+            tmp = None
         except OSError as e:  # a full disk, a removed directory: this block stays in RAM only
             logger.warning("could not write disk KV block %s: %s", path.name, e)
-            if tmp is not None:
-                _unlink(tmp)
             return False
+        finally:
+            if tmp is not None:  # whatever failed
+                _unlink(tmp)
         return True
 
 
