@@ -7,6 +7,7 @@ import asyncio
 import json
 import math
 import os
+import platform
 import re
 import socket
 import subprocess
@@ -198,7 +199,7 @@ HELP_SCRIPTS = ["bench_prefix_cache", "bench_throughput", "bench_serving", "benc
                 "bench_linear", "bench_hostile", "bench_suffix_index", "bench_llamacpp",
                 "bench_spec", "bench_trees", "bench_kernel_variants", "bench_ab", "bench_sizes",
                 "bench_perplexity", "bench_fused_step", "bench_spec_steps", "bench_start",
-                "sizes_child"]
+                "bench_isa_peak", "sizes_child"]
 
 
 @pytest.fixture(scope="module")
@@ -213,6 +214,22 @@ def test_help(helps: dict[str, Help], name: str) -> None:
     out = helps[name]
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage:")
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 patterns")
+def test_isa_peaks_measure_the_patterns_this_cpu_runs():
+    """isa_peak.c compiles with the kernels' compiler and rates each pattern the CPU has:
+    the bounds bench_isa_peak.py sets the kernels against."""
+    from bench.bench_isa_peak import BOUND_BY, peaks
+    from v1.kernels import variants
+
+    got = peaks()
+    flags = set(variants.cpu_flags())
+    want = {"i8_avx2": "avx2", "i8_avxvnni": "avx_vnni", "i8_avx512vnni": "avx512_vnni",
+            "f32_fma256": "fma", "f32_fma512": "avx512f"}
+    assert set(got) == {name for name, flag in want.items() if flag in flags}
+    assert all(rate > 1e9 for rate in got.values()), got
+    assert {p for pair in BOUND_BY.values() for p in pair} == set(want)
 
 
 def test_spec_steps_price_the_drafts_rows_against_one_row_steps():
