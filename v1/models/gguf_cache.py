@@ -11,6 +11,12 @@ Converted once per file (keyed by its path, size and mtime), in `$V1_CACHE_DIR/g
         gguf_tensors.json      the record (`gguf_conversion.write_index`): where each tensor
                                lies in the file, the config's every field, the tokenizer's EOS
     <stem>-<key>-fp32/         only where float weights are asked for (`fp32_checkpoint`)
+    (each holds source.json: the file, size, mtime and layout version it was converted from)
+
+Bounded: each new conversion first removes the entries nothing can use again (their file
+gone or changed since, or converted by an older layout version; entries from before
+source.json once untouched for an hour), so the cache holds about one entry (and its fp32
+copy) per GGUF file on the machine, however often files are replaced or v1 upgraded.
 
 An engine loading the file reads the record alone (`recorded_config`, `recorded_eos`):
 importing transformers costs ~1 s of a start (`from transformers import PretrainedConfig`,
@@ -39,9 +45,13 @@ logger = logging.getLogger("v1")
 
 # Bump when the converted layout changes, so stale cache entries are ignored (2: config,
 # tokenizer and tensor index only, the fp32 weights in a directory of their own; 3: the index
-# records the whole config and the tokenizer's EOS).
-_CONVERSION_VERSION = 3
+# records the whole config and the tokenizer's EOS; 4: source.json, stale entries removed).
+_CONVERSION_VERSION = 4
 TENSOR_INDEX = "gguf_tensors.json"
+SOURCE = "source.json"
+# An entry without SOURCE (written before it) or a temporary directory untouched this long
+# is no conversion still in progress.
+_STALE_AGE_S = 3600.0
 
 GGUFOpener = Callable[[], "GGUFModel"]
 
@@ -70,11 +80,18 @@ def recorded_eos(model_dir: Path) -> int | None:
 def converted_dir(gguf_path: Path, part: str = "") -> Path:
     """Where the converted copy of this GGUF file lives (it may not exist yet): its config and
     tokenizer, or with `part` "fp32" its fp32 checkpoint."""
-    st = gguf_path.stat()
-    key = f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v{_CONVERSION_VERSION}"
+    source = _source(gguf_path)
+    key = f"{source['path']}|{source['size']}|{source['mtime_ns']}|v{source['version']}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     suffix = f"-{part}" if part else ""
     return envs.read().cache_dir / "gguf" / f"{gguf_path.stem}-{digest}{suffix}"
+
+
+def _source(gguf_path: Path) -> dict[str, Any]:
+    """What a conversion of `gguf_path` is keyed by (and records in SOURCE)."""
+    st = gguf_path.stat()
+    return {"path": str(gguf_path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "version": _CONVERSION_VERSION}
 
 
 def convert_gguf(gguf_path: Path, opened: GGUFOpener | None = None) -> Path:
@@ -128,10 +145,11 @@ def _converted(target: Path, gguf_path: Path, write: Callable[[Path], None]) -> 
         return target
     start = time.perf_counter()
     target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temp_dirs(target)
+    _remove_stale_entries(target.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         write(tmp)
+        (tmp / SOURCE).write_text(json.dumps(_source(gguf_path)))
         try:
             # Atomic: readers see either no directory or a complete one.
             os.rename(tmp, target)
@@ -149,15 +167,27 @@ def _converted(target: Path, gguf_path: Path, write: Callable[[Path], None]) -> 
     return target
 
 
-def _remove_stale_temp_dirs(target: Path, max_age_s: float = 3600.0) -> None:
-    # A process killed mid-conversion leaves its temp dir (hundreds of MB) behind. One older
-    # than an hour is not another process's conversion still in progress.
-    for tmp in target.parent.glob(f".{target.name}.*"):
+def _remove_stale_entries(root: Path) -> None:
+    """Remove what in the cache `root` nothing can use again (module docstring): a process
+    killed mid-conversion leaves its temporary directory (hundreds of MB) behind; an entry's
+    file may have gone or changed, or its layout version may be old."""
+    for entry in root.iterdir():
+        if entry.is_symlink() or not entry.is_dir():
+            continue  # not written here
         try:
-            if time.time() - tmp.stat().st_mtime > max_age_s:
-                shutil.rmtree(tmp, ignore_errors=True)
-        except OSError:
-            pass  # removed by someone else meanwhile
+            if entry.name.startswith(".") or not (entry / SOURCE).is_file():
+                stale = time.time() - entry.stat().st_mtime > _STALE_AGE_S
+                why = "left behind"
+            else:
+                recorded = json.loads((entry / SOURCE).read_text())
+                path = Path(recorded["path"])
+                stale = not path.is_file() or _source(path) != recorded
+                why = "its file changed or is gone"
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # removed by someone else meanwhile, or not ours to judge
+        if stale:
+            logger.info("removing the stale GGUF cache entry %s (%s)", entry, why)
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def _write_config_and_tokenizer(model: "GGUFModel", out_dir: Path) -> None:
