@@ -408,7 +408,7 @@ def test_gguf_mode_runs_every_type(many_types_gguf, tmp_path, monkeypatch):
     assert forms["model.embed_tokens"] == "f16" and forms["lm_head"] == "q6_k"
     assert all(m.weight is None for m in matrices(ours).values())
     files = {p.name for p in tmp_path.rglob("*") if p.is_file()}
-    assert files == {"config.json", "gguf_tensors.json"}  # this file has no tokenizer
+    assert files == {"config.json", "gguf_tensors.json", "source.json"}  # no tokenizer here
     fp32 = load(many_types_gguf)
     assert "model.safetensors" in {p.name for p in tmp_path.rglob("*")}
     for name, m in matrices(fp32).items():
