@@ -733,17 +733,22 @@ def test_prompt_plus_max_tokens_over_max_model_len(client: openai.OpenAI) -> Non
         assert source in error.value.message
 
 
-@contextlib.contextmanager
-def _posted_then_left(server: Server, body: dict[str, Any]) -> Iterator[None]:
-    """A completion POSTed on a raw connection, closed (the client leaves without an answer)
-    when the block ends."""
+def _post(body: dict[str, Any]) -> bytes:
+    """A completion's POST as its bytes on the wire."""
     payload = json.dumps(body).encode()
-    with socket.create_connection(("127.0.0.1", server.port)) as conn:
-        conn.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
             b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(payload)
-            + payload
-        )
+            + payload)
+
+
+@contextlib.contextmanager
+def _posted_then_left(server: Server, body: dict[str, Any], pipelined: bool = False
+                      ) -> Iterator[None]:
+    """A completion POSTed on a raw connection (`pipelined`: a second request sent right
+    after it on the same connection), closed (the client leaves without an answer) when the
+    block ends."""
+    with socket.create_connection(("127.0.0.1", server.port)) as conn:
+        conn.sendall(_post(body) + (_post({**body, "max_tokens": 1}) if pipelined else b""))
         yield
 
 
@@ -759,14 +764,32 @@ def test_disconnect_aborts(server: Server) -> None:
             assert next(lines).startswith("data: ")
             assert _metrics(server)["vllm:num_requests_running"] == 1
     after_stream = _wait_idle(server)
-    # A whole completion answers only at its end: leave once it has begun to generate.
-    with _posted_then_left(server, body):
-        generated = after_stream["vllm:generation_tokens_total"]
-        _wait_for(server, lambda m: m["vllm:generation_tokens_total"] > generated)
-    after_post = _wait_idle(server)
-    for start, end in ((before, after_stream), (after_stream, after_post)):
+    # A whole completion answers only at its end: leave once it has begun to generate; then
+    # again with a second request pipelined behind it (the close reached the queued one only,
+    # and the first generated all its tokens for nobody, under uvicorn's httptools).
+    ends = [before, after_stream]
+    for pipelined in (False, True):
+        with _posted_then_left(server, body, pipelined):
+            generated = ends[-1]["vllm:generation_tokens_total"]
+            _wait_for(server, lambda m, g=generated: m["vllm:generation_tokens_total"] > g)
+        ends.append(_wait_idle(server))
+    for start, end in zip(ends, ends[1:]):
         generated = end["vllm:generation_tokens_total"] - start["vllm:generation_tokens_total"]
         assert 0 < generated < max_tokens // 2
+
+
+def test_request_headers_are_bounded(server: Server) -> None:
+    """A request whose headers never end is answered with a 400 and its connection closed
+    once they pass 16 KiB (with no bound, 400 MB of them grew the frontend by 400 MB)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        answer = b""
+        with contextlib.suppress(ConnectionError):  # closed while headers were still sent
+            for _ in range(64):  # 1 MiB of headers, at most
+                conn.sendall(b"X-Pad: " + b"x" * 16_000 + b"\r\n")
+        with contextlib.suppress(ConnectionError):
+            answer = conn.recv(4096)
+    assert answer == b"" or answer.startswith(b"HTTP/1.1 400"), answer[:200]
 
 
 def test_pause_resume_and_reset_prefix_cache(server: Server, one_at_a_time: Server) -> None:

@@ -764,5 +764,10 @@ def main(argv: list[str], prog: str = "v1 serve") -> None:
         port=args.port,
         log_level=args.uvicorn_log_level,
         timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
+        # h11, not httptools (uvicorn's pick where it is installed): with httptools a client
+        # closing a connection it had pipelined a second request on never aborted the first
+        # (the disconnect reached the queued one only), and a request's headers had no size
+        # bound (400 MB of them grew the frontend by 400 MB); h11 bounds them (16 KiB).
+        http="h11",
     )
 
