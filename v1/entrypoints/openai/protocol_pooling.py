@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field, model_validator
 from v1.entrypoints.openai.protocol import (
     ChatMessage,
     Int64,
+    Items,
     OpenAIBaseModel,
     PromptInput,
     Unsupported,
@@ -44,7 +45,7 @@ class InputOrMessagesRequest(PoolingBaseRequest):
 
     input: PromptInput | None = None  # as OpenAI's embeddings API takes it
     add_special_tokens: Unsupported[bool] = True  # `input`'s texts get them (BOS)
-    messages: list[ChatMessage] | None = None
+    messages: Items[ChatMessage] | None = None
     add_generation_prompt: bool = False
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -129,13 +130,13 @@ class ScoreRequest(ScoringRequest):
     sides are `queries` and `documents` (or `items`), `data_1` and `data_2`, or `text_1` and
     `text_2`, as vLLM names them."""
 
-    queries: str | list[str] | None = None
-    documents: str | list[str] | None = None
-    items: str | list[str] | None = None
-    data_1: str | list[str] | None = None
-    data_2: str | list[str] | None = None
-    text_1: str | list[str] | None = None
-    text_2: str | list[str] | None = None
+    queries: str | Items[str] | None = None
+    documents: str | Items[str] | None = None
+    items: str | Items[str] | None = None
+    data_1: str | Items[str] | None = None
+    data_2: str | Items[str] | None = None
+    text_1: str | Items[str] | None = None
+    text_2: str | Items[str] | None = None
 
     def _given_pairs(self) -> list[tuple[str, str]]:
         return [pair for pair in SCORE_FIELD_PAIRS
@@ -158,7 +159,7 @@ class RerankRequest(ScoringRequest):
     """vLLM's (and Jina's / Cohere's) /rerank: the documents by relevance to the query."""
 
     query: str
-    documents: str | list[str]
+    documents: str | Items[str]
     top_n: Int64 = Field(default=0, ge=0)  # 0: every document
 
 

@@ -15,6 +15,7 @@ from v1.config.limits import DEFAULT_LIMITS, InputLimits, check_json_spec
 from v1.entrypoints.openai.protocol import (
     EngineRequest,
     Int64,
+    Items,
     OpenAIBaseModel,
     Unsupported,
     token_id_biases,
@@ -47,7 +48,7 @@ class ResponseInputMessage(OpenAIBaseModel):
 
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: list[ResponseTextPart]  # a string is one input_text part
+    content: Items[ResponseTextPart]  # a string is one input_text part
     id: str | None = None
     status: ResponseStatus | None = None
 
@@ -102,7 +103,7 @@ class ResponsesRequest(EngineRequest):
 
     max_tokens_fields: ClassVar[frozenset[str]] = frozenset({"max_output_tokens"})
 
-    input: list[ResponseInputMessage]  # a string is one user message
+    input: Items[ResponseInputMessage]  # a string is one user message
     instructions: str | None = None  # a system message before the input
     max_output_tokens: Int64 | None = None  # None: up to max_model_len
     temperature: float = 1.0
