@@ -191,7 +191,8 @@ def _through_body_limits(
         sent.append(message)
 
     scope = {"type": "http", "method": "POST", "path": "/tokenize", "headers": headers}
-    limit = _BodySizeLimit(app, 100, max_bytes_in_flight=1000, max_json_values=max_json_values)
+    limit = _BodySizeLimit(app, 100, max_bytes_in_flight=1000, max_json_values=max_json_values,
+                           max_seconds=60)
     asyncio.run(limit(scope, receive, send))
     return read, sent
 
@@ -264,7 +265,7 @@ def test_large_bodies_are_handed_on_one_per_turn_of_the_event_loop() -> None:
 
         size = _BodySizeLimit.LARGE_BODY_BYTES
         limit = _BodySizeLimit(app, max_bytes=size, max_bytes_in_flight=8 * size,
-                               max_json_values=size)
+                               max_json_values=size, max_seconds=60)
 
         async def request(body: bytes) -> None:
             messages = [{"type": "http.request", "body": body, "more_body": False}]
@@ -331,7 +332,8 @@ def test_bodies_in_flight_are_bounded_across_requests() -> None:
             await go[body[:1] + b"end"].wait()
             await send({"type": "http.response.body", "body": b"ok"})
 
-        limit = _BodySizeLimit(app, max_bytes=100, max_bytes_in_flight=150, max_json_values=99)
+        limit = _BodySizeLimit(app, max_bytes=100, max_bytes_in_flight=150, max_json_values=99,
+                               max_seconds=60)
 
         async def request(body: bytes, chunked: bool = False) -> list[dict]:
             headers = [] if chunked else [(b"content-length", str(len(body)).encode())]
@@ -383,3 +385,119 @@ def test_bodies_in_flight_are_bounded_across_requests() -> None:
         assert limit.bytes_in_flight == 0
 
     asyncio.run(main())
+
+
+def test_a_body_is_held_as_it_arrives_and_one_too_slow_gets_a_408() -> None:
+    """A body counts against max_body_bytes_in_flight by the bytes that have arrived, not by
+    its Content-Length (16 clients announcing 16 MB and sending one byte each held the whole
+    budget: every other request got a 503 until they left); a body not whole within
+    max_request_body_seconds gets a 408 and holds nothing after."""
+    from v1.entrypoints.openai.api_server import _BodySizeLimit
+
+    async def main() -> None:
+        seen: list[bytes] = []
+
+        async def app(scope, receive, send) -> None:
+            seen.append((await receive())["body"])
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+        limit = _BodySizeLimit(app, max_bytes=100, max_bytes_in_flight=150, max_json_values=99,
+                               max_seconds=0.5)
+
+        async def request(announced: int, parts: list[bytes], stall: bool) -> list[dict]:
+            """`parts` arrive, then (`stall`) nothing more: the client waits."""
+            messages = [{"type": "http.request", "body": p, "more_body": True} for p in parts]
+            if not stall:
+                messages[-1]["more_body"] = False
+            sent: list[dict] = []
+
+            async def receive() -> dict:
+                if messages:
+                    return messages.pop(0)
+                await asyncio.Event().wait()  # never: a client that sends no more
+                raise AssertionError
+
+            async def send(message: dict) -> None:
+                sent.append(message)
+
+            headers = [(b"content-length", str(announced).encode())]
+            await limit({"type": "http", "method": "POST", "path": "/", "headers": headers},
+                        receive, send)
+            return sent
+
+        stalled = [asyncio.create_task(request(100, [b"s"], stall=True)) for _ in range(3)]
+        for _ in range(100):
+            await asyncio.sleep(0)
+        assert limit.bytes_in_flight == 3  # a byte each, not 300
+        ok = await request(100, [b"o" * 100], stall=False)
+        assert ok[0]["status"] == 200 and seen == [b"o" * 100]
+        for sent in await asyncio.wait_for(asyncio.gather(*stalled), 60):  # a hang guard
+            assert sent[0]["status"] == 408
+            assert json.loads(sent[1]["body"])["error"]["message"] == (
+                "the request body did not arrive within max_request_body_seconds (0.5): send it "
+                "again"
+            )
+        assert limit.bytes_in_flight == 0 and seen == [b"o" * 100]
+
+    asyncio.run(main())
+
+
+def test_an_unclosed_string_is_dropped_to_the_end_in_one_pass() -> None:
+    """The comma count's string pattern takes a string that never closes to the body's end:
+    required to close, it was tried from every quote to the end (a body of a quote and 40,000
+    escaped quotes held the event loop for 13 s), and the commas after it counted."""
+    from v1.entrypoints.openai.api_server import _JSON_STRING
+
+    assert _JSON_STRING.sub(b"", b'a,"\\",\\",') == b"a,"
+    assert _JSON_STRING.sub(b"", b'{"a,b":1,"c\\"d":[1,2]}') == b"{:1,:[1,2]}"
+    body = b"," * 1000 + b'"' + b'\\"' * 40_000  # took 13 s when each quote was a new start
+    assert _JSON_STRING.sub(b"", body) == b"," * 1000
+
+
+def test_a_requests_lists_stop_at_their_first_bad_element() -> None:
+    """Every list a request gives is validated up to its first bad element: one error, not
+    one per element (a prompt of 1M floats built 1M errors, 3.9 s of the event loop)."""
+    from pydantic import ValidationError
+
+    from v1.entrypoints.openai.protocol import (
+        BatchChatCompletionRequest,
+        ChatCompletionRequest,
+        CompletionRequest,
+        DetokenizeRequest,
+    )
+    from v1.entrypoints.openai.protocol_pooling import EmbeddingRequest, ScoreRequest
+    from v1.entrypoints.openai.responses_protocol import ResponsesRequest
+
+    bad = [None] * 1000
+    for model, body in (
+        (CompletionRequest, {"prompt": [1.5] * 1000}),
+        (CompletionRequest, {"prompt": [[None]] * 1000}),
+        (CompletionRequest, {"prompt": ["a"] + bad}),
+        (CompletionRequest, {"prompt": "a", "stop_token_ids": bad}),
+        (CompletionRequest, {"prompt": "a", "allowed_token_ids": bad}),
+        (CompletionRequest, {"prompt": "a", "bad_words": bad}),
+        (ChatCompletionRequest, {"messages": bad}),
+        (ChatCompletionRequest, {"messages": [{"role": "user", "content": bad}]}),
+        (ChatCompletionRequest, {"messages": MESSAGES, "tools": bad}),
+        (BatchChatCompletionRequest, {"messages": [bad]}),
+        (DetokenizeRequest, {"tokens": bad}),
+        (EmbeddingRequest, {"input": [1.5] * 1000}),
+        (ScoreRequest, {"queries": "a", "documents": bad}),
+        (ResponsesRequest, {"input": bad}),
+    ):
+        with pytest.raises(ValidationError) as info:
+            model.model_validate(body)
+        assert len(info.value.errors()) <= 2, (model.__name__, info.value.errors()[:3])
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_a_400_names_the_first_errors_only(url: str) -> None:
+    """Values a request's lists do not stop at (an object's members) are named up to a few,
+    then counted: a message naming each of a million was 52 MB."""
+    body = {"prompt": "a", "logit_bias": {str(i): "x" for i in range(2000)}}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert len(message) < 2000 and message.endswith(" more errors"), message

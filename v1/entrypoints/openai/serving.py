@@ -231,8 +231,14 @@ class ServerLimits:
     )
     max_body_bytes_in_flight: int = limit_field(
         256 * 1024 * 1024, "the most bytes of request bodies the server holds for requests "
-        "whose response has not started (parsed, validated, tokenized, queued): beyond it a "
-        "request is refused with a 503 before its body is read",
+        "whose response has not started (parsed, validated, tokenized, queued), counted as "
+        "they arrive: a request whose body would pass it is refused with a 503, before its "
+        "body is read where its Content-Length says so",
+    )
+    max_request_body_seconds: int = limit_field(
+        60, "the most seconds a request's body may take to arrive: a slower one gets a 408 "
+        "(clients that announce a body and send it slowly, or never, would otherwise hold "
+        "their bytes of max_body_bytes_in_flight and a connection indefinitely)",
     )
 
     def __post_init__(self) -> None:
