@@ -501,3 +501,19 @@ def test_a_400_names_the_first_errors_only(url: str) -> None:
     assert response.status_code == 400, response.text
     message = response.json()["error"]["message"]
     assert len(message) < 2000 and message.endswith(" more errors"), message
+
+
+def test_unknown_fields_are_named_a_few_in_one_short_line(caplog) -> None:
+    """The warning naming a request's unknown fields names the first 16 (each cut at 64
+    characters), then counts: 1M unknown keys wrote 11.5 MB to the log per request."""
+    import logging
+
+    from v1.entrypoints.openai.protocol import CompletionRequest
+
+    extra = {f"k{i:05d}": 1 for i in range(1000)} | {"a" * 1000: 1}
+    with caplog.at_level(logging.WARNING, logger="v1.entrypoints.openai"):
+        CompletionRequest.model_validate({"prompt": "a", **extra})
+    [record] = [r for r in caplog.records if "ignoring fields" in r.getMessage()]
+    message = record.getMessage()
+    assert message.endswith("'k00014'] and 985 more") and len(message) < 500, message
+    assert "'" + "a" * 64 + "...'" in message
