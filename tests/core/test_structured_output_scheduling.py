@@ -104,6 +104,9 @@ def test_compile_error_and_rejected_token_finish_with_reason():
     assert "no such rule" in finished[bad.request_id].stop_reason
     assert finished[rejecting.request_id].finish_reason == "abort"
     assert "rejected" in finished[rejecting.request_id].stop_reason
+    # The refused token is not output (its mask allowed nothing: a grammar no text matches
+    # sampled from all-masked logits, and its text reached the client).
+    assert finished[rejecting.request_id].new_token_ids == []
     assert not scheduler.has_requests()
     scheduler.check_integrity()
 

@@ -528,9 +528,14 @@ class Scheduler:
                     logprobs = logprobs[: len(new_token_ids)]
             num_generated += len(new_token_ids)
             finish_reason = None
-            if stop or (
-                request.grammar is not None and self._advance_grammar(request, new_token_ids)
-            ):
+            grammar_done = not stop and request.grammar is not None and self._advance_grammar(
+                request, new_token_ids
+            )
+            if grammar_done and request.status == FINISHED_ABORTED:
+                # Refused: the mask allowed no token (a grammar no text matches), so this one
+                # is noise; the client gets the reason, not its text.
+                new_token_ids, logprobs = [], None
+            if stop or grammar_done:
                 stopped = True
                 if status == PREEMPTED:  # (async) preempted while it ran: it is waiting
                     self.waiting.remove_request(request)
@@ -614,7 +619,8 @@ class Scheduler:
     @staticmethod
     def _advance_grammar(request: Request, token_ids: list[int]) -> bool:
         """Feed the matcher the accepted tokens; finish the request when its grammar is
-        complete, or when it rejects a token (a state the mask should make unreachable)."""
+        complete, or (aborted) when it rejects a token: the mask allows only tokens it
+        accepts, unless it allows none at all."""
         assert request.grammar is not None
         if not request.grammar.accept_tokens(token_ids):
             request.status = FINISHED_ABORTED
