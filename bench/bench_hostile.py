@@ -14,11 +14,13 @@ back to back, and `/health` is polled every 0.1 s. The attacks run one at a time
     and a symlink out of one (404 unless the server opts in, `--runtime-lora`); 513 prompts
     x n=2; prompt_logprobs=20 over 100 prompts of 200 tokens; 150,000 allowed_token_ids x n=2;
     24 parallel 15 MB prompts (max_body_bytes_in_flight); one 15 MB body of token ids (parsed
-    and validated whole); 1025 /score pairs and a 15 MB /v1/embeddings input (a pooling
-    server's limits: the default server generates, so these two meet the routes' refusal);
-    last, a grammar at the size limits (one compilation's time), distinct ones whose clients
-    leave after a second, then a small grammar (its time is the compilations it waited for:
-    at most the one running when they left, the others' are not started).
+    and validated whole); a prompt of 1M floats, 1M unknown fields and a string left open
+    after 1M commas (bodies whose cost was per value); 1025 /score pairs and a 15 MB
+    /v1/embeddings input (a pooling server's limits: the default server generates, so these
+    two meet the routes' refusal); last, a grammar at the size limits (one compilation's
+    time), distinct ones whose clients leave after a second, then a small grammar (its time
+    is the compilations it waited for: at most the one running when they left, the others'
+    are not started).
 
 Per row: the HTTP status (with the error message's first words; "timeout" past the client
 time-out), the attack's time, the bystander's longest wait for progress while the attack ran
@@ -78,7 +80,7 @@ class Call:
     that the client's own JSON encoding of megabytes does not count as the server's stall."""
 
     path: str
-    body: dict[str, Any]
+    body: dict[str, Any] | bytes  # bytes: sent as they are (not JSON)
     timeout: float | None = None  # None: --timeout
     auth: bool = True  # /tokenize needs no key (as vLLM's)
 
@@ -211,6 +213,14 @@ def attacks(args: argparse.Namespace) -> dict[str, list[Step]]:
         "bodies_24x15mb": [[large_prompt] * 24],
         "token_ids_15mb": [Call("/v1/completions", completion(
             prompt=[1] * (LARGE_BODY_BYTES // 3)))],  # "1, " each
+        # Bodies whose cost was per value or per quote, on the event loop: a million bad
+        # values (one error each), a million unknown fields (each named in the log), a string
+        # left open after a million commas and 40,000 escaped quotes (the comma count's
+        # pattern rescanned to the end from every quote).
+        "bad_values_1m": [Call("/v1/completions", completion(prompt=[1.5] * 1_000_000))],
+        "unknown_fields_1m": [Call("/v1/completions", completion(
+            **{f"x{i}": 1 for i in range(1_000_000)}))],
+        "unclosed_string": [Call("/v1/completions", b"," * 1_048_576 + b'"' + b'\\"' * 40_000)],
         "score_1025_pairs": [Call("/score", {"text_1": "a", "text_2": ["b"] * 1025})],
         "embeddings_15mb": [Call("/v1/embeddings", {"input": big_text(LARGE_BODY_BYTES, "e")})],
         # One compilation's time at the size limits (the client waits for it); then clients
@@ -351,7 +361,10 @@ async def run_row(client: httpx.AsyncClient, bystander: Bystander, name: str, st
                   args: argparse.Namespace, pids: Callable[[], tuple[int | None, int | None]]
                   ) -> Row:
     groups = [step if isinstance(step, list) else [step] for step in steps]
-    bodies = {id(call): json.dumps(call.body).encode() for group in groups for call in group}
+    bodies = {
+        id(call): call.body if isinstance(call.body, bytes) else json.dumps(call.body).encode()
+        for group in groups for call in group
+    }
     row = Row(name)
     statuses: dict[str, int] = {}
 
