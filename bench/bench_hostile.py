@@ -8,8 +8,9 @@ back to back, and `/health` is polled every 0.1 s. The attacks run one at a time
     n = 10000 with a short client time-out; seed 2^70, priority 2^80, top_k 2^70; a lone
     surrogate in a prompt, a chat message, bad_words and /tokenize; a chat of 30,000 messages
     (the Jinja template's time); chat_template_kwargs {"messages": 5}; priority under the
-    fcfs policy; then for memory 10 distinct large prompts, 20 distinct large grammars
-    (choice lists) and three distinct 100k-entry choice lists. Then limits that multiply and
+    fcfs policy; a prompt of 6000 tokens (not hostile: its steps' time); then for memory 10
+    distinct large prompts, 20 distinct large grammars (choice lists) and three distinct
+    100k-entry choice lists. Then limits that multiply and
     the server's files: /v1/load_lora_adapter with an adapter folder outside the LoRA roots
     and a symlink out of one (404 unless the server opts in, `--runtime-lora`); 513 prompts
     x n=2; prompt_logprobs=20 over 100 prompts of 200 tokens; 150,000 allowed_token_ids x n=2;
@@ -183,6 +184,8 @@ def attacks(args: argparse.Namespace) -> dict[str, list[Step]]:
         "template_kwargs_messages": [Call("/v1/chat/completions", chat(
             chat_template_kwargs={"messages": 5}))],
         "priority_under_fcfs": [Call("/v1/completions", completion(priority=1))],
+        # Not hostile, only long: its prompt's steps are the bystander's longest waits.
+        "prompt_6000_tokens": [Call("/v1/completions", completion(prompt="y " * 6000))],
         # Memory: what the frontend keeps after large prompts, the engine after grammars.
         "prompts_10x1mb": [
             Call("/v1/completions", completion(prompt=big_text(1_000_000, f"p{i}")))
