@@ -107,6 +107,22 @@ def test_a_request_alone_is_not_held_to_the_long_prefill_threshold():
     drain(s)
 
 
+def test_a_request_alone_is_held_to_the_threshold_with_cap_lone_prefill():
+    """On CPU (cap_lone_prefill): a prompt alone takes threshold-sized chunks too, so one
+    arriving meanwhile waits for a short step, not a whole budget's."""
+    s = make_scheduler(max_num_seqs=2, max_num_batched_tokens=10, long_prefill_token_threshold=4,
+                       cap_lone_prefill=True)
+    a = make_request(30)
+    s.add_request(a)
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {a.request_id: 4}
+    b = make_request(3)
+    s.add_request(b)
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {a.request_id: 4, b.request_id: 3}
+    drain(s)
+
+
 def test_pause_states():
     """vLLM's pause states: PAUSED_NEW runs the running requests only, PAUSED_ALL nothing;
     new requests queue; with nothing to step the scheduler reports no work (the engine

@@ -23,6 +23,12 @@ from v1.config.scheduler import SchedulerConfig
 from v1.config.speculative import SpeculativeConfig
 from v1.reasoning import REASONING_PARSERS
 
+# long_prefill_token_threshold's default on CPU, where it caps a request alone too: in
+# 2048-token steps a 6000-token prompt held a user's request arriving meanwhile for up to
+# 11 s (a whole step's wait, or the whole prompt's without a cap), and prefilled in 1.13x the
+# time of 512-token steps (docs/serving.md, "Long prompts beside other users").
+CPU_LONG_PREFILL_TOKENS = 512
+
 
 def option(default: Any, help: str) -> Any:
     """An EngineArgs field: its default and its command-line help."""
@@ -65,9 +71,10 @@ class EngineArgs:
     enable_chunked_prefill: bool = option(
         True, "split long prompts over several steps, beside the running decodes"
     )
-    long_prefill_token_threshold: int = option(
-        0, "the most prompt tokens one request computes per step while others run or wait "
-        "(0: no cap)"
+    long_prefill_token_threshold: int | None = option(
+        None, "the most prompt tokens one request computes per step (0: no cap; default: "
+        "512 on CPU, where it holds for a request alone too, 0 on GPU, where a request alone "
+        "is exempt)"
     )
     scheduling_policy: str = option(
         "fcfs", "'fcfs' or 'priority' (lower priority values first)"
@@ -310,7 +317,12 @@ class EngineArgs:
             max_num_batched_tokens=batched,
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            long_prefill_token_threshold=(
+                (0 if on_gpu else CPU_LONG_PREFILL_TOKENS)
+                if self.long_prefill_token_threshold is None
+                else self.long_prefill_token_threshold
+            ),
+            cap_lone_prefill=not on_gpu,
             policy=self.scheduling_policy,
             async_scheduling=self.async_scheduling,
             enable_prefix_aware_scheduling=self.enable_prefix_aware_scheduling,

@@ -16,8 +16,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 8192
     enable_chunked_prefill: bool = True
-    # Caps one request's prefill chunk per step (0: no cap) so several prompts progress.
+    # Caps one request's prefill chunk per step (0: no cap) so several prompts progress;
+    # a request alone in the scheduler is exempt (vLLM's rule) unless `cap_lone_prefill`
+    # (on CPU: a prompt alone in 2048-token steps held a request arriving meanwhile for a
+    # whole step, seconds at long contexts, and prefilled no faster: EngineArgs).
     long_prefill_token_threshold: int = 0
+    cap_lone_prefill: bool = False
     policy: str = "fcfs"  # EngineArgs' scheduling_policy: one of SCHEDULING_POLICIES
     async_scheduling: bool = False
     # Prefix-aware admission (v1/core/sched/prefix_aware.py; SGLang's cache-aware policy,

@@ -102,6 +102,7 @@ class Scheduler:
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
+        self.cap_lone_prefill = scheduler_config.cap_lone_prefill
         self.async_scheduling = scheduler_config.async_scheduling
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
@@ -276,10 +277,12 @@ class Scheduler:
 
     def prefill_token_cap(self) -> int:
         """The most tokens one request may get in the next step (0: no cap): the
-        `long_prefill_token_threshold`, unless the request is alone in the scheduler. The
-        cap is there to share steps; a request alone would only get its first token later
-        (vLLM's rule)."""
-        return self.long_prefill_token_threshold if len(self.requests) > 1 else 0
+        `long_prefill_token_threshold`, unless the request is alone in the scheduler and
+        not `cap_lone_prefill`. The cap is there to share steps; a request alone would only
+        get its first token later (vLLM's rule), but for one arriving while its step runs
+        (on CPU, where that step takes seconds)."""
+        alone = len(self.requests) <= 1 and not self.cap_lone_prefill
+        return 0 if alone else self.long_prefill_token_threshold
 
     def schedule(self) -> SchedulerOutput:
         kv = self.kv_cache_manager
