@@ -25,8 +25,8 @@ from v1.reasoning import REASONING_PARSERS
 
 # long_prefill_token_threshold's default on CPU, where it caps a request alone too: in
 # 2048-token steps a 6000-token prompt held a user's request arriving meanwhile for up to
-# 11 s (a whole step's wait, or the whole prompt's without a cap), and prefilled in 1.13x the
-# time of 512-token steps (docs/serving.md, "Long prompts beside other users").
+# 11 s (a whole step's wait, or the whole prompt's without a cap); alone, it prefills in
+# 0.904x the time in 512-token steps (docs/serving.md, "Long prompts beside other users").
 CPU_LONG_PREFILL_TOKENS = 512
 
 
