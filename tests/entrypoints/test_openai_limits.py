@@ -453,6 +453,7 @@ def test_an_unclosed_string_is_dropped_to_the_end_in_one_pass() -> None:
     assert _JSON_STRING.sub(b"", b'{"a,b":1,"c\\"d":[1,2]}') == b"{:1,:[1,2]}"
     body = b"," * 1000 + b'"' + b'\\"' * 40_000  # took 13 s when each quote was a new start
     assert _JSON_STRING.sub(b"", body) == b"," * 1000
+    assert _JSON_STRING.sub(b"", body + b"\\") == b"," * 1000  # a lone backslash last
 
 
 def test_a_requests_lists_stop_at_their_first_bad_element() -> None:
