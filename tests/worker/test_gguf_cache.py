@@ -47,18 +47,24 @@ def test_an_entry_records_its_source_and_is_reused_while_the_file_is_unchanged(
     assert entries(cache) == {first.name, gguf_cache.converted_dir(other).name}
 
 
-def test_a_changed_or_removed_file_s_entries_go_at_the_next_conversion(cache, tmp_path):
-    model, other = tmp_path / "m.gguf", tmp_path / "n.gguf"
+def test_a_changed_file_s_entries_go_at_the_next_conversion_a_removed_one_s_an_hour_on(
+        cache, tmp_path):
+    """A file gone may be a mount another process sees: its entries wait an hour."""
+    model, other, third = tmp_path / "m.gguf", tmp_path / "n.gguf", tmp_path / "o.gguf"
     model.write_bytes(b"one")
     old, old_fp32 = convert(model), convert(model, "fp32")
     model.write_bytes(b"a new download")
     new = convert(model)
     assert new != old and entries(cache) == {new.name}  # the fp32 copy of the old one too
+    assert not old_fp32.exists()
     other.write_bytes(b"other")
     model.unlink()
-    convert(other)
-    assert entries(cache) == {gguf_cache.converted_dir(other).name}
-    assert not old_fp32.exists()
+    kept = convert(other)
+    assert entries(cache) == {new.name, kept.name}
+    age(new, 2 * gguf_cache._STALE_AGE_S)
+    third.write_bytes(b"third")
+    converted = convert(third)
+    assert entries(cache) == {kept.name, converted.name}
 
 
 def test_old_layouts_and_leftovers_go_once_an_hour_old(cache, tmp_path, monkeypatch):
@@ -75,6 +81,11 @@ def test_old_layouts_and_leftovers_go_once_an_hour_old(cache, tmp_path, monkeypa
     age(old_temp, 2 * gguf_cache._STALE_AGE_S)  # a conversion killed long ago
     (cache / "a-file").write_text("not an entry")
     age(cache / "a-file", 2 * gguf_cache._STALE_AGE_S)
+    newer = cache / "m-fedcba9876543210"  # another install's newer layout: not ours
+    newer.mkdir()
+    (newer / gguf_cache.SOURCE).write_text(
+        json.dumps({**gguf_cache._source(model), "version": gguf_cache._CONVERSION_VERSION + 1}))
+    age(newer, 2 * gguf_cache._STALE_AGE_S)
     current = convert(model)
-    assert entries(cache) == {current.name, young.name, temp.name, "a-file"}
+    assert entries(cache) == {current.name, young.name, temp.name, newer.name, "a-file"}
     assert not older.exists() and not legacy.exists() and not old_temp.exists()

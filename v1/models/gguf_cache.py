@@ -14,9 +14,10 @@ Converted once per file (keyed by its path, size and mtime), in `$V1_CACHE_DIR/g
     (each holds source.json: the file, size, mtime and layout version it was converted from)
 
 Bounded: each new conversion first removes the entries nothing can use again (their file
-gone or changed since, or converted by an older layout version; entries from before
-source.json once untouched for an hour), so the cache holds about one entry (and its fp32
-copy) per GGUF file on the machine, however often files are replaced or v1 upgraded.
+changed since, or converted by an older layout version; their file gone, or from before
+source.json, once an hour old), so the cache holds about one entry (and its fp32 copy) per
+GGUF file on the machine, however often files are replaced or v1 upgraded. A newer layout's
+entries are left to the install that wrote them.
 
 An engine loading the file reads the record alone (`recorded_config`, `recorded_eos`):
 importing transformers costs ~1 s of a start (`from transformers import PretrainedConfig`,
@@ -167,6 +168,22 @@ def _converted(target: Path, gguf_path: Path, write: Callable[[Path], None]) -> 
     return target
 
 
+def _stale_conversion(entry: Path) -> tuple[bool, str]:
+    """Whether a finished entry can never be used again, and why: converted by an older
+    layout, or its file changed since (then its key is another's). A file gone counts once
+    the entry is an hour old: the path may be a mount another process sees and this one
+    does not. Entries of a newer layout are another install's (a shared cache dir)."""
+    recorded = json.loads((entry / SOURCE).read_text())
+    if recorded["version"] < _CONVERSION_VERSION:
+        return True, "an older layout"
+    if recorded["version"] > _CONVERSION_VERSION:
+        return False, ""
+    path = Path(recorded["path"])
+    if not path.is_file():
+        return time.time() - entry.stat().st_mtime > _STALE_AGE_S, "its file is gone"
+    return _source(path) != recorded, "its file changed"
+
+
 def _remove_stale_entries(root: Path) -> None:
     """Remove what in the cache `root` nothing can use again (module docstring): a process
     killed mid-conversion leaves its temporary directory (hundreds of MB) behind; an entry's
@@ -179,10 +196,7 @@ def _remove_stale_entries(root: Path) -> None:
                 stale = time.time() - entry.stat().st_mtime > _STALE_AGE_S
                 why = "left behind"
             else:
-                recorded = json.loads((entry / SOURCE).read_text())
-                path = Path(recorded["path"])
-                stale = not path.is_file() or _source(path) != recorded
-                why = "its file changed or is gone"
+                stale, why = _stale_conversion(entry)
         except (OSError, ValueError, KeyError, TypeError):
             continue  # removed by someone else meanwhile, or not ours to judge
         if stale:
