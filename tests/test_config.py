@@ -71,8 +71,9 @@ def test_engine_args_builds_the_groups(tmp_path):
     on_cpu, _ = args.create_configs(4096, on_gpu=False)  # a step is seconds: short chunks
     assert on_cpu.max_num_batched_tokens == 2048 and on_cpu.long_prefill_token_threshold == 512
     assert on_cpu.cap_lone_prefill
-    assert EngineArgs(long_prefill_token_threshold=0).create_configs(
-        4096, on_gpu=False)[0].long_prefill_token_threshold == 0
+    for off in ({"long_prefill_token_threshold": 0}, {"enable_chunked_prefill": False}):
+        assert EngineArgs(**off).create_configs(  # chunked prefill off: whole prompts
+            4096, on_gpu=False)[0].long_prefill_token_threshold == 0
     assert cache.cache_dtype == "bfloat16" and cache.kv_cache_memory == 1 << 20
     assert cache.gpu_memory_utilization == 0.5 and cache.disk_bytes() == 8 << 30
     assert args.parallel_config() == ParallelConfig()

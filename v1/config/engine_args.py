@@ -73,8 +73,8 @@ class EngineArgs:
     )
     long_prefill_token_threshold: int | None = option(
         None, "the most prompt tokens one request computes per step (0: no cap; default: "
-        "512 on CPU, where it holds for a request alone too, 0 on GPU, where a request alone "
-        "is exempt)"
+        "512 on CPU with chunked prefill, where it holds for a request alone too; else 0; on "
+        "GPU a request alone is exempt)"
     )
     scheduling_policy: str = option(
         "fcfs", "'fcfs' or 'priority' (lower priority values first)"
@@ -318,7 +318,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=(
-                (0 if on_gpu else CPU_LONG_PREFILL_TOKENS)
+                (CPU_LONG_PREFILL_TOKENS if not on_gpu and self.enable_chunked_prefill else 0)
                 if self.long_prefill_token_threshold is None
                 else self.long_prefill_token_threshold
             ),
