@@ -20,11 +20,9 @@ peak than the AVX-512 library attains of its own.
 import argparse
 import ctypes
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -37,7 +35,7 @@ from bench.bench_kernel_variants import (  # noqa: E402
     SHAPES,
     attention_layers,
 )
-from bench.common import environment, print_table  # noqa: E402
+from bench.common import environment, print_table, seconds_per_call  # noqa: E402
 from v1.kernels import library, variants  # noqa: E402
 from v1.kernels.block_matmul import kernels  # noqa: E402
 from v1.models.layers.quantized import QuantizedWeight  # noqa: E402
@@ -59,17 +57,6 @@ def peaks() -> dict[str, float]:
         subprocess.run([*variants.compiler(), "-O2", str(SOURCE), "-o", str(exe)], check=True)
         out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
     return {name: float(rate) for name, rate in (line.split() for line in out.splitlines())}
-
-
-def best_seconds(run, rounds: int) -> float:
-    """The median of `rounds` timed calls after one untimed."""
-    run()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -104,11 +91,11 @@ def main() -> None:
                 for _ in range(LAYERS):
                     for w, x in zip(weights, xs):
                         q.linear(w, x, None, True)
-            rate = m * MATMUL_MACS / best_seconds(matmuls, args.rounds)
+            rate = m * MATMUL_MACS / seconds_per_call(matmuls, args.rounds)
             # scores and p.v: 2 D multiply-adds per query head and key (the keys a row sees)
             keys = sum(args.context - i for i in range(m))
             attend = attention_layers(cdll, m, args.context)
-            att = 2 * HEAD_DIM * HEADS * LAYERS * keys / best_seconds(attend, args.rounds)
+            att = 2 * HEAD_DIM * HEADS * LAYERS * keys / seconds_per_call(attend, args.rounds)
             table.append([name, m, rate / 1e9, rate / int8_peak, att / 1e9, att / f32_peak])
     print_table(["library", "rows", "int8 GMAC/s", "of peak", "attention GMAC/s", "of peak"],
                 [[n, m, f"{r:.1f}", f"{s:.2f}", f"{a:.1f}", f"{t:.2f}"]

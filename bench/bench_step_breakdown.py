@@ -44,7 +44,6 @@ import json
 import random
 import statistics
 import sys
-import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -62,6 +61,7 @@ from common import (
     load,
     make_llm,
     print_table,
+    seconds_per_call,
     setup_threads,
     write_outputs,
 )
@@ -169,17 +169,6 @@ class StepClock(CallClock):
             ]:
                 stack.enter_context(mock.patch.object(owner, attr, wrap(getattr(owner, attr))))
             yield
-
-
-def seconds_per_call(fn: Callable[[], Any], repeat: int) -> float:
-    """Median wall time of `repeat` calls after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def floors(model: Any, rows: int, kv_bytes: float, repeat: int) -> dict[str, float]:

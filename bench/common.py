@@ -164,6 +164,17 @@ def time_call(fn: Callable[[], object], reps: int) -> float:
     return (time.perf_counter() - start) / reps
 
 
+def seconds_per_call(fn: Callable[[], object], repeat: int) -> float:
+    """Median wall time of `repeat` calls after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def print_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     cells = [[str(h) for h in header]] + [
         [f"{c:.3f}" if isinstance(c, float) else str(c) for c in row] for row in rows
