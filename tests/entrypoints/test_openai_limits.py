@@ -482,6 +482,7 @@ def test_a_requests_lists_stop_at_their_first_bad_element() -> None:
         (ChatCompletionRequest, {"messages": [{"role": "user", "content": bad}]}),
         (ChatCompletionRequest, {"messages": MESSAGES, "tools": bad}),
         (BatchChatCompletionRequest, {"messages": [bad]}),
+        (BatchChatCompletionRequest, {"messages": bad}),  # the conversations' list too
         (DetokenizeRequest, {"tokens": bad}),
         (EmbeddingRequest, {"input": [1.5] * 1000}),
         (ScoreRequest, {"queries": "a", "documents": bad}),

@@ -45,11 +45,11 @@ logger = logging.getLogger("v1.entrypoints.openai")
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 NonNegativeInt64 = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
-_Item = TypeVar("_Item")
+T = TypeVar("T")
 # A list a request gives: its validation stops at the first bad element (by default each of
 # them made an error: a prompt of 1M floats built 1M, 3.9 s of the event loop in pydantic's
 # errors(), and a 52 MB message).
-Items = Annotated[list[_Item], Field(fail_fast=True)]
+Items = Annotated[list[T], Field(fail_fast=True)]
 
 
 def _prompt_kind(value: Any) -> str | None:
@@ -101,9 +101,6 @@ def _lax_bool(value: Any) -> Any:
         return value
 
 
-_UNKNOWN_SHOWN = 16  # unknown fields named in a request's warning
-
-T = TypeVar("T")
 # A field this server does not implement (yet): only its default is accepted.
 Unsupported = Annotated[T, _UnsupportedMark()]
 
@@ -140,13 +137,15 @@ class OpenAIBaseModel(BaseModel):
             raise ValueError(f"not supported by this server: leave it out{default}")
         return value
 
+    _UNKNOWN_SHOWN: ClassVar[int] = 16  # unknown fields a request's warning names
+
     @model_validator(mode="after")
     def _warn_about_unknown_fields(self) -> "OpenAIBaseModel":
         # The first few names, each cut short, and a count: one line of the log stays
         # small whatever a body holds (1M unknown keys wrote 11.5 MB a request).
         if self.model_extra:
             names = [n if len(n) <= 64 else n[:64] + "..."
-                     for n in heapq.nsmallest(_UNKNOWN_SHOWN, self.model_extra)]
+                     for n in heapq.nsmallest(self._UNKNOWN_SHOWN, self.model_extra)]
             more = len(self.model_extra) - len(names)
             logger.warning(
                 "%s: ignoring fields this server does not use: %s%s",
@@ -594,7 +593,7 @@ class BatchChatCompletionRequest(ChatCompletionRequest):
     answers conversation i. As vLLM's: one choice each (n=1), no beam search, not streamed;
     tools are refused too (vLLM's batch model has none)."""
 
-    messages: list[  # type: ignore[assignment]
+    messages: Items[  # type: ignore[assignment]
         Annotated[Items[ChatMessage], Field(min_length=1)]
     ] = Field(min_length=1)
 
