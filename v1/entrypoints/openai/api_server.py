@@ -323,6 +323,9 @@ def _error(status: int, message: str, param: str | None = None) -> Response:
     return Response(body.model_dump_json(), status, media_type="application/json")
 
 
+_ERRORS_SHOWN = 8  # validation errors a 400's message names
+
+
 async def _on_invalid_request(raw: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
     errors = exc.errors()
@@ -340,9 +343,6 @@ async def _on_invalid_request(raw: Request, exc: Exception) -> Response:
     if len(errors) > len(shown):
         message += f"; and {len(errors) - len(shown)} more errors"
     return _error(400, message, ".".join(os.path.commonprefix(locs)) or None)
-
-
-_ERRORS_SHOWN = 8
 
 
 def _reason(error: Any) -> str:
@@ -434,9 +434,12 @@ class _BodySizeLimit:
             return
         held = 0  # this request's share of bytes_in_flight
 
+        def fits(size: int) -> bool:  # this request holding `size` bytes instead
+            return self.bytes_in_flight - held + size <= self.max_bytes_in_flight
+
         def hold(size: int) -> bool:
             nonlocal held
-            if self.bytes_in_flight - held + size > self.max_bytes_in_flight:
+            if not fits(size):
                 return False
             self.bytes_in_flight += size - held
             held = size
@@ -448,7 +451,7 @@ class _BodySizeLimit:
             held = 0
 
         try:
-            if self.bytes_in_flight + int(length) > self.max_bytes_in_flight:
+            if not fits(int(length)):  # checked, not held: only bytes that arrive are
                 await self._busy(scope, receive, send)
                 return
             chunks, size = [], 0
