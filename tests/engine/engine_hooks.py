@@ -5,10 +5,12 @@ import gc
 import itertools
 import json
 import os
+import signal
 import sys
 import threading
 
 from tests.worker.step_costs import cheap_rows
+from v1.engine import core_proc
 from v1.engine.core import EngineCore
 
 
@@ -63,3 +65,21 @@ def record_start_imports(engine_core: EngineCore) -> None:
     with open(os.environ["V1_TEST_IMPORTS_FILE"], "w") as f:
         json.dump({"transformers": "transformers" in sys.modules,
                    "tokenizer": "tokenizer" in loaded}, f)
+
+
+def lose_the_first_sigterm(engine_core: EngineCore) -> None:
+    """The engine's first SIGTERM is lost (as one the busy loop misses, or a SystemExit raised
+    inside a finaliser); later ones end it as usual."""
+    ending = signal.getsignal(signal.SIGTERM)
+
+    def lose_once(signum, frame):
+        signal.signal(signal.SIGTERM, ending)
+
+    signal.signal(signal.SIGTERM, lose_once)
+
+
+def ignore_sigterm(engine_core: EngineCore) -> None:
+    """The engine never acts on SIGTERM (as with a shutdown stuck), and waits 1 s after its
+    parent's death before it exits at once."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    core_proc.PARENT_GONE_GRACE_S = 1.0

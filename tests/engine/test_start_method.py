@@ -29,6 +29,7 @@ from v1.engine.core_client import AsyncMPClient, SyncMPClient
 
 METHOD_ENV = "V1_WORKER_MULTIPROC_METHOD"
 QUICKSTART = Path(__file__).parent / "scripts" / "quickstart.py"
+REPO = Path(__file__).resolve().parents[2]  # where `tests.engine.engine_hooks` imports from
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
 # Starts an engine, generates greedily for the prompts in argv[1] and reports; then, once a
@@ -48,16 +49,19 @@ if sys.argv[2] != "exit":
 """
 
 
-def start_script(args: list[str], method: str | None) -> tuple[subprocess.Popen, str]:
-    """`python ARGS` with V1_WORKER_MULTIPROC_METHOD=method (None: unset) and a fresh mark in
-    its environment (see `marked_processes`); returns the process and the mark."""
+def start_script(args: list[str], method: str | None, more_env: dict[str, str] | None = None
+                 ) -> tuple[subprocess.Popen, str]:
+    """`python ARGS` with V1_WORKER_MULTIPROC_METHOD=method (None: unset), `more_env`, a
+    fresh mark (see `marked_processes`) and faulthandler on (SIGABRT prints every thread's
+    stack) in its environment; returns the process and the mark."""
     token = uuid.uuid4().hex
-    env = {k: v for k, v in os.environ.items() if k != METHOD_ENV} | {"V1_TEST_MARK": token}
+    env = {k: v for k, v in os.environ.items() if k != METHOD_ENV} | {
+        "V1_TEST_MARK": token, "PYTHONFAULTHANDLER": "1"} | (more_env or {})
     if method is not None:
         env[METHOD_ENV] = method
     proc = subprocess.Popen(
-        [sys.executable, *args], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
+        [sys.executable, *args], env=env, cwd=REPO, stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     return proc, f"V1_TEST_MARK={token}"
 
@@ -104,7 +108,13 @@ def end_engine_script(proc: subprocess.Popen, mark: str, end: str) -> dict:
     finally:
         if end == "kill":
             proc.kill()  # SIGKILL: the script cannot shut its engine down
-        _, err = proc.communicate("go\n", timeout=60)
+        try:
+            _, err = proc.communicate("go\n", timeout=60)  # EOF once its engine is gone
+        except subprocess.TimeoutExpired:
+            for pid in marked_processes(mark):  # their stacks say where they are stuck
+                os.kill(pid, signal.SIGABRT)
+            _, err = proc.communicate(timeout=60)
+            pytest.fail(f"the script's processes outlived it by 60 s:\n{err}")
     assert line, err
     assert children
     assert proc.returncode == (-signal.SIGKILL if end == "kill" else 0), err
@@ -128,6 +138,22 @@ def test_both_methods_match_inproc_and_end_with_their_script(inproc_tokens):
         for proc, _ in scripts:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("hook", ["lose_the_first_sigterm", "ignore_sigterm"])
+def test_an_engine_ends_with_its_killed_script_when_a_sigterm_is_lost_or_ignored(
+    hook, default_model_path
+):
+    # The engine's parent watch repeats its SIGTERM, and past a grace exits at once.
+    hook_env = {"V1_ENGINE_CORE_HOOK": f"tests.engine.engine_hooks:{hook}"}
+    proc, mark = start_script(["-c", ENGINE_SCRIPT, json.dumps(PROMPTS[:1]), "kill"], "fork",
+                              hook_env)
+    try:
+        end_engine_script(proc, mark, "kill")
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_unknown_method_is_a_value_error(monkeypatch):

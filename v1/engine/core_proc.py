@@ -49,6 +49,9 @@ logger = logging.getLogger("v1")
 # every READY_RETRY_MS for READY_TIMEOUT_S.
 READY_RETRY_MS = 5
 READY_TIMEOUT_S = 5.0
+# Once its parent is gone, how long the engine has to shut down (death notices to other
+# clients, the disk tier's queued writes) before it exits at once.
+PARENT_GONE_GRACE_S = 30.0
 
 
 class EngineCoreProc:
@@ -306,11 +309,21 @@ def _set_process_name(name: str) -> None:
 
 
 def _watch_parent(parent_pid: int) -> None:
-    """Terminate this process when its parent dies, even by SIGKILL: no orphaned engine."""
+    """Terminate this process when its parent dies, even by SIGKILL: no orphaned engine.
+    SIGTERM repeats every half second (the shutdown ignores it once begun): the busy loop
+    can miss one, a SystemExit raised inside a finaliser is dropped. Past
+    PARENT_GONE_GRACE_S (a shutdown stuck) the process exits at once."""
 
     def watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(0.5)
-        os.kill(os.getpid(), signal.SIGTERM)
+        logger.warning("the engine's parent process %d is gone: shutting down", parent_pid)
+        deadline = time.monotonic() + PARENT_GONE_GRACE_S
+        while time.monotonic() < deadline:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.5)
+        logger.error("the engine had not shut down %.0f s after its parent died: exiting now",
+                     PARENT_GONE_GRACE_S)
+        os._exit(1)
 
     threading.Thread(target=watch, name="v1-parent-watch", daemon=True).start()
