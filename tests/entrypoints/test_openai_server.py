@@ -778,18 +778,34 @@ def test_disconnect_aborts(server: Server) -> None:
         assert 0 < generated < max_tokens // 2
 
 
-def test_request_headers_are_bounded(server: Server) -> None:
-    """A request whose headers never end is answered with a 400 and its connection closed
-    once they pass 16 KiB (with no bound, 400 MB of them grew the frontend by 400 MB)."""
+def raw_exchange(server: Server, request: bytes) -> tuple[str, dict]:
+    """Send `request` as raw bytes, read the answer until the server closes; its status line
+    and JSON body."""
     with socket.create_connection(("127.0.0.1", server.port), timeout=60) as conn:
-        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        conn.sendall(request)
         answer = b""
-        with contextlib.suppress(ConnectionError):  # closed while headers were still sent
-            for _ in range(64):  # 1 MiB of headers, at most
-                conn.sendall(b"X-Pad: " + b"x" * 16_000 + b"\r\n")
-        with contextlib.suppress(ConnectionError):
-            answer = conn.recv(4096)
-    assert answer == b"" or answer.startswith(b"HTTP/1.1 400"), answer[:200]
+        while chunk := conn.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"content-type: application/json" in head.lower(), head
+    return head.split(b"\r\n")[0].decode(), json.loads(body)
+
+
+def test_request_headers_are_bounded(server: Server) -> None:
+    """A request whose headers pass 16 KiB is answered with a 400 naming the limit, its
+    connection closed (with no bound, 400 MB of them grew the frontend by 400 MB)."""
+    request = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X-Pad: " + b"x" * 20_000
+    status, body = raw_exchange(server, request)
+    assert status == "HTTP/1.1 400 Bad Request"
+    assert body["error"]["message"] == "the request's headers are over 16384 bytes (the limit)"
+
+
+def test_an_unparsable_request_gets_a_json_400(server: Server) -> None:
+    status, body = raw_exchange(server, b"NOT HTTP AT ALL\r\n\r\n")
+    assert status == "HTTP/1.1 400 Bad Request"
+    assert body["error"]["message"].startswith("invalid HTTP request: ")
+    assert body["error"]["type"] == "BadRequestError" and body["error"]["code"] == 400
+    assert httpx.get(f"{server.url}/health", timeout=60).status_code == 200
 
 
 def test_pause_resume_and_reset_prefix_cache(server: Server, one_at_a_time: Server) -> None:

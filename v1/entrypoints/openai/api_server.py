@@ -38,6 +38,7 @@ from v1.engine.async_llm import AsyncLLM
 from v1.engine.dp_headless import run_headless
 from v1.engine.exceptions import EngineDeadError
 from v1.entrypoints.openai import serving_chat_batch
+from v1.entrypoints.openai.http_protocol import JsonErrorH11Protocol
 from v1.entrypoints.openai.protocol import (
     BatchChatCompletionRequest,
     ChatCompletionRequest,
@@ -805,6 +806,6 @@ def main(argv: list[str], prog: str = "v1 serve") -> None:
         # closing a connection it had pipelined a second request on never aborted the first
         # (the disconnect reached the queued one only), and a request's headers had no size
         # bound (400 MB of them grew the frontend by 400 MB); h11 bounds them (16 KiB).
-        http="h11",
+        http=JsonErrorH11Protocol,
     )
 
