@@ -18,7 +18,8 @@ class JsonErrorH11Protocol(H11Protocol):
             limit = self.config.h11_max_incomplete_event_size or DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
             message = f"the request's headers are over {limit} bytes (the limit)"
         else:
-            message = f"invalid HTTP request: {error or msg}"
+            # h11 quotes the offending line, up to the 16 KiB bound: the start says enough.
+            message = f"invalid HTTP request: {str(error or msg)[:200]}"
         body = ErrorResponse.make(400, message).model_dump_json().encode()
         headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
                    (b"content-length", str(len(body)).encode())]
