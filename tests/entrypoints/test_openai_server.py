@@ -347,6 +347,11 @@ def test_logprobs(client: openai.OpenAI) -> None:
     for token_lp, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert 1 <= len(top) <= k and token_lp <= 0
         assert max(top.values()) == pytest.approx(token_lp)  # greedy
+    # logprobs=0: the sampled token alone (as OpenAI and vLLM: "up to logprobs + 1").
+    lp = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=0
+    ).choices[0].logprobs
+    assert lp.top_logprobs == [{t: pytest.approx(x)} for t, x in zip(lp.tokens, lp.token_logprobs)]
 
     # Streamed, the offsets run on across chunks.
     stream = client.completions.create(

@@ -821,8 +821,10 @@ def _completion_logprobs(
             given = logprobs_at[token_id]
             token = given.decoded_token or ""
             result.token_logprobs.append(clamp_logprob(given.logprob))
+            # The token itself, then the top k (OpenAI's "up to logprobs + 1"; vLLM's order).
+            top = [given, *(lp for lp in _top(logprobs_at, k) if lp is not given)]
             result.top_logprobs.append(
-                {lp.decoded_token or "": clamp_logprob(lp.logprob) for lp in _top(logprobs_at, k)}
+                {lp.decoded_token or "": clamp_logprob(lp.logprob) for lp in top}
             )
         result.tokens.append(token)
         result.text_offset.append(offset)
