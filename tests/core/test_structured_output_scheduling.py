@@ -107,6 +107,7 @@ def test_compile_error_and_rejected_token_finish_with_reason():
     # The refused token is not output (its mask allowed nothing: a grammar no text matches
     # sampled from all-masked logits, and its text reached the client).
     assert finished[rejecting.request_id].new_token_ids == []
+    assert scheduler.make_stats().num_generation_tokens == 0  # nor counted as generated
     assert not scheduler.has_requests()
     scheduler.check_integrity()
 

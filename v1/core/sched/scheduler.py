@@ -529,7 +529,6 @@ class Scheduler:
                 )
                 if logprobs is not None:
                     logprobs = logprobs[: len(new_token_ids)]
-            num_generated += len(new_token_ids)
             finish_reason = None
             grammar_done = not stop and request.grammar is not None and self._advance_grammar(
                 request, new_token_ids
@@ -538,6 +537,7 @@ class Scheduler:
                 # Refused: the mask allowed no token (a grammar no text matches), so this one
                 # is noise; the client gets the reason, not its text.
                 new_token_ids, logprobs = [], None
+            num_generated += len(new_token_ids)
             if stop or grammar_done:
                 stopped = True
                 if status == PREEMPTED:  # (async) preempted while it ran: it is waiting
