@@ -51,6 +51,8 @@ def test_normalization():
     assert p.stop == ["###"] and p.top_k == 0
     assert p.all_stop_token_ids == {5, 7}
     assert SamplingParams(temperature=0).greedy and not SamplingParams().greedy
+    # vLLM's: seed=-1 is no seed (each run samples anew).
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
 
 
 @pytest.mark.parametrize("kwargs", [{"stop": ["ok", "\ud800"]}, {"bad_words": ["x\udfff"]}])

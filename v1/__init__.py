@@ -15,7 +15,19 @@ if TYPE_CHECKING:
     from v1.engine.async_llm import AsyncLLM as AsyncLLMEngine
     from v1.engine.llm_engine import LLMEngine
     from v1.entrypoints.llm import LLM
-    from v1.outputs import CompletionOutput, RequestOutput
+    from v1.outputs import (
+        ClassificationOutput,
+        ClassificationRequestOutput,
+        CompletionOutput,
+        EmbeddingOutput,
+        EmbeddingRequestOutput,
+        PoolingOutput,
+        PoolingRequestOutput,
+        RequestOutput,
+        ScoringOutput,
+        ScoringRequestOutput,
+    )
+    from v1.pooling_params import PoolingParams
 
 # name -> (module, attribute): imported at first use.
 _LAZY = {
@@ -26,12 +38,20 @@ _LAZY = {
     "AsyncEngineArgs": ("v1.engine.arg_utils", "AsyncEngineArgs"),
     "RequestOutput": ("v1.outputs", "RequestOutput"),
     "CompletionOutput": ("v1.outputs", "CompletionOutput"),
+    "PoolingParams": ("v1.pooling_params", "PoolingParams"),
+    **{name: ("v1.outputs", name) for name in (
+        "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput", "EmbeddingRequestOutput",
+        "ClassificationOutput", "ClassificationRequestOutput", "ScoringOutput",
+        "ScoringRequestOutput",
+    )},
 }
 
 __all__ = [
     "LLM", "LLMEngine", "AsyncLLMEngine", "EngineArgs", "AsyncEngineArgs", "RequestOutput",
     "CompletionOutput", "PromptType", "TextPrompt", "TokensPrompt", "RequestOutputKind",
-    "SamplingParams", "StructuredOutputsParams",
+    "SamplingParams", "StructuredOutputsParams", "PoolingParams", "PoolingOutput",
+    "PoolingRequestOutput", "EmbeddingOutput", "EmbeddingRequestOutput", "ClassificationOutput",
+    "ClassificationRequestOutput", "ScoringOutput", "ScoringRequestOutput",
 ]
 
 

@@ -165,6 +165,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.seed == -1 and not isinstance(self.seed, bool):  # vLLM's: -1 is no seed
+            self.seed = None
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(
                 f"output_kind must be a RequestOutputKind ("

@@ -233,7 +233,7 @@ def test_stop_string_inside_a_multi_token_step(tokenizer, include: bool) -> None
 
     def run(chunks: list[int]) -> CompletionOutput:
         processor = OutputProcessor(tokenizer)
-        add(processor, tokenizer, stop=["delta", "beta gam"], logprobs=1, min_tokens=6,
+        add(processor, tokenizer, stop=["delta", "beta gam"], logprobs=1, min_tokens=5,
             include_stop_str_in_output=include)
         results, start = [], 0
         for size in chunks:
@@ -246,7 +246,7 @@ def test_stop_string_inside_a_multi_token_step(tokenizer, include: bool) -> None
         return only_output(results)
 
     ref = run([1] * len(ids))
-    # " beta gamma" completes "beta gam" at the 5th token, before min_tokens: " delta" ends it.
+    # " beta gamma" completes "beta gam" at the 5th token, within min_tokens: " delta" ends it.
     assert ref.stop_reason == "delta" and len(ref.token_ids) == 6
     for chunks in ([len(ids)], [3, 9, len(ids) - 12], random_chunks(rng, len(ids))):
         got = run(chunks)
@@ -282,11 +282,15 @@ def test_stop_string_found_on_the_cores_last_step(tokenizer) -> None:
 
 
 def test_stop_strings_wait_for_min_tokens(tokenizer) -> None:
+    # As vLLM: no stop string is looked for in the first min_tokens tokens' text (as no stop
+    # token id can be sampled there).
     ids = encode(tokenizer, " x y x y x")
-    processor = OutputProcessor(tokenizer)
-    add(processor, tokenizer, stop=[" x"], min_tokens=3, include_stop_str_in_output=True)
-    completion = only_output(feed(processor, "r", ids, finish_reason=None))
-    assert completion.text == " x y x"
+    for min_tokens, text in ((2, " x y x"), (3, " x y x y x")):
+        processor = OutputProcessor(tokenizer)
+        add(processor, tokenizer, stop=[" x"], min_tokens=min_tokens,
+            include_stop_str_in_output=True)
+        completion = only_output(feed(processor, "r", ids, finish_reason=None))
+        assert completion.text == text
 
 
 def test_delta_streaming_holds_back_possible_stop_strings(tokenizer) -> None:

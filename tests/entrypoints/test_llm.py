@@ -287,6 +287,13 @@ def test_bad_inputs_raise_and_engine_keeps_working(llm, hf_greedy, prompt, param
     assert_matches_hf(llm, [out], hf_greedy)
 
 
+def test_sampling_params_that_are_not_sampling_params_are_named(llm):
+    # A dict (vLLM takes none either) was read as a list of its keys, then failed far away.
+    for bad in ({"temperature": 0}, [GREEDY, "x"]):
+        with pytest.raises(ValueError, match=r"^sampling_params must be a SamplingParams"):
+            llm.generate(["hi"] * len(bad), bad, use_tqdm=False)
+
+
 @pytest.fixture(scope="module")
 def model_for_64(default_model_path):
     """`default_model` loaded for an engine's max_model_len 64, as an engine process loads

@@ -439,6 +439,20 @@ def test_serve_command_line_errors_and_underscores(capsys, monkeypatch) -> None:
     assert args.max_model_len == 32 and args.enforce_eager
 
 
+def test_vllms_top_level_names_are_there() -> None:
+    """`from vllm import ...` of vLLM's package names, with `vllm` replaced by `v1`."""
+    import v1
+    from v1 import outputs, pooling_params
+
+    pooling = ["PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput",
+               "EmbeddingRequestOutput", "ClassificationOutput", "ClassificationRequestOutput",
+               "ScoringOutput", "ScoringRequestOutput"]
+    assert all(getattr(v1, name) is getattr(outputs, name) for name in pooling)
+    assert v1.PoolingParams is pooling_params.PoolingParams
+    assert set(pooling) | {"PoolingParams", "LLM", "SamplingParams"} <= set(v1.__all__)
+    assert all(hasattr(v1, name) for name in v1.__all__)
+
+
 def test_vllms_v1_module_paths_are_the_same_modules() -> None:
     """vLLM V1's scripts import from `vllm.v1.*` (`vllm.v1.engine.async_llm`,
     `vllm.v1.metrics.reader`) and older ones from `vllm.engine.async_llm_engine`: with

@@ -78,7 +78,7 @@ class IncrementalDetokenizer:
             self._num_tokens += 1
             offset = len(self.output_text)
             self._add_text(text_ids[i : i + 1], finished and i == len(new_token_ids) - 1)
-            if self._num_tokens < self._min_tokens:
+            if self._num_tokens <= self._min_tokens:  # as vLLM: not in the first min_tokens
                 continue
             match = find_stop_string(self.output_text, len(self.output_text) - offset, self._stop)
             if match is not None:

@@ -121,6 +121,11 @@ class LLM(PoolingMixin):
             params = [sampling_params] * len(prompts)
         else:
             params = list(sampling_params)
+            if not all(isinstance(p, SamplingParams) for p in params):  # a dict's keys, ...
+                raise ValueError(
+                    "sampling_params must be a SamplingParams or a list of them (one per "
+                    f"prompt), got {type(sampling_params).__name__}"
+                )
             if len(params) != len(prompts):
                 raise ValueError(
                     f"got {len(params)} sampling params for {len(prompts)} prompts"
