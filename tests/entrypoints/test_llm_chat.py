@@ -93,3 +93,31 @@ def test_tools_reach_the_template(llm: LLM) -> None:
         "get_time;<|im_start|>user"
     )
     assert prompt_of(llm, [QUESTION], chat_template=template).startswith("<|im_start|>user")
+
+
+def test_messages_as_openai_sends_them(llm: LLM) -> None:
+    """As vLLM's message parsing: content as text parts (joined by newlines), an assistant's
+    tool calls with null content and JSON-text arguments (objects in the template), a tool's
+    answer. The model's own template renders them (it failed on both before)."""
+    template = TEMPLATE.replace(
+        "{{ m.content }}",
+        "{{ m.content }}{% for c in m.tool_calls or [] %}{{ c.function.arguments.city }}"
+        "{% endfor %}",
+    )
+    parts = {"role": "user", "content": [{"type": "text", "text": "Weather"},
+                                         {"type": "text", "text": "in Paris?"}]}
+    call = {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "c1", "type": "function",
+        "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]}
+    answer = {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
+    assert prompt_of(llm, [parts, call, answer], chat_template=template) == (
+        "<|im_start|>user\nWeather\nin Paris?<|im_end|>\n<|im_start|>assistant\nParis<|im_end|>\n"
+        "<|im_start|>tool\nsunny<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert "Weather\nin Paris?" in prompt_of(llm, [parts, call, answer])
+    for bad, match in (({"role": "user", "content": [{"type": "image_url"}]}, "text only"),
+                       ({**call, "tool_calls": [{"function": {"name": "f", "arguments": "["}}]},
+                        "tool call arguments must be a JSON object"),
+                       ({"content": "no role"}, "needs a 'role'")):
+        with pytest.raises(ValueError, match=match):
+            llm.chat([bad], ONE_TOKEN, use_tqdm=False)

@@ -8,6 +8,7 @@ also gives each request its internal id (see `EngineCoreRequest`).
 """
 
 import copy
+import json
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -213,9 +214,7 @@ class Processor:
         template raises is the caller's ValueError: what it renders is the request's."""
         if not messages:
             raise ValueError("messages is empty")
-        for m in messages:
-            if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
-                raise ValueError(f"each message needs 'role' and 'content', got {m!r}")
+        messages = [template_message(m) for m in messages]
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer")
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
@@ -235,7 +234,7 @@ class Processor:
             )
         try:
             return self.tokenizer.apply_chat_template(
-                list(messages), chat_template=chat_template, tokenize=False,
+                messages, chat_template=chat_template, tokenize=False,
                 tools=None if tools is None else list(tools), **kwargs,
             )
         except jinja2.TemplateError as e:  # the template refused the conversation
@@ -406,3 +405,44 @@ class Processor:
             pooling_params=params,
         )
         return request, text
+
+
+def template_message(message: Any) -> dict[str, Any]:
+    """A chat message as templates read it, as vLLM's message parsing gives it: its content
+    text (text parts joined by newlines; none or null: ""), its tool calls' arguments as
+    objects (templates write them with `tojson`; OpenAI sends JSON text); other keys kept."""
+    if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+        raise ValueError(f"each message needs a 'role', got {message!r}")
+    result = dict(message)
+    content = message.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(part, Mapping) and part.get("type") == "text"
+                   and isinstance(part.get("text"), str) for part in content):
+            raise ValueError(
+                f"content parts must be {{'type': 'text', 'text': str}} (text only), got "
+                f"{content!r:.200}"
+            )
+        content = "\n".join(part["text"] for part in content)
+    elif content is not None and not isinstance(content, str):
+        raise ValueError(f"content must be a string or a list of text parts, got {content!r:.200}")
+    result["content"] = content or ""
+    if message.get("tool_calls") is not None:
+        result["tool_calls"] = [_with_object_arguments(call) for call in message["tool_calls"]]
+    return result
+
+
+def _with_object_arguments(call: Any) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping):
+        raise ValueError(f"a tool call needs a 'function', got {call!r:.200}")
+    arguments = function.get("arguments") or "{}"  # none: {}, as vLLM
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"tool call arguments must be a JSON object, got {arguments!r:.200}: {e}"
+            ) from e
+    if not isinstance(arguments, Mapping):
+        raise ValueError(f"tool call arguments must be a JSON object, got {arguments!r:.200}")
+    return {**call, "function": {**function, "arguments": arguments}}

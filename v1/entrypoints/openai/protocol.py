@@ -10,7 +10,6 @@ with a warning, as vLLM does.
 """
 
 import heapq
-import json
 import logging
 from http import HTTPStatus
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
@@ -404,38 +403,19 @@ class ChatMessage(OpenAIBaseModel):
         return self
 
     def to_template_dict(self) -> dict[str, Any]:
-        """The message as chat templates read it: text content, and tool calls' arguments
-        as objects (templates write them with `tojson`), as vLLM passes them."""
+        """The message as `Processor.apply_chat_template` takes it (it parses the tool calls'
+        arguments); content parts' texts joined by newlines, as vLLM."""
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
+            content = "\n".join(part.text for part in content)
         message: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls is not None:
-            message["tool_calls"] = [
-                {"id": call.id, "type": call.type, "function": {
-                    "name": call.function.name,
-                    # Empty (no arguments): {}, as vLLM.
-                    "arguments": _json_object(
-                        call.function.arguments or "{}", "tool call arguments"
-                    ),
-                }}
-                for call in self.tool_calls
-            ]
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         return message
-
-
-def _json_object(text: str, what: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{what} must be a JSON object, got {text!r}: {e}") from e
-    if not isinstance(value, dict):
-        raise ValueError(f"{what} must be a JSON object, got {text!r}")
-    return value
 
 
 class FunctionDefinition(OpenAIBaseModel):
