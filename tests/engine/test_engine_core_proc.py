@@ -337,3 +337,21 @@ def test_connect_to_nothing_times_out(monkeypatch, tmp_path):
     monkeypatch.setattr("v1.engine.transport.CONNECT_TIMEOUT_S", 0.3)
     with pytest.raises(TimeoutError, match="no engine core answered"):
         SyncMPClient(address=f"ipc://{tmp_path}/nothing")
+
+
+def test_sigterm_waits_for_the_last_frame_of_a_message_being_sent() -> None:
+    """A SystemExit between two frames of a message left half of it on the socket, which the
+    death notice's frames then completed: the client read it garbled (a review reproduced it
+    with a slowed send). While `_send` sends, SIGTERM's exit waits until it is done."""
+    from v1.engine.core_proc import _Termination
+
+    sent = []
+    with pytest.raises(SystemExit):
+        with _Termination.deferred():
+            _Termination.on_signal(signal.SIGTERM, None)
+            sent.append("last frame")
+    assert sent == ["last frame"] and not _Termination.pending
+    with pytest.raises(SystemExit):  # elsewhere, at once
+        _Termination.on_signal(signal.SIGTERM, None)
+    with _Termination.deferred():  # a send with no signal: nothing raised
+        pass

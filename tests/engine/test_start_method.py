@@ -123,17 +123,20 @@ def end_engine_script(proc: subprocess.Popen, mark: str, end: str) -> dict:
 
 
 @pytest.mark.model
-def test_both_methods_match_inproc_and_end_with_their_script(inproc_tokens):
+def test_both_methods_match_inproc_and_end_with_their_script(inproc_tokens, tmp_path):
     # (fork, exit) is the quickstart's test; each method and each end once more here, side
-    # by side, to be quick (a third script cost CI ~20 s on 2 cores).
+    # by side, to be quick (a third script cost CI ~20 s on 2 cores). Nothing is left in
+    # their temporary directory: a killed script's engine removes its sockets' directory.
     runs = [("fork", "kill"), ("spawn", "exit")]
-    scripts = [start_script(["-c", ENGINE_SCRIPT, json.dumps(PROMPTS), end], method)
+    scripts = [start_script(["-c", ENGINE_SCRIPT, json.dumps(PROMPTS), end], method,
+                            {"TMPDIR": str(tmp_path)})
                for method, end in runs]
     try:
         for (method, end), (proc, mark) in zip(runs, scripts):
             report = end_engine_script(proc, mark, end)
             assert report["method"] == method
             assert report["tokens"] == inproc_tokens
+        assert not list(tmp_path.glob("v1-*"))
     finally:
         for proc, _ in scripts:
             proc.kill()
@@ -143,17 +146,44 @@ def test_both_methods_match_inproc_and_end_with_their_script(inproc_tokens):
 @pytest.mark.model
 @pytest.mark.parametrize("hook", ["lose_the_first_sigterm", "ignore_sigterm"])
 def test_an_engine_ends_with_its_killed_script_when_a_sigterm_is_lost_or_ignored(
-    hook, default_model_path
+    hook, default_model_path, tmp_path
 ):
-    # The engine's parent watch repeats its SIGTERM, and past a grace exits at once.
-    hook_env = {"V1_ENGINE_CORE_HOOK": f"tests.engine.engine_hooks:{hook}"}
+    # The engine's parent watch repeats its SIGTERM, and past a grace exits at once (its
+    # sockets and their directory removed all the same).
+    hook_env = {"V1_ENGINE_CORE_HOOK": f"tests.engine.engine_hooks:{hook}",
+                "TMPDIR": str(tmp_path)}
     proc, mark = start_script(["-c", ENGINE_SCRIPT, json.dumps(PROMPTS[:1]), "kill"], "fork",
                               hook_env)
     try:
         end_engine_script(proc, mark, "kill")
+        assert not list(tmp_path.glob("v1-*"))
     finally:
         proc.kill()
         proc.wait()
+
+
+# Starts and shuts down an engine from a thread that blocks SIGTERM; prints how the engine
+# process ended (its exit code) and how long the shutdown took.
+BLOCKED_SIGTERM_SCRIPT = f"""
+import signal, time
+from v1 import LLM
+signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGTERM}})
+llm = LLM(**{SMALL_ENGINE!r})
+proc = llm.llm_engine.client._res.proc
+start = time.monotonic()
+llm.shutdown()
+print(proc.exitcode, time.monotonic() - start)
+"""
+
+
+@pytest.mark.model
+def test_an_engine_started_with_sigterm_blocked_still_shuts_down_on_it(default_model_path):
+    # fork and spawn keep the starting thread's signal mask: the engine unblocks SIGTERM (it
+    # was killed after 10 s instead, its clients told nothing).
+    proc, _ = start_script(["-c", BLOCKED_SIGTERM_SCRIPT], "fork")
+    out, err = proc.communicate(timeout=120)
+    exitcode, seconds = out.split()
+    assert exitcode == "0" and float(seconds) < PROMPTLY_S, err
 
 
 def test_unknown_method_is_a_value_error(monkeypatch):

@@ -31,6 +31,7 @@ from v1.engine.exceptions import (
 )
 from v1.engine.launch import EngineLaunch, stop_process
 from v1.engine.protocol import (
+    ENGINE_SOCKET_DIR_PREFIX,
     UTILITY_RESULT_TYPES,
     EngineCoreRequestType,
     UtilityRequest,
@@ -206,7 +207,7 @@ class MPClient(ABC):
             early = None
             if args is not None:
                 if address is None:
-                    self._res.tmp_dir = tempfile.mkdtemp(prefix="v1-engine-")
+                    self._res.tmp_dir = tempfile.mkdtemp(prefix=ENGINE_SOCKET_DIR_PREFIX)
                     address = f"ipc://{self._res.tmp_dir}/engine"
                 # A GGUF file is converted before the engine process starts (it finds it so);
                 # then the engine loads the model while this process imports transformers

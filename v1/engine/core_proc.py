@@ -8,6 +8,7 @@ terminates it or dies (never orphaned) and removes its ipc socket files; a clien
 its requests aborted. Why one thread: docs/serving.md, "One thread in the engine process".
 """
 
+import contextlib
 import ctypes
 import gc
 import importlib
@@ -18,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
@@ -37,6 +39,7 @@ from v1.engine.protocol import (
     UtilityResult,
     client_routing_id,
     output_address,
+    remove_socket_dir,
     remove_socket_files,
 )
 from v1.outputs import EngineCoreOutput, EngineCoreOutputs
@@ -126,8 +129,8 @@ class EngineCoreProc:
         # it (v1/startup_gc.py). Ours runs, paused below while the core is built. (SIGINT and
         # the wakeup fd: `launch._engine_main`, before torch loads.)
         gc.enable()
-        signal.signal(signal.SIGTERM, _exit_on_signal)
-        _watch_parent(parent_pid)
+        signal.signal(signal.SIGTERM, _Termination.on_signal)
+        _watch_parent(parent_pid, address)
         _set_process_name(multiprocessing.current_process().name)
         if num_threads is not None:
             torch.set_num_threads(num_threads)
@@ -171,6 +174,7 @@ class EngineCoreProc:
         self._output_socket.close(linger=1000)  # give the death notices a moment to leave
         self._ctx.destroy(linger=0)
         remove_socket_files(self.address)
+        remove_socket_dir(self.address)
 
     # -- the busy loop -----------------------------------------------------------------
 
@@ -251,14 +255,16 @@ class EngineCoreProc:
     def _send(self, client: int, kind: EngineCoreOutputType, message: Any) -> bool:
         """False when the client is not connected (any more)."""
         frames = (client_routing_id(client), kind.value, self._encoder.encode(message))
-        try:
-            # Copied: pyzmq sends a large frame zero-copy and then wakes its garbage-collector
-            # thread to free it, a second Python thread taking the GIL from the busy loop.
-            self._output_socket.send_multipart(frames)
-        except zmq.ZMQError as e:
-            if e.errno != zmq.EHOSTUNREACH:
-                raise
-            return False
+        with _Termination.deferred():  # never half a message
+            try:
+                # Copied: pyzmq sends a large frame zero-copy and then wakes its
+                # garbage-collector thread to free it, a second Python thread taking the GIL
+                # from the busy loop.
+                self._output_socket.send_multipart(frames)
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EHOSTUNREACH:
+                    raise
+                return False
         return True
 
     def _client_gone(self, client: int) -> None:
@@ -294,8 +300,32 @@ class EngineCoreProc:
         self._reply(call.client_index, EngineCoreOutputType.UTILITY_RESULT, answer)
 
 
-def _exit_on_signal(signum: int, frame: Any) -> None:
-    raise SystemExit(0)
+class _Termination:
+    """SIGTERM's handler (the process's): SystemExit wherever the busy loop is, but while a
+    message's frames are being sent, right after them. Between two frames, it left half a
+    message, which the death notice's frames then completed: the client read it garbled."""
+
+    sending = False
+    pending = False
+
+    @classmethod
+    def on_signal(cls, signum: int, frame: Any) -> None:
+        if cls.sending:
+            cls.pending = True
+            return
+        raise SystemExit(0)
+
+    @classmethod
+    @contextlib.contextmanager
+    def deferred(cls) -> Iterator[None]:
+        cls.sending = True
+        try:
+            yield
+        finally:
+            cls.sending = False
+        if cls.pending:
+            cls.pending = False
+            raise SystemExit(0)
 
 
 def _set_process_name(name: str) -> None:
@@ -308,11 +338,11 @@ def _set_process_name(name: str) -> None:
         pass
 
 
-def _watch_parent(parent_pid: int) -> None:
+def _watch_parent(parent_pid: int, address: str) -> None:
     """Terminate this process when its parent dies, even by SIGKILL: no orphaned engine.
     SIGTERM repeats every half second (the shutdown ignores it once begun): the busy loop
     can miss one, a SystemExit raised inside a finaliser is dropped. Past
-    PARENT_GONE_GRACE_S (a shutdown stuck) the process exits at once."""
+    PARENT_GONE_GRACE_S (a shutdown stuck) the process exits at once, its sockets removed."""
 
     def watch() -> None:
         while os.getppid() == parent_pid:
@@ -324,6 +354,8 @@ def _watch_parent(parent_pid: int) -> None:
             time.sleep(0.5)
         logger.error("the engine had not shut down %.0f s after its parent died: exiting now",
                      PARENT_GONE_GRACE_S)
+        remove_socket_files(address)
+        remove_socket_dir(address)
         os._exit(1)
 
     threading.Thread(target=watch, name="v1-parent-watch", daemon=True).start()

@@ -33,7 +33,7 @@ from v1.engine.dp_launch import cores_for, wait_all
 from v1.engine.dp_router import DPRouter, LoadGuard
 from v1.engine.exceptions import EngineCoreDeadError, EngineDeadError
 from v1.engine.launch import EngineLaunch
-from v1.engine.protocol import remove_socket_files
+from v1.engine.protocol import DP_SOCKET_DIR_PREFIX, remove_socket_files
 from v1.outputs import EngineCoreOutputs, SchedulerStats
 from v1.request import EngineCoreRequest
 
@@ -126,7 +126,7 @@ class DPClientBase:
                 "a frontend runs engine cores 0.. itself (data_parallel_start_rank 0, "
                 "data_parallel_size_local >= 1); cores of other ranks run headless"
             )
-        tmp_dir = tempfile.mkdtemp(prefix="v1-dp-")
+        tmp_dir = tempfile.mkdtemp(prefix=DP_SOCKET_DIR_PREFIX)
         closers: list[Any] = []  # what _release closes after the connections
         registration: list[RegistrationServer] = []
         self._finalizer = weakref.finalize(self, _release, self.engines, tmp_dir, closers)

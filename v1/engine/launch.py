@@ -61,6 +61,8 @@ def _engine_main(*args: Any) -> None:
     # frontend handles it and shuts us down (from the start: torch's import takes seconds).
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The signal mask is the starting thread's (fork and spawn keep it): SIGTERM must reach us.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     import_engine_module("v1.engine.core_proc").EngineCoreProc.run_engine_core(*args)
 
 
