@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from tests.worker.step_costs import cheap_rows
 from v1.engine import core_proc
@@ -83,3 +84,17 @@ def ignore_sigterm(engine_core: EngineCore) -> None:
     parent's death before it exits at once."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     core_proc.PARENT_GONE_GRACE_S = 1.0
+
+
+def slow_shutdown(engine_core: EngineCore) -> None:
+    """The engine's shutdown takes 30 s (a disk tier's long flush, say); it writes the file
+    named by V1_TEST_SHUTDOWN_FILE as it begins."""
+    shutdown = engine_core.shutdown
+
+    def slow() -> None:
+        with open(os.environ["V1_TEST_SHUTDOWN_FILE"], "w"):
+            pass
+        time.sleep(30)
+        shutdown()
+
+    engine_core.shutdown = slow

@@ -186,6 +186,40 @@ def test_an_engine_started_with_sigterm_blocked_still_shuts_down_on_it(default_m
     assert exitcode == "0" and float(seconds) < PROMPTLY_S, err
 
 
+# Starts an engine, reports, and waits to be interrupted.
+INTERRUPTED_SCRIPT = f"""
+import time
+from v1 import LLM
+llm = LLM(**{SMALL_ENGINE!r})
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.model
+def test_a_second_ctrl_c_while_the_engine_shuts_down_ends_the_script_at_once(
+    default_model_path, tmp_path
+):
+    # The first Ctrl-C ends the script, which stops its engine (whose shutdown here takes
+    # 30 s); the second one, meanwhile, kills it: the script ended after those 30 s before,
+    # its engine's directory left behind.
+    started = tmp_path / "shutdown-started"
+    proc, mark = start_script(["-c", INTERRUPTED_SCRIPT], "fork", {
+        "V1_ENGINE_CORE_HOOK": "tests.engine.engine_hooks:slow_shutdown",
+        "V1_TEST_SHUTDOWN_FILE": str(started), "TMPDIR": str(tmp_path)})
+    try:
+        assert proc.stdout.readline() == "ready\n", proc.stderr.read()
+        proc.send_signal(signal.SIGINT)
+        wait_until(started.exists)
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=PROMPTLY_S)
+        wait_until(lambda: not marked_processes(mark), PROMPTLY_S)
+        assert not list(tmp_path.glob("v1-*"))
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_unknown_method_is_a_value_error(monkeypatch):
     monkeypatch.setenv(METHOD_ENV, "forkserver")
     with pytest.raises(ValueError, match=f"{METHOD_ENV}='forkserver'.*'fork' or 'spawn'"):

@@ -165,13 +165,15 @@ class _Resources:
 
     def release(self) -> None:
         self.stop.set()
-        if self.thread is not None and self.thread is not threading.current_thread():
-            self.thread.join(5)  # it polls every 100 ms
-        if self.proc is not None:
-            stop_process(self.proc)
-        self.ctx.destroy(linger=0)
-        if self.tmp_dir is not None:
-            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+        try:
+            if self.thread is not None and self.thread is not threading.current_thread():
+                self.thread.join(5)  # it polls every 100 ms
+            if self.proc is not None:
+                stop_process(self.proc)
+        finally:  # interrupted too (a second Ctrl-C)
+            self.ctx.destroy(linger=0)
+            if self.tmp_dir is not None:
+                shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
 
 class MPClient(ABC):

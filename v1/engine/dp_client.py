@@ -101,11 +101,13 @@ def _release(engines: list[_CoreConnection], tmp_dir: str, closers: list[Any]) -
         proc = engine._res.proc
         if proc is not None and proc.is_alive():
             proc.terminate()
-    for engine in engines:
-        engine.shutdown()
-    for closer in closers:
-        closer.close()
-    shutil.rmtree(tmp_dir, ignore_errors=True)
+    try:
+        for engine in engines:
+            engine.shutdown()
+        for closer in closers:
+            closer.close()
+    finally:  # interrupted too (a second Ctrl-C)
+        shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
 class DPClientBase:

@@ -172,10 +172,16 @@ def _fork_from_fresh_thread(proc: BaseProcess) -> None:
 
 def stop_process(proc: BaseProcess) -> None:
     """Terminate an engine process (it notifies its clients and exits), kill it if it
-    lingers, and reap it."""
-    if proc.is_alive():
-        proc.terminate()
-        proc.join(10)
+    lingers, and reap it. Interrupted while it waits (a second Ctrl-C), it kills it first:
+    else multiprocessing waits for it at exit, however long its shutdown takes."""
+    try:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(10)
+    except BaseException:
+        proc.kill()
+        proc.join()
+        raise
     if proc.is_alive():
         proc.kill()
     proc.join()
