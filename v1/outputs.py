@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 import msgspec
 
+from v1.lora.request import LoRARequest
+
 if TYPE_CHECKING:  # the core stays torch-free: only the frontend builds these tensors
     import torch
 
@@ -136,6 +138,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    lora_request: LoRARequest | None = None  # the adapter it ran with, as vLLM's
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -167,6 +170,7 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    lora_request: LoRARequest | None = None
 
 
 # ---- pooling (runner="pooling"), shaped like vLLM's ------------------------------------------

@@ -54,7 +54,11 @@ def test_two_adapters_and_base_in_one_batch_match_peft_merged(lora_fixture, kwar
     prompts = [p for p in PROMPTS for _ in range(3)]
     loras = [l1, l2, None] * len(PROMPTS)
     with _llm(fx, **kwargs) as llm:
-        got = _tokens(llm.generate(prompts, PARAMS, lora_request=loras, use_tqdm=False))
+        outputs = llm.generate(prompts, PARAMS, lora_request=loras, use_tqdm=False)
+        got = _tokens(outputs)
+        # Each output names its adapter, as vLLM's.
+        assert [(o.lora_request, o.outputs[0].lora_request) for o in outputs] == [
+            (lora, lora) for lora in loras]
         core = llm.llm_engine.client.engine_core
         core.check_integrity()
         if "num_gpu_blocks" in kwargs:

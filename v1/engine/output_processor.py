@@ -147,6 +147,7 @@ class ParentRequest:
             ),
             num_cached_tokens=self.num_cached_tokens,
             metrics=_snapshot(self.metrics),
+            lora_request=self.request.lora_request,
         )
 
 
@@ -167,6 +168,7 @@ class RequestState:
         self.external_req_id = _external_req_id(request)
         self.prompt = prompt
         self.prompt_token_ids = request.prompt_token_ids
+        self.lora_request = request.lora_request
         self.output_kind = output_kind
         self.parent = parent
         self.index = index  # in the parent's outputs
@@ -261,6 +263,7 @@ class RequestState:
             logprobs=None if self.logprobs is None else self.logprobs[start:],
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
+            lora_request=self.lora_request,
         )
 
     def make_request_output(self, completion: CompletionOutput) -> RequestOutput:
@@ -273,6 +276,7 @@ class RequestState:
             prompt_logprobs=self.take_prompt_logprobs(),
             num_cached_tokens=self.num_cached_tokens,
             metrics=_snapshot(self.metrics),
+            lora_request=self.lora_request,
         )
 
     def take_prompt_logprobs(self) -> PromptLogprobs | None:
