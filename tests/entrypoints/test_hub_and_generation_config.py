@@ -210,7 +210,7 @@ def test_generation_config_defaults_for_llm(
     opts = {"multiprocess": False, "max_model_len": 64, "num_gpu_blocks": 16}
     with caplog.at_level("INFO", logger="v1"):
         llm = LLM(str(models.main_dir), **opts)
-    assert "default sampling parameters from" in caplog.text and "'max_tokens': 5" in caplog.text
+    assert "default sampling parameters" in caplog.text and "'max_tokens': 5" in caplog.text
     defaults = llm.get_default_sampling_params()
     assert (defaults.temperature, defaults.top_p, defaults.top_k, defaults.max_tokens) == (
         0.0, 0.9, 20, 5,
@@ -231,6 +231,17 @@ def test_generation_config_defaults_for_llm(
     assert _tokens(llm) == models.greedy_main[:3]
     with pytest.raises(ValueError, match="generation_config must be"):
         LLM(str(models.main_dir), generation_config="no-such-dir", **opts)
+
+    # vLLM's override_generation_config: its keys over the file's, or alone under "vllm".
+    llm = LLM(str(models.main_dir), override_generation_config={"max_new_tokens": 4}, **opts)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.max_tokens) == (0.0, 4)
+    assert _tokens(llm) == models.greedy_main[:4]
+    llm = LLM(str(models.main_dir), generation_config="vllm",
+              override_generation_config={"top_k": 3}, **opts)
+    assert llm.get_default_sampling_params() == SamplingParams(top_k=3)
+    with pytest.raises(ValueError, match="override_generation_config must be a dict of"):
+        LLM(str(models.main_dir), override_generation_config={"max_tokens": 4}, **opts)
 
 
 @pytest.mark.slow

@@ -260,7 +260,7 @@ def test_vllms_options_are_accepted_or_refused(gguf_model, caplog) -> None:
         "enable_expert_parallel": True, "tokenizer_mode": "auto",
         "distributed_executor_backend": "mp", "disable_custom_all_reduce": True,
         "max_seq_len_to_capture": 4096, "disable_log_requests": True, "task": "generate",
-        "load_format": "safetensors",
+        "load_format": "safetensors", "logprobs_mode": "raw_logprobs",
     }
     with caplog.at_level(logging.INFO, logger="v1"):
         with LLM(loaded_model=gguf_model, **SMALL_ENGINE, **options) as llm:
@@ -281,6 +281,9 @@ def test_vllms_options_are_accepted_or_refused(gguf_model, caplog) -> None:
         ({"task": "embed"}, r"task='embed' .*take runner='pooling'"),
         ({"runner": "draft"}, r"runner must be one of auto, generate, pooling"),
         ({"load_format": "dummy"}, r"load_format='dummy' is not supported"),
+        ({"logprobs_mode": "processed_logits"}, r"logprobs_mode='processed_logits' is not"),
+        ({"tokenizer_revision": "v2"}, "tokenizer revision other than the model's"),
+        ({"skip_tokenizer_init": True}, "outputs always have their text"),
         ({"no_such_option": 1}, r"unknown engine options \['no_such_option'\]"),
         ({"hf_overrides": {"rms_norm_eps": 1e-3}}, "cannot change a model already loaded"),
         ({"logits_processors": ["no_colon"]}, "must be classes or 'module:Class' names"),

@@ -59,6 +59,11 @@ class EngineArgs:
         "generation_config.json), 'vllm' (SamplingParams' own) or a directory holding a "
         "generation_config.json",
     )
+    override_generation_config: dict[str, Any] | None = option(
+        None, "generation_config.json keys set over the file's (or alone, with "
+        "--generation-config vllm), as a JSON object: temperature, top_p, top_k, min_p, "
+        "repetition_penalty, max_new_tokens",
+    )
     max_model_len: int | None = option(
         None, "the longest prompt plus output, in tokens (default: the model's context length)"
     )
@@ -209,6 +214,9 @@ class EngineArgs:
     load_format: str = option("auto", ignored_help("load_format"))
     enable_log_requests: bool = option(False, ignored_help("enable_log_requests"))
     disable_log_requests: bool = option(False, ignored_help("disable_log_requests"))
+    tokenizer_revision: str | None = option(None, ignored_help("tokenizer_revision"))
+    logprobs_mode: str = option("raw_logprobs", ignored_help("logprobs_mode"))
+    skip_tokenizer_init: bool = option(False, ignored_help("skip_tokenizer_init"))
     # What one request may ask for (the frontend checks); the help is `InputLimits`'.
     max_logprobs: int = DEFAULT_LIMITS.max_logprobs
     max_n_sequences: int = DEFAULT_LIMITS.max_n_sequences
@@ -270,6 +278,7 @@ class EngineArgs:
     def model_config(self) -> ModelConfig:
         return ModelConfig(
             model=self.model, revision=self.revision, generation_config=self.generation_config,
+            override_generation_config=self.override_generation_config,
             device=self.device, dtype=self.dtype, quantization=self.quantization,
             seed=self.seed, runner=self.runner, pooler_config=self.pooler_config,
             hf_overrides=self.hf_overrides,

@@ -87,6 +87,19 @@ IGNORED_OPTIONS: dict[str, IgnoredOption] = {
         only=("auto", "safetensors", "gguf"),
         refused="other formats (and 'dummy' random weights) are not loaded",
     ),
+    "tokenizer_revision": IgnoredOption(
+        "the tokenizer is always the model's own, at the model's revision", only=(None,),
+        refused="a tokenizer revision other than the model's is not supported",
+    ),
+    "logprobs_mode": IgnoredOption(
+        "logprobs are the model's raw ones, before any sampling parameter changes them "
+        "(vLLM's default)", only=("raw_logprobs",),
+        refused="processed logprobs and logits are not returned",
+    ),
+    "skip_tokenizer_init": IgnoredOption(
+        "the tokenizer is loaded when a request needs it (text in or out, a grammar)",
+        only=(False,), refused="outputs always have their text",
+    ),
     # vLLM's serve flag and its older, still common, opposite.
     "enable_log_requests": IgnoredOption(_NO_REQUEST_LOG),
     "disable_log_requests": IgnoredOption(_NO_REQUEST_LOG),

@@ -112,6 +112,7 @@ class ModelConfig:
     model: str | None = None
     revision: str | None = None
     generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | None = None
     device: str = "auto"
     dtype: str = "auto"
     quantization: str | None = None  # None: chosen by the loader for the model's files
@@ -146,32 +147,44 @@ class ModelConfig:
                 "generation_config must be 'auto', 'vllm' or a directory holding a "
                 f"generation_config.json, got {gen!r}"
             )
+        override = self.override_generation_config
+        if override is not None and not (
+            isinstance(override, dict) and override.keys() <= GENERATION_CONFIG_DEFAULTS.keys()
+        ):
+            raise ValueError(
+                f"override_generation_config must be a dict of "
+                f"{', '.join(GENERATION_CONFIG_DEFAULTS)}, got {override!r}"
+            )
 
     def get_diff_sampling_param(self, model_dir: str | os.PathLike[str]) -> dict[str, Any]:
         """vLLM's: the default sampling parameters the model's creator recommends, for
         requests that do not set them: generation_config.json's temperature, top_p, top_k,
         min_p, repetition_penalty and max_new_tokens (as max_tokens), as SamplingParams
         keywords. Read from `model_dir` (the loaded model's HF directory) under "auto", from
-        the given directory under a path; nothing under "vllm" or without the file."""
-        if self.generation_config == "vllm":
-            return {}
-        folder = model_dir if self.generation_config == "auto" else self.generation_config
-        file = Path(folder).expanduser() / "generation_config.json"
-        try:
-            config = json.loads(file.read_text())
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError) as e:
-            raise ValueError(f"cannot read {file}: {e}") from e
+        the given directory under a path; nothing under "vllm" or without the file; then
+        `override_generation_config`'s keys over them, as vLLM's."""
+        config: Any = {}
+        if self.generation_config != "vllm":
+            folder = model_dir if self.generation_config == "auto" else self.generation_config
+            file = Path(folder).expanduser() / "generation_config.json"
+            try:
+                config = json.loads(file.read_text())
+            except FileNotFoundError:
+                pass
+            except (OSError, ValueError) as e:
+                raise ValueError(f"cannot read {file}: {e}") from e
+        if not isinstance(config, dict):
+            config = {}
+        config = {**config, **(self.override_generation_config or {})}
         defaults = {
             ours: config[key]
             for key, ours in GENERATION_CONFIG_DEFAULTS.items()
-            if isinstance(config, dict) and config.get(key) is not None
+            if config.get(key) is not None
         }
         if defaults:
             logger.info(
-                "default sampling parameters from %s, for requests that do not set them: %s "
-                "(generation_config='vllm' / --generation-config vllm turns this off)",
-                file, defaults,
+                "default sampling parameters (generation_config=%r, override_generation_config"
+                "=%r), for requests that do not set them: %s", self.generation_config,
+                self.override_generation_config, defaults,
             )
         return defaults
