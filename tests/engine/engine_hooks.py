@@ -98,3 +98,11 @@ def slow_shutdown(engine_core: EngineCore) -> None:
         shutdown()
 
     engine_core.shutdown = slow
+
+
+def slow_start(engine_core: EngineCore) -> None:
+    """The engine takes 30 s more to start (a large model's load); it writes the file named
+    by V1_TEST_START_FILE as they begin."""
+    with open(os.environ["V1_TEST_START_FILE"], "w"):
+        pass
+    time.sleep(30)

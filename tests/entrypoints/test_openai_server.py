@@ -22,12 +22,13 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.engine.mp_utils import wait_until
+from tests.engine.mp_utils import PROMPTLY_S, wait_until
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 MODEL, ALIAS = "smol", "smol-alias"  # --served-model-name: responses report the first
 MAX_MODEL_LEN = 1024
+REPO = Path(__file__).resolve().parents[2]  # where `tests.engine.engine_hooks` imports from
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "Name three colors."}]
 
@@ -910,6 +911,32 @@ def test_shutdown_stops_engine_and_frees_port(server: Server) -> None:
     assert server.proc.wait(timeout=120) == 0, server.log.read_text()
     wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in children))
     assert _port_is_free(server.port)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_the_model_loads_stops_the_server_at_once(
+    sig: signal.Signals, default_model_path: Path, tmp_path: Path
+) -> None:
+    """docker stop (SIGTERM) or Ctrl-C while the engine starts (here, a hook makes it take
+    30 s more): the server and its engine end within seconds, not once it has started."""
+    started = tmp_path / "started"
+    env = {**os.environ, "V1_ENGINE_CORE_HOOK": "tests.engine.engine_hooks:slow_start",
+           "V1_TEST_START_FILE": str(started)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "v1", "serve", "--model", str(default_model_path),
+         "--port", str(free_port()), "--max-model-len", "256", "--num-gpu-blocks", "64"],
+        env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        wait_until(started.exists)
+        children = _descendants(proc.pid)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=PROMPTLY_S)
+        assert proc.returncode != 0 and "KeyboardInterrupt" in err, err
+        wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in children))
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 @pytest.fixture(scope="module")

@@ -141,6 +141,9 @@ class EngineCoreProc:
                 module, _, function = hook.partition(":")
                 getattr(importlib.import_module(module), function)(engine_core)
             proc = EngineCoreProc(engine_core, address)
+        except SystemExit:  # terminated while it started: its client stopped it, or died
+            logger.info("the engine core was stopped while it started")
+            raise
         except BaseException as e:
             logger.error("the engine core failed to start: %s: %s", type(e).__name__, e)
             report.send(("error", type(e).__name__, str(e)))

@@ -170,6 +170,27 @@ def _fork_from_fresh_thread(proc: BaseProcess) -> None:
         raise errors[0]
 
 
+@contextlib.contextmanager
+def interrupted_by_signals() -> Iterator[None]:
+    """SIGTERM and SIGINT raise KeyboardInterrupt meanwhile (in the main thread; elsewhere
+    nothing changes), then the handlers before are back: an engine's start, which stops its
+    process when interrupted, ends at once. A server's own handlers only flag an exit, which
+    it heeds once started: after the model's load, minutes for a large one."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    before = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
 def stop_process(proc: BaseProcess) -> None:
     """Terminate an engine process (it notifies its clients and exits), kill it if it
     lingers, and reap it. Interrupted while it waits (a second Ctrl-C), it kills it first:

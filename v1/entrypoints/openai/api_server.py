@@ -37,6 +37,7 @@ from v1.config import EngineArgs
 from v1.engine.async_llm import AsyncLLM
 from v1.engine.dp_headless import run_headless
 from v1.engine.exceptions import EngineDeadError
+from v1.engine.launch import interrupted_by_signals
 from v1.entrypoints.openai import serving_chat_batch
 from v1.entrypoints.openai.http_protocol import JsonErrorH11Protocol
 from v1.entrypoints.openai.protocol import (
@@ -603,7 +604,8 @@ def build_app(
     env = envs.read()
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine = AsyncLLM.from_engine_args(engine_args)
+        with interrupted_by_signals():  # docker stop, Ctrl-C: not after the load
+            engine = AsyncLLM.from_engine_args(engine_args)
         try:  # generation_config.json's sampling defaults (vLLM's --generation-config auto)
             defaults = engine_args.get_diff_sampling_param(engine.model_dir)
         except BaseException:
