@@ -25,7 +25,8 @@ from v1.sampling_params import SamplingParams
         ({"frequency_penalty": -2.1}, "frequency_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"logit_bias": {"5": 1.0}}, "logit_bias"),
-        ({"logit_bias": {5: 101.0}}, "logit_bias"),
+        ({"logit_bias": {5: float("inf")}}, "logit_bias"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias"),
         ({"allowed_token_ids": []}, "allowed_token_ids"),
         ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
         ({"bad_words": [" "]}, "bad_words"),
@@ -61,6 +62,10 @@ def test_lone_surrogates_are_refused(kwargs):
     field = next(iter(kwargs))
     with pytest.raises(ValueError, match=rf"^{field}\[\d\] is not valid Unicode text"):
         SamplingParams(**kwargs)
+
+
+def test_logit_bias_is_unbounded_below_inf_as_vllms():
+    SamplingParams(logit_bias={5: -1e9, 6: float("-inf"), 7: 250.0})
 
 
 def test_int64_bounds_are_accepted():

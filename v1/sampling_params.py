@@ -230,9 +230,11 @@ class SamplingParams:
         if self.logit_bias is not None and not (
             isinstance(self.logit_bias, dict)
             and _are_token_ids(self.logit_bias)
-            and all(is_num(b) and -100.0 <= b <= 100.0 for b in self.logit_bias.values())
+            # Unbounded, as vLLM's (-inf bans a token); the server clamps to OpenAI's +-100.
+            and all(is_num(b) and -_INF <= b < _INF for b in self.logit_bias.values())
         ):
-            raise bad("logit_bias", self.logit_bias, "a dict of token id -> bias in [-100, 100]")
+            raise bad("logit_bias", self.logit_bias,
+                      "a dict of token id -> bias (a number, not NaN or +inf)")
         if self.allowed_token_ids is not None and not (
             isinstance(self.allowed_token_ids, list)
             and self.allowed_token_ids

@@ -137,7 +137,10 @@ def test_logit_bias_matches_reference() -> None:
         )
         for _ in range(3)
     ] + [SamplingParams(temperature=0.0)]
+    # Unbounded below, as vLLM's: -inf bans the row's most likely token.
     logits = random_logits(4)
+    top = int(logits[3].argmax())
+    params[3] = SamplingParams(temperature=0.0, logit_bias={top: float("-inf")})
     expected = logits.clone()
     for row, p in enumerate(params):
         for token, bias in (p.logit_bias or {}).items():
@@ -145,6 +148,7 @@ def test_logit_bias_matches_reference() -> None:
     out = Sampler()(logits, SamplingMetadata.from_params(params))
     torch.testing.assert_close(logits, expected)  # in place
     assert torch.equal(out.sampled_token_ids, expected.argmax(dim=-1))
+    assert out.sampled_token_ids[3] != top
 
 
 def test_allowed_token_ids_restrict_sampling() -> None:
