@@ -19,6 +19,7 @@ from v1.sampling_params import SamplingParams
         ({"min_tokens": -1}, "min_tokens"),
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
         ({"stop": [""]}, "stop"),
+        ({"stop": ["x"], "detokenize": False}, "stop"),
         ({"stop_token_ids": [-3]}, "stop_token_ids"),
         ({"logprobs": -1}, "logprobs"),
         ({"presence_penalty": 2.5}, "presence_penalty"),

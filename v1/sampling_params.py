@@ -132,6 +132,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's: False leaves the outputs' text empty (token ids only; no stop strings then).
+    detokenize: bool = True
+    # vLLM's; as there with a fast tokenizer (always here), it changes nothing.
+    spaces_between_special_tokens: bool = True
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -213,6 +217,8 @@ class SamplingParams:
             raise bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", self.stop, "a non-empty string or a list of non-empty strings")
+        if self.stop and not self.detokenize:
+            raise bad("stop", self.stop, "empty with detokenize=False (stop strings are text)")
         for i, s in enumerate(self.stop):
             check_text(s, f"stop[{i}]")
         if not _are_token_ids(self.stop_token_ids):

@@ -287,6 +287,18 @@ def test_bad_inputs_raise_and_engine_keeps_working(llm, hf_greedy, prompt, param
     assert_matches_hf(llm, [out], hf_greedy)
 
 
+def test_detokenize_false_gives_token_ids_only(llm):
+    # vLLM's: the same tokens, no text; logprobs without their tokens' text.
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1)
+    (with_text,) = llm.generate(["The capital of France is"], params, use_tqdm=False)
+    params.detokenize = False
+    (ids_only,) = llm.generate(["The capital of France is"], params, use_tqdm=False)
+    a, b = with_text.outputs[0], ids_only.outputs[0]
+    assert a.text and b.text == "" and b.token_ids == a.token_ids
+    assert all(lp.decoded_token is None for step in b.logprobs for lp in step.values())
+    assert not SamplingParams(spaces_between_special_tokens=False).spaces_between_special_tokens
+
+
 def test_sampling_params_that_are_not_sampling_params_are_named(llm):
     # A dict (vLLM takes none either) was read as a list of its keys, then failed far away.
     for bad in ({"temperature": 0}, [GREEDY, "x"]):

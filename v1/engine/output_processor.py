@@ -173,9 +173,9 @@ class RequestState:
         self.parent = parent
         self.index = index  # in the parent's outputs
         self.pooling = request.pooling_params is not None  # no tokens: one pooled vector
-        if self.pooling:
-            tokenizer = None
         params = request.sampling_params
+        if self.pooling or not params.detokenize:  # no text (and no token texts), as vLLM
+            tokenizer, token_texts = None, None
         self.token_texts = token_texts
         self.detokenizer = (
             None
