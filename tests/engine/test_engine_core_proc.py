@@ -355,3 +355,8 @@ def test_sigterm_waits_for_the_last_frame_of_a_message_being_sent() -> None:
         _Termination.on_signal(signal.SIGTERM, None)
     with _Termination.deferred():  # a send with no signal: nothing raised
         pass
+    with pytest.raises(OSError):  # a send that fails: its error, and no exit kept for later
+        with _Termination.deferred():
+            _Termination.on_signal(signal.SIGTERM, None)
+            raise OSError("send failed")
+    assert not _Termination.pending

@@ -324,10 +324,10 @@ class _Termination:
         cls.sending = True
         try:
             yield
-        finally:
+        finally:  # a send that raised ends the loop anyway: the exit is not kept for later
             cls.sending = False
-        if cls.pending:
-            cls.pending = False
+            pending, cls.pending = cls.pending, False
+        if pending:
             raise SystemExit(0)
 
 
