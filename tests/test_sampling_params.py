@@ -28,6 +28,7 @@ from v1.sampling_params import SamplingParams
         ({"logit_bias": {"5": 1.0}}, "logit_bias"),
         ({"logit_bias": {5: float("inf")}}, "logit_bias"),
         ({"logit_bias": {5: float("nan")}}, "logit_bias"),
+        ({"logit_bias": {5: 1e39}}, "logit_bias"),  # +inf in fp32
         ({"allowed_token_ids": []}, "allowed_token_ids"),
         ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
         ({"bad_words": [" "]}, "bad_words"),

@@ -10,6 +10,7 @@ from v1.config.limits import INT64_MAX, INT64_MIN, InputLimits, check_json_spec,
 
 _GREEDY_EPS = 1e-5
 _INF = float("inf")
+_FLOAT32_MAX = 3.4028234663852886e38  # a larger bias is +inf in the fp32 logits: NaN sampling
 
 
 class RequestOutputKind(enum.Enum):
@@ -236,11 +237,12 @@ class SamplingParams:
         if self.logit_bias is not None and not (
             isinstance(self.logit_bias, dict)
             and _are_token_ids(self.logit_bias)
-            # Unbounded, as vLLM's (-inf bans a token); the server clamps to OpenAI's +-100.
-            and all(is_num(b) and -_INF <= b < _INF for b in self.logit_bias.values())
+            # Unbounded below, as vLLM's (-inf bans a token); the server clamps to OpenAI's
+            # +-100.
+            and all(is_num(b) and -_INF <= b <= _FLOAT32_MAX for b in self.logit_bias.values())
         ):
             raise bad("logit_bias", self.logit_bias,
-                      "a dict of token id -> bias (a number, not NaN or +inf)")
+                      f"a dict of token id -> bias (a number <= {_FLOAT32_MAX:.7g}, not NaN)")
         if self.allowed_token_ids is not None and not (
             isinstance(self.allowed_token_ids, list)
             and self.allowed_token_ids

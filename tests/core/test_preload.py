@@ -159,6 +159,13 @@ def test_preload_prompt_forms(tmp_path):
         preload_token_ids([3.5], FakeTokenizer(), 100)
     with pytest.raises(ValueError, match="without a tokenizer"):
         preload_token_ids(["ab"], None, 100)
+    # Messages as LLM.chat takes them (text parts: joined by newlines), or a clear error.
+    parts = [{"role": "system", "content": [{"type": "text", "text": "c"},
+                                            {"type": "text", "text": "d"}]}]
+    assert preload_token_ids([parts], FakeTokenizer(), 100) == [[ord(c) for c in "<system>c\nd"]]
+    with pytest.raises(ValueError, match=r"preload_prompts\[0\]: .*text only"):
+        preload_token_ids([[{"role": "system", "content": [{"type": "image_url"}]}]],
+                          FakeTokenizer(), 100)
     # Token ids are checked against the vocabulary, as the processor checks them.
     for bad in ([5, 100], [-1], [True, False]):
         with pytest.raises(ValueError, match=r"preload_prompts\[0\]: token id .* out of voc"):

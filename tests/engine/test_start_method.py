@@ -220,6 +220,27 @@ def test_a_second_ctrl_c_while_the_engine_shuts_down_ends_the_script_at_once(
         proc.wait()
 
 
+@pytest.mark.model
+def test_an_engine_whose_script_is_killed_while_it_starts_leaves_nothing(
+    default_model_path, tmp_path
+):
+    # The engine is stopped while it starts (a hook makes that take 30 s more): its sockets'
+    # directory goes with it (the script, killed, cannot remove it).
+    started = tmp_path / "started"
+    proc, mark = start_script(["-c", INTERRUPTED_SCRIPT], "fork", {
+        "V1_ENGINE_CORE_HOOK": "tests.engine.engine_hooks:slow_start",
+        "V1_TEST_START_FILE": str(started), "TMPDIR": str(tmp_path)})
+    try:
+        wait_until(started.exists)
+        proc.kill()
+        proc.wait()
+        wait_until(lambda: not marked_processes(mark), PROMPTLY_S)
+        assert not list(tmp_path.glob("v1-*"))
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_unknown_method_is_a_value_error(monkeypatch):
     monkeypatch.setenv(METHOD_ENV, "forkserver")
     with pytest.raises(ValueError, match=f"{METHOD_ENV}='forkserver'.*'fork' or 'spawn'"):

@@ -242,6 +242,9 @@ def test_generation_config_defaults_for_llm(
     assert llm.get_default_sampling_params() == SamplingParams(top_k=3)
     with pytest.raises(ValueError, match="override_generation_config must be a dict of"):
         LLM(str(models.main_dir), override_generation_config={"max_tokens": 4}, **opts)
+    # A bad value fails the start, not every request that leaves the field out.
+    with pytest.raises(ValueError, match=r"are not valid: temperature must be"):
+        LLM(str(models.main_dir), override_generation_config={"temperature": "hot"}, **opts)
 
 
 @pytest.mark.slow

@@ -118,6 +118,10 @@ def test_messages_as_openai_sends_them(llm: LLM) -> None:
     for bad, match in (({"role": "user", "content": [{"type": "image_url"}]}, "text only"),
                        ({**call, "tool_calls": [{"function": {"name": "f", "arguments": "["}}]},
                         "tool call arguments must be a JSON object"),
-                       ({"content": "no role"}, "needs a 'role'")):
+                       ({"content": "no role"}, "needs a 'role'"),
+                       ({**call, "tool_calls": 5}, "tool_calls must be a list"),
+                       ({**call, "tool_calls": [{"function": {"name": "f",
+                                                              "arguments": "[" * 100_000}}]},
+                        "tool call arguments must be a JSON object")):
         with pytest.raises(ValueError, match=match):
             llm.chat([bad], ONE_TOKEN, use_tqdm=False)

@@ -86,7 +86,8 @@ def test_instructions_and_message_items_make_the_conversation(client: openai.Ope
          "content": [{"type": "output_text", "text": "Hi!", "annotations": []}]},
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": question}]},
     ]
-    messages = [{"role": "developer", "content": "Be brief. Be kind."},
+    # Parts' texts joined by newlines, as chat's (and vLLM's).
+    messages = [{"role": "developer", "content": "Be brief. \nBe kind."},
                 {"role": "user", "content": "Hello"},
                 {"role": "assistant", "content": "Hi!"},
                 {"role": "user", "content": question}]
@@ -195,7 +196,7 @@ def test_request_to_conversation_and_sampling_params() -> None:
         "instructions": "be brief", "max_output_tokens": 5, "top_k": 3,
     })
     assert request.messages() == [{"role": "system", "content": "be brief"},
-                                  {"role": "user", "content": "ab"},
+                                  {"role": "user", "content": "a\nb"},  # as chat's
                                   {"role": "assistant", "content": "c"}]
     assert request.messages(1) == [{"role": "system", "content": "be brief"},
                                    {"role": "assistant", "content": "c"}]

@@ -299,6 +299,7 @@ def test_the_ignored_options_table_is_the_fields() -> None:
     for name, option in IGNORED_OPTIONS.items():
         assert option.why in fields[name].metadata["help"]
         EngineArgs(**{name: fields[name].default})  # the default is accepted silently
+    EngineArgs(revision="main", tokenizer_revision="main")  # the model's own: accepted
 
 
 @pytest.mark.model

@@ -89,7 +89,7 @@ IGNORED_OPTIONS: dict[str, IgnoredOption] = {
     ),
     "tokenizer_revision": IgnoredOption(
         "the tokenizer is always the model's own, at the model's revision", only=(None,),
-        refused="a tokenizer revision other than the model's is not supported",
+        same_as="revision", refused="a tokenizer revision other than the model's is not supported",
     ),
     "logprobs_mode": IgnoredOption(
         "logprobs are the model's raw ones, before any sampling parameter changes them "

@@ -181,6 +181,16 @@ class ModelConfig:
             for key, ours in GENERATION_CONFIG_DEFAULTS.items()
             if config.get(key) is not None
         }
+        from v1.sampling_params import SamplingParams  # (it imports this package)
+
+        try:  # now, not as each request's 400, which would blame its client
+            SamplingParams(**defaults)
+        except ValueError as e:
+            raise ValueError(
+                f"the default sampling parameters from generation_config={self.generation_config!r}"
+                f" and override_generation_config={self.override_generation_config!r} are not "
+                f"valid: {e}"
+            ) from e
         if defaults:
             logger.info(
                 "default sampling parameters (generation_config=%r, override_generation_config"

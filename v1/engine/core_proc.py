@@ -143,6 +143,8 @@ class EngineCoreProc:
             proc = EngineCoreProc(engine_core, address)
         except SystemExit:  # terminated while it started: its client stopped it, or died
             logger.info("the engine core was stopped while it started")
+            remove_socket_files(address)  # a dead client cannot
+            remove_socket_dir(address)
             raise
         except BaseException as e:
             logger.error("the engine core failed to start: %s: %s", type(e).__name__, e)

@@ -188,7 +188,8 @@ def interrupted_by_signals() -> Iterator[None]:
         yield
     finally:
         for s, handler in before.items():
-            signal.signal(s, handler)
+            if handler is not None:  # (None: one set from C, which Python cannot set back)
+                signal.signal(s, handler)
 
 
 def stop_process(proc: BaseProcess) -> None:

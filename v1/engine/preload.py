@@ -8,7 +8,7 @@ file is read with the engine arguments; prompts are pinned one at a time, full b
 
 from typing import Any
 
-from v1.engine.processor import check_token_ids
+from v1.engine.processor import check_token_ids, template_message
 
 
 def preload_token_ids(
@@ -29,9 +29,13 @@ def preload_token_ids(
         if isinstance(prompt, str):
             token_ids.append(tokenizer.encode(prompt, add_special_tokens=True))
         elif isinstance(prompt, list):
-            text = tokenizer.apply_chat_template(
-                prompt, tokenize=False, add_generation_prompt=False
-            )
+            try:  # the messages as LLM.chat and the server render them
+                text = tokenizer.apply_chat_template(
+                    [template_message(m) for m in prompt], tokenize=False,
+                    add_generation_prompt=False,
+                )
+            except Exception as e:  # the template's errors, or the messages' (ValueError)
+                raise ValueError(f"preload_prompts[{i}]: {type(e).__name__}: {e}") from e
             token_ids.append(tokenizer.encode(text, add_special_tokens=False))
         else:
             raise ValueError(

@@ -426,8 +426,11 @@ def template_message(message: Any) -> dict[str, Any]:
     elif content is not None and not isinstance(content, str):
         raise ValueError(f"content must be a string or a list of text parts, got {content!r:.200}")
     result["content"] = content or ""
-    if message.get("tool_calls") is not None:
-        result["tool_calls"] = [_with_object_arguments(call) for call in message["tool_calls"]]
+    calls = message.get("tool_calls")
+    if calls is not None:
+        if not isinstance(calls, list):
+            raise ValueError(f"tool_calls must be a list, got {calls!r:.200}")
+        result["tool_calls"] = [_with_object_arguments(call) for call in calls]
     return result
 
 
@@ -439,7 +442,7 @@ def _with_object_arguments(call: Any) -> dict[str, Any]:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, RecursionError) as e:  # (nested past the parser's depth)
             raise ValueError(
                 f"tool call arguments must be a JSON object, got {arguments!r:.200}: {e}"
             ) from e

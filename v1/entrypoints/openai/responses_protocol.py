@@ -65,7 +65,8 @@ class ResponseInputMessage(OpenAIBaseModel):
         return value
 
     def to_template_dict(self) -> dict[str, Any]:
-        return {"role": self.role, "content": "".join(part.text for part in self.content)}
+        # Parts' texts joined by newlines, as chat's (and vLLM's, for both).
+        return {"role": self.role, "content": "\n".join(part.text for part in self.content)}
 
 
 class TextFormatText(OpenAIBaseModel):
