@@ -88,11 +88,11 @@ def ignore_sigterm(engine_core: EngineCore) -> None:
 
 def slow_shutdown(engine_core: EngineCore) -> None:
     """The engine's shutdown takes 30 s (a disk tier's long flush, say); it writes the file
-    named by V1_TEST_SHUTDOWN_FILE as it begins."""
+    named by V1_TEST_HOOK_FILE as it begins."""
     shutdown = engine_core.shutdown
 
     def slow() -> None:
-        with open(os.environ["V1_TEST_SHUTDOWN_FILE"], "w"):
+        with open(os.environ["V1_TEST_HOOK_FILE"], "w"):
             pass
         time.sleep(30)
         shutdown()
@@ -102,7 +102,7 @@ def slow_shutdown(engine_core: EngineCore) -> None:
 
 def slow_start(engine_core: EngineCore) -> None:
     """The engine takes 30 s more to start (a large model's load); it writes the file named
-    by V1_TEST_START_FILE as they begin."""
-    with open(os.environ["V1_TEST_START_FILE"], "w"):
+    by V1_TEST_HOOK_FILE as they begin."""
+    with open(os.environ["V1_TEST_HOOK_FILE"], "w"):
         pass
     time.sleep(30)

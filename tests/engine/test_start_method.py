@@ -196,6 +196,23 @@ time.sleep(600)
 """
 
 
+def start_hooked_script(hook: str, tmp_path: Path) -> tuple[subprocess.Popen, str, Path]:
+    """INTERRUPTED_SCRIPT, its engine run with `hook` (of tests.engine.engine_hooks; one
+    that writes V1_TEST_HOOK_FILE as its slow part begins) and its temporary files in
+    `tmp_path`; returns the process, its mark and the hook's file."""
+    began = tmp_path / "hook-began"
+    proc, mark = start_script(["-c", INTERRUPTED_SCRIPT], "fork", {
+        "V1_ENGINE_CORE_HOOK": f"tests.engine.engine_hooks:{hook}",
+        "V1_TEST_HOOK_FILE": str(began), "TMPDIR": str(tmp_path)})
+    return proc, mark, began
+
+
+def assert_nothing_left(mark: str, tmp_path: Path) -> None:
+    """No process of the script's is left (promptly), nor any engine's sockets' directory."""
+    wait_until(lambda: not marked_processes(mark), PROMPTLY_S)
+    assert not list(tmp_path.glob("v1-*"))
+
+
 @pytest.mark.model
 def test_a_second_ctrl_c_while_the_engine_shuts_down_ends_the_script_at_once(
     default_model_path, tmp_path
@@ -203,18 +220,14 @@ def test_a_second_ctrl_c_while_the_engine_shuts_down_ends_the_script_at_once(
     # The first Ctrl-C ends the script, which stops its engine (whose shutdown here takes
     # 30 s); the second one, meanwhile, kills it: the script ended after those 30 s before,
     # its engine's directory left behind.
-    started = tmp_path / "shutdown-started"
-    proc, mark = start_script(["-c", INTERRUPTED_SCRIPT], "fork", {
-        "V1_ENGINE_CORE_HOOK": "tests.engine.engine_hooks:slow_shutdown",
-        "V1_TEST_SHUTDOWN_FILE": str(started), "TMPDIR": str(tmp_path)})
+    proc, mark, began = start_hooked_script("slow_shutdown", tmp_path)
     try:
         assert proc.stdout.readline() == "ready\n", proc.stderr.read()
         proc.send_signal(signal.SIGINT)
-        wait_until(started.exists)
+        wait_until(began.exists)
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=PROMPTLY_S)
-        wait_until(lambda: not marked_processes(mark), PROMPTLY_S)
-        assert not list(tmp_path.glob("v1-*"))
+        assert_nothing_left(mark, tmp_path)
     finally:
         proc.kill()
         proc.wait()
@@ -226,16 +239,12 @@ def test_an_engine_whose_script_is_killed_while_it_starts_leaves_nothing(
 ):
     # The engine is stopped while it starts (a hook makes that take 30 s more): its sockets'
     # directory goes with it (the script, killed, cannot remove it).
-    started = tmp_path / "started"
-    proc, mark = start_script(["-c", INTERRUPTED_SCRIPT], "fork", {
-        "V1_ENGINE_CORE_HOOK": "tests.engine.engine_hooks:slow_start",
-        "V1_TEST_START_FILE": str(started), "TMPDIR": str(tmp_path)})
+    proc, mark, began = start_hooked_script("slow_start", tmp_path)
     try:
-        wait_until(started.exists)
+        wait_until(began.exists)
         proc.kill()
         proc.wait()
-        wait_until(lambda: not marked_processes(mark), PROMPTLY_S)
-        assert not list(tmp_path.glob("v1-*"))
+        assert_nothing_left(mark, tmp_path)
     finally:
         proc.kill()
         proc.wait()

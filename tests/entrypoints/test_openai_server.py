@@ -921,7 +921,7 @@ def test_a_signal_while_the_model_loads_stops_the_server_at_once(
     30 s more): the server and its engine end within seconds, not once it has started."""
     started = tmp_path / "started"
     env = {**os.environ, "V1_ENGINE_CORE_HOOK": "tests.engine.engine_hooks:slow_start",
-           "V1_TEST_START_FILE": str(started)}
+           "V1_TEST_HOOK_FILE": str(started)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "v1", "serve", "--model", str(default_model_path),
          "--port", str(free_port()), "--max-model-len", "256", "--num-gpu-blocks", "64"],
