@@ -36,7 +36,9 @@ class StructuredOutputsParams:
     text), any JSON object (`json_object`), a regular expression, one of the `choice`
     strings, an EBNF `grammar` (xgrammar's dialect), or a `structural_tag` (xgrammar's JSON
     format: free text in which, once a trigger appears, a tagged part must follow its
-    schema; e.g. tool calls)."""
+    schema; e.g. tool calls). `disable_any_whitespace` (vLLM's): a JSON schema's output
+    without whitespace between its tokens; the default here (vLLM's is False: any
+    whitespace, in which a small model can loop)."""
 
     json: str | dict[str, Any] | None = None
     regex: str | None = None
@@ -44,6 +46,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: str | None = None
+    disable_any_whitespace: bool = True
 
     def __post_init__(self) -> None:
         given = [
@@ -61,6 +64,10 @@ class StructuredOutputsParams:
             and all(isinstance(c, str) and c for c in self.choice)
         ):
             raise ValueError(f"choice must be a list of non-empty strings, got {self.choice!r}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(
+                f"disable_any_whitespace must be a bool, got {self.disable_any_whitespace!r}"
+            )
 
     def check_limits(self, limits: InputLimits) -> None:
         """The size (and, for JSON, the depth) limits of whichever spec this holds."""

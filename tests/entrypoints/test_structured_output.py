@@ -183,6 +183,24 @@ def test_min_tokens_with_a_grammar_is_refused(make_llm):  # noqa: F811
         make_llm().generate("Hi", params, use_tqdm=False)
 
 
+def test_disable_any_whitespace(make_llm):  # noqa: F811
+    # A newline pushed by logit_bias: refused between a schema's tokens by default (compact
+    # JSON), let through with vLLM's default, disable_any_whitespace=False.
+    llm = make_llm()
+    newline = llm.get_tokenizer().encode("\n", add_special_tokens=False)
+    assert len(newline) == 1
+    texts = []
+    for disable in (True, False):
+        spec = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=disable)
+        params = SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=spec,
+                                logit_bias={newline[0]: 100.0})
+        (out,) = llm.generate(PROMPTS[:1], params, use_tqdm=False)
+        texts.append(out.outputs[0].text)
+    assert "\n" not in texts[0] and "\n" in texts[1]
+    with pytest.raises(ValueError, match="disable_any_whitespace must be a bool"):
+        StructuredOutputsParams(json=SCHEMA, disable_any_whitespace="yes")
+
+
 def test_exactly_one_spec():
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputsParams(regex="a", choice=["a"])

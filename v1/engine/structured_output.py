@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 
 # (kind, spec text): what a compiled grammar is cached by.
 GrammarKey = tuple[str, str]
+# The kind of a JSON schema compiled with any whitespace allowed between its tokens.
+_JSON_ANY_WHITESPACE = "json, any whitespace"
 def _choice_ebnf(choices: list[str]) -> str:
     # JSON string literals are valid EBNF string literals (same escapes), but not JSON's
     # surrogate-pair escapes: keep non-ASCII characters as they are.
@@ -39,7 +41,8 @@ def grammar_key(params: StructuredOutputsParams) -> GrammarKey:
     if params.json is not None:
         spec = params.json
         # Not sorted: the output lists the properties in the schema's order.
-        return "json", spec if isinstance(spec, str) else json.dumps(spec)
+        kind = "json" if params.disable_any_whitespace else _JSON_ANY_WHITESPACE
+        return kind, spec if isinstance(spec, str) else json.dumps(spec)
     if params.regex is not None:
         return "regex", params.regex
     if params.choice is not None:
@@ -60,8 +63,8 @@ def validate_structured_output_params(params: StructuredOutputsParams) -> None:
 
     kind, spec = grammar_key(params)
     try:
-        if kind == "json":
-            xgr.Grammar.from_json_schema(spec, any_whitespace=False)
+        if kind in ("json", _JSON_ANY_WHITESPACE):
+            xgr.Grammar.from_json_schema(spec, any_whitespace=kind == _JSON_ANY_WHITESPACE)
         elif kind == "regex":
             xgr.Grammar.from_regex(spec)
         elif kind == "grammar":
@@ -186,8 +189,10 @@ class StructuredOutputManager:
             )
             self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
         kind, spec = key
-        if kind == "json":
-            return self._compiler.compile_json_schema(spec, any_whitespace=False)
+        if kind in ("json", _JSON_ANY_WHITESPACE):
+            return self._compiler.compile_json_schema(
+                spec, any_whitespace=kind == _JSON_ANY_WHITESPACE
+            )
         if kind == "regex":
             return self._compiler.compile_regex(spec)
         if kind == "grammar":
