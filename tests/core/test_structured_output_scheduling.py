@@ -1,53 +1,17 @@
 """The scheduler's side of structured output, with a fake grammar manager (no torch)."""
 
-from concurrent.futures import Future
-
-from tests.core.utils import fake_model_output, make_request, make_scheduler, run_step
-from v1.request import Request, RequestStatus
+from tests.core.utils import (
+    FakeGrammar,
+    FakeManager,
+    fake_model_output,
+    make_request,
+    make_scheduler,
+    run_step,
+)
+from v1.request import RequestStatus
 from v1.sampling_params import StructuredOutputsParams
 
 CHOICE = StructuredOutputsParams(choice=["a", "b"])
-
-
-class FakeGrammar:
-    """Accepts token 7 only; terminates after `length` of them."""
-
-    def __init__(self, length: int = 100) -> None:
-        self.accepted: list[int] = []
-        self.length = length
-
-    def accept_tokens(self, token_ids: list[int]) -> bool:
-        if any(t != 7 for t in token_ids):
-            return False
-        self.accepted.extend(token_ids)
-        return True
-
-    def is_terminated(self) -> bool:
-        return len(self.accepted) >= self.length
-
-    def fill_bitmask(self, bitmask: list[int], row: int) -> None:
-        bitmask[row] = len(self.accepted)  # stands for "the mask after these tokens"
-
-
-class FakeManager:
-    """Compilations finish only when the test says so."""
-
-    def __init__(self) -> None:
-        self.futures: dict[str, Future[FakeGrammar]] = {}
-        self.aborted: list[str] = []
-
-    def grammar_init(self, request: Request) -> None:
-        request.grammar_future = self.futures[request.request_id] = Future()
-
-    def grammar_abort(self, request: Request) -> None:
-        self.aborted.append(request.request_id)
-
-    def grammar_bitmask(self, requests: list[Request]) -> list[int]:
-        bitmask = [0] * len(requests)
-        for row, request in enumerate(requests):
-            assert request.grammar is not None
-            request.grammar.fill_bitmask(bitmask, row)
-        return bitmask
 
 
 def make(**kwargs):

@@ -2,6 +2,8 @@
 
 import itertools
 import random
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from v1.config import CacheConfig, SchedulerConfig
@@ -253,3 +255,47 @@ class ShadowRunner:
             self.disk[block_hash] = content  # type: ignore[assignment]
             stored.append((block_hash, True))
         return stored
+
+
+class FakeGrammar:
+    """Refuses the tokens `refuses` says (by default, all but token 7); terminates after
+    `length` accepted ones."""
+
+    def __init__(self, length: int = 100, refuses: Callable[[int], bool] = lambda t: t != 7):
+        self.accepted: list[int] = []
+        self.length = length
+        self.refuses = refuses
+
+    def accept_tokens(self, token_ids: list[int]) -> bool:
+        if any(map(self.refuses, token_ids)):
+            return False
+        self.accepted.extend(token_ids)
+        return True
+
+    def is_terminated(self) -> bool:
+        return len(self.accepted) >= self.length
+
+    def fill_bitmask(self, bitmask: list[int], row: int) -> None:
+        bitmask[row] = len(self.accepted)  # stands for "the mask after these tokens"
+
+
+class FakeManager:
+    """A structured-output manager whose compilations finish only when the test (through
+    `futures`) says so."""
+
+    def __init__(self) -> None:
+        self.futures: dict[str, Future[FakeGrammar]] = {}
+        self.aborted: list[str] = []
+
+    def grammar_init(self, request: Request) -> None:
+        request.grammar_future = self.futures[request.request_id] = Future()
+
+    def grammar_abort(self, request: Request) -> None:
+        self.aborted.append(request.request_id)
+
+    def grammar_bitmask(self, requests: list[Request]) -> list[int]:
+        bitmask = [0] * len(requests)
+        for row, request in enumerate(requests):
+            assert request.grammar is not None
+            request.grammar.fill_bitmask(bitmask, row)
+        return bitmask
