@@ -11,7 +11,9 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import msgspec
 import pytest
 
 from tests.engine.mp_utils import (
@@ -29,6 +31,7 @@ from v1.config import EngineArgs
 from v1.engine.core_client import SyncMPClient
 from v1.engine.exceptions import EngineDeadError
 from v1.engine.llm_engine import LLMEngine
+from v1.engine.protocol import EngineCoreOutputType
 from v1.outputs import RequestOutput, SchedulerStats
 
 pytestmark = pytest.mark.model
@@ -343,7 +346,19 @@ def test_sigterm_waits_for_the_last_frame_of_a_message_being_sent() -> None:
     """A SystemExit between two frames of a message left half of it on the socket, which the
     death notice's frames then completed: the client read it garbled (a review reproduced it
     with a slowed send). While `_send` sends, SIGTERM's exit waits until it is done."""
-    from v1.engine.core_proc import _Termination
+    from v1.engine.core_proc import EngineCoreProc, _Termination
+
+    class Socket:  # SIGTERM arrives after the first frame
+        def send_multipart(self, frames):
+            sent.append(frames[0])
+            _Termination.on_signal(signal.SIGTERM, None)
+            sent.extend(frames[1:])
+
+    proc = SimpleNamespace(_output_socket=Socket(), _encoder=msgspec.msgpack.Encoder())
+    sent: list = []
+    with pytest.raises(SystemExit):
+        EngineCoreProc._send(proc, 0, EngineCoreOutputType.OUTPUTS, "payload")
+    assert len(sent) == 3  # the whole message, then the exit
 
     sent = []
     with pytest.raises(SystemExit):

@@ -163,27 +163,26 @@ def test_an_engine_ends_with_its_killed_script_when_a_sigterm_is_lost_or_ignored
 
 
 # Starts and shuts down an engine from a thread that blocks SIGTERM; prints how the engine
-# process ended (its exit code) and how long the shutdown took.
+# process ended (its exit code).
 BLOCKED_SIGTERM_SCRIPT = f"""
-import signal, time
+import signal
 from v1 import LLM
 signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGTERM}})
 llm = LLM(**{SMALL_ENGINE!r})
 proc = llm.llm_engine.client._res.proc
-start = time.monotonic()
 llm.shutdown()
-print(proc.exitcode, time.monotonic() - start)
+print(proc.exitcode)
 """
 
 
 @pytest.mark.model
 def test_an_engine_started_with_sigterm_blocked_still_shuts_down_on_it(default_model_path):
-    # fork and spawn keep the starting thread's signal mask: the engine unblocks SIGTERM (it
-    # was killed after 10 s instead, its clients told nothing).
+    # fork and spawn keep the starting thread's signal mask: the engine unblocks SIGTERM and
+    # exits by it (0); it was killed instead (-9, after stop_process's 10 s), its clients
+    # told nothing.
     proc, _ = start_script(["-c", BLOCKED_SIGTERM_SCRIPT], "fork")
     out, err = proc.communicate(timeout=120)
-    exitcode, seconds = out.split()
-    assert exitcode == "0" and float(seconds) < PROMPTLY_S, err
+    assert out.split() == ["0"], err
 
 
 # Starts an engine, reports, and waits to be interrupted.

@@ -39,8 +39,7 @@ from v1.engine.protocol import (
     UtilityResult,
     client_routing_id,
     output_address,
-    remove_socket_dir,
-    remove_socket_files,
+    remove_engine_sockets,
 )
 from v1.outputs import EngineCoreOutput, EngineCoreOutputs
 from v1.request import EngineCoreRequest
@@ -143,8 +142,7 @@ class EngineCoreProc:
             proc = EngineCoreProc(engine_core, address)
         except SystemExit:  # terminated while it started: its client stopped it, or died
             logger.info("the engine core was stopped while it started")
-            remove_socket_files(address)  # a dead client cannot
-            remove_socket_dir(address)
+            remove_engine_sockets(address)  # a dead client cannot
             raise
         except BaseException as e:
             logger.error("the engine core failed to start: %s: %s", type(e).__name__, e)
@@ -178,8 +176,7 @@ class EngineCoreProc:
         self.engine_core.shutdown()
         self._output_socket.close(linger=1000)  # give the death notices a moment to leave
         self._ctx.destroy(linger=0)
-        remove_socket_files(self.address)
-        remove_socket_dir(self.address)
+        remove_engine_sockets(self.address)
 
     # -- the busy loop -----------------------------------------------------------------
 
@@ -359,8 +356,7 @@ def _watch_parent(parent_pid: int, address: str) -> None:
             time.sleep(0.5)
         logger.error("the engine had not shut down %.0f s after its parent died: exiting now",
                      PARENT_GONE_GRACE_S)
-        remove_socket_files(address)
-        remove_socket_dir(address)
+        remove_engine_sockets(address)
         os._exit(1)
 
     threading.Thread(target=watch, name="v1-parent-watch", daemon=True).start()

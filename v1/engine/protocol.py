@@ -99,20 +99,6 @@ ENGINE_SOCKET_DIR_PREFIX = "v1-engine-"
 DP_SOCKET_DIR_PREFIX = "v1-dp-"
 
 
-def remove_socket_dir(address: str) -> None:
-    """Remove the directory of an ipc:// engine address if a client made it for engine
-    sockets and it is empty (after `remove_socket_files`): the last engine to leave removes
-    it, which its client cannot do when it was killed."""
-    if not address.startswith("ipc://"):
-        return
-    directory = os.path.dirname(address[len("ipc://"):])
-    if os.path.basename(directory).startswith((ENGINE_SOCKET_DIR_PREFIX, DP_SOCKET_DIR_PREFIX)):
-        try:
-            os.rmdir(directory)
-        except OSError:  # another engine's sockets are still there (or it is gone already)
-            pass
-
-
 def remove_socket_files(address: str) -> None:
     """Remove an ipc:// engine address's two socket files, which ZMQ leaves behind (an
     engine that was killed could not remove them itself)."""
@@ -122,6 +108,21 @@ def remove_socket_files(address: str) -> None:
         try:
             os.unlink(addr[len("ipc://"):])
         except OSError:  # already gone (or not ours): nothing to tidy
+            pass
+
+
+def remove_engine_sockets(address: str) -> None:
+    """What an engine leaves of its ipc:// address: its socket files, then their directory if
+    a client made it for engine sockets and it is empty (the last engine to leave removes it,
+    which its client cannot do when it was killed)."""
+    remove_socket_files(address)
+    directory = os.path.dirname(address.removeprefix("ipc://"))
+    if address.startswith("ipc://") and os.path.basename(directory).startswith(
+        (ENGINE_SOCKET_DIR_PREFIX, DP_SOCKET_DIR_PREFIX)
+    ):
+        try:
+            os.rmdir(directory)
+        except OSError:  # another engine's sockets are still there (or it is gone already)
             pass
 
 
