@@ -12,7 +12,6 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
 from tests.entrypoints.test_openai_server import MODEL
-from v1.engine.processor import template_message
 from v1.entrypoints.openai.protocol import ChatCompletionRequest
 from v1.entrypoints.openai.tool_calls import (
     TOOL_CALL_PARSERS,
@@ -182,8 +181,7 @@ def test_tool_messages_reach_the_template(hf_tokenizer) -> None:
         {"role": "tool", "tool_call_id": "c1", "content": "18 degrees"},
     ], tools=TOOLS)
     text = hf_tokenizer.apply_chat_template(
-        [template_message(m.to_template_dict()) for m in request.messages],
-        chat_template=template,
+        [m.to_template_dict() for m in request.messages], chat_template=template,
         tools=request.template_tools(), tokenize=False,
     )
     assert text == (
@@ -200,8 +198,7 @@ def test_lenient_tool_fields_as_vllm() -> None:
             {"id": "c1", "type": "function", "function": {"name": "now", "arguments": ""}}]}],
         tools=[{"function": {"name": "now"}}], tool_choice={"function": {"name": "now"}},
     )
-    message = template_message(request.messages[-1].to_template_dict())
-    assert message["tool_calls"][0]["function"] == {
+    assert request.messages[-1].to_template_dict()["tool_calls"][0]["function"] == {
         "name": "now", "arguments": {}
     }
     assert request.template_tools() == [{"type": "function", "function": {"name": "now"}}]

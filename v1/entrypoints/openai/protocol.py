@@ -35,6 +35,7 @@ from v1.config.limits import (
     check_json_spec,
     check_token_id_lists,
 )
+from v1.engine.processor import template_message
 from v1.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("v1.entrypoints.openai")
@@ -403,19 +404,11 @@ class ChatMessage(OpenAIBaseModel):
         return self
 
     def to_template_dict(self) -> dict[str, Any]:
-        """The message as `Processor.apply_chat_template` takes it (it parses the tool calls'
-        arguments); content parts' texts joined by newlines, as vLLM."""
-        content = self.content
-        if isinstance(content, list):
-            content = "\n".join(part.text for part in content)
-        message: dict[str, Any] = {"role": self.role, "content": content}
-        if self.name is not None:
-            message["name"] = self.name
-        if self.tool_calls is not None:
-            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
-        if self.tool_call_id is not None:
-            message["tool_call_id"] = self.tool_call_id
-        return message
+        """The message as chat templates read it (`template_message`: text parts joined by
+        newlines, tool calls' arguments as objects), its unknown fields left out."""
+        return template_message(self.model_dump(
+            include={"role", "content", "name", "tool_calls", "tool_call_id"}, exclude_none=True
+        ))
 
 
 class FunctionDefinition(OpenAIBaseModel):
